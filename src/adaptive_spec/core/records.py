@@ -1,0 +1,44 @@
+"""Values that describe one proxied request; a leaf module with no internal imports."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """What llama-server reported for one response. `draft_n`/`draft_n_accepted` are 0 when absent (no drafts)."""
+
+    prompt_n: int = 0
+    cache_n: int = 0
+    predicted_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_ms: float = 0.0
+    predicted_per_second: float = 0.0
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request as the proxy saw it, from arrival to the last byte sent to the client."""
+
+    request_id: str
+    started_at_unix: float
+    method: str
+    path: str
+    api: str
+    project: str
+    profile: str
+    stream: bool
+    status: int
+    outcome: str  # "finished" or "failed"
+    error: str | None
+    timings: Timings | None
+    ttft_ms: float | None
+    ttst_ms: float | None
+    total_ms: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+import orjson
+
+from adaptive_spec.core.records import Timings
+from adaptive_spec.core.sse import SSEEvent
+from adaptive_spec.core.timings import ResponseMeter, find_timings, generated_pieces
+
+TIMINGS = {
+    "cache_n": 12, "prompt_n": 30, "prompt_ms": 80.5, "prompt_per_second": 372.6, "predicted_n": 40,
+    "predicted_ms": 500.0, "predicted_per_second": 80.0, "draft_n": 33, "draft_n_accepted": 29,
+}  # fmt: skip
+
+
+def test_timings_with_drafts() -> None:
+    assert find_timings({"timings": TIMINGS}) == Timings(
+        prompt_n=30, cache_n=12, predicted_n=40, prompt_ms=80.5, predicted_ms=500.0, predicted_per_second=80.0,
+        draft_n=33, draft_n_accepted=29,
+    )
+
+
+def test_absent_draft_fields_mean_zero() -> None:
+    plain = {k: v for k, v in TIMINGS.items() if not k.startswith("draft")}
+    found = find_timings({"timings": plain})
+    assert found is not None
+    assert (found.draft_n, found.draft_n_accepted) == (0, 0)
+
+
+def test_nested_timings_for_responses_and_messages() -> None:
+    assert find_timings({"type": "response.completed", "response": {"timings": TIMINGS}}) is not None
+    assert find_timings({"type": "message_start", "message": {"timings": TIMINGS}}) is not None
+    assert find_timings({"choices": []}) is None
+
+
+def test_generated_pieces_per_api() -> None:
+    assert generated_pieces({"choices": [{"delta": {"role": "assistant", "content": None}}]}) == 0
+    assert generated_pieces({"choices": [{"delta": {"content": "hi"}}]}) == 1
+    assert generated_pieces({"choices": [{"delta": {"reasoning_content": "hm"}}]}) == 1
+    assert generated_pieces({"choices": [{"delta": {"tool_calls": [{"index": 0}]}}]}) == 1
+    assert generated_pieces({"choices": [{"text": "x", "index": 0}]}) == 1
+    assert generated_pieces({"choices": [{"text": "", "index": 0}]}) == 0
+    assert generated_pieces({"type": "response.output_text.delta", "delta": "x"}) == 1
+    assert generated_pieces({"type": "response.created", "response": {}}) == 0
+    assert generated_pieces({"type": "content_block_delta", "delta": {"type": "text_delta", "text": "x"}}) == 1
+    assert generated_pieces({"type": "content_block_delta", "delta": {"type": "text_delta", "text": ""}}) == 0
+    assert generated_pieces({"content": "x", "stop": False}) == 1
+
+
+def _event(obj: object) -> SSEEvent:
+    return SSEEvent("", orjson.dumps(obj).decode())
+
+
+def test_meter_first_and_second_token_times() -> None:
+    meter = ResponseMeter()
+    meter.on_event(_event({"choices": [{"delta": {"role": "assistant", "content": None}}]}), 5.0)
+    meter.on_event(_event({"choices": [{"delta": {"content": "a"}}]}), 10.0)
+    meter.on_event(_event({"choices": [{"delta": {"content": "b"}}]}), 25.0)
+    meter.on_event(_event({"choices": [{"delta": {"content": "c"}}]}), 30.0)
+    meter.on_event(_event({"choices": [], "timings": TIMINGS}), 31.0)
+    meter.on_event(SSEEvent("", "[DONE]"), 32.0)
+    assert (meter.first_token_ms, meter.second_token_ms) == (10.0, 25.0)
+    assert meter.timings is not None and meter.timings.draft_n_accepted == 29
+    assert meter.error is None
+
+
+def test_meter_error_event_and_body() -> None:
+    meter = ResponseMeter()
+    meter.on_event(_event({"error": {"message": "context full", "code": 400}}), 1.0)
+    assert meter.error == "context full"
+    body = ResponseMeter()
+    body.on_body(orjson.dumps({"choices": [{"message": {"content": "x"}}], "timings": TIMINGS}))
+    assert body.timings is not None and body.timings.predicted_n == 40
+
+
+def test_meter_ignores_non_json() -> None:
+    meter = ResponseMeter()
+    meter.on_event(SSEEvent("", "not json {"), 1.0)
+    meter.on_body(b"<html>")
+    assert meter.timings is None and meter.error is None
