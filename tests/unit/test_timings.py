@@ -14,8 +14,14 @@ TIMINGS = {
 
 def test_timings_with_drafts() -> None:
     assert find_timings({"timings": TIMINGS}) == Timings(
-        prompt_n=30, cache_n=12, predicted_n=40, prompt_ms=80.5, predicted_ms=500.0, predicted_per_second=80.0,
-        draft_n=33, draft_n_accepted=29,
+        prompt_n=30,
+        cache_n=12,
+        predicted_n=40,
+        prompt_ms=80.5,
+        predicted_ms=500.0,
+        predicted_per_second=80.0,
+        draft_n=33,
+        draft_n_accepted=29,
     )
 
 
@@ -77,3 +83,24 @@ def test_meter_ignores_non_json() -> None:
     meter.on_event(SSEEvent("", "not json {"), 1.0)
     meter.on_body(b"<html>")
     assert meter.timings is None and meter.error is None
+
+
+def test_anthropic_stream_falls_back_to_merged_usage() -> None:
+    meter = ResponseMeter()
+    start = {"type": "message_start", "message": {"usage": {"cache_read_input_tokens": 29, "input_tokens": 1}}}
+    meter.on_event(_event(start), 1.0)
+    meter.on_event(_event({"type": "message_delta", "usage": {"output_tokens": 3}}), 2.0)
+    assert meter.timings == Timings(prompt_n=1, cache_n=29, predicted_n=3, from_usage=True)
+
+
+def test_openai_usage_counts_cached_tokens_inside_prompt_tokens() -> None:
+    meter = ResponseMeter()
+    usage = {"prompt_tokens": 30, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 29}}
+    meter.on_body(orjson.dumps({"usage": usage}))
+    assert meter.timings == Timings(prompt_n=1, cache_n=29, predicted_n=5, from_usage=True)
+
+
+def test_real_timings_win_over_usage() -> None:
+    meter = ResponseMeter()
+    meter.on_body(orjson.dumps({"usage": {"prompt_tokens": 1}, "timings": TIMINGS}))
+    assert meter.timings is not None and not meter.timings.from_usage and meter.timings.draft_n == 33

@@ -18,6 +18,7 @@ class Timings:
     predicted_per_second: float = 0.0
     draft_n: int = 0
     draft_n_accepted: int = 0
+    from_usage: bool = False  # True when only `usage` was reported: no speeds, no draft counts
 
 
 @dataclass(frozen=True, slots=True)

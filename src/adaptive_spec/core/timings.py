@@ -63,6 +63,34 @@ def find_timings(obj: Any) -> Timings | None:
     return None
 
 
+def find_usage(obj: Any) -> dict[str, Any] | None:
+    """The `usage` object of a response or stream event (OpenAI, Responses or Anthropic shape)."""
+    if not isinstance(obj, dict):
+        return None
+    for holder in (obj, obj.get("response"), obj.get("message")):
+        if isinstance(holder, dict) and isinstance(holder.get("usage"), dict):
+            usage: dict[str, Any] = holder["usage"]
+            return usage
+    return None
+
+
+def timings_from_usage(usage: dict[str, Any]) -> Timings:
+    """Token counts from `usage` when a response carries no `timings` (llama-server's Anthropic API).
+
+    Anthropic's `input_tokens` excludes cached ones; OpenAI's `prompt_tokens` includes them. Draft counts are
+    not in usage, so they read 0.
+    """
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    if "cache_read_input_tokens" in usage:
+        cache_n = _int(usage.get("cache_read_input_tokens"))
+        prompt_n = _int(usage.get("input_tokens"))
+    else:
+        cache_n = _int(details.get("cached_tokens")) if isinstance(details, dict) else 0
+        prompt_n = max(0, _int(usage.get("prompt_tokens", usage.get("input_tokens"))) - cache_n)
+    predicted_n = _int(usage.get("completion_tokens", usage.get("output_tokens")))
+    return Timings(prompt_n=prompt_n, cache_n=cache_n, predicted_n=predicted_n, from_usage=True)
+
+
 def _nonempty(value: Any) -> bool:
     return bool(value) and value is not None
 
@@ -102,10 +130,11 @@ class ResponseMeter:
     The caller passes a monotonic clock reading in milliseconds with each piece, so this stays free of I/O.
     """
 
-    __slots__ = ("_pieces", "error", "first_token_ms", "second_token_ms", "timings")
+    __slots__ = ("_pieces", "_timings", "_usage", "error", "first_token_ms", "second_token_ms")
 
     def __init__(self) -> None:
-        self.timings: Timings | None = None
+        self._timings: Timings | None = None
+        self._usage: dict[str, Any] = {}
         self.first_token_ms: float | None = None
         self.second_token_ms: float | None = None
         self.error: str | None = None
@@ -128,9 +157,7 @@ class ResponseMeter:
             if self._pieces <= 1 and self._pieces + pieces >= 2:
                 self.second_token_ms = now_ms
             self._pieces += pieces
-        found = find_timings(obj)
-        if found is not None:
-            self.timings = found
+        self._take(obj)
         if event.event == "error" or "error" in obj:
             self.error = _error_text(obj)
 
@@ -140,9 +167,26 @@ class ResponseMeter:
             obj = orjson.loads(body)
         except orjson.JSONDecodeError:
             return
-        self.timings = find_timings(obj)
+        self._take(obj)
         if isinstance(obj, dict) and "error" in obj:
             self.error = _error_text(obj)
+
+
+    def _take(self, obj: Any) -> None:
+        found = find_timings(obj)
+        if found is not None:
+            self._timings = found
+        usage = find_usage(obj)
+        if usage:
+            # Anthropic streams split usage between message_start and message_delta: merge them.
+            self._usage.update(usage)
+
+    @property
+    def timings(self) -> Timings | None:
+        """llama-server's own timings; else counts from `usage` (flagged `from_usage`); else None."""
+        if self._timings is not None:
+            return self._timings
+        return timings_from_usage(self._usage) if self._usage else None
 
 
 def _error_text(obj: dict[str, Any]) -> str:

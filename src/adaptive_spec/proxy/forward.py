@@ -1,0 +1,191 @@
+"""Forwarding one request to a profile and relaying its response chunk by chunk while metering it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from adaptive_spec.core.sse import SSEParser
+from adaptive_spec.core.timings import ResponseMeter
+from adaptive_spec.proxy.errors import error_response, sse_error_event
+from adaptive_spec.proxy.upstreams import Upstream
+
+_HOP_BY_HOP = frozenset(
+    {
+        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+        "te", "trailer", "trailers", "transfer-encoding", "upgrade",
+    }
+)  # fmt: skip
+# Dropped from requests: llama-server must send identity-encoded bytes, so the SSE stays parseable in flight.
+_DROP_REQUEST = _HOP_BY_HOP | {"host", "content-length", "accept-encoding", "x-adaptive-spec-profile"}
+_DROP_RESPONSE = _HOP_BY_HOP | {"content-length", "server", "date"}
+# Non-streamed bodies up to this size are parsed for their timings; larger ones just pass through.
+_METER_BODY_LIMIT = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a forwarded request ended, for its record."""
+
+    status: int
+    error: str | None
+    meter: ResponseMeter
+
+
+def upstream_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _DROP_REQUEST)
+
+
+async def forward(
+    request: web.Request,
+    session: aiohttp.ClientSession,
+    upstream: Upstream,
+    *,
+    path_qs: str,
+    body: bytes,
+    api: str,
+    timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - aiohttp's per-phase timeouts, not one deadline
+    started: float,
+    extra_headers: dict[str, str],
+) -> tuple[web.StreamResponse, Outcome]:
+    """Send the request upstream and relay the answer; never raises for upstream faults (they become errors)."""
+    meter = ResponseMeter()
+    url = upstream.base_url + path_qs
+    try:
+        upstream_resp = await session.request(
+            request.method, url, data=body or None, headers=upstream_headers(request.headers), timeout=timeout
+        )
+    except aiohttp.ClientConnectorError as exc:
+        message = f"profile {upstream.name!r} at {upstream.base_url} is unreachable: {exc.os_error or exc}"
+        return _fail(502, message, "upstream_unreachable", meter)
+    except TimeoutError:
+        message = f"profile {upstream.name!r} at {upstream.base_url} did not answer within {timeout.sock_read} s"
+        return _fail(504, message, "upstream_timeout", meter)
+    except aiohttp.ClientError as exc:
+        message = f"profile {upstream.name!r} at {upstream.base_url} failed before answering: {exc}"
+        return _fail(502, message, "upstream_error", meter)
+    try:
+        resp = await _relay(request, upstream_resp, upstream, api, meter, started, extra_headers)
+    finally:
+        # Closing (not releasing) drops the connection if the body was not read to the end, which tells
+        # llama-server to stop generating and free the slot.
+        upstream_resp.close()
+    return resp, Outcome(upstream_resp.status, meter.error, meter)
+
+
+def _fail(status: int, message: str, code: str, meter: ResponseMeter) -> tuple[web.StreamResponse, Outcome]:
+    meter.error = message
+    return error_response(status, message, code=code), Outcome(status, message, meter)
+
+
+async def _relay(
+    request: web.Request,
+    upstream_resp: aiohttp.ClientResponse,
+    upstream: Upstream,
+    api: str,
+    meter: ResponseMeter,
+    started: float,
+    extra_headers: dict[str, str],
+) -> web.StreamResponse:
+    resp = web.StreamResponse(status=upstream_resp.status, reason=upstream_resp.reason)
+    for key, value in upstream_resp.headers.items():
+        if key.lower() not in _DROP_RESPONSE:
+            resp.headers.add(key, value)
+    resp.headers.update(extra_headers)
+    is_sse = upstream_resp.content_type == "text/event-stream"
+    if upstream_resp.content_length is not None and not is_sse:
+        resp.content_length = upstream_resp.content_length
+    await resp.prepare(request)
+    if is_sse:
+        await _relay_sse(resp, upstream_resp, upstream, api, meter, started)
+    else:
+        await _relay_body(request, resp, upstream_resp, upstream, meter)
+    return resp
+
+
+async def _relay_sse(
+    resp: web.StreamResponse,
+    upstream_resp: aiohttp.ClientResponse,
+    upstream: Upstream,
+    api: str,
+    meter: ResponseMeter,
+    started: float,
+) -> None:
+    parser = SSEParser()
+    try:
+        async for chunk in upstream_resp.content.iter_any():
+            await resp.write(chunk)
+            now_ms = (time.perf_counter() - started) * 1000.0
+            for event in parser.feed(chunk):
+                meter.on_event(event, now_ms)
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        await _end_stream_with_error(
+            resp,
+            api,
+            meter,
+            f"profile {upstream.name!r} at {upstream.base_url} closed the stream before it ended: {exc}",
+            "upstream_disconnected",
+        )
+        return
+    except TimeoutError:
+        await _end_stream_with_error(
+            resp,
+            api,
+            meter,
+            f"profile {upstream.name!r} at {upstream.base_url} stopped sending (read timeout)",
+            "upstream_timeout",
+        )
+        return
+    parser.close()
+    if parser.pending and meter.error is None:
+        await _end_stream_with_error(
+            resp,
+            api,
+            meter,
+            f"profile {upstream.name!r} at {upstream.base_url} ended the stream in the middle of an event",
+            "upstream_truncated",
+        )
+        return
+    await resp.write_eof()
+
+
+async def _end_stream_with_error(
+    resp: web.StreamResponse, api: str, meter: ResponseMeter, message: str, code: str
+) -> None:
+    meter.error = message
+    # The partial event (if any) is cut off by a blank line first, so the error is an event of its own.
+    await resp.write(b"\n\n" + sse_error_event(api, message, code=code))
+    await resp.write_eof()
+
+
+async def _relay_body(
+    request: web.Request,
+    resp: web.StreamResponse,
+    upstream_resp: aiohttp.ClientResponse,
+    upstream: Upstream,
+    meter: ResponseMeter,
+) -> None:
+    keep = upstream_resp.content_type == "application/json"
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in upstream_resp.content.iter_any():
+            await resp.write(chunk)
+            if keep:
+                size += len(chunk)
+                keep = size <= _METER_BODY_LIMIT
+                parts.append(chunk)
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+            TimeoutError) as exc:  # fmt: skip
+        meter.error = f"profile {upstream.name!r} at {upstream.base_url} broke off the response: {exc!r}"
+        # Headers (with a length) are out: closing the connection is how the client learns the body is short.
+        if request.transport is not None:
+            request.transport.close()
+        return
+    if keep:
+        meter.on_body(b"".join(parts))
+    await resp.write_eof()

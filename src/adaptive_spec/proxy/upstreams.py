@@ -1,0 +1,40 @@
+"""The table of profiles the proxy can forward to, with each one's health as the launcher reports it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    name: str
+    base_url: str
+    upstream_model: str | None = None  # router-mode preset chosen by the request's `model`
+
+
+class UpstreamTable:
+    """Profiles by name; owned by the proxy, marked up or down by whoever supervises the servers."""
+
+    def __init__(self, upstreams: list[Upstream], default: str | None = None) -> None:
+        if not upstreams:
+            raise ValueError("at least one profile is needed")
+        self._by_name = {u.name: u for u in upstreams}
+        self.default = default or upstreams[0].name
+        if self.default not in self._by_name:
+            raise ValueError(f"default profile {self.default!r} is not one of {self.names()}")
+        self._down: dict[str, str] = {}
+
+    def names(self) -> list[str]:
+        return list(self._by_name)
+
+    def get(self, name: str) -> Upstream | None:
+        return self._by_name.get(name)
+
+    def mark_up(self, name: str) -> None:
+        self._down.pop(name, None)
+
+    def mark_down(self, name: str, reason: str) -> None:
+        self._down[name] = reason
+
+    def down_reason(self, name: str) -> str | None:
+        return self._down.get(name)

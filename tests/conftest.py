@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from adaptive_spec.errors import AdaptiveSpecError
+from tests.support.servers import LlamaServer
+from tests.support.tiny_gguf import write_tiny_gguf
+
+
+def _missing(what: str) -> None:
+    # On a developer machine a missing piece skips; in CI it must fail, so a green run means it really ran.
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} (CI must have it: .ci/run installs everything)")
+    pytest.skip(what)
+
+
+@pytest.fixture(scope="session")
+def llama_server_binary() -> str:
+    from adaptive_spec.launcher import find_llama_server
+
+    try:
+        return find_llama_server(None)
+    except AdaptiveSpecError as exc:
+        _missing(str(exc))
+        raise
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("models") / "tiny-random-llama.gguf")
+
+
+@pytest.fixture(scope="session")
+def qwen_gguf() -> Path:
+    from adaptive_spec.models import ensure_embedded
+
+    try:
+        return ensure_embedded("qwen2.5-coder-0.5b")
+    except AdaptiveSpecError as exc:
+        _missing(str(exc))
+        raise
+
+
+@pytest.fixture(scope="module")
+def tiny_server(
+    llama_server_binary: str, tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LlamaServer]:
+    server = LlamaServer(
+        llama_server_binary, tiny_gguf, "-c", "32768", "--parallel", "1", "--metrics", "--spec-type", "none",
+        log_dir=tmp_path_factory.mktemp("logs"),
+    )  # fmt: skip
+    yield server
+    server.stop()

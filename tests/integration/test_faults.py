@@ -1,0 +1,158 @@
+"""Faults a real llama-server cannot be made to produce on demand, injected by an in-process fake upstream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import openai
+import orjson
+import pytest
+import pytest_asyncio
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from adaptive_spec.proxy.app import HISTORY, ProxySettings, build_app
+from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
+from tests.support.servers import free_port
+
+pytestmark = pytest.mark.asyncio(loop_scope="function")
+CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"tok"}}]}\n\n'
+
+
+class FakeUpstream:
+    def __init__(self) -> None:
+        self.cancelled = asyncio.Event()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        fault = request.headers.get("x-fault", "")
+        if fault == "stall-before-headers":
+            await asyncio.sleep(30)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            await resp.write(CHUNK + CHUNK)
+            if fault == "drop":
+                assert request.transport is not None
+                request.transport.close()
+            elif fault == "stall":
+                await asyncio.sleep(30)
+            elif fault == "malformed":
+                await resp.write(b'data: {not json}\n\n: comment\ndata: {"choices": [{"delta": {"content": "x')
+            elif fault == "endless":
+                for _ in range(600):
+                    await asyncio.sleep(0.05)
+                    await resp.write(CHUNK)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return resp
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def rig() -> AsyncIterator[tuple[FakeUpstream, TestServer, str]]:
+    fake = FakeUpstream()
+    upstream_app = web.Application()
+    upstream_app.router.add_route("*", "/{tail:.*}", fake.handle)
+    upstream = TestServer(upstream_app, port=free_port())
+    await upstream.start_server()
+    dead_url = f"http://127.0.0.1:{free_port()}"
+    table = UpstreamTable([Upstream("fake", str(upstream.make_url("")).rstrip("/")), Upstream("dead", dead_url)])
+    proxy = TestServer(build_app(table, ProxySettings(read_timeout_s=0.5)), port=free_port())
+    await proxy.start_server()
+    yield fake, proxy, dead_url
+    await proxy.close()
+    await upstream.close()
+
+
+BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+
+
+async def _post(proxy: TestServer, headers: dict[str, str]) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession() as session, session.post(proxy.make_url("/v1/chat/completions"), data=BODY,
+                                                                 headers=headers) as resp:  # fmt: skip
+        return resp.status, await resp.read()
+
+
+def _last_record(proxy: TestServer) -> Any:
+    return proxy.app[HISTORY].latest(1)[0]
+
+
+async def _error_event(body: bytes) -> dict[str, Any]:
+    events = [e for e in body.split(b"\n\n") if e.strip()]
+    last = events[-1]
+    assert last.startswith(b"data: "), body
+    error: dict[str, Any] = orjson.loads(last[6:])["error"]
+    return error
+
+
+async def test_upstream_drops_mid_stream(rig: tuple[FakeUpstream, TestServer, str]) -> None:
+    _, proxy, _ = rig
+    status, body = await asyncio.wait_for(_post(proxy, {"x-fault": "drop"}), 10)
+    assert status == 200
+    assert body.startswith(CHUNK + CHUNK)
+    error = await _error_event(body)
+    assert error["code"] == "upstream_disconnected" and "'fake'" in error["message"]
+    record = _last_record(proxy)
+    assert record.outcome == "failed" and "closed the stream" in (record.error or "")
+    assert record.ttft_ms is not None and record.ttst_ms is not None
+
+
+async def test_openai_sdk_raises_on_the_error_event(rig: tuple[FakeUpstream, TestServer, str]) -> None:
+    _, proxy, _ = rig
+    client = openai.AsyncOpenAI(base_url=str(proxy.make_url("/v1")), api_key="x", max_retries=0)
+    stream = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], stream=True, extra_headers={"x-fault": "drop"}
+    )
+    pieces: list[str] = []
+    with pytest.raises(openai.APIError, match="closed the stream before it ended"):
+        async for chunk in stream:
+            pieces.append(chunk.choices[0].delta.content or "")
+    assert pieces == ["tok", "tok"]
+    await client.close()
+
+
+async def test_upstream_stalls_after_headers(rig: tuple[FakeUpstream, TestServer, str]) -> None:
+    _, proxy, _ = rig
+    status, body = await asyncio.wait_for(_post(proxy, {"x-fault": "stall"}), 10)
+    assert status == 200
+    assert (await _error_event(body))["code"] == "upstream_timeout"
+
+
+async def test_upstream_stalls_before_headers(rig: tuple[FakeUpstream, TestServer, str]) -> None:
+    _, proxy, _ = rig
+    status, body = await asyncio.wait_for(_post(proxy, {"x-fault": "stall-before-headers"}), 10)
+    assert status == 504
+    assert orjson.loads(body)["error"]["code"] == "upstream_timeout"
+    assert _last_record(proxy).status == 504
+
+
+async def test_malformed_and_truncated_sse(rig: tuple[FakeUpstream, TestServer, str]) -> None:
+    _, proxy, _ = rig
+    status, body = await asyncio.wait_for(_post(proxy, {"x-fault": "malformed"}), 10)
+    assert status == 200
+    assert b"data: {not json}" in body  # passed through untouched
+    assert (await _error_event(body))["code"] == "upstream_truncated"
+
+
+async def test_unreachable_profile_is_502_naming_it(rig: tuple[FakeUpstream, TestServer, str]) -> None:
+    _, proxy, dead_url = rig
+    status, body = await _post(proxy, {"x-adaptive-spec-profile": "dead"})
+    assert status == 502
+    error = orjson.loads(body)["error"]
+    assert error["code"] == "upstream_unreachable"
+    assert "'dead'" in error["message"] and dead_url in error["message"]
+
+
+async def test_client_disconnect_cancels_upstream_at_once(rig: tuple[FakeUpstream, TestServer, str]) -> None:
+    fake, proxy, _ = rig
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(proxy.make_url("/v1/chat/completions"), data=BODY, headers={"x-fault": "endless"})
+        assert await resp.content.readany()
+        resp.close()
+    await asyncio.wait_for(fake.cancelled.wait(), 2)
+    await asyncio.sleep(0.05)
+    record = _last_record(proxy)
+    assert record.status == 499 and record.outcome == "failed"

@@ -1,0 +1,151 @@
+"""Real processes for tests: llama-server instances and the adaptive-spec CLI, started and always stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def http_json(url: str, body: Any = None, timeout: float = 60.0) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def http_text(url: str, timeout: float = 30.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return str(resp.read().decode())
+
+
+def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone for our purposes.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+class LlamaServer:
+    """One real llama-server process on a free loopback port."""
+
+    def __init__(self, binary: str, model: Path, *args: str, log_dir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"llama-server-{self.port}.log"
+        argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-t", "1", "--jinja"]
+        argv += list(args)
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            wait_until(self._healthy, 120, f"llama-server on {self.url} (log {self.log_path})", 0.1)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"llama-server exited: {self.log_path.read_text()[-2000:]}")
+        try:
+            return bool(http_json(self.url + "/health", timeout=2).get("status") == "ok")
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def slot_busy(self) -> bool:
+        return any(bool(s.get("is_processing")) for s in http_json(self.url + "/slots"))
+
+    def metrics(self) -> dict[str, float]:
+        values: dict[str, float] = {}
+        for line in http_text(self.url + "/metrics").splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values[name] = float(value)
+        return values
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class ProxyProcess:
+    """`adaptive-spec serve ...` as a user runs it, in its own process; waits for the printed base URL."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, ready_timeout: float = 300.0) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", "adaptive_spec", "serve", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )  # fmt: skip
+        self.stderr_lines: list[str] = []
+        self.stdout_lines: list[str] = []
+        self._ready = threading.Event()
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self.stdout_lines, True), daemon=True).start()
+        threading.Thread(target=self._pump, args=(self.proc.stderr, self.stderr_lines, False), daemon=True).start()
+        deadline = time.monotonic() + ready_timeout
+        while not self._ready.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.wait(5) if self.proc.poll() is None else None
+                self.stop()
+                raise AssertionError("adaptive-spec serve did not start:\n" + self.log())
+
+    def _pump(self, stream: Any, sink: list[str], watch: bool) -> None:
+        for line in stream:
+            sink.append(line.rstrip("\n"))
+            if watch and line.startswith("OPENAI_BASE_URL="):
+                self._ready.set()
+
+    def log(self) -> str:
+        return "\n".join(self.stdout_lines + self.stderr_lines)
+
+    def requests(self) -> list[dict[str, Any]]:
+        return list(http_json(self.base + "/adaptive/requests")["requests"])
+
+    def send_signal(self, sig: signal.Signals) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(60)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
