@@ -50,8 +50,16 @@ def tiny_server(
     llama_server_binary: str, tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LlamaServer]:
     server = LlamaServer(
-        llama_server_binary, tiny_gguf, "-c", "32768", "--parallel", "1", "--metrics", "--spec-type", "none",
+        llama_server_binary,
+        tiny_gguf,
+        "-c",
+        "32768",
+        "--parallel",
+        "1",
+        "--metrics",
+        "--spec-type",
+        "none",
         log_dir=tmp_path_factory.mktemp("logs"),
-    )  # fmt: skip
+    )
     yield server
     server.stop()

@@ -35,8 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adaptive-spec", description=__doc__)
     parser.add_argument("--version", action="version", version=f"adaptive-spec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the proxy in front of llama-server profiles", epilog=EPILOG,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    serve = sub.add_parser(
+        "serve",
+        help="run the proxy in front of llama-server profiles",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8088)
     attach = serve.add_argument_group("attach to servers you run (no launching)")
@@ -108,8 +112,9 @@ def _ngram_params(text: str | None) -> NgramModParams:
 
 
 def _serve_plan(args: argparse.Namespace) -> ServePlan:
-    proxy = ProxySettings(max_body_bytes=int(args.max_body_mb * 1024 * 1024), read_timeout_s=args.read_timeout,
-                          history_size=args.history)  # fmt: skip
+    proxy = ProxySettings(
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024), read_timeout_s=args.read_timeout, history_size=args.history
+    )
     if args.default_profile:
         check_profile_name(args.default_profile)
     if args.profile:
@@ -126,9 +131,12 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
     settings = ServerSettings(
         model=ModelSource.parse(resolve_model(args.model, say)),
         draft=ModelSource.parse(resolve_model(args.draft, say)) if args.draft else None,
-        draft_n_max=args.draft_n_max, ctx_size=args.ctx_size, threads=args.threads, parallel=args.parallel,
+        draft_n_max=args.draft_n_max,
+        ctx_size=args.ctx_size,
+        threads=args.threads,
+        parallel=args.parallel,
         extra_args=tuple(args.server_arg),
-    )  # fmt: skip
+    )
     specs = list(default_profiles(args.draft_type, _ngram_params(args.ngram_mod)))
     return ServePlan(args.host, args.port, proxy, args.default_profile, launch=LaunchPlan(binary, specs, settings))
 

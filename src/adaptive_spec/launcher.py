@@ -23,6 +23,7 @@ from adaptive_spec.errors import ConfigError, LaunchError
 
 Say = Callable[[str], None]
 _PR_SET_PDEATHSIG = 1
+_NO_REPACK = "--no-repack"
 
 
 def find_llama_server(explicit: str | None) -> str:
@@ -129,28 +130,45 @@ class Launcher:
         self._say(f"starting profile {child.spec.name!r}: {' '.join(child.argv)}")
         with child.log_path.open("ab") as log:
             child.process = await asyncio.create_subprocess_exec(
-                *child.argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
+                *child.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,  # a terminal's Ctrl-C reaches adaptive-spec, which stops children itself
                 preexec_fn=_die_with_parent,
-            )  # fmt: skip
+            )
 
     async def _wait_healthy(self, session: aiohttp.ClientSession, child: _Child) -> None:
         started = time.monotonic()
         last_report = started
         assert child.process is not None
         while True:
+            if child.process.returncode == -signal.SIGILL and _NO_REPACK not in child.argv:
+                # Some virtual machines advertise AMX but fault on it; llama.cpp only reaches AMX through weight
+                # repacking, so the same build runs once repacking is off.
+                self._say(
+                    f"profile {child.spec.name!r}: llama-server hit an illegal instruction (SIGILL) in its "
+                    f"CPU kernels; retrying with {_NO_REPACK}"
+                )
+                child.argv.append(_NO_REPACK)
+                await self._spawn(child)
+                continue
             if child.process.returncode is not None:
                 raise LaunchError(self._died_message(child))
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 async with session.get(child.base_url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                     if r.status == 200:
-                        self._say(f"profile {child.spec.name!r} ready at {child.base_url} "
-                                  f"({time.monotonic() - started:.1f} s)")  # fmt: skip
+                        self._say(
+                            f"profile {child.spec.name!r} ready at {child.base_url} "
+                            f"({time.monotonic() - started:.1f} s)"
+                        )
                         return
             now = time.monotonic()
             if now - started > self._health_timeout_s:
-                raise LaunchError(f"profile {child.spec.name!r} was not healthy after {self._health_timeout_s:.0f} s;"
-                                  f" log: {child.log_path}\n{self._log_tail(child)}")  # fmt: skip
+                raise LaunchError(
+                    f"profile {child.spec.name!r} was not healthy after {self._health_timeout_s:.0f} s;"
+                    f" log: {child.log_path}\n{self._log_tail(child)}"
+                )
             if now - last_report >= 3.0:
                 last_report = now
                 self._say(f"  {child.spec.name}: loading ({now - started:.0f} s) {self._last_line(child)}")
@@ -169,8 +187,7 @@ class Launcher:
             self._on_down(child.spec.name, reason)
             if time.monotonic() - up_since > 60:
                 backoff = 1.0
-            self._say(f"profile {child.spec.name!r}: {reason}; restarting in {backoff:.0f} s "
-                      f"(log: {child.log_path})")  # fmt: skip
+            self._say(f"profile {child.spec.name!r}: {reason}; restarting in {backoff:.0f} s (log: {child.log_path})")
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 30.0)
             if self._stopping:
@@ -210,8 +227,10 @@ class Launcher:
 
     def _died_message(self, child: _Child) -> str:
         assert child.process is not None
-        return (f"profile {child.spec.name!r}: llama-server exited with status {child.process.returncode} "
-                f"while loading; log: {child.log_path}\n{self._log_tail(child)}")  # fmt: skip
+        return (
+            f"profile {child.spec.name!r}: llama-server exited with status {child.process.returncode} "
+            f"while loading; log: {child.log_path}\n{self._log_tail(child)}"
+        )
 
     @staticmethod
     def _log_tail(child: _Child, lines: int = 15) -> str:

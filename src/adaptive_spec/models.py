@@ -64,7 +64,8 @@ def _part_files(model: EmbeddedModel) -> list[Path]:
         if spec is None or not spec.submodule_search_locations:
             missing.append(dist)
             continue
-        parts.append(Path(next(iter(spec.submodule_search_locations))) / "data" / "part01.bin")
+        # Each package holds one chunk, data/partNN.bin (NN its place in the order).
+        parts.extend(sorted((Path(next(iter(spec.submodule_search_locations))) / "data").glob("part*.bin")))
     if missing:
         raise ModelError(
             f"embedded model {model.name!r} is not installed (missing {', '.join(missing)}); "

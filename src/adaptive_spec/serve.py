@@ -54,8 +54,10 @@ def state_dir() -> Path:
 
 def describe(info: ProfileInfo) -> str:
     spec = ",".join(info.spec_types) if info.spec_types else "unknown until its first request"
-    return (f"  {info.name:<10} {info.base_url}  model={info.model_identity}  n_ctx={info.n_ctx} "
-            f"slots={info.total_slots} speculative={info.speculative} spec-types={spec}")  # fmt: skip
+    return (
+        f"  {info.name:<10} {info.base_url}  model={info.model_identity}  n_ctx={info.n_ctx} "
+        f"slots={info.total_slots} speculative={info.speculative} spec-types={spec}"
+    )
 
 
 async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
@@ -67,8 +69,7 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
         if plan.launch is not None:
             state_dir().mkdir(parents=True, exist_ok=True)
             run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=state_dir()))
-            launcher = Launcher(plan.launch.binary, plan.launch.specs, plan.launch.settings, run_dir=run_dir,
-                                say=say)  # fmt: skip
+            launcher = Launcher(plan.launch.binary, plan.launch.specs, plan.launch.settings, run_dir=run_dir, say=say)
             if not await _until_stopped(launcher.start(), stop):
                 return
             upstreams = [Upstream(name, url) for name, url in launcher.endpoints.items()]

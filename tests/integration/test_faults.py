@@ -71,8 +71,10 @@ BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"
 
 
 async def _post(proxy: TestServer, headers: dict[str, str]) -> tuple[int, bytes]:
-    async with aiohttp.ClientSession() as session, session.post(proxy.make_url("/v1/chat/completions"), data=BODY,
-                                                                 headers=headers) as resp:  # fmt: skip
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(proxy.make_url("/v1/chat/completions"), data=BODY, headers=headers) as resp,
+    ):
         return resp.status, await resp.read()
 
 

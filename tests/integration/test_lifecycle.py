@@ -43,9 +43,14 @@ def llama_children(proxy: ProxyProcess) -> dict[int, str]:
 
 def _launch(tiny_gguf: Path, state: Path) -> ProxyProcess:
     return ProxyProcess(
-        "--model", str(tiny_gguf), "--threads", "1", "--ctx-size", "32768",
+        "--model",
+        str(tiny_gguf),
+        "--threads",
+        "1",
+        "--ctx-size",
+        "32768",
         env={"ADAPTIVE_SPEC_STATE_DIR": str(state)},
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture
@@ -94,8 +99,11 @@ def test_profile_killed_mid_stream(launched: ProxyProcess) -> None:
         assert b'"finish_reason":"length"' in resp.read()
     # The crashed one is restarted and serves again.
     wait_until(lambda: "iterative" in llama_children(launched).values(), 30, "the iterative profile to restart")
-    wait_until(lambda: http_json(launched.base + "/adaptive/health")["profiles"]["iterative"]["up"], 60,
-               "the restarted profile to be healthy")  # fmt: skip
+    wait_until(
+        lambda: http_json(launched.base + "/adaptive/health")["profiles"]["iterative"]["up"],
+        60,
+        "the restarted profile to be healthy",
+    )
     with _open_stream(url, {**LONG, "max_tokens": 8}, {"x-adaptive-spec-profile": "iterative"}) as resp:
         assert b'"finish_reason":"length"' in resp.read()
     assert "restarting in" in launched.log()

@@ -10,10 +10,14 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
 from tests.support.servers import LlamaServer, ProxyProcess, http_json
 
-CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Write a haiku about diffs."}]
+CHAT: list[ChatCompletionMessageParam] = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Write a haiku about diffs."},
+]
 GREEDY: dict[str, Any] = {"model": "local", "temperature": 0, "max_tokens": 48}
 
 
@@ -29,17 +33,25 @@ def _client(base: str) -> openai.OpenAI:
 
 
 def _chat_text(client: openai.OpenAI, stream: bool) -> str:
+    chat = client.chat.completions
     if not stream:
-        return client.chat.completions.create(messages=CHAT, **GREEDY).choices[0].message.content or ""  # type: ignore[arg-type]
-    chunks = client.chat.completions.create(messages=CHAT, stream=True, **GREEDY)  # type: ignore[arg-type]
+        return chat.create(messages=CHAT, model="m", temperature=0, max_tokens=48).choices[0].message.content or ""
+    chunks: openai.Stream[ChatCompletionChunk] = chat.create(
+        messages=CHAT,
+        model="m",
+        temperature=0,
+        max_tokens=48,
+        stream=True,
+    )
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
 def _completion_text(client: openai.OpenAI, stream: bool) -> str:
     prompt = "def fibonacci(n):"
     if not stream:
-        return client.completions.create(prompt=prompt, **GREEDY).choices[0].text
-    return "".join(c.choices[0].text for c in client.completions.create(prompt=prompt, stream=True, **GREEDY))
+        return client.completions.create(prompt=prompt, model="m", temperature=0, max_tokens=48).choices[0].text
+    chunks = client.completions.create(prompt=prompt, model="m", temperature=0, max_tokens=48, stream=True)
+    return "".join(c.choices[0].text for c in chunks)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

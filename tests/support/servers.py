@@ -110,9 +110,13 @@ class ProxyProcess:
         self.base = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "adaptive_spec", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        )  # fmt: skip
+        )
         self.stderr_lines: list[str] = []
         self.stdout_lines: list[str] = []
         self._ready = threading.Event()

@@ -7,9 +7,16 @@ from adaptive_spec.core.sse import SSEEvent
 from adaptive_spec.core.timings import ResponseMeter, find_timings, generated_pieces
 
 TIMINGS = {
-    "cache_n": 12, "prompt_n": 30, "prompt_ms": 80.5, "prompt_per_second": 372.6, "predicted_n": 40,
-    "predicted_ms": 500.0, "predicted_per_second": 80.0, "draft_n": 33, "draft_n_accepted": 29,
-}  # fmt: skip
+    "cache_n": 12,
+    "prompt_n": 30,
+    "prompt_ms": 80.5,
+    "prompt_per_second": 372.6,
+    "predicted_n": 40,
+    "predicted_ms": 500.0,
+    "predicted_per_second": 80.0,
+    "draft_n": 33,
+    "draft_n_accepted": 29,
+}
 
 
 def test_timings_with_drafts() -> None:
@@ -104,3 +111,16 @@ def test_real_timings_win_over_usage() -> None:
     meter = ResponseMeter()
     meter.on_body(orjson.dumps({"usage": {"prompt_tokens": 1}, "timings": TIMINGS}))
     assert meter.timings is not None and not meter.timings.from_usage and meter.timings.draft_n == 33
+
+
+def test_meter_knows_when_the_stream_has_ended() -> None:
+    for last in (
+        SSEEvent("", "[DONE]"),
+        SSEEvent("message_stop", '{"type":"message_stop"}'),
+        SSEEvent("response.completed", '{"type":"response.completed"}'),
+    ):
+        meter = ResponseMeter()
+        meter.on_event(_event({"choices": [{"delta": {"content": "a"}}]}), 1.0)
+        assert not meter.complete
+        meter.on_event(last, 2.0)
+        assert meter.complete

@@ -48,10 +48,13 @@ class NgramModParams:
 
     def args(self) -> list[str]:
         return [
-            "--spec-ngram-mod-n-match", str(self.n_match),
-            "--spec-ngram-mod-n-min", str(self.n_min),
-            "--spec-ngram-mod-n-max", str(self.n_max),
-        ]  # fmt: skip
+            "--spec-ngram-mod-n-match",
+            str(self.n_match),
+            "--spec-ngram-mod-n-min",
+            str(self.n_min),
+            "--spec-ngram-mod-n-max",
+            str(self.n_max),
+        ]
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,8 @@ from adaptive_spec.core.sse import SSEEvent
 
 # Where each API puts the object that may carry `timings` / `usage`: the event itself, or a nested object.
 _CONTAINERS = ("response", "message")
+# The last event of a Responses-API or Anthropic stream (OpenAI chat/completions end with `data: [DONE]`).
+_END_EVENTS = frozenset({"response.completed", "response.failed", "response.incomplete", "message_stop"})
 # Responses-API and Anthropic stream events whose `delta` is generated text.
 _DELTA_EVENT_TYPES = frozenset(
     {
@@ -130,9 +132,11 @@ class ResponseMeter:
     The caller passes a monotonic clock reading in milliseconds with each piece, so this stays free of I/O.
     """
 
-    __slots__ = ("_pieces", "_timings", "_usage", "error", "first_token_ms", "second_token_ms")
+    __slots__ = ("_pieces", "_timings", "_usage", "complete", "error", "first_token_ms", "second_token_ms")
 
     def __init__(self) -> None:
+        # True once the stream's own end marker arrived: a client may hang up right after it, and lose nothing.
+        self.complete = False
         self._timings: Timings | None = None
         self._usage: dict[str, Any] = {}
         self.first_token_ms: float | None = None
@@ -142,6 +146,8 @@ class ResponseMeter:
 
     def on_event(self, event: SSEEvent, now_ms: float) -> None:
         data = event.data
+        if data == "[DONE]" or event.event in _END_EVENTS:
+            self.complete = True
         if not data or data == "[DONE]":
             return
         try:
@@ -170,7 +176,6 @@ class ResponseMeter:
         self._take(obj)
         if isinstance(obj, dict) and "error" in obj:
             self.error = _error_text(obj)
-
 
     def _take(self, obj: Any) -> None:
         found = find_timings(obj)

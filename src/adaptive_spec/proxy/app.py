@@ -16,6 +16,7 @@ from aiohttp import web
 from adaptive_spec.core.history import RequestHistory
 from adaptive_spec.core.records import RequestRecord
 from adaptive_spec.core.requests import GENERATING_APIS, ParsedRequest, RequestProblem, parse_body, split_path
+from adaptive_spec.core.timings import ResponseMeter
 from adaptive_spec.proxy.errors import error_response
 from adaptive_spec.proxy.forward import Outcome, forward
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
@@ -73,8 +74,9 @@ async def _requests_view(request: web.Request) -> web.Response:
 
 async def _health_view(request: web.Request) -> web.Response:
     table = request.app[UPSTREAMS]
-    profiles = {name: {"up": table.down_reason(name) is None, "reason": table.down_reason(name)}
-                for name in table.names()}  # fmt: skip
+    profiles = {
+        name: {"up": table.down_reason(name) is None, "reason": table.down_reason(name)} for name in table.names()
+    }
     return web.Response(body=orjson.dumps({"profiles": profiles}), content_type="application/json")
 
 
@@ -97,12 +99,17 @@ def choose_upstream(request: web.Request, table: UpstreamTable) -> Upstream | we
     upstream = table.get(name)
     if upstream is None:
         known = ", ".join(table.names())
-        return error_response(400, f"unknown profile {name!r} in {PROFILE_HEADER}; known profiles: {known}",
-                              code="unknown_profile", param=PROFILE_HEADER)  # fmt: skip
+        return error_response(
+            400,
+            f"unknown profile {name!r} in {PROFILE_HEADER}; known profiles: {known}",
+            code="unknown_profile",
+            param=PROFILE_HEADER,
+        )
     reason = table.down_reason(name)
     if reason is not None:
-        return error_response(503, f"profile {name!r} at {upstream.base_url} is down: {reason}",
-                              code="profile_unavailable")  # fmt: skip
+        return error_response(
+            503, f"profile {name!r} at {upstream.base_url} is down: {reason}", code="profile_unavailable"
+        )
     return upstream
 
 
@@ -137,6 +144,7 @@ async def _proxy_view(request: web.Request) -> web.StreamResponse:
     profile = request.headers.get(PROFILE_HEADER) or table.default
     parsed: ParsedRequest | None = None
     outcome: Outcome | None = None
+    meter = ResponseMeter()
     status = 500
     error: str | None = "the proxy stopped before the request was answered"
     try:
@@ -155,34 +163,48 @@ async def _proxy_view(request: web.Request) -> web.StreamResponse:
         if isinstance(chosen, web.Response):
             status, error = chosen.status, (chosen.text or "")[:300]
             return chosen
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s,
-                                        sock_read=settings.read_timeout_s)  # fmt: skip
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
+        )
         resp, outcome = await forward(
-            request, request.app[CLIENT], chosen,
+            request,
+            request.app[CLIENT],
+            chosen,
             path_qs=routed.upstream_path + _upstream_query(request, chosen, routed.api),
-            body=_upstream_body(body, parsed, chosen), api=routed.api, timeout=timeout, started=started,
+            body=_upstream_body(body, parsed, chosen),
+            api=routed.api,
+            timeout=timeout,
+            started=started,
             extra_headers={"x-adaptive-spec-request-id": request_id, PROFILE_HEADER: chosen.name},
-        )  # fmt: skip
+            meter=meter,
+        )
         status, error = outcome.status, outcome.error
         return resp
     except (ConnectionResetError, asyncio.CancelledError):
         # aiohttp cancels the handler when the client goes away; forward() has closed the upstream connection.
-        status, error = 499, "the client disconnected"
+        # A client that hangs up right after the stream's end marker got the whole answer.
+        status, error = (200, None) if meter.complete else (499, "the client disconnected")
         raise
     except Exception as exc:
         status, error = 500, f"internal error: {exc!r}"
         raise
     finally:
-        meter = outcome.meter if outcome is not None else None
         request.app[HISTORY].add(
             RequestRecord(
-                request_id=request_id, started_at_unix=started_unix, method=request.method,
-                path=request.path, api=routed.api, project=routed.project or "default", profile=profile,
-                stream=parsed.stream if parsed is not None else False, status=status,
-                outcome="finished" if error is None and status < 400 else "failed", error=error,
-                timings=meter.timings if meter else None,
-                ttft_ms=meter.first_token_ms if meter else None,
-                ttst_ms=meter.second_token_ms if meter else None,
+                request_id=request_id,
+                started_at_unix=started_unix,
+                method=request.method,
+                path=request.path,
+                api=routed.api,
+                project=routed.project or "default",
+                profile=profile,
+                stream=parsed.stream if parsed is not None else False,
+                status=status,
+                outcome="finished" if error is None and status < 400 else "failed",
+                error=error,
+                timings=meter.timings,
+                ttft_ms=meter.first_token_ms,
+                ttst_ms=meter.second_token_ms,
                 total_ms=(time.perf_counter() - started) * 1000.0,
             )
-        )  # fmt: skip
+        )

@@ -16,10 +16,18 @@ from adaptive_spec.proxy.upstreams import Upstream
 
 _HOP_BY_HOP = frozenset(
     {
-        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-        "te", "trailer", "trailers", "transfer-encoding", "upgrade",
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
     }
-)  # fmt: skip
+)
 # Dropped from requests: llama-server must send identity-encoded bytes, so the SSE stays parseable in flight.
 _DROP_REQUEST = _HOP_BY_HOP | {"host", "content-length", "accept-encoding", "x-adaptive-spec-profile"}
 _DROP_RESPONSE = _HOP_BY_HOP | {"content-length", "server", "date"}
@@ -51,9 +59,9 @@ async def forward(
     timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - aiohttp's per-phase timeouts, not one deadline
     started: float,
     extra_headers: dict[str, str],
+    meter: ResponseMeter,
 ) -> tuple[web.StreamResponse, Outcome]:
     """Send the request upstream and relay the answer; never raises for upstream faults (they become errors)."""
-    meter = ResponseMeter()
     url = upstream.base_url + path_qs
     try:
         upstream_resp = await session.request(
@@ -179,8 +187,7 @@ async def _relay_body(
                 size += len(chunk)
                 keep = size <= _METER_BODY_LIMIT
                 parts.append(chunk)
-    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-            TimeoutError) as exc:  # fmt: skip
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, TimeoutError) as exc:
         meter.error = f"profile {upstream.name!r} at {upstream.base_url} broke off the response: {exc!r}"
         # Headers (with a length) are out: closing the connection is how the client learns the body is short.
         if request.transport is not None:

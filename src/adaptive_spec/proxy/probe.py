@@ -49,9 +49,13 @@ async def probe(session: aiohttp.ClientSession, upstream: Upstream) -> ProfileIn
     n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
     spec_types, speculative = _spec_types(slots)
     return ProfileInfo(
-        name=upstream.name, base_url=base, upstream_model=upstream.upstream_model,
-        model_path=str(props.get("model_path") or ""), model_alias=str(props.get("model_alias") or ""),
+        name=upstream.name,
+        base_url=base,
+        upstream_model=upstream.upstream_model,
+        model_path=str(props.get("model_path") or ""),
+        model_alias=str(props.get("model_alias") or ""),
         n_ctx=int(n_ctx) if isinstance(n_ctx, int) else 0,
         total_slots=int(props["total_slots"]) if isinstance(props.get("total_slots"), int) else 0,
-        spec_types=spec_types, speculative=speculative,
-    )  # fmt: skip
+        spec_types=spec_types,
+        speculative=speculative,
+    )

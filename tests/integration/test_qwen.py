@@ -1,0 +1,133 @@
+"""The embedded default as a user runs it: real Qwen2.5-Coder-0.5B behind `adaptive-spec serve`, two profiles."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.support.servers import ProxyProcess
+
+# A file the model is asked to hand back with one change: the answer copies most of the prompt.
+SOURCE = "\n".join(
+    [
+        "import json",
+        "from dataclasses import dataclass",
+        "",
+        "",
+        "@dataclass",
+        "class Item:",
+        "    name: str",
+        "    quantity: int",
+        "    price_cents: int",
+        "",
+        "    def total_cents(self) -> int:",
+        "        return self.quantity * self.price_cents",
+        "",
+        "",
+        "def load_items(path: str) -> list[Item]:",
+        "    with open(path) as handle:",
+        "        rows = json.load(handle)",
+        "    return [Item(row['name'], row['quantity'], row['price_cents']) for row in rows]",
+        "",
+        "",
+        "def order_total(items: list[Item]) -> int:",
+        "    return sum(item.total_cents() for item in items)",
+        "",
+        "",
+        "def cheapest(items: list[Item]) -> Item:",
+        "    return min(items, key=lambda item: item.price_cents)",
+        "",
+        "",
+        "def report(items: list[Item]) -> str:",
+        "    lines = [f'{item.name}: {item.quantity} x {item.price_cents}' for item in items]",
+        "    lines.append(f'total: {order_total(items)}')",
+        "    return '\\n'.join(lines)",
+    ]
+)
+EDIT = (
+    f"```python\n{SOURCE}\n```\n\nRename the function `cheapest` to `cheapest_item`. Return the complete updated file."
+)
+
+
+@pytest.fixture(scope="module")
+def embedded(
+    qwen_gguf: Path, llama_server_binary: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ProxyProcess]:
+    state = tmp_path_factory.mktemp("state")
+    proxy = ProxyProcess("--threads", "1", "--ctx-size", "8192", env={"ADAPTIVE_SPEC_STATE_DIR": str(state)})
+    yield proxy
+    proxy.stop()
+
+
+def _client(proxy: ProxyProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.base + "/v1", api_key="sk-none", max_retries=0, timeout=300)
+
+
+def test_embedded_default_answers_correctly(embedded: ProxyProcess) -> None:
+    reply = _client(embedded).chat.completions.create(
+        model="anything",
+        temperature=0,
+        max_tokens=16,
+        messages=[{"role": "user", "content": "What is 12 + 30? Reply with the number only."}],
+    )
+    assert "42" in (reply.choices[0].message.content or "")
+    assert embedded.requests()[-1]["profile"] == "oneshot"
+
+
+def _spec_counters(proxy: ProxyProcess) -> tuple[float, float]:
+    values = {}
+    for line in http_text_profile(proxy, "/metrics").splitlines():
+        name, _, value = line.rpartition(" ")
+        values[name] = value
+    return (
+        float(values["llamacpp:spec_decode_num_draft_tokens_total"]),
+        float(values["llamacpp:spec_decode_num_accepted_tokens_total"]),
+    )
+
+
+def http_text_profile(proxy: ProxyProcess, path: str) -> str:
+    import urllib.request
+
+    req = urllib.request.Request(proxy.base + path, headers={"x-adaptive-spec-profile": "iterative"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return str(resp.read().decode())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_iterative_profile_drafts_on_a_copy_heavy_prompt(embedded: ProxyProcess, stream: bool) -> None:
+    drafted_before, accepted_before = _spec_counters(embedded)
+    client = _client(embedded)
+    kwargs = {
+        "model": "m",
+        "temperature": 0,
+        "max_tokens": 400,
+        "messages": [{"role": "user", "content": EDIT}],
+        "extra_headers": {"x-adaptive-spec-profile": "iterative"},
+    }
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))  # type: ignore[call-overload]
+        reported = chunks[-1].model_extra["timings"]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        reply = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+        reported = reply.model_extra["timings"]
+        text = reply.choices[0].message.content or ""
+    assert "def cheapest_item" in text
+    record = embedded.requests()[-1]
+    assert record["profile"] == "iterative" and record["outcome"] == "finished"
+    timings = record["timings"]
+    assert timings["draft_n"] > 0 and timings["draft_n_accepted"] > 0
+    assert (timings["draft_n"], timings["draft_n_accepted"]) == (reported["draft_n"], reported["draft_n_accepted"])
+    assert timings["predicted_n"] == reported["predicted_n"]
+    drafted_after, accepted_after = _spec_counters(embedded)
+    assert (drafted_after - drafted_before, accepted_after - accepted_before) == (
+        timings["draft_n"],
+        timings["draft_n_accepted"],
+    )
+    print(
+        f"\ncopy-heavy edit on 'iterative': {timings['draft_n_accepted']}/{timings['draft_n']} drafts accepted, "
+        f"{timings['draft_n_accepted'] / timings['predicted_n']:.0%} of {timings['predicted_n']} output tokens"
+    )
