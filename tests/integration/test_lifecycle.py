@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -41,7 +42,7 @@ def llama_children(proxy: ProxyProcess) -> dict[int, str]:
     return pids
 
 
-def _launch(tiny_gguf: Path, state: Path) -> ProxyProcess:
+def _launch(tiny_gguf: Path, state: Path, port: int | None = None) -> ProxyProcess:
     return ProxyProcess(
         "--model",
         str(tiny_gguf),
@@ -50,7 +51,22 @@ def _launch(tiny_gguf: Path, state: Path) -> ProxyProcess:
         "--ctx-size",
         "32768",
         env={"ADAPTIVE_SPEC_STATE_DIR": str(state)},
+        port=port,
     )
+
+
+def servers_using(state: Path) -> list[int]:
+    """Every llama-server on the machine whose command line points into this test's state dir."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"llama-server" in cmdline and str(state).encode() in cmdline and pid_alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
 
 
 @pytest.fixture
@@ -137,3 +153,14 @@ def test_profiles_serving_different_models_are_refused(
         assert "'a' serves 'tiny-random-llama.gguf'" in message and "'b' serves 'another-model.gguf'" in message
     finally:
         other.stop()
+
+
+def test_servers_are_stopped_when_start_up_fails(tiny_gguf: Path, tmp_path: Path, llama_server_binary: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(AssertionError) as info:
+            _launch(tiny_gguf, tmp_path, port=taken.getsockname()[1])
+    assert "ready at" in str(info.value), "the profiles should have started before the bind failed"
+    assert "cannot listen on" in str(info.value)
+    assert servers_using(tmp_path) == []

@@ -105,8 +105,10 @@ class LlamaServer:
 class ProxyProcess:
     """`adaptive-spec serve ...` as a user runs it, in its own process; waits for the printed base URL."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, ready_timeout: float = 300.0) -> None:
-        self.port = free_port()
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, ready_timeout: float = 300.0, port: int | None = None
+    ) -> None:
+        self.port = port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "adaptive_spec", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(
