@@ -43,6 +43,17 @@ def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def terminate(proc: subprocess.Popen[Any], grace_s: float) -> None:
+    """SIGTERM, then SIGKILL if it is still there after `grace_s`."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -93,13 +104,7 @@ class LlamaServer:
         return values
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 10)
 
 
 class ProxyProcess:
@@ -148,10 +153,4 @@ class ProxyProcess:
         return self.proc.wait(60)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 30)
