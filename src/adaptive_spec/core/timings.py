@@ -11,6 +11,7 @@ from adaptive_spec.core.sse import SSEEvent
 
 # Where each API puts the object that may carry `timings` / `usage`: the event itself, or a nested object.
 _CONTAINERS = ("response", "message")
+_WANTED_AFTER_SECOND_TOKEN = ('"timings"', '"usage"', '"error"')
 # The last event of a Responses-API or Anthropic stream (OpenAI chat/completions end with `data: [DONE]`).
 _END_EVENTS = frozenset({"response.completed", "response.failed", "response.incomplete", "message_stop"})
 # Responses-API and Anthropic stream events whose `delta` is generated text.
@@ -149,6 +150,10 @@ class ResponseMeter:
         if data == "[DONE]" or event.event in _END_EVENTS:
             self.complete = True
         if not data or data == "[DONE]":
+            return
+        if self._pieces >= 2 and not any(key in data for key in _WANTED_AFTER_SECOND_TOKEN):
+            # The hot path: once both token times are known, only timings, usage and errors matter, and a
+            # substring test is far cheaper than parsing every token event.
             return
         try:
             obj = orjson.loads(data)

@@ -1,0 +1,192 @@
+"""Which session a request belongs to: explicit ids first, then the reply echo, else a new session.
+
+Pure and synchronous: the proxy hands in headers and the parsed body, and tells the registry what it served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Header names that carry a session id, in order of trust; any other `x-*-session-id` counts after these.
+_SESSION_HEADERS = ("x-session-id", "x-session-affinity", "session-id", "session_id", "x-claude-code-session-id")
+_PARENT_HEADERS = ("x-parent-session-id", "x-claude-code-parent-session-id")
+_SUBAGENT_HEADERS = ("x-openai-subagent", "x-subagent", "x-claude-code-subagent")
+# Lines shorter than this are too common ("return x", "}") to say which session served them.
+_MIN_ECHO_LINE = 24
+_MAX_LINES_PER_REPLY = 400
+
+
+@dataclass(frozen=True, slots=True)
+class SessionAssignment:
+    session_id: str
+    source: str  # "header:<name>", "body:<field>", "echo:reply", "echo:tool-call", "echo:lines", "new"
+    parent_id: str | None = None
+    subagent: bool = False
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=12).digest()
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split())
+
+
+def message_text(content: Any) -> str:
+    """The text of a message's content: a string, or the text parts of a list (OpenAI, Responses, Anthropic)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict):
+                text = part.get("text") or part.get("content")
+                if isinstance(text, str):
+                    parts.append(text)
+        return "\n".join(parts)
+    return ""
+
+
+def messages_of(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Chat `messages`, or Responses-API `input` items, as a list of dicts (a string input is one user turn)."""
+    raw = body.get("messages")
+    if raw is None:
+        raw = body.get("input")
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    return [m for m in raw if isinstance(m, dict)] if isinstance(raw, list) else []
+
+
+def _echo_lines(text: str) -> Iterator[str]:
+    for line in text.splitlines():
+        line = line.strip().lstrip("+-> ").strip()
+        if len(line) >= _MIN_ECHO_LINE:
+            yield line
+
+
+def explicit_session(headers: Mapping[str, str], body: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(session id, source) from headers or body ids, or None. `headers` keys must be lower-case."""
+    for name in _SESSION_HEADERS:
+        if headers.get(name):
+            return headers[name], f"header:{name}"
+    for name, value in headers.items():
+        if name.startswith("x-") and name.endswith("-session-id") and name not in _PARENT_HEADERS and value:
+            return value, f"header:{name}"
+    key = body.get("prompt_cache_key")
+    if isinstance(key, str) and key:
+        return key, "body:prompt_cache_key"
+    for holder in ("client_metadata", "metadata"):
+        meta = body.get(holder)
+        if isinstance(meta, dict) and isinstance(meta.get("session_id"), str) and meta["session_id"]:
+            return meta["session_id"], f"body:{holder}.session_id"
+    meta = body.get("metadata")
+    if isinstance(meta, dict):
+        user_id = meta.get("user_id")
+        if isinstance(user_id, str) and "_session_" in user_id:
+            return user_id.split("_session_", 1)[1] or user_id, "body:metadata.user_id"
+    user = body.get("user")
+    if isinstance(user, str) and user:
+        return user, "body:user"
+    return None
+
+
+class SessionRegistry:
+    """Sessions by id, plus a bounded map from served-reply fingerprints to the session that got them."""
+
+    def __init__(self, max_fingerprints: int = 200_000) -> None:
+        self._max = max_fingerprints
+        self._replies: OrderedDict[bytes, str] = OrderedDict()
+        self._lines: OrderedDict[bytes, str] = OrderedDict()
+        self._counter = itertools.count(1)
+
+    def assign(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> SessionAssignment:
+        parent = next((headers[h] for h in _PARENT_HEADERS if headers.get(h)), None)
+        subagent = parent is not None or any(headers.get(h) for h in _SUBAGENT_HEADERS)
+        found = explicit_session(headers, body)
+        if found is not None:
+            return SessionAssignment(found[0], found[1], parent, subagent)
+        echoed = self._echo(body)
+        if echoed is not None:
+            return SessionAssignment(echoed[0], echoed[1], parent, subagent)
+        if parent is not None:
+            return SessionAssignment(parent, "header:parent", parent, True)
+        return SessionAssignment(f"s{next(self._counter):06d}", "new", None, subagent)
+
+    def note_reply(self, session_id: str, text: str, tool_call_ids: list[str]) -> None:
+        """Remember what the proxy served, so a later request that carries it back is grouped with it."""
+        if text.strip():
+            self._put(self._replies, _digest(_norm(text)), session_id)
+            for line in itertools.islice(dict.fromkeys(_echo_lines(text)), _MAX_LINES_PER_REPLY):
+                self._put(self._lines, _digest(line), session_id)
+        for call_id in tool_call_ids:
+            self._put(self._replies, _digest("tool-call:" + call_id), session_id)
+
+    def _put(self, table: OrderedDict[bytes, str], key: bytes, session_id: str) -> None:
+        table[key] = session_id
+        table.move_to_end(key)
+        while len(table) > self._max:
+            table.popitem(last=False)
+
+    def _echo(self, body: Mapping[str, Any]) -> tuple[str, str] | None:
+        messages = messages_of(body)
+        # Strongest: a whole assistant reply or a tool-call id we served, newest first.
+        for message in reversed(messages):
+            for call_id in _tool_call_ids(message):
+                hit = self._replies.get(_digest("tool-call:" + call_id))
+                if hit is not None:
+                    return hit, "echo:tool-call"
+            if message.get("role") == "assistant":
+                hit = self._replies.get(_digest(_norm(message_text(message.get("content")))))
+                if hit is not None:
+                    return hit, "echo:reply"
+        return self._line_echo(messages)
+
+    def _line_echo(self, messages: list[dict[str, Any]]) -> tuple[str, str] | None:
+        """Rewritten histories and side requests (a commit message for a diff) still quote served lines.
+
+        Lines that also appear in a system prompt are ignored: unrelated sessions of one client share those.
+        """
+        system = {
+            _digest(line)
+            for m in messages
+            if m.get("role") in ("system", "developer")
+            for line in _echo_lines(message_text(m.get("content")))
+        }
+        votes: dict[str, int] = {}
+        for message in messages:
+            if message.get("role") in ("system", "developer"):
+                continue
+            for line in dict.fromkeys(_echo_lines(message_text(message.get("content")))):
+                key = _digest(line)
+                hit = self._lines.get(key) if key not in system else None
+                if hit is not None:
+                    votes[hit] = votes.get(hit, 0) + 1
+        if not votes:
+            return None
+        best, count = max(votes.items(), key=lambda kv: kv[1])
+        return (best, "echo:lines") if count >= 2 else None
+
+
+def _tool_call_ids(message: Mapping[str, Any]) -> list[str]:
+    ids = []
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        ids += [c["id"] for c in calls if isinstance(c, dict) and isinstance(c.get("id"), str)]
+    for key in ("tool_call_id", "call_id"):
+        if isinstance(message.get(key), str):
+            ids.append(message[key])
+    content = message.get("content")
+    if isinstance(content, list):  # Anthropic tool_use / tool_result blocks
+        for block in content:
+            if isinstance(block, dict):
+                for key in ("id", "tool_use_id"):
+                    if block.get("type") in ("tool_use", "tool_result") and isinstance(block.get(key), str):
+                        ids.append(block[key])
+    return ids
