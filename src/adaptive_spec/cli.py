@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from adaptive_spec import __version__
+from adaptive_spec.core.ngram import NgramParams
 from adaptive_spec.core.profiles import (
     DRAFT_TYPES,
     AttachedProfile,
@@ -20,7 +21,7 @@ from adaptive_spec.core.profiles import (
 from adaptive_spec.errors import AdaptiveSpecError, ConfigError
 from adaptive_spec.models import DEFAULT_MODEL, EMBEDDED, ensure_embedded, resolve_model
 from adaptive_spec.proxy.app import ProxySettings
-from adaptive_spec.serve import LaunchPlan, ServePlan, run, say
+from adaptive_spec.serve import LaunchPlan, ServePlan, SessionPlan, run, say
 
 EPILOG = """\
 examples:
@@ -92,6 +93,25 @@ def _parser() -> argparse.ArgumentParser:
         "--read-timeout", type=float, default=600.0, help="seconds of upstream silence before a request fails (504)"
     )
     serve.add_argument("--history", type=int, default=1000, help="request records kept for /adaptive/requests")
+    sessions = serve.add_argument_group("sessions and repeated-context statistics")
+    sessions.add_argument(
+        "--tokenizer",
+        choices=["auto", "gguf", "endpoint", "tiktoken", "off"],
+        default="auto",
+        help="token source: the GGUF's own (llama-cpp-python), the profile's /tokenize, tiktoken",
+    )
+    sessions.add_argument(
+        "--project-key",
+        action="append",
+        default=[],
+        metavar="API_KEY=PROJECT",
+        help="requests with this API key belong to PROJECT (repeatable)",
+    )
+    sessions.add_argument("--max-sessions", type=int, default=64)
+    sessions.add_argument("--session-tokens", type=int, default=131_072, help="tokens indexed per session")
+    sessions.add_argument(
+        "--session-idle", type=float, default=3600.0, help="seconds before an idle session is dropped"
+    )
     model = sub.add_parser("model", help="print the path of an embedded model, assembling it if needed")
     model.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(EMBEDDED))
     return parser
@@ -111,6 +131,20 @@ def _ngram_params(text: str | None) -> NgramModParams:
     return NgramModParams(n_match, n_min, n_max)
 
 
+def _session_plan(args: argparse.Namespace, ngram: NgramModParams) -> SessionPlan:
+    key_projects = {}
+    for item in args.project_key:
+        key, sep, project = item.partition("=")
+        if not sep or not key or not project:
+            raise ConfigError(f"--project-key {item!r}: expected API_KEY=PROJECT")
+        key_projects[key] = project
+    return SessionPlan(
+        tokenizer=args.tokenizer, ngram=NgramParams(ngram.n_match, ngram.n_min, ngram.n_max),
+        key_projects=key_projects, max_sessions=args.max_sessions, max_tokens=args.session_tokens,
+        idle_expiry_s=args.session_idle,
+    )  # fmt: skip
+
+
 def _serve_plan(args: argparse.Namespace) -> ServePlan:
     proxy = ProxySettings(
         max_body_bytes=int(args.max_body_mb * 1024 * 1024), read_timeout_s=args.read_timeout, history_size=args.history
@@ -122,7 +156,8 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
         names = [a.name for a in attached]
         if len(set(names)) != len(names):
             raise ConfigError(f"--profile names must be unique, got {', '.join(names)}")
-        return ServePlan(args.host, args.port, proxy, args.default_profile, attach=attached)
+        sessions = _session_plan(args, _ngram_params(args.ngram_mod))
+        return ServePlan(args.host, args.port, proxy, args.default_profile, attach=attached, sessions=sessions)
     from adaptive_spec.launcher import find_llama_server
 
     if args.draft_type and not args.draft and args.draft_type != "mtp":
@@ -137,8 +172,12 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
         parallel=args.parallel,
         extra_args=tuple(args.server_arg),
     )
-    specs = list(default_profiles(args.draft_type, _ngram_params(args.ngram_mod)))
-    return ServePlan(args.host, args.port, proxy, args.default_profile, launch=LaunchPlan(binary, specs, settings))
+    ngram = _ngram_params(args.ngram_mod)
+    specs = list(default_profiles(args.draft_type, ngram))
+    launch = LaunchPlan(binary, specs, settings)
+    return ServePlan(
+        args.host, args.port, proxy, args.default_profile, launch=launch, sessions=_session_plan(args, ngram)
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,11 +18,21 @@ import aiohttp
 import platformdirs
 from aiohttp import web
 
+from adaptive_spec.core.context import ContextTracker
+from adaptive_spec.core.ngram import NgramParams
 from adaptive_spec.core.profiles import AttachedProfile, ProfileInfo, ProfileSpec, ServerSettings, model_mismatch
-from adaptive_spec.errors import LaunchError, ProfileMismatchError
+from adaptive_spec.errors import ConfigError, LaunchError, ProfileMismatchError
 from adaptive_spec.launcher import Launcher
 from adaptive_spec.proxy.app import ProxySettings, build_app
 from adaptive_spec.proxy.probe import probe
+from adaptive_spec.proxy.stats import SessionService
+from adaptive_spec.proxy.tokenizers import (
+    CachingTokenizer,
+    EndpointTokenizer,
+    Tokenizer,
+    llama_vocab_tokenizer,
+    tiktoken_o200k,
+)
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
 
 
@@ -38,6 +48,16 @@ class LaunchPlan:
 
 
 @dataclass(frozen=True)
+class SessionPlan:
+    tokenizer: str = "auto"  # auto | gguf | endpoint | tiktoken | off
+    ngram: NgramParams = field(default_factory=NgramParams)
+    key_projects: dict[str, str] = field(default_factory=dict)
+    max_sessions: int = 64
+    max_tokens: int = 131_072
+    idle_expiry_s: float = 3600.0
+
+
+@dataclass(frozen=True)
 class ServePlan:
     host: str
     port: int
@@ -45,6 +65,31 @@ class ServePlan:
     default_profile: str | None
     launch: LaunchPlan | None = None
     attach: list[AttachedProfile] = field(default_factory=list)
+    sessions: SessionPlan = field(default_factory=SessionPlan)
+
+
+async def _tokenizer(plan: ServePlan, session: aiohttp.ClientSession, default_url: str) -> Tokenizer | None:
+    """The token source for session statistics: the GGUF's own, the profile's /tokenize, or tiktoken."""
+    choice = plan.sessions.tokenizer
+    if choice == "off":
+        return None
+    model_path = plan.launch.settings.model.path if plan.launch is not None else None
+    if choice in ("auto", "gguf") and model_path:
+        found = await asyncio.to_thread(llama_vocab_tokenizer, model_path)
+        if found is not None:
+            return CachingTokenizer(found)
+        if choice == "gguf":
+            raise ConfigError("--tokenizer gguf needs llama-cpp-python: pip install 'adaptive-spec[gguf-tokenizer]'")
+    if choice in ("auto", "endpoint"):
+        endpoint = EndpointTokenizer(session, default_url)
+        try:
+            await endpoint.encode(["probe"])
+            return CachingTokenizer(endpoint)
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
+            if choice == "endpoint":
+                raise LaunchError(f"--tokenizer endpoint: {default_url}/tokenize failed: {exc}") from exc
+            say(f"{default_url}/tokenize failed ({exc}); counting tokens with tiktoken o200k_base instead")
+    return CachingTokenizer(await asyncio.to_thread(tiktoken_o200k))
 
 
 def state_dir() -> Path:
@@ -64,6 +109,7 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
     launcher: Launcher | None = None
     run_dir: Path | None = None
     runner: web.AppRunner | None = None
+    client = aiohttp.ClientSession()
     try:
         upstreams = [Upstream(a.name, a.base_url, a.upstream_model) for a in plan.attach]
         if plan.launch is not None:
@@ -76,15 +122,23 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
         table = UpstreamTable(upstreams, plan.default_profile)
         if launcher is not None:
             launcher.set_health_hooks(table.mark_up, table.mark_down)
-        async with aiohttp.ClientSession() as session:
-            infos = [await probe(session, u) for u in upstreams]
+        infos = [await probe(client, u) for u in upstreams]
         say("profiles:")
         for info in infos:
             say(describe(info))
         mismatch = model_mismatch(infos)
         if mismatch:
             raise ProfileMismatchError(mismatch)
-        runner = web.AppRunner(build_app(table, plan.proxy), handler_cancellation=True, access_log=None)
+        default = table.get(table.default)
+        assert default is not None
+        tokenizer = await _tokenizer(plan, client, default.base_url)
+        sp = plan.sessions
+        tracker = ContextTracker(sp.ngram, max_sessions=sp.max_sessions, max_tokens=sp.max_tokens,
+                                 idle_expiry_s=sp.idle_expiry_s)  # fmt: skip
+        sessions = SessionService(tracker, tokenizer, sp.key_projects)
+        say(f"sessions: tokens from {tokenizer.name if tokenizer else 'nowhere (statistics off)'}")
+        app = build_app(table, plan.proxy, sessions)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         try:
             await web.TCPSite(runner, plan.host, plan.port).start()
@@ -98,6 +152,7 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
     finally:
         if runner is not None:
             await runner.cleanup()
+        await client.close()
         if launcher is not None:
             await launcher.stop()
         if run_dir is not None:

@@ -31,6 +31,8 @@ class RequestRecord:
     path: str
     api: str
     project: str
+    session_id: str | None
+    session_source: str | None  # how the session was recognised: header:…, body:…, echo:…, new
     profile: str
     stream: bool
     status: int

@@ -19,6 +19,7 @@ _SUBAGENT_HEADERS = ("x-openai-subagent", "x-subagent", "x-claude-code-subagent"
 # Lines shorter than this are too common ("return x", "}") to say which session served them.
 _MIN_ECHO_LINE = 24
 _MAX_LINES_PER_REPLY = 400
+_AMBIGUOUS = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +130,9 @@ class SessionRegistry:
             self._put(self._replies, _digest("tool-call:" + call_id), session_id)
 
     def _put(self, table: OrderedDict[bytes, str], key: bytes, session_id: str) -> None:
-        table[key] = session_id
+        # Text served to two sessions (a stock phrase, a shared snippet) says nothing about either: mark it void.
+        previous = table.get(key)
+        table[key] = session_id if previous in (None, session_id) else _AMBIGUOUS
         table.move_to_end(key)
         while len(table) > self._max:
             table.popitem(last=False)
@@ -140,11 +143,11 @@ class SessionRegistry:
         for message in reversed(messages):
             for call_id in _tool_call_ids(message):
                 hit = self._replies.get(_digest("tool-call:" + call_id))
-                if hit is not None:
+                if hit:
                     return hit, "echo:tool-call"
             if message.get("role") == "assistant":
                 hit = self._replies.get(_digest(_norm(message_text(message.get("content")))))
-                if hit is not None:
+                if hit:
                     return hit, "echo:reply"
         return self._line_echo(messages)
 
@@ -166,7 +169,7 @@ class SessionRegistry:
             for line in dict.fromkeys(_echo_lines(message_text(message.get("content")))):
                 key = _digest(line)
                 hit = self._lines.get(key) if key not in system else None
-                if hit is not None:
+                if hit:
                     votes[hit] = votes.get(hit, 0) + 1
         if not votes:
             return None
@@ -190,3 +193,32 @@ def _tool_call_ids(message: Mapping[str, Any]) -> list[str]:
                     if block.get("type") in ("tool_use", "tool_result") and isinstance(block.get(key), str):
                         ids.append(block[key])
     return ids
+
+
+def _tool_text(message: Mapping[str, Any]) -> str:
+    parts = []
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                parts.append(function["arguments"])
+    for key in ("arguments", "output"):  # Responses-API function_call / function_call_output items
+        if isinstance(message.get(key), str):
+            parts.append(message[key])
+    return "\n".join(parts)
+
+
+def context_messages(body: Mapping[str, Any]) -> list[tuple[bytes, bool, str]]:
+    """A request's context as (digest, written by the assistant, text), system prompt first."""
+    out: list[tuple[bytes, bool, str]] = []
+    for key in ("instructions", "system"):  # Responses API and Anthropic keep the system prompt apart
+        text = message_text(body.get(key))
+        if text:
+            out.append((_digest("system\0" + "".join(text.split())), False, text))
+    for message in messages_of(body):
+        role = str(message.get("role") or message.get("type") or "")
+        text = "\n".join(t for t in (message_text(message.get("content")), _tool_text(message)) if t)
+        assistant = role in ("assistant", "function_call", "custom_tool_call")
+        out.append((_digest(role + "\0" + "".join(text.split())), assistant, text))
+    return out

@@ -6,12 +6,12 @@ from typing import Any
 
 import orjson
 
+from adaptive_spec.core.output import OutputCollector, body_output, event_output
 from adaptive_spec.core.records import Timings
 from adaptive_spec.core.sse import SSEEvent
 
 # Where each API puts the object that may carry `timings` / `usage`: the event itself, or a nested object.
 _CONTAINERS = ("response", "message")
-_WANTED_AFTER_SECOND_TOKEN = ('"timings"', '"usage"', '"error"')
 # The last event of a Responses-API or Anthropic stream (OpenAI chat/completions end with `data: [DONE]`).
 _END_EVENTS = frozenset({"response.completed", "response.failed", "response.incomplete", "message_stop"})
 # Responses-API and Anthropic stream events whose `delta` is generated text.
@@ -133,9 +133,10 @@ class ResponseMeter:
     The caller passes a monotonic clock reading in milliseconds with each piece, so this stays free of I/O.
     """
 
-    __slots__ = ("_pieces", "_timings", "_usage", "complete", "error", "first_token_ms", "second_token_ms")
+    __slots__ = ("_pieces", "_timings", "_usage", "complete", "error", "first_token_ms", "output", "second_token_ms")
 
     def __init__(self) -> None:
+        self.output = OutputCollector()
         # True once the stream's own end marker arrived: a client may hang up right after it, and lose nothing.
         self.complete = False
         self._timings: Timings | None = None
@@ -151,16 +152,13 @@ class ResponseMeter:
             self.complete = True
         if not data or data == "[DONE]":
             return
-        if self._pieces >= 2 and not any(key in data for key in _WANTED_AFTER_SECOND_TOKEN):
-            # The hot path: once both token times are known, only timings, usage and errors matter, and a
-            # substring test is far cheaper than parsing every token event.
-            return
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
             return
         if not isinstance(obj, dict):
             return
+        self.output.add(*event_output(obj))
         pieces = generated_pieces(obj)
         if pieces:
             if self._pieces == 0:
@@ -179,6 +177,7 @@ class ResponseMeter:
         except orjson.JSONDecodeError:
             return
         self._take(obj)
+        self.output.add(*body_output(obj))
         if isinstance(obj, dict) and "error" in obj:
             self.error = _error_text(obj)
 

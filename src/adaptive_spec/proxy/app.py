@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,11 +15,14 @@ import orjson
 from aiohttp import web
 
 from adaptive_spec.core.history import RequestHistory
+from adaptive_spec.core.project import DEFAULT_PROJECT
 from adaptive_spec.core.records import RequestRecord
 from adaptive_spec.core.requests import GENERATING_APIS, ParsedRequest, RequestProblem, parse_body, split_path
+from adaptive_spec.core.sessions import SessionAssignment
 from adaptive_spec.core.timings import ResponseMeter
 from adaptive_spec.proxy.errors import error_response
 from adaptive_spec.proxy.forward import Outcome, forward
+from adaptive_spec.proxy.stats import SessionService, run_worker
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
 
 PROFILE_HEADER = "x-adaptive-spec-profile"
@@ -40,17 +44,23 @@ HISTORY = web.AppKey("history", RequestHistory)
 UPSTREAMS = web.AppKey("upstreams", UpstreamTable)
 SETTINGS = web.AppKey("settings", ProxySettings)
 CLIENT = web.AppKey("client", aiohttp.ClientSession)
+SESSIONS: web.AppKey[SessionService | None] = web.AppKey("sessions")
 
 
-def build_app(upstreams: UpstreamTable, settings: ProxySettings) -> web.Application:
+def build_app(
+    upstreams: UpstreamTable, settings: ProxySettings, sessions: SessionService | None = None
+) -> web.Application:
     # The body limit is enforced by read_body (to answer in the OpenAI error shape), not by aiohttp.
     app = web.Application(client_max_size=settings.max_body_bytes + 1)
     app[UPSTREAMS] = upstreams
     app[SETTINGS] = settings
     app[HISTORY] = RequestHistory(settings.history_size)
+    app[SESSIONS] = sessions
     app.cleanup_ctx.append(_client_session)
+    app.cleanup_ctx.append(_session_worker)
     app.router.add_get("/adaptive/requests", _requests_view)
     app.router.add_get("/adaptive/health", _health_view)
+    app.router.add_get("/adaptive/sessions", _sessions_view)
     app.router.add_route("*", "/{tail:.*}", _proxy_view)
     return app
 
@@ -61,6 +71,25 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
         app[CLIENT] = session
         yield
+
+
+async def _session_worker(app: web.Application) -> AsyncIterator[None]:
+    service = app[SESSIONS]
+    task = asyncio.create_task(run_worker(service)) if service is not None else None
+    yield
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _sessions_view(request: web.Request) -> web.Response:
+    service = request.app[SESSIONS]
+    if service is None:
+        return error_response(404, "session tracking is off", code="sessions_off")
+    if request.query.get("drain") == "1":  # wait for pending updates: handy for tests and scripts
+        await service.drain()
+    return web.Response(body=orjson.dumps(service.to_json()), content_type="application/json")
 
 
 async def _requests_view(request: web.Request) -> web.Response:
@@ -145,6 +174,9 @@ async def _proxy_view(request: web.Request) -> web.StreamResponse:
     parsed: ParsedRequest | None = None
     outcome: Outcome | None = None
     meter = ResponseMeter()
+    service = request.app[SESSIONS]
+    assignment: SessionAssignment | None = None
+    project = routed.project or DEFAULT_PROJECT
     status = 500
     error: str | None = "the proxy stopped before the request was answered"
     try:
@@ -159,6 +191,9 @@ async def _proxy_view(request: web.Request) -> web.StreamResponse:
                 status, error = 400, result.message
                 return error_response(400, result.message, code=result.code, param=result.param)
             parsed = result
+            if service is not None:
+                headers = {k.lower(): v for k, v in request.headers.items()}
+                assignment, project = service.assign(headers, parsed.body, routed.project)
         chosen = choose_upstream(request, table)
         if isinstance(chosen, web.Response):
             status, error = chosen.status, (chosen.text or "")[:300]
@@ -189,6 +224,9 @@ async def _proxy_view(request: web.Request) -> web.StreamResponse:
         status, error = 500, f"internal error: {exc!r}"
         raise
     finally:
+        finished = error is None and status < 400
+        if finished and service is not None and assignment is not None and parsed is not None:
+            service.finished(assignment, project, parsed.body, meter.output)
         request.app[HISTORY].add(
             RequestRecord(
                 request_id=request_id,
@@ -196,11 +234,13 @@ async def _proxy_view(request: web.Request) -> web.StreamResponse:
                 method=request.method,
                 path=request.path,
                 api=routed.api,
-                project=routed.project or "default",
+                project=project,
+                session_id=assignment.session_id if assignment else None,
+                session_source=assignment.source if assignment else None,
                 profile=profile,
                 stream=parsed.stream if parsed is not None else False,
                 status=status,
-                outcome="finished" if error is None and status < 400 else "failed",
+                outcome="finished" if finished else "failed",
                 error=error,
                 timings=meter.timings,
                 ttft_ms=meter.first_token_ms,

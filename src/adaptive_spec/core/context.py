@@ -1,0 +1,175 @@
+"""Per-session repeated-context statistics: how much of each new prompt repeats earlier context, and what an
+n-gram drafter would have made of each response (a counterfactual estimate, whichever profile served it)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from adaptive_spec.core.ngram import SEPARATOR, DraftEstimate, NgramIndex, NgramParams, simulate
+
+
+@dataclass(frozen=True, slots=True)
+class TurnStats:
+    """One turn of a session. Every `est_` figure is an estimate from the counterfactual drafter."""
+
+    turn: int
+    new_prompt_tokens: int
+    prompt_repeat_share: float  # share of the new prompt tokens an n-gram lookup of earlier context predicted
+    output_tokens: int
+    est_drafted: int
+    est_accepted: int
+    est_accepted_share: float  # share of output tokens that accepted n-gram drafts would have produced
+    est_mean_accepted_run: float
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSnapshot:
+    session_id: str
+    project: str
+    turns: int
+    indexed_tokens: int
+    memory_bytes: int
+    est_accepted_share_ewma: float | None
+    prompt_repeat_share_ewma: float | None
+    last_turns: tuple[TurnStats, ...]
+    last_seen: float
+
+
+@dataclass
+class _Session:
+    project: str
+    index: NgramIndex
+    last_seen: float
+    seen_messages: set[bytes] = field(default_factory=set)
+    last_digests: list[bytes] = field(default_factory=list)
+    turns: int = 0
+    accepted_ewma: float | None = None
+    repeat_ewma: float | None = None
+    pending_prompt: tuple[int, float] = (0, 0.0)  # (new prompt tokens, repeat share) awaiting the response
+    history: deque[TurnStats] = field(default_factory=deque)
+
+
+def _ewma(old: float | None, value: float, alpha: float) -> float:
+    return value if old is None else alpha * value + (1 - alpha) * old
+
+
+class ContextTracker:
+    """Bounded: at most `max_sessions` (least recently used dropped), `max_tokens` indexed tokens per session,
+    sessions idle longer than `idle_expiry_s` dropped on the next call to `expire`."""
+
+    def __init__(
+        self,
+        params: NgramParams,
+        *,
+        max_sessions: int = 64,
+        max_tokens: int = 131_072,
+        idle_expiry_s: float = 3600.0,
+        ewma_alpha: float = 0.5,
+        keep_turns: int = 8,
+    ) -> None:
+        self.params = params
+        self.max_sessions, self.max_tokens = max_sessions, max_tokens
+        self.idle_expiry_s, self.alpha, self.keep_turns = idle_expiry_s, ewma_alpha, keep_turns
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+
+    def _get(self, session_id: str, project: str, now: float) -> _Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            session = _Session(project, NgramIndex(self.params.n_match, self.max_tokens), now)
+            self._sessions[session_id] = session
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+        self._sessions.move_to_end(session_id)
+        session.last_seen = now
+        return session
+
+    def plan(self, session_id: str, messages: Sequence[tuple[bytes, bool]]) -> list[int]:
+        """Which of a request's messages (digest, is-assistant) are new to the session and need indexing.
+
+        An append-only history (what most agents send) costs only what follows the previous request's messages,
+        less the reply the proxy served (already indexed from the output). A rewritten history costs the
+        messages whose content the session has not seen.
+        """
+        session = self._sessions.get(session_id)
+        if session is None:
+            return list(range(len(messages)))
+        digests = [d for d, _ in messages]
+        previous = session.last_digests
+        if previous and digests[: len(previous)] == previous:
+            start = len(previous)
+            if session.turns:
+                while start < len(messages) and messages[start][1]:
+                    start += 1
+            return list(range(start, len(messages)))
+        return [i for i, d in enumerate(digests) if d not in session.seen_messages]
+
+    def on_prompt(
+        self,
+        session_id: str,
+        project: str,
+        all_digests: Sequence[bytes],
+        new_messages: Sequence[Sequence[int]],
+        now: float,
+    ) -> tuple[int, float]:
+        """Index a request's new messages (their tokens, from `plan`); returns (new prompt tokens, repeat share)."""
+        session = self._get(session_id, project, now)
+        new_tokens = predicted = 0
+        for tokens in new_messages:
+            predicted += session.index.extend(tokens)
+            session.index.extend((SEPARATOR,))
+            new_tokens += len(tokens)
+        session.seen_messages.update(all_digests)
+        session.last_digests = list(all_digests)
+        share = predicted / new_tokens if new_tokens else 0.0
+        session.pending_prompt = (new_tokens, share)
+        return new_tokens, share
+
+    def on_output(
+        self, session_id: str, project: str, reply_digest: bytes, output: Sequence[int], now: float
+    ) -> TurnStats:
+        """Replay a response through the counterfactual drafter and fold it into the session's statistics."""
+        session = self._get(session_id, project, now)
+        estimate: DraftEstimate = simulate(session.index, output, self.params)
+        session.index.extend((SEPARATOR,))
+        session.seen_messages.add(reply_digest)  # the next request carries this reply back: it is not new
+        session.turns += 1
+        new_tokens, repeat = session.pending_prompt
+        session.pending_prompt = (0, 0.0)
+        turn = TurnStats(
+            turn=session.turns,
+            new_prompt_tokens=new_tokens,
+            prompt_repeat_share=repeat,
+            output_tokens=estimate.output_tokens,
+            est_drafted=estimate.drafted,
+            est_accepted=estimate.accepted,
+            est_accepted_share=estimate.accepted_share,
+            est_mean_accepted_run=estimate.mean_accepted_run,
+        )
+        session.history.append(turn)
+        while len(session.history) > self.keep_turns:
+            session.history.popleft()
+        if estimate.output_tokens:
+            session.accepted_ewma = _ewma(session.accepted_ewma, estimate.accepted_share, self.alpha)
+        if new_tokens:
+            session.repeat_ewma = _ewma(session.repeat_ewma, repeat, self.alpha)
+        return turn
+
+    def expire(self, now: float) -> list[str]:
+        gone = [sid for sid, s in self._sessions.items() if now - s.last_seen > self.idle_expiry_s]
+        for sid in gone:
+            del self._sessions[sid]
+        return gone
+
+    def snapshot(self, session_id: str) -> SessionSnapshot | None:
+        s = self._sessions.get(session_id)
+        if s is None:
+            return None
+        return SessionSnapshot(
+            session_id, s.project, s.turns, len(s.index), s.index.memory_bytes(), s.accepted_ewma, s.repeat_ewma,
+            tuple(s.history), s.last_seen,
+        )  # fmt: skip
+
+    def snapshots(self) -> list[SessionSnapshot]:
+        return [snap for sid in reversed(self._sessions) if (snap := self.snapshot(sid)) is not None]

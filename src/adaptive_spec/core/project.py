@@ -1,0 +1,80 @@
+"""Which project a request belongs to: the /p/<project> prefix, an API key's project, the workspace the agent
+reveals, the session's project, else `default`."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import PurePosixPath, PureWindowsPath
+from typing import Any
+
+import orjson
+
+from adaptive_spec.core.sessions import message_text, messages_of
+
+DEFAULT_PROJECT = "default"
+_CWD_TAG = re.compile(r"<cwd>\s*([^<\n]+?)\s*</cwd>")
+_WORKDIR_LINE = re.compile(
+    r"^\s*(?:Working directory|Current working directory|cwd)\s*:\s*(\S[^\n]*?)\s*$", re.I | re.M
+)
+_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_SCAN_CHARS = 200_000  # system prompts are long; the workspace line is near the top
+
+
+def project_name(path: str) -> str | None:
+    """A workspace path's last component, made safe for a file name and a metrics label."""
+    path = path.strip().strip("\"'`")
+    if not path:
+        return None
+    name = (PureWindowsPath(path) if "\\" in path else PurePosixPath(path)).name
+    name = _SAFE.sub("-", name).strip("-.")
+    return name[:64] or None
+
+
+def workspace_from_request(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+    """The workspace an agent reveals: Codex's turn-metadata header, a <cwd> tag, or a `Working directory:` line."""
+    meta = headers.get("x-codex-turn-metadata")
+    if meta:
+        try:
+            parsed = orjson.loads(meta)
+        except orjson.JSONDecodeError:
+            parsed = None
+        workspaces = parsed.get("workspaces") if isinstance(parsed, dict) else None
+        if isinstance(workspaces, dict) and workspaces:
+            return project_name(next(iter(workspaces)))
+    for message in messages_of(body)[:4]:
+        if message.get("role") not in ("system", "developer", "user"):
+            continue
+        text = message_text(message.get("content"))[:_SCAN_CHARS]
+        for pattern in (_CWD_TAG, _WORKDIR_LINE):
+            found = pattern.search(text)
+            if found:
+                return project_name(found.group(1))
+    for key in ("instructions", "system"):  # Responses API / Anthropic put the system prompt here
+        text = message_text(body.get(key))[:_SCAN_CHARS]
+        for pattern in (_CWD_TAG, _WORKDIR_LINE):
+            found = pattern.search(text)
+            if found:
+                return project_name(found.group(1))
+    return None
+
+
+def resolve_project(
+    path_project: str | None,
+    api_key: str | None,
+    key_projects: Mapping[str, str],
+    headers: Mapping[str, str],
+    body: Mapping[str, Any],
+    session_project: str | None,
+) -> tuple[str, str]:
+    """(project, how it was found)."""
+    if path_project:
+        return path_project, "path"
+    if api_key and api_key in key_projects:
+        return key_projects[api_key], "api-key"
+    workspace = workspace_from_request(headers, body)
+    if workspace:
+        return workspace, "workspace"
+    if session_project:
+        return session_project, "session"
+    return DEFAULT_PROJECT, "default"

@@ -1,0 +1,124 @@
+"""Sessions for the proxy: grouping each request, and updating the repeated-context statistics after each
+response in one background worker (tokenizing off the request path, in arrival order)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from adaptive_spec.core.context import ContextTracker
+from adaptive_spec.core.output import OutputCollector
+from adaptive_spec.core.project import resolve_project
+from adaptive_spec.core.sessions import SessionAssignment, SessionRegistry, context_messages
+from adaptive_spec.proxy.tokenizers import Tokenizer
+
+log = logging.getLogger(__name__)
+ESTIMATE_NOTE = (
+    "est_* figures are estimates: a replay of each response through a simulated ngram-mod drafter over the "
+    "session's context, whichever profile served it"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Work:
+    session_id: str
+    project: str
+    body: Mapping[str, Any]
+    output_text: str
+    at: float
+
+
+class SessionService:
+    def __init__(
+        self,
+        tracker: ContextTracker,
+        tokenizer: Tokenizer | None,
+        key_projects: Mapping[str, str] | None = None,
+        queue_size: int = 256,
+    ) -> None:
+        self.registry = SessionRegistry()
+        self.tracker = tracker
+        self.tokenizer = tokenizer
+        self._key_projects = dict(key_projects or {})
+        self._projects: OrderedDict[str, str] = OrderedDict()
+        self._queue: asyncio.Queue[_Work] = asyncio.Queue(maxsize=queue_size)
+        self.dropped = 0
+        self.processed = 0
+
+    def assign(
+        self, headers: Mapping[str, str], body: Mapping[str, Any], path_project: str | None
+    ) -> tuple[SessionAssignment, str]:
+        """The request's session and project. `headers` must have lower-case keys."""
+        assignment = self.registry.assign(headers, body)
+        auth = headers.get("authorization", "")
+        api_key = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key")
+        project, _ = resolve_project(
+            path_project, api_key, self._key_projects, headers, body, self._projects.get(assignment.session_id)
+        )
+        self._projects[assignment.session_id] = project
+        self._projects.move_to_end(assignment.session_id)
+        while len(self._projects) > 10_000:
+            self._projects.popitem(last=False)
+        return assignment, project
+
+    def finished(
+        self, assignment: SessionAssignment, project: str, body: Mapping[str, Any], out: OutputCollector
+    ) -> None:
+        """A response was served in full: remember it for the reply echo now; update statistics in the background."""
+        text = out.text
+        self.registry.note_reply(assignment.session_id, text, out.tool_call_ids)
+        if self.tokenizer is None:
+            return
+        try:
+            self._queue.put_nowait(_Work(assignment.session_id, project, body, text, time.time()))
+        except asyncio.QueueFull:
+            self.dropped += 1
+
+    async def run(self) -> None:
+        """The worker: one update at a time, so a session's turns are folded in the order they were served."""
+        while True:
+            work = await self._queue.get()
+            try:
+                await self._update(work)
+                self.processed += 1
+            except Exception:
+                log.exception("session statistics update failed for %s", work.session_id)
+            finally:
+                self._queue.task_done()
+            self.tracker.expire(time.time())
+
+    async def drain(self) -> None:
+        """Wait until every queued update is folded in (tests and shutdown)."""
+        await self._queue.join()
+
+    async def _update(self, work: _Work) -> None:
+        assert self.tokenizer is not None
+        messages = context_messages(work.body)
+        plan = self.tracker.plan(work.session_id, [(digest, assistant) for digest, assistant, _ in messages])
+        texts = [messages[i][2] for i in plan] + [work.output_text]
+        tokens = await self.tokenizer.encode(texts)
+        all_digests = [digest for digest, _, _ in messages]
+        self.tracker.on_prompt(work.session_id, work.project, all_digests, tokens[:-1], work.at)
+        reply_digest = context_messages({"messages": [{"role": "assistant", "content": work.output_text}]})[0][0]
+        self.tracker.on_output(work.session_id, work.project, reply_digest, tokens[-1], work.at)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "note": ESTIMATE_NOTE,
+            "tokenizer": self.tokenizer.name if self.tokenizer is not None else None,
+            "ngram": asdict(self.tracker.params),
+            "updates_processed": self.processed,
+            "updates_dropped": self.dropped,
+            "sessions": [asdict(s) for s in self.tracker.snapshots()],
+        }
+
+
+async def run_worker(service: SessionService) -> None:
+    with contextlib.suppress(asyncio.CancelledError):
+        await service.run()

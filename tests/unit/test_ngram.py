@@ -1,0 +1,91 @@
+from __future__ import annotations
+
+import random
+
+from adaptive_spec.core.context import ContextTracker
+from adaptive_spec.core.ngram import SEPARATOR, NgramIndex, NgramParams, simulate
+
+PARAMS = NgramParams(n_match=4, n_min=3, n_max=8)
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+def test_copying_the_context_is_drafted_and_accepted() -> None:
+    context = _tokens(1, 400)
+    index = NgramIndex(PARAMS.n_match, 10_000)
+    index.extend(context)
+    index.extend(context[96:100])  # the model is about to repeat context[100:]
+    estimate = simulate(index, context[100:300], PARAMS)
+    assert estimate.output_tokens == 200
+    assert estimate.accepted_share > 0.8
+    assert estimate.acceptance > 0.8
+    assert estimate.mean_accepted_run >= 5
+
+
+def test_novel_output_is_never_drafted() -> None:
+    index = NgramIndex(PARAMS.n_match, 10_000)
+    index.extend(_tokens(1, 400))
+    estimate = simulate(index, _tokens(2, 200), PARAMS)
+    assert (estimate.drafted, estimate.accepted, estimate.accepted_share) == (0, 0, 0.0)
+
+
+def test_drafts_shorter_than_n_min_are_dropped() -> None:
+    index = NgramIndex(4, 1000)
+    index.extend([1, 2, 3, 4, 5, 6, SEPARATOR, 1, 2, 3, 4])  # only "5, 6" can follow, then the chain ends
+    assert index.draft(index.window, n_max=8, n_min=3) == []
+    assert index.draft(index.window, n_max=8, n_min=2) == [5, 6]
+
+
+def test_separator_stops_ngrams_spanning_messages() -> None:
+    index = NgramIndex(2, 1000)
+    assert index.extend([7, 8, SEPARATOR, 9]) == 0
+    index.extend([SEPARATOR, 7, 8])
+    assert index.draft(index.window, n_max=4, n_min=1) == []
+
+
+def test_prompt_repeat_count() -> None:
+    index = NgramIndex(3, 1000)
+    block = [10, 11, 12, 13, 14, 15, 16]
+    assert index.extend(block) == 0
+    assert index.extend(block) == 4  # after the first 3 tokens re-establish the context, 13..16 are predicted
+
+
+def test_index_stays_bounded() -> None:
+    index = NgramIndex(4, 1000)
+    index.extend(_tokens(3, 5000))
+    assert len(index) <= 1000
+    assert index.memory_bytes() < 1000 * 200
+
+
+def test_tracker_turns_ewma_and_new_messages_only() -> None:
+    tracker = ContextTracker(PARAMS, ewma_alpha=0.5)
+    file_tokens = _tokens(5, 300)
+    first_turn = [(b"sys", False), (b"u1", False)]
+    assert tracker.plan("s", first_turn) == [0, 1]
+    tracker.on_prompt("s", "p", [b"sys", b"u1"], [_tokens(4, 50), file_tokens], now=0.0)
+    first = tracker.on_output("s", "p", b"r1", file_tokens[:250], now=1.0)
+    assert first.turn == 1 and first.new_prompt_tokens == 350
+    # Turn 2 appends the served reply and one user message: only the user message is new.
+    second_turn = [(b"sys", False), (b"u1", False), (b"r1", True), (b"u2", False)]
+    assert tracker.plan("s", second_turn) == [3]
+    new_tokens, _ = tracker.on_prompt("s", "p", [b"sys", b"u1", b"r1", b"u2"], [[1, 2, 3]], 2.0)
+    assert new_tokens == 3
+    # A rewritten history (turn 1 summarised away) costs only the messages never seen.
+    assert tracker.plan("s", [(b"sys", False), (b"summary", False), (b"r1", True), (b"u2", False)]) == [1]
+    second = tracker.on_output("s", "p", b"r2", _tokens(6, 100), now=3.0)
+    snap = tracker.snapshot("s")
+    assert snap is not None and snap.turns == 2
+    assert snap.est_accepted_share_ewma == 0.5 * second.est_accepted_share + 0.5 * first.est_accepted_share
+    assert first.est_accepted_share > 0.5 > second.est_accepted_share
+
+
+def test_tracker_bounds_sessions_and_expires_idle_ones() -> None:
+    tracker = ContextTracker(PARAMS, max_sessions=2, idle_expiry_s=10)
+    for i, sid in enumerate(("a", "b", "c")):
+        tracker.on_prompt(sid, "p", [sid.encode()], [[1, 2, 3]], now=float(i))
+    assert [s.session_id for s in tracker.snapshots()] == ["c", "b"]
+    assert tracker.expire(now=11.5) == ["b"]
+    assert [s.session_id for s in tracker.snapshots()] == ["c"]

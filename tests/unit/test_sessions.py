@@ -1,0 +1,195 @@
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adaptive_spec.core.output import body_output
+from adaptive_spec.core.project import resolve_project
+from adaptive_spec.core.sessions import SessionRegistry
+
+FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "agent-traffic"
+
+
+def _recorded() -> list[dict[str, Any]]:
+    if not FIXTURES.is_dir():
+        pytest.skip(f"recorded agent traffic not found at {FIXTURES}")
+    records = []
+    for path in sorted(FIXTURES.glob("*.jsonl")):
+        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(records, key=lambda r: r["ts"])
+
+
+def _served(response: dict[str, Any]) -> tuple[str, list[str]]:
+    """What the recording server answered, in the shape a real response body has."""
+    body = {"choices": [{"message": response["message"]}]} if "message" in response else response
+    texts, ids = body_output(body)
+    return "".join(texts), ids
+
+
+def test_recorded_agents_are_grouped_exactly_by_their_real_sessions() -> None:
+    registry = SessionRegistry()
+    by_truth: dict[str, set[str]] = defaultdict(set)
+    sources: dict[str, set[str]] = defaultdict(set)
+    for record in _recorded():
+        if record["truth"]["kind"] == "models_list" or not isinstance(record.get("body"), dict):
+            continue
+        headers = {k.lower(): v for k, v in record["headers"].items()}
+        assigned = registry.assign(headers, record["body"])
+        by_truth[record["truth"]["session"]].add(assigned.session_id)
+        sources[record["agent"]].add(assigned.source.split(":")[0])
+        text, ids = _served(record["response"])
+        registry.note_reply(assigned.session_id, text, ids)
+    assert len(by_truth) >= 8
+    for truth, assigned_ids in by_truth.items():
+        assert len(assigned_ids) == 1, f"{truth} was split into {assigned_ids}"
+    all_ids = [next(iter(ids)) for ids in by_truth.values()]
+    assert len(set(all_ids)) == len(all_ids), "two real sessions were merged"
+    # The clients that send no ids were grouped by the reply echo, the others by their headers.
+    assert sources["llm"] <= {"echo", "new"} and "echo" in sources["llm"]
+    assert sources["opencode"] == {"header"} and sources["codex"] == {"header"}
+
+
+def test_title_requests_land_in_their_session_and_project() -> None:
+    records = [r for r in _recorded() if r["agent"] == "opencode" and isinstance(r.get("body"), dict)]
+    registry = SessionRegistry()
+    projects: dict[str, str] = {}
+    for record in records:
+        headers = {k.lower(): v for k, v in record["headers"].items()}
+        assigned = registry.assign(headers, record["body"])
+        project, how = resolve_project(None, None, {}, headers, record["body"], projects.get(assigned.session_id))
+        projects.setdefault(assigned.session_id, project)
+        if record["truth"]["kind"] == "aux_title":
+            assert assigned.source == "header:x-session-id"
+        else:
+            assert how == "workspace"
+    assert len(projects) == 3
+
+
+def _chat(system: str, *turns: tuple[str, str]) -> dict[str, Any]:
+    messages = [{"role": "system", "content": system}]
+    for role, text in turns:
+        messages.append({"role": role, "content": text})
+    return {"model": "m", "messages": messages}
+
+
+SYSTEM = "You are a coding assistant. Always answer with complete files.\nKeep explanations short and precise."
+REPLY_A = (
+    "def parse_config(path: str) -> dict[str, str]:\n    with open(path) as handle:\n        return load_pairs(handle)"
+)
+REPLY_B = "class RateLimiter:\n    def __init__(self, per_second: float) -> None:\n        self.per_second = per_second"
+
+
+def test_clients_without_ids_are_grouped_by_reply_echo_not_by_shared_prompts() -> None:
+    registry = SessionRegistry()
+    a1 = registry.assign({}, _chat(SYSTEM, ("user", "write parse_config")))
+    registry.note_reply(a1.session_id, REPLY_A, [])
+    b1 = registry.assign({}, _chat(SYSTEM, ("user", "write a rate limiter")))
+    registry.note_reply(b1.session_id, REPLY_B, [])
+    assert a1.session_id != b1.session_id and a1.source == b1.source == "new"
+    # Session A continues, rewriting its history (the first user turn is summarised away).
+    a2 = registry.assign(
+        {}, _chat(SYSTEM, ("user", "(summary of earlier turns)"), ("assistant", REPLY_A), ("user", "add caching"))
+    )
+    assert (a2.session_id, a2.source) == (a1.session_id, "echo:reply")
+    # A side request with a different system prompt quotes the served code in a diff: same session.
+    diff = "diff --git a/config.py b/config.py\n" + "\n".join("+" + line for line in REPLY_B.splitlines())
+    side = registry.assign({}, _chat("Write a one-line commit message for this diff.", ("user", diff)))
+    assert (side.session_id, side.source) == (b1.session_id, "echo:lines")
+    # A new conversation that shares only the system prompt and a few-shot example is a new session.
+    c1 = registry.assign(
+        {}, _chat(SYSTEM, ("user", "example: write hello"), ("assistant", "print('hello')"), ("user", "x"))
+    )
+    assert c1.source == "new" and c1.session_id not in (a1.session_id, b1.session_id)
+
+
+def test_reply_served_to_two_sessions_groups_neither() -> None:
+    registry = SessionRegistry()
+    registry.note_reply("s1", "Sure, here is the complete updated file for you.", [])
+    registry.note_reply("s2", "Sure, here is the complete updated file for you.", [])
+    got = registry.assign({}, _chat(SYSTEM, ("assistant", "Sure, here is the complete updated file for you.")))
+    assert got.source == "new"
+
+
+def test_tool_call_ids_echo() -> None:
+    registry = SessionRegistry()
+    registry.note_reply("s-tools", "", ["call_42"])
+    body = {
+        "messages": [{"role": "user", "content": "go"}, {"role": "tool", "tool_call_id": "call_42", "content": "ok"}]
+    }
+    assert registry.assign({}, body).session_id == "s-tools"
+    responses_body = {"input": [{"type": "function_call_output", "call_id": "call_42", "output": "ok"}]}
+    assert registry.assign({}, responses_body).source == "echo:tool-call"
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "expected"),
+    [
+        ({"x-session-id": "ses_1", "x-session-affinity": "ses_1"}, {}, ("ses_1", "header:x-session-id")),
+        ({"session-id": "0199", "thread-id": "0199"}, {}, ("0199", "header:session-id")),
+        ({"x-claude-code-session-id": "cc"}, {}, ("cc", "header:x-claude-code-session-id")),
+        ({"x-my-agent-session-id": "m"}, {}, ("m", "header:x-my-agent-session-id")),
+        ({}, {"prompt_cache_key": "k"}, ("k", "body:prompt_cache_key")),
+        ({}, {"client_metadata": {"session_id": "c"}}, ("c", "body:client_metadata.session_id")),
+        ({}, {"metadata": {"user_id": "user_abc_account_x_session_77"}}, ("77", "body:metadata.user_id")),
+        ({}, {"user": "u1"}, ("u1", "body:user")),
+    ],
+)
+def test_explicit_ids_in_order(headers: dict[str, str], body: dict[str, Any], expected: tuple[str, str]) -> None:
+    got = SessionRegistry().assign(headers, body)
+    assert (got.session_id, got.source) == expected
+
+
+def test_subagents_are_grouped_under_their_parent_and_marked() -> None:
+    registry = SessionRegistry()
+    child = registry.assign({"x-parent-session-id": "parent-1"}, _chat(SYSTEM, ("user", "look up a file")))
+    assert (child.session_id, child.parent_id, child.subagent) == ("parent-1", "parent-1", True)
+    marked = registry.assign({"x-openai-subagent": "review", "session-id": "p2"}, {})
+    assert (marked.session_id, marked.subagent) == ("p2", True)
+
+
+@pytest.mark.parametrize(
+    ("path_project", "api_key", "headers", "body", "session_project", "expected"),
+    [
+        ("projA", "k", {}, {}, "s", ("projA", "path")),
+        (None, "k", {}, {}, "s", ("keyproj", "api-key")),
+        (
+            None,
+            None,
+            {"x-codex-turn-metadata": '{"workspaces": {"/home/dev/work/shop": {}}}'},
+            {},
+            None,
+            ("shop", "workspace"),
+        ),
+        (
+            None,
+            None,
+            {},
+            {"messages": [{"role": "system", "content": "x\nWorking directory: /srv/app\n"}]},
+            None,
+            ("app", "workspace"),
+        ),
+        (
+            None,
+            None,
+            {},
+            {"messages": [{"role": "user", "content": "<cwd>C:\\code\\tool</cwd>"}]},
+            None,
+            ("tool", "workspace"),
+        ),
+        (None, None, {}, {}, "from-session", ("from-session", "session")),
+        (None, None, {}, {}, None, ("default", "default")),
+    ],
+)
+def test_project_resolution_order(
+    path_project: str | None,
+    api_key: str | None,
+    headers: dict[str, str],
+    body: dict[str, Any],
+    session_project: str | None,
+    expected: tuple[str, str],
+) -> None:
+    assert resolve_project(path_project, api_key, {"k": "keyproj"}, headers, body, session_project) == expected
