@@ -178,3 +178,22 @@ def test_counterfactual_estimate_tracks_measured_acceptance(embedded: ProxyProce
     )
     assert max(measured) > 0.3, "the copy-heavy turns should draft on the real server"
     assert r >= 0.5, f"estimate and measurement disagree: r = {r:.3f} ({rows})"
+
+
+def test_gguf_tokenizer_matches_the_servers_tokenize(embedded: ProxyProcess, qwen_gguf: Path) -> None:
+    import asyncio
+
+    from adaptive_spec.proxy.tokenizers import llama_vocab_tokenizer
+
+    tokenizer = llama_vocab_tokenizer(str(qwen_gguf))
+    if tokenizer is None:
+        pytest.fail("llama-cpp-python is not installed (it is in the test extra)")
+    texts = [SOURCE, "naïve café 🙂 — «quotes»\n\tTabs", "x" * 40_000 + "\nend"]
+    ours = asyncio.run(tokenizer.encode(texts))
+    for text, tokens in zip(texts, ours, strict=True):
+        theirs = http_json(embedded.base + "/tokenize", {"content": text, "add_special": False})["tokens"]
+        if len(text) <= 16_000:
+            assert tokens == theirs
+        else:  # long texts are tokenized in ~16 KB pieces cut at line ends: boundaries may shift by a token or two
+            assert abs(len(tokens) - len(theirs)) <= 2
+    assert "sessions: tokens from gguf:qwen2.5-coder-0.5b-instruct-q4_k_m.gguf" in embedded.log()
