@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from adaptive_spec import __version__
 from adaptive_spec.core.ngram import NgramParams
@@ -93,6 +95,10 @@ def _parser() -> argparse.ArgumentParser:
         "--read-timeout", type=float, default=600.0, help="seconds of upstream silence before a request fails (504)"
     )
     serve.add_argument("--history", type=int, default=1000, help="request records kept for /adaptive/requests")
+    trace = serve.add_argument_group("trace")
+    trace.add_argument("--trace", metavar="FILE.jsonl", help="write every request record to this JSONL file")
+    trace.add_argument("--trace-content", action="store_true", help="also keep prompts and replies in the trace")
+    trace.add_argument("--trace-max-mb", type=float, default=64.0, help="rotate the trace at this size (3 kept)")
     sessions = serve.add_argument_group("sessions and repeated-context statistics")
     sessions.add_argument(
         "--tokenizer",
@@ -145,6 +151,16 @@ def _session_plan(args: argparse.Namespace, ngram: NgramModParams) -> SessionPla
     )  # fmt: skip
 
 
+def _trace_options(args: argparse.Namespace) -> dict[str, Any]:
+    if args.trace_content and not args.trace:
+        raise ConfigError("--trace-content needs --trace FILE.jsonl")
+    return {
+        "trace_path": Path(args.trace) if args.trace else None,
+        "trace_content": args.trace_content,
+        "trace_max_bytes": int(args.trace_max_mb * 1024 * 1024),
+    }
+
+
 def _serve_plan(args: argparse.Namespace) -> ServePlan:
     proxy = ProxySettings(
         max_body_bytes=int(args.max_body_mb * 1024 * 1024), read_timeout_s=args.read_timeout, history_size=args.history
@@ -157,7 +173,8 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
         if len(set(names)) != len(names):
             raise ConfigError(f"--profile names must be unique, got {', '.join(names)}")
         sessions = _session_plan(args, _ngram_params(args.ngram_mod))
-        return ServePlan(args.host, args.port, proxy, args.default_profile, attach=attached, sessions=sessions)
+        return ServePlan(args.host, args.port, proxy, args.default_profile, attach=attached, sessions=sessions,
+                         **_trace_options(args))  # fmt: skip
     from adaptive_spec.launcher import find_llama_server
 
     if args.draft_type and not args.draft and args.draft_type != "mtp":

@@ -9,8 +9,9 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from adaptive_spec.proxy.tokenizers import (
     llama_vocab_tokenizer,
     tiktoken_o200k,
 )
+from adaptive_spec.proxy.trace import TraceWriter
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
 
 
@@ -66,6 +68,9 @@ class ServePlan:
     launch: LaunchPlan | None = None
     attach: list[AttachedProfile] = field(default_factory=list)
     sessions: SessionPlan = field(default_factory=SessionPlan)
+    trace_path: Path | None = None
+    trace_content: bool = False
+    trace_max_bytes: int = 64 * 1024 * 1024
 
 
 async def _tokenizer(plan: ServePlan, session: aiohttp.ClientSession, default_url: str) -> Tokenizer | None:
@@ -137,7 +142,12 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
                                  idle_expiry_s=sp.idle_expiry_s)  # fmt: skip
         sessions = SessionService(tracker, tokenizer, sp.key_projects)
         say(f"sessions: tokens from {tokenizer.name if tokenizer else 'nowhere (statistics off)'}")
-        app = build_app(table, plan.proxy, sessions)
+        trace = None
+        if plan.trace_path is not None:
+            trace = TraceWriter(plan.trace_path, max_bytes=plan.trace_max_bytes, content=plan.trace_content)
+            trace.write({"kind": "profiles", "at_unix": time.time(), "profiles": [asdict(i) for i in infos]})
+            say(f"trace: {plan.trace_path}" + (" (with prompts and replies)" if plan.trace_content else ""))
+        app = build_app(table, plan.proxy, sessions, trace=trace, profiles=infos)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         try:

@@ -14,7 +14,8 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from adaptive_spec.proxy.app import HISTORY, ProxySettings, build_app
+from adaptive_spec.proxy.app import ProxySettings, build_app
+from adaptive_spec.proxy.state import HISTORY
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
 from tests.support.servers import free_port
 

@@ -124,3 +124,20 @@ def test_meter_knows_when_the_stream_has_ended() -> None:
         assert not meter.complete
         meter.on_event(last, 2.0)
         assert meter.complete
+
+
+def test_progress_timings_are_stripped_except_on_the_final_chunk() -> None:
+    from adaptive_spec.core.timings import without_progress_timings
+
+    events = [
+        _event({"choices": [{"delta": {"content": "a"}, "finish_reason": None}], "timings": TIMINGS}),
+        _event({"choices": [{"delta": {}, "finish_reason": "stop"}], "timings": TIMINGS}),
+        _event({"choices": [], "usage": {"prompt_tokens": 1}, "timings": TIMINGS}),
+        SSEEvent("", "[DONE]"),
+        SSEEvent("named", "not json"),
+    ]
+    out = without_progress_timings(events)
+    chunks = out.split(b"\n\n")
+    assert b"timings" not in chunks[0] and b'"content":"a"' in chunks[0]
+    assert b"timings" in chunks[1] and b"timings" in chunks[2]
+    assert chunks[3] == b"data: [DONE]" and chunks[4] == b"event: named\ndata: not json"

@@ -205,3 +205,32 @@ def _error_text(obj: dict[str, Any]) -> str:
         if isinstance(message, str):
             return message
     return str(err)[:500]
+
+
+def _is_final_chunk(obj: dict[str, Any]) -> bool:
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return True  # the usage chunk of `stream_options.include_usage`
+    return any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
+
+
+def without_progress_timings(events: list[SSEEvent]) -> bytes:
+    """Re-encode stream events for a client that did not ask for per-token timings: `timings` stays only on the
+    final chunk, where llama-server puts it anyway."""
+    out = bytearray()
+    for event in events:
+        data = event.data
+        if '"timings"' in data and data.startswith("{"):
+            try:
+                obj = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                obj = None
+            if isinstance(obj, dict) and "timings" in obj and not _is_final_chunk(obj):
+                del obj["timings"]
+                data = orjson.dumps(obj).decode()
+        if event.event:
+            out += b"event: " + event.event.encode() + b"\n"
+        for line in data.split("\n"):
+            out += b"data: " + line.encode() + b"\n"
+        out += b"\n"
+    return bytes(out)

@@ -1,4 +1,5 @@
-"""The aiohttp application: routes, body limits, profile choice, and one record per request."""
+"""The aiohttp application: body limits, profile choice, forwarding, and exactly one record and one
+finished-or-failed event per request."""
 
 from __future__ import annotations
 
@@ -7,62 +8,102 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import quote
 
 import aiohttp
 import orjson
 from aiohttp import web
 
+from adaptive_spec.core.events import (
+    DraftProgress,
+    ProfileDown,
+    ProfileUp,
+    RequestFailed,
+    RequestFinished,
+    RequestStarted,
+)
 from adaptive_spec.core.history import RequestHistory
+from adaptive_spec.core.profiles import ProfileInfo
 from adaptive_spec.core.project import DEFAULT_PROJECT
-from adaptive_spec.core.records import RequestRecord
-from adaptive_spec.core.requests import GENERATING_APIS, ParsedRequest, RequestProblem, parse_body, split_path
+from adaptive_spec.core.records import RequestRecord, Timings
+from adaptive_spec.core.requests import (
+    GENERATING_APIS,
+    ParsedRequest,
+    RequestProblem,
+    RoutedPath,
+    parse_body,
+    split_path,
+)
 from adaptive_spec.core.sessions import SessionAssignment
-from adaptive_spec.core.timings import ResponseMeter
+from adaptive_spec.core.timings import ResponseMeter, without_progress_timings
+from adaptive_spec.proxy.bus import EventBus
 from adaptive_spec.proxy.errors import error_response
-from adaptive_spec.proxy.forward import Outcome, forward
+from adaptive_spec.proxy.forward import forward
+from adaptive_spec.proxy.metrics import ProxyMetrics
+from adaptive_spec.proxy.state import (
+    BUS,
+    CLIENT,
+    HISTORY,
+    METRICS,
+    PROFILE_HEADER,
+    PROFILES,
+    SESSIONS,
+    SETTINGS,
+    TRACE,
+    UPSTREAMS,
+    ProxySettings,
+)
 from adaptive_spec.proxy.stats import SessionService, run_worker
+from adaptive_spec.proxy.trace import TraceWriter
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
+from adaptive_spec.proxy.views import add_views
 
-PROFILE_HEADER = "x-adaptive-spec-profile"
-
-
-@dataclass(frozen=True, slots=True)
-class ProxySettings:
-    max_body_bytes: int = 32 * 1024 * 1024
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 600.0  # the longest silence allowed between two chunks of a response
-    history_size: int = 1000
+__all__ = ["PROFILE_HEADER", "ProxySettings", "build_app"]
+# APIs whose streams llama-server can annotate with per-token timings (for the live draft progress).
+_PROGRESS_APIS = frozenset({"chat", "completions"})
 
 
 class BodyTooLarge(Exception):
     pass
 
 
-HISTORY = web.AppKey("history", RequestHistory)
-UPSTREAMS = web.AppKey("upstreams", UpstreamTable)
-SETTINGS = web.AppKey("settings", ProxySettings)
-CLIENT = web.AppKey("client", aiohttp.ClientSession)
-SESSIONS: web.AppKey[SessionService | None] = web.AppKey("sessions")
-
-
 def build_app(
-    upstreams: UpstreamTable, settings: ProxySettings, sessions: SessionService | None = None
+    upstreams: UpstreamTable,
+    settings: ProxySettings,
+    sessions: SessionService | None = None,
+    *,
+    bus: EventBus | None = None,
+    trace: TraceWriter | None = None,
+    profiles: list[ProfileInfo] | None = None,
 ) -> web.Application:
     # The body limit is enforced by read_body (to answer in the OpenAI error shape), not by aiohttp.
     app = web.Application(client_max_size=settings.max_body_bytes + 1)
-    app[UPSTREAMS] = upstreams
-    app[SETTINGS] = settings
+    app[UPSTREAMS], app[SETTINGS], app[SESSIONS], app[TRACE] = upstreams, settings, sessions, trace
     app[HISTORY] = RequestHistory(settings.history_size)
-    app[SESSIONS] = sessions
+    app[BUS] = bus or EventBus()
+    app[METRICS] = ProxyMetrics()
+    app[PROFILES] = profiles or []
+    app[BUS].listen(app[METRICS].on_event)
+    upstreams.on_change = lambda u, reason: app[BUS].publish(
+        ProfileUp(profile=u.name, base_url=u.base_url)
+        if reason is None
+        else ProfileDown(profile=u.name, base_url=u.base_url, reason=reason)
+    )
+    for name in upstreams.names():
+        app[METRICS].profile_up.labels(name).set(0 if upstreams.down_reason(name) else 1)
+    if sessions is not None:
+        sessions.publish = app[BUS].publish
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_session_worker)
-    app.router.add_get("/adaptive/requests", _requests_view)
-    app.router.add_get("/adaptive/health", _health_view)
-    app.router.add_get("/adaptive/sessions", _sessions_view)
+    app.on_shutdown.append(_close_feeds)
+    add_views(app, _proxy_view)
     app.router.add_route("*", "/{tail:.*}", _proxy_view)
     return app
+
+
+async def _close_feeds(app: web.Application) -> None:
+    app[BUS].close_all()  # event feeds end before the server stops waiting for its handlers
 
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
@@ -81,32 +122,9 @@ async def _session_worker(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-
-async def _sessions_view(request: web.Request) -> web.Response:
-    service = request.app[SESSIONS]
-    if service is None:
-        return error_response(404, "session tracking is off", code="sessions_off")
-    if request.query.get("drain") == "1":  # wait for pending updates: handy for tests and scripts
-        await service.drain()
-    return web.Response(body=orjson.dumps(service.to_json()), content_type="application/json")
-
-
-async def _requests_view(request: web.Request) -> web.Response:
-    limit_text = request.query.get("limit")
-    limit = int(limit_text) if limit_text and limit_text.isdigit() else None
-    history = request.app[HISTORY]
-    records = [r.to_json() for r in history.latest(limit)]
-    body = orjson.dumps({"total": history.total, "requests": records})
-    return web.Response(body=body, content_type="application/json")
-
-
-async def _health_view(request: web.Request) -> web.Response:
-    table = request.app[UPSTREAMS]
-    profiles = {
-        name: {"up": table.down_reason(name) is None, "reason": table.down_reason(name)} for name in table.names()
-    }
-    return web.Response(body=orjson.dumps({"profiles": profiles}), content_type="application/json")
+    trace = app[TRACE]
+    if trace is not None:
+        trace.close()
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
@@ -128,123 +146,168 @@ def choose_upstream(request: web.Request, table: UpstreamTable) -> Upstream | we
     upstream = table.get(name)
     if upstream is None:
         known = ", ".join(table.names())
-        return error_response(
-            400,
-            f"unknown profile {name!r} in {PROFILE_HEADER}; known profiles: {known}",
-            code="unknown_profile",
-            param=PROFILE_HEADER,
-        )
+        return error_response(400, f"unknown profile {name!r} in {PROFILE_HEADER}; known profiles: {known}",
+                              code="unknown_profile", param=PROFILE_HEADER)  # fmt: skip
     reason = table.down_reason(name)
     if reason is not None:
-        return error_response(
-            503, f"profile {name!r} at {upstream.base_url} is down: {reason}", code="profile_unavailable"
-        )
+        return error_response(503, f"profile {name!r} at {upstream.base_url} is down: {reason}",
+                              code="profile_unavailable")  # fmt: skip
     return upstream
-
-
-def _upstream_body(body: bytes, parsed: ParsedRequest | None, upstream: Upstream) -> bytes:
-    """The client's bytes, unless a router-mode profile needs its preset named in `model`."""
-    if upstream.upstream_model is None or parsed is None or parsed.model == upstream.upstream_model:
-        return body
-    return orjson.dumps({**parsed.body, "model": upstream.upstream_model})
 
 
 def _upstream_query(request: web.Request, upstream: Upstream, api: str) -> str:
     """Router-mode servers take the preset as `?model=` on GET endpoints such as /props and /slots."""
     qs = request.query_string
-    if (
-        upstream.upstream_model is not None
-        and request.method == "GET"
-        and api == "other"
-        and "model" not in request.query
-    ):
-        extra = "model=" + quote(upstream.upstream_model, safe="")
+    preset = upstream.upstream_model
+    if preset is not None and request.method == "GET" and api == "other" and "model" not in request.query:
+        extra = "model=" + quote(preset, safe="")
         qs = f"{qs}&{extra}" if qs else extra
     return f"?{qs}" if qs else ""
 
 
-async def _proxy_view(request: web.Request) -> web.StreamResponse:
-    started = time.perf_counter()
-    started_unix = time.time()
-    request_id = uuid.uuid4().hex[:16]
-    routed = split_path(request.path)
-    settings = request.app[SETTINGS]
-    table = request.app[UPSTREAMS]
-    profile = request.headers.get(PROFILE_HEADER) or table.default
+@dataclass
+class _Request:
+    """One request's own state while it is handled (never shared between tasks)."""
+
+    request_id: str
+    routed: RoutedPath
+    profile: str
+    started: float = field(default_factory=time.perf_counter)
+    started_unix: float = field(default_factory=time.time)
+    body: bytes = b""
     parsed: ParsedRequest | None = None
-    outcome: Outcome | None = None
-    meter = ResponseMeter()
-    service = request.app[SESSIONS]
     assignment: SessionAssignment | None = None
-    project = routed.project or DEFAULT_PROJECT
-    status = 500
+    project: str = DEFAULT_PROJECT
+    status: int = 500
     error: str | None = "the proxy stopped before the request was answered"
+    announced: bool = False
+    meter: ResponseMeter = field(default_factory=ResponseMeter)
+    last_progress: tuple[float, Timings | None] = (0.0, None)
+
+
+def _upstream_body(req: _Request, upstream: Upstream) -> tuple[bytes, bool]:
+    """The bytes to send: the client's, unless a router preset must be named or per-token timings are wanted.
+
+    Returns (body, strip): strip says the client did not ask for per-token timings, so they are removed again.
+    """
+    parsed = req.parsed
+    if parsed is None:
+        return req.body, False
+    changes: dict[str, object] = {}
+    if upstream.upstream_model is not None and parsed.model != upstream.upstream_model:
+        changes["model"] = upstream.upstream_model
+    strip = parsed.stream and req.routed.api in _PROGRESS_APIS and "timings_per_token" not in parsed.body
+    if strip:
+        changes["timings_per_token"] = True
+    return (orjson.dumps({**parsed.body, **changes}) if changes else req.body), strip
+
+
+def _announce(app: web.Application, req: _Request) -> None:
+    if req.announced:
+        return
+    req.announced = True
+    a = req.assignment
+    app[BUS].publish(
+        RequestStarted(
+            request_id=req.request_id, api=req.routed.api, project=req.project, profile=req.profile,
+            session_id=a.session_id if a else None, session_source=a.source if a else None,
+            stream=req.parsed.stream if req.parsed else False,
+        )
+    )  # fmt: skip
+
+
+def _progress(app: web.Application, req: _Request) -> None:
+    """After each relayed chunk: publish the running draft totals, at most once per interval."""
+    timings = req.meter.timings
+    last_at, last = req.last_progress
+    now = time.monotonic()
+    if timings is None or timings is last or now - last_at < app[SETTINGS].progress_interval_s:
+        return
+    req.last_progress = (now, timings)
+    app[BUS].publish(
+        DraftProgress(
+            request_id=req.request_id, profile=req.profile, predicted_n=timings.predicted_n, draft_n=timings.draft_n,
+            draft_n_accepted=timings.draft_n_accepted, predicted_per_second=timings.predicted_per_second,
+        )
+    )  # fmt: skip
+
+
+async def _prepare(request: web.Request, req: _Request) -> Upstream | web.Response:
+    """Read and check the body, find the session, choose the profile: an upstream, or an error to answer with."""
+    settings = request.app[SETTINGS]
     try:
-        try:
-            body = await read_body(request, settings.max_body_bytes)
-        except BodyTooLarge:
-            status, error = 413, f"request body is larger than the limit of {settings.max_body_bytes} bytes"
-            return error_response(413, error, code="request_too_large")
-        if request.method == "POST" and routed.api in GENERATING_APIS:
-            result = parse_body(routed.api, body)
-            if isinstance(result, RequestProblem):
-                status, error = 400, result.message
-                return error_response(400, result.message, code=result.code, param=result.param)
-            parsed = result
-            if service is not None:
-                headers = {k.lower(): v for k, v in request.headers.items()}
-                assignment, project = service.assign(headers, parsed.body, routed.project)
-        chosen = choose_upstream(request, table)
+        req.body = await read_body(request, settings.max_body_bytes)
+    except BodyTooLarge:
+        req.status, req.error = 413, f"request body is larger than the limit of {settings.max_body_bytes} bytes"
+        return error_response(413, req.error, code="request_too_large")
+    if request.method == "POST" and req.routed.api in GENERATING_APIS:
+        result = parse_body(req.routed.api, req.body)
+        if isinstance(result, RequestProblem):
+            req.status, req.error = 400, result.message
+            return error_response(400, result.message, code=result.code, param=result.param)
+        req.parsed = result
+        service = request.app[SESSIONS]
+        if service is not None:
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            req.assignment, req.project = service.assign(headers, result.body, req.routed.project)
+    chosen = choose_upstream(request, request.app[UPSTREAMS])
+    if isinstance(chosen, web.Response):
+        req.status, req.error = chosen.status, (chosen.text or "")[:300]
+    return chosen
+
+
+async def _proxy_view(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    routed = split_path(request.path)
+    req = _Request(uuid.uuid4().hex[:16], routed, request.headers.get(PROFILE_HEADER) or app[UPSTREAMS].default,
+                   project=routed.project or DEFAULT_PROJECT)  # fmt: skip
+    try:
+        chosen = await _prepare(request, req)
         if isinstance(chosen, web.Response):
-            status, error = chosen.status, (chosen.text or "")[:300]
             return chosen
-        timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
-        )
+        _announce(app, req)
+        settings = app[SETTINGS]
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s,
+                                        sock_read=settings.read_timeout_s)  # fmt: skip
+        body, strip = _upstream_body(req, chosen)
         resp, outcome = await forward(
-            request,
-            request.app[CLIENT],
-            chosen,
-            path_qs=routed.upstream_path + _upstream_query(request, chosen, routed.api),
-            body=_upstream_body(body, parsed, chosen),
-            api=routed.api,
-            timeout=timeout,
-            started=started,
-            extra_headers={"x-adaptive-spec-request-id": request_id, PROFILE_HEADER: chosen.name},
-            meter=meter,
-        )
-        status, error = outcome.status, outcome.error
+            request, app[CLIENT], chosen,
+            path_qs=routed.upstream_path + _upstream_query(request, chosen, routed.api), body=body, api=routed.api,
+            timeout=timeout, started=req.started, meter=req.meter,
+            extra_headers={"x-adaptive-spec-request-id": req.request_id, PROFILE_HEADER: chosen.name},
+            rewrite=without_progress_timings if strip else None, progress=lambda: _progress(app, req),
+        )  # fmt: skip
+        req.status, req.error = outcome.status, outcome.error
         return resp
     except (ConnectionResetError, asyncio.CancelledError):
         # aiohttp cancels the handler when the client goes away; forward() has closed the upstream connection.
         # A client that hangs up right after the stream's end marker got the whole answer.
-        status, error = (200, None) if meter.complete else (499, "the client disconnected")
+        req.status, req.error = (200, None) if req.meter.complete else (499, "the client disconnected")
         raise
     except Exception as exc:
-        status, error = 500, f"internal error: {exc!r}"
+        req.status, req.error = 500, f"internal error: {exc!r}"
         raise
     finally:
-        finished = error is None and status < 400
-        if finished and service is not None and assignment is not None and parsed is not None:
-            service.finished(assignment, project, parsed.body, meter.output)
-        request.app[HISTORY].add(
-            RequestRecord(
-                request_id=request_id,
-                started_at_unix=started_unix,
-                method=request.method,
-                path=request.path,
-                api=routed.api,
-                project=project,
-                session_id=assignment.session_id if assignment else None,
-                session_source=assignment.source if assignment else None,
-                profile=profile,
-                stream=parsed.stream if parsed is not None else False,
-                status=status,
-                outcome="finished" if finished else "failed",
-                error=error,
-                timings=meter.timings,
-                ttft_ms=meter.first_token_ms,
-                ttst_ms=meter.second_token_ms,
-                total_ms=(time.perf_counter() - started) * 1000.0,
-            )
-        )
+        _finish(app, request.method, request.path, req)
+
+
+def _finish(app: web.Application, method: str, path: str, req: _Request) -> None:
+    finished = req.error is None and req.status < 400
+    service, a, meter = app[SESSIONS], req.assignment, req.meter
+    if finished and service is not None and a is not None and req.parsed is not None:
+        service.finished(a, req.project, req.parsed.body, meter.output)
+    record = RequestRecord(
+        request_id=req.request_id, started_at_unix=req.started_unix, method=method, path=path, api=req.routed.api,
+        project=req.project, session_id=a.session_id if a else None, session_source=a.source if a else None,
+        profile=req.profile, stream=req.parsed.stream if req.parsed is not None else False, status=req.status,
+        outcome="finished" if finished else "failed", error=req.error, timings=meter.timings,
+        ttft_ms=meter.first_token_ms, ttst_ms=meter.second_token_ms,
+        total_ms=(time.perf_counter() - req.started) * 1000.0,
+    )  # fmt: skip
+    app[HISTORY].add(record)
+    as_json = record.to_json()
+    trace = app[TRACE]
+    if trace is not None and req.routed.api in GENERATING_APIS:
+        trace.request(as_json, req.body, meter.output.text if trace.content else None)
+    _announce(app, req)
+    app[BUS].publish(RequestFinished(record=as_json) if finished else RequestFailed(record=as_json))

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from adaptive_spec.core.sse import SSEParser
+from adaptive_spec.core.sse import SSEEvent, SSEParser
 from adaptive_spec.core.timings import ResponseMeter
 from adaptive_spec.proxy.errors import error_response, sse_error_event
 from adaptive_spec.proxy.upstreams import Upstream
@@ -60,8 +61,12 @@ async def forward(
     started: float,
     extra_headers: dict[str, str],
     meter: ResponseMeter,
+    rewrite: Callable[[list[SSEEvent]], bytes] | None = None,
+    progress: Callable[[], None] | None = None,
 ) -> tuple[web.StreamResponse, Outcome]:
-    """Send the request upstream and relay the answer; never raises for upstream faults (they become errors)."""
+    """`rewrite`, when given, re-encodes each batch of stream events for the client (instead of the raw bytes);
+    `progress` is called after each relayed chunk."""
+    # Send the request upstream and relay the answer; upstream faults become errors, never exceptions.
     url = upstream.base_url + path_qs
     try:
         upstream_resp = await session.request(
@@ -77,7 +82,8 @@ async def forward(
         message = f"profile {upstream.name!r} at {upstream.base_url} failed before answering: {exc}"
         return _fail(502, message, "upstream_error", meter)
     try:
-        resp = await _relay(request, upstream_resp, upstream, api, meter, started, extra_headers)
+        relay = _Relay(upstream, api, meter, started, rewrite, progress)
+        resp = await _relay(request, upstream_resp, relay, extra_headers)
     finally:
         # Closing (not releasing) drops the connection if the body was not read to the end, which tells
         # llama-server to stop generating and free the slot.
@@ -90,14 +96,23 @@ def _fail(status: int, message: str, code: str, meter: ResponseMeter) -> tuple[w
     return error_response(status, message, code=code), Outcome(status, message, meter)
 
 
+@dataclass(frozen=True, slots=True)
+class _Relay:
+    """How to relay one response: to whom it belongs, and what to do with each piece."""
+
+    upstream: Upstream
+    api: str
+    meter: ResponseMeter
+    started: float
+    rewrite: Callable[[list[SSEEvent]], bytes] | None
+    progress: Callable[[], None] | None
+
+    def where(self) -> str:
+        return f"profile {self.upstream.name!r} at {self.upstream.base_url}"
+
+
 async def _relay(
-    request: web.Request,
-    upstream_resp: aiohttp.ClientResponse,
-    upstream: Upstream,
-    api: str,
-    meter: ResponseMeter,
-    started: float,
-    extra_headers: dict[str, str],
+    request: web.Request, upstream_resp: aiohttp.ClientResponse, relay: _Relay, extra_headers: dict[str, str]
 ) -> web.StreamResponse:
     resp = web.StreamResponse(status=upstream_resp.status, reason=upstream_resp.reason)
     for key, value in upstream_resp.headers.items():
@@ -109,54 +124,39 @@ async def _relay(
         resp.content_length = upstream_resp.content_length
     await resp.prepare(request)
     if is_sse:
-        await _relay_sse(resp, upstream_resp, upstream, api, meter, started)
+        await _relay_sse(resp, upstream_resp, relay)
     else:
-        await _relay_body(request, resp, upstream_resp, upstream, meter)
+        await _relay_body(request, resp, upstream_resp, relay.upstream, relay.meter)
     return resp
 
 
-async def _relay_sse(
-    resp: web.StreamResponse,
-    upstream_resp: aiohttp.ClientResponse,
-    upstream: Upstream,
-    api: str,
-    meter: ResponseMeter,
-    started: float,
-) -> None:
+async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResponse, relay: _Relay) -> None:
     parser = SSEParser()
+    meter, rewrite, progress = relay.meter, relay.rewrite, relay.progress
     try:
         async for chunk in upstream_resp.content.iter_any():
-            await resp.write(chunk)
-            now_ms = (time.perf_counter() - started) * 1000.0
-            for event in parser.feed(chunk):
+            if rewrite is None:
+                await resp.write(chunk)  # the bytes as they came, before any parsing
+            now_ms = (time.perf_counter() - relay.started) * 1000.0
+            events = parser.feed(chunk)
+            for event in events:
                 meter.on_event(event, now_ms)
+            if rewrite is not None and events:
+                await resp.write(rewrite(events))
+            if progress is not None:
+                progress()
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-        await _end_stream_with_error(
-            resp,
-            api,
-            meter,
-            f"profile {upstream.name!r} at {upstream.base_url} closed the stream before it ended: {exc}",
-            "upstream_disconnected",
-        )
+        message = f"{relay.where()} closed the stream before it ended: {exc}"
+        await _end_stream_with_error(resp, relay.api, meter, message, "upstream_disconnected")
         return
     except TimeoutError:
-        await _end_stream_with_error(
-            resp,
-            api,
-            meter,
-            f"profile {upstream.name!r} at {upstream.base_url} stopped sending (read timeout)",
-            "upstream_timeout",
-        )
+        message = f"{relay.where()} stopped sending (read timeout)"
+        await _end_stream_with_error(resp, relay.api, meter, message, "upstream_timeout")
         return
     parser.close()
     if parser.pending and meter.error is None:
-        await _end_stream_with_error(
-            resp,
-            api,
-            meter,
-            f"profile {upstream.name!r} at {upstream.base_url} ended the stream in the middle of an event",
-            "upstream_truncated",
-        )
+        message = f"{relay.where()} ended the stream in the middle of an event"
+        await _end_stream_with_error(resp, relay.api, meter, message, "upstream_truncated")
         return
     await resp.write_eof()
 

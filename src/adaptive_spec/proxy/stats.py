@@ -8,11 +8,12 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from adaptive_spec.core.context import ContextTracker
+from adaptive_spec.core.events import Event, SessionUpdated
 from adaptive_spec.core.output import OutputCollector
 from adaptive_spec.core.project import resolve_project
 from adaptive_spec.core.sessions import SessionAssignment, SessionRegistry, context_messages
@@ -50,6 +51,7 @@ class SessionService:
         self._queue: asyncio.Queue[_Work] = asyncio.Queue(maxsize=queue_size)
         self.dropped = 0
         self.processed = 0
+        self.publish: Callable[[Event], None] = lambda _event: None
 
     def assign(
         self, headers: Mapping[str, str], body: Mapping[str, Any], path_project: str | None
@@ -106,7 +108,14 @@ class SessionService:
         all_digests = [digest for digest, _, _ in messages]
         self.tracker.on_prompt(work.session_id, work.project, all_digests, tokens[:-1], work.at)
         reply_digest = context_messages({"messages": [{"role": "assistant", "content": work.output_text}]})[0][0]
-        self.tracker.on_output(work.session_id, work.project, reply_digest, tokens[-1], work.at)
+        turn = self.tracker.on_output(work.session_id, work.project, reply_digest, tokens[-1], work.at)
+        snap = self.tracker.snapshot(work.session_id)
+        self.publish(
+            SessionUpdated(
+                session_id=work.session_id, project=work.project, turn=asdict(turn),
+                est_accepted_share_ewma=snap.est_accepted_share_ewma if snap else None,
+            )
+        )  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         return {

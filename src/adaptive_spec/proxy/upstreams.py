@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -23,6 +24,7 @@ class UpstreamTable:
         if self.default not in self._by_name:
             raise ValueError(f"default profile {self.default!r} is not one of {self.names()}")
         self._down: dict[str, str] = {}
+        self.on_change: Callable[[Upstream, str | None], None] = lambda _u, _reason: None  # reason None = up
 
     def names(self) -> list[str]:
         return list(self._by_name)
@@ -31,10 +33,12 @@ class UpstreamTable:
         return self._by_name.get(name)
 
     def mark_up(self, name: str) -> None:
-        self._down.pop(name, None)
+        if self._down.pop(name, None) is not None:
+            self.on_change(self._by_name[name], None)
 
     def mark_down(self, name: str, reason: str) -> None:
         self._down[name] = reason
+        self.on_change(self._by_name[name], reason)
 
     def down_reason(self, name: str) -> str | None:
         return self._down.get(name)

@@ -1,0 +1,88 @@
+"""Event types of the live feed; a leaf module with no internal imports.
+
+Every request publishes RequestStarted, then any number of DraftProgress, then exactly one of RequestFinished or
+RequestFailed. Profiles publish ProfileUp / ProfileDown. A subscriber that falls behind gets EventsDropped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class _Event:
+    at_unix: float = field(default_factory=time.time, kw_only=True)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": type(self).__name__, **asdict(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStarted(_Event):
+    request_id: str
+    api: str
+    project: str
+    profile: str
+    session_id: str | None
+    session_source: str | None
+    stream: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DraftProgress(_Event):
+    """Running totals during generation, from llama-server's per-token timings."""
+
+    request_id: str
+    profile: str
+    predicted_n: int
+    draft_n: int
+    draft_n_accepted: int
+    predicted_per_second: float
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFinished(_Event):
+    record: dict[str, Any]  # the RequestRecord, as /adaptive/requests shows it
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed(_Event):
+    record: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionUpdated(_Event):
+    """A turn was folded into a session's statistics (figures prefixed est_ are estimates)."""
+
+    session_id: str
+    project: str
+    turn: dict[str, Any]
+    est_accepted_share_ewma: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileUp(_Event):
+    profile: str
+    base_url: str
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileDown(_Event):
+    profile: str
+    base_url: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class EventsDropped(_Event):
+    """This subscriber was too slow: `count` of the oldest events were dropped for it."""
+
+    count: int
+
+
+Event = (
+    RequestStarted | DraftProgress | RequestFinished | RequestFailed | SessionUpdated | ProfileUp | ProfileDown
+    | EventsDropped
+)  # fmt: skip

@@ -1,0 +1,74 @@
+"""Prometheus metrics of the proxy, fed from the event bus: per profile and project."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from adaptive_spec.core.events import Event, ProfileDown, ProfileUp, RequestFailed, RequestFinished
+
+_LABELS = ("profile", "project")
+_SPEED_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000)
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ProxyMetrics:
+    """Counters follow Prometheus naming: `adaptive_spec_` prefix, `_total` counters, base units (seconds)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("adaptive_spec_requests", "Requests by outcome", [*_LABELS, "api", "outcome"],
+                                registry=r)  # fmt: skip
+        self.prompt_tokens = Counter("adaptive_spec_prompt_tokens", "Prompt tokens processed (not cached)", _LABELS,
+                                     registry=r)  # fmt: skip
+        self.cached_tokens = Counter("adaptive_spec_cached_prompt_tokens", "Prompt tokens reused from the KV cache",
+                                     _LABELS, registry=r)  # fmt: skip
+        self.predicted_tokens = Counter("adaptive_spec_predicted_tokens", "Output tokens", _LABELS, registry=r)
+        self.draft_tokens = Counter("adaptive_spec_draft_tokens", "Drafted tokens (speculation)", _LABELS, registry=r)
+        self.accepted_tokens = Counter("adaptive_spec_draft_accepted_tokens", "Accepted drafted tokens", _LABELS,
+                                       registry=r)  # fmt: skip
+        self.errors = Counter("adaptive_spec_errors", "Failed requests by kind", [*_LABELS, "kind"], registry=r)
+        self.decode_speed = Histogram("adaptive_spec_decode_tokens_per_second", "Decode speed per request", _LABELS,
+                                      buckets=_SPEED_BUCKETS, registry=r)  # fmt: skip
+        self.ttft = Histogram("adaptive_spec_time_to_first_token_seconds", "Time to first generated token", _LABELS,
+                              buckets=_TTFT_BUCKETS, registry=r)  # fmt: skip
+        self.profile_up = Gauge("adaptive_spec_profile_up", "1 when the profile is serving", ["profile"], registry=r)
+
+    def on_event(self, event: Event) -> None:
+        if isinstance(event, RequestFinished | RequestFailed):
+            self._record(event.record, failed=isinstance(event, RequestFailed))
+        elif isinstance(event, ProfileUp):
+            self.profile_up.labels(event.profile).set(1)
+        elif isinstance(event, ProfileDown):
+            self.profile_up.labels(event.profile).set(0)
+
+    def _record(self, record: dict[str, object], *, failed: bool) -> None:
+        labels = (str(record["profile"]), str(record["project"]))
+        self.requests.labels(*labels, str(record["api"]), "failed" if failed else "finished").inc()
+        if failed:
+            self.errors.labels(*labels, _error_kind(record)).inc()
+        timings = record.get("timings")
+        if isinstance(timings, dict):
+            self.prompt_tokens.labels(*labels).inc(int(timings.get("prompt_n", 0)))
+            self.cached_tokens.labels(*labels).inc(int(timings.get("cache_n", 0)))
+            self.predicted_tokens.labels(*labels).inc(int(timings.get("predicted_n", 0)))
+            self.draft_tokens.labels(*labels).inc(int(timings.get("draft_n", 0)))
+            self.accepted_tokens.labels(*labels).inc(int(timings.get("draft_n_accepted", 0)))
+            speed = float(timings.get("predicted_per_second", 0.0))
+            if speed > 0 and int(timings.get("predicted_n", 0)) > 1:
+                self.decode_speed.labels(*labels).observe(speed)
+        ttft = record.get("ttft_ms")
+        if isinstance(ttft, int | float):
+            self.ttft.labels(*labels).observe(ttft / 1000.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _error_kind(record: dict[str, object]) -> str:
+    status = record.get("status")
+    kinds = {400: "bad_request", 413: "too_large", 499: "client_disconnected", 502: "upstream_unreachable",
+             503: "profile_down", 504: "upstream_timeout"}  # fmt: skip
+    if isinstance(status, int) and status in kinds:
+        return kinds[status]
+    return "upstream_stream_error" if status == 200 else "other"

@@ -1,0 +1,38 @@
+"""What the proxy application holds: its settings and the shared services, under typed aiohttp app keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from adaptive_spec.core.history import RequestHistory
+from adaptive_spec.core.profiles import ProfileInfo
+from adaptive_spec.proxy.bus import EventBus
+from adaptive_spec.proxy.metrics import ProxyMetrics
+from adaptive_spec.proxy.stats import SessionService
+from adaptive_spec.proxy.trace import TraceWriter
+from adaptive_spec.proxy.upstreams import UpstreamTable
+
+PROFILE_HEADER = "x-adaptive-spec-profile"
+
+
+@dataclass(frozen=True, slots=True)
+class ProxySettings:
+    max_body_bytes: int = 32 * 1024 * 1024
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 600.0  # the longest silence allowed between two chunks of a response
+    history_size: int = 1000
+    progress_interval_s: float = 0.25  # at most one DraftProgress event per request in this interval
+
+
+HISTORY = web.AppKey("history", RequestHistory)
+UPSTREAMS = web.AppKey("upstreams", UpstreamTable)
+SETTINGS = web.AppKey("settings", ProxySettings)
+CLIENT = web.AppKey("client", aiohttp.ClientSession)
+BUS = web.AppKey("bus", EventBus)
+METRICS = web.AppKey("metrics", ProxyMetrics)
+SESSIONS: web.AppKey[SessionService | None] = web.AppKey("sessions")
+TRACE: web.AppKey[TraceWriter | None] = web.AppKey("trace")
+PROFILES: web.AppKey[list[ProfileInfo]] = web.AppKey("profiles")

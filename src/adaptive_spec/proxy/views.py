@@ -1,0 +1,104 @@
+"""adaptive-spec's own endpoints: /adaptive/requests, /adaptive/health, /adaptive/sessions, /adaptive/events and
+/metrics (its own Prometheus metrics; with an x-adaptive-spec-profile header, /metrics reaches that profile)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from adaptive_spec.proxy.errors import error_response
+from adaptive_spec.proxy.state import BUS, HISTORY, METRICS, PROFILE_HEADER, PROFILES, SESSIONS, UPSTREAMS
+
+_HEARTBEAT_S = 15.0
+
+
+def add_views(app: web.Application, proxy_view: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> None:
+    app.router.add_get("/adaptive/requests", _requests_view)
+    app.router.add_get("/adaptive/health", _health_view)
+    app.router.add_get("/adaptive/sessions", _sessions_view)
+    app.router.add_get("/adaptive/events", _events_view)
+
+    async def metrics_view(request: web.Request) -> web.StreamResponse:
+        if request.headers.get(PROFILE_HEADER):
+            return await proxy_view(request)  # llama-server's own metrics of the pinned profile
+        return web.Response(body=request.app[METRICS].render(), content_type="text/plain", charset="utf-8",
+                            headers={"Cache-Control": "no-store"})  # fmt: skip
+
+    app.router.add_get("/metrics", metrics_view)
+
+
+def _json(obj: Any) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), content_type="application/json")
+
+
+async def _requests_view(request: web.Request) -> web.Response:
+    limit_text = request.query.get("limit")
+    limit = int(limit_text) if limit_text and limit_text.isdigit() else None
+    history = request.app[HISTORY]
+    return _json({"total": history.total, "requests": [r.to_json() for r in history.latest(limit)]})
+
+
+def _profiles(app: web.Application) -> list[dict[str, Any]]:
+    table = app[UPSTREAMS]
+    infos = {i.name: i for i in app[PROFILES]}
+    out = []
+    for name in table.names():
+        upstream = table.get(name)
+        assert upstream is not None
+        info = infos.get(name)
+        out.append({
+            "name": name, "base_url": upstream.base_url, "up": table.down_reason(name) is None,
+            "reason": table.down_reason(name), "default": name == table.default,
+            "model": info.model_identity if info else None, "spec_types": info.spec_types if info else None,
+            "n_ctx": info.n_ctx if info else None, "slots": info.total_slots if info else None,
+        })  # fmt: skip
+    return out
+
+
+async def _health_view(request: web.Request) -> web.Response:
+    return _json({"profiles": {p["name"]: {"up": p["up"], "reason": p["reason"]} for p in _profiles(request.app)}})
+
+
+async def _sessions_view(request: web.Request) -> web.Response:
+    service = request.app[SESSIONS]
+    if service is None:
+        return error_response(404, "session tracking is off", code="sessions_off")
+    if request.query.get("drain") == "1":  # wait for pending updates: handy for tests and scripts
+        await service.drain()
+    return _json(service.to_json())
+
+
+def _sse(kind: str, payload: Any) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+async def _events_view(request: web.Request) -> web.StreamResponse:
+    """A snapshot first (profiles, live sessions), then every event as it happens."""
+    bus = request.app[BUS]
+    sub = bus.subscribe()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    try:
+        service = request.app[SESSIONS]
+        sessions = [asdict(s) for s in service.tracker.snapshots()] if service is not None else []
+        await resp.write(_sse("snapshot", {"profiles": _profiles(request.app), "sessions": sessions}))
+        while True:
+            try:
+                batch = await asyncio.wait_for(sub.next_batch(), _HEARTBEAT_S)
+            except TimeoutError:
+                await resp.write(b": keep-alive\n\n")
+                continue
+            if not batch:
+                break  # the bus closed this feed: the server is stopping
+            await resp.write(b"".join(_sse(type(e).__name__, e.to_json()) for e in batch))
+    finally:
+        bus.unsubscribe(sub)
+    with contextlib.suppress(ConnectionResetError):
+        await resp.write_eof()
+    return resp
