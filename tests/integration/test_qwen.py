@@ -9,7 +9,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.support.servers import ProxyProcess, http_json
+from tests.support.servers import ProxyProcess, http_json, http_text
 
 # A file the model is asked to hand back with one change: the answer copies most of the prompt.
 SOURCE = "\n".join(
@@ -197,3 +197,24 @@ def test_gguf_tokenizer_matches_the_servers_tokenize(embedded: ProxyProcess, qwe
         else:  # long texts are tokenized in ~16 KB pieces cut at line ends: boundaries may shift by a token or two
             assert abs(len(tokens) - len(theirs)) <= 2
     assert "sessions: tokens from gguf:qwen2.5-coder-0.5b-instruct-q4_k_m.gguf" in embedded.log()
+
+
+def _proxy_counter(metrics: str, name: str, profile: str) -> float:
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") and f'profile="{profile}"' in line:
+            total += float(line.rpartition(" ")[2])
+    return total
+
+
+def test_proxy_draft_counters_equal_llama_servers_own(embedded: ProxyProcess) -> None:
+    """Every request this module sent to `iterative` went through the proxy, so the totals must agree."""
+    _client(embedded).chat.completions.create(
+        model="m", temperature=0, max_tokens=120, messages=[{"role": "user", "content": EDIT}],
+        extra_headers={"x-adaptive-spec-profile": "iterative"},
+    )  # fmt: skip
+    drafted, accepted = _spec_counters(embedded)
+    assert drafted > 0
+    ours = http_text(embedded.base + "/metrics")
+    assert _proxy_counter(ours, "adaptive_spec_draft_tokens_total", "iterative") == drafted
+    assert _proxy_counter(ours, "adaptive_spec_draft_accepted_tokens_total", "iterative") == accepted

@@ -1,0 +1,108 @@
+"""The live event feed, per-token timings kept from clients that did not ask, metrics and trace, on a REAL server."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from tests.support.servers import LlamaServer, ProxyProcess, http_text, wait_until
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_server: LlamaServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ProxyProcess, Path]]:
+    trace = tmp_path_factory.mktemp("trace") / "trace.jsonl"
+    proc = ProxyProcess("--profile", f"plain={tiny_server.url}", "--trace", str(trace))
+    yield proc, trace
+    proc.stop()
+
+
+class Feed:
+    """Reads /adaptive/events in a thread, collecting (event, data) pairs."""
+
+    def __init__(self, url: str) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self._resp = urllib.request.urlopen(url, timeout=60)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        kind = ""
+        try:
+            for raw in self._resp:
+                line = raw.decode().rstrip("\n")
+                if line.startswith("event: "):
+                    kind = line[7:]
+                elif line.startswith("data: "):
+                    self.events.append((kind, json.loads(line[6:])))
+        except (OSError, ValueError, AttributeError):  # closed under the reader by close()
+            return
+
+    def close(self) -> None:
+        self._resp.close()
+
+
+def _post(url: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_event_feed_tells_the_story_of_each_request(traced: tuple[ProxyProcess, Path]) -> None:
+    proxy, _ = traced
+    feed = Feed(proxy.base + "/adaptive/events")
+    try:
+        wait_until(lambda: bool(feed.events), 10, "the snapshot")
+        kind, snapshot = feed.events[0]
+        assert kind == "snapshot"
+        assert snapshot["profiles"][0]["name"] == "plain" and snapshot["profiles"][0]["up"] is True
+        body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        status, raw = _post(proxy.base + "/v1/chat/completions", body)
+        assert status == 200
+        bad_status, _ = _post(proxy.base + "/v1/chat/completions", {"messages": "oops"})
+        assert bad_status == 400
+        wait_until(lambda: sum(k in ("RequestFinished", "RequestFailed") for k, _ in feed.events) >= 2, 10, "events")
+    finally:
+        feed.close()
+    by_request: dict[str, list[str]] = {}
+    for kind, data in feed.events[1:]:
+        rid = data.get("request_id") or data.get("record", {}).get("request_id")
+        if rid:
+            by_request.setdefault(rid, []).append(kind)
+    stories = list(by_request.values())
+    good = next(s for s in stories if "RequestFinished" in s)
+    assert good[0] == "RequestStarted" and good[-1] == "RequestFinished" and "DraftProgress" in good
+    assert good.count("RequestFinished") == 1 and "RequestFailed" not in good
+    bad = next(s for s in stories if "RequestFailed" in s)
+    assert bad == ["RequestStarted", "RequestFailed"]
+    # The client never asked for per-token timings: only the final chunk carries them.
+    chunks = [c for c in raw.split(b"\n\n") if c.startswith(b"data: {")]
+    with_timings = [c for c in chunks if b'"timings"' in c]
+    assert len(chunks) > 100 and len(with_timings) == 1 and b'"finish_reason":"length"' in with_timings[0]
+
+
+def test_metrics_and_trace_match_the_records(traced: tuple[ProxyProcess, Path]) -> None:
+    proxy, trace = traced
+    status, _ = _post(proxy.base + "/p/metered/v1/completions", {"prompt": "def f(", "max_tokens": 7})
+    assert status == 200
+    metrics = http_text(proxy.base + "/metrics")
+    assert 'adaptive_spec_predicted_tokens_total{profile="plain",project="metered"} 7.0' in metrics
+    assert (
+        'adaptive_spec_requests_total{api="completions",outcome="finished",profile="plain",project="metered"} 1.0'
+        in metrics
+    )
+    assert 'adaptive_spec_profile_up{profile="plain"} 1.0' in metrics
+    lines = [orjson.loads(line) for line in trace.read_text().splitlines()]
+    assert lines[0]["kind"] == "profiles" and lines[0]["profiles"][0]["name"] == "plain"
+    last = lines[-1]
+    assert last["kind"] == "request" and last["project"] == "metered" and last["timings"]["predicted_n"] == 7
+    assert "request_body" not in last and len(last["request_sha256"]) == 64

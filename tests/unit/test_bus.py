@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import orjson
+import pytest
+
+from adaptive_spec.core.events import EventsDropped, ProfileDown, ProfileUp
+from adaptive_spec.proxy.bus import EventBus
+from adaptive_spec.proxy.trace import TraceWriter
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_slow_subscriber_loses_the_oldest_and_is_told_how_many() -> None:
+    bus = EventBus(queue_limit=3)
+    slow, fast = bus.subscribe(), bus.subscribe()
+    seen: list[str] = []
+    bus.listen(lambda e: seen.append(type(e).__name__))
+    for i in range(5):
+        bus.publish(ProfileUp(profile=f"p{i}", base_url="u"))
+    batch = await asyncio.wait_for(slow.next_batch(), 1)
+    assert isinstance(batch[0], EventsDropped) and batch[0].count == 2
+    assert [e.profile for e in batch[1:] if isinstance(e, ProfileUp)] == ["p2", "p3", "p4"]
+    assert len(seen) == 5
+    bus.publish(ProfileDown(profile="p0", base_url="u", reason="exited"))
+    batch = await asyncio.wait_for(fast.next_batch(), 1)
+    assert [type(e).__name__ for e in batch] == ["EventsDropped", "ProfileUp", "ProfileUp", "ProfileDown"]
+    assert isinstance(batch[0], EventsDropped) and batch[0].count == 3
+    assert [type(e).__name__ for e in await asyncio.wait_for(slow.next_batch(), 1)] == ["ProfileDown"]
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_closing_ends_waiting_feeds() -> None:
+    bus = EventBus()
+    sub = bus.subscribe()
+    waiter = asyncio.create_task(sub.next_batch())
+    await asyncio.sleep(0)
+    bus.close_all()
+    assert await asyncio.wait_for(waiter, 1) == []
+    assert bus.subscribers == 0
+
+
+def test_a_failing_listener_does_not_stop_the_others() -> None:
+    bus = EventBus()
+    got: list[object] = []
+
+    def broken(_: object) -> None:
+        raise RuntimeError("boom")
+
+    bus.listen(broken)
+    bus.listen(got.append)
+    bus.publish(ProfileUp(profile="p", base_url="u"))
+    assert len(got) == 1
+
+
+def test_trace_rotates_by_size_and_keeps_three(tmp_path: Path) -> None:
+    trace = TraceWriter(tmp_path / "t.jsonl", max_bytes=200, keep=3)
+    for i in range(40):
+        trace.request({"request_id": str(i), "profile": "p"}, b'{"messages": []}', None)
+    trace.close()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["t.jsonl", "t.jsonl.1", "t.jsonl.2", "t.jsonl.3"]
+    line = orjson.loads((tmp_path / "t.jsonl.1").read_text().splitlines()[0])
+    assert line["kind"] == "request" and "request_body" not in line and len(line["request_sha256"]) == 64
+
+
+def test_trace_keeps_content_only_when_asked(tmp_path: Path) -> None:
+    trace = TraceWriter(tmp_path / "t.jsonl", content=True)
+    trace.request({"request_id": "1"}, b'{"messages": [{"role": "user", "content": "secret"}]}', "reply")
+    trace.close()
+    line = orjson.loads((tmp_path / "t.jsonl").read_text())
+    assert line["request_body"]["messages"][0]["content"] == "secret" and line["output_text"] == "reply"
