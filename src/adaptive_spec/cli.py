@@ -118,6 +118,12 @@ def _parser() -> argparse.ArgumentParser:
     sessions.add_argument(
         "--session-idle", type=float, default=3600.0, help="seconds before an idle session is dropped"
     )
+    report = sub.add_parser("report", help="the per-profile table (tok/s, acceptance, TTST) from a trace")
+    report.add_argument("trace", nargs="+", type=Path, help="trace JSONL file(s) written by serve --trace")
+    report.add_argument("--out", type=Path, help="folder for report.csv, report.md and report.png")
+    report.add_argument(
+        "--baseline", help="profile the ratios are taken against (default: the one without speculation)"
+    )
     model = sub.add_parser("model", help="print the path of an embedded model, assembling it if needed")
     model.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(EMBEDDED))
     return parser
@@ -192,9 +198,9 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
     ngram = _ngram_params(args.ngram_mod)
     specs = list(default_profiles(args.draft_type, ngram))
     launch = LaunchPlan(binary, specs, settings)
-    return ServePlan(
-        args.host, args.port, proxy, args.default_profile, launch=launch, sessions=_session_plan(args, ngram)
-    )
+    sessions = _session_plan(args, ngram)
+    return ServePlan(args.host, args.port, proxy, args.default_profile, launch=launch, sessions=sessions,
+                     **_trace_options(args))  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -202,6 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             run(_serve_plan(args))
+        elif args.command == "report":
+            from adaptive_spec.report import run_report
+
+            print(run_report(args.trace, args.out, args.baseline))
+            if args.out:
+                say(f"written: {args.out / 'report.csv'}, {args.out / 'report.md'}, {args.out / 'report.png'}")
         elif args.command == "model":
             print(ensure_embedded(args.name, say))
         return 0

@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Coroutine
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +128,9 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
         if launcher is not None:
             launcher.set_health_hooks(table.mark_up, table.mark_down)
         infos = [await probe(client, u) for u in upstreams]
+        if plan.launch is not None:  # before its first request /slots does not say; the launcher knows
+            known = {spec.name: spec.spec_types for spec in plan.launch.specs}
+            infos = [replace(i, spec_types=i.spec_types or known.get(i.name)) for i in infos]
         say("profiles:")
         for info in infos:
             say(describe(info))

@@ -42,8 +42,9 @@ def llama_children(proxy: ProxyProcess) -> dict[int, str]:
     return pids
 
 
-def _launch(tiny_gguf: Path, state: Path, port: int | None = None) -> ProxyProcess:
+def _launch(tiny_gguf: Path, state: Path, port: int | None = None, *extra: str) -> ProxyProcess:
     return ProxyProcess(
+        *extra,
         "--model",
         str(tiny_gguf),
         "--threads",
@@ -164,3 +165,23 @@ def test_servers_are_stopped_when_start_up_fails(tiny_gguf: Path, tmp_path: Path
     assert "ready at" in str(info.value), "the profiles should have started before the bind failed"
     assert "cannot listen on" in str(info.value)
     assert servers_using(tmp_path) == []
+
+
+def test_launched_profiles_trace_with_their_spec_types(
+    tiny_gguf: Path, tmp_path: Path, llama_server_binary: str
+) -> None:
+    import orjson
+
+    trace = tmp_path / "trace.jsonl"
+    proxy = _launch(tiny_gguf, tmp_path, None, "--trace", str(trace))
+    try:
+        with _open_stream(proxy.base + "/v1/chat/completions", {**LONG, "max_tokens": 4}, {}) as resp:
+            resp.read()
+    finally:
+        proxy.stop()
+    lines = [orjson.loads(line) for line in trace.read_text().splitlines()]
+    assert {p["name"]: p["spec_types"] for p in lines[0]["profiles"]} == {
+        "oneshot": ["none"],
+        "iterative": ["ngram-mod"],
+    }
+    assert lines[-1]["kind"] == "request" and lines[-1]["profile"] == "oneshot"

@@ -106,3 +106,23 @@ def test_metrics_and_trace_match_the_records(traced: tuple[ProxyProcess, Path]) 
     last = lines[-1]
     assert last["kind"] == "request" and last["project"] == "metered" and last["timings"]["predicted_n"] == 7
     assert "request_body" not in last and len(last["request_sha256"]) == 64
+
+
+def test_report_from_the_trace(traced: tuple[ProxyProcess, Path], tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proxy, trace = traced
+    _post(proxy.base + "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5})
+    out = tmp_path / "report"
+    done = subprocess.run([sys.executable, "-m", "adaptive_spec", "report", str(trace), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0].startswith("| profile | requests |")
+    assert "| plain |" in done.stdout and "| all (as routed) |" in done.stdout
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "report.csv").read_text().startswith("name,requests")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"kind": "request"}\nnot json\n')
+    failed = subprocess.run([sys.executable, "-m", "adaptive_spec", "report", str(bad)], capture_output=True, text=True)
+    assert failed.returncode != 0 and f"{bad}:2: not a JSON line" in failed.stderr

@@ -1,0 +1,120 @@
+"""The seed-style table from request records: per profile, and for everything as it was routed."""
+
+from __future__ import annotations
+
+import csv
+import io
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+ALL_ROUTED = "all (as routed)"
+
+
+@dataclass(frozen=True, slots=True)
+class ReportRow:
+    name: str
+    requests: int
+    output_tokens: int
+    decode_tok_s: float  # aggregate: Σ predicted_n / Σ decode time
+    decode_tok_s_median: float  # median of per-request decode speeds
+    ratio_to_baseline: float | None
+    acceptance: float | None  # accepted / drafted
+    output_from_drafts: float  # accepted / output tokens
+    ttft_ms_median: float | None
+    ttst_ms_median: float | None
+    session_moves: int
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def session_moves(records: Iterable[Mapping[str, Any]]) -> int:
+    """How many times a session's next request went to another profile than its previous one."""
+    last: dict[str, str] = {}
+    moves = 0
+    for record in sorted(records, key=lambda r: float(r.get("started_at_unix", 0.0))):
+        session = record.get("session_id")
+        if not session:
+            continue
+        profile = str(record.get("profile"))
+        if session in last and last[session] != profile:
+            moves += 1
+        last[session] = profile
+    return moves
+
+
+def _row(name: str, records: list[Mapping[str, Any]], baseline_speed: float | None) -> ReportRow:
+    timings = [r["timings"] for r in records if isinstance(r.get("timings"), dict)]
+    predicted = sum(int(t.get("predicted_n", 0)) for t in timings)
+    decode_ms = sum(float(t.get("predicted_ms", 0.0)) for t in timings)
+    drafted = sum(int(t.get("draft_n", 0)) for t in timings)
+    accepted = sum(int(t.get("draft_n_accepted", 0)) for t in timings)
+    speed = predicted / (decode_ms / 1000.0) if decode_ms > 0 else 0.0
+    per_request = [float(t["predicted_per_second"]) for t in timings if float(t.get("predicted_per_second", 0)) > 0]
+    return ReportRow(
+        name=name, requests=len(records), output_tokens=predicted, decode_tok_s=speed,
+        decode_tok_s_median=_median(per_request) or 0.0,
+        ratio_to_baseline=speed / baseline_speed if baseline_speed else None,
+        acceptance=accepted / drafted if drafted else None,
+        output_from_drafts=accepted / predicted if predicted else 0.0,
+        ttft_ms_median=_median([float(r["ttft_ms"]) for r in records if r.get("ttft_ms") is not None]),
+        ttst_ms_median=_median([float(r["ttst_ms"]) for r in records if r.get("ttst_ms") is not None]),
+        session_moves=session_moves(records),
+    )  # fmt: skip
+
+
+def summarize(records: Iterable[Mapping[str, Any]], baseline: str | None = None) -> list[ReportRow]:
+    """One row per profile (in order of first use) and one for all requests as routed. Only finished
+    generating requests count; `baseline` names the profile the ratios are taken against."""
+    finished = [r for r in records if r.get("outcome") == "finished" and r.get("timings")]
+    by_profile: dict[str, list[Mapping[str, Any]]] = {}
+    for record in finished:
+        by_profile.setdefault(str(record.get("profile")), []).append(record)
+    baseline_speed = _row(baseline, by_profile[baseline], None).decode_tok_s if baseline in by_profile else None
+    rows = [_row(name, recs, baseline_speed) for name, recs in by_profile.items()]
+    if finished:
+        rows.append(_row(ALL_ROUTED, finished, baseline_speed))
+    return rows
+
+
+def _fmt(value: Any, pct: bool = False) -> str:
+    if value is None:
+        return "—"
+    if pct:
+        return f"{value:.0%}"
+    if isinstance(value, float):
+        return f"{value:.1f}"
+    return str(value)
+
+
+def to_markdown(rows: list[ReportRow], baseline: str | None) -> str:
+    head = ("| profile | requests | output tokens | decode tok/s | median tok/s | vs " + (baseline or "baseline")
+            + " | acceptance | output from drafts | TTFT p50 (ms) | TTST p50 (ms) | session moves |")  # fmt: skip
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        cells = [r.name, _fmt(r.requests), _fmt(r.output_tokens), _fmt(r.decode_tok_s), _fmt(r.decode_tok_s_median),
+                 f"{r.ratio_to_baseline:.2f}" if r.ratio_to_baseline is not None else "—",
+                 _fmt(r.acceptance, pct=True), _fmt(r.output_from_drafts, pct=True), _fmt(r.ttft_ms_median),
+                 _fmt(r.ttst_ms_median), _fmt(r.session_moves)]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def to_csv(rows: list[ReportRow]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=[f.name for f in fields(ReportRow)])
+    writer.writeheader()
+    for row in rows:
+        writer.writerow(asdict(row))
+    return out.getvalue()
+
+
+def baseline_profile(profiles: Iterable[Mapping[str, Any]]) -> str | None:
+    """The profile without speculation, when the trace's profile list shows one."""
+    for profile in profiles:
+        if profile.get("spec_types") in (["none"], ("none",)):
+            return str(profile["name"])
+    return None
