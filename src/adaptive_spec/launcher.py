@@ -118,7 +118,13 @@ class Launcher:
             for child in self._children:
                 await self._spawn(child)
             async with aiohttp.ClientSession() as session:
-                await asyncio.gather(*(self._wait_healthy(session, c) for c in self._children))
+                checks = [asyncio.create_task(self._wait_healthy(session, c)) for c in self._children]
+                try:
+                    await asyncio.gather(*checks)
+                finally:
+                    for check in checks:  # one failed: the others stop polling before the servers are stopped
+                        check.cancel()
+                    await asyncio.gather(*checks, return_exceptions=True)
         except BaseException:
             await self.stop()
             raise
@@ -198,6 +204,7 @@ class Launcher:
                     await self._wait_healthy(session, child)
             except LaunchError as exc:
                 self._say(str(exc))
+                await self._stop_child(child)  # a server stuck loading is killed, then restarted
                 continue
             self._on_up(child.spec.name)
 

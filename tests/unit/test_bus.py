@@ -71,3 +71,34 @@ def test_trace_keeps_content_only_when_asked(tmp_path: Path) -> None:
     trace.close()
     line = orjson.loads((tmp_path / "t.jsonl").read_text())
     assert line["request_body"]["messages"][0]["content"] == "secret" and line["output_text"] == "reply"
+
+
+def test_trace_survives_its_file_being_moved_away(tmp_path: Path) -> None:
+    trace = TraceWriter(tmp_path / "t.jsonl", max_bytes=100, keep=2)
+    trace.request({"request_id": "a"}, b"{}", None)
+    (tmp_path / "t.jsonl").rename(tmp_path / "elsewhere.jsonl")
+    for i in range(5):
+        trace.request({"request_id": str(i)}, b"{}", None)
+    trace.close()
+    assert (tmp_path / "t.jsonl").exists()
+
+
+def test_metric_labels_stay_bounded() -> None:
+    from adaptive_spec.core.events import RequestFailed, RequestFinished
+    from adaptive_spec.proxy.metrics import MAX_PROJECT_LABELS, ProxyMetrics
+
+    metrics = ProxyMetrics(frozenset({"oneshot"}))
+    record = {"profile": "made-up", "project": "p", "api": "chat", "status": 400, "timings": None, "ttft_ms": None}
+    metrics.on_event(RequestFailed(record=record))
+    for i in range(MAX_PROJECT_LABELS + 5):
+        metrics.on_event(RequestFinished(record={**record, "profile": "oneshot", "project": f"proj{i}", "status": 200}))
+    text = metrics.render().decode()
+    assert 'profile="unknown"' in text and "made-up" not in text
+    assert 'project="other"' in text and f'project="proj{MAX_PROJECT_LABELS + 3}"' not in text
+
+
+def test_history_limit_zero_is_empty() -> None:
+    from adaptive_spec.core.history import RequestHistory
+
+    history = RequestHistory(5)
+    assert history.latest(0) == [] and history.latest(None) == []

@@ -51,6 +51,9 @@ class _Session:
     history: deque[TurnStats] = field(default_factory=deque)
 
 
+_MAX_SEEN_MESSAGES = 20_000
+
+
 def _ewma(old: float | None, value: float, alpha: float) -> float:
     return value if old is None else alpha * value + (1 - alpha) * old
 
@@ -120,6 +123,8 @@ class ContextTracker:
             predicted += session.index.extend(tokens)
             session.index.extend((SEPARATOR,))
             new_tokens += len(tokens)
+        if len(session.seen_messages) > _MAX_SEEN_MESSAGES:  # keep what the current history still refers to
+            session.seen_messages = set(session.last_digests)
         session.seen_messages.update(all_digests)
         session.last_digests = list(all_digests)
         share = predicted / new_tokens if new_tokens else 0.0

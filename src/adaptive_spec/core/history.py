@@ -19,4 +19,6 @@ class RequestHistory:
     def latest(self, limit: int | None = None) -> list[RequestRecord]:
         """Oldest first, at most `limit` of the newest."""
         records = list(self._records)
-        return records[-limit:] if limit is not None and limit >= 0 else records
+        if limit is None or limit < 0:
+            return records
+        return records[-limit:] if limit else []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -60,6 +61,7 @@ from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
 from adaptive_spec.proxy.views import add_views
 
 __all__ = ["PROFILE_HEADER", "ProxySettings", "build_app"]
+log = logging.getLogger(__name__)
 # APIs whose streams llama-server can annotate with per-token timings (for the live draft progress).
 _PROGRESS_APIS = frozenset({"chat", "completions"})
 
@@ -82,7 +84,7 @@ def build_app(
     app[UPSTREAMS], app[SETTINGS], app[SESSIONS], app[TRACE] = upstreams, settings, sessions, trace
     app[HISTORY] = RequestHistory(settings.history_size)
     app[BUS] = bus or EventBus()
-    app[METRICS] = ProxyMetrics()
+    app[METRICS] = ProxyMetrics(frozenset(upstreams.names()))
     app[PROFILES] = profiles or []
     app[BUS].listen(app[METRICS].on_event)
     upstreams.on_change = lambda u, reason: app[BUS].publish(
@@ -306,8 +308,11 @@ def _finish(app: web.Application, method: str, path: str, req: _Request) -> None
     )  # fmt: skip
     app[HISTORY].add(record)
     as_json = record.to_json()
-    trace = app[TRACE]
-    if trace is not None and req.routed.api in GENERATING_APIS:
-        trace.request(as_json, req.body, meter.output.text if trace.content else None)
     _announce(app, req)
     app[BUS].publish(RequestFinished(record=as_json) if finished else RequestFailed(record=as_json))
+    trace = app[TRACE]
+    if trace is not None and req.routed.api in GENERATING_APIS:
+        try:
+            trace.request(as_json, req.body, meter.output.text if trace.content else None)
+        except (OSError, ValueError):
+            log.exception("could not write the trace line for request %s", req.request_id)

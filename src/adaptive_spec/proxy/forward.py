@@ -75,6 +75,12 @@ async def forward(
     except aiohttp.ClientConnectorError as exc:
         message = f"profile {upstream.name!r} at {upstream.base_url} is unreachable: {exc.os_error or exc}"
         return _fail(502, message, "upstream_unreachable", meter)
+    except aiohttp.ConnectionTimeoutError:
+        message = (
+            f"profile {upstream.name!r} at {upstream.base_url} did not accept a connection within "
+            f"{timeout.sock_connect} s"
+        )
+        return _fail(504, message, "upstream_timeout", meter)
     except TimeoutError:
         message = f"profile {upstream.name!r} at {upstream.base_url} did not answer within {timeout.sock_read} s"
         return _fail(504, message, "upstream_timeout", meter)

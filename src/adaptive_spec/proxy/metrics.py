@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from adaptive_spec.core.events import Event, ProfileDown, ProfileUp, RequestFailed, RequestFinished
 
 _LABELS = ("profile", "project")
+MAX_PROJECT_LABELS = 100  # projects beyond this share the label "other": series are never freed
 _SPEED_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -14,7 +15,9 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 class ProxyMetrics:
     """Counters follow Prometheus naming: `adaptive_spec_` prefix, `_total` counters, base units (seconds)."""
 
-    def __init__(self) -> None:
+    def __init__(self, known_profiles: frozenset[str] = frozenset()) -> None:
+        self.known_profiles = known_profiles
+        self._projects: set[str] = set()
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("adaptive_spec_requests", "Requests by outcome", [*_LABELS, "api", "outcome"],
@@ -43,7 +46,7 @@ class ProxyMetrics:
             self.profile_up.labels(event.profile).set(0)
 
     def _record(self, record: dict[str, object], *, failed: bool) -> None:
-        labels = (str(record["profile"]), str(record["project"]))
+        labels = (self._profile_label(str(record["profile"])), self._project_label(str(record["project"])))
         self.requests.labels(*labels, str(record["api"]), "failed" if failed else "finished").inc()
         if failed:
             self.errors.labels(*labels, _error_kind(record)).inc()
@@ -60,6 +63,16 @@ class ProxyMetrics:
         ttft = record.get("ttft_ms")
         if isinstance(ttft, int | float):
             self.ttft.labels(*labels).observe(ttft / 1000.0)
+
+    def _profile_label(self, profile: str) -> str:
+        # A pin naming no profile (answered 400) must not mint a new series per made-up name.
+        return profile if not self.known_profiles or profile in self.known_profiles else "unknown"
+
+    def _project_label(self, project: str) -> str:
+        if project in self._projects or len(self._projects) < MAX_PROJECT_LABELS:
+            self._projects.add(project)
+            return project
+        return "other"
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from adaptive_spec.core.context import ContextTracker
+from adaptive_spec.core.context import ContextTracker, SessionSnapshot, TurnStats
 from adaptive_spec.core.events import Event, SessionUpdated
 from adaptive_spec.core.output import OutputCollector
 from adaptive_spec.core.project import resolve_project
@@ -49,6 +50,7 @@ class SessionService:
         self._key_projects = dict(key_projects or {})
         self._projects: OrderedDict[str, str] = OrderedDict()
         self._queue: asyncio.Queue[_Work] = asyncio.Queue(maxsize=queue_size)
+        self._lock = threading.Lock()  # the tracker is updated in a worker thread and read on the event loop
         self.dropped = 0
         self.processed = 0
         self.publish: Callable[[Event], None] = lambda _event: None
@@ -82,10 +84,15 @@ class SessionService:
         except asyncio.QueueFull:
             self.dropped += 1
 
-    async def run(self) -> None:
-        """The worker: one update at a time, so a session's turns are folded in the order they were served."""
+    async def run(self, expire_every_s: float = 60.0) -> None:
+        """The worker: one update at a time, so a session's turns are folded in the order they were served; idle
+        sessions are dropped at least every `expire_every_s`, traffic or not."""
         while True:
-            work = await self._queue.get()
+            try:
+                work = await asyncio.wait_for(self._queue.get(), expire_every_s)
+            except TimeoutError:
+                self.expire()
+                continue
             try:
                 await self._update(work)
                 self.processed += 1
@@ -93,7 +100,15 @@ class SessionService:
                 log.exception("session statistics update failed for %s", work.session_id)
             finally:
                 self._queue.task_done()
+            self.expire()
+
+    def expire(self) -> None:
+        with self._lock:
             self.tracker.expire(time.time())
+
+    def snapshots(self) -> list[SessionSnapshot]:
+        with self._lock:
+            return self.tracker.snapshots()
 
     async def drain(self) -> None:
         """Wait until every queued update is folded in (tests and shutdown)."""
@@ -102,14 +117,21 @@ class SessionService:
     async def _update(self, work: _Work) -> None:
         assert self.tokenizer is not None
         messages = context_messages(work.body)
-        plan = self.tracker.plan(work.session_id, [(digest, assistant) for digest, assistant, _ in messages])
+        with self._lock:
+            plan = self.tracker.plan(work.session_id, [(digest, assistant) for digest, assistant, _ in messages])
         texts = [messages[i][2] for i in plan] + [work.output_text]
         tokens = await self.tokenizer.encode(texts)
         all_digests = [digest for digest, _, _ in messages]
-        self.tracker.on_prompt(work.session_id, work.project, all_digests, tokens[:-1], work.at)
         reply_digest = context_messages({"messages": [{"role": "assistant", "content": work.output_text}]})[0][0]
-        turn = self.tracker.on_output(work.session_id, work.project, reply_digest, tokens[-1], work.at)
-        snap = self.tracker.snapshot(work.session_id)
+
+        def fold() -> tuple[TurnStats, SessionSnapshot | None]:
+            # Indexing a long first turn takes tens of milliseconds of pure Python: off the event loop.
+            with self._lock:
+                self.tracker.on_prompt(work.session_id, work.project, all_digests, tokens[:-1], work.at)
+                turn = self.tracker.on_output(work.session_id, work.project, reply_digest, tokens[-1], work.at)
+                return turn, self.tracker.snapshot(work.session_id)
+
+        turn, snap = await asyncio.to_thread(fold)
         self.publish(
             SessionUpdated(
                 session_id=work.session_id, project=work.project, turn=asdict(turn),
@@ -124,7 +146,7 @@ class SessionService:
             "ngram": asdict(self.tracker.params),
             "updates_processed": self.processed,
             "updates_dropped": self.dropped,
-            "sessions": [asdict(s) for s in self.tracker.snapshots()],
+            "sessions": [asdict(s) for s in self.snapshots()],
         }
 
 

@@ -38,14 +38,17 @@ class TraceWriter:
 
     def _rotate(self) -> None:
         self._file.close()
-        for i in range(self.keep - 1, 0, -1):
-            older = self.path.with_name(f"{self.path.name}.{i}")
-            if older.exists():
-                os.replace(older, self.path.with_name(f"{self.path.name}.{i + 1}"))
-        os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
-        extra = self.path.with_name(f"{self.path.name}.{self.keep + 1}")
-        extra.unlink(missing_ok=True)
-        self._file = self.path.open("ab")
+        try:
+            for i in range(self.keep - 1, 0, -1):
+                older = self.path.with_name(f"{self.path.name}.{i}")
+                if older.exists():
+                    os.replace(older, self.path.with_name(f"{self.path.name}.{i + 1}"))
+            if self.path.exists():  # it may have been moved away meanwhile
+                os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+            self.path.with_name(f"{self.path.name}.{self.keep + 1}").unlink(missing_ok=True)
+        finally:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("ab")
 
     def close(self) -> None:
         self._file.close()

@@ -71,6 +71,7 @@ async def _sessions_view(request: web.Request) -> web.Response:
         return error_response(404, "session tracking is off", code="sessions_off")
     if request.query.get("drain") == "1":  # wait for pending updates: handy for tests and scripts
         await service.drain()
+    service.expire()
     return _json(service.to_json())
 
 
@@ -81,12 +82,12 @@ def _sse(kind: str, payload: Any) -> bytes:
 async def _events_view(request: web.Request) -> web.StreamResponse:
     """A snapshot first (profiles, live sessions), then every event as it happens."""
     bus = request.app[BUS]
-    sub = bus.subscribe()
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
+    sub = bus.subscribe()
     try:
         service = request.app[SESSIONS]
-        sessions = [asdict(s) for s in service.tracker.snapshots()] if service is not None else []
+        sessions = [asdict(s) for s in service.snapshots()] if service is not None else []
         await resp.write(_sse("snapshot", {"profiles": _profiles(request.app), "sessions": sessions}))
         while True:
             try:
