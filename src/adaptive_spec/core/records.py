@@ -33,6 +33,7 @@ class RequestRecord:
     project: str
     session_id: str | None
     session_source: str | None  # how the session was recognised: header:…, body:…, echo:…, new
+    subagent: bool  # a subagent's request, grouped under its parent session
     profile: str
     stream: bool
     status: int

@@ -301,7 +301,8 @@ def _finish(app: web.Application, method: str, path: str, req: _Request) -> None
     record = RequestRecord(
         request_id=req.request_id, started_at_unix=req.started_unix, method=method, path=path, api=req.routed.api,
         project=req.project, session_id=a.session_id if a else None, session_source=a.source if a else None,
-        profile=req.profile, stream=req.parsed.stream if req.parsed is not None else False, status=req.status,
+        subagent=a.subagent if a else False, profile=req.profile,
+        stream=req.parsed.stream if req.parsed is not None else False, status=req.status,
         outcome="finished" if finished else "failed", error=req.error, timings=meter.timings,
         ttft_ms=meter.first_token_ms, ttst_ms=meter.second_token_ms,
         total_ms=(time.perf_counter() - req.started) * 1000.0,
