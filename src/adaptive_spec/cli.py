@@ -118,6 +118,21 @@ def _parser() -> argparse.ArgumentParser:
     sessions.add_argument(
         "--session-idle", type=float, default=3600.0, help="seconds before an idle session is dropped"
     )
+    bench = sub.add_parser("bench", help="run workloads on every profile of a running proxy; table, CSV, JSON, chart")
+    bench.add_argument(
+        "--url", default="http://127.0.0.1:8088", help="the running adaptive-spec (default: %(default)s)"
+    )
+    bench.add_argument(
+        "--workload",
+        action="append",
+        default=[],
+        metavar="iterative|oneshot|mixed|FILE",
+        help="workload(s) to run (repeatable; default: iterative, oneshot and mixed)",
+    )
+    bench.add_argument("--profiles", help="comma-separated profiles to pin (default: all the proxy serves)")
+    bench.add_argument("--adaptive", action="store_true", help="also run through the proxy's own route (no pin)")
+    bench.add_argument("--max-tokens", type=int, help="cap every request's max_tokens (shorter runs)")
+    bench.add_argument("--out", type=Path, help="folder for bench.csv, bench.json, bench.md and bench.png")
     report = sub.add_parser("report", help="the per-profile table (tok/s, acceptance, TTST) from a trace")
     report.add_argument("trace", nargs="+", type=Path, help="trace JSONL file(s) written by serve --trace")
     report.add_argument("--out", type=Path, help="folder for report.csv, report.md and report.png")
@@ -208,6 +223,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             run(_serve_plan(args))
+        elif args.command == "bench":
+            from adaptive_spec.bench import main_bench
+
+            profiles = [p for p in args.profiles.split(",") if p] if args.profiles else None
+            main_bench(args.url, args.workload or ["iterative", "oneshot", "mixed"], profiles, args.adaptive, args.out,
+                       args.max_tokens)  # fmt: skip
         elif args.command == "report":
             from adaptive_spec.report import run_report
 

@@ -25,6 +25,7 @@ class ReportRow:
     ttft_ms_median: float | None
     ttst_ms_median: float | None
     session_moves: int
+    wall_s: float  # Σ request durations as the client saw them
 
 
 def _median(values: list[float]) -> float | None:
@@ -63,6 +64,7 @@ def _row(name: str, records: list[Mapping[str, Any]], baseline_speed: float | No
         ttft_ms_median=_median([float(r["ttft_ms"]) for r in records if r.get("ttft_ms") is not None]),
         ttst_ms_median=_median([float(r["ttst_ms"]) for r in records if r.get("ttst_ms") is not None]),
         session_moves=session_moves(records),
+        wall_s=sum(float(r.get("total_ms") or 0.0) for r in records) / 1000.0,
     )  # fmt: skip
 
 
@@ -92,13 +94,13 @@ def _fmt(value: Any, pct: bool = False) -> str:
 
 def to_markdown(rows: list[ReportRow], baseline: str | None) -> str:
     head = ("| profile | requests | output tokens | decode tok/s | median tok/s | vs " + (baseline or "baseline")
-            + " | acceptance | output from drafts | TTFT p50 (ms) | TTST p50 (ms) | session moves |")  # fmt: skip
-    lines = [head, "|" + "---|" * 11]
+            + " | acceptance | output from drafts | TTFT p50 (ms) | TTST p50 (ms) | moves | wall (s) |")  # fmt: skip
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         cells = [r.name, _fmt(r.requests), _fmt(r.output_tokens), _fmt(r.decode_tok_s), _fmt(r.decode_tok_s_median),
                  f"{r.ratio_to_baseline:.2f}" if r.ratio_to_baseline is not None else "—",
                  _fmt(r.acceptance, pct=True), _fmt(r.output_from_drafts, pct=True), _fmt(r.ttft_ms_median),
-                 _fmt(r.ttst_ms_median), _fmt(r.session_moves)]  # fmt: skip
+                 _fmt(r.ttst_ms_median), _fmt(r.session_moves), _fmt(r.wall_s)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -21,6 +21,7 @@ _HEARTBEAT_S = 15.0
 def add_views(app: web.Application, proxy_view: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> None:
     app.router.add_get("/adaptive/requests", _requests_view)
     app.router.add_get("/adaptive/health", _health_view)
+    app.router.add_get("/adaptive/profiles", _profiles_view)
     app.router.add_get("/adaptive/sessions", _sessions_view)
     app.router.add_get("/adaptive/events", _events_view)
 
@@ -59,6 +60,10 @@ def _profiles(app: web.Application) -> list[dict[str, Any]]:
             "n_ctx": info.n_ctx if info else None, "slots": info.total_slots if info else None,
         })  # fmt: skip
     return out
+
+
+async def _profiles_view(request: web.Request) -> web.Response:
+    return _json({"profiles": _profiles(request.app)})
 
 
 async def _health_view(request: web.Request) -> web.Response:

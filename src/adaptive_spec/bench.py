@@ -1,0 +1,202 @@
+"""`adaptive-spec bench`: the same workloads, greedy, in the same order, on every profile of a running proxy (pinned)
+and, with --adaptive, on its own route; one table per workload, plus CSV, JSON and a PNG chart.
+
+Inputs stay the same across targets: each target runs the workload in its own pass, and the reply that joins a
+session's history is always the first target's. Known state: before each pass every profile's slots are erased, and
+each pass's system prompts start with a tag of its own, so no pass reuses a prompt another pass cached (in a slot or in
+llama-server's RAM prompt cache). llama-server offers no call to empty its n-gram pool: that carries over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from dataclasses import asdict
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from adaptive_spec.core.report import ReportRow, baseline_profile, summarize, to_csv, to_markdown
+from adaptive_spec.core.workload import Replay, Workload, WorkloadRequest, parse_workload
+from adaptive_spec.errors import ConfigError
+
+BUILTIN = ("iterative", "oneshot", "mixed")
+ADAPTIVE = "adaptive"
+
+
+def load_workload(spec: str) -> Workload:
+    """A built-in workload by name, or a workload file."""
+    if spec in BUILTIN:
+        text = resources.files("adaptive_spec.workloads").joinpath(f"{spec}.json").read_bytes()
+        source = f"{spec} (built in)"
+    else:
+        try:
+            text = Path(spec).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"--workload {spec!r}: not one of {', '.join(BUILTIN)} and not readable: {exc}") from exc
+        source = spec
+    try:
+        obj = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise ConfigError(f"{source}: not valid JSON: {exc}") from exc
+    return parse_workload(obj, source)
+
+
+async def _stream(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]
+) -> dict[str, Any]:
+    """One streamed request, timed at the client; returns a record shaped like /adaptive/requests'."""
+    started = time.perf_counter()
+    ttft = ttst = None
+    text: list[str] = []
+    timings: dict[str, Any] | None = None
+    pieces = 0
+    async with session.post(url, json=body, headers=headers) as resp:
+        if resp.status != 200:
+            raise ConfigError(f"{url} answered {resp.status}: {(await resp.text())[:300]}")
+        async for raw in resp.content:  # line by line is fine here: a benchmark client, not the proxy
+            if not raw.startswith(b"data: {"):
+                continue
+            event = orjson.loads(raw[6:])
+            for choice in event.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    pieces += 1
+                    now = (time.perf_counter() - started) * 1000
+                    ttft = ttft if ttft is not None else now
+                    ttst = now if ttst is None and pieces == 2 else ttst
+                    text.append(piece)
+            timings = event.get("timings") or timings
+    return {"timings": timings, "ttft_ms": ttft, "ttst_ms": ttst, "total_ms": (time.perf_counter() - started) * 1000,
+            "outcome": "finished" if timings else "failed", "text": "".join(text)}  # fmt: skip
+
+
+async def _known_state(session: aiohttp.ClientSession, base: str, profiles: list[str]) -> None:
+    """Each profile starts a workload with empty slots: no KV cache carried over from the last workload."""
+    for name in profiles:
+        async with session.post(f"{base}/slots/0?action=erase", headers={"x-adaptive-spec-profile": name}) as resp:
+            await resp.read()
+
+
+Records = dict[str, list[dict[str, Any]]]
+
+
+async def run_bench(base: str, workloads: list[Workload], profiles: list[str] | None, adaptive: bool,
+                    max_tokens: int | None, say: Any) -> tuple[Records, list[dict[str, Any]]]:  # fmt: skip
+    """Records per workload, and the profiles the proxy reported; stops cleanly on cancellation (Ctrl-C)."""
+    records: dict[str, list[dict[str, Any]]] = {}
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=1800)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with session.get(f"{base}/adaptive/profiles") as resp:
+            known = (await resp.json())["profiles"]
+        names = [p["name"] for p in known]
+        chosen = profiles or names
+        unknown = set(chosen) - set(names)
+        if unknown:
+            raise ConfigError(f"--profiles: {', '.join(sorted(unknown))} not served; the proxy has {', '.join(names)}")
+        targets = [*chosen, *([ADAPTIVE] if adaptive else [])]
+        total = sum(len(w.requests) for w in workloads) * len(targets)
+        done = 0
+        try:
+            for workload in workloads:
+                rows = records.setdefault(workload.name, [])
+                replies: dict[int, str] = {}  # the first target's replies: every later pass sees the same history
+                for target in targets:
+                    # One pass per target, from a known state: every profile's slots erased, so no target inherits
+                    # another's KV cache for the same prompt. (llama-server cannot reset its n-gram pool.)
+                    await _known_state(session, base, names)
+                    replay = Replay(workload, tag=f"bench pass {target}")
+                    for request in workload.requests:
+                        result = await _one(session, base, workload, replay, request, target, max_tokens)
+                        text = result.pop("text")
+                        rows.append(result)
+                        replay.keep_reply(request, replies.setdefault(request.index, text))
+                        done += 1
+                        say(f"\r[{done}/{total}] {workload.name}: request {request.index + 1} on {target}   ", end="")
+        except asyncio.CancelledError:
+            say("\ninterrupted: keeping what finished")
+        say("")
+    return records, known
+
+
+async def _one(session: aiohttp.ClientSession, base: str, workload: Workload, replay: Replay,
+               request: WorkloadRequest, target: str, max_tokens: int | None) -> dict[str, Any]:  # fmt: skip
+    body = {"model": "bench", "messages": replay.messages_for(request), "temperature": 0, "seed": 1, "stream": True,
+            "max_tokens": min(request.max_tokens, max_tokens) if max_tokens else request.max_tokens}  # fmt: skip
+    session_id = f"bench-{workload.name}-{request.session}-{target}"
+    headers = {"x-session-id": session_id}
+    if target != ADAPTIVE:
+        headers["x-adaptive-spec-profile"] = target
+    result = await _stream(session, f"{base}/p/bench/v1/chat/completions", body, headers)
+    result.update(profile=target, session_id=session_id, started_at_unix=time.time(), workload=workload.name)
+    return result
+
+
+def write_outputs(records: dict[str, list[dict[str, Any]]], known: list[dict[str, Any]], out: Path | None) -> str:
+    baseline = baseline_profile(known)
+    tables, flat = [], []
+    for name, recs in records.items():
+        rows: list[ReportRow] = summarize(recs, baseline)
+        rows = [r for r in rows if r.name != "all (as routed)"]
+        tables.append(f"workload: {name}\n" + to_markdown(rows, baseline))
+        flat += [{"workload": name, **asdict(r)} for r in rows]
+    text = "\n\n".join(tables)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_bytes(orjson.dumps({"baseline": baseline, "rows": flat, "records": records},
+                                                      option=orjson.OPT_INDENT_2))  # fmt: skip
+        header = "workload," + to_csv([]).strip()
+        lines = [header] + [f"{w}," + to_csv([r]).splitlines()[1] for w, recs in records.items()
+                            for r in summarize(recs, baseline) if r.name != "all (as routed)"]  # fmt: skip
+        (out / "bench.csv").write_text("\n".join(lines) + "\n")
+        (out / "bench.md").write_text(text + "\n")
+        _chart(flat, out / "bench.png")
+    return text
+
+
+def _chart(rows: list[dict[str, Any]], path: Path) -> None:
+    """Grouped bars: decode tok/s per workload, one bar per profile."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    profiles = list(dict.fromkeys(r["name"] for r in rows))
+    width = 0.8 / max(1, len(profiles))
+    fig, ax = plt.subplots(figsize=(max(6, 2.5 * len(workloads)), 4), constrained_layout=True)
+    for i, profile in enumerate(profiles):
+        values = [next((r["decode_tok_s"] for r in rows if r["workload"] == w and r["name"] == profile), 0.0)
+                  for w in workloads]  # fmt: skip
+        ax.bar([x + (i - (len(profiles) - 1) / 2) * width for x in range(len(workloads))], values, width, label=profile)
+    ax.set_xticks(list(range(len(workloads))), workloads)
+    ax.set_ylabel("decode tok/s (aggregate)")
+    ax.legend()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main_bench(url: str, specs: list[str], profiles: list[str] | None, adaptive: bool, out: Path | None,
+               max_tokens: int | None) -> str:  # fmt: skip
+    workloads = [load_workload(s) for s in specs]
+
+    def say(message: str, end: str = "\n") -> None:
+        print(message, end=end, file=sys.stderr, flush=True)
+
+    records: dict[str, list[dict[str, Any]]] = {}
+    known: list[dict[str, Any]] = []
+
+    async def go() -> None:
+        nonlocal records, known
+        records, known = await run_bench(url.rstrip("/"), workloads, profiles, adaptive, max_tokens, say)
+
+    try:
+        asyncio.run(go())
+    finally:
+        if records:
+            print(write_outputs(records, known, out))
+    return ""
