@@ -26,9 +26,15 @@ CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"tok"}}]}\n\n'
 class FakeUpstream:
     def __init__(self) -> None:
         self.cancelled = asyncio.Event()
+        self.dropped_once = False
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         fault = request.headers.get("x-fault", "")
+        if fault == "close-before-answer-once" and not self.dropped_once:
+            self.dropped_once = True  # what a server closing a keep-alive connection looks like to the client
+            assert request.transport is not None
+            request.transport.close()
+            await asyncio.sleep(1)
         if fault == "stall-before-headers":
             await asyncio.sleep(30)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -159,3 +165,9 @@ async def test_client_disconnect_cancels_upstream_at_once(rig: tuple[FakeUpstrea
     await asyncio.sleep(0.05)
     record = _last_record(proxy)
     assert record.status == 499 and record.outcome == "failed"
+
+
+async def test_a_connection_dropped_before_any_answer_is_sent_again(rig: tuple[FakeUpstream, TestServer, str]) -> None:
+    fake, proxy, _ = rig
+    status, body = await asyncio.wait_for(_post(proxy, {"x-fault": "close-before-answer-once"}), 10)
+    assert fake.dropped_once and status == 200 and body.startswith(CHUNK + CHUNK)

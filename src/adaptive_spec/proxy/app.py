@@ -110,7 +110,8 @@ async def _close_feeds(app: web.Application) -> None:
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
     # No connection limit (each request holds one for its whole stream) and no decompression (bytes pass as sent).
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    # Idle connections are dropped after 2 s, before llama-server's own keep-alive timeout (5 s) closes them under us.
+    connector = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=2.0)
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
         app[CLIENT] = session
         yield

@@ -69,9 +69,7 @@ async def forward(
     # Send the request upstream and relay the answer; upstream faults become errors, never exceptions.
     url = upstream.base_url + path_qs
     try:
-        upstream_resp = await session.request(
-            request.method, url, data=body or None, headers=upstream_headers(request.headers), timeout=timeout
-        )
+        upstream_resp = await _send(session, request.method, url, body, upstream_headers(request.headers), timeout)
     except aiohttp.ClientConnectorError as exc:
         message = f"profile {upstream.name!r} at {upstream.base_url} is unreachable: {exc.os_error or exc}"
         return _fail(502, message, "upstream_unreachable", meter)
@@ -95,6 +93,22 @@ async def forward(
         # llama-server to stop generating and free the slot.
         upstream_resp.close()
     return resp, Outcome(upstream_resp.status, meter.error, meter)
+
+
+async def _send(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    body: bytes,
+    headers: CIMultiDict[str],
+    timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - aiohttp's per-phase timeouts
+) -> aiohttp.ClientResponse:
+    """One request; sent again once if the server dropped the connection before answering: a pooled keep-alive
+    connection the server had just closed, which the request never reached."""
+    try:
+        return await session.request(method, url, data=body or None, headers=headers, timeout=timeout)
+    except aiohttp.ServerDisconnectedError:
+        return await session.request(method, url, data=body or None, headers=headers, timeout=timeout)
 
 
 def _fail(status: int, message: str, code: str, meter: ResponseMeter) -> tuple[web.StreamResponse, Outcome]:
