@@ -21,7 +21,7 @@ import aiohttp
 import orjson
 
 from adaptive_spec.core.report import ReportRow, baseline_profile, summarize, to_csv, to_markdown
-from adaptive_spec.core.workload import Replay, Workload, WorkloadRequest, parse_workload
+from adaptive_spec.core.workload import Replay, Workload, WorkloadRequest, parse_workload, workload_from_trace
 from adaptive_spec.errors import ConfigError
 
 BUILTIN = ("iterative", "oneshot", "mixed")
@@ -39,6 +39,13 @@ def load_workload(spec: str) -> Workload:
         except OSError as exc:
             raise ConfigError(f"--workload {spec!r}: not one of {', '.join(BUILTIN)} and not readable: {exc}") from exc
         source = spec
+    first = text.lstrip().split(b"\n", 1)[0]
+    if first.startswith(b"{") and b'"kind"' in first:  # a trace from `serve --trace --trace-content`
+        try:
+            lines = [orjson.loads(line) for line in text.splitlines() if line.strip()]
+        except orjson.JSONDecodeError as exc:
+            raise ConfigError(f"{source}: not a trace of JSON lines: {exc}") from exc
+        return parse_workload(workload_from_trace(lines, Path(spec).stem), source)
     try:
         obj = orjson.loads(text)
     except orjson.JSONDecodeError as exc:

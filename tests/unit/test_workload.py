@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -62,6 +64,18 @@ def test_replay_keeps_history_and_tags_the_system_prompt() -> None:
 def test_bad_workloads_name_file_and_key(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(WorkloadError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
         parse_workload(_w(**overrides), "t.json")
+
+
+def test_bench_reads_a_trace_file_as_a_workload(tmp_path: Path) -> None:
+    trace = tmp_path / "day.jsonl"
+    lines = [
+        {"kind": "profiles", "profiles": []},
+        {"kind": "request", "session_id": "s1", "request_body": {"messages": [{"role": "user", "content": "a"}]},
+         "timings": {"predicted_n": 33}},
+    ]  # fmt: skip
+    trace.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    workload = load_workload(str(trace))
+    assert workload.name == "day" and workload.requests[0].max_tokens == 33
 
 
 def test_trace_converts_into_a_workload() -> None:
