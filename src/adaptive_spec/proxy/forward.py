@@ -104,10 +104,13 @@ async def _send(
     timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - aiohttp's per-phase timeouts
 ) -> aiohttp.ClientResponse:
     """One request; sent again once if the server dropped the connection before answering: a pooled keep-alive
-    connection the server had just closed, which the request never reached."""
+    connection the server had just closed ("server disconnected", "can not write request body"), which the request
+    never reached. A refused connection is not retried: the profile is down."""
     try:
         return await session.request(method, url, data=body or None, headers=headers, timeout=timeout)
-    except aiohttp.ServerDisconnectedError:
+    except aiohttp.ClientConnectorError:
+        raise
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
         return await session.request(method, url, data=body or None, headers=headers, timeout=timeout)
 
 
