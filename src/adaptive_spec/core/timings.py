@@ -146,18 +146,20 @@ class ResponseMeter:
         self.error: str | None = None
         self._pieces = 0
 
-    def on_event(self, event: SSEEvent, now_ms: float) -> None:
+    def on_event(self, event: SSEEvent, now_ms: float) -> dict[str, Any] | None:
+        """Take in one stream event; returns its parsed JSON object (None if it is not one), so a caller that
+        re-encodes the stream need not parse it again."""
         data = event.data
         if data == "[DONE]" or event.event in _END_EVENTS:
             self.complete = True
         if not data or data == "[DONE]":
-            return
+            return None
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
-            return
+            return None
         if not isinstance(obj, dict):
-            return
+            return None
         self.output.add(*event_output(obj))
         pieces = generated_pieces(obj)
         if pieces:
@@ -169,6 +171,7 @@ class ResponseMeter:
         self._take(obj)
         if event.event == "error" or "error" in obj:
             self.error = _error_text(obj)
+        return obj
 
     def on_body(self, body: bytes) -> None:
         """A whole non-streamed response body."""
@@ -207,6 +210,13 @@ def _error_text(obj: dict[str, Any]) -> str:
     return str(err)[:500]
 
 
+def _loads(data: str) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+
+
 def _is_final_chunk(obj: dict[str, Any]) -> bool:
     choices = obj.get("choices")
     if not isinstance(choices, list) or not choices:
@@ -214,17 +224,14 @@ def _is_final_chunk(obj: dict[str, Any]) -> bool:
     return any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
 
 
-def without_progress_timings(events: list[SSEEvent]) -> bytes:
+def without_progress_timings(events: list[SSEEvent], parsed: list[dict[str, Any] | None] | None = None) -> bytes:
     """Re-encode stream events for a client that did not ask for per-token timings: `timings` stays only on the
-    final chunk, where llama-server puts it anyway."""
+    final chunk, where llama-server puts it anyway. `parsed`, when given, holds each event's already parsed object."""
     out = bytearray()
-    for event in events:
+    for i, event in enumerate(events):
         data = event.data
         if '"timings"' in data and data.startswith("{"):
-            try:
-                obj = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                obj = None
+            obj = parsed[i] if parsed is not None else _loads(data)
             if isinstance(obj, dict) and "timings" in obj and not _is_final_chunk(obj):
                 del obj["timings"]
                 data = orjson.dumps(obj).decode()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -61,7 +62,7 @@ async def forward(
     started: float,
     extra_headers: dict[str, str],
     meter: ResponseMeter,
-    rewrite: Callable[[list[SSEEvent]], bytes] | None = None,
+    rewrite: Callable[[list[SSEEvent], list[dict[str, Any] | None]], bytes] | None = None,
     progress: Callable[[], None] | None = None,
 ) -> tuple[web.StreamResponse, Outcome]:
     """`rewrite`, when given, re-encodes each batch of stream events for the client (instead of the raw bytes);
@@ -127,7 +128,7 @@ class _Relay:
     api: str
     meter: ResponseMeter
     started: float
-    rewrite: Callable[[list[SSEEvent]], bytes] | None
+    rewrite: Callable[[list[SSEEvent], list[dict[str, Any] | None]], bytes] | None
     progress: Callable[[], None] | None
 
     def where(self) -> str:
@@ -162,10 +163,9 @@ async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResp
                 await resp.write(chunk)  # the bytes as they came, before any parsing
             now_ms = (time.perf_counter() - relay.started) * 1000.0
             events = parser.feed(chunk)
-            for event in events:
-                meter.on_event(event, now_ms)
+            parsed = [meter.on_event(event, now_ms) for event in events]
             if rewrite is not None and events:
-                await resp.write(rewrite(events))
+                await resp.write(rewrite(events, parsed))  # reuses the meter's parse: one JSON decode per event
             if progress is not None:
                 progress()
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
