@@ -95,6 +95,24 @@ def _parser() -> argparse.ArgumentParser:
         "--read-timeout", type=float, default=600.0, help="seconds of upstream silence before a request fails (504)"
     )
     serve.add_argument("--history", type=int, default=1000, help="request records kept for /adaptive/requests")
+    routing = serve.add_argument_group("routing policy")
+    routing.add_argument(
+        "--policy",
+        type=Path,
+        metavar="FILE.toml",
+        help="policy file instead of the shipped policies/default.toml (reloaded when it changes)",
+    )
+    routing.add_argument(
+        "--no-workspace-policies",
+        action="store_true",
+        help="do not read .adaptive-spec.toml in the workspace an agent reveals",
+    )
+    routing.add_argument(
+        "--slot-dir",
+        type=Path,
+        metavar="DIR",
+        help="the --slot-save-path every attached profile shares: lets a moving session's KV cache be handed over",
+    )
     trace = serve.add_argument_group("trace")
     trace.add_argument("--trace", metavar="FILE.jsonl", help="write every request record to this JSONL file")
     trace.add_argument("--trace-content", action="store_true", help="also keep prompts and replies in the trace")
@@ -133,6 +151,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--adaptive", action="store_true", help="also run through the proxy's own route (no pin)")
     bench.add_argument("--max-tokens", type=int, help="cap every request's max_tokens (shorter runs)")
     bench.add_argument("--out", type=Path, help="folder for bench.csv, bench.json, bench.md and bench.png")
+    bench.add_argument(
+        "--simulate",
+        choices=["gpu", "cpu"],
+        help="no proxy: replay the workloads through the routing policy at speeds measured elsewhere "
+        "(gpu: the public DFlash benchmark; cpu: this project's 0.5B measurements) and print the comparison",
+    )
     report = sub.add_parser("report", help="the per-profile table (tok/s, acceptance, TTST) from a trace")
     report.add_argument("trace", nargs="+", type=Path, help="trace JSONL file(s) written by serve --trace")
     report.add_argument("--out", type=Path, help="folder for report.csv, report.md and report.png")
@@ -141,7 +165,52 @@ def _parser() -> argparse.ArgumentParser:
     )
     model = sub.add_parser("model", help="print the path of an embedded model, assembling it if needed")
     model.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(EMBEDDED))
+    _policy_parser(sub)
     return parser
+
+
+def _policy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    policy = sub.add_parser("policy", help="check routing policy files, or show the policy a project gets")
+    actions = policy.add_subparsers(dest="policy_command", required=True)
+    check = actions.add_parser("check", help="report every problem of policy files (exit 1 if any)")
+    check.add_argument(
+        "files", nargs="*", type=Path, metavar="FILE",
+        help="default: the shipped default, <config dir>/policies/*.toml and ./.adaptive-spec.toml",
+    )  # fmt: skip
+    show = actions.add_parser("show", help="print the effective policy of a project (TOML, or JSON with --json)")
+    show.add_argument("--project", default="default", help="the project (default: %(default)s)")
+    show.add_argument("--workspace", help="the workspace folder, whose .adaptive-spec.toml applies last")
+    show.add_argument("--policy", type=Path, metavar="FILE", help="base policy file (default: the shipped one)")
+    show.add_argument("--json", action="store_true", help="JSON with the sources and problems")
+    for action in (check, show):
+        action.add_argument(
+            "--profiles", help="comma-separated profiles served: route.force and route.profiles must name them"
+        )
+
+
+def _policy(args: argparse.Namespace) -> int:
+    """`policy check` and `policy show`; exit 1 when a file has problems."""
+    import json
+
+    from adaptive_spec.core.policy import policy_to_toml
+    from adaptive_spec.policy_files import PolicyStore, check_files, config_dir
+
+    known = [p for p in args.profiles.split(",") if p] if args.profiles else None
+    if args.policy_command == "check":
+        results = check_files(args.files, known)
+        for name, problems in results:
+            print("\n".join(str(p) for p in problems) if problems else f"ok: {name}")
+        return 1 if any(problems for _, problems in results) else 0
+    store = PolicyStore(args.policy, known, config_dir(), read_workspace_files=True)
+    workspace = str(Path(args.workspace).resolve()) if args.workspace else None
+    described = store.describe(args.project, workspace)
+    if args.json:
+        print(json.dumps(described, indent=2))
+    else:
+        print(policy_to_toml(store.policy_for(args.project, workspace)), end="")
+    for problem in described["problems"]:
+        print(f"problem: {problem}", file=sys.stderr)
+    return 1 if described["problems"] else 0
 
 
 def _ngram_params(text: str | None) -> NgramModParams:
@@ -182,6 +251,12 @@ def _trace_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _routing_options(args: argparse.Namespace) -> dict[str, Any]:
+    if args.slot_dir is not None and not args.profile:
+        raise ConfigError("--slot-dir is for attached profiles (--profile); launched profiles share one already")
+    return {"policy_file": args.policy, "workspace_policies": not args.no_workspace_policies, "slot_dir": args.slot_dir}
+
+
 def _serve_plan(args: argparse.Namespace) -> ServePlan:
     proxy = ProxySettings(
         max_body_bytes=int(args.max_body_mb * 1024 * 1024), read_timeout_s=args.read_timeout, history_size=args.history
@@ -195,7 +270,7 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
             raise ConfigError(f"--profile names must be unique, got {', '.join(names)}")
         sessions = _session_plan(args, _ngram_params(args.ngram_mod))
         return ServePlan(args.host, args.port, proxy, args.default_profile, attach=attached, sessions=sessions,
-                         **_trace_options(args))  # fmt: skip
+                         **_trace_options(args), **_routing_options(args))  # fmt: skip
     from adaptive_spec.launcher import find_llama_server
 
     if args.draft_type and not args.draft and args.draft_type != "mtp":
@@ -215,7 +290,7 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
     launch = LaunchPlan(binary, specs, settings)
     sessions = _session_plan(args, ngram)
     return ServePlan(args.host, args.port, proxy, args.default_profile, launch=launch, sessions=sessions,
-                     **_trace_options(args))  # fmt: skip
+                     **_trace_options(args), **_routing_options(args))  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -223,6 +298,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             run(_serve_plan(args))
+        elif args.command == "bench" and args.simulate:
+            from adaptive_spec.bench import main_simulate
+
+            print(main_simulate(args.simulate, args.workload, args.out))
         elif args.command == "bench":
             from adaptive_spec.bench import main_bench
 
@@ -237,6 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 say(f"written: {args.out / 'report.csv'}, {args.out / 'report.md'}, {args.out / 'report.png'}")
         elif args.command == "model":
             print(ensure_embedded(args.name, say))
+        elif args.command == "policy":
+            return _policy(args)
         return 0
     except AdaptiveSpecError as exc:
         print(f"adaptive-spec: error: {exc}", file=sys.stderr)

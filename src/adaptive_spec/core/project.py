@@ -4,7 +4,7 @@ reveals, the session's project, else `default`."""
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import PurePosixPath, PureWindowsPath
 from typing import Any
 
@@ -31,8 +31,23 @@ def project_name(path: str) -> str | None:
     return name[:64] or None
 
 
-def workspace_from_request(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
-    """The workspace an agent reveals: Codex's turn-metadata header, a <cwd> tag, or a `Working directory:` line."""
+def _clean_path(path: str) -> str | None:
+    path = path.strip().strip("\"'`").strip()
+    return path or None
+
+
+def _prompt_texts(body: Mapping[str, Any]) -> Iterator[str]:
+    """The texts that may name the workspace, first to last; lazily, as a prompt can be long."""
+    for message in messages_of(body)[:4]:
+        if message.get("role") in ("system", "developer", "user"):
+            yield message_text(message.get("content"))
+    for key in ("instructions", "system"):  # Responses API / Anthropic put the system prompt here
+        yield message_text(body.get(key))
+
+
+def workspace_path_from_request(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+    """The whole workspace path an agent reveals (Codex's turn-metadata header, a <cwd> tag, or a `Working
+    directory:` line), for finding a policy file in the workspace when the proxy runs on the same machine."""
     meta = headers.get("x-codex-turn-metadata")
     if meta:
         try:
@@ -41,22 +56,19 @@ def workspace_from_request(headers: Mapping[str, str], body: Mapping[str, Any]) 
             parsed = None
         workspaces = parsed.get("workspaces") if isinstance(parsed, dict) else None
         if isinstance(workspaces, dict) and workspaces:
-            return project_name(next(iter(workspaces)))
-    for message in messages_of(body)[:4]:
-        if message.get("role") not in ("system", "developer", "user"):
-            continue
-        text = message_text(message.get("content"))[:_SCAN_CHARS]
+            return _clean_path(str(next(iter(workspaces))))
+    for text in _prompt_texts(body):
         for pattern in (_CWD_TAG, _WORKDIR_LINE):
-            found = pattern.search(text)
+            found = pattern.search(text[:_SCAN_CHARS])
             if found:
-                return project_name(found.group(1))
-    for key in ("instructions", "system"):  # Responses API / Anthropic put the system prompt here
-        text = message_text(body.get(key))[:_SCAN_CHARS]
-        for pattern in (_CWD_TAG, _WORKDIR_LINE):
-            found = pattern.search(text)
-            if found:
-                return project_name(found.group(1))
+                return _clean_path(found.group(1))
     return None
+
+
+def workspace_from_request(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+    """The project name of the workspace an agent reveals: the path's last component."""
+    path = workspace_path_from_request(headers, body)
+    return project_name(path) if path else None
 
 
 def resolve_project(

@@ -1,0 +1,212 @@
+from __future__ import annotations
+
+import tomllib
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from adaptive_spec.core.policy import (
+    TABLES,
+    EstimatorPolicy,
+    FirstTurnPolicy,
+    Policy,
+    PolicyError,
+    Problem,
+    RoutePolicy,
+    apply,
+    line_of,
+    load_policy,
+    locate_keys,
+    parse_overlay,
+    policy_to_toml,
+    policy_to_toml_dict,
+)
+from adaptive_spec.errors import ConfigError
+from adaptive_spec.policy_files import default_policy_text
+
+REPO_POLICIES = Path(__file__).resolve().parents[2] / "policies"
+
+
+def _problems(text: str, known: list[str] | None = None) -> list[str]:
+    return [str(p) for p in parse_overlay(text, "a.toml", known)[1]]
+
+
+# --- the shipped default.toml ---
+
+
+def test_shipped_default_is_exactly_the_built_in_defaults() -> None:
+    policy = load_policy([("default.toml", default_policy_text())])
+    assert policy == Policy(sources=("default.toml",))
+
+
+def test_shipped_default_sets_every_field_and_nothing_else() -> None:
+    data = tomllib.loads(default_policy_text())
+    assert set(data) == set(TABLES)
+    for table, cls in TABLES.items():
+        assert set(data[table]) == {f.name for f in fields(cls)}, table
+
+
+def test_every_key_of_the_shipped_default_has_a_comment_above_it() -> None:
+    lines = default_policy_text().split("\n")
+    for key, number in locate_keys(default_policy_text()).items():
+        if "." in key:
+            assert lines[number - 2].startswith("#"), f"{key} (line {number}) has no comment above it"
+
+
+@pytest.mark.parametrize("path", sorted(REPO_POLICIES.glob("*.toml")), ids=lambda p: p.name)
+def test_every_policy_file_of_the_repository_loads(path: Path) -> None:
+    load_policy([(path.name, path.read_text(encoding="utf-8"))], known_profiles=["oneshot", "iterative"])
+
+
+def test_the_repository_default_is_the_shipped_file() -> None:
+    assert (REPO_POLICIES / "default.toml").read_text(encoding="utf-8") == default_policy_text()
+
+
+# --- overlays ---
+
+
+def test_a_file_sets_only_the_keys_it_names() -> None:
+    overlay, problems = parse_overlay("[route]\nhysteresis = 0.3\n[handoff]\nenabled = false\n", "a.toml")
+    assert problems == []
+    policy = apply(Policy(), overlay, "a.toml")
+    assert policy.route == RoutePolicy(hysteresis=0.3)
+    assert policy.handoff.enabled is False and policy.handoff.min_tokens == 1024
+    assert policy.estimator == EstimatorPolicy() and policy.sources == ("a.toml",)
+
+
+def test_overlays_apply_in_order() -> None:
+    policy = load_policy([
+        ("base.toml", "[route]\nhysteresis = 0.3\nexplore = 0.1\n"),
+        ("project.toml", "[route]\nhysteresis = 0.4\n"),
+    ])  # fmt: skip
+    assert (policy.route.hysteresis, policy.route.explore) == (0.4, 0.1)
+    assert policy.sources == ("base.toml", "project.toml")
+
+
+def test_values_are_converted_to_the_field_types() -> None:
+    text = '[route]\nprofiles = ["oneshot"]\nforce = ""\nhysteresis = 1\n[first_turn]\nphrases = []\n'
+    policy = load_policy([("a.toml", text)])
+    assert policy.route.profiles == ("oneshot",) and policy.route.force is None
+    assert policy.route.hysteresis == 1.0 and isinstance(policy.route.hysteresis, float)
+    assert policy.first_turn == FirstTurnPolicy(phrases=())
+
+
+def test_dotted_keys_and_inline_tables_work_as_tables() -> None:
+    policy = load_policy([("a.toml", 'route.hysteresis = 0.2\nestimator = { decode_tps = 12 }\nroute.force = "x"\n')])
+    assert (policy.route.hysteresis, policy.route.force, policy.estimator.decode_tps) == (0.2, "x", 12.0)
+
+
+def test_a_bad_value_leaves_the_good_ones_in_the_overlay() -> None:
+    overlay, problems = parse_overlay("[route]\nhysteresis = 2\nexplore = 0.2\n", "a.toml")
+    assert overlay == {"route": {"explore": 0.2}} and len(problems) == 1
+
+
+# --- problems: every one, named by file, dotted key and line ---
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[route]\nhysterisis = 0.2\n", "a.toml:route.hysterisis:2: unknown key; did you mean 'hysteresis'?"),
+        ("[routes]\nx = 1\n", "a.toml:routes:1: unknown table; did you mean 'route'?"),
+        ("hysteresis = 0.2\n", "a.toml:hysteresis:1: unknown key; did you mean 'route.hysteresis'?"),
+        ("[route]\ndecode_tps = 3\n", "a.toml:route.decode_tps:2: unknown key; did you mean 'estimator.decode_tps'?"),
+        ("[route]\nzzz = 1\n", "a.toml:route.zzz:2: unknown key (keys: profiles, force, hysteresis, min_dwell_turns, "
+         "explore, max_queue)"),
+        ("[zzz]\n", "a.toml:zzz:1: unknown table (tables: route, first_turn, estimator, handoff)"),
+        ("route = 3\n", "a.toml:route:1: expected a table [route], got integer 3"),
+        ("[route]\nhysteresis = 1.5\n", "a.toml:route.hysteresis:2: must be between 0 and 1, got 1.5"),
+        ("[route]\nexplore = -0.1\n", "a.toml:route.explore:2: must be between 0 and 0.5, got -0.1"),
+        ("[route]\nmax_queue = -1\n", "a.toml:route.max_queue:2: must be at least 0, got -1"),
+        ("[estimator]\ndecode_tps = 0\n", "a.toml:estimator.decode_tps:2: must be greater than 0, got 0"),
+        ("[estimator]\ndecode_tps = inf\n", "a.toml:estimator.decode_tps:2: expected a finite number, got float inf"),
+        ("[estimator]\nngram_max_speedup = 0.5\n", "a.toml:estimator.ngram_max_speedup:2: must be at least 1, got 0.5"),
+        ("[estimator]\nhalf_life = 2.5\n", "a.toml:estimator.half_life:2: expected an integer, got float 2.5"),
+        ("[route]\nmin_dwell_turns = true\n",
+         "a.toml:route.min_dwell_turns:2: expected an integer, got boolean true"),
+        ('[route]\nhysteresis = "0.2"\n', 'a.toml:route.hysteresis:2: expected a number, got string "0.2"'),
+        ("[route]\nhysteresis = true\n", "a.toml:route.hysteresis:2: expected a number, got boolean true"),
+        ('[handoff]\nenabled = "yes"\n', 'a.toml:handoff.enabled:2: expected true or false, got string "yes"'),
+        ("[route]\nforce = 1\n", 'a.toml:route.force:2: expected a profile name, or "" for none, got integer 1'),
+        ('[route]\nprofiles = "oneshot"\n',
+         'a.toml:route.profiles:2: expected an array of strings, got string "oneshot"'),
+        ('[first_turn]\nphrases = ["a", 3, ""]\n',
+         "a.toml:first_turn.phrases:2: entry 2: expected a non-empty string, got integer 3"),
+        ('[route]\nprofiles = ["a"]\nforce = "b"\n', "a.toml:route.force:3: 'b' is not one of route.profiles (a)"),
+        ("[route]\nhysteresis = \n", "a.toml:2: invalid TOML: invalid value at column 14"),
+        ("[route]\nprofiles = [\n", "a.toml:3: invalid TOML: invalid value at the end of the file"),
+    ],
+)  # fmt: skip
+def test_problem_wording(text: str, expected: str) -> None:
+    assert _problems(text)[0] == expected
+
+
+def test_profiles_are_checked_against_the_served_ones_when_known() -> None:
+    text = '[route]\nforce = "iterativ"\nprofiles = ["oneshot", "zzz"]\n'
+    assert _problems(text, ["oneshot", "iterative"]) == [
+        "a.toml:route.force:2: unknown profile 'iterativ'; did you mean 'iterative'?",
+        "a.toml:route.profiles:3: entry 2: unknown profile 'zzz' (profiles: iterative, oneshot)",
+    ]
+    assert _problems(text) == ["a.toml:route.force:2: 'iterativ' is not one of route.profiles (oneshot, zzz)"]
+    assert _problems('[route]\nforce = "oneshot"\n', ["oneshot"]) == []
+    assert parse_overlay(text + "hysteresis = 0.2\n", "a.toml", ["oneshot"])[0] == {"route": {"hysteresis": 0.2}}
+
+
+def test_every_problem_is_reported_not_just_the_first() -> None:
+    text = "[route]\nhysteresis = 3\nexplore = 1\n\n[estimator]\nhalf_life = 0\nbogus = 1\n"
+    assert [p.split(": ")[0] for p in _problems(text)] == [
+        "a.toml:route.hysteresis:2", "a.toml:route.explore:3", "a.toml:estimator.half_life:6",
+        "a.toml:estimator.bogus:7",
+    ]  # fmt: skip
+
+
+def test_load_policy_raises_with_the_problems_of_all_files() -> None:
+    with pytest.raises(PolicyError) as caught:
+        load_policy([("a.toml", "[route]\nexplore = 1\n"), ("b.toml", "[x]\n")])
+    assert str(caught.value) == (
+        "a.toml:route.explore:2: must be between 0 and 0.5, got 1\nb.toml:x:1: unknown table (tables: route, "
+        "first_turn, estimator, handoff)"
+    )
+    assert [p.file for p in caught.value.problems] == ["a.toml", "b.toml"]
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, ConfigError)
+
+
+def test_problem_leaves_out_what_it_does_not_know() -> None:
+    assert str(Problem("a.toml", "route.force", 3, "m")) == "a.toml:route.force:3: m"
+    assert str(Problem("a.toml", "", 3, "m")) == "a.toml:3: m"
+    assert str(Problem("a.toml", "route.force", None, "m")) == "a.toml:route.force: m"
+    assert str(Problem("a.toml", "", None, "m")) == "a.toml: m"
+
+
+# --- the line locator ---
+
+
+def test_locate_keys_finds_headers_plain_dotted_and_quoted_keys() -> None:
+    text = (
+        '# comment\nroute.hysteresis = 0.2\n[ estimator ]\n"decode_tps" = 3\n  prefill_tps=4\n'
+        '[first_turn]\nphrases = """\nfake = 1\n"""\nmin_lines = 3\n[handoff]\nx = { y = 1 }\n'
+    )
+    lines = locate_keys(text)
+    assert lines == {
+        "route.hysteresis": 2, "estimator": 3, "estimator.decode_tps": 4, "estimator.prefill_tps": 5,
+        "first_turn": 6, "first_turn.phrases": 7, "first_turn.min_lines": 10, "handoff": 11, "handoff.x": 12,
+    }  # fmt: skip
+    assert line_of(lines, "handoff.x.y") == 12
+    assert line_of(lines, "route.explore") is None
+    assert line_of(lines, "") is None
+
+
+# --- showing the policy ---
+
+
+def test_policy_to_toml_dict_is_what_a_file_would_hold() -> None:
+    shown = policy_to_toml_dict(Policy(sources=("a.toml",)))
+    assert shown == tomllib.loads(default_policy_text())
+
+
+def test_policy_to_toml_reads_back_to_the_same_policy() -> None:
+    policy = load_policy([("a.toml", '[route]\nforce = "it\\"s"\nprofiles = ["it\\"s"]\nhysteresis = 1e-7\n')])
+    text = policy_to_toml(policy)
+    assert text.startswith("# from: a.toml\n")
+    assert load_policy([("a.toml", text)]) == policy
