@@ -24,8 +24,10 @@ from adaptive_spec.core.ngram import NgramParams
 from adaptive_spec.core.profiles import AttachedProfile, ProfileInfo, ProfileSpec, ServerSettings, model_mismatch
 from adaptive_spec.errors import ConfigError, LaunchError, ProfileMismatchError
 from adaptive_spec.launcher import Launcher
+from adaptive_spec.policy_files import PolicyStore, config_dir
 from adaptive_spec.proxy.app import ProxySettings, build_app
 from adaptive_spec.proxy.probe import probe
+from adaptive_spec.proxy.routing import Router
 from adaptive_spec.proxy.stats import SessionService
 from adaptive_spec.proxy.tokenizers import (
     CachingTokenizer,
@@ -71,6 +73,9 @@ class ServePlan:
     trace_path: Path | None = None
     trace_content: bool = False
     trace_max_bytes: int = 64 * 1024 * 1024
+    policy_file: Path | None = None  # None: the shipped policies/default.toml
+    workspace_policies: bool = True  # read .adaptive-spec.toml in the workspace an agent reveals
+    slot_dir: Path | None = None  # attached profiles' shared --slot-save-path (launched ones get their own)
 
 
 async def _tokenizer(plan: ServePlan, session: aiohttp.ClientSession, default_url: str) -> Tokenizer | None:
@@ -116,6 +121,10 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
     runner: web.AppRunner | None = None
     client = aiohttp.ClientSession()
     try:
+        names = [a.name for a in plan.attach] + ([s.name for s in plan.launch.specs] if plan.launch else [])
+        # A bad policy file stops us before any server starts.
+        policies = PolicyStore(plan.policy_file, names, config_dir(), read_workspace_files=plan.workspace_policies,
+                               log=say)  # fmt: skip
         upstreams = [Upstream(a.name, a.base_url, a.upstream_model) for a in plan.attach]
         if plan.launch is not None:
             state_dir().mkdir(parents=True, exist_ok=True)
@@ -150,7 +159,15 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
             trace = TraceWriter(plan.trace_path, max_bytes=plan.trace_max_bytes, content=plan.trace_content)
             trace.write({"kind": "profiles", "at_unix": time.time(), "profiles": [asdict(i) for i in infos]})
             say(f"trace: {plan.trace_path}" + (" (with prompts and replies)" if plan.trace_content else ""))
-        app = build_app(table, plan.proxy, sessions, trace=trace, profiles=infos)
+        slot_dir = run_dir / "slots" if run_dir is not None else plan.slot_dir
+        router = Router(table, policies, {i.name: i.total_slots for i in infos}, {i.name: i.spec_types for i in infos},
+                        slot_dir=slot_dir)  # fmt: skip
+        described = policies.describe("default", None)
+        say(
+            f"routing: policy from {', '.join(described['sources']) or 'built-in defaults'}; KV handoff "
+            + ("on (slot files in " + str(slot_dir) + ")" if slot_dir else "off (no shared slot directory)")
+        )
+        app = build_app(table, plan.proxy, sessions, trace=trace, profiles=infos, router=router)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         try:

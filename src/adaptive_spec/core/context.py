@@ -167,6 +167,11 @@ class ContextTracker:
             del self._sessions[sid]
         return gone
 
+    def copy_state(self, session_id: str) -> tuple[int, float | None]:
+        """(turns, estimated accepted-share EWMA) of a session; (0, None) for one not tracked."""
+        s = self._sessions.get(session_id)
+        return (s.turns, s.accepted_ewma) if s is not None else (0, None)
+
     def snapshot(self, session_id: str) -> SessionSnapshot | None:
         s = self._sessions.get(session_id)
         if s is None:

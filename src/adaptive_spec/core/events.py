@@ -1,7 +1,8 @@
 """Event types of the live feed; a leaf module with no internal imports.
 
 Every request publishes RequestStarted, then any number of DraftProgress, then exactly one of RequestFinished or
-RequestFailed. Profiles publish ProfileUp / ProfileDown. A subscriber that falls behind gets EventsDropped.
+RequestFailed. Profiles publish ProfileUp / ProfileDown; the router HandoffDone
+and PolicyChanged. A subscriber that falls behind gets EventsDropped.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class RequestStarted(_Event):
     session_id: str | None
     session_source: str | None
     stream: bool
+    route: str | None = None  # how the profile was chosen: pinned, forced, estimate, stay, explore, fallback, only
+    reason: str | None = None  # the routing decision's one-line reason
+    moved_from: str | None = None  # the session's KV cache lived on this other profile
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +80,28 @@ class ProfileDown(_Event):
 
 
 @dataclass(frozen=True, slots=True)
+class HandoffDone(_Event):
+    """A session moved profiles: its KV slot was saved on one and restored on the other (or that failed, and the
+    new profile re-prefills)."""
+
+    session_id: str
+    from_profile: str
+    to_profile: str
+    ok: bool
+    tokens: int
+    save_s: float
+    restore_s: float
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyChanged(_Event):
+    """A policy file was reloaded, or found bad (the last good version stays in force)."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
 class EventsDropped(_Event):
     """This subscriber was too slow: `count` of the oldest events were dropped for it."""
 
@@ -84,5 +110,5 @@ class EventsDropped(_Event):
 
 Event = (
     RequestStarted | DraftProgress | RequestFinished | RequestFailed | SessionUpdated | ProfileUp | ProfileDown
-    | EventsDropped
+    | HandoffDone | PolicyChanged | EventsDropped
 )  # fmt: skip

@@ -43,6 +43,10 @@ class RequestRecord:
     ttft_ms: float | None
     ttst_ms: float | None
     total_ms: float
+    route: str | None = None  # how the profile was chosen: pinned, forced, estimate, stay, explore, fallback, only
+    reason: str | None = None  # the routing decision in one line
+    moved_from: str | None = None  # the session's KV cache lived on this other profile before this request
+    handoff: dict[str, Any] | None = None  # the KV slot save/restore before forwarding, when the session moved
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from urllib.parse import quote
 
 import aiohttp
@@ -26,7 +26,7 @@ from adaptive_spec.core.events import (
 )
 from adaptive_spec.core.history import RequestHistory
 from adaptive_spec.core.profiles import ProfileInfo
-from adaptive_spec.core.project import DEFAULT_PROJECT
+from adaptive_spec.core.project import DEFAULT_PROJECT, workspace_path_from_request
 from adaptive_spec.core.records import RequestRecord, Timings
 from adaptive_spec.core.requests import (
     GENERATING_APIS,
@@ -36,12 +36,14 @@ from adaptive_spec.core.requests import (
     parse_body,
     split_path,
 )
+from adaptive_spec.core.route import Decision
 from adaptive_spec.core.sessions import SessionAssignment
 from adaptive_spec.core.timings import ResponseMeter, without_progress_timings
 from adaptive_spec.proxy.bus import EventBus
 from adaptive_spec.proxy.errors import error_response
 from adaptive_spec.proxy.forward import forward
 from adaptive_spec.proxy.metrics import ProxyMetrics
+from adaptive_spec.proxy.routing import FixedPolicy, HandoffResult, Router
 from adaptive_spec.proxy.state import (
     BUS,
     CLIENT,
@@ -49,6 +51,7 @@ from adaptive_spec.proxy.state import (
     METRICS,
     PROFILE_HEADER,
     PROFILES,
+    ROUTER,
     SESSIONS,
     SETTINGS,
     TRACE,
@@ -64,6 +67,10 @@ __all__ = ["PROFILE_HEADER", "ProxySettings", "build_app"]
 log = logging.getLogger(__name__)
 # APIs whose streams llama-server can annotate with per-token timings (for the live draft progress).
 _PROGRESS_APIS = frozenset({"chat", "completions"})
+ROUTE_HEADER = "x-adaptive-spec-route"
+_POLICY_REFRESH_S = 2.0
+# How long a request waits for its session's previous turn to be folded into the statistics it is routed on.
+_SETTLE_S = 0.3
 
 
 class BodyTooLarge(Exception):
@@ -78,6 +85,7 @@ def build_app(
     bus: EventBus | None = None,
     trace: TraceWriter | None = None,
     profiles: list[ProfileInfo] | None = None,
+    router: Router | None = None,
 ) -> web.Application:
     # The body limit is enforced by read_body (to answer in the OpenAI error shape), not by aiohttp.
     app = web.Application(client_max_size=settings.max_body_bytes + 1)
@@ -86,6 +94,12 @@ def build_app(
     app[BUS] = bus or EventBus()
     app[METRICS] = ProxyMetrics(frozenset(upstreams.names()))
     app[PROFILES] = profiles or []
+    if router is None:
+        infos = {i.name: i for i in app[PROFILES]}
+        router = Router(upstreams, FixedPolicy(), {n: i.total_slots for n, i in infos.items()},
+                        {n: i.spec_types for n, i in infos.items()})  # fmt: skip
+    router.publish = app[BUS].publish
+    app[ROUTER] = router
     app[BUS].listen(app[METRICS].on_event)
     upstreams.on_change = lambda u, reason: app[BUS].publish(
         ProfileUp(profile=u.name, base_url=u.base_url)
@@ -98,6 +112,7 @@ def build_app(
         sessions.publish = app[BUS].publish
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_session_worker)
+    app.cleanup_ctx.append(_policy_refresher)
     app.on_shutdown.append(_close_feeds)
     add_views(app, _proxy_view)
     app.router.add_route("*", "/{tail:.*}", _proxy_view)
@@ -130,6 +145,24 @@ async def _session_worker(app: web.Application) -> AsyncIterator[None]:
         trace.close()
 
 
+async def _policy_refresher(app: web.Application) -> AsyncIterator[None]:
+    """Reload changed policy files every 2 s (a bad file keeps the last good policy; the router says so)."""
+
+    async def loop() -> None:
+        while True:
+            await asyncio.sleep(_POLICY_REFRESH_S)
+            try:
+                await asyncio.to_thread(app[ROUTER].refresh_policies)
+            except Exception:
+                log.exception("policy refresh failed")
+
+    task = asyncio.create_task(loop())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 async def read_body(request: web.Request, limit: int) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge
@@ -143,9 +176,9 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def choose_upstream(request: web.Request, table: UpstreamTable) -> Upstream | web.Response:
-    """The profile a request goes to: the one its header pins, else the default."""
-    name = request.headers.get(PROFILE_HEADER) or table.default
+def choose_upstream(request: web.Request, table: UpstreamTable, name: str | None = None) -> Upstream | web.Response:
+    """The upstream of profile `name` (default: the one the header pins, else the default), or the error to answer."""
+    name = name or request.headers.get(PROFILE_HEADER) or table.default
     upstream = table.get(name)
     if upstream is None:
         known = ", ".join(table.names())
@@ -186,6 +219,10 @@ class _Request:
     announced: bool = False
     meter: ResponseMeter = field(default_factory=ResponseMeter)
     last_progress: tuple[float, Timings | None] = (0.0, None)
+    decision: Decision | None = None
+    slot: int | None = None  # the slot named with id_slot (profiles with several slots)
+    handoff: HandoffResult | None = None
+    routed_started: bool = False  # counted in the router's in-flight load
 
 
 def _upstream_body(req: _Request, upstream: Upstream) -> tuple[bytes, bool]:
@@ -202,19 +239,30 @@ def _upstream_body(req: _Request, upstream: Upstream) -> tuple[bytes, bool]:
     strip = parsed.stream and req.routed.api in _PROGRESS_APIS and "timings_per_token" not in parsed.body
     if strip:
         changes["timings_per_token"] = True
+    if req.slot is not None and "id_slot" not in parsed.body:
+        changes["id_slot"] = req.slot
     return (orjson.dumps({**parsed.body, **changes}) if changes else req.body), strip
+
+
+def _extra_headers(req: _Request, chosen: Upstream) -> dict[str, str]:
+    """Sent upstream and back to the client: which request this is, the profile that served it, and why."""
+    headers = {"x-adaptive-spec-request-id": req.request_id, PROFILE_HEADER: chosen.name}
+    if req.decision is not None:
+        headers[ROUTE_HEADER] = req.decision.kind
+    return headers
 
 
 def _announce(app: web.Application, req: _Request) -> None:
     if req.announced:
         return
     req.announced = True
-    a = req.assignment
+    a, d = req.assignment, req.decision
     app[BUS].publish(
         RequestStarted(
             request_id=req.request_id, api=req.routed.api, project=req.project, profile=req.profile,
             session_id=a.session_id if a else None, session_source=a.source if a else None,
-            stream=req.parsed.stream if req.parsed else False,
+            stream=req.parsed.stream if req.parsed else False, route=d.kind if d else None,
+            reason=d.reason if d else None, moved_from=d.moved_from if d else None,
         )
     )  # fmt: skip
 
@@ -250,12 +298,46 @@ async def _prepare(request: web.Request, req: _Request) -> Upstream | web.Respon
             return error_response(400, result.message, code=result.code, param=result.param)
         req.parsed = result
         service = request.app[SESSIONS]
+        headers = {k.lower(): v for k, v in request.headers.items()}
         if service is not None:
-            headers = {k.lower(): v for k, v in request.headers.items()}
             req.assignment, req.project = service.assign(headers, result.body, req.routed.project)
+        pinned = choose_upstream(request, request.app[UPSTREAMS]) if request.headers.get(PROFILE_HEADER) else None
+        if isinstance(pinned, web.Response):
+            req.status, req.error = pinned.status, (pinned.text or "")[:300]
+            return pinned
+        return await _route(request, req, headers)
     chosen = choose_upstream(request, request.app[UPSTREAMS])
     if isinstance(chosen, web.Response):
         req.status, req.error = chosen.status, (chosen.text or "")[:300]
+    return chosen
+
+
+async def _route(request: web.Request, req: _Request, headers: dict[str, str]) -> Upstream | web.Response:
+    """A generating request: decide its profile, and hand the session's KV over when it moves."""
+    app, parsed = request.app, req.parsed
+    assert parsed is not None
+    router, service, a = app[ROUTER], app[SESSIONS], req.assignment
+    session_id = a.session_id if a is not None else None
+    turns, copy = 0, None
+    if service is not None and session_id is not None:
+        await service.settled(session_id, _SETTLE_S)
+        turns, copy = service.copy_state(session_id)
+    req.decision, _ = router.choose(
+        body=parsed.body, body_bytes=len(req.body), session_id=session_id, session_turns=turns, copy_share=copy,
+        project=req.project, workspace=workspace_path_from_request(headers, parsed.body),
+        pinned=request.headers.get(PROFILE_HEADER),
+    )  # fmt: skip
+    req.profile = req.decision.profile
+    chosen = choose_upstream(request, app[UPSTREAMS], req.profile)
+    if isinstance(chosen, web.Response):
+        req.status, req.error = chosen.status, (chosen.text or "")[:300]
+        return chosen
+    if "id_slot" not in parsed.body:
+        req.slot = router.slot_for(chosen.name, session_id)
+    router.started(chosen.name, req.slot)
+    req.routed_started = True
+    if req.decision.handoff and session_id is not None:
+        req.handoff = await router.hand_off(app[CLIENT], req.decision, session_id, req.slot)
     return chosen
 
 
@@ -277,7 +359,7 @@ async def _proxy_view(request: web.Request) -> web.StreamResponse:
             request, app[CLIENT], chosen,
             path_qs=routed.upstream_path + _upstream_query(request, chosen, routed.api), body=body, api=routed.api,
             timeout=timeout, started=req.started, meter=req.meter,
-            extra_headers={"x-adaptive-spec-request-id": req.request_id, PROFILE_HEADER: chosen.name},
+            extra_headers=_extra_headers(req, chosen),
             rewrite=without_progress_timings if strip else None, progress=lambda: _progress(app, req),
         )  # fmt: skip
         req.status, req.error = outcome.status, outcome.error
@@ -296,9 +378,12 @@ async def _proxy_view(request: web.Request) -> web.StreamResponse:
 
 def _finish(app: web.Application, method: str, path: str, req: _Request) -> None:
     finished = req.error is None and req.status < 400
-    service, a, meter = app[SESSIONS], req.assignment, req.meter
+    service, a, meter, d = app[SESSIONS], req.assignment, req.meter, req.decision
     if finished and service is not None and a is not None and req.parsed is not None:
         service.finished(a, req.project, req.parsed.body, meter.output)
+    if req.routed_started and d is not None:
+        app[ROUTER].finished(d, req.profile, req.slot, a.session_id if a else None, meter.timings, len(req.body),
+                             finished)  # fmt: skip
     record = RequestRecord(
         request_id=req.request_id, started_at_unix=req.started_unix, method=method, path=path, api=req.routed.api,
         project=req.project, session_id=a.session_id if a else None, session_source=a.source if a else None,
@@ -306,9 +391,14 @@ def _finish(app: web.Application, method: str, path: str, req: _Request) -> None
         stream=req.parsed.stream if req.parsed is not None else False, status=req.status,
         outcome="finished" if finished else "failed", error=req.error, timings=meter.timings,
         ttft_ms=meter.first_token_ms, ttst_ms=meter.second_token_ms,
-        total_ms=(time.perf_counter() - req.started) * 1000.0,
+        total_ms=(time.perf_counter() - req.started) * 1000.0, route=d.kind if d else None,
+        reason=d.reason if d else None, moved_from=d.moved_from if d else None,
+        handoff=asdict(req.handoff) if req.handoff is not None else None,
     )  # fmt: skip
     app[HISTORY].add(record)
+    if d is not None:
+        app[ROUTER].remember({"request_id": req.request_id, "session_id": record.session_id, "profile": req.profile,
+                              "route": d.kind, "reason": d.reason, "status": req.status})  # fmt: skip
     as_json = record.to_json()
     _announce(app, req)
     app[BUS].publish(RequestFinished(record=as_json) if finished else RequestFailed(record=as_json))

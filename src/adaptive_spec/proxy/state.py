@@ -11,6 +11,7 @@ from adaptive_spec.core.history import RequestHistory
 from adaptive_spec.core.profiles import ProfileInfo
 from adaptive_spec.proxy.bus import EventBus
 from adaptive_spec.proxy.metrics import ProxyMetrics
+from adaptive_spec.proxy.routing import Router
 from adaptive_spec.proxy.stats import SessionService
 from adaptive_spec.proxy.trace import TraceWriter
 from adaptive_spec.proxy.upstreams import UpstreamTable
@@ -36,3 +37,4 @@ METRICS = web.AppKey("metrics", ProxyMetrics)
 SESSIONS: web.AppKey[SessionService | None] = web.AppKey("sessions")
 TRACE: web.AppKey[TraceWriter | None] = web.AppKey("trace")
 PROFILES: web.AppKey[list[ProfileInfo]] = web.AppKey("profiles")
+ROUTER = web.AppKey("router", Router)

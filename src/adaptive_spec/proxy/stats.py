@@ -53,6 +53,8 @@ class SessionService:
         self._lock = threading.Lock()  # the tracker is updated in a worker thread and read on the event loop
         self.dropped = 0
         self.processed = 0
+        self._pending: dict[str, int] = {}  # session -> queued updates not folded in yet
+        self._settled: dict[str, asyncio.Event] = {}
         self.publish: Callable[[Event], None] = lambda _event: None
 
     def assign(
@@ -83,6 +85,38 @@ class SessionService:
             self._queue.put_nowait(_Work(assignment.session_id, project, body, text, time.time()))
         except asyncio.QueueFull:
             self.dropped += 1
+            return
+        sid = assignment.session_id
+        self._pending[sid] = self._pending.get(sid, 0) + 1
+        self._settled.setdefault(sid, asyncio.Event()).clear()
+
+    def _done(self, session_id: str) -> None:
+        left = self._pending.get(session_id, 1) - 1
+        if left > 0:
+            self._pending[session_id] = left
+            return
+        self._pending.pop(session_id, None)
+        event = self._settled.pop(session_id, None)
+        if event is not None:
+            event.set()
+
+    async def settled(self, session_id: str, timeout: float) -> bool:  # noqa: ASYNC109 - a short bounded wait
+        """Wait (at most `timeout` s) until the session's previous turns are folded into its statistics, so a
+        client that sends its next turn at once is routed on them. True when nothing is pending any more."""
+        event = self._settled.get(session_id)
+        if event is None:
+            return True
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def copy_state(self, session_id: str) -> tuple[int, float | None]:
+        """(turns with statistics, estimated n-gram accepted share EWMA) of a session, for routing."""
+        # No lock: a fold of a long turn holds it for tens of milliseconds and this runs on the event loop. Two
+        # attribute reads of one session are atomic enough under the GIL; at worst they are one turn old.
+        return self.tracker.copy_state(session_id)
 
     async def run(self, expire_every_s: float = 60.0) -> None:
         """The worker: one update at a time, so a session's turns are folded in the order they were served; idle
@@ -99,6 +133,7 @@ class SessionService:
             except Exception:
                 log.exception("session statistics update failed for %s", work.session_id)
             finally:
+                self._done(work.session_id)
                 self._queue.task_done()
             self.expire()
 

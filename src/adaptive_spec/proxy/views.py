@@ -13,7 +13,7 @@ import orjson
 from aiohttp import web
 
 from adaptive_spec.proxy.errors import error_response
-from adaptive_spec.proxy.state import BUS, HISTORY, METRICS, PROFILE_HEADER, PROFILES, SESSIONS, UPSTREAMS
+from adaptive_spec.proxy.state import BUS, HISTORY, METRICS, PROFILE_HEADER, PROFILES, ROUTER, SESSIONS, UPSTREAMS
 
 _HEARTBEAT_S = 15.0
 
@@ -24,6 +24,7 @@ def add_views(app: web.Application, proxy_view: Callable[[web.Request], Awaitabl
     app.router.add_get("/adaptive/profiles", _profiles_view)
     app.router.add_get("/adaptive/sessions", _sessions_view)
     app.router.add_get("/adaptive/events", _events_view)
+    app.router.add_get("/adaptive/route", _route_view)
 
     async def metrics_view(request: web.Request) -> web.StreamResponse:
         if request.headers.get(PROFILE_HEADER):
@@ -68,6 +69,11 @@ async def _profiles_view(request: web.Request) -> web.Response:
 
 async def _health_view(request: web.Request) -> web.Response:
     return _json({"profiles": {p["name"]: {"up": p["up"], "reason": p["reason"]} for p in _profiles(request.app)}})
+
+
+async def _route_view(request: web.Request) -> web.Response:
+    """The router's state: learned speeds, where sessions' KV caches live, the policy, recent decisions."""
+    return _json(request.app[ROUTER].to_json())
 
 
 async def _sessions_view(request: web.Request) -> web.Response:

@@ -1,0 +1,274 @@
+"""The router's shell around the pure `decide`: the learned speeds, where sessions' KV caches live, the load of
+each profile, the policy files, and the KV handoff (save the slot on the old profile, restore it on the new one)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+
+from adaptive_spec.core.events import Event, HandoffDone, PolicyChanged
+from adaptive_spec.core.policy import Policy
+from adaptive_spec.core.records import Timings
+from adaptive_spec.core.route import (
+    Decision,
+    Placements,
+    ProfileState,
+    RequestState,
+    SessionState,
+    decide,
+    looks_copy_heavy,
+)
+from adaptive_spec.core.sessions import message_text, messages_of
+from adaptive_spec.core.speeds import SpeedModel
+from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
+
+log = logging.getLogger(__name__)
+_HANDOFF_TIMEOUT_S = 60.0
+
+
+class PolicySource(Protocol):
+    def policy_for(self, project: str, workspace: str | None) -> Policy: ...
+
+    def refresh(self) -> list[str]: ...
+
+    def describe(self, project: str, workspace: str | None) -> dict[str, Any]: ...
+
+
+class FixedPolicy:
+    """One policy for every project (tests, and a proxy started without policy files)."""
+
+    def __init__(self, policy: Policy | None = None) -> None:
+        self.policy = policy or Policy()
+
+    def policy_for(self, project: str, workspace: str | None) -> Policy:
+        return self.policy
+
+    def refresh(self) -> list[str]:
+        return []
+
+    def describe(self, project: str, workspace: str | None) -> dict[str, Any]:
+        return {"sources": list(self.policy.sources), "problems": [], "policy": asdict(self.policy)}
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffResult:
+    ok: bool
+    tokens: int
+    save_s: float
+    restore_s: float
+    error: str | None = None
+
+
+@dataclass
+class _SlotBook:
+    """Which slot of a several-slot profile each session uses, and which slots are busy."""
+
+    slots: int
+    by_session: dict[str, int] = field(default_factory=dict)
+    busy: dict[int, int] = field(default_factory=dict)
+    last_used: dict[int, float] = field(default_factory=dict)
+
+    def pick(self, session_id: str | None) -> int:
+        mine = self.by_session.get(session_id) if session_id is not None else None
+        if mine is not None and not self.busy.get(mine):
+            return mine
+        free = [s for s in range(self.slots) if not self.busy.get(s)] or list(range(self.slots))
+        slot = min(free, key=lambda s: self.last_used.get(s, 0.0))
+        if session_id is not None:
+            self.by_session[session_id] = slot
+            if len(self.by_session) > 10_000:
+                self.by_session.pop(next(iter(self.by_session)))
+        return slot
+
+
+def last_user_text(body: Mapping[str, Any]) -> str:
+    for message in reversed(messages_of(body)):
+        if message.get("role") == "user":
+            return message_text(message.get("content"))
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else ""
+
+
+class Router:
+    def __init__(
+        self,
+        table: UpstreamTable,
+        policies: PolicySource,
+        slots: Mapping[str, int],
+        spec_types: Mapping[str, tuple[str, ...] | None],
+        slot_dir: Path | None = None,
+        publish: Callable[[Event], None] = lambda _e: None,
+        seed: int | None = None,
+    ) -> None:
+        self.table, self.policies, self.slot_dir, self.publish = table, policies, slot_dir, publish
+        base = policies.policy_for("default", None)
+        self.speeds = SpeedModel(base.estimator, base.handoff, {n: spec_types.get(n) for n in table.names()})
+        self.placements = Placements()
+        self.in_flight: dict[str, int] = dict.fromkeys(table.names(), 0)
+        self._books = {n: _SlotBook(max(1, slots.get(n, 1))) for n in table.names()}
+        self._rng = random.Random(seed)
+        self.recent: deque[dict[str, Any]] = deque(maxlen=200)
+        self.handoffs = {"ok": 0, "failed": 0}
+
+    # --- deciding ---------------------------------------------------------------------------------------------
+
+    def states(self) -> list[ProfileState]:
+        return [
+            ProfileState(name=n, down_reason=self.table.down_reason(n), in_flight=self.in_flight.get(n, 0),
+                         slots=self._books[n].slots, handoff=self.slot_dir is not None)
+            for n in self.table.names()
+        ]  # fmt: skip
+
+    def choose(
+        self,
+        *,
+        body: Mapping[str, Any],
+        body_bytes: int,
+        session_id: str | None,
+        session_turns: int,
+        copy_share: float | None,
+        project: str,
+        workspace: str | None,
+        pinned: str | None,
+    ) -> tuple[Decision, Policy]:
+        policy = self.policies.policy_for(project, workspace)
+        self.speeds.set_policy(policy.estimator, policy.handoff)
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or body.get("max_output_tokens")
+        request = RequestState(
+            body_bytes=body_bytes, max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
+            copy_hint=looks_copy_heavy(last_user_text(body), policy.first_turn), pinned=pinned,
+            explore_draw=self._rng.random(),
+        )  # fmt: skip
+        session = SessionState(session_id, session_turns, copy_share, self.placements.get(session_id))
+        decision = decide(request, session, self.states(), self.speeds, policy)
+        return decision, policy
+
+    def slot_for(self, profile: str, session_id: str | None) -> int | None:
+        """The slot to name with `id_slot`, on profiles with several slots (None: let the server choose)."""
+        book = self._books[profile]
+        return book.pick(session_id) if book.slots > 1 else None
+
+    def started(self, profile: str, slot: int | None) -> None:
+        self.in_flight[profile] = self.in_flight.get(profile, 0) + 1
+        if slot is not None:
+            book = self._books[profile]
+            book.busy[slot] = book.busy.get(slot, 0) + 1
+
+    def finished(
+        self,
+        decision: Decision,
+        profile: str,
+        slot: int | None,
+        session_id: str | None,
+        timings: Timings | None,
+        body_bytes: int,
+        ok: bool,
+    ) -> None:
+        self.in_flight[profile] = max(0, self.in_flight.get(profile, 0) - 1)
+        book = self._books[profile]
+        if slot is not None:
+            book.busy[slot] = max(0, book.busy.get(slot, 0) - 1)
+            book.last_used[slot] = time.monotonic()
+        if not ok or timings is None:
+            return
+        self.speeds.observe(profile, decision.copy_share, timings, body_bytes)
+        if session_id is not None:
+            cached = timings.cache_n + timings.prompt_n + timings.predicted_n
+            self.placements.served(session_id, profile, slot, cached, timings.predicted_n)
+
+    def remember(self, record: dict[str, Any]) -> None:
+        self.recent.append(record)
+
+    # --- KV handoff -------------------------------------------------------------------------------------------
+
+    async def hand_off(
+        self, client: aiohttp.ClientSession, decision: Decision, session_id: str, to_slot: int | None
+    ) -> HandoffResult:
+        """Save the session's slot on the profile it leaves and restore it on the one it goes to.
+
+        Never raises: a failure means the new profile re-prefills, which is always correct (llama-server reuses only
+        the prefix of the restored cache that matches the prompt)."""
+        placement = self.placements.get(session_id)
+        source = self.table.get(decision.moved_from or "")
+        target = self.table.get(decision.profile)
+        if placement is None or source is None or target is None or self.slot_dir is None:
+            return HandoffResult(False, 0, 0.0, 0.0, "nothing to hand over")
+        name = "as-" + hashlib.sha256(session_id.encode()).hexdigest()[:24] + ".bin"
+        from_slot = placement.slot or 0
+        into_slot = to_slot or 0
+        timeout = aiohttp.ClientTimeout(total=_HANDOFF_TIMEOUT_S)
+        t0 = time.perf_counter()
+        try:
+            await _slot_action(client, source, from_slot, "save", name, timeout)
+            t1 = time.perf_counter()
+            await _slot_action(client, target, into_slot, "restore", name, timeout)
+            t2 = time.perf_counter()
+        except (aiohttp.ClientError, TimeoutError, _SlotError) as exc:
+            self.handoffs["failed"] += 1
+            result = HandoffResult(False, placement.cached_tokens, 0.0, 0.0, str(exc) or type(exc).__name__)
+        else:
+            self.handoffs["ok"] += 1
+            result = HandoffResult(True, placement.cached_tokens, t1 - t0, t2 - t1)
+            self.speeds.observe_handoff(placement.cached_tokens, t1 - t0, t2 - t1)
+            self.placements.evict(decision.profile, to_slot, keep=session_id)
+        finally:
+            await asyncio.to_thread(_unlink, self.slot_dir / name)
+        self.publish(
+            HandoffDone(
+                session_id=session_id, from_profile=source.name, to_profile=target.name, ok=result.ok,
+                tokens=result.tokens, save_s=round(result.save_s, 4), restore_s=round(result.restore_s, 4),
+                error=result.error,
+            )
+        )  # fmt: skip
+        return result
+
+    # --- policy files -----------------------------------------------------------------------------------------
+
+    def refresh_policies(self) -> None:
+        for message in self.policies.refresh():
+            log.warning("%s", message)
+            self.publish(PolicyChanged(message=message))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "speeds": [asdict(s) for s in self.speeds.describe()],
+            "in_flight": dict(self.in_flight),
+            "handoffs": dict(self.handoffs),
+            "placements": [{"session_id": sid, **asdict(p)} for sid, p in self.placements.items()[-100:]],
+            "policy": self.policies.describe("default", None),
+            "recent_decisions": list(self.recent)[-50:],
+        }
+
+
+class _SlotError(Exception):
+    pass
+
+
+async def _slot_action(
+    client: aiohttp.ClientSession,
+    upstream: Upstream,
+    slot: int,
+    action: str,
+    filename: str,
+    timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - one deadline per slot action
+) -> None:
+    url = f"{upstream.base_url}/slots/{slot}?action={action}"
+    async with client.post(url, json={"filename": filename}, timeout=timeout) as resp:
+        if resp.status != 200:
+            text = (await resp.text())[:300]
+            raise _SlotError(f"{action} on {upstream.name} slot {slot}: HTTP {resp.status} {text}")
+        await resp.read()
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)
