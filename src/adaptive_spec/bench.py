@@ -26,6 +26,7 @@ from adaptive_spec.errors import ConfigError
 
 BUILTIN = ("iterative", "oneshot", "mixed")
 ADAPTIVE = "adaptive"
+ORACLE = "oracle"  # per request, the static profile that decoded it fastest (computed from the static passes)
 
 
 def load_workload(spec: str) -> Workload:
@@ -65,6 +66,8 @@ async def _stream(
     async with session.post(url, json=body, headers=headers) as resp:
         if resp.status != 200:
             raise ConfigError(f"{url} answered {resp.status}: {(await resp.text())[:300]}")
+        served = resp.headers.get("x-adaptive-spec-profile")
+        route = resp.headers.get("x-adaptive-spec-route")
         async for raw in resp.content:  # line by line is fine here: a benchmark client, not the proxy
             if not raw.startswith(b"data: {"):
                 continue
@@ -79,7 +82,8 @@ async def _stream(
                     text.append(piece)
             timings = event.get("timings") or timings
     return {"timings": timings, "ttft_ms": ttft, "ttst_ms": ttst, "total_ms": (time.perf_counter() - started) * 1000,
-            "outcome": "finished" if timings else "failed", "text": "".join(text)}  # fmt: skip
+            "outcome": "finished" if timings else "failed", "text": "".join(text), "served_profile": served,
+            "route": route}  # fmt: skip
 
 
 async def _known_state(session: aiohttp.ClientSession, base: str, profiles: list[str]) -> None:
@@ -139,17 +143,61 @@ async def _one(session: aiohttp.ClientSession, base: str, workload: Workload, re
     if target != ADAPTIVE:
         headers["x-adaptive-spec-profile"] = target
     result = await _stream(session, f"{base}/p/bench/v1/chat/completions", body, headers)
-    result.update(profile=target, session_id=session_id, started_at_unix=time.time(), workload=workload.name)
+    result.update(profile=target, session_id=session_id, started_at_unix=time.time(), workload=workload.name,
+                  index=request.index)  # fmt: skip
     return result
+
+
+def _decode_s_per_token(record: dict[str, Any]) -> float:
+    t = record.get("timings") or {}
+    n = int(t.get("predicted_n", 0))
+    return float(t.get("predicted_ms", 0.0)) / n if n else float("inf")
+
+
+def with_oracle(recs: list[dict[str, Any]], statics: list[str]) -> list[dict[str, Any]]:
+    """The records plus an `oracle` pass: per request, the static profile's record that decoded it fastest."""
+    by_index: dict[int, list[dict[str, Any]]] = {}
+    for r in recs:
+        if r.get("profile") in statics and r.get("outcome") == "finished" and "index" in r:
+            by_index.setdefault(int(r["index"]), []).append(r)
+    complete = [rows for rows in by_index.values() if len(rows) == len(statics)]
+    if len(statics) < 2 or not complete:
+        return recs
+    best = [min(rows, key=_decode_s_per_token) for rows in complete]
+    return recs + [{**r, "profile": ORACLE, "served_profile": r["profile"], "session_id": None} for r in best]
+
+
+def comparison(rows: list[ReportRow], statics: list[str]) -> str | None:
+    """Adaptive against the better static profile (throughput and median TTST) and against the oracle."""
+    by = {r.name: r for r in rows}
+    adaptive, oracle = by.get(ADAPTIVE), by.get(ORACLE)
+    static_rows = [by[s] for s in statics if s in by]
+    if adaptive is None or not static_rows:
+        return None
+    best_speed = max(static_rows, key=lambda r: r.decode_tok_s)
+    best_ttst = min(static_rows, key=lambda r: r.ttst_ms_median or float("inf"))
+    parts = [f"adaptive: {adaptive.decode_tok_s / best_speed.decode_tok_s:.3f}× the throughput of {best_speed.name}"]
+    if adaptive.ttst_ms_median and best_ttst.ttst_ms_median:
+        parts.append(f"{adaptive.ttst_ms_median / best_ttst.ttst_ms_median:.3f}× the median TTST of {best_ttst.name}")
+    if oracle is not None and oracle.decode_tok_s:
+        parts.append(f"{adaptive.decode_tok_s / oracle.decode_tok_s:.3f}× the oracle's throughput")
+    for r in static_rows:
+        if r.ttst_ms_median and adaptive.ttst_ms_median:
+            parts.append(f"vs {r.name}: {adaptive.decode_tok_s / r.decode_tok_s:.3f}× tok/s, "
+                         f"{adaptive.ttst_ms_median / r.ttst_ms_median:.3f}× TTST")  # fmt: skip
+    return "; ".join(parts)
 
 
 def write_outputs(records: dict[str, list[dict[str, Any]]], known: list[dict[str, Any]], out: Path | None) -> str:
     baseline = baseline_profile(known)
     tables, flat = [], []
     for name, recs in records.items():
+        statics = [p for p in dict.fromkeys(str(r.get("profile")) for r in recs) if p not in (ADAPTIVE, ORACLE)]
+        recs = records[name] = with_oracle(recs, statics)
         rows: list[ReportRow] = summarize(recs, baseline)
         rows = [r for r in rows if r.name != "all (as routed)"]
-        tables.append(f"workload: {name}\n" + to_markdown(rows, baseline))
+        compared = comparison(rows, statics)
+        tables.append(f"workload: {name}\n" + to_markdown(rows, baseline) + (f"\n\n{compared}" if compared else ""))
         flat += [{"workload": name, **asdict(r)} for r in rows]
     text = "\n\n".join(tables)
     if out is not None:
@@ -207,3 +255,25 @@ def main_bench(url: str, specs: list[str], profiles: list[str] | None, adaptive:
         if records:
             print(write_outputs(records, known, out))
     return ""
+
+
+def main_simulate(scenario_name: str, specs: list[str], out: Path | None) -> str:
+    """`bench --simulate`: the routing policy replayed at a scenario's speeds, on the public benchmark's mix and on
+    the given (or built-in) workloads; no proxy, no model."""
+    from adaptive_spec.core.simulate import SCENARIOS, public_mix, requests_from_workload, simulate_targets
+    from adaptive_spec.core.simulate import to_markdown as sim_markdown
+
+    scenario = SCENARIOS[scenario_name]
+    runs = [("public benchmark mix (18-turn edit session + 100 one-shot prompts, 50/50 tokens)", public_mix())]
+    runs += [(w.name, requests_from_workload(w)) for w in (load_workload(s) for s in specs or BUILTIN)]
+    tables, rows = [], []
+    for name, requests in runs:
+        result = simulate_targets(requests, scenario)
+        tables.append(sim_markdown(result, scenario, name))
+        rows += [{"workload": name, **asdict(r)} for r in result]
+    text = "\n\n".join(tables)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"simulate-{scenario.name}.md").write_text(text + "\n")
+        (out / f"simulate-{scenario.name}.json").write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
+    return text

@@ -40,7 +40,7 @@ def session_moves(records: Iterable[Mapping[str, Any]]) -> int:
         session = record.get("session_id")
         if not session:
             continue
-        profile = str(record.get("profile"))
+        profile = str(record.get("served_profile") or record.get("profile"))
         if session in last and last[session] != profile:
             moves += 1
         last[session] = profile
