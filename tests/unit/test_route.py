@@ -84,8 +84,11 @@ CASES = [
      {"oneshot": {"down_reason": "x"}, "iterative": {"down_reason": "y"}}, "oneshot", "fallback", "every profile"),
     ("the policy allows one profile", RequestState(tokens(300), copy_hint=True), NEW,
      {"route": RoutePolicy(profiles=("oneshot",))}, {}, "oneshot", "only", "only profile"),
-    ("exploration tries the runner-up on a new session", RequestState(tokens(300), explore_draw=0.01), NEW,
-     {"route": RoutePolicy(explore=0.05)}, {}, "iterative", "explore", "exploring"),
+    ("exploration tries the runner-up on a new session", RequestState(tokens(3000), copy_hint=True,
+     explore_draw=0.01), NEW, {"route": RoutePolicy(explore=0.05)}, {}, "oneshot", "explore", "exploring"),
+    ("a first turn with nothing to copy is not explored on the n-gram profile",
+     RequestState(tokens(300), explore_draw=0.01), NEW, {"route": RoutePolicy(explore=0.05)}, {}, "oneshot",
+     "estimate", "no history"),
     ("no exploration for a placed session", RequestState(tokens(6500), explore_draw=0.01), placed("iterative", 0.9),
      {"route": RoutePolicy(explore=0.05)}, {}, "iterative", "estimate", "stays on its KV cache"),
 ]  # fmt: skip
@@ -151,6 +154,13 @@ def test_reason_names_the_average_it_used() -> None:
 )
 def test_looks_copy_heavy(text: str, expected: bool) -> None:
     assert looks_copy_heavy(text, FirstTurnPolicy()) is expected
+
+
+def test_the_file_may_be_pasted_in_an_earlier_message() -> None:
+    pasted = "```python\n" + "x = 1\n" * 30 + "```"
+    assert looks_copy_heavy("Now return the complete updated file.", FirstTurnPolicy(), [pasted, "ok"])
+    assert not looks_copy_heavy("Now return the complete updated file.", FirstTurnPolicy(), ["short", "ok"])
+    assert not looks_copy_heavy("Thanks!", FirstTurnPolicy(), [pasted])
 
 
 def _timings(tps: float, n: int = 200, context: int = 4000, prompt_n: int = 100, prefill_tps: float = 500.0) -> Timings:

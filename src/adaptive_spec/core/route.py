@@ -59,6 +59,7 @@ class RequestState:
     body_bytes: int
     max_tokens: int | None = None
     copy_hint: bool = False  # the prompt itself asks to reproduce a pasted file
+    hint_output_tokens: int = 0  # ... and the answer will be about this long (the pasted file's size)
     pinned: str | None = None  # the x-adaptive-spec-profile header
     explore_draw: float = 1.0  # uniform in [0, 1): below policy.route.explore, try another profile
 
@@ -91,17 +92,32 @@ class Decision:
 _FENCE = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.S)
 
 
-def looks_copy_heavy(text: str, policy: FirstTurnPolicy) -> bool:
-    """A prompt that pastes a block of at least `min_lines` lines and asks for it back whole (a pasted file with
-    'return the complete updated file'): its answer copies the prompt, so n-gram drafting pays from token one."""
-    lowered = text.lower()
+def looks_copy_heavy(instruction: str, policy: FirstTurnPolicy, earlier: Sequence[str] = ()) -> bool:
+    """A request that asks for a file back whole ('return the complete updated file') with a block of at least
+    `min_lines` lines pasted in this message or an earlier one: its answer copies the prompt, so n-gram drafting
+    pays from the first token."""
+    return pasted_chars(instruction, policy, earlier) > 0
+
+
+def pasted_chars(instruction: str, policy: FirstTurnPolicy, earlier: Sequence[str] = ()) -> int:
+    """The size of the file a copy-heavy request asks for back (the longest qualifying block), 0 when it is not
+    one: the answer will be about that long."""
+    lowered = instruction.lower()
     if not any(phrase.lower() in lowered for phrase in policy.phrases):
-        return False
+        return 0
+    sizes = [
+        size for text in (instruction, *earlier) for lines, size in [_longest_block(text)] if lines >= policy.min_lines
+    ]
+    return max(sizes, default=0)
+
+
+def _longest_block(text: str) -> tuple[int, int]:
+    """(lines, chars) of the longest fenced block, or of the whole text when it has no fences (a pasted file)."""
     blocks = _FENCE.findall(text)
-    longest = max((b.count("\n") + 1 for b in blocks), default=0)
-    if not blocks:
-        longest = text.count("\n") + 1
-    return longest >= policy.min_lines
+    if blocks:
+        longest = max(blocks, key=len)
+        return longest.count("\n") + 1, len(longest)
+    return text.count("\n") + 1, len(text)
 
 
 def _fmt_tokens(n: int) -> str:
@@ -129,6 +145,8 @@ def _estimate(
             prefill_tokens = prompt_tokens - reuse
             handoff_s = speeds.handoff_s(placement.cached_tokens)
     out = placement.output_tokens if placement is not None else float(policy.estimator.output_tokens)
+    if request.copy_hint and request.hint_output_tokens:
+        out = max(out, float(request.hint_output_tokens))
     out_tokens = max(1, int(min(out, request.max_tokens) if request.max_tokens else out))
     context = prompt_tokens + out_tokens / 2
     s_per_token = speeds.decode_s_per_token(p.name, copy, context)
@@ -224,6 +242,13 @@ def decide(
     if len(usable) == 1 and len(allowed) == 1:
         return decision(usable[0].name, "only", f"{usable[0].name}: the only profile the policy allows")
 
+    if placement is None and copy <= 0.0:
+        # A first turn with nothing to copy goes to a profile without n-gram drafting (its pool starts empty and
+        # the estimate could only tell noise apart), when the policy allows one.
+        plain = [p for p in allowed if not speeds.is_ngram(p.name)]
+        if plain:
+            allowed = plain
+            usable = [p for p in usable if not speeds.is_ngram(p.name)] or usable
     everywhere = {p.name: _estimate(p, request, session, copy, prompt_tokens, speeds, policy, by_name) for p in allowed}
     estimates = tuple(everywhere[p.name] for p in usable if p.name in everywhere) or tuple(
         _estimate(p, request, session, copy, prompt_tokens, speeds, policy, by_name) for p in usable

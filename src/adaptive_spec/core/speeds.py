@@ -11,8 +11,9 @@ data, what the n-gram profiles' measurements imply). `o` is the n-gram overhead 
 slowdown with context (both priors from the policy), and `g_p` the n-gram gain, learned per profile by ridge
 regression toward the prior `1 − 1/ngram_max_speedup`. The structure is the knowledge: an n-gram profile is never
 faster than plain decoding on output it cannot copy, however little it has been measured, so one-shot prompts are
-not sent to it on the strength of its edit-session numbers. Prefill speed, slot save/restore cost and prompt bytes
-per token are running averages with priors. Old measurements fade (half-life in requests).
+not sent to it on the strength of its edit-session numbers. Prefill speed (one figure: every profile serves the same
+model), slot save/restore cost and prompt bytes per token are running averages with priors. Old measurements fade
+(half-life in requests).
 """
 
 from __future__ import annotations
@@ -94,7 +95,9 @@ class SpeedModel:
         self._ngram: dict[str, bool] = {}
         self._own: dict[str, _Average] = {}  # plain profiles: seconds/token at no context
         self._gain: dict[str, _Gain] = {}  # n-gram profiles
-        self._prefill: dict[str, _Average] = {}
+        # Prefill speed is one figure for all profiles: they serve the same model (the proxy refuses otherwise), and
+        # two servers' noise must not make one look faster at reading prompts.
+        self._prefill = _Average(estimator.prior_weight, self.forget)
         for name, types in kinds.items():
             self.set_kind(name, types)
         self._implied_ref = _Average(estimator.prior_weight, self.forget)  # what n-gram measurements imply
@@ -111,7 +114,6 @@ class SpeedModel:
         self._ngram[profile] = is_ngram(spec_types)
         self._own.setdefault(profile, _Average(self.estimator.prior_weight, self.forget))
         self._gain.setdefault(profile, _Gain())
-        self._prefill.setdefault(profile, _Average(self.estimator.prior_weight, self.forget))
 
     def is_ngram(self, profile: str) -> bool:
         return self._ngram.get(profile, False)
@@ -152,9 +154,7 @@ class SpeedModel:
         return self.reference_s_per_token() * self._context_factor(context_tokens)
 
     def prefill_s(self, profile: str, tokens: float) -> float:
-        avg = self._prefill.get(profile)
-        s_per_token = avg.value(1.0 / self.estimator.prefill_tps) if avg else 1.0 / self.estimator.prefill_tps
-        return max(0.0, tokens) * s_per_token
+        return max(0.0, tokens) * self._prefill.value(1.0 / self.estimator.prefill_tps)
 
     def handoff_s(self, tokens: float) -> float:
         save = self._save_s_per_token.value(self.handoff.save_s_per_1k / 1000.0) * tokens
@@ -173,8 +173,7 @@ class SpeedModel:
         if context > 0 and body_bytes > 0:
             self._bytes_per_token.add(body_bytes / context)
         if timings.prompt_n >= _MIN_PREFILL_TOKENS and timings.prompt_ms > 0:
-            self._prefill.setdefault(profile, _Average(self.estimator.prior_weight, self.forget))
-            self._prefill[profile].add(timings.prompt_ms / 1000.0 / timings.prompt_n)
+            self._prefill.add(timings.prompt_ms / 1000.0 / timings.prompt_n)
         if timings.predicted_n < _MIN_DECODE_TOKENS or timings.predicted_ms <= 0:
             return
         y = timings.predicted_ms / 1000.0 / timings.predicted_n

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from adaptive_spec.core.events import Event, HandoffDone, PolicyChanged
-from adaptive_spec.core.policy import Policy
+from adaptive_spec.core.policy import FirstTurnPolicy, Policy
 from adaptive_spec.core.records import Timings
 from adaptive_spec.core.route import (
     Decision,
@@ -26,7 +26,7 @@ from adaptive_spec.core.route import (
     RequestState,
     SessionState,
     decide,
-    looks_copy_heavy,
+    pasted_chars,
 )
 from adaptive_spec.core.sessions import message_text, messages_of
 from adaptive_spec.core.speeds import SpeedModel
@@ -91,12 +91,18 @@ class _SlotBook:
         return slot
 
 
-def last_user_text(body: Mapping[str, Any]) -> str:
-    for message in reversed(messages_of(body)):
-        if message.get("role") == "user":
-            return message_text(message.get("content"))
-    prompt = body.get("prompt")
-    return prompt if isinstance(prompt, str) else ""
+_HINT_MESSAGES = 12  # how far back a pasted file is looked for
+
+
+def copy_hint(body: Mapping[str, Any], policy: FirstTurnPolicy) -> int:
+    """Chars of the pasted file the last user message asks for back whole, 0 when it does not (`pasted_chars`)."""
+    messages = messages_of(body)[-_HINT_MESSAGES:]
+    last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "user"), None)
+    if last is None:
+        prompt = body.get("prompt")
+        return pasted_chars(prompt[-4000:], policy, (prompt,)) if isinstance(prompt, str) else 0
+    earlier = [message_text(m.get("content")) for m in messages[:last]]
+    return pasted_chars(message_text(messages[last].get("content")), policy, earlier)
 
 
 class Router:
@@ -143,10 +149,11 @@ class Router:
     ) -> tuple[Decision, Policy]:
         policy = self.policies.policy_for(project, workspace)
         self.speeds.set_policy(policy.estimator, policy.handoff)
+        pasted = copy_hint(body, policy.first_turn)
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or body.get("max_output_tokens")
         request = RequestState(
             body_bytes=body_bytes, max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
-            copy_hint=looks_copy_heavy(last_user_text(body), policy.first_turn), pinned=pinned,
+            copy_hint=pasted > 0, hint_output_tokens=self.speeds.prompt_tokens(pasted), pinned=pinned,
             explore_draw=self._rng.random(),
         )  # fmt: skip
         session = SessionState(session_id, session_turns, copy_share, self.placements.get(session_id))
