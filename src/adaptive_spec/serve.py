@@ -26,7 +26,7 @@ from adaptive_spec.errors import ConfigError, LaunchError, ProfileMismatchError
 from adaptive_spec.launcher import Launcher
 from adaptive_spec.policy_files import PolicyStore, config_dir
 from adaptive_spec.proxy.app import ProxySettings, build_app
-from adaptive_spec.proxy.probe import probe
+from adaptive_spec.proxy.probe import probe, probe_spec_types
 from adaptive_spec.proxy.routing import Router
 from adaptive_spec.proxy.stats import SessionService
 from adaptive_spec.proxy.tokenizers import (
@@ -140,6 +140,8 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
         if plan.launch is not None:  # before its first request /slots does not say; the launcher knows
             known = {spec.name: spec.spec_types for spec in plan.launch.specs}
             infos = [replace(i, spec_types=i.spec_types or known.get(i.name)) for i in infos]
+        else:  # the router must know which attached profiles draft from n-grams: ask each one that has not said
+            infos = [await probe_spec_types(client, u, i) for u, i in zip(upstreams, infos, strict=True)]
         say("profiles:")
         for info in infos:
             say(describe(info))

@@ -147,3 +147,30 @@ def test_bad_input_gets_openai_shaped_errors(
     assert words in body["error"]["message"]
     record = proxy.requests()[-1]
     assert (record["status"], record["outcome"]) == (status, "failed")
+
+
+def test_attached_profiles_spec_types_are_found_for_the_router(
+    tiny_server: LlamaServer, llama_server_binary: str, tiny_gguf: Any, tmp_path: Any
+) -> None:
+    # A fresh server shows its speculation types only after a request: the proxy asks, so the router knows which
+    # attached profile drafts from n-grams, and copy-heavy work goes there from the first request.
+    ngram = LlamaServer(llama_server_binary, tiny_gguf, "-c", "8192", "--parallel", "1", "--spec-type", "ngram-mod",
+                        log_dir=tmp_path)  # fmt: skip
+    try:
+        proc = ProxyProcess("--profile", f"plain={tiny_server.url}", "--profile", f"edits={ngram.url}")
+        try:
+            profiles = {p["name"]: p["spec_types"] for p in http_json(proc.base + "/adaptive/profiles")["profiles"]}
+            assert "ngram-mod" in profiles["edits"] and "ngram-mod" not in profiles["plain"], profiles
+            speeds = {s["profile"]: s["ngram"] for s in http_json(proc.base + "/adaptive/route")["speeds"]}
+            assert speeds == {"plain": False, "edits": True}
+            pasted = "```python\n" + "\n".join(f"x{i} = {i}" for i in range(30)) + "\n```\nReturn the complete file."
+            body = {"model": "m", "messages": [{"role": "user", "content": pasted}], "max_tokens": 4}
+            req = urllib.request.Request(proc.base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                assert resp.headers["x-adaptive-spec-profile"] == "edits"
+                assert resp.headers["x-adaptive-spec-route"] == "estimate"
+        finally:
+            proc.stop()
+    finally:
+        ngram.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 from urllib.parse import quote
 
@@ -59,3 +60,22 @@ async def probe(session: aiohttp.ClientSession, upstream: Upstream) -> ProfileIn
         spec_types=spec_types,
         speculative=speculative,
     )
+
+
+async def probe_spec_types(session: aiohttp.ClientSession, upstream: Upstream, info: ProfileInfo) -> ProfileInfo:
+    """A server shows its speculation types in /slots only once a slot has served a request: when they are not
+    known yet, send it a one-token request and ask again. The router needs them (n-gram profile or not)."""
+    if info.spec_types is not None:
+        return info
+    if info.speculative is False:
+        return replace(info, spec_types=("none",))
+    body: dict[str, Any] = {"prompt": "Hi", "n_predict": 1, "cache_prompt": False}
+    if upstream.upstream_model:
+        body["model"] = upstream.upstream_model
+    try:
+        async with session.post(f"{upstream.base_url}/completion", json=body,
+                                timeout=aiohttp.ClientTimeout(total=120)) as resp:  # fmt: skip
+            await resp.read()
+        return await probe(session, upstream)
+    except (aiohttp.ClientError, TimeoutError, LaunchError):
+        return info
