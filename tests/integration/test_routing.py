@@ -17,7 +17,7 @@ import pytest
 
 from tests.integration.test_lifecycle import llama_children
 from tests.integration.test_qwen import EDIT, SOURCE
-from tests.support.servers import ProxyProcess, http_json, wait_until
+from tests.support.servers import ProxyProcess, http_json, http_text, wait_until
 
 # Turns over quickly on this CPU: hand over any context, move after one turn, small hysteresis.
 POLICY = """\
@@ -95,10 +95,14 @@ def test_a_session_that_turns_copy_heavy_moves_with_its_kv_cache(routed: tuple[P
     _erase(proxy, "iterative")
     again = chat(proxy, history, 160, **{"x-adaptive-spec-profile": "iterative", "x-session-id": "handoff-1-again"})
     assert again["timings"]["cache_n"] < cached // 2, again["timings"]
-    assert again["text"] == second["text"]
+    assert again["text"] == second["text"], (again["text"], second["text"])
     # The slot file was cleaned up.
     assert list(home.glob("state/run-*/slots/*")) == []
     assert http_json(proxy.base + "/adaptive/route")["handoffs"]["ok"] >= 1
+    metrics = http_text(proxy.base + "/metrics")
+    assert 'adaptive_spec_kv_handoffs_total{outcome="ok"} 1.0' in metrics
+    assert 'adaptive_spec_session_moves_total{from_profile="oneshot",to_profile="iterative"} 1.0' in metrics
+    assert 'adaptive_spec_route_decisions_total{profile="iterative",route="estimate"}' in metrics
 
 
 def _erase(proxy: ProxyProcess, profile: str) -> None:

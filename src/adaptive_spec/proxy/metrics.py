@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from adaptive_spec.core.events import Event, ProfileDown, ProfileUp, RequestFailed, RequestFinished
+from adaptive_spec.core.events import (
+    Event,
+    HandoffDone,
+    PolicyChanged,
+    ProfileDown,
+    ProfileUp,
+    RequestFailed,
+    RequestFinished,
+)
 
 _LABELS = ("profile", "project")
 MAX_PROJECT_LABELS = 100  # projects beyond this share the label "other": series are never freed
@@ -35,6 +43,13 @@ class ProxyMetrics:
                                       buckets=_SPEED_BUCKETS, registry=r)  # fmt: skip
         self.ttft = Histogram("adaptive_spec_time_to_first_token_seconds", "Time to first generated token", _LABELS,
                               buckets=_TTFT_BUCKETS, registry=r)  # fmt: skip
+        self.decisions = Counter("adaptive_spec_route_decisions", "Routing decisions by how the profile was chosen",
+                                 ["profile", "route"], registry=r)  # fmt: skip
+        self.moves = Counter("adaptive_spec_session_moves", "Requests whose session's KV lived on another profile",
+                             ["from_profile", "to_profile"], registry=r)  # fmt: skip
+        self.handoffs = Counter("adaptive_spec_kv_handoffs", "KV slot handoffs (save + restore) by outcome",
+                                ["outcome"], registry=r)  # fmt: skip
+        self.policy_changes = Counter("adaptive_spec_policy_changes", "Policy files reloaded or found bad", registry=r)
         self.profile_up = Gauge("adaptive_spec_profile_up", "1 when the profile is serving", ["profile"], registry=r)
 
     def on_event(self, event: Event) -> None:
@@ -44,12 +59,22 @@ class ProxyMetrics:
             self.profile_up.labels(event.profile).set(1)
         elif isinstance(event, ProfileDown):
             self.profile_up.labels(event.profile).set(0)
+        elif isinstance(event, HandoffDone):
+            self.handoffs.labels("ok" if event.ok else "failed").inc()
+        elif isinstance(event, PolicyChanged):
+            self.policy_changes.inc()
 
     def _record(self, record: dict[str, object], *, failed: bool) -> None:
         labels = (self._profile_label(str(record["profile"])), self._project_label(str(record["project"])))
         self.requests.labels(*labels, str(record["api"]), "failed" if failed else "finished").inc()
         if failed:
             self.errors.labels(*labels, _error_kind(record)).inc()
+        route = record.get("route")
+        if isinstance(route, str):
+            self.decisions.labels(labels[0], route).inc()
+            moved = record.get("moved_from")
+            if isinstance(moved, str):
+                self.moves.labels(self._profile_label(moved), labels[0]).inc()
         timings = record.get("timings")
         if isinstance(timings, dict):
             self.prompt_tokens.labels(*labels).inc(int(timings.get("prompt_n", 0)))
