@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import ProxyProcess, http_json
+from tests.support.servers import ProxyProcess, chat_record, http_json
 
 PASTED = "Here is a.py:\n```python\n" + "\n".join(f"value_{i} = {i} * {i}" for i in range(60)) + "\n```\nWhat is it?"
 
@@ -26,29 +26,17 @@ def two_slots(tiny_gguf: Path, llama_server_binary: str, tmp_path_factory: pytes
     proxy.stop()
 
 
-def chat(proxy: ProxyProcess, messages: list[dict[str, str]], **headers: str) -> dict[str, Any]:
-    body = {"model": "m", "messages": messages, "temperature": 0, "max_tokens": 16}
-    req = urllib.request.Request(proxy.base + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **headers})  # fmt: skip
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        reply = json.loads(resp.read())
-        request_id = resp.headers["x-adaptive-spec-request-id"]
-    record = next(r for r in proxy.requests() if r["request_id"] == request_id)
-    return {**record, "text": reply["choices"][0]["message"]["content"]}
-
-
 def test_a_pinned_move_hands_the_kv_cache_over_into_a_named_slot(two_slots: Any) -> None:
     proxy, home = two_slots
     # Another session uses the iterative profile first: it gets slot 0 there.
-    chat(
-        proxy, [{"role": "user", "content": "hi"}], **{"x-session-id": "other", "x-adaptive-spec-profile": "iterative"}
-    )
+    other = {"x-session-id": "other", "x-adaptive-spec-profile": "iterative"}
+    chat_record(proxy, [{"role": "user", "content": "hi"}], 16, **other)
     history = [{"role": "user", "content": PASTED}]
-    first = chat(proxy, history, **{"x-session-id": "mover", "x-adaptive-spec-profile": "oneshot"})
+    first = chat_record(proxy, history, 16, **{"x-session-id": "mover", "x-adaptive-spec-profile": "oneshot"})
     context = first["timings"]["prompt_n"] + first["timings"]["cache_n"]
     assert context > 300
     history += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "And now?"}]
-    second = chat(proxy, history, **{"x-session-id": "mover", "x-adaptive-spec-profile": "iterative"})
+    second = chat_record(proxy, history, 16, **{"x-session-id": "mover", "x-adaptive-spec-profile": "iterative"})
     assert (second["route"], second["moved_from"]) == ("pinned", "oneshot")
     assert second["handoff"]["ok"] and second["handoff"]["tokens"] >= context, second["handoff"]
     assert second["timings"]["cache_n"] >= context - 4, second["timings"]
@@ -67,14 +55,14 @@ def _slots(proxy: ProxyProcess, profile: str) -> list[dict[str, Any]]:
 def test_a_failed_restore_falls_back_to_prefill(two_slots: Any) -> None:
     proxy, home = two_slots
     history = [{"role": "user", "content": PASTED + " (second session)"}]
-    chat(proxy, history, **{"x-session-id": "unlucky", "x-adaptive-spec-profile": "oneshot"})
+    chat_record(proxy, history, 16, **{"x-session-id": "unlucky", "x-adaptive-spec-profile": "oneshot"})
     # Take the slot directory away: the save on the old profile fails, the request is served all the same.
     slot_dirs = list(home.glob("state/run-*/slots"))
     assert len(slot_dirs) == 1
     slot_dirs[0].rename(slot_dirs[0].with_name("slots-gone"))
     try:
         history += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "More?"}]
-        moved = chat(proxy, history, **{"x-session-id": "unlucky", "x-adaptive-spec-profile": "iterative"})
+        moved = chat_record(proxy, history, 16, **{"x-session-id": "unlucky", "x-adaptive-spec-profile": "iterative"})
     finally:
         slot_dirs[0].with_name("slots-gone").rename(slot_dirs[0])
     assert moved["status"] == 200 and moved["moved_from"] == "oneshot"

@@ -4,20 +4,19 @@ falling back when a profile dies."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.integration.test_lifecycle import llama_children
 from tests.integration.test_qwen import EDIT, SOURCE
 from tests.support.servers import ProxyProcess, http_json, http_text, wait_until
+from tests.support.servers import chat_record as chat
 
 # Turns over quickly on this CPU: hand over any context, move after one turn, small hysteresis.
 POLICY = """\
@@ -42,18 +41,6 @@ def routed(
     proxy = ProxyProcess("--threads", "1", "--ctx-size", "8192", "--policy", str(policy), env=env)
     yield proxy, policy, home
     proxy.stop()
-
-
-def chat(proxy: ProxyProcess, messages: list[dict[str, str]], max_tokens: int, **headers: str) -> dict[str, Any]:
-    """One non-streamed request; returns its record from /adaptive/requests, with the reply text added."""
-    body = {"model": "m", "messages": messages, "temperature": 0, "seed": 1, "max_tokens": max_tokens}
-    req = urllib.request.Request(proxy.base + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **headers})  # fmt: skip
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        reply = json.loads(resp.read())
-        request_id = resp.headers["x-adaptive-spec-request-id"]
-    record = next(r for r in proxy.requests() if r["request_id"] == request_id)
-    return {**record, "text": reply["choices"][0]["message"]["content"]}
 
 
 def test_one_shot_to_plain_copy_heavy_first_turn_to_ngram(routed: tuple[ProxyProcess, Path, Path]) -> None:

@@ -154,3 +154,16 @@ class ProxyProcess:
 
     def stop(self) -> None:
         terminate(self.proc, 30)
+
+
+def chat_record(proxy: ProxyProcess, messages: list[dict[str, str]], max_tokens: int, **headers: str) -> dict[str, Any]:
+    """One greedy, non-streamed chat request through the proxy; its record from /adaptive/requests, with the reply's
+    text added."""
+    body = {"model": "m", "messages": messages, "temperature": 0, "seed": 1, "max_tokens": max_tokens}
+    req = urllib.request.Request(proxy.base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **headers})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        reply = json.loads(resp.read())
+        request_id = resp.headers["x-adaptive-spec-request-id"]
+    record = next(r for r in proxy.requests() if r["request_id"] == request_id)
+    return {**record, "text": reply["choices"][0]["message"]["content"]}
