@@ -152,7 +152,7 @@ async def _policy_refresher(app: web.Application) -> AsyncIterator[None]:
         while True:
             await asyncio.sleep(_POLICY_REFRESH_S)
             try:
-                await asyncio.to_thread(app[ROUTER].refresh_policies)
+                app[ROUTER].announce(await asyncio.to_thread(app[ROUTER].refresh_policies))
             except Exception:
                 log.exception("policy refresh failed")
 

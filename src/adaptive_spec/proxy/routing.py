@@ -241,9 +241,14 @@ class Router:
 
     # --- policy files -----------------------------------------------------------------------------------------
 
-    def refresh_policies(self) -> None:
-        for message in self.policies.refresh():
-            log.warning("%s", message)
+    def refresh_policies(self) -> list[str]:
+        """Re-read changed policy files (file I/O: call it off the event loop); returns what changed (the store has
+        already said it on the console)."""
+        return self.policies.refresh()
+
+    def announce(self, messages: list[str]) -> None:
+        """Publish policy changes on the live feed (on the event loop: the bus is not thread-safe)."""
+        for message in messages:
             self.publish(PolicyChanged(message=message))
 
     def to_json(self) -> dict[str, Any]:
