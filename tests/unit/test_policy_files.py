@@ -239,3 +239,19 @@ def test_cli_show_prints_the_effective_policy(
     assert "route.force:3: unknown profile 'fast'" in capsys.readouterr().err
     assert cli.main(["policy", "show", "--policy", str(bad)]) == 2
     assert "bad.toml:route.hysteresis:2: must be between 0 and 1, got 2" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_bad_policy_before_touching_any_server(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from adaptive_spec.cli import main
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[route]\nhysterisis = 0.2\nforce = "iterativ"\n')
+    argv = ["serve", "--policy", str(bad), "--profile", "oneshot=http://127.0.0.1:9", "--profile",
+            "iterative=http://127.0.0.1:9"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:route.hysterisis:2: unknown key; did you mean 'hysteresis'?" in err
+    assert f"{bad}:route.force:3: unknown profile 'iterativ'; did you mean 'iterative'?" in err
+    assert "cannot be reached" not in err  # the policy was checked first
