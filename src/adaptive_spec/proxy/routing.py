@@ -125,6 +125,7 @@ class Router:
         self._rng = random.Random(seed)
         self.recent: deque[dict[str, Any]] = deque(maxlen=200)
         self.handoffs = {"ok": 0, "failed": 0}
+        self._handoff_seq = 0
 
     # --- deciding ---------------------------------------------------------------------------------------------
 
@@ -159,6 +160,13 @@ class Router:
         session = SessionState(session_id, session_turns, copy_share, self.placements.get(session_id))
         decision = decide(request, session, self.states(), self.speeds, policy)
         return decision, policy
+
+    def _slot_busy(self, profile: str, slot: int | None, mine: int) -> bool:
+        """Whether requests other than `mine` (0 or 1: this request's own, counted already) occupy the slot."""
+        book = self._books[profile]
+        if book.slots > 1 and slot is not None:
+            return book.busy.get(slot, 0) > mine
+        return self.in_flight.get(profile, 0) > mine
 
     def slot_for(self, profile: str, session_id: str | None) -> int | None:
         """The slot to name with `id_slot`, on profiles with several slots (None: let the server choose)."""
@@ -210,17 +218,29 @@ class Router:
         target = self.table.get(decision.profile)
         if placement is None or source is None or target is None or self.slot_dir is None:
             return HandoffResult(False, 0, 0.0, 0.0, "nothing to hand over")
-        name = "as-" + hashlib.sha256(session_id.encode()).hexdigest()[:24] + ".bin"
+        self._handoff_seq += 1
+        name = f"as-{hashlib.sha256(session_id.encode()).hexdigest()[:20]}-{self._handoff_seq}.bin"
         from_slot = placement.slot or 0
         into_slot = to_slot or 0
         timeout = aiohttp.ClientTimeout(total=_HANDOFF_TIMEOUT_S)
-        t0 = time.perf_counter()
+        t0 = t1 = time.perf_counter()
         try:
-            await _slot_action(client, source, from_slot, "save", name, timeout)
+            # llama-server does not refuse a slot action on a busy slot: it waits for the running request, then acts
+            # on whatever that slot holds by then. So only idle slots are touched (this request is not sent yet).
+            if self._slot_busy(source.name, placement.slot, mine=0):
+                raise _SlotError(f"{source.name} slot {from_slot} is busy with another request")
+            if self._slot_busy(target.name, to_slot, mine=1):
+                raise _SlotError(f"{target.name} slot {into_slot} is busy with another request")
+            saved = await _slot_action(client, source, from_slot, "save", name, timeout)
             t1 = time.perf_counter()
-            await _slot_action(client, target, into_slot, "restore", name, timeout)
+            n_saved = int(saved.get("n_saved", 0))
+            if n_saved <= 0:
+                raise _SlotError(f"save on {source.name} slot {from_slot} saved no tokens (its cache was evicted)")
+            restored = await _slot_action(client, target, into_slot, "restore", name, timeout)
             t2 = time.perf_counter()
-        except (aiohttp.ClientError, TimeoutError, _SlotError) as exc:
+            if int(restored.get("n_restored", -1)) != n_saved:
+                raise _SlotError(f"restore on {target.name} restored {restored.get('n_restored')} of {n_saved} tokens")
+        except (aiohttp.ClientError, TimeoutError, ValueError, _SlotError) as exc:
             self.handoffs["failed"] += 1
             result = HandoffResult(False, placement.cached_tokens, 0.0, 0.0, str(exc) or type(exc).__name__)
         else:
@@ -273,13 +293,16 @@ async def _slot_action(
     action: str,
     filename: str,
     timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - one deadline per slot action
-) -> None:
+) -> dict[str, Any]:
     url = f"{upstream.base_url}/slots/{slot}?action={action}"
     async with client.post(url, json={"filename": filename}, timeout=timeout) as resp:
         if resp.status != 200:
             text = (await resp.text())[:300]
             raise _SlotError(f"{action} on {upstream.name} slot {slot}: HTTP {resp.status} {text}")
-        await resp.read()
+        body = await resp.json(content_type=None)
+    if not isinstance(body, dict):
+        raise _SlotError(f"{action} on {upstream.name} slot {slot}: unexpected answer {str(body)[:200]}")
+    return body
 
 
 def _unlink(path: Path) -> None:
