@@ -3,8 +3,10 @@ reloaded when they change, keeping the last good version of a file that became i
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator
@@ -34,10 +36,29 @@ def default_policy_text() -> str:
     return resources.files("adaptive_spec").joinpath("policies/default.toml").read_text(encoding="utf-8")
 
 
+MAX_POLICY_BYTES = 256 * 1024
+
+
+def _read_small_regular_file(path: Path) -> str:
+    """A policy file's text. Workspace paths come from requests: a FIFO, a device or a huge file there must not
+    block or flood the proxy, so only a regular file of at most MAX_POLICY_BYTES is read, without blocking."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        if info.st_size > MAX_POLICY_BYTES:
+            raise OSError(errno.EFBIG, f"larger than {MAX_POLICY_BYTES} bytes")
+        data = os.read(fd, MAX_POLICY_BYTES + 1)
+    finally:
+        os.close(fd)
+    return data.decode("utf-8")
+
+
 def read_policy_file(path: Path, label: str, known_profiles: Collection[str] | None) -> tuple[Overlay, list[Problem]]:
     """The overlay of one file and its problems; a file that cannot be read is one problem, not an exception."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = _read_small_regular_file(path)
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         return {}, [Problem(label, "", None, f"cannot read the file: {reason}")]

@@ -255,3 +255,16 @@ def test_serve_refuses_a_bad_policy_before_touching_any_server(
     assert f"{bad}:route.hysterisis:2: unknown key; did you mean 'hysteresis'?" in err
     assert f"{bad}:route.force:3: unknown profile 'iterativ'; did you mean 'iterative'?" in err
     assert "cannot be reached" not in err  # the policy was checked first
+
+
+def test_a_fifo_or_a_huge_file_in_a_workspace_is_refused_without_blocking(tmp_path: Path) -> None:
+    from adaptive_spec.policy_files import MAX_POLICY_BYTES, read_policy_file
+
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    _, problems = read_policy_file(fifo, "fifo.toml", None)
+    assert problems and "not a regular file" in problems[0].message
+    huge = tmp_path / "huge.toml"
+    huge.write_text("# " + "x" * MAX_POLICY_BYTES + "\n")
+    _, problems = read_policy_file(huge, "huge.toml", None)
+    assert problems and "larger than" in problems[0].message

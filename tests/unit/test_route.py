@@ -89,6 +89,16 @@ CASES = [
     ("a first turn with nothing to copy is not explored on the n-gram profile",
      RequestState(tokens(300), explore_draw=0.01), NEW, {"route": RoutePolicy(explore=0.05)}, {}, "oneshot",
      "estimate", "no history"),
+    ("the only allowed profile is down: a fallback, not 'only'", RequestState(tokens(300)), NEW,
+     {"route": RoutePolicy(profiles=("oneshot",))}, {"oneshot": {"down_reason": "exited"}}, "iterative", "fallback",
+     "oneshot is down (exited)"),
+    ("a forced profile outside route.profiles is still forced", RequestState(tokens(300)), NEW,
+     {"route": RoutePolicy(profiles=("oneshot",), force="iterative")}, {}, "iterative", "forced", "forced"),
+    ("every profile overloaded: the least loaded", RequestState(tokens(300)), NEW, {},
+     {"oneshot": {"in_flight": 9}, "iterative": {"in_flight": 4}}, "iterative", "fallback", "oneshot is overloaded"),
+    ("no dwell for a session whose KV is gone", RequestState(tokens(900)),
+     SessionState("s", 4, 0.9, Placement("oneshot", 0, 0, 1, 300)), {}, {}, "iterative", "estimate",
+     "switch re-prefills"),
     ("no exploration for a placed session", RequestState(tokens(6500), explore_draw=0.01), placed("iterative", 0.9),
      {"route": RoutePolicy(explore=0.05)}, {}, "iterative", "estimate", "stays on its KV cache"),
 ]  # fmt: skip
@@ -220,7 +230,7 @@ def test_handoff_cost_is_learned() -> None:
     assert model.handoff_s(10_000) == pytest.approx(0.31, rel=0.1)
 
 
-def test_placements_track_dwell_and_eviction() -> None:
+def test_placements_track_dwell_and_displacement() -> None:
     book = Placements(max_sessions=2)
     book.served("a", "iterative", 0, 1000, 100)
     book.served("a", "iterative", 0, 2000, 300)
@@ -228,7 +238,40 @@ def test_placements_track_dwell_and_eviction() -> None:
     book.served("a", "oneshot", 0, 2500, 100)
     assert book.get("a").turns_here == 1  # type: ignore[union-attr]
     book.served("b", "iterative", 0, 500, 10)
-    book.evict("iterative", 0, keep="a")
-    assert book.get("b").cached_tokens == 0  # type: ignore[union-attr]
+    book.displace("iterative", 0, keep="a")
+    assert book.get("b").in_slot is False and book.get("b").cached_tokens == 500  # type: ignore[union-attr]
+    assert book.get("a").in_slot is True  # type: ignore[union-attr]
     book.served("c", "iterative", 0, 500, 10)
     assert book.get("a") is None and len(book) == 2
+
+
+def test_no_handoff_from_a_slot_another_session_took_over() -> None:
+    gone = SessionState("s", 4, 0.9, Placement("oneshot", 0, 6000, 3, 300, in_slot=False))
+    decision = decide(RequestState(tokens(6500)), gone, profiles(), speeds(), Policy())
+    assert not decision.handoff
+
+
+def test_no_handoff_of_an_empty_cache_even_with_min_tokens_zero() -> None:
+    empty = SessionState("s", 4, 0.9, Placement("oneshot", 0, 0, 3, 300))
+    policy = replace(Policy(), handoff=HandoffPolicy(min_tokens=0))
+    decision = decide(RequestState(tokens(900)), empty, profiles(), speeds(policy), policy)
+    assert decision.moved_from == "oneshot" and not decision.handoff and decision.handoff_tokens == 0
+
+
+def test_max_tokens_caps_the_expected_output() -> None:
+    session = placed("iterative", 0.9, out=2000)
+    capped = decide(RequestState(tokens(6500), max_tokens=50), session, profiles(), speeds(), Policy())
+    free = decide(RequestState(tokens(6500)), session, profiles(), speeds(), Policy())
+    assert {e.output_tokens for e in capped.estimates} == {50}
+    assert {e.output_tokens for e in free.estimates} == {2000}
+
+
+@pytest.mark.parametrize(("hysteresis", "moves"), [(0.30, True), (0.60, False)])
+def test_the_hysteresis_is_the_margin_a_move_must_beat(hysteresis: float, moves: bool) -> None:
+    # On the plain profile, copyable 0.9: the n-gram profile is estimated ~2.4x faster in decode, ~50% less time.
+    policy = replace(Policy(), route=RoutePolicy(hysteresis=hysteresis))
+    decision = decide(RequestState(tokens(6500)), placed("oneshot", 0.9), profiles(), speeds(policy), policy)
+    by = {e.profile: e.total_s for e in decision.estimates}
+    gain = 1 - by["iterative"] / by["oneshot"]
+    assert 0.30 < gain < 0.60
+    assert (decision.profile == "iterative") is moves

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from adaptive_spec.core.policy import FirstTurnPolicy, Policy
 from adaptive_spec.core.speeds import SpeedModel
@@ -44,6 +44,9 @@ class Placement:
     cached_tokens: int  # prompt + output of the last turn, cached in that slot
     turns_here: int  # consecutive turns served on this profile
     output_tokens: float  # average output tokens per turn (EWMA)
+    # Whether the slot still holds this session. Another session served there since displaced it: the profile may
+    # still have the prompt in its RAM cache, but a slot save would capture the other session's KV.
+    in_slot: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +170,8 @@ def _can_hand_off(placement: Placement, to: ProfileState, policy: Policy, profil
         and source.down_reason is None
         and source.handoff
         and to.handoff
+        and placement.in_slot
+        and placement.cached_tokens > 0
         and placement.cached_tokens >= policy.handoff.min_tokens
     )
 
@@ -227,7 +232,7 @@ def decide(
             return None
         if p.down_reason is not None:
             return f"{name} is down ({p.down_reason})"
-        if p not in usable:
+        if _overloaded(p, policy):
             return f"{name} is overloaded ({p.in_flight} in flight for {p.slots} slot(s))"
         return None
 
@@ -236,10 +241,13 @@ def decide(
         why = passed_over(force)
         if why is None:
             return decision(force, "forced", f"{force}: forced by the policy")
-        alt = usable[0].name
+        alt = min(
+            (_estimate(p, request, session, copy, prompt_tokens, speeds, policy, by_name) for p in usable),
+            key=lambda e: e.total_s,
+        ).profile
         return decision(alt, "fallback", f"{alt}: the policy forces {force}, but {why}")
 
-    if len(usable) == 1 and len(allowed) == 1:
+    if len(allowed) == 1 and usable[0].name == allowed[0].name:
         return decision(usable[0].name, "only", f"{usable[0].name}: the only profile the policy allows")
 
     if placement is None and copy <= 0.0:
@@ -269,7 +277,7 @@ def decide(
     if here is not None and best.profile != here.profile:
         assert placement is not None
         gain = 1.0 - best.total_s / here.total_s if here.total_s > 0 else 0.0
-        if placement.turns_here < policy.route.min_dwell_turns:
+        if placement.turns_here < policy.route.min_dwell_turns and placement.cached_tokens > 0:
             reason = (
                 f"{here.profile}: stays (turn {placement.turns_here} of a {policy.route.min_dwell_turns}-turn dwell); "
                 f"{best.profile} est {gain:.0%} faster; copyable {copy:.0%} ({copy_src})"
@@ -344,11 +352,12 @@ class Placements:
         while len(self._by_session) > self.max_sessions:
             self._by_session.popitem(last=False)
 
-    def evict(self, profile: str, slot: int | None, keep: str) -> None:
-        """A slot was overwritten (a restore into it): sessions cached there lose their KV, but for `keep`."""
+    def displace(self, profile: str, slot: int | None, keep: str) -> None:
+        """`keep` now occupies this slot (served there, or restored into it): the other sessions it held are out of
+        the slot (their prompts may live on in the profile's RAM cache, so their cached figures stay)."""
         for sid, p in list(self._by_session.items()):
-            if sid != keep and p.profile == profile and p.slot == slot and p.cached_tokens:
-                self._by_session[sid] = Placement(p.profile, p.slot, 0, p.turns_here, p.output_tokens)
+            if sid != keep and p.in_slot and p.profile == profile and p.slot == slot:
+                self._by_session[sid] = replace(p, in_slot=False)
 
     def __len__(self) -> int:
         return len(self._by_session)

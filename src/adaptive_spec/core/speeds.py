@@ -106,8 +106,13 @@ class SpeedModel:
         self._restore_s = _Average(2.0, self.forget)
 
     def set_policy(self, estimator: EstimatorPolicy, handoff: HandoffPolicy) -> None:
-        """A reloaded policy changes the priors; what was measured stays."""
+        """A reloaded policy changes the priors, their weight and the half-life; what was measured stays."""
         self.estimator, self.handoff = estimator, handoff
+        self.forget = 0.5 ** (1.0 / estimator.half_life)
+        for avg in (*self._own.values(), self._prefill, self._implied_ref, self._bytes_per_token):
+            avg.weight, avg.forget = estimator.prior_weight, self.forget
+        for avg in (self._save_s_per_token, self._restore_s):
+            avg.forget = self.forget
 
     def set_kind(self, profile: str, spec_types: tuple[str, ...] | None) -> None:
         """A profile's spec types (an attached profile's become known after its first request, from /slots)."""

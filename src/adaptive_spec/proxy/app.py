@@ -68,6 +68,8 @@ log = logging.getLogger(__name__)
 # APIs whose streams llama-server can annotate with per-token timings (for the live draft progress).
 _PROGRESS_APIS = frozenset({"chat", "completions"})
 ROUTE_HEADER = "x-adaptive-spec-route"
+# APIs whose body llama-server passes `id_slot` on from (its Anthropic and Responses conversions rebuild the body).
+_SLOT_APIS = frozenset({"chat", "completions"})
 _POLICY_REFRESH_S = 2.0
 # How long a request waits for its session's previous turn to be folded into the statistics it is routed on.
 _SETTLE_S = 0.3
@@ -153,6 +155,7 @@ async def _policy_refresher(app: web.Application) -> AsyncIterator[None]:
             await asyncio.sleep(_POLICY_REFRESH_S)
             try:
                 app[ROUTER].announce(await asyncio.to_thread(app[ROUTER].refresh_policies))
+                await asyncio.to_thread(app[ROUTER].sweep_slot_files)
             except Exception:
                 log.exception("policy refresh failed")
 
@@ -332,7 +335,10 @@ async def _route(request: web.Request, req: _Request, headers: dict[str, str]) -
     if isinstance(chosen, web.Response):
         req.status, req.error = chosen.status, (chosen.text or "")[:300]
         return chosen
-    if "id_slot" not in parsed.body:
+    client_slot = parsed.body.get("id_slot")
+    if isinstance(client_slot, int) and not isinstance(client_slot, bool) and client_slot >= 0:
+        req.slot = client_slot  # the client chose; the router follows it
+    elif req.routed.api in _SLOT_APIS:
         req.slot = router.slot_for(chosen.name, session_id)
     router.started(chosen.name, req.slot)
     req.routed_started = True
@@ -379,11 +385,11 @@ async def _proxy_view(request: web.Request) -> web.StreamResponse:
 def _finish(app: web.Application, method: str, path: str, req: _Request) -> None:
     finished = req.error is None and req.status < 400
     service, a, meter, d = app[SESSIONS], req.assignment, req.meter, req.decision
-    if finished and service is not None and a is not None and req.parsed is not None:
-        service.finished(a, req.project, req.parsed.body, meter.output)
-    if req.routed_started and d is not None:
+    if req.routed_started and d is not None:  # first: the profile's load must come down whatever happens next
         app[ROUTER].finished(d, req.profile, req.slot, a.session_id if a else None, meter.timings, len(req.body),
                              finished)  # fmt: skip
+    if finished and service is not None and a is not None and req.parsed is not None:
+        service.finished(a, req.project, req.parsed.body, meter.output)
     record = RequestRecord(
         request_id=req.request_id, started_at_unix=req.started_unix, method=method, path=path, api=req.routed.api,
         project=req.project, session_id=a.session_id if a else None, session_source=a.source if a else None,

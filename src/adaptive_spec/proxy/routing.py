@@ -33,7 +33,9 @@ from adaptive_spec.core.speeds import SpeedModel
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
 
 log = logging.getLogger(__name__)
-_HANDOFF_TIMEOUT_S = 60.0
+_HANDOFF_BASE_TIMEOUT_S = 10.0
+_SLOT_FILE_PREFIX = "as-"
+_STALE_SLOT_FILE_S = 300.0
 
 
 class PolicySource(Protocol):
@@ -132,7 +134,7 @@ class Router:
     def states(self) -> list[ProfileState]:
         return [
             ProfileState(name=n, down_reason=self.table.down_reason(n), in_flight=self.in_flight.get(n, 0),
-                         slots=self._books[n].slots, handoff=self.slot_dir is not None)
+                         slots=self._books[n].slots, handoff=self._can_save(n))
             for n in self.table.names()
         ]  # fmt: skip
 
@@ -149,7 +151,6 @@ class Router:
         pinned: str | None,
     ) -> tuple[Decision, Policy]:
         policy = self.policies.policy_for(project, workspace)
-        self.speeds.set_policy(policy.estimator, policy.handoff)
         pasted = copy_hint(body, policy.first_turn)
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or body.get("max_output_tokens")
         request = RequestState(
@@ -167,6 +168,11 @@ class Router:
         if book.slots > 1 and slot is not None:
             return book.busy.get(slot, 0) > mine
         return self.in_flight.get(profile, 0) > mine
+
+    def _can_save(self, profile: str) -> bool:
+        """Slot files need a shared directory; a router-mode preset (`URL#MODEL`) takes no slot actions."""
+        upstream = self.table.get(profile)
+        return self.slot_dir is not None and upstream is not None and upstream.upstream_model is None
 
     def slot_for(self, profile: str, session_id: str | None) -> int | None:
         """The slot to name with `id_slot`, on profiles with several slots (None: let the server choose)."""
@@ -198,6 +204,7 @@ class Router:
             return
         self.speeds.observe(profile, decision.copy_share, timings, body_bytes)
         if session_id is not None:
+            self.placements.displace(profile, slot, keep=session_id)
             cached = timings.cache_n + timings.prompt_n + timings.predicted_n
             self.placements.served(session_id, profile, slot, cached, timings.predicted_n)
 
@@ -218,11 +225,16 @@ class Router:
         target = self.table.get(decision.profile)
         if placement is None or source is None or target is None or self.slot_dir is None:
             return HandoffResult(False, 0, 0.0, 0.0, "nothing to hand over")
+        if to_slot is None and self._books[target.name].slots > 1:
+            return HandoffResult(False, 0, 0.0, 0.0, f"{target.name} has several slots and this request names none")
         self._handoff_seq += 1
-        name = f"as-{hashlib.sha256(session_id.encode()).hexdigest()[:20]}-{self._handoff_seq}.bin"
+        name = f"{_SLOT_FILE_PREFIX}{hashlib.sha256(session_id.encode()).hexdigest()[:20]}-{self._handoff_seq}.bin"
         from_slot = placement.slot or 0
         into_slot = to_slot or 0
-        timeout = aiohttp.ClientTimeout(total=_HANDOFF_TIMEOUT_S)
+        # Bounded: a save of N tokens takes milliseconds per thousand here; a slot that stays busy must not hold
+        # the request for long (on failure it is forwarded and re-prefilled).
+        timeout = aiohttp.ClientTimeout(total=_HANDOFF_BASE_TIMEOUT_S + placement.cached_tokens * 0.0005)
+        n_saved = 0
         t0 = t1 = time.perf_counter()
         try:
             # llama-server does not refuse a slot action on a busy slot: it waits for the running request, then acts
@@ -233,22 +245,27 @@ class Router:
                 raise _SlotError(f"{target.name} slot {into_slot} is busy with another request")
             saved = await _slot_action(client, source, from_slot, "save", name, timeout)
             t1 = time.perf_counter()
-            n_saved = int(saved.get("n_saved", 0))
-            if n_saved <= 0:
-                raise _SlotError(f"save on {source.name} slot {from_slot} saved no tokens (its cache was evicted)")
+            n_saved = int(saved.get("n_saved") or 0)
+            if n_saved < 0.9 * placement.cached_tokens:
+                raise _SlotError(f"save on {source.name} slot {from_slot} wrote {n_saved} tokens, not the session's "
+                                 f"{placement.cached_tokens} (its slot was reused)")  # fmt: skip
+            if self._slot_busy(target.name, to_slot, mine=1):
+                raise _SlotError(f"{target.name} slot {into_slot} became busy with another request")
             restored = await _slot_action(client, target, into_slot, "restore", name, timeout)
             t2 = time.perf_counter()
-            if int(restored.get("n_restored", -1)) != n_saved:
+            if int(restored.get("n_restored") or -1) != n_saved:
                 raise _SlotError(f"restore on {target.name} restored {restored.get('n_restored')} of {n_saved} tokens")
-        except (aiohttp.ClientError, TimeoutError, ValueError, _SlotError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, _SlotError) as exc:
             self.handoffs["failed"] += 1
             result = HandoffResult(False, placement.cached_tokens, 0.0, 0.0, str(exc) or type(exc).__name__)
         else:
             self.handoffs["ok"] += 1
-            result = HandoffResult(True, placement.cached_tokens, t1 - t0, t2 - t1)
-            self.speeds.observe_handoff(placement.cached_tokens, t1 - t0, t2 - t1)
-            self.placements.evict(decision.profile, to_slot, keep=session_id)
+            result = HandoffResult(True, n_saved, t1 - t0, t2 - t1)
+            self.speeds.observe_handoff(n_saved, t1 - t0, t2 - t1)
         finally:
+            # The target slot was overwritten (or half so) whatever the outcome; the file goes now, and once more
+            # later in case llama-server was still writing it when we gave up waiting (sweep_slot_files).
+            self.placements.displace(decision.profile, to_slot, keep=session_id)
             await asyncio.to_thread(_unlink, self.slot_dir / name)
         self.publish(
             HandoffDone(
@@ -259,12 +276,32 @@ class Router:
         )  # fmt: skip
         return result
 
+    def sweep_slot_files(self) -> int:
+        """Delete slot files of handoffs that were given up while llama-server still wrote them (file I/O: off the
+        event loop). Returns how many went."""
+        if self.slot_dir is None:
+            return 0
+        now, gone = time.time(), 0
+        for path in self.slot_dir.glob(f"{_SLOT_FILE_PREFIX}*.bin"):
+            try:
+                if now - path.stat().st_mtime > _STALE_SLOT_FILE_S:
+                    path.unlink()
+                    gone += 1
+            except OSError:
+                continue
+        return gone
+
     # --- policy files -----------------------------------------------------------------------------------------
 
     def refresh_policies(self) -> list[str]:
         """Re-read changed policy files (file I/O: call it off the event loop); returns what changed (the store has
-        already said it on the console)."""
-        return self.policies.refresh()
+        already said it on the console). The speed model's priors follow the base policy (a project's own file
+        changes its routing, not the shared measurements)."""
+        messages = self.policies.refresh()
+        if messages:
+            base = self.policies.policy_for("default", None)
+            self.speeds.set_policy(base.estimator, base.handoff)
+        return messages
 
     def announce(self, messages: list[str]) -> None:
         """Publish policy changes on the live feed (on the event loop: the bus is not thread-safe)."""
