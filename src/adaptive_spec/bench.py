@@ -2,11 +2,11 @@
 and, with --adaptive, on its own route; one table per workload, plus CSV, JSON and a PNG chart.
 
 Inputs stay the same across targets: each target runs the workload in its own pass, and the reply that joins a
-session's history is always the first target's. Known state: before each pass every profile's slots are erased, and
-each pass's system prompts start with a tag of its own, so no pass reuses a prompt another pass cached (in a slot or in
-llama-server's RAM prompt cache). llama-server offers no call to empty its n-gram pool: that carries over, so the
-adaptive pass runs first (later passes, the static ones, find the workload's text in the pool). The oracle is computed
-from the static passes: per request, the one that decoded it fastest.
+session's history is always the first target's. Known state: before each pass every launched profile is restarted
+(llama-server offers no call to empty its n-gram pool, and a later pass would find the earlier passes' greedy answers
+in it), and each pass's system prompts start with a tag of their own. Attached profiles can only have their slot
+erased; the bench says so. The oracle is computed from the static passes: per request, the one that decoded it
+fastest.
 """
 
 from __future__ import annotations
@@ -88,9 +88,17 @@ async def _stream(
             "route": route}  # fmt: skip
 
 
-async def _known_state(session: aiohttp.ClientSession, base: str, profiles: list[str]) -> None:
-    """Each profile starts a workload with empty slots: no KV cache carried over from the last workload."""
+async def _known_state(session: aiohttp.ClientSession, base: str, profiles: list[str], say: Any) -> None:
+    """Each pass starts from fresh servers: a launched profile is restarted (empty KV cache, RAM prompt cache and
+    n-gram pool); an attached one can only have its slot erased, and its n-gram pool carries over."""
     for name in profiles:
+        async with session.post(f"{base}/adaptive/profiles/{name}/restart") as resp:
+            await resp.read()
+            if resp.status == 200:
+                continue
+            if resp.status != 409:
+                raise ConfigError(f"restarting profile {name!r} failed: HTTP {resp.status}")
+        say(f"\nprofile {name!r} is attached: its slot is erased, its n-gram pool carries over to the next pass")
         async with session.post(f"{base}/slots/0?action=erase", headers={"x-adaptive-spec-profile": name}) as resp:
             await resp.read()
 
@@ -111,8 +119,6 @@ async def run_bench(base: str, workloads: list[Workload], profiles: list[str] | 
         unknown = set(chosen) - set(names)
         if unknown:
             raise ConfigError(f"--profiles: {', '.join(sorted(unknown))} not served; the proxy has {', '.join(names)}")
-        # The adaptive pass goes first: llama-server's n-gram pool cannot be emptied, so whichever pass comes later
-        # on the n-gram profile finds the workload's text in it; that advantage goes to the static passes.
         targets = [*([ADAPTIVE] if adaptive else []), *chosen]
         total = sum(len(w.requests) for w in workloads) * len(targets)
         done = 0
@@ -121,9 +127,9 @@ async def run_bench(base: str, workloads: list[Workload], profiles: list[str] | 
                 rows = records.setdefault(workload.name, [])
                 replies: dict[int, str] = {}  # the first target's replies: every later pass sees the same history
                 for target in targets:
-                    # One pass per target, from a known state: every profile's slots erased, so no target inherits
-                    # another's KV cache for the same prompt. (llama-server cannot reset its n-gram pool.)
-                    await _known_state(session, base, names)
+                    # One pass per target, from a known state: fresh servers, so no target inherits another's KV
+                    # cache, prompt cache or n-gram pool.
+                    await _known_state(session, base, names, say)
                     replay = Replay(workload, tag=f"bench pass {target}")
                     for request in workload.requests:
                         result = await _one(session, base, workload, replay, request, target, max_tokens)

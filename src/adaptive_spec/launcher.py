@@ -89,7 +89,7 @@ class Launcher:
         self._say, self._on_up, self._on_down = say, on_up, on_down
         self._health_timeout_s = health_timeout_s
         self._stopping = False
-        self._watchers: list[asyncio.Task[None]] = []
+        self._watchers: dict[str, asyncio.Task[None]] = {}
         self.run_dir = run_dir
         slots = run_dir / "slots"
         slots.mkdir(parents=True, exist_ok=True)
@@ -130,7 +130,29 @@ class Launcher:
             raise
         for child in self._children:
             self._on_up(child.spec.name)
-            self._watchers.append(asyncio.create_task(self._watch(child), name=f"watch-{child.spec.name}"))
+            self._watchers[child.spec.name] = asyncio.create_task(self._watch(child), name=f"watch-{child.spec.name}")
+
+    async def restart(self, name: str) -> None:
+        """Stop one profile's server and start it afresh (empty KV, prompt and n-gram caches), then wait until it is
+        healthy. Raises KeyError for a profile this launcher does not own, LaunchError when it does not come back."""
+        child = next(c for c in self._children if c.spec.name == name) if name in self.endpoints else None
+        if child is None or self._stopping:
+            raise KeyError(name)
+        watcher = self._watchers.pop(name, None)
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        self._on_down(name, "restarting on request")
+        await self._stop_child(child)
+        await self._spawn(child)
+        try:
+            async with aiohttp.ClientSession() as session:
+                await self._wait_healthy(session, child)
+        finally:  # up or not, it is watched again (a server that failed to come back is restarted with backoff)
+            if not self._stopping:
+                self._watchers[name] = asyncio.create_task(self._watch(child), name=f"watch-{name}")
+        self._on_up(name)
 
     async def _spawn(self, child: _Child) -> None:
         self._say(f"starting profile {child.spec.name!r}: {' '.join(child.argv)}")
@@ -211,9 +233,9 @@ class Launcher:
     async def stop(self) -> None:
         """Stop every child: SIGTERM, then SIGKILL after 10 s. Safe to call more than once."""
         self._stopping = True
-        for task in self._watchers:
+        for task in self._watchers.values():
             task.cancel()
-        for task in self._watchers:
+        for task in self._watchers.values():
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._watchers.clear()

@@ -169,7 +169,8 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
             f"routing: policy from {', '.join(described['sources']) or 'built-in defaults'}; KV handoff "
             + ("on (slot files in " + str(slot_dir) + ")" if slot_dir else "off (no shared slot directory)")
         )
-        app = build_app(table, plan.proxy, sessions, trace=trace, profiles=infos, router=router)
+        app = build_app(table, plan.proxy, sessions, trace=trace, profiles=infos, router=router,
+                        restart=launcher.restart if launcher is not None else None)  # fmt: skip
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         try:

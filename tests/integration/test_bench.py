@@ -25,6 +25,7 @@ def test_bench_runs_every_target_and_writes_its_outputs(
         proxy.stop()
     assert done.returncode == 0, done.stderr
     assert "workload: iterative" in done.stdout and "workload: oneshot" in done.stdout
+    assert "attached" not in done.stderr  # launched profiles are restarted before each pass: nothing carries over
     result = json.loads((out / "bench.json").read_text())
     assert result["baseline"] == "oneshot"
     names = {(r["workload"], r["name"]) for r in result["rows"]}

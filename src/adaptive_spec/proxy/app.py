@@ -8,7 +8,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from urllib.parse import quote
 
@@ -51,6 +51,7 @@ from adaptive_spec.proxy.state import (
     METRICS,
     PROFILE_HEADER,
     PROFILES,
+    RESTART,
     ROUTER,
     SESSIONS,
     SETTINGS,
@@ -88,6 +89,7 @@ def build_app(
     trace: TraceWriter | None = None,
     profiles: list[ProfileInfo] | None = None,
     router: Router | None = None,
+    restart: Callable[[str], Awaitable[None]] | None = None,
 ) -> web.Application:
     # The body limit is enforced by read_body (to answer in the OpenAI error shape), not by aiohttp.
     app = web.Application(client_max_size=settings.max_body_bytes + 1)
@@ -102,6 +104,7 @@ def build_app(
                         {n: i.spec_types for n, i in infos.items()})  # fmt: skip
     router.publish = app[BUS].publish
     app[ROUTER] = router
+    app[RESTART] = restart
     app[BUS].listen(app[METRICS].on_event)
     upstreams.on_change = lambda u, reason: app[BUS].publish(
         ProfileUp(profile=u.name, base_url=u.base_url)

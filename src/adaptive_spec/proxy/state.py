@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -38,3 +39,4 @@ SESSIONS: web.AppKey[SessionService | None] = web.AppKey("sessions")
 TRACE: web.AppKey[TraceWriter | None] = web.AppKey("trace")
 PROFILES: web.AppKey[list[ProfileInfo]] = web.AppKey("profiles")
 ROUTER = web.AppKey("router", Router)
+RESTART: web.AppKey[Callable[[str], Awaitable[None]] | None] = web.AppKey("restart")  # launched profiles only

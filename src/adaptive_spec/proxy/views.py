@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
@@ -12,8 +13,19 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from adaptive_spec.errors import LaunchError
 from adaptive_spec.proxy.errors import error_response
-from adaptive_spec.proxy.state import BUS, HISTORY, METRICS, PROFILE_HEADER, PROFILES, ROUTER, SESSIONS, UPSTREAMS
+from adaptive_spec.proxy.state import (
+    BUS,
+    HISTORY,
+    METRICS,
+    PROFILE_HEADER,
+    PROFILES,
+    RESTART,
+    ROUTER,
+    SESSIONS,
+    UPSTREAMS,
+)
 
 _HEARTBEAT_S = 15.0
 
@@ -25,6 +37,7 @@ def add_views(app: web.Application, proxy_view: Callable[[web.Request], Awaitabl
     app.router.add_get("/adaptive/sessions", _sessions_view)
     app.router.add_get("/adaptive/events", _events_view)
     app.router.add_get("/adaptive/route", _route_view)
+    app.router.add_post("/adaptive/profiles/{name}/restart", _restart_view)
 
     async def metrics_view(request: web.Request) -> web.StreamResponse:
         if request.headers.get(PROFILE_HEADER):
@@ -69,6 +82,26 @@ async def _profiles_view(request: web.Request) -> web.Response:
 
 async def _health_view(request: web.Request) -> web.Response:
     return _json({"profiles": {p["name"]: {"up": p["up"], "reason": p["reason"]} for p in _profiles(request.app)}})
+
+
+async def _restart_view(request: web.Request) -> web.Response:
+    """Restart a launched profile's llama-server: empty KV, prompt and n-gram caches (the benchmark's known state)."""
+    name = request.match_info["name"]
+    if request.app[UPSTREAMS].get(name) is None:
+        known = ", ".join(request.app[UPSTREAMS].names())
+        return error_response(404, f"unknown profile {name!r}; known profiles: {known}", code="unknown_profile")
+    restart = request.app[RESTART]
+    started = time.monotonic()
+    try:
+        if restart is None:
+            raise KeyError(name)
+        await restart(name)
+    except KeyError:
+        return error_response(409, f"profile {name!r} was not launched by adaptive-spec; it cannot restart it",
+                              code="not_launched")  # fmt: skip
+    except LaunchError as exc:
+        return error_response(502, f"profile {name!r} did not come back: {exc}", code="restart_failed")
+    return _json({"restarted": name, "seconds": round(time.monotonic() - started, 2)})
 
 
 async def _route_view(request: web.Request) -> web.Response:
