@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,10 +111,12 @@ def test_a_changed_policy_is_reloaded_and_a_bad_one_keeps_the_last_good(
     wait_until(lambda: "keeping the last good" in proxy.log(), 15, "the bad policy to be reported")
     assert "route.force:2" in proxy.log() and "did you mean 'iterative'" in proxy.log()
     assert "route.hysterisis:3" in proxy.log() and "did you mean 'hysteresis'" in proxy.log()
+    problems = http_json(proxy.base + "/adaptive/route")["policy_problems"]
+    assert any("route.force:2" in p for p in problems), problems
     still = chat(proxy, question, 4)
     assert (still["profile"], still["route"]) == ("iterative", "forced")  # the last good policy is in force
     policy.write_text(POLICY)
-    time.sleep(3)
+    wait_until(lambda: not http_json(proxy.base + "/adaptive/route")["policy_problems"], 15, "the fixed policy")
     back = chat(proxy, question, 4)
     assert (back["profile"], back["route"]) == ("oneshot", "estimate"), back["reason"]
 

@@ -45,6 +45,8 @@ class PolicySource(Protocol):
 
     def describe(self, project: str, workspace: str | None) -> dict[str, Any]: ...
 
+    def problems(self) -> list[Any]: ...
+
 
 class FixedPolicy:
     """One policy for every project (tests, and a proxy started without policy files)."""
@@ -60,6 +62,9 @@ class FixedPolicy:
 
     def describe(self, project: str, workspace: str | None) -> dict[str, Any]:
         return {"sources": list(self.policy.sources), "problems": [], "policy": asdict(self.policy)}
+
+    def problems(self) -> list[Any]:
+        return []
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,6 +320,7 @@ class Router:
             "handoffs": dict(self.handoffs),
             "placements": [{"session_id": sid, **asdict(p)} for sid, p in self.placements.items()[-100:]],
             "policy": self.policies.describe("default", None),
+            "policy_problems": [str(p) for p in self.policies.problems()],  # every file's, the last good in force
             "recent_decisions": list(self.recent)[-50:],
         }
 
