@@ -9,7 +9,7 @@ from adaptive_spec.core.simulate import CPU, GPU, public_mix, requests_from_work
 
 
 def test_public_mix_at_gpu_speeds_matches_the_published_arithmetic() -> None:
-    plain, ngram, adaptive, oracle = simulate_targets(public_mix(), GPU)
+    plain, ngram, adaptive, noisy, oracle = simulate_targets(public_mix(), GPU)
     tokens = {r.klass: 0 for r in public_mix()}
     for r in public_mix():
         tokens[r.klass] += r.output_tokens
@@ -20,6 +20,7 @@ def test_public_mix_at_gpu_speeds_matches_the_published_arithmetic() -> None:
     assert oracle.decode_tok_s / ngram.decode_tok_s == pytest.approx(1.021, abs=0.005)
     # The policy, learning its speeds as it goes, gets within 3% of the oracle and keeps one-shot TTST at DFlash's.
     assert adaptive.decode_tok_s >= 0.97 * oracle.decode_tok_s
+    assert noisy.decode_tok_s >= 0.97 * oracle.decode_tok_s  # copyability estimates off by up to ±30%
     assert adaptive.ttst_ms_median_oneshot == pytest.approx(30.5)
     assert ngram.ttst_ms_median_oneshot is not None and adaptive.ttst_ms_median_oneshot is not None
     assert ngram.ttst_ms_median_oneshot / adaptive.ttst_ms_median_oneshot == pytest.approx(2.27, abs=0.01)
@@ -29,9 +30,10 @@ def test_public_mix_at_gpu_speeds_matches_the_published_arithmetic() -> None:
 @pytest.mark.parametrize("workload", ["iterative", "oneshot", "mixed"])
 def test_adaptive_is_never_worse_than_the_better_static_profile(scenario: object, workload: str) -> None:
     requests = requests_from_workload(load_workload(workload))
-    plain, ngram, adaptive, oracle = simulate_targets(requests, scenario)  # type: ignore[arg-type]
-    assert adaptive.decode_tok_s >= 0.98 * max(plain.decode_tok_s, ngram.decode_tok_s)
-    assert adaptive.decode_tok_s >= 0.97 * oracle.decode_tok_s
+    plain, ngram, adaptive, noisy, oracle = simulate_targets(requests, scenario)  # type: ignore[arg-type]
+    for routed in (adaptive, noisy):
+        assert routed.decode_tok_s >= 0.98 * max(plain.decode_tok_s, ngram.decode_tok_s)
+        assert routed.decode_tok_s >= 0.97 * oracle.decode_tok_s
     # One-shot prompts keep the plain profile's time to second token; nothing is slower to start than on n-gram.
     if plain.ttst_ms_median_oneshot is not None and adaptive.ttst_ms_median_oneshot is not None:
         assert adaptive.ttst_ms_median_oneshot <= 1.05 * plain.ttst_ms_median_oneshot

@@ -11,6 +11,7 @@ the better of the two static runs.
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -164,7 +165,12 @@ def _run_static(requests: Sequence[SimRequest], scenario: Scenario, kind: str) -
     return served
 
 
-def _run_adaptive(requests: Sequence[SimRequest], scenario: Scenario, policy: Policy) -> list[Served]:
+def _run_adaptive(
+    requests: Sequence[SimRequest], scenario: Scenario, policy: Policy, noise: float = 0.0
+) -> list[Served]:
+    """`noise`: each turn's copyability estimate is off by up to ± this much (uniform, seeded), as the real
+    counterfactual estimate is."""
+    rng = random.Random(7)
     names = scenario.profile_names
     kind_of = {names[PLAIN]: PLAIN, names[NGRAM]: NGRAM}
     speeds = SpeedModel(policy.estimator, policy.handoff, {names[PLAIN]: ("none",), names[NGRAM]: ("ngram-mod",)})
@@ -199,7 +205,7 @@ def _run_adaptive(requests: Sequence[SimRequest], scenario: Scenario, policy: Po
                           predicted_per_second=tps)  # fmt: skip
         speeds.observe(decision.profile, decision.copy_share, timings, request.body_bytes)
         placements.served(r.session, decision.profile, 0, prompt + r.output_tokens, r.output_tokens)
-        share = scenario.copy_share[r.klass]
+        share = min(1.0, max(0.0, scenario.copy_share[r.klass] + rng.uniform(-noise, noise)))
         history[r.session] = (turns + 1, share if copy is None else 0.5 * share + 0.5 * copy)
         context[r.session] += r.output_tokens
     return served
@@ -218,7 +224,11 @@ def _row(target: str, served: Sequence[Served], ngram_name: str) -> SimRow:
     )  # fmt: skip
 
 
-def simulate_targets(requests: Sequence[SimRequest], scenario: Scenario, policy: Policy | None = None) -> list[SimRow]:
+def simulate_targets(
+    requests: Sequence[SimRequest], scenario: Scenario, policy: Policy | None = None, noise: float = 0.3
+) -> list[SimRow]:
+    """Always-plain, always-n-gram, adaptive (exact per-class copyability), adaptive with estimates off by up to
+    ± `noise`, and the per-request oracle (the last row)."""
     policy = policy or Policy()
     names = scenario.profile_names
     plain = _run_static(requests, scenario, PLAIN)
@@ -229,6 +239,7 @@ def simulate_targets(requests: Sequence[SimRequest], scenario: Scenario, policy:
         _row(f"always {names[PLAIN]}", plain, names[NGRAM]),
         _row(f"always {names[NGRAM]}", ngram, names[NGRAM]),
         _row("adaptive", adaptive, names[NGRAM]),
+        _row(f"adaptive, estimates ±{noise:.0%}", _run_adaptive(requests, scenario, policy, noise), names[NGRAM]),
         _row("oracle (per request)", oracle, names[NGRAM]),
     ]
 
