@@ -106,9 +106,19 @@ async def _known_state(session: aiohttp.ClientSession, base: str, profiles: list
 Records = dict[str, list[dict[str, Any]]]
 
 
-async def run_bench(base: str, workloads: list[Workload], profiles: list[str] | None, adaptive: bool,
-                    max_tokens: int | None, say: Any) -> tuple[Records, list[dict[str, Any]]]:  # fmt: skip
-    """Records per workload, and the profiles the proxy reported; stops cleanly on cancellation (Ctrl-C)."""
+async def run_bench(
+    base: str,
+    workloads: list[Workload],
+    profiles: list[str] | None,
+    adaptive: bool,
+    max_tokens: int | None,
+    say: Any,
+    repeat: int = 1,
+) -> tuple[Records, list[dict[str, Any]]]:
+    """Records per workload, and the profiles the proxy reported; stops cleanly on cancellation (Ctrl-C).
+
+    `repeat` runs every target's pass that many times, alternating targets (A B C A B C ...), so slow spells of a
+    shared machine fall on every target alike."""
     records: dict[str, list[dict[str, Any]]] = {}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=1800)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -120,20 +130,23 @@ async def run_bench(base: str, workloads: list[Workload], profiles: list[str] | 
         if unknown:
             raise ConfigError(f"--profiles: {', '.join(sorted(unknown))} not served; the proxy has {', '.join(names)}")
         targets = [*([ADAPTIVE] if adaptive else []), *chosen]
-        total = sum(len(w.requests) for w in workloads) * len(targets)
+        total = sum(len(w.requests) for w in workloads) * len(targets) * repeat
         done = 0
         try:
             for workload in workloads:
                 rows = records.setdefault(workload.name, [])
                 replies: dict[int, str] = {}  # the first target's replies: every later pass sees the same history
-                for target in targets:
+                for round_, target in ((r, t) for r in range(repeat) for t in targets):
                     # One pass per target, from a known state: fresh servers, so no target inherits another's KV
                     # cache, prompt cache or n-gram pool.
                     await _known_state(session, base, names, say)
-                    replay = Replay(workload, tag=f"bench pass {target}")
+                    replay = Replay(workload, tag=f"bench pass {target} {round_}")
                     for request in workload.requests:
                         result = await _one(session, base, workload, replay, request, target, max_tokens)
                         text = result.pop("text")
+                        result["round"] = round_
+                        if round_:  # sessions of a later round are sessions of their own
+                            result["session_id"] = f"{result['session_id']}-r{round_}"
                         rows.append(result)
                         replay.keep_reply(request, replies.setdefault(request.index, text))
                         done += 1
@@ -166,10 +179,10 @@ def _decode_s_per_token(record: dict[str, Any]) -> float:
 
 def with_oracle(recs: list[dict[str, Any]], statics: list[str]) -> list[dict[str, Any]]:
     """The records plus an `oracle` pass: per request, the static profile's record that decoded it fastest."""
-    by_index: dict[int, list[dict[str, Any]]] = {}
+    by_index: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for r in recs:
         if r.get("profile") in statics and r.get("outcome") == "finished" and "index" in r:
-            by_index.setdefault(int(r["index"]), []).append(r)
+            by_index.setdefault((int(r["index"]), int(r.get("round", 0))), []).append(r)
     complete = [rows for rows in by_index.values() if len(rows) == len(statics)]
     if len(statics) < 2 or not complete:
         return recs
@@ -246,7 +259,7 @@ def _chart(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main_bench(url: str, specs: list[str], profiles: list[str] | None, adaptive: bool, out: Path | None,
-               max_tokens: int | None) -> str:  # fmt: skip
+               max_tokens: int | None, repeat: int = 1) -> str:  # fmt: skip
     workloads = [load_workload(s) for s in specs]
 
     def say(message: str, end: str = "\n") -> None:
@@ -257,7 +270,7 @@ def main_bench(url: str, specs: list[str], profiles: list[str] | None, adaptive:
 
     async def go() -> None:
         nonlocal records, known
-        records, known = await run_bench(url.rstrip("/"), workloads, profiles, adaptive, max_tokens, say)
+        records, known = await run_bench(url.rstrip("/"), workloads, profiles, adaptive, max_tokens, say, repeat)
 
     try:
         asyncio.run(go())

@@ -150,6 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--profiles", help="comma-separated profiles to pin (default: all the proxy serves)")
     bench.add_argument("--adaptive", action="store_true", help="also run through the proxy's own route (no pin)")
     bench.add_argument("--max-tokens", type=int, help="cap every request's max_tokens (shorter runs)")
+    bench.add_argument(
+        "--repeat", type=int, default=1, help="run each target's pass N times, alternating targets (noisy machines)"
+    )
     bench.add_argument("--out", type=Path, help="folder for bench.csv, bench.json, bench.md and bench.png")
     bench.add_argument(
         "--simulate",
@@ -306,8 +309,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from adaptive_spec.bench import main_bench
 
             profiles = [p for p in args.profiles.split(",") if p] if args.profiles else None
+            if args.repeat < 1:
+                raise ConfigError(f"--repeat {args.repeat}: must be 1 or more")
             main_bench(args.url, args.workload or ["iterative", "oneshot", "mixed"], profiles, args.adaptive, args.out,
-                       args.max_tokens)  # fmt: skip
+                       args.max_tokens, args.repeat)  # fmt: skip
         elif args.command == "report":
             from adaptive_spec.report import run_report
 
