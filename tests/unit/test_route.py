@@ -275,3 +275,16 @@ def test_the_hysteresis_is_the_margin_a_move_must_beat(hysteresis: float, moves:
     gain = 1 - by["iterative"] / by["oneshot"]
     assert 0.30 < gain < 0.60
     assert (decision.profile == "iterative") is moves
+
+
+@pytest.mark.parametrize(("allowed", "expected"), [(False, False), (True, True)])
+def test_no_handoff_with_draft_model_profiles_unless_allowed(allowed: bool, expected: bool) -> None:
+    policy = replace(Policy(), handoff=HandoffPolicy(with_draft_models=allowed))
+    pair = [replace(p, draft_model=True) for p in profiles()]
+    decision = decide(RequestState(tokens(6500)), placed("oneshot", 0.9), pair, speeds(policy), policy)
+    move = next(e for e in decision.estimates if e.profile == "iterative")
+    if expected:
+        assert decision.profile == "iterative" and decision.handoff and move.handoff_s > 0
+    else:  # a move would re-prefill all 6,500 tokens: staying on its KV cache is cheaper
+        assert decision.profile == "oneshot" and not decision.handoff
+        assert move.handoff_s == 0 and move.prefill_tokens == 6500

@@ -59,6 +59,7 @@ class HandoffPolicy:
     """Whether a session that moves takes its KV cache along, and what that is assumed to cost."""
 
     enabled: bool = True  # save the session's KV slot on the old profile and restore it on the new one
+    with_draft_models: bool = False  # also between profiles with a separate draft model (-md): see default.toml
     min_tokens: int = 1024  # below this many cached tokens a re-prefill is cheaper than a slot file round trip (>=0)
     save_s_per_1k: float = 0.04  # prior seconds to save 1,000 tokens of KV (>=0)
     restore_s: float = 0.02  # prior seconds to restore a slot file (>=0)

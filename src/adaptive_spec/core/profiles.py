@@ -67,7 +67,12 @@ class ProfileSpec:
 
     @property
     def uses_draft_file(self) -> bool:
-        return any(t in _NEEDS_DRAFT_FILE for t in self.spec_types)
+        return uses_draft_model(self.spec_types)
+
+
+def uses_draft_model(spec_types: tuple[str, ...] | None) -> bool:
+    """Whether these speculation types run a separate draft model (-md), not the target's own heads or n-grams."""
+    return any(t in _NEEDS_DRAFT_FILE for t in spec_types or ())
 
 
 @dataclass(frozen=True, slots=True)

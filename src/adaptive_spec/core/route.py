@@ -33,6 +33,7 @@ class ProfileState:
     in_flight: int = 0
     slots: int = 1
     handoff: bool = False  # shares a slot directory with the other profiles: its KV can be saved and restored
+    draft_model: bool = False  # drafts with a separate draft model, whose own cache a slot file does not hold
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +172,7 @@ def _can_hand_off(placement: Placement, to: ProfileState, policy: Policy, profil
         and source.handoff
         and to.handoff
         and placement.in_slot
+        and (policy.handoff.with_draft_models or not (source.draft_model or to.draft_model))
         and placement.cached_tokens > 0
         and placement.cached_tokens >= policy.handoff.min_tokens
     )

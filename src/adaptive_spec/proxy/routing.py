@@ -18,6 +18,7 @@ import aiohttp
 
 from adaptive_spec.core.events import Event, HandoffDone, PolicyChanged
 from adaptive_spec.core.policy import FirstTurnPolicy, Policy
+from adaptive_spec.core.profiles import uses_draft_model
 from adaptive_spec.core.records import Timings
 from adaptive_spec.core.route import (
     Decision,
@@ -124,6 +125,7 @@ class Router:
         seed: int | None = None,
     ) -> None:
         self.table, self.policies, self.slot_dir, self.publish = table, policies, slot_dir, publish
+        self._spec_types = dict(spec_types)
         base = policies.policy_for("default", None)
         self.speeds = SpeedModel(base.estimator, base.handoff, {n: spec_types.get(n) for n in table.names()})
         self.placements = Placements()
@@ -139,7 +141,8 @@ class Router:
     def states(self) -> list[ProfileState]:
         return [
             ProfileState(name=n, down_reason=self.table.down_reason(n), in_flight=self.in_flight.get(n, 0),
-                         slots=self._books[n].slots, handoff=self._can_save(n))
+                         slots=self._books[n].slots, handoff=self._can_save(n),
+                         draft_model=uses_draft_model(self._spec_types.get(n)))
             for n in self.table.names()
         ]  # fmt: skip
 
