@@ -117,8 +117,8 @@ async def run_bench(
 ) -> tuple[Records, list[dict[str, Any]]]:
     """Records per workload, and the profiles the proxy reported; stops cleanly on cancellation (Ctrl-C).
 
-    `repeat` runs every target's pass that many times, alternating targets (A B C A B C ...), so slow spells of a
-    shared machine fall on every target alike."""
+    `repeat` runs every target's pass that many times, alternating targets and their order (A B C C B A ...), so
+    slow spells of a shared machine fall on every target alike."""
     records: dict[str, list[dict[str, Any]]] = {}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=1800)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -136,7 +136,10 @@ async def run_bench(
             for workload in workloads:
                 rows = records.setdefault(workload.name, [])
                 replies: dict[int, str] = {}  # the first target's replies: every later pass sees the same history
-                for round_, target in ((r, t) for r in range(repeat) for t in targets):
+                # Round r runs the targets in order, round r+1 in reverse (A B C C B A ...): neither a drift of the
+                # machine's speed nor being first after a restart favours one target.
+                order = [(r, t) for r in range(repeat) for t in (targets if r % 2 == 0 else targets[::-1])]
+                for round_, target in order:
                     # One pass per target, from a known state: fresh servers, so no target inherits another's KV
                     # cache, prompt cache or n-gram pool.
                     await _known_state(session, base, names, say)

@@ -151,7 +151,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--adaptive", action="store_true", help="also run through the proxy's own route (no pin)")
     bench.add_argument("--max-tokens", type=int, help="cap every request's max_tokens (shorter runs)")
     bench.add_argument(
-        "--repeat", type=int, default=1, help="run each target's pass N times, alternating targets (noisy machines)"
+        "--repeat",
+        type=int,
+        default=1,
+        help="run each target's pass N times, alternating targets and their order (noisy machines)",
     )
     bench.add_argument("--out", type=Path, help="folder for bench.csv, bench.json, bench.md and bench.png")
     bench.add_argument(
