@@ -193,3 +193,10 @@ def test_project_resolution_order(
     expected: tuple[str, str],
 ) -> None:
     assert resolve_project(path_project, api_key, {"k": "keyproj"}, headers, body, session_project) == expected
+
+
+def test_a_workspace_path_found_by_the_caller_is_used_as_is() -> None:
+    body = {"messages": [{"role": "system", "content": "Working directory: /home/dev/elsewhere"}]}
+    assert resolve_project(None, None, {}, {}, body, None, workspace_path="/home/dev/shop") == ("shop", "workspace")
+    assert resolve_project(None, None, {}, {}, body, "old", workspace_path=None) == ("old", "session")
+    assert resolve_project(None, None, {}, {}, body, None) == ("elsewhere", "workspace")

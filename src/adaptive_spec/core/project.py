@@ -71,6 +71,9 @@ def workspace_from_request(headers: Mapping[str, str], body: Mapping[str, Any]) 
     return project_name(path) if path else None
 
 
+_UNSET = object()
+
+
 def resolve_project(
     path_project: str | None,
     api_key: str | None,
@@ -78,13 +81,18 @@ def resolve_project(
     headers: Mapping[str, str],
     body: Mapping[str, Any],
     session_project: str | None,
+    *,
+    workspace_path: str | object | None = _UNSET,
 ) -> tuple[str, str]:
-    """(project, how it was found)."""
+    """(project, how it was found). `workspace_path`: the request's workspace when the caller has already looked."""
     if path_project:
         return path_project, "path"
     if api_key and api_key in key_projects:
         return key_projects[api_key], "api-key"
-    workspace = workspace_from_request(headers, body)
+    if workspace_path is _UNSET:
+        workspace = workspace_from_request(headers, body)
+    else:
+        workspace = project_name(workspace_path) if isinstance(workspace_path, str) else None
     if workspace:
         return workspace, "workspace"
     if session_project:

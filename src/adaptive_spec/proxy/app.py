@@ -225,6 +225,7 @@ class _Request:
     announced: bool = False
     meter: ResponseMeter = field(default_factory=ResponseMeter)
     last_progress: tuple[float, Timings | None] = (0.0, None)
+    workspace: str | None = None  # the workspace path the agent reveals, if any
     decision: Decision | None = None
     slot: int | None = None  # the slot named with id_slot (profiles with several slots)
     handoff: HandoffResult | None = None
@@ -305,20 +306,21 @@ async def _prepare(request: web.Request, req: _Request) -> Upstream | web.Respon
         req.parsed = result
         service = request.app[SESSIONS]
         headers = {k.lower(): v for k, v in request.headers.items()}
+        req.workspace = workspace_path_from_request(headers, result.body)  # scanned once: project and policy
         if service is not None:
-            req.assignment, req.project = service.assign(headers, result.body, req.routed.project)
+            req.assignment, req.project = service.assign(headers, result.body, req.routed.project, req.workspace)
         pinned = choose_upstream(request, request.app[UPSTREAMS]) if request.headers.get(PROFILE_HEADER) else None
         if isinstance(pinned, web.Response):
             req.status, req.error = pinned.status, (pinned.text or "")[:300]
             return pinned
-        return await _route(request, req, headers)
+        return await _route(request, req)
     chosen = choose_upstream(request, request.app[UPSTREAMS])
     if isinstance(chosen, web.Response):
         req.status, req.error = chosen.status, (chosen.text or "")[:300]
     return chosen
 
 
-async def _route(request: web.Request, req: _Request, headers: dict[str, str]) -> Upstream | web.Response:
+async def _route(request: web.Request, req: _Request) -> Upstream | web.Response:
     """A generating request: decide its profile, and hand the session's KV over when it moves."""
     app, parsed = request.app, req.parsed
     assert parsed is not None
@@ -330,7 +332,7 @@ async def _route(request: web.Request, req: _Request, headers: dict[str, str]) -
         turns, copy = service.copy_state(session_id)
     req.decision, _ = router.choose(
         body=parsed.body, body_bytes=len(req.body), session_id=session_id, session_turns=turns, copy_share=copy,
-        project=req.project, workspace=workspace_path_from_request(headers, parsed.body),
+        project=req.project, workspace=req.workspace,
         pinned=request.headers.get(PROFILE_HEADER),
     )  # fmt: skip
     req.profile = req.decision.profile

@@ -58,14 +58,25 @@ class SessionService:
         self.publish: Callable[[Event], None] = lambda _event: None
 
     def assign(
-        self, headers: Mapping[str, str], body: Mapping[str, Any], path_project: str | None
+        self,
+        headers: Mapping[str, str],
+        body: Mapping[str, Any],
+        path_project: str | None,
+        workspace_path: str | None,
     ) -> tuple[SessionAssignment, str]:
-        """The request's session and project. `headers` must have lower-case keys."""
+        """The request's session and project. `headers` must have lower-case keys; `workspace_path` is what
+        `workspace_path_from_request` found (read once per request by the caller)."""
         assignment = self.registry.assign(headers, body)
         auth = headers.get("authorization", "")
         api_key = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key")
         project, _ = resolve_project(
-            path_project, api_key, self._key_projects, headers, body, self._projects.get(assignment.session_id)
+            path_project,
+            api_key,
+            self._key_projects,
+            headers,
+            body,
+            self._projects.get(assignment.session_id),
+            workspace_path=workspace_path,
         )
         self._projects[assignment.session_id] = project
         self._projects.move_to_end(assignment.session_id)
