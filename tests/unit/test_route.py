@@ -288,3 +288,13 @@ def test_no_handoff_with_draft_model_profiles_unless_allowed(allowed: bool, expe
     else:  # a move would re-prefill all 6,500 tokens: staying on its KV cache is cheaper
         assert decision.profile == "oneshot" and not decision.handoff
         assert move.handoff_s == 0 and move.prefill_tokens == 6500
+
+
+def test_answers_too_short_to_draft_do_not_teach_the_n_gram_gain() -> None:
+    model = speeds()
+    before = model.gain("iterative")
+    for _ in range(20):  # 24-token answers: ngram-mod cannot even draft (n_min 48); they look slow per token
+        model.observe("iterative", 0.6, _timings(5.0, n=24), body_bytes=14_000)
+    assert model.gain("iterative") == before
+    model.observe("iterative", 0.6, _timings(5.0, n=200), body_bytes=14_000)
+    assert model.gain("iterative") < before

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from adaptive_spec.core.policy import EstimatorPolicy, HandoffPolicy
 from adaptive_spec.core.records import Timings
 
-_MIN_DECODE_TOKENS = 8  # shorter responses measure overheads, not decode speed
+_MIN_DECODE_TOKENS = 32  # shorter responses measure per-request overheads, not decode speed
+# An n-gram drafter only drafts runs of n_min tokens (48 by default): a shorter answer says nothing of its gain.
+_MIN_GAIN_TOKENS = 64
 _MIN_PREFILL_TOKENS = 64
 _MAX_GAIN = 0.95
 
@@ -185,6 +187,8 @@ class SpeedModel:
         at_no_context = y / self._context_factor(context + timings.predicted_n / 2)
         if not self.is_ngram(profile):
             self._own.setdefault(profile, _Average(self.estimator.prior_weight, self.forget)).add(at_no_context)
+            return
+        if timings.predicted_n < _MIN_GAIN_TOKENS:
             return
         x = min(1.0, max(0.0, copy_share))
         r = at_no_context / ((1.0 + self.estimator.ngram_overhead) * self.reference_s_per_token())
