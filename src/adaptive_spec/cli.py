@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from adaptive_spec import __version__
-from adaptive_spec.core.ngram import NgramParams
+from adaptive_spec.core.sessions.drafter import NgramParams
 from adaptive_spec.core.profiles import (
     DRAFT_TYPES,
     AttachedProfile,
@@ -198,8 +198,8 @@ def _policy(args: argparse.Namespace) -> int:
     """`policy check` and `policy show`; exit 1 when a file has problems."""
     import json
 
-    from adaptive_spec.core.policy import policy_to_toml
-    from adaptive_spec.policy_files import PolicyStore, check_files, config_dir
+    from adaptive_spec.core.routing.policy import policy_to_toml
+    from adaptive_spec.proxy.policy_files import PolicyStore, check_files, config_dir
 
     known = [p for p in args.profiles.split(",") if p] if args.profiles else None
     if args.policy_command == "check":
@@ -305,11 +305,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             run(_serve_plan(args))
         elif args.command == "bench" and args.simulate:
-            from adaptive_spec.bench import main_simulate
+            from adaptive_spec.bench.runner import main_simulate
 
             print(main_simulate(args.simulate, args.workload, args.out))
         elif args.command == "bench":
-            from adaptive_spec.bench import main_bench
+            from adaptive_spec.bench.runner import main_bench
 
             profiles = [p for p in args.profiles.split(",") if p] if args.profiles else None
             if args.repeat < 1:
@@ -317,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             main_bench(args.url, args.workload or ["iterative", "oneshot", "mixed"], profiles, args.adaptive, args.out,
                        args.max_tokens, args.repeat)  # fmt: skip
         elif args.command == "report":
-            from adaptive_spec.report import run_report
+            from adaptive_spec.bench.trace_report import run_report
 
             print(run_report(args.trace, args.out, args.baseline))
             if args.out:

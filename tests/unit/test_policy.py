@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_spec.core.policy import (
+from adaptive_spec.core.routing.policy import (
     TABLES,
     EstimatorPolicy,
     FirstTurnPolicy,
@@ -23,7 +23,7 @@ from adaptive_spec.core.policy import (
     policy_to_toml_dict,
 )
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.policy_files import default_policy_text
+from adaptive_spec.proxy.policy_files import default_policy_text
 
 REPO_POLICIES = Path(__file__).resolve().parents[2] / "policies"
 

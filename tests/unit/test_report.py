@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 
-from adaptive_spec.core.report import ALL_ROUTED, baseline_profile, session_moves, summarize, to_csv, to_markdown
+from adaptive_spec.bench.table import ALL_ROUTED, baseline_profile, session_moves, summarize, to_csv, to_markdown
 
 
 def _rec(profile: str, session: str, at: float, predicted: int, ms: float, drafted: int = 0, accepted: int = 0,

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from adaptive_spec.core.policy import FirstTurnPolicy, HandoffPolicy, Policy, RoutePolicy
+from adaptive_spec.core.routing.policy import FirstTurnPolicy, HandoffPolicy, Policy, RoutePolicy
 from adaptive_spec.core.records import Timings
-from adaptive_spec.core.route import (
+from adaptive_spec.core.routing.decide import (
     Placement,
     Placements,
     ProfileState,
@@ -19,7 +19,7 @@ from adaptive_spec.core.route import (
     decide,
     looks_copy_heavy,
 )
-from adaptive_spec.core.speeds import SpeedModel
+from adaptive_spec.core.routing.speeds import SpeedModel
 
 KINDS = {"oneshot": ("none",), "iterative": ("ngram-mod",)}
 BYTES_PER_TOKEN = 3.5

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from adaptive_spec.bench import BUILTIN, load_workload
-from adaptive_spec.core.workload import FORMAT, Replay, WorkloadError, parse_workload, workload_from_trace
+from adaptive_spec.bench.runner import BUILTIN, load_workload
+from adaptive_spec.bench.workload import FORMAT, Replay, WorkloadError, parse_workload, workload_from_trace
 
 
 def _w(**overrides: Any) -> dict[str, Any]:

@@ -22,8 +22,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from adaptive_spec.core.report import ReportRow, baseline_profile, summarize, to_csv, to_markdown
-from adaptive_spec.core.workload import Replay, Workload, WorkloadRequest, parse_workload, workload_from_trace
+from adaptive_spec.bench.table import ReportRow, baseline_profile, summarize, to_csv, to_markdown
+from adaptive_spec.bench.workload import Replay, Workload, WorkloadRequest, parse_workload, workload_from_trace
 from adaptive_spec.errors import ConfigError
 
 BUILTIN = ("iterative", "oneshot", "mixed")
@@ -34,7 +34,7 @@ ORACLE = "oracle"  # per request, the static profile that decoded it fastest (co
 def load_workload(spec: str) -> Workload:
     """A built-in workload by name, or a workload file."""
     if spec in BUILTIN:
-        text = resources.files("adaptive_spec.workloads").joinpath(f"{spec}.json").read_bytes()
+        text = resources.files("adaptive_spec.bench.workloads").joinpath(f"{spec}.json").read_bytes()
         source = f"{spec} (built in)"
     else:
         try:
@@ -286,8 +286,8 @@ def main_bench(url: str, specs: list[str], profiles: list[str] | None, adaptive:
 def main_simulate(scenario_name: str, specs: list[str], out: Path | None) -> str:
     """`bench --simulate`: the routing policy replayed at a scenario's speeds, on the public benchmark's mix and on
     the given (or built-in) workloads; no proxy, no model."""
-    from adaptive_spec.core.simulate import SCENARIOS, public_mix, requests_from_workload, simulate_targets
-    from adaptive_spec.core.simulate import to_markdown as sim_markdown
+    from adaptive_spec.bench.simulator import SCENARIOS, public_mix, requests_from_workload, simulate_targets
+    from adaptive_spec.bench.simulator import to_markdown as sim_markdown
 
     scenario = SCENARIOS[scenario_name]
     runs = [("public benchmark mix (18-turn edit session + 100 one-shot prompts, 50/50 tokens)", public_mix())]

@@ -16,11 +16,11 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from adaptive_spec.core.policy import Policy
+from adaptive_spec.core.routing.policy import Policy
 from adaptive_spec.core.records import Timings
-from adaptive_spec.core.route import Placements, ProfileState, RequestState, SessionState, decide, looks_copy_heavy
-from adaptive_spec.core.speeds import SpeedModel
-from adaptive_spec.core.workload import Workload
+from adaptive_spec.core.routing.decide import Placements, ProfileState, RequestState, SessionState, decide, looks_copy_heavy
+from adaptive_spec.core.routing.speeds import SpeedModel
+from adaptive_spec.bench.workload import Workload
 
 PLAIN, NGRAM = "plain", "ngram"
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from adaptive_spec.core.report import ReportRow, baseline_profile, summarize, to_csv, to_markdown
+from adaptive_spec.bench.table import ReportRow, baseline_profile, summarize, to_csv, to_markdown
 from adaptive_spec.errors import ConfigError
 
 

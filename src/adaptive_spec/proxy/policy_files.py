@@ -17,7 +17,7 @@ from typing import Any
 
 import platformdirs
 
-from adaptive_spec.core.policy import Overlay, Policy, PolicyError, Problem, apply, parse_overlay, policy_to_toml_dict
+from adaptive_spec.core.routing.policy import Overlay, Policy, PolicyError, Problem, apply, parse_overlay, policy_to_toml_dict
 
 SHIPPED = "built-in default.toml"
 WORKSPACE_FILE = ".adaptive-spec.toml"

@@ -17,10 +17,10 @@ from typing import Any, Protocol
 import aiohttp
 
 from adaptive_spec.core.events import Event, HandoffDone, PolicyChanged
-from adaptive_spec.core.policy import FirstTurnPolicy, Policy
+from adaptive_spec.core.routing.policy import FirstTurnPolicy, Policy
 from adaptive_spec.core.profiles import uses_draft_model
 from adaptive_spec.core.records import Timings
-from adaptive_spec.core.route import (
+from adaptive_spec.core.routing.decide import (
     Decision,
     Placements,
     ProfileState,
@@ -29,8 +29,8 @@ from adaptive_spec.core.route import (
     decide,
     pasted_chars,
 )
-from adaptive_spec.core.sessions import message_text, messages_of
-from adaptive_spec.core.speeds import SpeedModel
+from adaptive_spec.core.sessions.grouping import message_text, messages_of
+from adaptive_spec.core.routing.speeds import SpeedModel
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
 
 log = logging.getLogger(__name__)

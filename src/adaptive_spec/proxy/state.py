@@ -13,7 +13,7 @@ from adaptive_spec.core.profiles import ProfileInfo
 from adaptive_spec.proxy.bus import EventBus
 from adaptive_spec.proxy.metrics import ProxyMetrics
 from adaptive_spec.proxy.routing import Router
-from adaptive_spec.proxy.stats import SessionService
+from adaptive_spec.proxy.session_service import SessionService
 from adaptive_spec.proxy.trace import TraceWriter
 from adaptive_spec.proxy.upstreams import UpstreamTable
 

@@ -22,8 +22,8 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from adaptive_spec.core.policy import FirstTurnPolicy, Policy
-from adaptive_spec.core.speeds import SpeedModel
+from adaptive_spec.core.routing.policy import FirstTurnPolicy, Policy
+from adaptive_spec.core.routing.speeds import SpeedModel
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from adaptive_spec.core.policy import EstimatorPolicy, HandoffPolicy
+from adaptive_spec.core.routing.policy import EstimatorPolicy, HandoffPolicy
 from adaptive_spec.core.records import Timings
 
 _MIN_DECODE_TOKENS = 32  # shorter responses measure per-request overheads, not decode speed

@@ -7,7 +7,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from adaptive_spec.core.ngram import SEPARATOR, DraftEstimate, NgramIndex, NgramParams, simulate
+from adaptive_spec.core.sessions.drafter import SEPARATOR, DraftEstimate, NgramIndex, NgramParams, simulate
 
 
 @dataclass(frozen=True, slots=True)
