@@ -24,8 +24,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from adaptive_spec.core.sessions.statistics import ContextTracker
 from adaptive_spec.core.sessions.drafter import NgramParams
+from adaptive_spec.core.sessions.statistics import ContextTracker
 from adaptive_spec.proxy.tokenizers import CachingTokenizer, tiktoken_o200k
 
 VOCAB = 150_000

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from adaptive_spec import __version__
-from adaptive_spec.core.sessions.drafter import NgramParams
 from adaptive_spec.core.profiles import (
     DRAFT_TYPES,
     AttachedProfile,
@@ -20,6 +19,7 @@ from adaptive_spec.core.profiles import (
     check_profile_name,
     default_profiles,
 )
+from adaptive_spec.core.sessions.drafter import NgramParams
 from adaptive_spec.errors import AdaptiveSpecError, ConfigError
 from adaptive_spec.models import DEFAULT_MODEL, EMBEDDED, ensure_embedded, resolve_model
 from adaptive_spec.proxy.app import ProxySettings

@@ -19,13 +19,13 @@ import aiohttp
 import platformdirs
 from aiohttp import web
 
-from adaptive_spec.core.sessions.statistics import ContextTracker
-from adaptive_spec.core.sessions.drafter import NgramParams
 from adaptive_spec.core.profiles import AttachedProfile, ProfileInfo, ProfileSpec, ServerSettings, model_mismatch
+from adaptive_spec.core.sessions.drafter import NgramParams
+from adaptive_spec.core.sessions.statistics import ContextTracker
 from adaptive_spec.errors import ConfigError, LaunchError, ProfileMismatchError
 from adaptive_spec.launcher import Launcher
-from adaptive_spec.proxy.policy_files import PolicyStore, config_dir
 from adaptive_spec.proxy.app import ProxySettings, build_app
+from adaptive_spec.proxy.policy_files import PolicyStore, config_dir
 from adaptive_spec.proxy.probe import probe, probe_spec_types
 from adaptive_spec.proxy.routing import Router
 from adaptive_spec.proxy.session_service import SessionService

@@ -8,17 +8,11 @@ from typing import Any
 
 import pytest
 
-from adaptive_spec.core.routing.policy import FirstTurnPolicy, HandoffPolicy, Policy, RoutePolicy
 from adaptive_spec.core.records import Timings
-from adaptive_spec.core.routing.decide import (
-    Placement,
-    Placements,
-    ProfileState,
-    RequestState,
-    SessionState,
-    decide,
-    looks_copy_heavy,
-)
+from adaptive_spec.core.routing.copy_hint import looks_copy_heavy
+from adaptive_spec.core.routing.decide import ProfileState, RequestState, SessionState, decide
+from adaptive_spec.core.routing.placements import Placement, Placements
+from adaptive_spec.core.routing.policy import FirstTurnPolicy, HandoffPolicy, Policy, RoutePolicy
 from adaptive_spec.core.routing.speeds import SpeedModel
 
 KINDS = {"oneshot": ("none",), "iterative": ("ngram-mod",)}

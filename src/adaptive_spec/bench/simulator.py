@@ -16,11 +16,13 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from adaptive_spec.core.routing.policy import Policy
-from adaptive_spec.core.records import Timings
-from adaptive_spec.core.routing.decide import Placements, ProfileState, RequestState, SessionState, decide, looks_copy_heavy
-from adaptive_spec.core.routing.speeds import SpeedModel
 from adaptive_spec.bench.workload import Workload
+from adaptive_spec.core.records import Timings
+from adaptive_spec.core.routing.copy_hint import looks_copy_heavy
+from adaptive_spec.core.routing.decide import ProfileState, RequestState, SessionState, decide
+from adaptive_spec.core.routing.placements import Placements, observe
+from adaptive_spec.core.routing.policy import Policy
+from adaptive_spec.core.routing.speeds import SpeedModel
 
 PLAIN, NGRAM = "plain", "ngram"
 
@@ -203,8 +205,7 @@ def _run_adaptive(
         timings = Timings(prompt_n=prefill, cache_n=prompt - prefill, predicted_n=r.output_tokens,
                           prompt_ms=prefill / scenario.prefill_tps * 1000, predicted_ms=r.output_tokens / tps * 1000,
                           predicted_per_second=tps)  # fmt: skip
-        speeds.observe(decision.profile, decision.copy_share, timings, request.body_bytes)
-        placements.served(r.session, decision.profile, 0, prompt + r.output_tokens, r.output_tokens)
+        observe(speeds, placements, decision.profile, 0, r.session, decision.copy_share, timings, request.body_bytes)
         share = min(1.0, max(0.0, scenario.copy_share[r.klass] + rng.uniform(-noise, noise)))
         history[r.session] = (turns + 1, share if copy is None else 0.5 * share + 0.5 * copy)
         context[r.session] += r.output_tokens

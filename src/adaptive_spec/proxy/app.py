@@ -26,7 +26,6 @@ from adaptive_spec.core.events import (
 )
 from adaptive_spec.core.history import RequestHistory
 from adaptive_spec.core.profiles import ProfileInfo
-from adaptive_spec.core.sessions.project import DEFAULT_PROJECT, workspace_path_from_request
 from adaptive_spec.core.records import RequestRecord, Timings
 from adaptive_spec.core.requests import (
     GENERATING_APIS,
@@ -38,12 +37,15 @@ from adaptive_spec.core.requests import (
 )
 from adaptive_spec.core.routing.decide import Decision
 from adaptive_spec.core.sessions.grouping import SessionAssignment
+from adaptive_spec.core.sessions.project import DEFAULT_PROJECT, workspace_path_from_request
 from adaptive_spec.core.timings import ResponseMeter, without_progress_timings
 from adaptive_spec.proxy.bus import EventBus
 from adaptive_spec.proxy.errors import error_response
 from adaptive_spec.proxy.forward import forward
 from adaptive_spec.proxy.metrics import ProxyMetrics
-from adaptive_spec.proxy.routing import FixedPolicy, HandoffResult, Router
+from adaptive_spec.proxy.policy_files import FixedPolicy
+from adaptive_spec.proxy.routing import HandoffResult, Router
+from adaptive_spec.proxy.session_service import SessionService, run_worker
 from adaptive_spec.proxy.state import (
     BUS,
     CLIENT,
@@ -59,7 +61,6 @@ from adaptive_spec.proxy.state import (
     UPSTREAMS,
     ProxySettings,
 )
-from adaptive_spec.proxy.session_service import SessionService, run_worker
 from adaptive_spec.proxy.trace import TraceWriter
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
 from adaptive_spec.proxy.views import add_views

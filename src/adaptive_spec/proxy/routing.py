@@ -10,62 +10,27 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 
 from adaptive_spec.core.events import Event, HandoffDone, PolicyChanged
-from adaptive_spec.core.routing.policy import FirstTurnPolicy, Policy
 from adaptive_spec.core.profiles import uses_draft_model
 from adaptive_spec.core.records import Timings
-from adaptive_spec.core.routing.decide import (
-    Decision,
-    Placements,
-    ProfileState,
-    RequestState,
-    SessionState,
-    decide,
-    pasted_chars,
-)
-from adaptive_spec.core.sessions.grouping import message_text, messages_of
+from adaptive_spec.core.routing.copy_hint import pasted_file_chars
+from adaptive_spec.core.routing.decide import Decision, ProfileState, RequestState, SessionState, decide
+from adaptive_spec.core.routing.placements import Placements, SlotBook, observe
+from adaptive_spec.core.routing.policy import Policy
 from adaptive_spec.core.routing.speeds import SpeedModel
+from adaptive_spec.proxy.policy_files import PolicySource
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
 
 log = logging.getLogger(__name__)
 _HANDOFF_BASE_TIMEOUT_S = 10.0
 _SLOT_FILE_PREFIX = "as-"
 _STALE_SLOT_FILE_S = 300.0
-
-
-class PolicySource(Protocol):
-    def policy_for(self, project: str, workspace: str | None) -> Policy: ...
-
-    def refresh(self) -> list[str]: ...
-
-    def describe(self, project: str, workspace: str | None) -> dict[str, Any]: ...
-
-    def problems(self) -> list[Any]: ...
-
-
-class FixedPolicy:
-    """One policy for every project (tests, and a proxy started without policy files)."""
-
-    def __init__(self, policy: Policy | None = None) -> None:
-        self.policy = policy or Policy()
-
-    def policy_for(self, project: str, workspace: str | None) -> Policy:
-        return self.policy
-
-    def refresh(self) -> list[str]:
-        return []
-
-    def describe(self, project: str, workspace: str | None) -> dict[str, Any]:
-        return {"sources": list(self.policy.sources), "problems": [], "policy": asdict(self.policy)}
-
-    def problems(self) -> list[Any]:
-        return []
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,42 +40,6 @@ class HandoffResult:
     save_s: float
     restore_s: float
     error: str | None = None
-
-
-@dataclass
-class _SlotBook:
-    """Which slot of a several-slot profile each session uses, and which slots are busy."""
-
-    slots: int
-    by_session: dict[str, int] = field(default_factory=dict)
-    busy: dict[int, int] = field(default_factory=dict)
-    last_used: dict[int, float] = field(default_factory=dict)
-
-    def pick(self, session_id: str | None) -> int:
-        mine = self.by_session.get(session_id) if session_id is not None else None
-        if mine is not None and not self.busy.get(mine):
-            return mine
-        free = [s for s in range(self.slots) if not self.busy.get(s)] or list(range(self.slots))
-        slot = min(free, key=lambda s: self.last_used.get(s, 0.0))
-        if session_id is not None:
-            self.by_session[session_id] = slot
-            if len(self.by_session) > 10_000:
-                self.by_session.pop(next(iter(self.by_session)))
-        return slot
-
-
-_HINT_MESSAGES = 12  # how far back a pasted file is looked for
-
-
-def copy_hint(body: Mapping[str, Any], policy: FirstTurnPolicy) -> int:
-    """Chars of the pasted file the last user message asks for back whole, 0 when it does not (`pasted_chars`)."""
-    messages = messages_of(body)[-_HINT_MESSAGES:]
-    last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i].get("role") == "user"), None)
-    if last is None:
-        prompt = body.get("prompt")
-        return pasted_chars(prompt[-4000:], policy, (prompt,)) if isinstance(prompt, str) else 0
-    earlier = [message_text(m.get("content")) for m in messages[:last]]
-    return pasted_chars(message_text(messages[last].get("content")), policy, earlier)
 
 
 class Router:
@@ -130,7 +59,7 @@ class Router:
         self.speeds = SpeedModel(base.estimator, base.handoff, {n: spec_types.get(n) for n in table.names()})
         self.placements = Placements()
         self.in_flight: dict[str, int] = dict.fromkeys(table.names(), 0)
-        self._books = {n: _SlotBook(max(1, slots.get(n, 1))) for n in table.names()}
+        self._books = {n: SlotBook(max(1, slots.get(n, 1))) for n in table.names()}
         self._rng = random.Random(seed)
         self.recent: deque[dict[str, Any]] = deque(maxlen=200)
         self.handoffs = {"ok": 0, "failed": 0}
@@ -159,7 +88,7 @@ class Router:
         pinned: str | None,
     ) -> tuple[Decision, Policy]:
         policy = self.policies.policy_for(project, workspace)
-        pasted = copy_hint(body, policy.first_turn)
+        pasted = pasted_file_chars(body, policy.first_turn)
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or body.get("max_output_tokens")
         request = RequestState(
             body_bytes=body_bytes, max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
@@ -210,11 +139,7 @@ class Router:
             book.last_used[slot] = time.monotonic()
         if not ok or timings is None:
             return
-        self.speeds.observe(profile, decision.copy_share, timings, body_bytes)
-        if session_id is not None:
-            self.placements.displace(profile, slot, keep=session_id)
-            cached = timings.cache_n + timings.prompt_n + timings.predicted_n
-            self.placements.served(session_id, profile, slot, cached, timings.predicted_n)
+        observe(self.speeds, self.placements, profile, slot, session_id, decision.copy_share, timings, body_bytes)
 
     def remember(self, record: dict[str, Any]) -> None:
         self.recent.append(record)

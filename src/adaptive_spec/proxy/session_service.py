@@ -13,11 +13,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from adaptive_spec.core.sessions.statistics import ContextTracker, SessionSnapshot, TurnStats
 from adaptive_spec.core.events import Event, SessionUpdated
 from adaptive_spec.core.output import OutputCollector
-from adaptive_spec.core.sessions.project import resolve_project
 from adaptive_spec.core.sessions.grouping import SessionAssignment, SessionRegistry, context_messages
+from adaptive_spec.core.sessions.project import resolve_project
+from adaptive_spec.core.sessions.statistics import ContextTracker, SessionSnapshot, TurnStats
 from adaptive_spec.proxy.tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)

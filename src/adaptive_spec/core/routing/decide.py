@@ -17,12 +17,11 @@ down or overloaded is passed over and the decision says why.
 
 from __future__ import annotations
 
-import re
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from adaptive_spec.core.routing.policy import FirstTurnPolicy, Policy
+from adaptive_spec.core.routing.placements import Placement
+from adaptive_spec.core.routing.policy import Policy
 from adaptive_spec.core.routing.speeds import SpeedModel
 
 
@@ -34,20 +33,6 @@ class ProfileState:
     slots: int = 1
     handoff: bool = False  # shares a slot directory with the other profiles: its KV can be saved and restored
     draft_model: bool = False  # drafts with a separate draft model, whose own cache a slot file does not hold
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Where a session's KV cache lives: the profile (and slot) that served its last turn."""
-
-    profile: str
-    slot: int | None
-    cached_tokens: int  # prompt + output of the last turn, cached in that slot
-    turns_here: int  # consecutive turns served on this profile
-    output_tokens: float  # average output tokens per turn (EWMA)
-    # Whether the slot still holds this session. Another session served there since displaced it: the profile may
-    # still have the prompt in its RAM cache, but a slot save would capture the other session's KV.
-    in_slot: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,37 +76,6 @@ class Decision:
     handoff: bool = False  # save the slot on moved_from and restore it on `profile` before forwarding
     handoff_tokens: int = 0
     estimates: tuple[Estimate, ...] = ()
-
-
-_FENCE = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.S)
-
-
-def looks_copy_heavy(instruction: str, policy: FirstTurnPolicy, earlier: Sequence[str] = ()) -> bool:
-    """A request that asks for a file back whole ('return the complete updated file') with a block of at least
-    `min_lines` lines pasted in this message or an earlier one: its answer copies the prompt, so n-gram drafting
-    pays from the first token."""
-    return pasted_chars(instruction, policy, earlier) > 0
-
-
-def pasted_chars(instruction: str, policy: FirstTurnPolicy, earlier: Sequence[str] = ()) -> int:
-    """The size of the file a copy-heavy request asks for back (the longest qualifying block), 0 when it is not
-    one: the answer will be about that long."""
-    lowered = instruction.lower()
-    if not any(phrase.lower() in lowered for phrase in policy.phrases):
-        return 0
-    sizes = [
-        size for text in (instruction, *earlier) for lines, size in [_longest_block(text)] if lines >= policy.min_lines
-    ]
-    return max(sizes, default=0)
-
-
-def _longest_block(text: str) -> tuple[int, int]:
-    """(lines, chars) of the longest fenced block, or of the whole text when it has no fences (a pasted file)."""
-    blocks = _FENCE.findall(text)
-    if blocks:
-        longest = max(blocks, key=len)
-        return longest.count("\n") + 1, len(longest)
-    return text.count("\n") + 1, len(text)
 
 
 def _fmt_tokens(n: int) -> str:
@@ -334,35 +288,3 @@ def _reason(
     if kind == "explore":
         tail += "; exploring: not the estimated best, to measure it"
     return f"{head}; {tail}"
-
-
-class Placements:
-    """Where each session's KV cache lives (bounded: least recently used sessions are forgotten)."""
-
-    def __init__(self, max_sessions: int = 4096, alpha: float = 0.5) -> None:
-        self._by_session: OrderedDict[str, Placement] = OrderedDict()
-        self.max_sessions, self.alpha = max_sessions, alpha
-
-    def get(self, session_id: str | None) -> Placement | None:
-        return self._by_session.get(session_id) if session_id is not None else None
-
-    def served(self, session_id: str, profile: str, slot: int | None, cached_tokens: int, output_tokens: int) -> None:
-        old = self._by_session.pop(session_id, None)
-        turns = old.turns_here + 1 if old is not None and old.profile == profile else 1
-        out = float(output_tokens) if old is None else self.alpha * output_tokens + (1 - self.alpha) * old.output_tokens
-        self._by_session[session_id] = Placement(profile, slot, cached_tokens, turns, out)
-        while len(self._by_session) > self.max_sessions:
-            self._by_session.popitem(last=False)
-
-    def displace(self, profile: str, slot: int | None, keep: str) -> None:
-        """`keep` now occupies this slot (served there, or restored into it): the other sessions it held are out of
-        the slot (their prompts may live on in the profile's RAM cache, so their cached figures stay)."""
-        for sid, p in list(self._by_session.items()):
-            if sid != keep and p.in_slot and p.profile == profile and p.slot == slot:
-                self._by_session[sid] = replace(p, in_slot=False)
-
-    def __len__(self) -> int:
-        return len(self._by_session)
-
-    def items(self) -> list[tuple[str, Placement]]:
-        return list(self._by_session.items())

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from adaptive_spec.core.routing.policy import EstimatorPolicy, HandoffPolicy
 from adaptive_spec.core.records import Timings
+from adaptive_spec.core.routing.policy import EstimatorPolicy, HandoffPolicy
 
 _MIN_DECODE_TOKENS = 32  # shorter responses measure per-request overheads, not decode speed
 # An n-gram drafter only drafts runs of n_min tokens (48 by default): a shorter answer says nothing of its gain.

@@ -1,0 +1,98 @@
+"""Placements: where each session's KV cache lives (profile, slot, cached tokens), which slot of a several-slot
+profile a session holds, and `observe()`, the one step that learns from a request served in full. The proxy's router
+shell and the simulator both call `observe()`, so the simulator learns exactly as the proxy does."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+
+from adaptive_spec.core.records import Timings
+from adaptive_spec.core.routing.speeds import SpeedModel
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a session's KV cache lives: the profile (and slot) that served its last turn."""
+
+    profile: str
+    slot: int | None
+    cached_tokens: int  # prompt + output of the last turn, cached in that slot
+    turns_here: int  # consecutive turns served on this profile
+    output_tokens: float  # average output tokens per turn (EWMA)
+    # Whether the slot still holds this session. Another session served there since displaced it: the profile may
+    # still have the prompt in its RAM cache, but a slot save would capture the other session's KV.
+    in_slot: bool = True
+
+
+class Placements:
+    """Where each session's KV cache lives (bounded: least recently used sessions are forgotten)."""
+
+    def __init__(self, max_sessions: int = 4096, alpha: float = 0.5) -> None:
+        self._by_session: OrderedDict[str, Placement] = OrderedDict()
+        self.max_sessions, self.alpha = max_sessions, alpha
+
+    def get(self, session_id: str | None) -> Placement | None:
+        return self._by_session.get(session_id) if session_id is not None else None
+
+    def served(self, session_id: str, profile: str, slot: int | None, cached_tokens: int, output_tokens: int) -> None:
+        old = self._by_session.pop(session_id, None)
+        turns = old.turns_here + 1 if old is not None and old.profile == profile else 1
+        out = float(output_tokens) if old is None else self.alpha * output_tokens + (1 - self.alpha) * old.output_tokens
+        self._by_session[session_id] = Placement(profile, slot, cached_tokens, turns, out)
+        while len(self._by_session) > self.max_sessions:
+            self._by_session.popitem(last=False)
+
+    def displace(self, profile: str, slot: int | None, keep: str) -> None:
+        """`keep` now occupies this slot (served there, or restored into it): the other sessions it held are out of
+        the slot (their prompts may live on in the profile's RAM cache, so their cached figures stay)."""
+        for sid, p in list(self._by_session.items()):
+            if sid != keep and p.in_slot and p.profile == profile and p.slot == slot:
+                self._by_session[sid] = replace(p, in_slot=False)
+
+    def __len__(self) -> int:
+        return len(self._by_session)
+
+    def items(self) -> list[tuple[str, Placement]]:
+        return list(self._by_session.items())
+
+
+@dataclass
+class SlotBook:
+    """Which slot of a several-slot profile each session uses, and which slots are busy."""
+
+    slots: int
+    by_session: dict[str, int] = field(default_factory=dict)
+    busy: dict[int, int] = field(default_factory=dict)
+    last_used: dict[int, float] = field(default_factory=dict)
+
+    def pick(self, session_id: str | None) -> int:
+        mine = self.by_session.get(session_id) if session_id is not None else None
+        if mine is not None and not self.busy.get(mine):
+            return mine
+        free = [s for s in range(self.slots) if not self.busy.get(s)] or list(range(self.slots))
+        slot = min(free, key=lambda s: self.last_used.get(s, 0.0))
+        if session_id is not None:
+            self.by_session[session_id] = slot
+            if len(self.by_session) > 10_000:
+                self.by_session.pop(next(iter(self.by_session)))
+        return slot
+
+
+def observe(
+    speeds: SpeedModel,
+    placements: Placements,
+    profile: str,
+    slot: int | None,
+    session_id: str | None,
+    copy_share: float,
+    timings: Timings,
+    body_bytes: int,
+) -> None:
+    """Learn from a request served in full on `profile`: its speeds, and that the session's KV now lives in `slot`
+    (whichever session held that slot before is out of it)."""
+    speeds.observe(profile, copy_share, timings, body_bytes)
+    if session_id is not None:
+        placements.displace(profile, slot, keep=session_id)
+        cached = timings.cache_n + timings.prompt_n + timings.predicted_n
+        placements.served(session_id, profile, slot, cached, timings.predicted_n)
