@@ -25,6 +25,7 @@ from adaptive_spec.core.sessions.statistics import ContextTracker
 from adaptive_spec.errors import ConfigError, LaunchError, ProfileMismatchError
 from adaptive_spec.launcher import Launcher
 from adaptive_spec.proxy.app import ProxySettings, build_app
+from adaptive_spec.proxy.bus import EventBus
 from adaptive_spec.proxy.policy_files import PolicyStore, config_dir
 from adaptive_spec.proxy.probe import probe, probe_spec_types
 from adaptive_spec.proxy.routing import Router
@@ -133,7 +134,8 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
             if not await _until_stopped(launcher.start(), stop):
                 return
             upstreams = [Upstream(name, url) for name, url in launcher.endpoints.items()]
-        table = UpstreamTable(upstreams, plan.default_profile)
+        bus = EventBus()  # every service below publishes on it: handed to each constructor
+        table = UpstreamTable(upstreams, plan.default_profile, publish=bus.publish)
         if launcher is not None:
             launcher.set_health_hooks(table.mark_up, table.mark_down)
         infos = [await probe(client, u) for u in upstreams]
@@ -154,7 +156,7 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
         sp = plan.sessions
         tracker = ContextTracker(sp.ngram, max_sessions=sp.max_sessions, max_tokens=sp.max_tokens,
                                  idle_expiry_s=sp.idle_expiry_s)  # fmt: skip
-        sessions = SessionService(tracker, tokenizer, sp.key_projects)
+        sessions = SessionService(tracker, tokenizer, sp.key_projects, publish=bus.publish)
         say(f"sessions: tokens from {tokenizer.name if tokenizer else 'nowhere (statistics off)'}")
         trace = None
         if plan.trace_path is not None:
@@ -163,13 +165,13 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
             say(f"trace: {plan.trace_path}" + (" (with prompts and replies)" if plan.trace_content else ""))
         slot_dir = run_dir / "slots" if run_dir is not None else plan.slot_dir
         router = Router(table, policies, {i.name: i.total_slots for i in infos}, {i.name: i.spec_types for i in infos},
-                        slot_dir=slot_dir)  # fmt: skip
+                        slot_dir=slot_dir, publish=bus.publish)  # fmt: skip
         described = policies.describe("default", None)
         say(
             f"routing: policy from {', '.join(described['sources']) or 'built-in defaults'}; KV handoff "
             + ("on (slot files in " + str(slot_dir) + ")" if slot_dir else "off (no shared slot directory)")
         )
-        app = build_app(table, plan.proxy, sessions, trace=trace, profiles=infos, router=router,
+        app = build_app(table, plan.proxy, sessions, bus=bus, trace=trace, profiles=infos, router=router,
                         restart=launcher.restart if launcher is not None else None)  # fmt: skip
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()

@@ -24,6 +24,7 @@ import orjson
 
 from adaptive_spec.bench.table import ReportRow, baseline_profile, summarize, to_csv, to_markdown
 from adaptive_spec.bench.workload import Replay, Workload, WorkloadRequest, parse_workload, workload_from_trace
+from adaptive_spec.core.headers import PROFILE_HEADER, ROUTE_HEADER, SESSION_ID_HEADER
 from adaptive_spec.errors import ConfigError
 
 BUILTIN = ("iterative", "oneshot", "mixed")
@@ -68,8 +69,8 @@ async def _stream(
     async with session.post(url, json=body, headers=headers) as resp:
         if resp.status != 200:
             raise ConfigError(f"{url} answered {resp.status}: {(await resp.text())[:300]}")
-        served = resp.headers.get("x-adaptive-spec-profile")
-        route = resp.headers.get("x-adaptive-spec-route")
+        served = resp.headers.get(PROFILE_HEADER)
+        route = resp.headers.get(ROUTE_HEADER)
         async for raw in resp.content:  # line by line is fine here: a benchmark client, not the proxy
             if not raw.startswith(b"data: {"):
                 continue
@@ -99,7 +100,7 @@ async def _known_state(session: aiohttp.ClientSession, base: str, profiles: list
             if resp.status != 409:
                 raise ConfigError(f"restarting profile {name!r} failed: HTTP {resp.status}")
         say(f"\nprofile {name!r} is attached: its slot is erased, its n-gram pool carries over to the next pass")
-        async with session.post(f"{base}/slots/0?action=erase", headers={"x-adaptive-spec-profile": name}) as resp:
+        async with session.post(f"{base}/slots/0?action=erase", headers={PROFILE_HEADER: name}) as resp:
             await resp.read()
 
 
@@ -165,9 +166,9 @@ async def _one(session: aiohttp.ClientSession, base: str, workload: Workload, re
     body = {"model": "bench", "messages": replay.messages_for(request), "temperature": 0, "seed": 1, "stream": True,
             "max_tokens": min(request.max_tokens, max_tokens) if max_tokens else request.max_tokens}  # fmt: skip
     session_id = f"bench-{workload.name}-{request.session}-{target}"
-    headers = {"x-session-id": session_id}
+    headers = {SESSION_ID_HEADER: session_id}
     if target != ADAPTIVE:
-        headers["x-adaptive-spec-profile"] = target
+        headers[PROFILE_HEADER] = target
     result = await _stream(session, f"{base}/p/bench/v1/chat/completions", body, headers)
     result.update(profile=target, session_id=session_id, started_at_unix=time.time(), workload=workload.name,
                   index=request.index)  # fmt: skip

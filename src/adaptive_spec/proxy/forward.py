@@ -11,6 +11,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from adaptive_spec.core.headers import PROFILE_HEADER
 from adaptive_spec.core.sse import SSEEvent, SSEParser
 from adaptive_spec.core.timings import ResponseMeter
 from adaptive_spec.proxy.errors import error_response, sse_error_event
@@ -31,7 +32,7 @@ _HOP_BY_HOP = frozenset(
     }
 )
 # Dropped from requests: llama-server must send identity-encoded bytes, so the SSE stays parseable in flight.
-_DROP_REQUEST = _HOP_BY_HOP | {"host", "content-length", "accept-encoding", "x-adaptive-spec-profile"}
+_DROP_REQUEST = _HOP_BY_HOP | {"host", "content-length", "accept-encoding", PROFILE_HEADER}
 _DROP_RESPONSE = _HOP_BY_HOP | {"content-length", "server", "date"}
 # Non-streamed bodies up to this size are parsed for their timings; larger ones just pass through.
 _METER_BODY_LIMIT = 8 * 1024 * 1024

@@ -43,6 +43,7 @@ class SessionService:
         tokenizer: Tokenizer | None,
         key_projects: Mapping[str, str] | None = None,
         queue_size: int = 256,
+        publish: Callable[[Event], None] = lambda _event: None,
     ) -> None:
         self.registry = SessionRegistry()
         self.tracker = tracker
@@ -55,7 +56,7 @@ class SessionService:
         self.processed = 0
         self._pending: dict[str, int] = {}  # session -> queued updates not folded in yet
         self._settled: dict[str, asyncio.Event] = {}
-        self.publish: Callable[[Event], None] = lambda _event: None
+        self.publish = publish
 
     def assign(
         self,

@@ -11,13 +11,12 @@ from aiohttp import web
 from adaptive_spec.core.history import RequestHistory
 from adaptive_spec.core.profiles import ProfileInfo
 from adaptive_spec.proxy.bus import EventBus
+from adaptive_spec.proxy.lifecycle import RequestLifecycle
 from adaptive_spec.proxy.metrics import ProxyMetrics
 from adaptive_spec.proxy.routing import Router
 from adaptive_spec.proxy.session_service import SessionService
 from adaptive_spec.proxy.trace import TraceWriter
 from adaptive_spec.proxy.upstreams import UpstreamTable
-
-PROFILE_HEADER = "x-adaptive-spec-profile"
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,3 +39,4 @@ TRACE: web.AppKey[TraceWriter | None] = web.AppKey("trace")
 PROFILES: web.AppKey[list[ProfileInfo]] = web.AppKey("profiles")
 ROUTER = web.AppKey("router", Router)
 RESTART: web.AppKey[Callable[[str], Awaitable[None]] | None] = web.AppKey("restart")  # launched profiles only
+LIFECYCLE = web.AppKey("lifecycle", RequestLifecycle)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from adaptive_spec.core.events import Event, ProfileDown, ProfileUp
+
 
 @dataclass(frozen=True, slots=True)
 class Upstream:
@@ -16,7 +18,12 @@ class Upstream:
 class UpstreamTable:
     """Profiles by name; owned by the proxy, marked up or down by whoever supervises the servers."""
 
-    def __init__(self, upstreams: list[Upstream], default: str | None = None) -> None:
+    def __init__(
+        self,
+        upstreams: list[Upstream],
+        default: str | None = None,
+        publish: Callable[[Event], None] = lambda _event: None,
+    ) -> None:
         if not upstreams:
             raise ValueError("at least one profile is needed")
         self._by_name = {u.name: u for u in upstreams}
@@ -24,7 +31,7 @@ class UpstreamTable:
         if self.default not in self._by_name:
             raise ValueError(f"default profile {self.default!r} is not one of {self.names()}")
         self._down: dict[str, str] = {}
-        self.on_change: Callable[[Upstream, str | None], None] = lambda _u, _reason: None  # reason None = up
+        self._publish = publish
 
     def names(self) -> list[str]:
         return list(self._by_name)
@@ -34,11 +41,12 @@ class UpstreamTable:
 
     def mark_up(self, name: str) -> None:
         if self._down.pop(name, None) is not None:
-            self.on_change(self._by_name[name], None)
+            upstream = self._by_name[name]
+            self._publish(ProfileUp(profile=name, base_url=upstream.base_url))
 
     def mark_down(self, name: str, reason: str) -> None:
         self._down[name] = reason
-        self.on_change(self._by_name[name], reason)
+        self._publish(ProfileDown(profile=name, base_url=self._by_name[name].base_url, reason=reason))
 
     def down_reason(self, name: str) -> str | None:
         return self._down.get(name)

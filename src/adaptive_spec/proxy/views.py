@@ -13,13 +13,13 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from adaptive_spec.core.headers import PROFILE_HEADER
 from adaptive_spec.errors import LaunchError
 from adaptive_spec.proxy.errors import error_response
 from adaptive_spec.proxy.state import (
     BUS,
     HISTORY,
     METRICS,
-    PROFILE_HEADER,
     PROFILES,
     RESTART,
     ROUTER,

@@ -12,10 +12,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# Header names that carry a session id, in order of trust; any other `x-*-session-id` counts after these.
-_SESSION_HEADERS = ("x-session-id", "x-session-affinity", "session-id", "session_id", "x-claude-code-session-id")
-_PARENT_HEADERS = ("x-parent-session-id", "x-claude-code-parent-session-id")
-_SUBAGENT_HEADERS = ("x-openai-subagent", "x-subagent", "x-claude-code-subagent")
+from adaptive_spec.core.headers import PARENT_SESSION_HEADERS, SESSION_HEADERS, SUBAGENT_HEADERS
+
 # Lines shorter than this are too common ("return x", "}") to say which session served them.
 _MIN_ECHO_LINE = 24
 _MAX_LINES_PER_REPLY = 400
@@ -74,11 +72,11 @@ def _echo_lines(text: str) -> Iterator[str]:
 
 def explicit_session(headers: Mapping[str, str], body: Mapping[str, Any]) -> tuple[str, str] | None:
     """(session id, source) from headers or body ids, or None. `headers` keys must be lower-case."""
-    for name in _SESSION_HEADERS:
+    for name in SESSION_HEADERS:
         if headers.get(name):
             return headers[name], f"header:{name}"
     for name, value in headers.items():
-        if name.startswith("x-") and name.endswith("-session-id") and name not in _PARENT_HEADERS and value:
+        if name.startswith("x-") and name.endswith("-session-id") and name not in PARENT_SESSION_HEADERS and value:
             return value, f"header:{name}"
     key = body.get("prompt_cache_key")
     if isinstance(key, str) and key:
@@ -108,8 +106,8 @@ class SessionRegistry:
         self._counter = itertools.count(1)
 
     def assign(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> SessionAssignment:
-        parent = next((headers[h] for h in _PARENT_HEADERS if headers.get(h)), None)
-        subagent = parent is not None or any(headers.get(h) for h in _SUBAGENT_HEADERS)
+        parent = next((headers[h] for h in PARENT_SESSION_HEADERS if headers.get(h)), None)
+        subagent = parent is not None or any(headers.get(h) for h in SUBAGENT_HEADERS)
         found = explicit_session(headers, body)
         if found is not None:
             return SessionAssignment(found[0], found[1], parent, subagent)

@@ -1,0 +1,195 @@
+"""The request handler: read and check the body, find the session, route it (and hand its KV over when it moves),
+forward it upstream; the request's lifecycle (`proxy/lifecycle.py`) records how it ended."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from urllib.parse import quote
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from adaptive_spec.core.headers import PROFILE_HEADER, REQUEST_ID_HEADER, ROUTE_HEADER
+from adaptive_spec.core.requests import GENERATING_APIS, RequestProblem, parse_body, split_path
+from adaptive_spec.core.sessions.project import DEFAULT_PROJECT, workspace_path_from_request
+from adaptive_spec.core.timings import without_progress_timings
+from adaptive_spec.proxy.errors import error_response
+from adaptive_spec.proxy.forward import forward
+from adaptive_spec.proxy.lifecycle import ProxyRequest
+from adaptive_spec.proxy.state import CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
+from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
+
+# APIs whose streams llama-server can annotate with per-token timings (for the live draft progress).
+_PROGRESS_APIS = frozenset({"chat", "completions"})
+# APIs whose body llama-server passes `id_slot` on from (its Anthropic and Responses conversions rebuild the body).
+_SLOT_APIS = frozenset({"chat", "completions"})
+# How long a request waits for its session's previous turn to be folded into the statistics it is routed on.
+_SETTLE_S = 0.3
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise BodyTooLarge
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def choose_upstream(request: web.Request, table: UpstreamTable, name: str | None = None) -> Upstream | web.Response:
+    """The upstream of profile `name` (default: the one the header pins, else the default), or the error to answer."""
+    name = name or request.headers.get(PROFILE_HEADER) or table.default
+    upstream = table.get(name)
+    if upstream is None:
+        known = ", ".join(table.names())
+        return error_response(400, f"unknown profile {name!r} in {PROFILE_HEADER}; known profiles: {known}",
+                              code="unknown_profile", param=PROFILE_HEADER)  # fmt: skip
+    reason = table.down_reason(name)
+    if reason is not None:
+        return error_response(503, f"profile {name!r} at {upstream.base_url} is down: {reason}",
+                              code="profile_unavailable")  # fmt: skip
+    return upstream
+
+
+def _upstream_query(request: web.Request, upstream: Upstream, api: str) -> str:
+    """Router-mode servers take the preset as `?model=` on GET endpoints such as /props and /slots."""
+    qs = request.query_string
+    preset = upstream.upstream_model
+    if preset is not None and request.method == "GET" and api == "other" and "model" not in request.query:
+        extra = "model=" + quote(preset, safe="")
+        qs = f"{qs}&{extra}" if qs else extra
+    return f"?{qs}" if qs else ""
+
+
+def _upstream_body(req: ProxyRequest, upstream: Upstream) -> tuple[bytes, bool]:
+    """The bytes to send: the client's, unless a router preset must be named or per-token timings are wanted.
+
+    Returns (body, strip): strip says the client did not ask for per-token timings, so they are removed again.
+    """
+    parsed = req.parsed
+    if parsed is None:
+        return req.body, False
+    changes: dict[str, object] = {}
+    if upstream.upstream_model is not None and parsed.model != upstream.upstream_model:
+        changes["model"] = upstream.upstream_model
+    strip = parsed.stream and req.routed.api in _PROGRESS_APIS and "timings_per_token" not in parsed.body
+    if strip:
+        changes["timings_per_token"] = True
+    if req.slot is not None and "id_slot" not in parsed.body:
+        changes["id_slot"] = req.slot
+    return (orjson.dumps({**parsed.body, **changes}) if changes else req.body), strip
+
+
+def _extra_headers(req: ProxyRequest, chosen: Upstream) -> dict[str, str]:
+    """Sent upstream and back to the client: which request this is, the profile that served it, and why."""
+    headers = {REQUEST_ID_HEADER: req.request_id, PROFILE_HEADER: chosen.name}
+    if req.decision is not None:
+        headers[ROUTE_HEADER] = req.decision.kind
+    return headers
+
+
+async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | web.Response:
+    """Read and check the body, find the session, choose the profile: an upstream, or an error to answer with."""
+    settings = request.app[SETTINGS]
+    try:
+        req.body = await read_body(request, settings.max_body_bytes)
+    except BodyTooLarge:
+        req.status, req.error = 413, f"request body is larger than the limit of {settings.max_body_bytes} bytes"
+        return error_response(413, req.error, code="request_too_large")
+    if request.method == "POST" and req.routed.api in GENERATING_APIS:
+        result = parse_body(req.routed.api, req.body)
+        if isinstance(result, RequestProblem):
+            req.status, req.error = 400, result.message
+            return error_response(400, result.message, code=result.code, param=result.param)
+        req.parsed = result
+        service = request.app[SESSIONS]
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        req.workspace = workspace_path_from_request(headers, result.body)  # scanned once: project and policy
+        if service is not None:
+            req.assignment, req.project = service.assign(headers, result.body, req.routed.project, req.workspace)
+        pinned = choose_upstream(request, request.app[UPSTREAMS]) if request.headers.get(PROFILE_HEADER) else None
+        if isinstance(pinned, web.Response):
+            req.status, req.error = pinned.status, (pinned.text or "")[:300]
+            return pinned
+        return await _route(request, req)
+    chosen = choose_upstream(request, request.app[UPSTREAMS])
+    if isinstance(chosen, web.Response):
+        req.status, req.error = chosen.status, (chosen.text or "")[:300]
+    return chosen
+
+
+async def _route(request: web.Request, req: ProxyRequest) -> Upstream | web.Response:
+    """A generating request: decide its profile, and hand the session's KV over when it moves."""
+    app, parsed = request.app, req.parsed
+    assert parsed is not None
+    router, service, a = app[ROUTER], app[SESSIONS], req.assignment
+    session_id = a.session_id if a is not None else None
+    turns, copy = 0, None
+    if service is not None and session_id is not None:
+        await service.settled(session_id, _SETTLE_S)
+        turns, copy = service.copy_state(session_id)
+    req.decision, _ = router.choose(
+        body=parsed.body, body_bytes=len(req.body), session_id=session_id, session_turns=turns, copy_share=copy,
+        project=req.project, workspace=req.workspace,
+        pinned=request.headers.get(PROFILE_HEADER),
+    )  # fmt: skip
+    req.profile = req.decision.profile
+    chosen = choose_upstream(request, app[UPSTREAMS], req.profile)
+    if isinstance(chosen, web.Response):
+        req.status, req.error = chosen.status, (chosen.text or "")[:300]
+        return chosen
+    client_slot = parsed.body.get("id_slot")
+    if isinstance(client_slot, int) and not isinstance(client_slot, bool) and client_slot >= 0:
+        req.slot = client_slot  # the client chose; the router follows it
+    elif req.routed.api in _SLOT_APIS:
+        req.slot = router.slot_for(chosen.name, session_id)
+    router.started(chosen.name, req.slot)
+    req.routed_started = True
+    if req.decision.handoff and session_id is not None:
+        req.handoff = await router.hand_off(app[CLIENT], req.decision, session_id, req.slot)
+    return chosen
+
+
+async def proxy_view(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    routed = split_path(request.path)
+    req = ProxyRequest(uuid.uuid4().hex[:16], routed, request.headers.get(PROFILE_HEADER) or app[UPSTREAMS].default,
+                   project=routed.project or DEFAULT_PROJECT)  # fmt: skip
+    try:
+        chosen = await _prepare(request, req)
+        if isinstance(chosen, web.Response):
+            return chosen
+        app[LIFECYCLE].announce(req)
+        settings = app[SETTINGS]
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s,
+                                        sock_read=settings.read_timeout_s)  # fmt: skip
+        body, strip = _upstream_body(req, chosen)
+        resp, outcome = await forward(
+            request, app[CLIENT], chosen,
+            path_qs=routed.upstream_path + _upstream_query(request, chosen, routed.api), body=body, api=routed.api,
+            timeout=timeout, started=req.started, meter=req.meter,
+            extra_headers=_extra_headers(req, chosen),
+            rewrite=without_progress_timings if strip else None, progress=lambda: app[LIFECYCLE].progress(req),
+        )  # fmt: skip
+        req.status, req.error = outcome.status, outcome.error
+        return resp
+    except (ConnectionResetError, asyncio.CancelledError):
+        # aiohttp cancels the handler when the client goes away; forward() has closed the upstream connection.
+        # A client that hangs up right after the stream's end marker got the whole answer.
+        req.status, req.error = (200, None) if req.meter.complete else (499, "the client disconnected")
+        raise
+    except Exception as exc:
+        req.status, req.error = 500, f"internal error: {exc!r}"
+        raise
+    finally:
+        app[LIFECYCLE].finish(request.method, request.path, req)

@@ -1,0 +1,159 @@
+"""The request lifecycle: one request's own state while the proxy handles it, its announcement, its live draft
+progress and its end. The one owner of "every request ends with exactly one record and one finished-or-failed event"
+(and the router's load coming down, the session learning from it, the trace line)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+from adaptive_spec.core.events import DraftProgress, RequestFailed, RequestFinished, RequestStarted
+from adaptive_spec.core.history import RequestHistory
+from adaptive_spec.core.records import RequestRecord, Timings
+from adaptive_spec.core.requests import GENERATING_APIS, ParsedRequest, RoutedPath
+from adaptive_spec.core.routing.decide import Decision
+from adaptive_spec.core.sessions.grouping import SessionAssignment
+from adaptive_spec.core.sessions.project import DEFAULT_PROJECT
+from adaptive_spec.core.timings import ResponseMeter
+from adaptive_spec.proxy.bus import EventBus
+from adaptive_spec.proxy.routing import HandoffResult, Router
+from adaptive_spec.proxy.session_service import SessionService
+from adaptive_spec.proxy.trace import TraceWriter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ProxyRequest:
+    """One request's own state while it is handled (never shared between tasks)."""
+
+    request_id: str
+    routed: RoutedPath
+    profile: str
+    started: float = field(default_factory=time.perf_counter)
+    started_unix: float = field(default_factory=time.time)
+    body: bytes = b""
+    parsed: ParsedRequest | None = None
+    assignment: SessionAssignment | None = None
+    project: str = DEFAULT_PROJECT
+    status: int = 500
+    error: str | None = "the proxy stopped before the request was answered"
+    announced: bool = False
+    meter: ResponseMeter = field(default_factory=ResponseMeter)
+    last_progress: tuple[float, Timings | None] = (0.0, None)
+    workspace: str | None = None  # the workspace path the agent reveals, if any
+    decision: Decision | None = None
+    slot: int | None = None  # the slot named with id_slot (profiles with several slots)
+    handoff: HandoffResult | None = None
+    routed_started: bool = False  # counted in the router's in-flight load
+
+
+class RequestLifecycle:
+    """Announces, follows and ends requests, publishing on the bus it is given."""
+
+    def __init__(
+        self,
+        bus: EventBus,
+        history: RequestHistory,
+        router: Router,
+        sessions: SessionService | None,
+        trace: TraceWriter | None,
+        progress_interval_s: float,
+    ) -> None:
+        self.bus, self.history, self.router, self.sessions, self.trace = bus, history, router, sessions, trace
+        self.progress_interval_s = progress_interval_s
+
+    def announce(self, req: ProxyRequest) -> None:
+        if req.announced:
+            return
+        req.announced = True
+        a, d = req.assignment, req.decision
+        self.bus.publish(
+            RequestStarted(
+                request_id=req.request_id,
+                api=req.routed.api,
+                project=req.project,
+                profile=req.profile,
+                session_id=a.session_id if a else None,
+                session_source=a.source if a else None,
+                stream=req.parsed.stream if req.parsed else False,
+                route=d.kind if d else None,
+                reason=d.reason if d else None,
+                moved_from=d.moved_from if d else None,
+            )
+        )
+
+    def progress(self, req: ProxyRequest) -> None:
+        """After each relayed chunk: publish the running draft totals, at most once per interval."""
+        timings = req.meter.timings
+        last_at, last = req.last_progress
+        now = time.monotonic()
+        if timings is None or timings is last or now - last_at < self.progress_interval_s:
+            return
+        req.last_progress = (now, timings)
+        self.bus.publish(
+            DraftProgress(
+                request_id=req.request_id,
+                profile=req.profile,
+                predicted_n=timings.predicted_n,
+                draft_n=timings.draft_n,
+                draft_n_accepted=timings.draft_n_accepted,
+                predicted_per_second=timings.predicted_per_second,
+            )
+        )
+
+    def finish(self, method: str, path: str, req: ProxyRequest) -> None:
+        finished = req.error is None and req.status < 400
+        service, a, meter, d = self.sessions, req.assignment, req.meter, req.decision
+        if req.routed_started and d is not None:  # first: the profile's load must come down whatever happens next
+            self.router.finished(
+                d, req.profile, req.slot, a.session_id if a else None, meter.timings, len(req.body), finished
+            )
+        if finished and service is not None and a is not None and req.parsed is not None:
+            service.finished(a, req.project, req.parsed.body, meter.output)
+        record = RequestRecord(
+            request_id=req.request_id,
+            started_at_unix=req.started_unix,
+            method=method,
+            path=path,
+            api=req.routed.api,
+            project=req.project,
+            session_id=a.session_id if a else None,
+            session_source=a.source if a else None,
+            subagent=a.subagent if a else False,
+            profile=req.profile,
+            stream=req.parsed.stream if req.parsed is not None else False,
+            status=req.status,
+            outcome="finished" if finished else "failed",
+            error=req.error,
+            timings=meter.timings,
+            ttft_ms=meter.first_token_ms,
+            ttst_ms=meter.second_token_ms,
+            total_ms=(time.perf_counter() - req.started) * 1000.0,
+            route=d.kind if d else None,
+            reason=d.reason if d else None,
+            moved_from=d.moved_from if d else None,
+            handoff=asdict(req.handoff) if req.handoff is not None else None,
+        )
+        self.history.add(record)
+        if d is not None:
+            self.router.remember(
+                {
+                    "request_id": req.request_id,
+                    "session_id": record.session_id,
+                    "profile": req.profile,
+                    "route": d.kind,
+                    "reason": d.reason,
+                    "status": req.status,
+                }
+            )
+        as_json = record.to_json()
+        self.announce(req)
+        self.bus.publish(RequestFinished(record=as_json) if finished else RequestFailed(record=as_json))
+        trace = self.trace
+        if trace is not None and req.routed.api in GENERATING_APIS:
+            try:
+                trace.request(as_json, req.body, meter.output.text if trace.content else None)
+            except (OSError, ValueError):
+                log.exception("could not write the trace line for request %s", req.request_id)
