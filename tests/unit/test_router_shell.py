@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from adaptive_spec.core.records import Timings
-from adaptive_spec.proxy.policy_files import FixedPolicy
+from adaptive_spec.core.routing.router import FixedPolicy
 from adaptive_spec.proxy.routing import Router
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
 

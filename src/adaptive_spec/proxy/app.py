@@ -13,11 +13,11 @@ from aiohttp import web
 
 from adaptive_spec.core.history import RequestHistory
 from adaptive_spec.core.profiles import ProfileInfo
+from adaptive_spec.core.routing.router import FixedPolicy
 from adaptive_spec.proxy.bus import EventBus
 from adaptive_spec.proxy.handler import proxy_view
 from adaptive_spec.proxy.lifecycle import RequestLifecycle
 from adaptive_spec.proxy.metrics import ProxyMetrics
-from adaptive_spec.proxy.policy_files import FixedPolicy
 from adaptive_spec.proxy.routing import Router
 from adaptive_spec.proxy.session_service import SessionService, run_worker
 from adaptive_spec.proxy.state import (

@@ -10,10 +10,10 @@ import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import platformdirs
 
@@ -255,32 +255,3 @@ def _workspace_path(workspace: str) -> Path | None:
     nothing here, or something else."""
     folder = Path(workspace)
     return folder / WORKSPACE_FILE if folder.is_absolute() and folder.is_dir() else None
-
-
-class PolicySource(Protocol):
-    def policy_for(self, project: str, workspace: str | None) -> Policy: ...
-
-    def refresh(self) -> list[str]: ...
-
-    def describe(self, project: str, workspace: str | None) -> dict[str, Any]: ...
-
-    def problems(self) -> list[Any]: ...
-
-
-class FixedPolicy:
-    """One policy for every project (tests, and a proxy started without policy files)."""
-
-    def __init__(self, policy: Policy | None = None) -> None:
-        self.policy = policy or Policy()
-
-    def policy_for(self, project: str, workspace: str | None) -> Policy:
-        return self.policy
-
-    def refresh(self) -> list[str]:
-        return []
-
-    def describe(self, project: str, workspace: str | None) -> dict[str, Any]:
-        return {"sources": list(self.policy.sources), "problems": [], "policy": asdict(self.policy)}
-
-    def problems(self) -> list[Any]:
-        return []

@@ -1,30 +1,22 @@
-"""The router's shell around the pure `decide`: the learned speeds, where sessions' KV caches live, the load of
-each profile, the policy files, and the KV handoff (save the slot on the old profile, restore it on the new one)."""
+"""The router's shell: the I/O around the pure router state (`core/routing/router.py`): the KV handoff (save the
+slot on the old profile, restore it on the new one), the sweep of left-over slot files, and policy reload."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import logging
-import random
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from adaptive_spec.core.events import Event, HandoffDone, PolicyChanged
-from adaptive_spec.core.profiles import uses_draft_model
-from adaptive_spec.core.records import Timings
-from adaptive_spec.core.routing.copy_hint import pasted_file_chars
-from adaptive_spec.core.routing.decide import Decision, ProfileState, RequestState, SessionState, decide
-from adaptive_spec.core.routing.placements import Placements, SlotBook, observe
-from adaptive_spec.core.routing.policy import Policy
-from adaptive_spec.core.routing.speeds import SpeedModel
-from adaptive_spec.proxy.policy_files import PolicySource
+from adaptive_spec.core.routing.decide import Decision
+from adaptive_spec.core.routing.router import PolicySource, RouterState
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
 
 log = logging.getLogger(__name__)
@@ -42,7 +34,9 @@ class HandoffResult:
     error: str | None = None
 
 
-class Router:
+class Router(RouterState):
+    """The router's shell: the pure state plus slot save/restore, the slot-file sweep and policy reload."""
+
     def __init__(
         self,
         table: UpstreamTable,
@@ -53,96 +47,14 @@ class Router:
         publish: Callable[[Event], None] = lambda _e: None,
         seed: int | None = None,
     ) -> None:
-        self.table, self.policies, self.slot_dir, self.publish = table, policies, slot_dir, publish
-        self._spec_types = dict(spec_types)
-        base = policies.policy_for("default", None)
-        self.speeds = SpeedModel(base.estimator, base.handoff, {n: spec_types.get(n) for n in table.names()})
-        self.placements = Placements()
-        self.in_flight: dict[str, int] = dict.fromkeys(table.names(), 0)
-        self._books = {n: SlotBook(max(1, slots.get(n, 1))) for n in table.names()}
-        self._rng = random.Random(seed)
-        self.recent: deque[dict[str, Any]] = deque(maxlen=200)
-        self.handoffs = {"ok": 0, "failed": 0}
+        super().__init__(table, policies, slots, spec_types, seed)
+        self.table, self.slot_dir, self.publish = table, slot_dir, publish
         self._handoff_seq = 0
-
-    # --- deciding ---------------------------------------------------------------------------------------------
-
-    def states(self) -> list[ProfileState]:
-        return [
-            ProfileState(name=n, down_reason=self.table.down_reason(n), in_flight=self.in_flight.get(n, 0),
-                         slots=self._books[n].slots, handoff=self._can_save(n),
-                         draft_model=uses_draft_model(self._spec_types.get(n)))
-            for n in self.table.names()
-        ]  # fmt: skip
-
-    def choose(
-        self,
-        *,
-        body: Mapping[str, Any],
-        body_bytes: int,
-        session_id: str | None,
-        session_turns: int,
-        copy_share: float | None,
-        project: str,
-        workspace: str | None,
-        pinned: str | None,
-    ) -> tuple[Decision, Policy]:
-        policy = self.policies.policy_for(project, workspace)
-        pasted = pasted_file_chars(body, policy.first_turn)
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or body.get("max_output_tokens")
-        request = RequestState(
-            body_bytes=body_bytes, max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
-            copy_hint=pasted > 0, hint_output_tokens=self.speeds.prompt_tokens(pasted), pinned=pinned,
-            explore_draw=self._rng.random(),
-        )  # fmt: skip
-        session = SessionState(session_id, session_turns, copy_share, self.placements.get(session_id))
-        decision = decide(request, session, self.states(), self.speeds, policy)
-        return decision, policy
-
-    def _slot_busy(self, profile: str, slot: int | None, mine: int) -> bool:
-        """Whether requests other than `mine` (0 or 1: this request's own, counted already) occupy the slot."""
-        book = self._books[profile]
-        if book.slots > 1 and slot is not None:
-            return book.busy.get(slot, 0) > mine
-        return self.in_flight.get(profile, 0) > mine
 
     def _can_save(self, profile: str) -> bool:
         """Slot files need a shared directory; a router-mode preset (`URL#MODEL`) takes no slot actions."""
         upstream = self.table.get(profile)
         return self.slot_dir is not None and upstream is not None and upstream.upstream_model is None
-
-    def slot_for(self, profile: str, session_id: str | None) -> int | None:
-        """The slot to name with `id_slot`, on profiles with several slots (None: let the server choose)."""
-        book = self._books[profile]
-        return book.pick(session_id) if book.slots > 1 else None
-
-    def started(self, profile: str, slot: int | None) -> None:
-        self.in_flight[profile] = self.in_flight.get(profile, 0) + 1
-        if slot is not None:
-            book = self._books[profile]
-            book.busy[slot] = book.busy.get(slot, 0) + 1
-
-    def finished(
-        self,
-        decision: Decision,
-        profile: str,
-        slot: int | None,
-        session_id: str | None,
-        timings: Timings | None,
-        body_bytes: int,
-        ok: bool,
-    ) -> None:
-        self.in_flight[profile] = max(0, self.in_flight.get(profile, 0) - 1)
-        book = self._books[profile]
-        if slot is not None:
-            book.busy[slot] = max(0, book.busy.get(slot, 0) - 1)
-            book.last_used[slot] = time.monotonic()
-        if not ok or timings is None:
-            return
-        observe(self.speeds, self.placements, profile, slot, session_id, decision.copy_share, timings, body_bytes)
-
-    def remember(self, record: dict[str, Any]) -> None:
-        self.recent.append(record)
 
     # --- KV handoff -------------------------------------------------------------------------------------------
 
@@ -172,9 +84,9 @@ class Router:
         try:
             # llama-server does not refuse a slot action on a busy slot: it waits for the running request, then acts
             # on whatever that slot holds by then. So only idle slots are touched (this request is not sent yet).
-            if self._slot_busy(source.name, placement.slot, mine=0):
+            if self.slot_busy(source.name, placement.slot, mine=0):
                 raise _SlotError(f"{source.name} slot {from_slot} is busy with another request")
-            if self._slot_busy(target.name, to_slot, mine=1):
+            if self.slot_busy(target.name, to_slot, mine=1):
                 raise _SlotError(f"{target.name} slot {into_slot} is busy with another request")
             saved = await _slot_action(client, source, from_slot, "save", name, timeout)
             t1 = time.perf_counter()
@@ -182,7 +94,7 @@ class Router:
             if n_saved < 0.9 * placement.cached_tokens:
                 raise _SlotError(f"save on {source.name} slot {from_slot} wrote {n_saved} tokens, not the session's "
                                  f"{placement.cached_tokens} (its slot was reused)")  # fmt: skip
-            if self._slot_busy(target.name, to_slot, mine=1):
+            if self.slot_busy(target.name, to_slot, mine=1):
                 raise _SlotError(f"{target.name} slot {into_slot} became busy with another request")
             restored = await _slot_action(client, target, into_slot, "restore", name, timeout)
             t2 = time.perf_counter()
@@ -240,17 +152,6 @@ class Router:
         """Publish policy changes on the live feed (on the event loop: the bus is not thread-safe)."""
         for message in messages:
             self.publish(PolicyChanged(message=message))
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "speeds": [asdict(s) for s in self.speeds.describe()],
-            "in_flight": dict(self.in_flight),
-            "handoffs": dict(self.handoffs),
-            "placements": [{"session_id": sid, **asdict(p)} for sid, p in self.placements.items()[-100:]],
-            "policy": self.policies.describe("default", None),
-            "policy_problems": [str(p) for p in self.policies.problems()],  # every file's, the last good in force
-            "recent_decisions": list(self.recent)[-50:],
-        }
 
 
 class _SlotError(Exception):
