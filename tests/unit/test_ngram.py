@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import random
 
-from adaptive_spec.core.sessions.drafter import SEPARATOR, NgramIndex, NgramParams, simulate
+from adaptive_spec.core.sessions.drafter import SEPARATOR, NgramIndex, NgramParams, estimate_drafts
 from adaptive_spec.core.sessions.statistics import ContextTracker
 
 PARAMS = NgramParams(n_match=4, n_min=3, n_max=8)
@@ -18,7 +18,7 @@ def test_copying_the_context_is_drafted_and_accepted() -> None:
     index = NgramIndex(PARAMS.n_match, 10_000)
     index.extend(context)
     index.extend(context[96:100])  # the model is about to repeat context[100:]
-    estimate = simulate(index, context[100:300], PARAMS)
+    estimate = estimate_drafts(index, context[100:300], PARAMS)
     assert estimate.output_tokens == 200
     assert estimate.accepted_share > 0.8
     assert estimate.acceptance > 0.8
@@ -28,7 +28,7 @@ def test_copying_the_context_is_drafted_and_accepted() -> None:
 def test_novel_output_is_never_drafted() -> None:
     index = NgramIndex(PARAMS.n_match, 10_000)
     index.extend(_tokens(1, 400))
-    estimate = simulate(index, _tokens(2, 200), PARAMS)
+    estimate = estimate_drafts(index, _tokens(2, 200), PARAMS)
     assert (estimate.drafted, estimate.accepted, estimate.accepted_share) == (0, 0, 0.0)
 
 

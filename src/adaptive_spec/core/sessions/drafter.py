@@ -159,7 +159,7 @@ class NgramIndex:
         return len(self._table) * 64 + len(self._recent) * 16
 
 
-def simulate(index: NgramIndex, output: Sequence[int], params: NgramParams) -> DraftEstimate:
+def estimate_drafts(index: NgramIndex, output: Sequence[int], params: NgramParams) -> DraftEstimate:
     """Replay `output` as if an ngram-mod drafter had run while it was generated; `index` grows as it goes."""
     drafted = accepted = drafts = runs = 0
     pending: list[int] = []  # generated tokens not yet in the table (ngram-mod adds them 32 at a time)

@@ -7,7 +7,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from adaptive_spec.core.sessions.drafter import SEPARATOR, DraftEstimate, NgramIndex, NgramParams, simulate
+from adaptive_spec.core.sessions.drafter import SEPARATOR, DraftEstimate, NgramIndex, NgramParams, estimate_drafts
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +136,7 @@ class ContextTracker:
     ) -> TurnStats:
         """Replay a response through the counterfactual drafter and fold it into the session's statistics."""
         session = self._get(session_id, project, now)
-        estimate: DraftEstimate = simulate(session.index, output, self.params)
+        estimate: DraftEstimate = estimate_drafts(session.index, output, self.params)
         session.index.extend((SEPARATOR,))
         session.seen_messages.add(reply_digest)  # the next request carries this reply back: it is not new
         session.turns += 1
