@@ -65,22 +65,23 @@ class RequestLifecycle:
         self.progress_interval_s = progress_interval_s
 
     def announce(self, req: ProxyRequest) -> None:
+        """RequestStarted, once: when the request is forwarded, or at its end if it never was."""
         if req.announced:
             return
         req.announced = True
-        a, d = req.assignment, req.decision
+        assignment, decision = req.assignment, req.decision
         self.bus.publish(
             RequestStarted(
                 request_id=req.request_id,
                 api=req.routed.api,
                 project=req.project,
                 profile=req.profile,
-                session_id=a.session_id if a else None,
-                session_source=a.source if a else None,
+                session_id=assignment.session_id if assignment else None,
+                session_source=assignment.source if assignment else None,
                 stream=req.parsed.stream if req.parsed else False,
-                route=d.kind if d else None,
-                reason=d.reason if d else None,
-                moved_from=d.moved_from if d else None,
+                route=decision.kind if decision else None,
+                reason=decision.reason if decision else None,
+                moved_from=decision.moved_from if decision else None,
             )
         )
 
@@ -104,47 +105,25 @@ class RequestLifecycle:
         )
 
     def finish(self, method: str, path: str, req: ProxyRequest) -> None:
+        """The request's end, however it went: the profile's load comes down first, a session learns from a request
+        served in full, then exactly one record goes to the history, the bus and the trace."""
         finished = req.error is None and req.status < 400
-        service, a, meter, d = self.sessions, req.assignment, req.meter, req.decision
-        if req.routed_started and d is not None:  # first: the profile's load must come down whatever happens next
-            self.router.finished(
-                d, req.profile, req.slot, a.session_id if a else None, meter.timings, len(req.body), finished
-            )
-        if finished and service is not None and a is not None and req.parsed is not None:
-            service.finished(a, req.project, req.parsed.body, meter.output)
-        record = RequestRecord(
-            request_id=req.request_id,
-            started_at_unix=req.started_unix,
-            method=method,
-            path=path,
-            api=req.routed.api,
-            project=req.project,
-            session_id=a.session_id if a else None,
-            session_source=a.source if a else None,
-            subagent=a.subagent if a else False,
-            profile=req.profile,
-            stream=req.parsed.stream if req.parsed is not None else False,
-            status=req.status,
-            outcome="finished" if finished else "failed",
-            error=req.error,
-            timings=meter.timings,
-            ttft_ms=meter.first_token_ms,
-            ttst_ms=meter.second_token_ms,
-            total_ms=(time.perf_counter() - req.started) * 1000.0,
-            route=d.kind if d else None,
-            reason=d.reason if d else None,
-            moved_from=d.moved_from if d else None,
-            handoff=asdict(req.handoff) if req.handoff is not None else None,
-        )
+        assignment, decision, meter = req.assignment, req.decision, req.meter
+        session_id = assignment.session_id if assignment else None
+        if req.routed_started and decision is not None:  # first: the profile's load must come down whatever happens
+            self.router.finished(decision, req.profile, req.slot, session_id, meter.timings, len(req.body), finished)
+        if finished and self.sessions is not None and assignment is not None and req.parsed is not None:
+            self.sessions.finished(assignment, req.project, req.parsed.body, meter.output)
+        record = _record(method, path, req, finished)
         self.history.add(record)
-        if d is not None:
+        if decision is not None:
             self.router.remember(
                 {
                     "request_id": req.request_id,
-                    "session_id": record.session_id,
+                    "session_id": session_id,
                     "profile": req.profile,
-                    "route": d.kind,
-                    "reason": d.reason,
+                    "route": decision.kind,
+                    "reason": decision.reason,
                     "status": req.status,
                 }
             )
@@ -157,3 +136,31 @@ class RequestLifecycle:
                 trace.request(as_json, req.body, meter.output.text if trace.content else None)
             except (OSError, ValueError):
                 log.exception("could not write the trace line for request %s", req.request_id)
+
+
+def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> RequestRecord:
+    assignment, decision, meter = req.assignment, req.decision, req.meter
+    return RequestRecord(
+        request_id=req.request_id,
+        started_at_unix=req.started_unix,
+        method=method,
+        path=path,
+        api=req.routed.api,
+        project=req.project,
+        session_id=assignment.session_id if assignment else None,
+        session_source=assignment.source if assignment else None,
+        subagent=assignment.subagent if assignment else False,
+        profile=req.profile,
+        stream=req.parsed.stream if req.parsed is not None else False,
+        status=req.status,
+        outcome="finished" if finished else "failed",
+        error=req.error,
+        timings=meter.timings,
+        ttft_ms=meter.first_token_ms,
+        ttst_ms=meter.second_token_ms,
+        total_ms=(time.perf_counter() - req.started) * 1000.0,
+        route=decision.kind if decision else None,
+        reason=decision.reason if decision else None,
+        moved_from=decision.moved_from if decision else None,
+        handoff=asdict(req.handoff) if req.handoff is not None else None,
+    )
