@@ -48,7 +48,9 @@ def _grow(tracker: ContextTracker, target: int, rng: random.Random) -> tuple[lis
     digests = [_digest(0)]
     tracker.on_prompt("s", "p", digests, [file_tokens], 0.0)
     n = 1
-    while len(tracker._sessions["s"].index) < target:
+    session = tracker._sessions.get("s")
+    assert session is not None
+    while len(session.index) < target:
         user, reply = _turn(rng, file_tokens)
         tracker.on_output("s", "p", _digest(n), reply, 0.0)
         digests += [_digest(n), _digest(n + 1)]

@@ -8,7 +8,6 @@ import os
 import re
 import stat
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, replace
 from importlib import resources
@@ -17,6 +16,7 @@ from typing import Any
 
 import platformdirs
 
+from adaptive_spec.core.lru import LRU
 from adaptive_spec.core.routing.policy import (
     Overlay,
     Policy,
@@ -147,8 +147,8 @@ class PolicyStore:
         self._log = log
         self._lock = threading.Lock()
         self._pending: list[str] = []  # logged outside refresh, returned by the next one
-        self._projects: OrderedDict[str, _WatchedFile | None] = OrderedDict()
-        self._workspaces: OrderedDict[str, _WatchedFile | None] = OrderedDict()
+        self._projects: LRU[str, _WatchedFile | None] = LRU(_MAX_TRACKED)
+        self._workspaces: LRU[str, _WatchedFile | None] = LRU(_MAX_TRACKED)
         self._cache: dict[tuple[str, str | None], Policy] = {}
         self._shipped: Overlay | None = None
         self._base: _WatchedFile | None = None
@@ -222,18 +222,16 @@ class PolicyStore:
         return [project_file, workspace_file]
 
     def _track(
-        self, table: OrderedDict[str, _WatchedFile | None], key: str, path_of: Callable[[str], Path | None]
+        self, table: LRU[str, _WatchedFile | None], key: str, path_of: Callable[[str], Path | None]
     ) -> _WatchedFile | None:
         if key in table:
-            table.move_to_end(key)
-            return table[key]
+            table.touch(key)
+            return table.get(key)
         path = path_of(key)
         watched = _WatchedFile(path) if path is not None else None
         if watched is not None:
             self._note(watched.check(self._known))
-        table[key] = watched
-        if len(table) > _MAX_TRACKED:
-            table.popitem(last=False)
+        if table.put(key, watched):
             self._cache = {}  # a cached policy of a file no longer watched would never see its changes
         return watched
 

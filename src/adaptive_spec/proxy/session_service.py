@@ -8,12 +8,12 @@ import contextlib
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from adaptive_spec.core.events import Event, SessionUpdated
+from adaptive_spec.core.lru import LRU
 from adaptive_spec.core.output import OutputCollector
 from adaptive_spec.core.sessions.grouping import SessionAssignment, SessionRegistry, context_messages
 from adaptive_spec.core.sessions.project import resolve_project
@@ -49,7 +49,7 @@ class SessionService:
         self.tracker = tracker
         self.tokenizer = tokenizer
         self._key_projects = dict(key_projects or {})
-        self._projects: OrderedDict[str, str] = OrderedDict()
+        self._projects: LRU[str, str] = LRU(10_000)  # session -> project
         self._queue: asyncio.Queue[_Work] = asyncio.Queue(maxsize=queue_size)
         self._lock = threading.Lock()  # the tracker is updated in a worker thread and read on the event loop
         self.dropped = 0
@@ -79,10 +79,7 @@ class SessionService:
             self._projects.get(assignment.session_id),
             workspace_path=workspace_path,
         )
-        self._projects[assignment.session_id] = project
-        self._projects.move_to_end(assignment.session_id)
-        while len(self._projects) > 10_000:
-            self._projects.popitem(last=False)
+        self._projects.put(assignment.session_id, project)
         return assignment, project
 
     def finished(

@@ -15,12 +15,14 @@ import base64
 import gzip
 import hashlib
 import importlib.util
-from collections import OrderedDict
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
+
+from adaptive_spec.core.lru import LRU
 
 _O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 _CHUNK_CHARS = 16_000  # llama.cpp tokenizes one 1 MB call ~6x slower than many 16 KB calls
@@ -119,23 +121,15 @@ class CachingTokenizer:
 
     def __init__(self, inner: Tokenizer, max_tokens: int = 4_000_000) -> None:
         self.name = inner.name
-        self._inner, self._max = inner, max_tokens
-        self._cache: OrderedDict[bytes, list[int]] = OrderedDict()
-        self._size = 0
+        self._inner = inner
+        # Bounded by tokens held, not entries; the newest entry stays even when it alone is over the bound.
+        self._cache: LRU[bytes, list[int]] = LRU(sys.maxsize, max_weight=max_tokens, weigh=len)
 
     async def encode(self, texts: Sequence[str]) -> list[list[int]]:
         keys = [hashlib.blake2b(t.encode("utf-8", "surrogatepass"), digest_size=16).digest() for t in texts]
         missing = {k: t for k, t in zip(keys, texts, strict=True) if k not in self._cache}
-        if missing:
-            fresh = await self._inner.encode(list(missing.values()))
-            for key, tokens in zip(missing, fresh, strict=True):
-                self._cache[key] = tokens
-                self._size += len(tokens)
-        out = []
-        for key in keys:
-            self._cache.move_to_end(key)
-            out.append(self._cache[key])
-        while self._size > self._max and len(self._cache) > 1:
-            _, dropped = self._cache.popitem(last=False)
-            self._size -= len(dropped)
+        fresh = dict(zip(missing, await self._inner.encode(list(missing.values())), strict=True)) if missing else {}
+        out = [fresh[key] if key in fresh else self._cache.get(key) or [] for key in keys]
+        for key, tokens in zip(keys, out, strict=True):  # read all first: a put may drop an older key of this batch
+            self._cache.put(key, tokens)
         return out

@@ -4,9 +4,9 @@ shell and the simulator both call `observe()`, so the simulator learns exactly a
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
+from adaptive_spec.core.lru import LRU
 from adaptive_spec.core.records import Timings
 from adaptive_spec.core.routing.speeds import SpeedModel
 
@@ -29,32 +29,30 @@ class Placements:
     """Where each session's KV cache lives (bounded: least recently used sessions are forgotten)."""
 
     def __init__(self, max_sessions: int = 4096, alpha: float = 0.5) -> None:
-        self._by_session: OrderedDict[str, Placement] = OrderedDict()
+        self._by_session: LRU[str, Placement] = LRU(max_sessions)
         self.max_sessions, self.alpha = max_sessions, alpha
 
     def get(self, session_id: str | None) -> Placement | None:
         return self._by_session.get(session_id) if session_id is not None else None
 
     def served(self, session_id: str, profile: str, slot: int | None, cached_tokens: int, output_tokens: int) -> None:
-        old = self._by_session.pop(session_id, None)
+        old = self._by_session.get(session_id)
         turns = old.turns_here + 1 if old is not None and old.profile == profile else 1
         out = float(output_tokens) if old is None else self.alpha * output_tokens + (1 - self.alpha) * old.output_tokens
-        self._by_session[session_id] = Placement(profile, slot, cached_tokens, turns, out)
-        while len(self._by_session) > self.max_sessions:
-            self._by_session.popitem(last=False)
+        self._by_session.put(session_id, Placement(profile, slot, cached_tokens, turns, out))
 
     def displace(self, profile: str, slot: int | None, keep: str) -> None:
         """`keep` now occupies this slot (served there, or restored into it): the other sessions it held are out of
         the slot (their prompts may live on in the profile's RAM cache, so their cached figures stay)."""
         for sid, p in list(self._by_session.items()):
             if sid != keep and p.in_slot and p.profile == profile and p.slot == slot:
-                self._by_session[sid] = replace(p, in_slot=False)
+                self._by_session.replace(sid, replace(p, in_slot=False))
 
     def __len__(self) -> int:
         return len(self._by_session)
 
     def items(self) -> list[tuple[str, Placement]]:
-        return list(self._by_session.items())
+        return self._by_session.items()
 
 
 @dataclass
@@ -62,7 +60,7 @@ class SlotBook:
     """Which slot of a several-slot profile each session uses, and which slots are busy."""
 
     slots: int
-    by_session: dict[str, int] = field(default_factory=dict)
+    by_session: LRU[str, int] = field(default_factory=lambda: LRU(10_000))  # session -> its slot
     busy: dict[int, int] = field(default_factory=dict)
     last_used: dict[int, float] = field(default_factory=dict)
 
@@ -73,9 +71,7 @@ class SlotBook:
         free = [s for s in range(self.slots) if not self.busy.get(s)] or list(range(self.slots))
         slot = min(free, key=lambda s: self.last_used.get(s, 0.0))
         if session_id is not None:
-            self.by_session[session_id] = slot
-            if len(self.by_session) > 10_000:
-                self.by_session.pop(next(iter(self.by_session)))
+            self.by_session.put(session_id, slot)
         return slot
 
 

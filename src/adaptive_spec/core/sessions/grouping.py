@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from adaptive_spec.core.headers import PARENT_SESSION_HEADERS, SESSION_HEADERS, SUBAGENT_HEADERS
+from adaptive_spec.core.lru import LRU
 
 # Lines shorter than this are too common ("return x", "}") to say which session served them.
 _MIN_ECHO_LINE = 24
@@ -100,9 +100,8 @@ class SessionRegistry:
     """Sessions by id, plus a bounded map from served-reply fingerprints to the session that got them."""
 
     def __init__(self, max_fingerprints: int = 200_000) -> None:
-        self._max = max_fingerprints
-        self._replies: OrderedDict[bytes, str] = OrderedDict()
-        self._lines: OrderedDict[bytes, str] = OrderedDict()
+        self._replies: LRU[bytes, str] = LRU(max_fingerprints)
+        self._lines: LRU[bytes, str] = LRU(max_fingerprints)
         self._counter = itertools.count(1)
 
     def assign(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> SessionAssignment:
@@ -127,13 +126,10 @@ class SessionRegistry:
         for call_id in tool_call_ids:
             self._put(self._replies, _digest("tool-call:" + call_id), session_id)
 
-    def _put(self, table: OrderedDict[bytes, str], key: bytes, session_id: str) -> None:
+    def _put(self, table: LRU[bytes, str], key: bytes, session_id: str) -> None:
         # Text served to two sessions (a stock phrase, a shared snippet) says nothing about either: mark it void.
         previous = table.get(key)
-        table[key] = session_id if previous in (None, session_id) else _AMBIGUOUS
-        table.move_to_end(key)
-        while len(table) > self._max:
-            table.popitem(last=False)
+        table.put(key, session_id if previous in (None, session_id) else _AMBIGUOUS)
 
     def _echo(self, body: Mapping[str, Any]) -> tuple[str, str] | None:
         messages = messages_of(body)

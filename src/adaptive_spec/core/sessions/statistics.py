@@ -3,10 +3,11 @@ n-gram drafter would have made of each response (a counterfactual estimate, whic
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from adaptive_spec.core.lru import LRU
 from adaptive_spec.core.sessions.drafter import SEPARATOR, DraftEstimate, NgramIndex, NgramParams, estimate_drafts
 
 
@@ -75,16 +76,14 @@ class ContextTracker:
         self.params = params
         self.max_sessions, self.max_tokens = max_sessions, max_tokens
         self.idle_expiry_s, self.alpha, self.keep_turns = idle_expiry_s, ewma_alpha, keep_turns
-        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._sessions: LRU[str, _Session] = LRU(max_sessions)
 
     def _get(self, session_id: str, project: str, now: float) -> _Session:
         session = self._sessions.get(session_id)
         if session is None:
             session = _Session(project, NgramIndex(self.params.n_match, self.max_tokens), now)
-            self._sessions[session_id] = session
-            while len(self._sessions) > self.max_sessions:
-                self._sessions.popitem(last=False)
-        self._sessions.move_to_end(session_id)
+            self._sessions.put(session_id, session)
+        self._sessions.touch(session_id)
         session.last_seen = now
         return session
 
@@ -164,7 +163,7 @@ class ContextTracker:
     def expire(self, now: float) -> list[str]:
         gone = [sid for sid, s in self._sessions.items() if now - s.last_seen > self.idle_expiry_s]
         for sid in gone:
-            del self._sessions[sid]
+            self._sessions.pop(sid)
         return gone
 
     def copy_state(self, session_id: str) -> tuple[int, float | None]:
