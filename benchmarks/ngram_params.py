@@ -44,6 +44,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from adaptive_spec.bench.stream import stream_chat as read_stream
+
 
 def _default_server() -> Path:
     from adaptive_spec.launcher import find_llama_server
@@ -415,58 +417,20 @@ async def stream_chat(
         "stream_options": {"include_usage": True},
     }
     timeout = aiohttp.ClientTimeout(total=request_timeout, sock_read=120)
-    t0 = time.perf_counter()
-    first: float | None = None
-    second: float | None = None
-    parts: list[str] = []
-    finish: str | None = None
-    timings: dict[str, Any] = {}
-    buf = b""
-    async with session.post(
-        base_url + "/v1/chat/completions",
-        data=orjson.dumps(body),
-        headers={"Content-Type": "application/json"},
-        timeout=timeout,
-    ) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:500]}")
-        async for chunk in resp.content.iter_any():
-            now = time.perf_counter()
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                line = line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    continue
-                event = orjson.loads(payload)
-                if "timings" in event:
-                    timings = event["timings"]
-                for choice in event.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content")
-                    if text:
-                        parts.append(text)
-                        if first is None:
-                            first = now
-                        elif second is None:
-                            second = now
-                    if choice.get("finish_reason"):
-                        finish = choice["finish_reason"]
-    t_end = time.perf_counter()
-    if first is None:
+    reply = await read_stream(session, base_url + "/v1/chat/completions", body, timeout=timeout)
+    if reply.ttft_ms is None:
         raise RuntimeError(f"{workload}[{index}]: no content streamed")
+    timings = reply.timings
     if not timings:
         raise RuntimeError(f"{workload}[{index}]: no timings in the stream")
     return TurnResult(
         workload=workload,
         index=index,
-        ttft_ms=(first - t0) * 1000,
-        ttst_ms=None if second is None else (second - t0) * 1000,
-        wall_ms=(t_end - t0) * 1000,
-        content="".join(parts),
-        finish_reason=finish,
+        ttft_ms=reply.ttft_ms,
+        ttst_ms=reply.ttst_ms,
+        wall_ms=reply.total_ms,
+        content=reply.text,
+        finish_reason=reply.finish_reason,
         prompt_n=int(timings.get("prompt_n", 0)),
         cache_n=int(timings.get("cache_n", 0)),
         predicted_n=int(timings.get("predicted_n", 0)),

@@ -22,9 +22,10 @@ from typing import Any
 import aiohttp
 import orjson
 
+from adaptive_spec.bench.stream import stream_chat
 from adaptive_spec.bench.table import ReportRow, baseline_profile, summarize, to_csv, to_markdown
 from adaptive_spec.bench.workload import Replay, Workload, WorkloadRequest, parse_workload, workload_from_trace
-from adaptive_spec.core.headers import PROFILE_HEADER, ROUTE_HEADER, SESSION_ID_HEADER
+from adaptive_spec.core.headers import PROFILE_HEADER, SESSION_ID_HEADER
 from adaptive_spec.errors import ConfigError
 
 BUILTIN = ("iterative", "oneshot", "mixed")
@@ -61,32 +62,17 @@ async def _stream(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]
 ) -> dict[str, Any]:
     """One streamed request, timed at the client; returns a record shaped like /adaptive/requests'."""
-    started = time.perf_counter()
-    ttft = ttst = None
-    text: list[str] = []
-    timings: dict[str, Any] | None = None
-    pieces = 0
-    async with session.post(url, json=body, headers=headers) as resp:
-        if resp.status != 200:
-            raise ConfigError(f"{url} answered {resp.status}: {(await resp.text())[:300]}")
-        served = resp.headers.get(PROFILE_HEADER)
-        route = resp.headers.get(ROUTE_HEADER)
-        async for raw in resp.content:  # line by line is fine here: a benchmark client, not the proxy
-            if not raw.startswith(b"data: {"):
-                continue
-            event = orjson.loads(raw[6:])
-            for choice in event.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    pieces += 1
-                    now = (time.perf_counter() - started) * 1000
-                    ttft = ttft if ttft is not None else now
-                    ttst = now if ttst is None and pieces == 2 else ttst
-                    text.append(piece)
-            timings = event.get("timings") or timings
-    return {"timings": timings, "ttft_ms": ttft, "ttst_ms": ttst, "total_ms": (time.perf_counter() - started) * 1000,
-            "outcome": "finished" if timings else "failed", "text": "".join(text), "served_profile": served,
-            "route": route}  # fmt: skip
+    reply = await stream_chat(session, url, body, headers)
+    return {
+        "timings": reply.timings,
+        "ttft_ms": reply.ttft_ms,
+        "ttst_ms": reply.ttst_ms,
+        "total_ms": reply.total_ms,
+        "outcome": "finished" if reply.timings else "failed",
+        "text": reply.text,
+        "served_profile": reply.served_profile,
+        "route": reply.route,
+    }
 
 
 async def _known_state(session: aiohttp.ClientSession, base: str, profiles: list[str], say: Any) -> None:
