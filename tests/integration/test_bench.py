@@ -14,12 +14,34 @@ from tests.support.servers import ProxyProcess
 def test_bench_runs_every_target_and_writes_its_outputs(
     tiny_gguf: Path, tmp_path: Path, llama_server_binary: str
 ) -> None:
-    proxy = ProxyProcess("--model", str(tiny_gguf), "--threads", "1", "--ctx-size", "16384",
-                         env={"ADAPTIVE_SPEC_STATE_DIR": str(tmp_path / "state")})  # fmt: skip
+    proxy = ProxyProcess(
+        "--model",
+        str(tiny_gguf),
+        "--threads",
+        "1",
+        "--ctx-size",
+        "16384",
+        env={"ADAPTIVE_SPEC_STATE_DIR": str(tmp_path / "state")},
+    )
     try:
         out = tmp_path / "bench"
-        argv = [sys.executable, "-m", "adaptive_spec", "bench", "--url", proxy.base, "--workload", "iterative",
-                "--workload", "oneshot", "--adaptive", "--max-tokens", "16", "--out", str(out)]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "adaptive_spec",
+            "bench",
+            "--url",
+            proxy.base,
+            "--workload",
+            "iterative",
+            "--workload",
+            "oneshot",
+            "--adaptive",
+            "--max-tokens",
+            "16",
+            "--out",
+            str(out),
+        ]
         done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     finally:
         proxy.stop()
@@ -50,6 +72,10 @@ def test_bench_runs_every_target_and_writes_its_outputs(
     assert "× the oracle's throughput" in done.stdout
     assert (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "bench.csv").read_text().startswith("workload,name,requests")
-    unknown = subprocess.run([sys.executable, "-m", "adaptive_spec", "bench", "--workload", "nope.json"],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    unknown = subprocess.run(
+        [sys.executable, "-m", "adaptive_spec", "bench", "--workload", "nope.json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert unknown.returncode == 2 and "not one of iterative, oneshot, mixed" in unknown.stderr

@@ -19,9 +19,17 @@ PASTED = "Here is a.py:\n```python\n" + "\n".join(f"value_{i} = {i} * {i}" for i
 @pytest.fixture(scope="module")
 def two_slots(tiny_gguf: Path, llama_server_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     home = tmp_path_factory.mktemp("handoff")
-    proxy = ProxyProcess("--model", str(tiny_gguf), "--threads", "1", "--ctx-size", "8192", "--parallel", "2",
-                         env={"ADAPTIVE_SPEC_STATE_DIR": str(home / "state"),
-                              "ADAPTIVE_SPEC_CONFIG_DIR": str(home / "config")})  # fmt: skip
+    proxy = ProxyProcess(
+        "--model",
+        str(tiny_gguf),
+        "--threads",
+        "1",
+        "--ctx-size",
+        "8192",
+        "--parallel",
+        "2",
+        env={"ADAPTIVE_SPEC_STATE_DIR": str(home / "state"), "ADAPTIVE_SPEC_CONFIG_DIR": str(home / "config")},
+    )
     yield proxy, home
     proxy.stop()
 

@@ -154,8 +154,9 @@ def test_attached_profiles_spec_types_are_found_for_the_router(
 ) -> None:
     # A fresh server shows its speculation types only after a request: the proxy asks, so the router knows which
     # attached profile drafts from n-grams, and copy-heavy work goes there from the first request.
-    ngram = LlamaServer(llama_server_binary, tiny_gguf, "-c", "8192", "--parallel", "1", "--spec-type", "ngram-mod",
-                        log_dir=tmp_path)  # fmt: skip
+    ngram = LlamaServer(
+        llama_server_binary, tiny_gguf, "-c", "8192", "--parallel", "1", "--spec-type", "ngram-mod", log_dir=tmp_path
+    )
     try:
         proc = ProxyProcess("--profile", f"plain={tiny_server.url}", "--profile", f"edits={ngram.url}")
         try:
@@ -165,8 +166,11 @@ def test_attached_profiles_spec_types_are_found_for_the_router(
             assert speeds == {"plain": False, "edits": True}
             pasted = "```python\n" + "\n".join(f"x{i} = {i}" for i in range(30)) + "\n```\nReturn the complete file."
             body = {"model": "m", "messages": [{"role": "user", "content": pasted}], "max_tokens": 4}
-            req = urllib.request.Request(proc.base + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
+            req = urllib.request.Request(
+                proc.base + "/v1/chat/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
             with urllib.request.urlopen(req, timeout=60) as resp:
                 assert resp.headers["x-adaptive-spec-profile"] == "edits"
                 assert resp.headers["x-adaptive-spec-route"] == "estimate"

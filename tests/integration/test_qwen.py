@@ -160,9 +160,12 @@ def test_counterfactual_estimate_tracks_measured_acceptance(embedded: ProxyProce
     for turn, prompt in enumerate(SESSION_TURNS, start=1):
         messages.append({"role": "user", "content": prompt})
         reply = client.chat.completions.create(
-            model="m", temperature=0, max_tokens=300, messages=messages,
+            model="m",
+            temperature=0,
+            max_tokens=300,
+            messages=messages,
             extra_headers={"x-adaptive-spec-profile": "iterative", "x-session-id": "correlation"},
-        )  # fmt: skip
+        )
         messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
         timings = embedded.requests()[-1]["timings"]
         measured.append(timings["draft_n_accepted"] / max(1, timings["predicted_n"]))
@@ -210,9 +213,12 @@ def _proxy_counter(metrics: str, name: str, profile: str) -> float:
 def test_proxy_draft_counters_equal_llama_servers_own(embedded: ProxyProcess) -> None:
     """Every request this module sent to `iterative` went through the proxy, so the totals must agree."""
     _client(embedded).chat.completions.create(
-        model="m", temperature=0, max_tokens=120, messages=[{"role": "user", "content": EDIT}],
+        model="m",
+        temperature=0,
+        max_tokens=120,
+        messages=[{"role": "user", "content": EDIT}],
         extra_headers={"x-adaptive-spec-profile": "iterative"},
-    )  # fmt: skip
+    )
     drafted, accepted = _spec_counters(embedded)
     assert drafted > 0
     ours = http_text(embedded.base + "/metrics")

@@ -125,10 +125,14 @@ def test_a_dead_profile_is_passed_over(routed: tuple[ProxyProcess, Path, Path]) 
     proxy, _, _ = routed
     by_name = {name: pid for pid, name in llama_children(proxy).items()}
     os.kill(by_name["oneshot"], signal.SIGKILL)
-    wait_until(lambda: not http_json(proxy.base + "/adaptive/health")["profiles"]["oneshot"]["up"], 30,
-               "the killed profile to be marked down")  # fmt: skip
+    wait_until(
+        lambda: not http_json(proxy.base + "/adaptive/health")["profiles"]["oneshot"]["up"],
+        30,
+        "the killed profile to be marked down",
+    )
     answer = chat(proxy, [{"role": "user", "content": "What is 2 + 2? Reply with the number only."}], 4)
     assert (answer["profile"], answer["route"]) == ("iterative", "fallback"), answer["reason"]
     assert answer["reason"].startswith("iterative: oneshot is down")
-    wait_until(lambda: http_json(proxy.base + "/adaptive/health")["profiles"]["oneshot"]["up"], 120,
-               "the profile to restart")  # fmt: skip
+    wait_until(
+        lambda: http_json(proxy.base + "/adaptive/health")["profiles"]["oneshot"]["up"], 120, "the profile to restart"
+    )

@@ -66,8 +66,10 @@ def test_explicit_session_headers_win(proxy: ProxyProcess) -> None:
 def test_subagent_requests_are_marked_under_their_parent(proxy: ProxyProcess) -> None:
     client = openai.OpenAI(base_url=proxy.base + "/v1", api_key="x", max_retries=0, timeout=60)
     client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "look it up"}], max_tokens=4,
+        model="m",
+        messages=[{"role": "user", "content": "look it up"}],
+        max_tokens=4,
         extra_headers={"x-parent-session-id": "ses_parent"},
-    )  # fmt: skip
+    )
     record = proxy.requests()[-1]
     assert (record["session_id"], record["subagent"]) == ("ses_parent", True)

@@ -115,8 +115,12 @@ def test_report_from_the_trace(traced: tuple[ProxyProcess, Path], tmp_path: Path
     proxy, trace = traced
     _post(proxy.base + "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5})
     out = tmp_path / "report"
-    done = subprocess.run([sys.executable, "-m", "adaptive_spec", "report", str(trace), "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "adaptive_spec", "report", str(trace), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0].startswith("| profile | requests |")
     assert "| plain |" in done.stdout and "| all (as routed) |" in done.stdout

@@ -160,8 +160,11 @@ def chat_record(proxy: ProxyProcess, messages: list[dict[str, str]], max_tokens:
     """One greedy, non-streamed chat request through the proxy; its record from /adaptive/requests, with the reply's
     text added."""
     body = {"model": "m", "messages": messages, "temperature": 0, "seed": 1, "max_tokens": max_tokens}
-    req = urllib.request.Request(proxy.base + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **headers})  # fmt: skip
+    req = urllib.request.Request(
+        proxy.base + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **headers},
+    )
     with urllib.request.urlopen(req, timeout=600) as resp:
         reply = json.loads(resp.read())
         request_id = resp.headers["x-adaptive-spec-request-id"]

@@ -76,10 +76,12 @@ def test_a_file_sets_only_the_keys_it_names() -> None:
 
 
 def test_overlays_apply_in_order() -> None:
-    policy = load_policy([
-        ("base.toml", "[route]\nhysteresis = 0.3\nexplore = 0.1\n"),
-        ("project.toml", "[route]\nhysteresis = 0.4\n"),
-    ])  # fmt: skip
+    policy = load_policy(
+        [
+            ("base.toml", "[route]\nhysteresis = 0.3\nexplore = 0.1\n"),
+            ("project.toml", "[route]\nhysteresis = 0.4\n"),
+        ]
+    )
     assert (policy.route.hysteresis, policy.route.explore) == (0.4, 0.1)
     assert policy.sources == ("base.toml", "project.toml")
 
@@ -112,8 +114,10 @@ def test_a_bad_value_leaves_the_good_ones_in_the_overlay() -> None:
         ("[routes]\nx = 1\n", "a.toml:routes:1: unknown table; did you mean 'route'?"),
         ("hysteresis = 0.2\n", "a.toml:hysteresis:1: unknown key; did you mean 'route.hysteresis'?"),
         ("[route]\ndecode_tps = 3\n", "a.toml:route.decode_tps:2: unknown key; did you mean 'estimator.decode_tps'?"),
-        ("[route]\nzzz = 1\n", "a.toml:route.zzz:2: unknown key (keys: profiles, force, hysteresis, min_dwell_turns, "
-         "explore, max_queue)"),
+        (
+            "[route]\nzzz = 1\n",
+            "a.toml:route.zzz:2: unknown key (keys: profiles, force, hysteresis, min_dwell_turns, explore, max_queue)",
+        ),
         ("[zzz]\n", "a.toml:zzz:1: unknown table (tables: route, first_turn, estimator, handoff)"),
         ("route = 3\n", "a.toml:route:1: expected a table [route], got integer 3"),
         ("[route]\nhysteresis = 1.5\n", "a.toml:route.hysteresis:2: must be between 0 and 1, got 1.5"),
@@ -123,21 +127,24 @@ def test_a_bad_value_leaves_the_good_ones_in_the_overlay() -> None:
         ("[estimator]\ndecode_tps = inf\n", "a.toml:estimator.decode_tps:2: expected a finite number, got float inf"),
         ("[estimator]\nngram_max_speedup = 0.5\n", "a.toml:estimator.ngram_max_speedup:2: must be at least 1, got 0.5"),
         ("[estimator]\nhalf_life = 2.5\n", "a.toml:estimator.half_life:2: expected an integer, got float 2.5"),
-        ("[route]\nmin_dwell_turns = true\n",
-         "a.toml:route.min_dwell_turns:2: expected an integer, got boolean true"),
+        ("[route]\nmin_dwell_turns = true\n", "a.toml:route.min_dwell_turns:2: expected an integer, got boolean true"),
         ('[route]\nhysteresis = "0.2"\n', 'a.toml:route.hysteresis:2: expected a number, got string "0.2"'),
         ("[route]\nhysteresis = true\n", "a.toml:route.hysteresis:2: expected a number, got boolean true"),
         ('[handoff]\nenabled = "yes"\n', 'a.toml:handoff.enabled:2: expected true or false, got string "yes"'),
         ("[route]\nforce = 1\n", 'a.toml:route.force:2: expected a profile name, or "" for none, got integer 1'),
-        ('[route]\nprofiles = "oneshot"\n',
-         'a.toml:route.profiles:2: expected an array of strings, got string "oneshot"'),
-        ('[first_turn]\nphrases = ["a", 3, ""]\n',
-         "a.toml:first_turn.phrases:2: entry 2: expected a non-empty string, got integer 3"),
+        (
+            '[route]\nprofiles = "oneshot"\n',
+            'a.toml:route.profiles:2: expected an array of strings, got string "oneshot"',
+        ),
+        (
+            '[first_turn]\nphrases = ["a", 3, ""]\n',
+            "a.toml:first_turn.phrases:2: entry 2: expected a non-empty string, got integer 3",
+        ),
         ('[route]\nprofiles = ["a"]\nforce = "b"\n', "a.toml:route.force:3: 'b' is not one of route.profiles (a)"),
         ("[route]\nhysteresis = \n", "a.toml:2: invalid TOML: invalid value at column 14"),
         ("[route]\nprofiles = [\n", "a.toml:3: invalid TOML: invalid value at the end of the file"),
     ],
-)  # fmt: skip
+)
 def test_problem_wording(text: str, expected: str) -> None:
     assert _problems(text)[0] == expected
 
@@ -156,9 +163,11 @@ def test_profiles_are_checked_against_the_served_ones_when_known() -> None:
 def test_every_problem_is_reported_not_just_the_first() -> None:
     text = "[route]\nhysteresis = 3\nexplore = 1\n\n[estimator]\nhalf_life = 0\nbogus = 1\n"
     assert [p.split(": ")[0] for p in _problems(text)] == [
-        "a.toml:route.hysteresis:2", "a.toml:route.explore:3", "a.toml:estimator.half_life:6",
+        "a.toml:route.hysteresis:2",
+        "a.toml:route.explore:3",
+        "a.toml:estimator.half_life:6",
         "a.toml:estimator.bogus:7",
-    ]  # fmt: skip
+    ]
 
 
 def test_load_policy_raises_with_the_problems_of_all_files() -> None:
@@ -189,9 +198,16 @@ def test_locate_keys_finds_headers_plain_dotted_and_quoted_keys() -> None:
     )
     lines = locate_keys(text)
     assert lines == {
-        "route.hysteresis": 2, "estimator": 3, "estimator.decode_tps": 4, "estimator.prefill_tps": 5,
-        "first_turn": 6, "first_turn.phrases": 7, "first_turn.min_lines": 10, "handoff": 11, "handoff.x": 12,
-    }  # fmt: skip
+        "route.hysteresis": 2,
+        "estimator": 3,
+        "estimator.decode_tps": 4,
+        "estimator.prefill_tps": 5,
+        "first_turn": 6,
+        "first_turn.phrases": 7,
+        "first_turn.min_lines": 10,
+        "handoff": 11,
+        "handoff.x": 12,
+    }
     assert line_of(lines, "handoff.x.y") == 12
     assert line_of(lines, "route.explore") is None
     assert line_of(lines, "") is None

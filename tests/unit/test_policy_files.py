@@ -248,8 +248,15 @@ def test_serve_refuses_a_bad_policy_before_touching_any_server(
 
     bad = tmp_path / "bad.toml"
     bad.write_text('[route]\nhysterisis = 0.2\nforce = "iterativ"\n')
-    argv = ["serve", "--policy", str(bad), "--profile", "oneshot=http://127.0.0.1:9", "--profile",
-            "iterative=http://127.0.0.1:9"]  # fmt: skip
+    argv = [
+        "serve",
+        "--policy",
+        str(bad),
+        "--profile",
+        "oneshot=http://127.0.0.1:9",
+        "--profile",
+        "iterative=http://127.0.0.1:9",
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"{bad}:route.hysterisis:2: unknown key; did you mean 'hysteresis'?" in err

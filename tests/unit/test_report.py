@@ -7,12 +7,33 @@ import pytest
 from adaptive_spec.bench.table import ALL_ROUTED, baseline_profile, session_moves, summarize, to_csv, to_markdown
 
 
-def _rec(profile: str, session: str, at: float, predicted: int, ms: float, drafted: int = 0, accepted: int = 0,
-         ttst: float = 50.0, outcome: str = "finished") -> dict[str, Any]:  # fmt: skip
-    timings = {"predicted_n": predicted, "predicted_ms": ms, "draft_n": drafted, "draft_n_accepted": accepted,
-               "predicted_per_second": predicted / (ms / 1000)}  # fmt: skip
-    return {"profile": profile, "session_id": session, "started_at_unix": at, "timings": timings,
-            "ttft_ms": 10.0, "ttst_ms": ttst, "outcome": outcome}  # fmt: skip
+def _rec(
+    profile: str,
+    session: str,
+    at: float,
+    predicted: int,
+    ms: float,
+    drafted: int = 0,
+    accepted: int = 0,
+    ttst: float = 50.0,
+    outcome: str = "finished",
+) -> dict[str, Any]:
+    timings = {
+        "predicted_n": predicted,
+        "predicted_ms": ms,
+        "draft_n": drafted,
+        "draft_n_accepted": accepted,
+        "predicted_per_second": predicted / (ms / 1000),
+    }
+    return {
+        "profile": profile,
+        "session_id": session,
+        "started_at_unix": at,
+        "timings": timings,
+        "ttft_ms": 10.0,
+        "ttst_ms": ttst,
+        "outcome": outcome,
+    }
 
 
 RECORDS = [

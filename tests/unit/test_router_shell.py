@@ -12,8 +12,13 @@ from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
 
 def router(slots: int = 2, slot_dir: Path | None = None) -> Router:
     table = UpstreamTable([Upstream("oneshot", "http://127.0.0.1:9"), Upstream("iterative", "http://127.0.0.1:9")])
-    return Router(table, FixedPolicy(), {"oneshot": slots, "iterative": slots},
-                  {"oneshot": ("none",), "iterative": ("ngram-mod",)}, slot_dir=slot_dir)  # fmt: skip
+    return Router(
+        table,
+        FixedPolicy(),
+        {"oneshot": slots, "iterative": slots},
+        {"oneshot": ("none",), "iterative": ("ngram-mod",)},
+        slot_dir=slot_dir,
+    )
 
 
 def test_a_session_keeps_its_slot_and_a_busy_slot_is_not_shared() -> None:
@@ -23,8 +28,16 @@ def test_a_session_keeps_its_slot_and_a_busy_slot_is_not_shared() -> None:
     b = r.slot_for("iterative", "b")
     assert a != b  # a's slot is busy: b gets the other
     r.started("iterative", b)
-    decision, _ = r.choose(body={"messages": []}, body_bytes=10, session_id="a", session_turns=0, copy_share=None,
-                           project="default", workspace=None, pinned=None)  # fmt: skip
+    decision, _ = r.choose(
+        body={"messages": []},
+        body_bytes=10,
+        session_id="a",
+        session_turns=0,
+        copy_share=None,
+        project="default",
+        workspace=None,
+        pinned=None,
+    )
     r.finished(decision, "iterative", a, "a", Timings(prompt_n=10, predicted_n=20, predicted_ms=100.0), 10, True)
     r.finished(decision, "iterative", b, "b", None, 10, False)
     assert r.in_flight["iterative"] == 0
@@ -35,8 +48,16 @@ def test_a_session_keeps_its_slot_and_a_busy_slot_is_not_shared() -> None:
 
 def test_serving_another_session_in_a_slot_displaces_the_one_it_held() -> None:
     r = router(slots=1)
-    decision, _ = r.choose(body={"messages": []}, body_bytes=10, session_id="a", session_turns=0, copy_share=None,
-                           project="default", workspace=None, pinned=None)  # fmt: skip
+    decision, _ = r.choose(
+        body={"messages": []},
+        body_bytes=10,
+        session_id="a",
+        session_turns=0,
+        copy_share=None,
+        project="default",
+        workspace=None,
+        pinned=None,
+    )
     for sid in ("a", "b"):
         r.started("oneshot", None)
         r.finished(decision, "oneshot", None, sid, Timings(prompt_n=10, predicted_n=20, predicted_ms=100.0), 10, True)

@@ -12,12 +12,14 @@ from adaptive_spec.bench.workload import FORMAT, Replay, WorkloadError, parse_wo
 
 def _w(**overrides: Any) -> dict[str, Any]:
     base: dict[str, Any] = {
-        "format": FORMAT, "name": "t", "sessions": {"s": {"system": "sys"}},
+        "format": FORMAT,
+        "name": "t",
+        "sessions": {"s": {"system": "sys"}},
         "requests": [
             {"session": "s", "user": "one", "max_tokens": 10},
             {"session": "s", "user": "two", "max_tokens": 5},
         ],
-    }  # fmt: skip
+    }
     return {**base, **overrides}
 
 
@@ -70,9 +72,13 @@ def test_bench_reads_a_trace_file_as_a_workload(tmp_path: Path) -> None:
     trace = tmp_path / "day.jsonl"
     lines = [
         {"kind": "profiles", "profiles": []},
-        {"kind": "request", "session_id": "s1", "request_body": {"messages": [{"role": "user", "content": "a"}]},
-         "timings": {"predicted_n": 33}},
-    ]  # fmt: skip
+        {
+            "kind": "request",
+            "session_id": "s1",
+            "request_body": {"messages": [{"role": "user", "content": "a"}]},
+            "timings": {"predicted_n": 33},
+        },
+    ]
     trace.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     workload = load_workload(str(trace))
     assert workload.name == "day" and workload.requests[0].max_tokens == 33
@@ -81,10 +87,13 @@ def test_bench_reads_a_trace_file_as_a_workload(tmp_path: Path) -> None:
 def test_trace_converts_into_a_workload() -> None:
     lines: list[dict[str, Any]] = [
         {"kind": "profiles", "profiles": []},
-        {"kind": "request", "session_id": "ses", "request_body": {"messages": [{"role": "user", "content": "hi"}],
-                                                                  "max_tokens": 12}},
+        {
+            "kind": "request",
+            "session_id": "ses",
+            "request_body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12},
+        },
         {"kind": "request", "session_id": "ses"},  # recorded without --trace-content: skipped
-    ]  # fmt: skip
+    ]
     converted = workload_from_trace(lines, "mine")
     workload = parse_workload(converted, "converted")
     assert len(workload.requests) == 1 and workload.requests[0].max_tokens == 12

@@ -147,17 +147,31 @@ async def run_bench(
     return records, known
 
 
-async def _one(session: aiohttp.ClientSession, base: str, workload: Workload, replay: Replay,
-               request: WorkloadRequest, target: str, max_tokens: int | None) -> dict[str, Any]:  # fmt: skip
-    body = {"model": "bench", "messages": replay.messages_for(request), "temperature": 0, "seed": 1, "stream": True,
-            "max_tokens": min(request.max_tokens, max_tokens) if max_tokens else request.max_tokens}  # fmt: skip
+async def _one(
+    session: aiohttp.ClientSession,
+    base: str,
+    workload: Workload,
+    replay: Replay,
+    request: WorkloadRequest,
+    target: str,
+    max_tokens: int | None,
+) -> dict[str, Any]:
+    body = {
+        "model": "bench",
+        "messages": replay.messages_for(request),
+        "temperature": 0,
+        "seed": 1,
+        "stream": True,
+        "max_tokens": min(request.max_tokens, max_tokens) if max_tokens else request.max_tokens,
+    }
     session_id = f"bench-{workload.name}-{request.session}-{target}"
     headers = {SESSION_ID_HEADER: session_id}
     if target != ADAPTIVE:
         headers[PROFILE_HEADER] = target
     result = await _stream(session, f"{base}/p/bench/v1/chat/completions", body, headers)
-    result.update(profile=target, session_id=session_id, started_at_unix=time.time(), workload=workload.name,
-                  index=request.index)  # fmt: skip
+    result.update(
+        profile=target, session_id=session_id, started_at_unix=time.time(), workload=workload.name, index=request.index
+    )
     return result
 
 
@@ -196,8 +210,10 @@ def comparison(rows: list[ReportRow], statics: list[str]) -> str | None:
         parts.append(f"{adaptive.decode_tok_s / oracle.decode_tok_s:.3f}× the oracle's throughput")
     for r in static_rows:
         if r.ttst_ms_median and adaptive.ttst_ms_median:
-            parts.append(f"vs {r.name}: {adaptive.decode_tok_s / r.decode_tok_s:.3f}× tok/s, "
-                         f"{adaptive.ttst_ms_median / r.ttst_ms_median:.3f}× TTST")  # fmt: skip
+            parts.append(
+                f"vs {r.name}: {adaptive.decode_tok_s / r.decode_tok_s:.3f}× tok/s, "
+                f"{adaptive.ttst_ms_median / r.ttst_ms_median:.3f}× TTST"
+            )
     return "; ".join(parts)
 
 
@@ -215,11 +231,16 @@ def write_outputs(records: dict[str, list[dict[str, Any]]], known: list[dict[str
     text = "\n\n".join(tables)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.json").write_bytes(orjson.dumps({"baseline": baseline, "rows": flat, "records": records},
-                                                      option=orjson.OPT_INDENT_2))  # fmt: skip
+        (out / "bench.json").write_bytes(
+            orjson.dumps({"baseline": baseline, "rows": flat, "records": records}, option=orjson.OPT_INDENT_2)
+        )
         header = "workload," + to_csv([]).strip()
-        lines = [header] + [f"{w}," + to_csv([r]).splitlines()[1] for w, recs in records.items()
-                            for r in summarize(recs, baseline) if r.name != "all (as routed)"]  # fmt: skip
+        lines = [header] + [
+            f"{w}," + to_csv([r]).splitlines()[1]
+            for w, recs in records.items()
+            for r in summarize(recs, baseline)
+            if r.name != "all (as routed)"
+        ]
         (out / "bench.csv").write_text("\n".join(lines) + "\n")
         (out / "bench.md").write_text(text + "\n")
         _chart(flat, out / "bench.png")
@@ -238,8 +259,10 @@ def _chart(rows: list[dict[str, Any]], path: Path) -> None:
     width = 0.8 / max(1, len(profiles))
     fig, ax = plt.subplots(figsize=(max(6, 2.5 * len(workloads)), 4), constrained_layout=True)
     for i, profile in enumerate(profiles):
-        values = [next((r["decode_tok_s"] for r in rows if r["workload"] == w and r["name"] == profile), 0.0)
-                  for w in workloads]  # fmt: skip
+        values = [
+            next((r["decode_tok_s"] for r in rows if r["workload"] == w and r["name"] == profile), 0.0)
+            for w in workloads
+        ]
         ax.bar([x + (i - (len(profiles) - 1) / 2) * width for x in range(len(workloads))], values, width, label=profile)
     ax.set_xticks(list(range(len(workloads))), workloads)
     ax.set_ylabel("decode tok/s (aggregate)")
@@ -248,8 +271,15 @@ def _chart(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def main_bench(url: str, specs: list[str], profiles: list[str] | None, adaptive: bool, out: Path | None,
-               max_tokens: int | None, repeat: int = 1) -> str:  # fmt: skip
+def main_bench(
+    url: str,
+    specs: list[str],
+    profiles: list[str] | None,
+    adaptive: bool,
+    out: Path | None,
+    max_tokens: int | None,
+    repeat: int = 1,
+) -> str:
     workloads = [load_workload(s) for s in specs]
 
     def say(message: str, end: str = "\n") -> None:

@@ -161,8 +161,17 @@ def _run_static(requests: Sequence[SimRequest], scenario: Scenario, kind: str) -
     for r in requests:
         context[r.session] = context.get(r.session, 0) + r.new_prompt_tokens
         tps = scenario.decode_tps[(kind, r.klass)]
-        served.append(Served(r.index, r.klass, kind, r.output_tokens, r.output_tokens / tps,
-                             _ttst_ms(scenario, kind, r.new_prompt_tokens, 0.0), False))  # fmt: skip
+        served.append(
+            Served(
+                r.index,
+                r.klass,
+                kind,
+                r.output_tokens,
+                r.output_tokens / tps,
+                _ttst_ms(scenario, kind, r.new_prompt_tokens, 0.0),
+                False,
+            )
+        )
         context[r.session] += r.output_tokens
     return served
 
@@ -185,10 +194,12 @@ def _run_adaptive(
         context[r.session] = context.get(r.session, 0) + r.new_prompt_tokens
         prompt = context[r.session]
         turns, copy = history.get(r.session, (0, None))
-        request = RequestState(body_bytes=int(prompt * policy.estimator.chars_per_token), max_tokens=r.output_tokens,
-                               copy_hint=r.copy_hint)  # fmt: skip
-        decision = decide(request, SessionState(r.session, turns, copy, placements.get(r.session)), profiles, speeds,
-                          policy)  # fmt: skip
+        request = RequestState(
+            body_bytes=int(prompt * policy.estimator.chars_per_token), max_tokens=r.output_tokens, copy_hint=r.copy_hint
+        )
+        decision = decide(
+            request, SessionState(r.session, turns, copy, placements.get(r.session)), profiles, speeds, policy
+        )
         kind = kind_of[decision.profile]
         placement = placements.get(r.session)
         cached = placement.cached_tokens if placement is not None and placement.profile == decision.profile else 0
@@ -202,9 +213,14 @@ def _run_adaptive(
         ttst = _ttst_ms(scenario, kind, prefill, handoff_s)
         moved = decision.moved_from is not None
         served.append(Served(r.index, r.klass, decision.profile, r.output_tokens, r.output_tokens / tps, ttst, moved))
-        timings = Timings(prompt_n=prefill, cache_n=prompt - prefill, predicted_n=r.output_tokens,
-                          prompt_ms=prefill / scenario.prefill_tps * 1000, predicted_ms=r.output_tokens / tps * 1000,
-                          predicted_per_second=tps)  # fmt: skip
+        timings = Timings(
+            prompt_n=prefill,
+            cache_n=prompt - prefill,
+            predicted_n=r.output_tokens,
+            prompt_ms=prefill / scenario.prefill_tps * 1000,
+            predicted_ms=r.output_tokens / tps * 1000,
+            predicted_per_second=tps,
+        )
         observe(speeds, placements, decision.profile, 0, r.session, decision.copy_share, timings, request.body_bytes)
         share = min(1.0, max(0.0, scenario.copy_share[r.klass] + rng.uniform(-noise, noise)))
         history[r.session] = (turns + 1, share if copy is None else 0.5 * share + 0.5 * copy)
@@ -218,11 +234,14 @@ def _row(target: str, served: Sequence[Served], ngram_name: str) -> SimRow:
     oneshot = [s.ttst_ms for s in served if s.klass == "oneshot"]
     on_ngram = sum(s.output_tokens for s in served if s.profile in (NGRAM, ngram_name))
     return SimRow(
-        target=target, output_tokens=out, decode_tok_s=out / decode if decode else 0.0,
+        target=target,
+        output_tokens=out,
+        decode_tok_s=out / decode if decode else 0.0,
         ttst_ms_median=statistics.median(s.ttst_ms for s in served),
         ttst_ms_median_oneshot=statistics.median(oneshot) if oneshot else None,
-        moves=sum(s.moved for s in served), share_on_ngram=on_ngram / out if out else 0.0,
-    )  # fmt: skip
+        moves=sum(s.moved for s in served),
+        share_on_ngram=on_ngram / out if out else 0.0,
+    )
 
 
 def simulate_targets(

@@ -56,7 +56,10 @@ def _row(name: str, records: list[Mapping[str, Any]], baseline_speed: float | No
     speed = predicted / (decode_ms / 1000.0) if decode_ms > 0 else 0.0
     per_request = [float(t["predicted_per_second"]) for t in timings if float(t.get("predicted_per_second", 0)) > 0]
     return ReportRow(
-        name=name, requests=len(records), output_tokens=predicted, decode_tok_s=speed,
+        name=name,
+        requests=len(records),
+        output_tokens=predicted,
+        decode_tok_s=speed,
         decode_tok_s_median=_median(per_request) or 0.0,
         ratio_to_baseline=speed / baseline_speed if baseline_speed else None,
         acceptance=accepted / drafted if drafted else None,
@@ -65,7 +68,7 @@ def _row(name: str, records: list[Mapping[str, Any]], baseline_speed: float | No
         ttst_ms_median=_median([float(r["ttst_ms"]) for r in records if r.get("ttst_ms") is not None]),
         session_moves=session_moves(records),
         wall_s=sum(float(r.get("total_ms") or 0.0) for r in records) / 1000.0,
-    )  # fmt: skip
+    )
 
 
 def summarize(records: Iterable[Mapping[str, Any]], baseline: str | None = None) -> list[ReportRow]:
@@ -93,14 +96,27 @@ def _fmt(value: Any, pct: bool = False) -> str:
 
 
 def to_markdown(rows: list[ReportRow], baseline: str | None) -> str:
-    head = ("| profile | requests | output tokens | decode tok/s | median tok/s | vs " + (baseline or "baseline")
-            + " | acceptance | output from drafts | TTFT p50 (ms) | TTST p50 (ms) | moves | wall (s) |")  # fmt: skip
+    head = (
+        "| profile | requests | output tokens | decode tok/s | median tok/s | vs "
+        + (baseline or "baseline")
+        + " | acceptance | output from drafts | TTFT p50 (ms) | TTST p50 (ms) | moves | wall (s) |"
+    )
     lines = [head, "|" + "---|" * 12]
     for r in rows:
-        cells = [r.name, _fmt(r.requests), _fmt(r.output_tokens), _fmt(r.decode_tok_s), _fmt(r.decode_tok_s_median),
-                 f"{r.ratio_to_baseline:.2f}" if r.ratio_to_baseline is not None else "—",
-                 _fmt(r.acceptance, pct=True), _fmt(r.output_from_drafts, pct=True), _fmt(r.ttft_ms_median),
-                 _fmt(r.ttst_ms_median), _fmt(r.session_moves), _fmt(r.wall_s)]  # fmt: skip
+        cells = [
+            r.name,
+            _fmt(r.requests),
+            _fmt(r.output_tokens),
+            _fmt(r.decode_tok_s),
+            _fmt(r.decode_tok_s_median),
+            f"{r.ratio_to_baseline:.2f}" if r.ratio_to_baseline is not None else "—",
+            _fmt(r.acceptance, pct=True),
+            _fmt(r.output_from_drafts, pct=True),
+            _fmt(r.ttft_ms_median),
+            _fmt(r.ttst_ms_median),
+            _fmt(r.session_moves),
+            _fmt(r.wall_s),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

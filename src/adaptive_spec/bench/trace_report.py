@@ -45,8 +45,9 @@ def chart(rows: list[ReportRow], path: Path) -> None:
     xs = range(len(rows))
     fig, (speed_ax, ttst_ax) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
     speed_ax.bar([x - 0.2 for x in xs], [r.decode_tok_s for r in rows], 0.4, color="#4c72b0", label="aggregate")
-    speed_ax.bar([x + 0.2 for x in xs], [r.decode_tok_s_median for r in rows], 0.4, color="#dd8452",
-                 label="median request")  # fmt: skip
+    speed_ax.bar(
+        [x + 0.2 for x in xs], [r.decode_tok_s_median for r in rows], 0.4, color="#dd8452", label="median request"
+    )
     speed_ax.set_title("decode speed (tok/s)")
     speed_ax.legend()
     ttst_ax.bar(list(xs), [r.ttst_ms_median or 0.0 for r in rows], 0.5, color="#55a868")

@@ -109,8 +109,13 @@ def workload_from_trace(lines: Iterable[Mapping[str, Any]], name: str) -> dict[s
             continue
         timings = line.get("timings") or {}
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or timings.get("predicted_n") or 256
-        requests.append({"session": str(line.get("session_id") or f"r{len(requests)}"),
-                         "messages": body["messages"], "max_tokens": int(max_tokens)})  # fmt: skip
+        requests.append(
+            {
+                "session": str(line.get("session_id") or f"r{len(requests)}"),
+                "messages": body["messages"],
+                "max_tokens": int(max_tokens),
+            }
+        )
     if not requests:
         raise WorkloadError("the trace holds no chat requests with content (record it with --trace-content)")
     return {

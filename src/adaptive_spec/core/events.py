@@ -109,6 +109,14 @@ class EventsDropped(_Event):
 
 
 Event = (
-    RequestStarted | DraftProgress | RequestFinished | RequestFailed | SessionUpdated | ProfileUp | ProfileDown
-    | HandoffDone | PolicyChanged | EventsDropped
-)  # fmt: skip
+    RequestStarted
+    | DraftProgress
+    | RequestFinished
+    | RequestFailed
+    | SessionUpdated
+    | ProfileUp
+    | ProfileDown
+    | HandoffDone
+    | PolicyChanged
+    | EventsDropped
+)

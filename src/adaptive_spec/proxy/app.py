@@ -66,8 +66,13 @@ def build_app(
     app[PROFILES] = profiles or []
     if router is None:
         infos = {i.name: i for i in app[PROFILES]}
-        router = Router(upstreams, FixedPolicy(), {n: i.total_slots for n, i in infos.items()},
-                        {n: i.spec_types for n, i in infos.items()}, publish=bus.publish)  # fmt: skip
+        router = Router(
+            upstreams,
+            FixedPolicy(),
+            {n: i.total_slots for n, i in infos.items()},
+            {n: i.spec_types for n, i in infos.items()},
+            publish=bus.publish,
+        )
     app[ROUTER] = router
     app[RESTART] = restart
     app[LIFECYCLE] = RequestLifecycle(bus, app[HISTORY], router, sessions, trace, settings.progress_interval_s)

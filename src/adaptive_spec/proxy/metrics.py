@@ -28,27 +28,50 @@ class ProxyMetrics:
         self._projects: set[str] = set()
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("adaptive_spec_requests", "Requests by outcome", [*_LABELS, "api", "outcome"],
-                                registry=r)  # fmt: skip
-        self.prompt_tokens = Counter("adaptive_spec_prompt_tokens", "Prompt tokens processed (not cached)", _LABELS,
-                                     registry=r)  # fmt: skip
-        self.cached_tokens = Counter("adaptive_spec_cached_prompt_tokens", "Prompt tokens reused from the KV cache",
-                                     _LABELS, registry=r)  # fmt: skip
+        self.requests = Counter(
+            "adaptive_spec_requests", "Requests by outcome", [*_LABELS, "api", "outcome"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "adaptive_spec_prompt_tokens", "Prompt tokens processed (not cached)", _LABELS, registry=r
+        )
+        self.cached_tokens = Counter(
+            "adaptive_spec_cached_prompt_tokens", "Prompt tokens reused from the KV cache", _LABELS, registry=r
+        )
         self.predicted_tokens = Counter("adaptive_spec_predicted_tokens", "Output tokens", _LABELS, registry=r)
         self.draft_tokens = Counter("adaptive_spec_draft_tokens", "Drafted tokens (speculation)", _LABELS, registry=r)
-        self.accepted_tokens = Counter("adaptive_spec_draft_accepted_tokens", "Accepted drafted tokens", _LABELS,
-                                       registry=r)  # fmt: skip
+        self.accepted_tokens = Counter(
+            "adaptive_spec_draft_accepted_tokens", "Accepted drafted tokens", _LABELS, registry=r
+        )
         self.errors = Counter("adaptive_spec_errors", "Failed requests by kind", [*_LABELS, "kind"], registry=r)
-        self.decode_speed = Histogram("adaptive_spec_decode_tokens_per_second", "Decode speed per request", _LABELS,
-                                      buckets=_SPEED_BUCKETS, registry=r)  # fmt: skip
-        self.ttft = Histogram("adaptive_spec_time_to_first_token_seconds", "Time to first generated token", _LABELS,
-                              buckets=_TTFT_BUCKETS, registry=r)  # fmt: skip
-        self.decisions = Counter("adaptive_spec_route_decisions", "Routing decisions by how the profile was chosen",
-                                 ["profile", "route"], registry=r)  # fmt: skip
-        self.moves = Counter("adaptive_spec_session_moves", "Requests whose session's KV lived on another profile",
-                             ["from_profile", "to_profile"], registry=r)  # fmt: skip
-        self.handoffs = Counter("adaptive_spec_kv_handoffs", "KV slot handoffs (save + restore) by outcome",
-                                ["outcome"], registry=r)  # fmt: skip
+        self.decode_speed = Histogram(
+            "adaptive_spec_decode_tokens_per_second",
+            "Decode speed per request",
+            _LABELS,
+            buckets=_SPEED_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "adaptive_spec_time_to_first_token_seconds",
+            "Time to first generated token",
+            _LABELS,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.decisions = Counter(
+            "adaptive_spec_route_decisions",
+            "Routing decisions by how the profile was chosen",
+            ["profile", "route"],
+            registry=r,
+        )
+        self.moves = Counter(
+            "adaptive_spec_session_moves",
+            "Requests whose session's KV lived on another profile",
+            ["from_profile", "to_profile"],
+            registry=r,
+        )
+        self.handoffs = Counter(
+            "adaptive_spec_kv_handoffs", "KV slot handoffs (save + restore) by outcome", ["outcome"], registry=r
+        )
         self.policy_changes = Counter("adaptive_spec_policy_changes", "Policy files reloaded or found bad", registry=r)
         self.profile_up = Gauge("adaptive_spec_profile_up", "1 when the profile is serving", ["profile"], registry=r)
 
@@ -105,8 +128,14 @@ class ProxyMetrics:
 
 def _error_kind(record: dict[str, object]) -> str:
     status = record.get("status")
-    kinds = {400: "bad_request", 413: "too_large", 499: "client_disconnected", 502: "upstream_unreachable",
-             503: "profile_down", 504: "upstream_timeout"}  # fmt: skip
+    kinds = {
+        400: "bad_request",
+        413: "too_large",
+        499: "client_disconnected",
+        502: "upstream_unreachable",
+        503: "profile_down",
+        504: "upstream_timeout",
+    }
     if isinstance(status, int) and status in kinds:
         return kinds[status]
     return "upstream_stream_error" if status == 200 else "other"

@@ -73,8 +73,9 @@ async def probe_spec_types(session: aiohttp.ClientSession, upstream: Upstream, i
     if upstream.upstream_model:
         body["model"] = upstream.upstream_model
     try:
-        async with session.post(f"{upstream.base_url}/completion", json=body,
-                                timeout=aiohttp.ClientTimeout(total=120)) as resp:  # fmt: skip
+        async with session.post(
+            f"{upstream.base_url}/completion", json=body, timeout=aiohttp.ClientTimeout(total=120)
+        ) as resp:
             await resp.read()
         return await probe(session, upstream)
     except (aiohttp.ClientError, TimeoutError, LaunchError):

@@ -92,8 +92,10 @@ class Router(RouterState):
             t1 = time.perf_counter()
             n_saved = int(saved.get("n_saved") or 0)
             if n_saved < 0.9 * placement.cached_tokens:
-                raise _SlotError(f"save on {source.name} slot {from_slot} wrote {n_saved} tokens, not the session's "
-                                 f"{placement.cached_tokens} (its slot was reused)")  # fmt: skip
+                raise _SlotError(
+                    f"save on {source.name} slot {from_slot} wrote {n_saved} tokens, not the session's "
+                    f"{placement.cached_tokens} (its slot was reused)"
+                )
             if self.slot_busy(target.name, to_slot, mine=1):
                 raise _SlotError(f"{target.name} slot {into_slot} became busy with another request")
             restored = await _slot_action(client, target, into_slot, "restore", name, timeout)
@@ -114,11 +116,16 @@ class Router(RouterState):
             await asyncio.to_thread(_unlink, self.slot_dir / name)
         self.publish(
             HandoffDone(
-                session_id=session_id, from_profile=source.name, to_profile=target.name, ok=result.ok,
-                tokens=result.tokens, save_s=round(result.save_s, 4), restore_s=round(result.restore_s, 4),
+                session_id=session_id,
+                from_profile=source.name,
+                to_profile=target.name,
+                ok=result.ok,
+                tokens=result.tokens,
+                save_s=round(result.save_s, 4),
+                restore_s=round(result.restore_s, 4),
                 error=result.error,
             )
-        )  # fmt: skip
+        )
         return result
 
     def sweep_slot_files(self) -> int:

@@ -178,10 +178,12 @@ class SessionService:
         turn, snap = await asyncio.to_thread(fold)
         self.publish(
             SessionUpdated(
-                session_id=work.session_id, project=work.project, turn=asdict(turn),
+                session_id=work.session_id,
+                project=work.project,
+                turn=asdict(turn),
                 est_accepted_share_ewma=snap.est_accepted_share_ewma if snap else None,
             )
-        )  # fmt: skip
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -93,8 +93,9 @@ def tiktoken_o200k() -> Tokenizer:
         spec = public.o200k_base()
     finally:
         public.load_tiktoken_bpe = original
-    encoding = tiktoken.Encoding(spec["name"], pat_str=spec["pat_str"], mergeable_ranks=ranks,
-                                 special_tokens=spec["special_tokens"])  # fmt: skip
+    encoding = tiktoken.Encoding(
+        spec["name"], pat_str=spec["pat_str"], mergeable_ranks=ranks, special_tokens=spec["special_tokens"]
+    )
     return _ThreadTokenizer("tiktoken:o200k_base", lambda text: encoding.encode_ordinary(text))
 
 
@@ -106,8 +107,9 @@ class EndpointTokenizer:
         self._session, self._url = session, base_url + "/tokenize"
 
     async def _one(self, text: str) -> list[int]:
-        async with self._session.post(self._url, json={"content": text, "add_special": False},
-                                      timeout=aiohttp.ClientTimeout(total=60)) as resp:  # fmt: skip
+        async with self._session.post(
+            self._url, json={"content": text, "add_special": False}, timeout=aiohttp.ClientTimeout(total=60)
+        ) as resp:
             resp.raise_for_status()
             tokens = (await resp.json())["tokens"]
             return [int(t) for t in tokens]

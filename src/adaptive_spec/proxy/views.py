@@ -42,8 +42,12 @@ def add_views(app: web.Application, proxy_view: Callable[[web.Request], Awaitabl
     async def metrics_view(request: web.Request) -> web.StreamResponse:
         if request.headers.get(PROFILE_HEADER):
             return await proxy_view(request)  # llama-server's own metrics of the pinned profile
-        return web.Response(body=request.app[METRICS].render(), content_type="text/plain", charset="utf-8",
-                            headers={"Cache-Control": "no-store"})  # fmt: skip
+        return web.Response(
+            body=request.app[METRICS].render(),
+            content_type="text/plain",
+            charset="utf-8",
+            headers={"Cache-Control": "no-store"},
+        )
 
     app.router.add_get("/metrics", metrics_view)
 
@@ -67,12 +71,19 @@ def _profiles(app: web.Application) -> list[dict[str, Any]]:
         upstream = table.get(name)
         assert upstream is not None
         info = infos.get(name)
-        out.append({
-            "name": name, "base_url": upstream.base_url, "up": table.down_reason(name) is None,
-            "reason": table.down_reason(name), "default": name == table.default,
-            "model": info.model_identity if info else None, "spec_types": info.spec_types if info else None,
-            "n_ctx": info.n_ctx if info else None, "slots": info.total_slots if info else None,
-        })  # fmt: skip
+        out.append(
+            {
+                "name": name,
+                "base_url": upstream.base_url,
+                "up": table.down_reason(name) is None,
+                "reason": table.down_reason(name),
+                "default": name == table.default,
+                "model": info.model_identity if info else None,
+                "spec_types": info.spec_types if info else None,
+                "n_ctx": info.n_ctx if info else None,
+                "slots": info.total_slots if info else None,
+            }
+        )
     return out
 
 
@@ -97,8 +108,9 @@ async def _restart_view(request: web.Request) -> web.Response:
             raise KeyError(name)
         await restart(name)
     except KeyError:
-        return error_response(409, f"profile {name!r} was not launched by adaptive-spec; it cannot restart it",
-                              code="not_launched")  # fmt: skip
+        return error_response(
+            409, f"profile {name!r} was not launched by adaptive-spec; it cannot restart it", code="not_launched"
+        )
     except LaunchError as exc:
         return error_response(502, f"profile {name!r} did not come back: {exc}", code="restart_failed")
     return _json({"restarted": name, "seconds": round(time.monotonic() - started, 2)})

@@ -110,11 +110,15 @@ def _estimate(
     s_per_token = speeds.decode_s_per_token(p.name, copy, context)
     prefill_s = speeds.prefill_s(p.name, prefill_tokens)
     return Estimate(
-        profile=p.name, prefill_tokens=prefill_tokens, prefill_s=prefill_s, handoff_s=handoff_s,
-        output_tokens=out_tokens, decode_tps=1.0 / s_per_token,
+        profile=p.name,
+        prefill_tokens=prefill_tokens,
+        prefill_s=prefill_s,
+        handoff_s=handoff_s,
+        output_tokens=out_tokens,
+        decode_tps=1.0 / s_per_token,
         speedup=speeds.plain_s_per_token(context) / s_per_token,
         total_s=prefill_s + handoff_s + out_tokens * s_per_token,
-    )  # fmt: skip
+    )
 
 
 def _can_hand_off(placement: Placement, to: ProfileState, policy: Policy, profiles: Mapping[str, ProfileState]) -> bool:
@@ -163,10 +167,16 @@ def decide(
         moved = placement.profile if placement is not None and placement.profile != name else None
         handoff = moved is not None and _can_hand_off(placement, by_name[name], policy, by_name)  # type: ignore[arg-type]
         return Decision(
-            profile=name, kind=kind, reason=reason, copy_share=copy, context_tokens=prompt_tokens, moved_from=moved,
-            handoff=handoff, handoff_tokens=placement.cached_tokens if handoff and placement else 0,
+            profile=name,
+            kind=kind,
+            reason=reason,
+            copy_share=copy,
+            context_tokens=prompt_tokens,
+            moved_from=moved,
+            handoff=handoff,
+            handoff_tokens=placement.cached_tokens if handoff and placement else 0,
             estimates=estimates,
-        )  # fmt: skip
+        )
 
     if request.pinned is not None and request.pinned in by_name:
         return decision(request.pinned, "pinned", f"{request.pinned}: pinned by the request header")

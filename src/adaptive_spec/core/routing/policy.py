@@ -34,9 +34,15 @@ class FirstTurnPolicy:
     copy_share: float = 0.6  # copyability assumed for a first turn that looks copy-heavy (0..1)
     min_lines: int = 20  # a pasted block at least this many lines long ...
     phrases: tuple[str, ...] = (  # ... and one of these (case-insensitive)
-        "complete updated file", "full updated file", "entire file", "whole file",
-        "complete file", "full file", "return the updated", "rewrite the file",
-    )  # fmt: skip
+        "complete updated file",
+        "full updated file",
+        "entire file",
+        "whole file",
+        "complete file",
+        "full file",
+        "return the updated",
+        "rewrite the file",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +158,13 @@ def _num(value: float) -> str:
 
 def _toml_type(value: object) -> str:
     names: tuple[tuple[type, str], ...] = (
-        (bool, "boolean"), (int, "integer"), (float, "float"), (str, "string"), (list, "array"), (dict, "table"),
-    )  # fmt: skip
+        (bool, "boolean"),
+        (int, "integer"),
+        (float, "float"),
+        (str, "string"),
+        (list, "array"),
+        (dict, "table"),
+    )
     return next((name for kind, name in names if isinstance(value, kind)), "date-time")
 
 

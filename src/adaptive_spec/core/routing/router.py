@@ -80,11 +80,16 @@ class RouterState:
 
     def states(self) -> list[ProfileState]:
         return [
-            ProfileState(name=n, down_reason=self.health.down_reason(n), in_flight=self.in_flight.get(n, 0),
-                         slots=self._books[n].slots, handoff=self._can_save(n),
-                         draft_model=uses_draft_model(self._spec_types.get(n)))
+            ProfileState(
+                name=n,
+                down_reason=self.health.down_reason(n),
+                in_flight=self.in_flight.get(n, 0),
+                slots=self._books[n].slots,
+                handoff=self._can_save(n),
+                draft_model=uses_draft_model(self._spec_types.get(n)),
+            )
             for n in self.health.names()
-        ]  # fmt: skip
+        ]
 
     def choose(
         self,
@@ -102,10 +107,13 @@ class RouterState:
         pasted = pasted_file_chars(body, policy.first_turn)
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or body.get("max_output_tokens")
         request = RequestState(
-            body_bytes=body_bytes, max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
-            copy_hint=pasted > 0, hint_output_tokens=self.speeds.prompt_tokens(pasted), pinned=pinned,
+            body_bytes=body_bytes,
+            max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
+            copy_hint=pasted > 0,
+            hint_output_tokens=self.speeds.prompt_tokens(pasted),
+            pinned=pinned,
             explore_draw=self._rng.random(),
-        )  # fmt: skip
+        )
         session = SessionState(session_id, session_turns, copy_share, self.placements.get(session_id))
         decision = decide(request, session, self.states(), self.speeds, policy)
         return decision, policy

@@ -205,11 +205,12 @@ class SpeedModel:
         for name in self._ngram:
             out.append(
                 ProfileSpeeds(
-                    profile=name, ngram=self.is_ngram(name),
+                    profile=name,
+                    ngram=self.is_ngram(name),
                     measured=round(self._gain[name].n if self.is_ngram(name) else self._own[name].n, 2),
                     decode_tps_plain_text=round(1.0 / self.decode_s_per_token(name, 0.0, 4000), 2),
                     decode_tps_copyable=round(1.0 / self.decode_s_per_token(name, 0.8, 4000), 2),
                     prefill_tps=round(1.0 / max(1e-9, self.prefill_s(name, 1.0)), 1),
                 )
-            )  # fmt: skip
+            )
         return out

@@ -176,9 +176,16 @@ class ContextTracker:
         if s is None:
             return None
         return SessionSnapshot(
-            session_id, s.project, s.turns, len(s.index), s.index.memory_bytes(), s.accepted_ewma, s.repeat_ewma,
-            tuple(s.history), s.last_seen,
-        )  # fmt: skip
+            session_id,
+            s.project,
+            s.turns,
+            len(s.index),
+            s.index.memory_bytes(),
+            s.accepted_ewma,
+            s.repeat_ewma,
+            tuple(s.history),
+            s.last_seen,
+        )
 
     def snapshots(self) -> list[SessionSnapshot]:
         return [snap for sid in reversed(self._sessions) if (snap := self.snapshot(sid)) is not None]
