@@ -193,12 +193,12 @@ def _run_adaptive(
     for r in requests:
         context[r.session] = context.get(r.session, 0) + r.new_prompt_tokens
         prompt = context[r.session]
-        turns, copy = history.get(r.session, (0, None))
+        turns, copy_share = history.get(r.session, (0, None))
         request = RequestState(
             body_bytes=int(prompt * policy.estimator.chars_per_token), max_tokens=r.output_tokens, copy_hint=r.copy_hint
         )
         decision = decide(
-            request, SessionState(r.session, turns, copy, placements.get(r.session)), profiles, speeds, policy
+            request, SessionState(r.session, turns, copy_share, placements.get(r.session)), profiles, speeds, policy
         )
         kind = kind_of[decision.profile]
         placement = placements.get(r.session)
@@ -223,7 +223,7 @@ def _run_adaptive(
         )
         observe(speeds, placements, decision.profile, 0, r.session, decision.copy_share, timings, request.body_bytes)
         share = min(1.0, max(0.0, scenario.copy_share[r.klass] + rng.uniform(-noise, noise)))
-        history[r.session] = (turns + 1, share if copy is None else 0.5 * share + 0.5 * copy)
+        history[r.session] = (turns + 1, share if copy_share is None else 0.5 * share + 0.5 * copy_share)
         context[r.session] += r.output_tokens
     return served
 

@@ -132,14 +132,14 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | web.Resp
     """A generating request: decide its profile, and hand the session's KV over when it moves."""
     app, parsed = request.app, req.parsed
     assert parsed is not None
-    router, service, a = app[ROUTER], app[SESSIONS], req.assignment
-    session_id = a.session_id if a is not None else None
-    turns, copy = 0, None
+    router, service, assignment = app[ROUTER], app[SESSIONS], req.assignment
+    session_id = assignment.session_id if assignment is not None else None
+    turns, copy_share = 0, None
     if service is not None and session_id is not None:
         await service.settled(session_id, _SETTLE_S)
-        turns, copy = service.copy_state(session_id)
+        turns, copy_share = service.copy_state(session_id)
     req.decision, _ = router.choose(
-        body=parsed.body, body_bytes=len(req.body), session_id=session_id, session_turns=turns, copy_share=copy,
+        body=parsed.body, body_bytes=len(req.body), session_id=session_id, session_turns=turns, copy_share=copy_share,
         project=req.project, workspace=req.workspace,
         pinned=request.headers.get(PROFILE_HEADER),
     )  # fmt: skip

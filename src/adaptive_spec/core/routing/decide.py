@@ -86,7 +86,7 @@ def _estimate(
     p: ProfileState,
     request: RequestState,
     session: SessionState,
-    copy: float,
+    copy_share: float,
     prompt_tokens: int,
     speeds: SpeedModel,
     policy: Policy,
@@ -107,7 +107,7 @@ def _estimate(
         out = max(out, float(request.hint_output_tokens))
     out_tokens = max(1, int(min(out, request.max_tokens) if request.max_tokens else out))
     context = prompt_tokens + out_tokens / 2
-    s_per_token = speeds.decode_s_per_token(p.name, copy, context)
+    s_per_token = speeds.decode_s_per_token(p.name, copy_share, context)
     prefill_s = speeds.prefill_s(p.name, prefill_tokens)
     return Estimate(
         profile=p.name,
@@ -159,7 +159,7 @@ def decide(
     policy: Policy,
 ) -> Decision:
     by_name = {p.name: p for p in profiles}
-    copy, copy_src = copyability(session, request, policy)
+    copy_share, copy_src = copyability(session, request, policy)
     prompt_tokens = speeds.prompt_tokens(request.body_bytes)
     placement = session.placement
 
@@ -170,7 +170,7 @@ def decide(
             profile=name,
             kind=kind,
             reason=reason,
-            copy_share=copy,
+            copy_share=copy_share,
             context_tokens=prompt_tokens,
             moved_from=moved,
             handoff=handoff,
@@ -208,7 +208,7 @@ def decide(
         if why is None:
             return decision(force, "forced", f"{force}: forced by the policy")
         alt = min(
-            (_estimate(p, request, session, copy, prompt_tokens, speeds, policy, by_name) for p in usable),
+            (_estimate(p, request, session, copy_share, prompt_tokens, speeds, policy, by_name) for p in usable),
             key=lambda e: e.total_s,
         ).profile
         return decision(alt, "fallback", f"{alt}: the policy forces {force}, but {why}")
@@ -216,16 +216,18 @@ def decide(
     if len(allowed) == 1 and usable[0].name == allowed[0].name:
         return decision(usable[0].name, "only", f"{usable[0].name}: the only profile the policy allows")
 
-    if placement is None and copy <= 0.0:
+    if placement is None and copy_share <= 0.0:
         # A first turn with nothing to copy goes to a profile without n-gram drafting (its pool starts empty and
         # the estimate could only tell noise apart), when the policy allows one.
         plain = [p for p in allowed if not speeds.is_ngram(p.name)]
         if plain:
             allowed = plain
             usable = [p for p in usable if not speeds.is_ngram(p.name)] or usable
-    everywhere = {p.name: _estimate(p, request, session, copy, prompt_tokens, speeds, policy, by_name) for p in allowed}
+    everywhere = {
+        p.name: _estimate(p, request, session, copy_share, prompt_tokens, speeds, policy, by_name) for p in allowed
+    }
     estimates = tuple(everywhere[p.name] for p in usable if p.name in everywhere) or tuple(
-        _estimate(p, request, session, copy, prompt_tokens, speeds, policy, by_name) for p in usable
+        _estimate(p, request, session, copy_share, prompt_tokens, speeds, policy, by_name) for p in usable
     )  # order = the policy's order: ties go to the first
     best = min(estimates, key=lambda e: e.total_s)
     by_est = {e.profile: e for e in estimates}
@@ -237,7 +239,7 @@ def decide(
     ideal = min(everywhere.values(), key=lambda e: e.total_s) if everywhere else best
     if placement is None and ideal.profile != best.profile:  # the estimated best is down or overloaded
         why = passed_over(ideal.profile)
-        reason = f"{best.profile}: {why}, the estimate's choice; copyable {copy:.0%} ({copy_src})"
+        reason = f"{best.profile}: {why}, the estimate's choice; copyable {copy_share:.0%} ({copy_src})"
         return decision(best.profile, "fallback", reason, estimates)
 
     if here is not None and best.profile != here.profile:
@@ -246,13 +248,13 @@ def decide(
         if placement.turns_here < policy.route.min_dwell_turns and placement.cached_tokens > 0:
             reason = (
                 f"{here.profile}: stays (turn {placement.turns_here} of a {policy.route.min_dwell_turns}-turn dwell); "
-                f"{best.profile} est {gain:.0%} faster; copyable {copy:.0%} ({copy_src})"
+                f"{best.profile} est {gain:.0%} faster; copyable {copy_share:.0%} ({copy_src})"
             )
             return decision(here.profile, "stay", reason, estimates)
         if gain < policy.route.hysteresis:
             reason = (
                 f"{here.profile}: stays; {best.profile} est only {gain:.0%} faster (hysteresis "
-                f"{policy.route.hysteresis:.0%}); copyable {copy:.0%} ({copy_src})"
+                f"{policy.route.hysteresis:.0%}); copyable {copy_share:.0%} ({copy_src})"
             )
             return decision(here.profile, "stay", reason, estimates)
 
@@ -261,7 +263,7 @@ def decide(
     if placement is None and request.explore_draw < policy.route.explore and len(estimates) > 1:
         chosen = sorted(estimates, key=lambda e: e.total_s)[1]
         kind = "explore"
-    return decision(chosen.profile, kind, _reason(chosen, estimates, copy, copy_src, placement, kind), estimates)
+    return decision(chosen.profile, kind, _reason(chosen, estimates, copy_share, copy_src, placement, kind), estimates)
 
 
 def _move_text(chosen: Estimate, placement: Placement | None) -> str:
@@ -280,14 +282,16 @@ def _move_text(chosen: Estimate, placement: Placement | None) -> str:
 def _reason(
     chosen: Estimate,
     estimates: tuple[Estimate, ...],
-    copy: float,
+    copy_share: float,
     copy_src: str,
     placement: Placement | None,
     kind: str,
 ) -> str:
     others = [e for e in estimates if e.profile != chosen.profile]
     vs = ", ".join(f"{e.profile} {e.speedup:.1f}× ({e.total_s:.1f} s)" for e in others)
-    head = f"{chosen.profile}: copyable {copy:.0%} ({copy_src}) → est {chosen.speedup:.1f}× ({chosen.total_s:.1f} s)"
+    head = (
+        f"{chosen.profile}: copyable {copy_share:.0%} ({copy_src}) → est {chosen.speedup:.1f}× ({chosen.total_s:.1f} s)"
+    )
     if vs:
         head += f" vs {vs}"
     tail = _move_text(chosen, placement)
