@@ -24,6 +24,7 @@ class ProxyMetrics:
     """Counters follow Prometheus naming: `adaptive_spec_` prefix, `_total` counters, base units (seconds)."""
 
     def __init__(self, known_profiles: frozenset[str] = frozenset()) -> None:
+        """Declares every metric (a list of declarations, hence its length)."""
         self.known_profiles = known_profiles
         self._projects: set[str] = set()
         self.registry = CollectorRegistry()

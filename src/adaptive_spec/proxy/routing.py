@@ -64,7 +64,8 @@ class Router(RouterState):
         """Save the session's slot on the profile it leaves and restore it on the one it goes to.
 
         Never raises: a failure means the new profile re-prefills, which is always correct (llama-server reuses only
-        the prefix of the restored cache that matches the prompt)."""
+        the prefix of the restored cache that matches the prompt). One sequence on purpose (over ~50 lines): each
+        step is guarded, and every way out ends in the same bookkeeping (`finally`) and the same event."""
         placement = self.placements.get(session_id)
         source = self.table.get(decision.moved_from or "")
         target = self.table.get(decision.profile)

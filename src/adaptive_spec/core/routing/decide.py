@@ -158,6 +158,9 @@ def decide(
     speeds: SpeedModel,
     policy: Policy,
 ) -> Decision:
+    """The profile for this request, and why. One function on purpose (longer than the house's ~50 lines): the
+    rules apply in order (pin, healthy and not overloaded, force, only one allowed, a plain first turn, estimates,
+    where the KV lives, dwell and hysteresis, exploration), and reading them top to bottom is reading the policy."""
     by_name = {p.name: p for p in profiles}
     copy_share, copy_src = copyability(session, request, policy)
     prompt_tokens = speeds.prompt_tokens(request.body_bytes)
