@@ -3,6 +3,7 @@ from __future__ import annotations
 import tomllib
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,6 +103,41 @@ def test_dotted_keys_and_inline_tables_work_as_tables() -> None:
 def test_a_bad_value_leaves_the_good_ones_in_the_overlay() -> None:
     overlay, problems = parse_overlay("[route]\nhysteresis = 2\nexplore = 0.2\n", "a.toml")
     assert overlay == {"route": {"explore": 0.2}} and len(problems) == 1
+
+
+# --- the declarations: each key's type, default and range in one place, and the checks follow them ---
+
+
+def _declared() -> list[tuple[str, str, str, Any]]:
+    return [(t, f.name, str(f.type), f.metadata["range"]) for t, cls in TABLES.items() for f in fields(cls)]
+
+
+def test_every_key_is_declared_with_what_it_does() -> None:
+    for table, cls in TABLES.items():
+        for f in fields(cls):
+            assert f.metadata["doc"].strip(), f"{table}.{f.name} has no description"
+
+
+@pytest.mark.parametrize(
+    ("table", "key", "kind", "valid"), [d for d in _declared() if d[3] is not None], ids=lambda v: str(v)
+)
+def test_each_declared_range_is_the_one_files_are_checked_against(table: str, key: str, kind: str, valid: Any) -> None:
+    step = 1 if kind == "int" else 0.125
+    lowest = valid.low + step if valid.low_open else valid.low
+    too_low = valid.low if valid.low_open else valid.low - step
+    values = [lowest] + ([valid.high] if valid.high is not None else [])
+    for value in values:
+        assert _problems(f"[{table}]\n{key} = {value!r}\n") == [], (table, key, value)
+    low_problems = _problems(f"[{table}]\n{key} = {too_low!r}\n")
+    assert len(low_problems) == 1 and low_problems[0].startswith(f"a.toml:{table}.{key}:2: must be")
+    if valid.high is not None:
+        high_problems = _problems(f"[{table}]\n{key} = {valid.high + step!r}\n")
+        assert len(high_problems) == 1 and "must be between" in high_problems[0]
+
+
+def test_every_number_without_a_declared_range_is_a_boolean_or_not_a_number() -> None:
+    unranged = [(t, k, kind) for t, k, kind, valid in _declared() if valid is None]
+    assert all(kind not in ("int", "float") for _, _, kind in unranged), unranged
 
 
 # --- problems: every one, named by file, dotted key and line ---

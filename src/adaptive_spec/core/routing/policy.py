@@ -16,32 +16,60 @@ from adaptive_spec.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
+class _Range:
+    """The valid values of a numeric key; `low_open` means strictly greater than `low`."""
+
+    low: float
+    high: float | None = None
+    low_open: bool = False
+
+    def check(self, value: float) -> str | None:
+        too_low = value <= self.low if self.low_open else value < self.low
+        if self.high is not None and (too_low or value > self.high):
+            return f"must be between {_num(self.low)} and {_num(self.high)}, got {_num(value)}"
+        if too_low:
+            return f"must be {'greater than' if self.low_open else 'at least'} {_num(self.low)}, got {_num(value)}"
+        return None
+
+
+def _key(default: Any, doc: str, low: float | None = None, high: float | None = None, *, low_open: bool = False) -> Any:
+    """One policy key, declared once: its default, what it does, and (for a number) its valid range. The checks of
+    policy files are derived from these declarations (`_RANGES`, `_KINDS`); default.toml says the same in prose,
+    and a test holds the two together."""
+    valid = _Range(low, high, low_open) if low is not None else None
+    return field(default=default, metadata={"doc": doc, "range": valid})
+
+
+@dataclass(frozen=True, slots=True)
 class RoutePolicy:
     """Which profiles a request may go to, and how readily a session moves between them."""
 
-    profiles: tuple[str, ...] = ()  # profiles the router may choose from; empty = every profile served
-    force: str | None = None  # send every request to this profile (TOML: "" means none)
-    hysteresis: float = 0.15  # move a session only if the other profile is estimated this much faster (0..1)
-    min_dwell_turns: int = 2  # turns a session stays on a profile before it may move again (>=0)
-    explore: float = 0.0  # share of decisions sent to a not-chosen profile to learn its speed (0..0.5)
-    max_queue: int = 2  # requests in flight on a profile beyond its slots before it counts as overloaded (>=0)
+    profiles: tuple[str, ...] = _key((), "profiles the router may choose from; empty = every profile served")
+    force: str | None = _key(None, 'send every request to this profile (TOML: "" means none)')
+    hysteresis: float = _key(0.15, "move a session only if the other profile is estimated this much faster", 0, 1)
+    min_dwell_turns: int = _key(2, "turns a session stays on a profile before it may move again", 0)
+    explore: float = _key(0.0, "share of decisions sent to a not-chosen profile to learn its speed", 0, 0.5)
+    max_queue: int = _key(2, "requests in flight on a profile beyond its slots before it counts as overloaded", 0)
 
 
 @dataclass(frozen=True, slots=True)
 class FirstTurnPolicy:
     """How a session's first turn, which has no history to measure, is judged copy-heavy."""
 
-    copy_share: float = 0.6  # copyability assumed for a first turn that looks copy-heavy (0..1)
-    min_lines: int = 20  # a pasted block at least this many lines long ...
-    phrases: tuple[str, ...] = (  # ... and one of these (case-insensitive)
-        "complete updated file",
-        "full updated file",
-        "entire file",
-        "whole file",
-        "complete file",
-        "full file",
-        "return the updated",
-        "rewrite the file",
+    copy_share: float = _key(0.6, "copyability assumed for a first turn that looks copy-heavy", 0, 1)
+    min_lines: int = _key(20, "a pasted block at least this many lines long ...", 1)
+    phrases: tuple[str, ...] = _key(
+        (
+            "complete updated file",
+            "full updated file",
+            "entire file",
+            "whole file",
+            "complete file",
+            "full file",
+            "return the updated",
+            "rewrite the file",
+        ),
+        "... and one of these (case-insensitive)",
     )
 
 
@@ -49,26 +77,28 @@ class FirstTurnPolicy:
 class EstimatorPolicy:
     """The priors of the speed estimates, and how fast measurements replace them."""
 
-    decode_tps: float = 40.0  # prior decode tok/s without speculation, before any request was measured (>0)
-    prefill_tps: float = 400.0  # prior prompt-processing tok/s (>0)
-    ngram_max_speedup: float = 3.0  # prior: n-gram profile's speed at copyability 1.0 over plain (>=1)
-    ngram_overhead: float = 0.03  # prior: n-gram profile's slowdown on output it cannot copy (0..1)
-    context_slowdown_per_1k: float = 0.05  # prior: decode time grows this share per 1,000 context tokens (>=0)
-    prior_weight: float = 3.0  # how many measured requests the priors are worth (>0)
-    half_life: int = 50  # measured requests after which an old measurement counts half (>=1)
-    output_tokens: int = 256  # expected output tokens before a session has a history (>=1)
-    chars_per_token: float = 3.5  # prompt chars per token, before measured (>0)
+    decode_tps: float = _key(
+        40.0, "prior decode tok/s without speculation, before any request was measured", 0, low_open=True
+    )
+    prefill_tps: float = _key(400.0, "prior prompt-processing tok/s", 0, low_open=True)
+    ngram_max_speedup: float = _key(3.0, "prior: n-gram profile's speed at copyability 1.0 over plain", 1)
+    ngram_overhead: float = _key(0.03, "prior: n-gram profile's slowdown on output it cannot copy", 0, 1)
+    context_slowdown_per_1k: float = _key(0.05, "prior: decode time grows this share per 1,000 context tokens", 0)
+    prior_weight: float = _key(3.0, "how many measured requests the priors are worth", 0, low_open=True)
+    half_life: int = _key(50, "measured requests after which an old measurement counts half", 1)
+    output_tokens: int = _key(256, "expected output tokens before a session has a history", 1)
+    chars_per_token: float = _key(3.5, "prompt chars per token, before measured", 0, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)
 class HandoffPolicy:
     """Whether a session that moves takes its KV cache along, and what that is assumed to cost."""
 
-    enabled: bool = True  # save the session's KV slot on the old profile and restore it on the new one
-    with_draft_models: bool = False  # also between profiles with a separate draft model (-md): see default.toml
-    min_tokens: int = 1024  # below this many cached tokens a re-prefill is cheaper than a slot file round trip (>=0)
-    save_s_per_1k: float = 0.04  # prior seconds to save 1,000 tokens of KV (>=0)
-    restore_s: float = 0.02  # prior seconds to restore a slot file (>=0)
+    enabled: bool = _key(True, "save the session's KV slot on the old profile and restore it on the new one")
+    with_draft_models: bool = _key(False, "also between profiles with a separate draft model (-md): see default.toml")
+    min_tokens: int = _key(1024, "below this many cached tokens a re-prefill is cheaper than a slot file round trip", 0)
+    save_s_per_1k: float = _key(0.04, "prior seconds to save 1,000 tokens of KV", 0)
+    restore_s: float = _key(0.02, "prior seconds to restore a slot file", 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,44 +119,12 @@ TABLES: dict[str, type[Any]] = {
     "handoff": HandoffPolicy,
 }
 Overlay = dict[str, dict[str, Any]]
-
-
-@dataclass(frozen=True, slots=True)
-class _Range:
-    """The valid values of a numeric key; `low_open` means strictly greater than `low`."""
-
-    low: float
-    high: float | None = None
-    low_open: bool = False
-
-    def check(self, value: float) -> str | None:
-        too_low = value <= self.low if self.low_open else value < self.low
-        if self.high is not None and (too_low or value > self.high):
-            return f"must be between {_num(self.low)} and {_num(self.high)}, got {_num(value)}"
-        if too_low:
-            return f"must be {'greater than' if self.low_open else 'at least'} {_num(self.low)}, got {_num(value)}"
-        return None
-
-
+# dotted key → its valid range, from the declarations
 _RANGES: dict[str, _Range] = {
-    "route.hysteresis": _Range(0, 1),
-    "route.min_dwell_turns": _Range(0),
-    "route.explore": _Range(0, 0.5),
-    "route.max_queue": _Range(0),
-    "first_turn.copy_share": _Range(0, 1),
-    "first_turn.min_lines": _Range(1),
-    "estimator.decode_tps": _Range(0, low_open=True),
-    "estimator.prefill_tps": _Range(0, low_open=True),
-    "estimator.ngram_max_speedup": _Range(1),
-    "estimator.ngram_overhead": _Range(0, 1),
-    "estimator.context_slowdown_per_1k": _Range(0),
-    "estimator.prior_weight": _Range(0, low_open=True),
-    "estimator.half_life": _Range(1),
-    "estimator.output_tokens": _Range(1),
-    "estimator.chars_per_token": _Range(0, low_open=True),
-    "handoff.min_tokens": _Range(0),
-    "handoff.save_s_per_1k": _Range(0),
-    "handoff.restore_s": _Range(0),
+    f"{table}.{f.name}": f.metadata["range"]
+    for table, cls in TABLES.items()
+    for f in fields(cls)
+    if f.metadata["range"]
 }
 
 
