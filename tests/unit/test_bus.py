@@ -7,6 +7,7 @@ import orjson
 import pytest
 
 from adaptive_spec.core.events import EventsDropped, ProfileDown, ProfileUp
+from adaptive_spec.core.records import RequestRecord
 from adaptive_spec.proxy.bus import EventBus
 from adaptive_spec.proxy.trace import TraceWriter
 
@@ -80,7 +81,14 @@ def test_trace_survives_its_file_being_moved_away(tmp_path: Path) -> None:
     for i in range(5):
         trace.request({"request_id": str(i)}, b"{}", None)
     trace.close()
-    assert (tmp_path / "t.jsonl").exists()
+
+    def ids(name: str) -> list[str]:
+        return [orjson.loads(line)["request_id"] for line in (tmp_path / name).read_text().splitlines()]
+
+    # Every line is over max_bytes, so each write rotates: after the move the writer reopened its own path, rotated
+    # on, and keeps the newest lines where they belong (keep=2: two rotated parts, no third).
+    assert (ids("t.jsonl.1"), ids("t.jsonl.2"), ids("t.jsonl")) == (["4"], ["3"], [])
+    assert not (tmp_path / "t.jsonl.3").exists()
 
 
 def test_metric_labels_stay_bounded() -> None:
@@ -101,4 +109,32 @@ def test_history_limit_zero_is_empty() -> None:
     from adaptive_spec.core.history import RequestHistory
 
     history = RequestHistory(5)
-    assert history.latest(0) == [] and history.latest(None) == []
+    records = [_record(str(i)) for i in range(3)]
+    for record in records:
+        history.add(record)
+    assert history.latest(0) == []
+    assert history.latest(None) == records and history.latest(-1) == records
+    assert history.latest(2) == records[1:]
+
+
+def _record(request_id: str) -> RequestRecord:
+    return RequestRecord(
+        request_id=request_id,
+        started_at_unix=0.0,
+        method="POST",
+        path="/v1/chat/completions",
+        api="chat",
+        project="default",
+        session_id=None,
+        session_source=None,
+        subagent=False,
+        profile="p",
+        stream=False,
+        status=200,
+        outcome="finished",
+        error=None,
+        timings=None,
+        ttft_ms=None,
+        ttst_ms=None,
+        total_ms=1.0,
+    )

@@ -55,9 +55,18 @@ def test_every_key_of_the_shipped_default_has_a_comment_above_it() -> None:
             assert lines[number - 2].startswith("#"), f"{key} (line {number}) has no comment above it"
 
 
-@pytest.mark.parametrize("path", sorted(REPO_POLICIES.glob("*.toml")), ids=lambda p: p.name)
+POLICY_FILES = sorted([*REPO_POLICIES.glob("*.toml"), *(REPO_POLICIES.parent / "examples").glob("*policy*.toml")])
+
+
+def test_the_repository_policy_files_are_found() -> None:
+    # Guards the test below: a glob that found nothing would make it pass without loading a single file.
+    assert {p.name for p in POLICY_FILES} >= {"default.toml", "project-policy.toml"}
+
+
+@pytest.mark.parametrize("path", POLICY_FILES, ids=lambda p: p.name)
 def test_every_policy_file_of_the_repository_loads(path: Path) -> None:
-    load_policy([(path.name, path.read_text(encoding="utf-8"))], known_profiles=["oneshot", "iterative"])
+    policy = load_policy([(path.name, path.read_text(encoding="utf-8"))], known_profiles=["oneshot", "iterative"])
+    assert policy.sources == (path.name,)
 
 
 def test_the_repository_default_is_the_shipped_file() -> None:
