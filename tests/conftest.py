@@ -11,6 +11,17 @@ from tests.support.servers import LlamaServer
 from tests.support.tiny_gguf import write_tiny_gguf
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test by what it needs, read from its fixtures (so a marker cannot be forgotten): `llama` for a real
+    llama-server, `qwen` for the real Qwen model as well. `pytest -m "not qwen"` is the quick loop."""
+    for item in items:
+        needs = set(getattr(item, "fixturenames", ()))
+        if "qwen_gguf" in needs:
+            item.add_marker(pytest.mark.qwen)
+        if needs & {"llama_server_binary", "qwen_gguf"}:
+            item.add_marker(pytest.mark.llama)
+
+
 def _missing(what: str) -> None:
     # On a developer machine a missing piece skips; in CI it must fail, so a green run means it really ran.
     if os.environ.get("CI"):
