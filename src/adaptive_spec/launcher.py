@@ -13,7 +13,6 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -61,13 +60,109 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-@dataclass
-class _Child:
-    spec: ProfileSpec
-    argv: list[str]
-    base_url: str
-    log_path: Path
-    process: asyncio.subprocess.Process | None = None
+class ServerProcess:
+    """One llama-server child, started the one way this project starts them: in its own session (a terminal's Ctrl-C
+    reaches the parent, which stops it in order), ended by the kernel if the parent dies, logging to a file, ready
+    once `/health` answers 200, and started once more with `--no-repack` if it dies of SIGILL while loading. The
+    launcher, the test support and the benchmark scripts all start llama-server through it."""
+
+    def __init__(self, name: str, argv: list[str], base_url: str, log_path: Path, say: Say = print) -> None:
+        self.name, self.argv, self.base_url, self.log_path = name, argv, base_url, log_path
+        self.process: asyncio.subprocess.Process | None = None
+        self._say = say
+
+    @property
+    def no_repack(self) -> bool:
+        """Whether it runs with `--no-repack` (given, or added after a SIGILL)."""
+        return _NO_REPACK in self.argv
+
+    async def start(self, health_timeout_s: float) -> None:
+        """Spawn it and wait until it is healthy; stops it and raises LaunchError if it is not."""
+        try:
+            await self.spawn()
+            async with aiohttp.ClientSession() as session:
+                await self.wait_healthy(session, health_timeout_s)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def spawn(self) -> None:
+        self._say(f"starting profile {self.name!r}: {' '.join(self.argv)}")
+        with self.log_path.open("ab") as log:
+            self.process = await asyncio.create_subprocess_exec(
+                *self.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,  # a terminal's Ctrl-C reaches adaptive-spec, which stops children itself
+                preexec_fn=_die_with_parent,
+            )
+
+    async def wait_healthy(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
+        started = time.monotonic()
+        last_report = started
+        assert self.process is not None
+        while True:
+            if self.process.returncode == -signal.SIGILL and _NO_REPACK not in self.argv:
+                # Some virtual machines advertise AMX but fault on it; llama.cpp only reaches AMX through weight
+                # repacking, so the same build runs once repacking is off.
+                self._say(
+                    f"profile {self.name!r}: llama-server hit an illegal instruction (SIGILL) in its "
+                    f"CPU kernels; retrying with {_NO_REPACK}"
+                )
+                self.argv.append(_NO_REPACK)
+                await self.spawn()
+                continue
+            if self.process.returncode is not None:
+                raise LaunchError(self.died_message())
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with session.get(self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        self._say(
+                            f"profile {self.name!r} ready at {self.base_url} ({time.monotonic() - started:.1f} s)"
+                        )
+                        return
+            now = time.monotonic()
+            if now - started > timeout_s:
+                raise LaunchError(
+                    f"profile {self.name!r} was not healthy after {timeout_s:.0f} s;"
+                    f" log: {self.log_path}\n{self.log_tail()}"
+                )
+            if now - last_report >= 3.0:
+                last_report = now
+                self._say(f"  {self.name}: loading ({now - started:.0f} s) {self.last_line()}")
+            await asyncio.sleep(0.1)
+
+    async def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 10 s. Safe to call more than once."""
+        proc = self.process
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), timeout=10)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+    def died_message(self) -> str:
+        assert self.process is not None
+        return (
+            f"profile {self.name!r}: llama-server exited with status {self.process.returncode} "
+            f"while loading; log: {self.log_path}\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join("    " + line for line in text.splitlines()[-lines:])
+
+    def last_line(self) -> str:
+        return self.log_tail(1).strip()[:100]
 
 
 class Launcher:
@@ -94,12 +189,12 @@ class Launcher:
         slots = run_dir / "slots"
         slots.mkdir(parents=True, exist_ok=True)
         (run_dir / "logs").mkdir(exist_ok=True)
-        self._children: list[_Child] = []
+        self._children: list[ServerProcess] = []
         for spec in specs:
             port = free_port(host)
             argv = server_argv(binary, spec, settings, host=host, port=port, slot_save_path=str(slots))
             log = run_dir / "logs" / f"{spec.name}.log"
-            self._children.append(_Child(spec, argv, f"http://{host}:{port}", log))
+            self._children.append(ServerProcess(spec.name, argv, f"http://{host}:{port}", log, say))
 
     def set_health_hooks(self, on_up: Callable[[str], None], on_down: Callable[[str, str], None]) -> None:
         """Who to tell when a profile goes down (crash) and comes back up (after a restart)."""
@@ -107,18 +202,18 @@ class Launcher:
 
     @property
     def endpoints(self) -> dict[str, str]:
-        return {c.spec.name: c.base_url for c in self._children}
+        return {c.name: c.base_url for c in self._children}
 
     def pids(self) -> dict[str, int]:
-        return {c.spec.name: c.process.pid for c in self._children if c.process is not None}
+        return {c.name: c.process.pid for c in self._children if c.process is not None}
 
     async def start(self) -> None:
         """Start every profile and wait until all are healthy; on any failure stop them all and raise."""
         try:
             for child in self._children:
-                await self._spawn(child)
+                await child.spawn()
             async with aiohttp.ClientSession() as session:
-                checks = [asyncio.create_task(self._wait_healthy(session, c)) for c in self._children]
+                checks = [asyncio.create_task(c.wait_healthy(session, self._health_timeout_s)) for c in self._children]
                 try:
                     await asyncio.gather(*checks)
                 finally:
@@ -129,13 +224,13 @@ class Launcher:
             await self.stop()
             raise
         for child in self._children:
-            self._on_up(child.spec.name)
-            self._watchers[child.spec.name] = asyncio.create_task(self._watch(child), name=f"watch-{child.spec.name}")
+            self._on_up(child.name)
+            self._watchers[child.name] = asyncio.create_task(self._watch(child), name=f"watch-{child.name}")
 
     async def restart(self, name: str) -> None:
         """Stop one profile's server and start it afresh (empty KV, prompt and n-gram caches), then wait until it is
         healthy. Raises KeyError for a profile this launcher does not own, LaunchError when it does not come back."""
-        child = next(c for c in self._children if c.spec.name == name) if name in self.endpoints else None
+        child = next(c for c in self._children if c.name == name) if name in self.endpoints else None
         if child is None or self._stopping:
             raise KeyError(name)
         watcher = self._watchers.pop(name, None)
@@ -144,65 +239,17 @@ class Launcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
         self._on_down(name, "restarting on request")
-        await self._stop_child(child)
-        await self._spawn(child)
+        await child.stop()
+        await child.spawn()
         try:
             async with aiohttp.ClientSession() as session:
-                await self._wait_healthy(session, child)
+                await child.wait_healthy(session, self._health_timeout_s)
         finally:  # up or not, it is watched again (a server that failed to come back is restarted with backoff)
             if not self._stopping:
                 self._watchers[name] = asyncio.create_task(self._watch(child), name=f"watch-{name}")
         self._on_up(name)
 
-    async def _spawn(self, child: _Child) -> None:
-        self._say(f"starting profile {child.spec.name!r}: {' '.join(child.argv)}")
-        with child.log_path.open("ab") as log:
-            child.process = await asyncio.create_subprocess_exec(
-                *child.argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,  # a terminal's Ctrl-C reaches adaptive-spec, which stops children itself
-                preexec_fn=_die_with_parent,
-            )
-
-    async def _wait_healthy(self, session: aiohttp.ClientSession, child: _Child) -> None:
-        started = time.monotonic()
-        last_report = started
-        assert child.process is not None
-        while True:
-            if child.process.returncode == -signal.SIGILL and _NO_REPACK not in child.argv:
-                # Some virtual machines advertise AMX but fault on it; llama.cpp only reaches AMX through weight
-                # repacking, so the same build runs once repacking is off.
-                self._say(
-                    f"profile {child.spec.name!r}: llama-server hit an illegal instruction (SIGILL) in its "
-                    f"CPU kernels; retrying with {_NO_REPACK}"
-                )
-                child.argv.append(_NO_REPACK)
-                await self._spawn(child)
-                continue
-            if child.process.returncode is not None:
-                raise LaunchError(self._died_message(child))
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with session.get(child.base_url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    if r.status == 200:
-                        self._say(
-                            f"profile {child.spec.name!r} ready at {child.base_url} "
-                            f"({time.monotonic() - started:.1f} s)"
-                        )
-                        return
-            now = time.monotonic()
-            if now - started > self._health_timeout_s:
-                raise LaunchError(
-                    f"profile {child.spec.name!r} was not healthy after {self._health_timeout_s:.0f} s;"
-                    f" log: {child.log_path}\n{self._log_tail(child)}"
-                )
-            if now - last_report >= 3.0:
-                last_report = now
-                self._say(f"  {child.spec.name}: loading ({now - started:.0f} s) {self._last_line(child)}")
-            await asyncio.sleep(0.1)
-
-    async def _watch(self, child: _Child) -> None:
+    async def _watch(self, child: ServerProcess) -> None:
         """Restart a profile that exits on its own, with exponential backoff (1 s doubling to 30 s)."""
         backoff = 1.0
         while not self._stopping:
@@ -212,23 +259,23 @@ class Launcher:
             if self._stopping:
                 return
             reason = f"llama-server exited with status {code}"
-            self._on_down(child.spec.name, reason)
+            self._on_down(child.name, reason)
             if time.monotonic() - up_since > 60:
                 backoff = 1.0
-            self._say(f"profile {child.spec.name!r}: {reason}; restarting in {backoff:.0f} s (log: {child.log_path})")
+            self._say(f"profile {child.name!r}: {reason}; restarting in {backoff:.0f} s (log: {child.log_path})")
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 30.0)
             if self._stopping:
                 return
-            await self._spawn(child)
+            await child.spawn()
             try:
                 async with aiohttp.ClientSession() as session:
-                    await self._wait_healthy(session, child)
+                    await child.wait_healthy(session, self._health_timeout_s)
             except LaunchError as exc:
                 self._say(str(exc))
-                await self._stop_child(child)  # a server stuck loading is killed, then restarted
+                await child.stop()  # a server stuck loading is killed, then restarted
                 continue
-            self._on_up(child.spec.name)
+            self._on_up(child.name)
 
     async def stop(self) -> None:
         """Stop every child: SIGTERM, then SIGKILL after 10 s. Safe to call more than once."""
@@ -239,37 +286,4 @@ class Launcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._watchers.clear()
-        await asyncio.gather(*(self._stop_child(c) for c in self._children))
-
-    async def _stop_child(self, child: _Child) -> None:
-        proc = child.process
-        if proc is None or proc.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), timeout=10)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-
-    def _died_message(self, child: _Child) -> str:
-        assert child.process is not None
-        return (
-            f"profile {child.spec.name!r}: llama-server exited with status {child.process.returncode} "
-            f"while loading; log: {child.log_path}\n{self._log_tail(child)}"
-        )
-
-    @staticmethod
-    def _log_tail(child: _Child, lines: int = 15) -> str:
-        try:
-            text = child.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join("    " + line for line in text.splitlines()[-lines:])
-
-    @staticmethod
-    def _last_line(child: _Child) -> str:
-        tail = Launcher._log_tail(child, 1).strip()
-        return tail[:100]
+        await asyncio.gather(*(c.stop() for c in self._children))

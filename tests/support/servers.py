@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -12,8 +13,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
+
+from adaptive_spec.launcher import ServerProcess
 
 
 def free_port() -> int:
@@ -67,7 +71,8 @@ def pid_alive(pid: int) -> bool:
 
 
 class LlamaServer:
-    """One real llama-server process on a free loopback port."""
+    """One real llama-server process on a free loopback port, started by the product's own `ServerProcess` (its own
+    session, ended with its parent, the SIGILL retry) on an event loop of its own, so synchronous tests can hold it."""
 
     def __init__(self, binary: str, model: Path, *args: str, log_dir: Path) -> None:
         self.port = free_port()
@@ -76,21 +81,20 @@ class LlamaServer:
         self.log_path = log_dir / f"llama-server-{self.port}.log"
         argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-t", "1", "--jinja"]
         argv += list(args)
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self._server = ServerProcess(f"test-{self.port}", argv, self.url, self.log_path, say=lambda _line: None)
+        # The loop's thread starts the child, and a child started with PR_SET_PDEATHSIG ends when that thread does:
+        # the thread lives as long as this server.
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
         try:
-            wait_until(self._healthy, 120, f"llama-server on {self.url} (log {self.log_path})", 0.1)
+            self._run(self._server.start(health_timeout_s=120))
         except BaseException:
             self.stop()
             raise
 
-    def _healthy(self) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"llama-server exited: {self.log_path.read_text()[-2000:]}")
-        try:
-            return bool(http_json(self.url + "/health", timeout=2).get("status") == "ok")
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
+    def _run(self, work: Coroutine[Any, Any, None]) -> None:
+        asyncio.run_coroutine_threadsafe(work, self._loop).result()
 
     def slot_busy(self) -> bool:
         return any(bool(s.get("is_processing")) for s in http_json(self.url + "/slots"))
@@ -104,7 +108,14 @@ class LlamaServer:
         return values
 
     def stop(self) -> None:
-        terminate(self.proc, 10)
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self._server.stop())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+            self._loop.close()
 
 
 class ProxyProcess:
