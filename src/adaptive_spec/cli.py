@@ -24,6 +24,7 @@ from adaptive_spec.errors import AdaptiveSpecError, ConfigError
 from adaptive_spec.models import DEFAULT_MODEL, EMBEDDED, ensure_embedded, resolve_model
 from adaptive_spec.proxy.app import ProxySettings
 from adaptive_spec.serve import LaunchPlan, ServePlan, SessionPlan, run, say
+from adaptive_spec.tui import command as tui_command
 
 EPILOG = """\
 examples:
@@ -45,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--tui", action="store_true", help="serve, and watch it in the terminal UI (adaptive-spec tui)")
     serve.add_argument("--port", type=int, default=8088)
     attach = serve.add_argument_group("attach to servers you run (no launching)")
     attach.add_argument(
@@ -172,6 +174,7 @@ def _parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="print the path of an embedded model, assembling it if needed")
     model.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(EMBEDDED))
     _policy_parser(sub)
+    tui_command.add_parser(sub)
     return parser
 
 
@@ -302,6 +305,11 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command == "serve" and args.tui:
+            argv = list(sys.argv[1:] if argv is None else argv)
+            return tui_command.serve_with_tui(argv, args.host, args.port, getattr(args, "api_key", None))
+        if args.command == "tui":
+            return tui_command.run_tui(args)
         if args.command == "serve":
             run(_serve_plan(args))
         elif args.command == "bench" and args.simulate:

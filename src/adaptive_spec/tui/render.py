@@ -1,0 +1,222 @@
+"""How the dashboard's figures read on screen: cells, lines and colours (Rich text; no widgets, no I/O)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from rich.text import Text
+
+from adaptive_spec.tui.state import Dashboard, LiveRequest, LogLine, ProfileView, SessionView, TurnRow
+
+BLOCKS = "▁▂▃▄▅▆▇█"
+DASH = "—"
+
+
+def pct(share: float | None) -> str:
+    return DASH if share is None else f"{share:.0%}"
+
+
+def num(value: float | None, digits: int = 1) -> str:
+    return DASH if value is None else f"{value:,.{digits}f}"
+
+
+def ms(value: float | None) -> str:
+    if value is None:
+        return DASH
+    return f"{value / 1000:.1f} s" if value >= 10_000 else f"{value:,.0f} ms"
+
+
+def short_id(session_id: str, width: int = 14) -> str:
+    return session_id if len(session_id) <= width else session_id[: width - 1] + "…"
+
+
+def spark(values: Sequence[float], width: int, top: float | None = None) -> str:
+    """A block-character sparkline of the last `width` values, scaled to `top` (or their maximum)."""
+    values = list(values)[-width:]
+    if not values:
+        return ""
+    peak = top if top is not None else max(values)
+    if peak <= 0:
+        return BLOCKS[0] * len(values)
+    last = len(BLOCKS) - 1
+    return "".join(BLOCKS[min(last, max(0, round(v / peak * last)))] for v in values)
+
+
+def spec_label(view: ProfileView) -> str:
+    types = [t for t in view.spec_types if t not in ("", "none")]
+    return ",".join(types) if types else "none"
+
+
+def profile_line(view: ProfileView, now: float, *, narrow: bool) -> Text:
+    """One profile: health, what it drafts with, slots and queue, the 1-second and since-start figures."""
+    rate, accept = view.live(now)
+    line = Text()
+    line.append("● " if view.up else "○ ", style="green" if view.up else "bold red")
+    line.append(f"{view.name:<10.10}", style="bold")
+    line.append(f" {spec_label(view):<{12 if narrow else 24}.{12 if narrow else 24}}", style="cyan")
+    slots = f"{view.busy}/{view.slots}" if view.slots is not None else f"{view.busy}/?"
+    line.append(f" slots {slots:<5}")
+    if not narrow:
+        line.append(f" queue {view.queued:<3}", style="yellow" if view.queued else "")
+    line.append(f" {rate:6.1f} tok/s" if not narrow else f" {rate:5.1f} t/s")
+    if view.drafts and narrow:
+        line.append(f" acc {pct(accept):>4}", style="green" if accept else "")
+        line.append(f" / {pct(view.acceptance_total):>4}")
+    elif view.drafts:
+        line.append(f"  accept {pct(accept):>4} (1 s)", style="green" if accept else "")
+        line.append(f"  {pct(view.acceptance_total):>4} since start")
+    else:
+        line.append("  no drafting", style="dim")
+    if not view.up and view.reason:
+        line.append(f"  down: {view.reason}", style="red")
+    return line
+
+
+def session_cells(view: SessionView, *, narrow: bool) -> tuple[str | Text, ...]:
+    last = view.last_turn
+    profile = Text(view.profile or DASH, style="bold" if view.in_flight else "")
+    if view.in_flight:
+        profile.append(" ●", style="green")
+    accepted = f"{pct(last.accepted_share if last else None)} / {pct(view.accepted_share)}"
+    speed = num(last.tokens_per_s if last else None)
+    if narrow:
+        return (short_id(view.session_id, 14), view.client[:8], str(len(view.turns)), profile, accepted, speed)
+    reason = (view.last_reason or "").replace("\n", " ")
+    return (
+        short_id(view.session_id),
+        view.client,
+        view.project,
+        str(len(view.turns)),
+        profile,
+        pct(view.est_copyability),
+        accepted,
+        speed,
+        str(view.moves),
+        reason if len(reason) <= REASON_CHARS else reason[: REASON_CHARS - 1] + "…",
+    )
+
+
+REASON_CHARS = 64  # the whole reason is in the session's detail
+SESSION_COLUMNS_WIDE = (
+    "session",
+    "client",
+    "project",
+    "turns",
+    "profile",
+    "est. copyable",
+    "accepted last / all",
+    "tok/s",
+    "moves",
+    "last decision",
+)
+SESSION_COLUMNS_NARROW = ("session", "client", "turns", "profile", "accepted last / all", "tok/s")
+
+
+def turn_cells(index: int, row: TurnRow) -> tuple[str | Text, ...]:
+    handoff = DASH
+    if row.handoff_tokens is not None:
+        handoff = f"{row.handoff_tokens:,} tok {num(row.handoff_ms, 0)} ms"
+    elif row.moved_from:
+        handoff = "re-prefill"
+    status = Text("✓", style="green") if row.outcome == "finished" else Text(f"✗ {row.status}", style="bold red")
+    return (
+        str(index),
+        status,
+        row.profile,
+        f"{row.prompt_n:,}",
+        f"{row.cache_n:,}",
+        f"{row.predicted_n:,}",
+        f"{row.draft_n:,}",
+        f"{row.draft_n_accepted:,}",
+        num(row.tokens_per_s),
+        ms(row.ttft_ms),
+        ms(row.ttst_ms),
+        f"{pct(row.est_accepted_share)} / {pct(row.accepted_share)}",
+        row.route or DASH,
+        handoff,
+    )
+
+
+TURN_COLUMNS = (
+    "#",
+    "",
+    "profile",
+    "prompt",
+    "cached",
+    "out",
+    "drafted",
+    "accepted",
+    "tok/s",
+    "TTFT",
+    "TTST",
+    "est / meas",
+    "route",
+    "handoff",
+)
+
+
+def turn_reason(index: int, row: TurnRow) -> Text:
+    """The whole routing reason of one turn (and its error, for a failed one)."""
+    text = Text(f"turn {index} → {row.profile} ({row.route or 'not routed'}): ", style="bold")
+    text.append(row.reason or "no routing decision (not a generating request, or routing is off)")
+    if row.error:
+        text.append(f"\nerror: {row.error}", style="bold red")
+    return text
+
+
+_LOG_STYLES = {
+    "fail": "bold red",
+    "handoff": "magenta",
+    "policy": "yellow",
+    "profile": "cyan",
+    "note": "yellow",
+    "serve": "dim",
+}
+
+
+def log_line(line: LogLine) -> Text:
+    stamp = time.strftime("%H:%M:%S", time.localtime(line.at_unix))
+    text = Text(f"{stamp} ", style="dim")
+    text.append(f"{line.who:<12.12} ", style="bold")
+    text.append(line.text, style=_LOG_STYLES.get(line.kind, ""))
+    return text
+
+
+def live_text(live: LiveRequest | None, *, enabled: bool) -> Text:
+    if live is None:
+        return Text("no request of this session is in flight", style="dim")
+    head = Text(f"{live.profile}: {live.predicted_n} tok, {live.draft_n_accepted} from drafts  ", style="bold")
+    if not enabled:
+        head.append("(live text is off: start serve with --feed-content to see it)", style="dim")
+        return head
+    head.append("accepted-draft tokens highlighted (inferred from draft_n_accepted between chunks)\n", style="dim")
+    for chunk, drafted in live.text:
+        head.append(chunk, style="black on green" if drafted else "")
+    return head
+
+
+def status_line(board: Dashboard, *, url: str, connected: bool, since: float | None, paused: bool, now: float) -> Text:
+    text = Text(" adaptive-spec ", style="bold reverse")
+    text.append(f" {url} ")
+    if connected and since is not None:
+        text.append(f" connected {_duration(now - since)} ", style="green")
+    elif connected:
+        text.append(" replay ", style="cyan")
+    else:
+        text.append(" disconnected ", style="bold red")
+    text.append(f" {board.requests_total} requests")
+    if board.failed_total:
+        text.append(f", {board.failed_total} failed", style="red")
+    if board.dropped_events:
+        text.append(f"  {board.dropped_events} events dropped (resynced)", style="yellow")
+    if paused:
+        text.append("  PAUSED (space resumes)", style="bold yellow")
+    return text
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"

@@ -1,0 +1,236 @@
+"""The TUI's state: a pure fold of feed events; totals come from records, live figures from progress events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from adaptive_spec.tui.render import spark
+from adaptive_spec.tui.state import Dashboard, client_of
+
+T0 = 1_800_000_000.0
+
+
+def _snapshot() -> dict[str, Any]:
+    return {
+        "profiles": [
+            {"name": "oneshot", "base_url": "http://a", "up": True, "spec_types": ["none"], "slots": 1},
+            {"name": "iterative", "base_url": "http://b", "up": True, "spec_types": ["ngram-mod"], "slots": 1},
+        ],
+        "sessions": [{"session_id": "s1", "project": "p", "turns": 0, "est_accepted_share_ewma": None}],
+    }
+
+
+def _record(
+    rid: str,
+    *,
+    sid: str | None = "s1",
+    profile: str = "iterative",
+    out: int = 100,
+    drafted: int = 80,
+    accepted: int = 60,
+    outcome: str = "finished",
+    moved_from: str | None = None,
+) -> dict[str, Any]:
+    return {
+        "request_id": rid,
+        "started_at_unix": T0,
+        "api": "chat",
+        "project": "p",
+        "session_id": sid,
+        "session_source": "header:x-session-id",
+        "profile": profile,
+        "status": 200 if outcome == "finished" else 502,
+        "outcome": outcome,
+        "error": None if outcome == "finished" else "profile down",
+        "total_ms": 2000.0,
+        "ttft_ms": 100.0,
+        "ttst_ms": 150.0,
+        "route": "estimate",
+        "reason": f"{profile}: because",
+        "moved_from": moved_from,
+        "handoff": {"ok": True, "tokens": 1234, "save_s": 0.01, "restore_s": 0.005} if moved_from else None,
+        "timings": {
+            "prompt_n": 10,
+            "cache_n": 500,
+            "predicted_n": out,
+            "predicted_ms": 1000.0,
+            "predicted_per_second": float(out),
+            "draft_n": drafted,
+            "draft_n_accepted": accepted,
+        },
+    }
+
+
+def _started(rid: str, sid: str | None = "s1", profile: str = "iterative", at: float = T0) -> dict[str, Any]:
+    return {
+        "request_id": rid,
+        "session_id": sid,
+        "project": "p",
+        "profile": profile,
+        "at_unix": at,
+        "session_source": "header:x-session-id",
+        "reason": f"{profile}: because",
+    }
+
+
+def test_a_request_folds_into_profile_session_and_log() -> None:
+    board = Dashboard()
+    board.apply("snapshot", _snapshot(), T0)
+    board.apply("RequestStarted", _started("r1"), T0)
+    assert board.profiles["iterative"].busy == 1
+    assert board.sessions["s1"].in_flight == "r1"
+    assert board.sessions["s1"].client == "opencode"
+    board.apply(
+        "DraftProgress",
+        {
+            "request_id": "r1",
+            "predicted_n": 40,
+            "draft_n": 32,
+            "draft_n_accepted": 30,
+            "predicted_per_second": 50.0,
+            "at_unix": T0 + 0.5,
+        },
+        T0 + 0.5,
+    )
+    rate, accept = board.profiles["iterative"].live(T0 + 0.6)
+    assert (rate, accept) == (40.0, 0.75)
+    board.apply("RequestFinished", {"record": _record("r1"), "at_unix": T0 + 0.9}, T0 + 0.9)
+    view = board.profiles["iterative"]
+    assert view.busy == 0
+    # the finish adds the tokens no progress event announced: 60 more output, 30 more accepted
+    assert view.live(T0 + 1.0) == (100.0, 0.6)
+    assert (view.predicted_n, view.draft_n, view.draft_n_accepted) == (100, 80, 60)
+    session = board.sessions["s1"]
+    assert (session.predicted_n, session.draft_n, session.draft_n_accepted) == (100, 80, 60)
+    assert session.in_flight is None and session.profile == "iterative"
+    assert [line.kind for line in board.log] == ["start", "finish"]
+    assert "60 from drafts (60%)" in board.log[-1].text
+
+
+def test_the_window_forgets_after_one_second_and_the_chart_samples_each_second() -> None:
+    board = Dashboard()
+    board.apply("snapshot", _snapshot(), T0)
+    board.tick(T0)
+    board.apply("RequestStarted", _started("r1"), T0)
+    board.apply(
+        "DraftProgress",
+        {"request_id": "r1", "predicted_n": 50, "draft_n": 0, "draft_n_accepted": 25, "at_unix": T0 + 0.2},
+        T0 + 0.2,
+    )
+    assert board.tick(T0 + 1.0)
+    assert board.profiles["iterative"].live(T0 + 1.5) == (0.0, None)
+    point = board.profiles["iterative"].chart[-1]
+    assert (point.tokens_per_s, point.acceptance) == (50.0, 0.5)
+    assert board.profiles["oneshot"].chart[-1].acceptance is None
+
+
+def test_history_and_feed_never_count_a_request_twice() -> None:
+    board = Dashboard()
+    board.apply("snapshot", _snapshot(), T0)
+    board.apply("RequestFinished", {"record": _record("r1")}, T0)
+    assert board.load_requests([_record("r1"), _record("r2", drafted=10, accepted=5)]) == 1
+    board.apply("RequestFinished", {"record": _record("r2")}, T0)
+    assert board.requests_total == 2
+    assert board.sessions["s1"].draft_n_accepted == 65
+    assert len(board.sessions["s1"].turns) == 2
+
+
+def test_failures_moves_handoffs_and_estimates() -> None:
+    board = Dashboard()
+    board.apply("snapshot", _snapshot(), T0)
+    board.apply("RequestFailed", {"record": _record("r1", outcome="failed", out=0, drafted=0, accepted=0)}, T0)
+    board.apply("RequestFinished", {"record": _record("r2", moved_from="oneshot")}, T0)
+    board.apply(
+        "HandoffDone",
+        {
+            "session_id": "s1",
+            "from_profile": "oneshot",
+            "to_profile": "iterative",
+            "ok": True,
+            "tokens": 1234,
+            "save_s": 0.01,
+            "restore_s": 0.005,
+            "error": None,
+        },
+        T0,
+    )
+    board.apply(
+        "SessionUpdated",
+        {
+            "session_id": "s1",
+            "project": "p",
+            "est_accepted_share_ewma": 0.7,
+            "turn": {"turn": 1, "est_accepted_share": 0.65},
+        },
+        T0,
+    )
+    session = board.sessions["s1"]
+    assert board.failed_total == 1
+    assert session.moves == 1
+    assert session.turns[0].est_accepted_share is None  # the failed turn produced nothing to estimate
+    assert session.turns[1].est_accepted_share == 0.65
+    assert session.turns[1].handoff_tokens == 1234
+    assert session.est_copyability == 0.7
+    kinds = [line.kind for line in board.log]
+    assert kinds == ["fail", "finish", "handoff"]
+    assert "✗ 502 profile down" in board.log[0].text
+    assert "1,234 tok in 15 ms" in board.log[2].text
+
+
+def test_profile_health_and_dropped_events_are_shown() -> None:
+    board = Dashboard()
+    board.apply("snapshot", _snapshot(), T0)
+    board.apply("ProfileDown", {"profile": "oneshot", "base_url": "http://a", "reason": "exited"}, T0)
+    assert not board.profiles["oneshot"].up and board.profiles["oneshot"].reason == "exited"
+    board.apply("ProfileUp", {"profile": "oneshot", "base_url": "http://a"}, T0)
+    assert board.profiles["oneshot"].up
+    board.apply("EventsDropped", {"count": 7}, T0)
+    assert board.dropped_events == 7
+    assert "7 events dropped" in board.log[-1].text
+
+
+def test_queue_and_slots() -> None:
+    board = Dashboard()
+    board.apply("snapshot", _snapshot(), T0)
+    for i in range(3):
+        board.apply("RequestStarted", _started(f"r{i}", sid=f"s{i}"), T0)
+    view = board.profiles["iterative"]
+    assert (view.busy, view.queued) == (1, 2)
+
+
+def test_live_text_is_kept_with_its_draft_marks_and_bounded() -> None:
+    board = Dashboard()
+    board.apply("RequestStarted", _started("r1"), T0)
+    board.apply(
+        "DraftProgress",
+        {
+            "request_id": "r1",
+            "predicted_n": 3,
+            "draft_n_accepted": 2,
+            "text": [["def ", True], ["f", True], ["(", False]],
+        },
+        T0,
+    )
+    live = board.live["r1"]
+    assert board.live_text
+    assert list(live.text) == [("def ", True), ("f", True), ("(", False)]
+    board.apply(
+        "DraftProgress",
+        {"request_id": "r1", "predicted_n": 4, "draft_n_accepted": 2, "text": [["x" * 5000, False]]},
+        T0,
+    )
+    assert live.text_chars <= 5000 and list(live.text) == [("x" * 5000, False)]
+
+
+def test_client_names() -> None:
+    assert client_of("header:x-session-id") == "opencode"
+    assert client_of("header:session-id") == "codex"
+    assert client_of("echo:reply") == "?"
+    assert client_of("echo:reply", "aider") == "aider"
+
+
+def test_sparkline_scales_to_its_peak() -> None:
+    assert spark([0, 1, 2, 4], 10) == "▁▃▅█"
+    assert spark([5, 5], 1) == "█"
+    assert spark([], 5) == ""
+    assert spark([0.0, 0.0], 5) == "▁▁"
