@@ -119,6 +119,11 @@ def _parser() -> argparse.ArgumentParser:
     trace.add_argument("--trace", metavar="FILE.jsonl", help="write every request record to this JSONL file")
     trace.add_argument("--trace-content", action="store_true", help="also keep prompts and replies in the trace")
     trace.add_argument("--trace-max-mb", type=float, default=64.0, help="rotate the trace at this size (3 kept)")
+    trace.add_argument(
+        "--feed-content",
+        action="store_true",
+        help="the live event feed also carries streamed answers' text (for the TUI's live text); off by default",
+    )
     sessions = serve.add_argument_group("sessions and repeated-context statistics")
     sessions.add_argument(
         "--tokenizer",
@@ -268,7 +273,10 @@ def _routing_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def _serve_plan(args: argparse.Namespace) -> ServePlan:
     proxy = ProxySettings(
-        max_body_bytes=int(args.max_body_mb * 1024 * 1024), read_timeout_s=args.read_timeout, history_size=args.history
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        read_timeout_s=args.read_timeout,
+        history_size=args.history,
+        feed_content=args.feed_content,
     )
     if args.default_profile:
         check_profile_name(args.default_profile)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from textual.widgets import DataTable
 
 from adaptive_spec.tui.app import DashboardApp, make_app
 
@@ -33,17 +34,24 @@ def utc() -> Iterator[None]:
 
 
 def _app() -> DashboardApp:
-    return make_app(replay=FEED, speed=0, frame_s=0.05)
+    app = make_app(replay=FEED, speed=0, frame_s=0.05)
+    app.animation_level = "none"  # the log scrolls to its end at once
+    return app
 
 
 async def _settle(pilot: Any) -> None:
     app = pilot.app
     while not any(line.who == "replay" for line in app.dashboard.log):
         await pilot.pause(0.05)
-    app.dirty = True
-    while app.dirty:
-        await pilot.pause(0.05)
-    await pilot.pause(0.1)
+    table = app.query_one("#sessions", DataTable)
+    table.move_cursor(row=0)  # the detail opens on the most recent session, whatever row was first seen
+    table.show_cursor = False  # where the cursor sat while events streamed in is timing, not layout
+    for _ in range(2):  # two whole frames after the last event
+        app.dirty = True
+        while app.dirty:
+            await pilot.pause(0.05)
+    await pilot.wait_for_scheduled_animations()
+    await pilot.pause(0.2)
 
 
 def test_dashboard_wide(snap_compare: Callable[..., bool]) -> None:

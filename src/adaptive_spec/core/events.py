@@ -32,6 +32,7 @@ class RequestStarted(_Event):
     route: str | None = None  # how the profile was chosen: pinned, forced, estimate, stay, explore, fallback, only
     reason: str | None = None  # the routing decision's one-line reason
     moved_from: str | None = None  # the session's KV cache lived on this other profile
+    client: str | None = None  # the agent, from its User-Agent (opencode, codex, aider, …)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,9 @@ class DraftProgress(_Event):
     draft_n: int
     draft_n_accepted: int
     predicted_per_second: float
+    # The text since the previous DraftProgress, in pieces marked True when inferred to come from accepted drafts;
+    # only with `serve --feed-content` (the feed carries no text otherwise).
+    text: list[tuple[str, bool]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +68,7 @@ class SessionUpdated(_Event):
     project: str
     turn: dict[str, Any]
     est_accepted_share_ewma: float | None
+    request_id: str | None = None  # the request whose response this turn folded in
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +100,14 @@ class HandoffDone(_Event):
 
 
 @dataclass(frozen=True, slots=True)
+class SessionPinned(_Event):
+    """A session was pinned to a profile (its next turns go there, its KV follows), or, with None, unpinned."""
+
+    session_id: str
+    profile: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class PolicyChanged(_Event):
     """A policy file was reloaded, or found bad (the last good version stays in force)."""
 
@@ -117,6 +130,7 @@ Event = (
     | ProfileUp
     | ProfileDown
     | HandoffDone
+    | SessionPinned
     | PolicyChanged
     | EventsDropped
 )

@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 
 MAX_OUTPUT_CHARS = 4 * 1024 * 1024  # beyond this a reply is not kept (its stats are estimated from the prefix)
+MAX_LIVE_CHARS = 64 * 1024  # live text not yet published (a feed reader keeps only the last few KB)
 
 
 def _str(value: Any) -> str:
@@ -105,6 +106,42 @@ def body_output(obj: Any) -> tuple[list[str], list[str]]:
     if isinstance(obj.get("content"), str) and "stop" in obj:
         texts.append(obj["content"])
     return texts, ids
+
+
+class LiveText:
+    """A streamed answer's new text in pieces, each marked when it came from accepted drafts, for the live view.
+
+    llama-server marks no token as drafted. With per-token timings, the chunk after which `draft_n_accepted` grew by
+    k is taken to start a run of k accepted-draft tokens (one token a chunk); an inference, and labelled as one.
+    """
+
+    __slots__ = ("_accepted", "_credit", "_pending", "_size")
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[str, bool]] = []
+        self._accepted = 0
+        self._credit = 0
+        self._size = 0
+
+    def add(self, text: str, accepted_total: int | None) -> None:
+        if accepted_total is not None and accepted_total > self._accepted:
+            self._credit += accepted_total - self._accepted
+            self._accepted = accepted_total
+        drafted = self._credit > 0
+        if drafted:
+            self._credit -= 1
+        if not text or self._size > MAX_LIVE_CHARS:  # nobody takes them: keep a bound all the same
+            return
+        self._size += len(text)
+        if self._pending and self._pending[-1][1] == drafted:
+            self._pending[-1] = (self._pending[-1][0] + text, drafted)
+        else:
+            self._pending.append((text, drafted))
+
+    def take(self) -> list[tuple[str, bool]]:
+        """The pieces since the last call."""
+        pieces, self._pending, self._size = self._pending, [], 0
+        return pieces
 
 
 class OutputCollector:

@@ -47,6 +47,7 @@ class RequestRecord:
     reason: str | None = None  # the routing decision in one line
     moved_from: str | None = None  # the session's KV cache lived on this other profile before this request
     handoff: dict[str, Any] | None = None  # the KV slot save/restore before forwarding, when the session moved
+    client: str | None = None  # the agent, from its User-Agent (opencode, codex, aider, …)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -6,7 +6,7 @@ from typing import Any
 
 import orjson
 
-from adaptive_spec.core.output import OutputCollector, body_output, event_output
+from adaptive_spec.core.output import LiveText, OutputCollector, body_output, event_output
 from adaptive_spec.core.records import Timings
 from adaptive_spec.core.sse import SSEEvent
 
@@ -133,10 +133,21 @@ class ResponseMeter:
     The caller passes a monotonic clock reading in milliseconds with each piece, so this stays free of I/O.
     """
 
-    __slots__ = ("_pieces", "_timings", "_usage", "complete", "error", "first_token_ms", "output", "second_token_ms")
+    __slots__ = (
+        "_pieces",
+        "_timings",
+        "_usage",
+        "complete",
+        "error",
+        "first_token_ms",
+        "live",
+        "output",
+        "second_token_ms",
+    )
 
     def __init__(self) -> None:
         self.output = OutputCollector()
+        self.live: LiveText | None = None  # set when the live feed carries the text (serve --feed-content)
         # True once the stream's own end marker arrived: a client may hang up right after it, and lose nothing.
         self.complete = False
         self._timings: Timings | None = None
@@ -160,7 +171,8 @@ class ResponseMeter:
             return None
         if not isinstance(obj, dict):
             return None
-        self.output.add(*event_output(obj))
+        texts, ids = event_output(obj)
+        self.output.add(texts, ids)
         pieces = generated_pieces(obj)
         if pieces:
             if self._pieces == 0:
@@ -169,6 +181,8 @@ class ResponseMeter:
                 self.second_token_ms = now_ms
             self._pieces += pieces
         self._take(obj)
+        if self.live is not None:
+            self.live.add("".join(texts), self._timings.draft_n_accepted if self._timings is not None else None)
         if event.event == "error" or "error" in obj:
             self.error = _error_text(obj)
         return obj

@@ -12,7 +12,9 @@ import orjson
 from aiohttp import web
 
 from adaptive_spec.core.headers import PROFILE_HEADER, REQUEST_ID_HEADER, ROUTE_HEADER
+from adaptive_spec.core.output import LiveText
 from adaptive_spec.core.requests import GENERATING_APIS, RequestProblem, parse_body, split_path
+from adaptive_spec.core.sessions.clients import client_name
 from adaptive_spec.core.sessions.project import DEFAULT_PROJECT, workspace_path_from_request
 from adaptive_spec.core.timings import without_progress_timings
 from adaptive_spec.proxy.errors import error_response
@@ -164,7 +166,8 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
     app = request.app
     routed = split_path(request.path)
     req = ProxyRequest(uuid.uuid4().hex[:16], routed, request.headers.get(PROFILE_HEADER) or app[UPSTREAMS].default,
-                   project=routed.project or DEFAULT_PROJECT)  # fmt: skip
+                   project=routed.project or DEFAULT_PROJECT,
+                   client=client_name(request.headers.get("User-Agent")))  # fmt: skip
     try:
         chosen = await _prepare(request, req)
         if isinstance(chosen, web.Response):
@@ -174,6 +177,8 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s,
                                         sock_read=settings.read_timeout_s)  # fmt: skip
         body, strip = _upstream_body(req, chosen)
+        if settings.feed_content and req.parsed is not None and req.parsed.stream and routed.api in _PROGRESS_APIS:
+            req.meter.live = LiveText()
         resp, outcome = await forward(
             request, app[CLIENT], chosen,
             path_qs=routed.upstream_path + _upstream_query(request, chosen, routed.api), body=body, api=routed.api,

@@ -47,6 +47,7 @@ class ProxyRequest:
     slot: int | None = None  # the slot named with id_slot (profiles with several slots)
     handoff: HandoffResult | None = None
     routed_started: bool = False  # counted in the router's in-flight load
+    client: str | None = None  # the agent, from its User-Agent
 
 
 class RequestLifecycle:
@@ -63,6 +64,7 @@ class RequestLifecycle:
     ) -> None:
         self.bus, self.history, self.router, self.sessions, self.trace = bus, history, router, sessions, trace
         self.progress_interval_s = progress_interval_s
+        self.in_flight: dict[str, RequestStarted] = {}  # announced, not ended: the feed's snapshot lists them
 
     def announce(self, req: ProxyRequest) -> None:
         """RequestStarted, once: when the request is forwarded, or at its end if it never was."""
@@ -70,20 +72,21 @@ class RequestLifecycle:
             return
         req.announced = True
         assignment, decision = req.assignment, req.decision
-        self.bus.publish(
-            RequestStarted(
-                request_id=req.request_id,
-                api=req.routed.api,
-                project=req.project,
-                profile=req.profile,
-                session_id=assignment.session_id if assignment else None,
-                session_source=assignment.source if assignment else None,
-                stream=req.parsed.stream if req.parsed else False,
-                route=decision.kind if decision else None,
-                reason=decision.reason if decision else None,
-                moved_from=decision.moved_from if decision else None,
-            )
+        started = RequestStarted(
+            request_id=req.request_id,
+            api=req.routed.api,
+            project=req.project,
+            profile=req.profile,
+            session_id=assignment.session_id if assignment else None,
+            session_source=assignment.source if assignment else None,
+            stream=req.parsed.stream if req.parsed else False,
+            route=decision.kind if decision else None,
+            reason=decision.reason if decision else None,
+            moved_from=decision.moved_from if decision else None,
+            client=req.client,
         )
+        self.in_flight[req.request_id] = started
+        self.bus.publish(started)
 
     def progress(self, req: ProxyRequest) -> None:
         """After each relayed chunk: publish the running draft totals, at most once per interval."""
@@ -101,6 +104,7 @@ class RequestLifecycle:
                 draft_n=timings.draft_n,
                 draft_n_accepted=timings.draft_n_accepted,
                 predicted_per_second=timings.predicted_per_second,
+                text=req.meter.live.take() if req.meter.live is not None else None,
             )
         )
 
@@ -113,7 +117,7 @@ class RequestLifecycle:
         if req.routed_started and decision is not None:  # first: the profile's load must come down whatever happens
             self.router.finished(decision, req.profile, req.slot, session_id, meter.timings, len(req.body), finished)
         if finished and self.sessions is not None and assignment is not None and req.parsed is not None:
-            self.sessions.finished(assignment, req.project, req.parsed.body, meter.output)
+            self.sessions.finished(assignment, req.project, req.parsed.body, meter.output, req.request_id)
         record = _record(method, path, req, finished)
         self.history.add(record)
         if decision is not None:
@@ -129,6 +133,7 @@ class RequestLifecycle:
             )
         as_json = record.to_json()
         self.announce(req)
+        self.in_flight.pop(req.request_id, None)
         self.bus.publish(RequestFinished(record=as_json) if finished else RequestFailed(record=as_json))
         trace = self.trace
         if trace is not None and req.routed.api in GENERATING_APIS:
@@ -163,4 +168,5 @@ def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> Reques
         reason=decision.reason if decision else None,
         moved_from=decision.moved_from if decision else None,
         handoff=asdict(req.handoff) if req.handoff is not None else None,
+        client=req.client,
     )

@@ -29,6 +29,7 @@ ESTIMATE_NOTE = (
 
 @dataclass(frozen=True, slots=True)
 class _Work:
+    request_id: str
     session_id: str
     project: str
     body: Mapping[str, Any]
@@ -83,7 +84,12 @@ class SessionService:
         return assignment, project
 
     def finished(
-        self, assignment: SessionAssignment, project: str, body: Mapping[str, Any], out: OutputCollector
+        self,
+        assignment: SessionAssignment,
+        project: str,
+        body: Mapping[str, Any],
+        out: OutputCollector,
+        request_id: str = "",
     ) -> None:
         """A response was served in full: remember it for the reply echo now; update statistics in the background."""
         text = out.text
@@ -91,7 +97,7 @@ class SessionService:
         if self.tokenizer is None:
             return
         try:
-            self._queue.put_nowait(_Work(assignment.session_id, project, body, text, time.time()))
+            self._queue.put_nowait(_Work(request_id, assignment.session_id, project, body, text, time.time()))
         except asyncio.QueueFull:
             self.dropped += 1
             return
@@ -120,6 +126,10 @@ class SessionService:
         except TimeoutError:
             return False
         return True
+
+    def known(self, session_id: str) -> bool:
+        """Whether a request was grouped into this session (and it has not been forgotten since)."""
+        return self._projects.get(session_id) is not None
 
     def copy_state(self, session_id: str) -> tuple[int, float | None]:
         """(turns with statistics, estimated n-gram accepted share EWMA) of a session, for routing."""
@@ -182,6 +192,7 @@ class SessionService:
                 project=work.project,
                 turn=asdict(turn),
                 est_accepted_share_ewma=snap.est_accepted_share_ewma if snap else None,
+                request_id=work.request_id or None,
             )
         )
 

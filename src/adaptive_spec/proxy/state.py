@@ -26,6 +26,7 @@ class ProxySettings:
     read_timeout_s: float = 600.0  # the longest silence allowed between two chunks of a response
     history_size: int = 1000
     progress_interval_s: float = 0.25  # at most one DraftProgress event per request in this interval
+    feed_content: bool = False  # the live feed carries streamed text (serve --feed-content): opt-in, like the trace's
 
 
 HISTORY = web.AppKey("history", RequestHistory)

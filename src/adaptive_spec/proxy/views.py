@@ -13,12 +13,14 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from adaptive_spec.core.events import SessionPinned
 from adaptive_spec.core.headers import PROFILE_HEADER
 from adaptive_spec.errors import LaunchError
 from adaptive_spec.proxy.errors import error_response
 from adaptive_spec.proxy.state import (
     BUS,
     HISTORY,
+    LIFECYCLE,
     METRICS,
     PROFILES,
     RESTART,
@@ -38,6 +40,7 @@ def add_views(app: web.Application, proxy_view: Callable[[web.Request], Awaitabl
     app.router.add_get("/adaptive/events", _events_view)
     app.router.add_get("/adaptive/route", _route_view)
     app.router.add_post("/adaptive/profiles/{name}/restart", _restart_view)
+    app.router.add_post("/adaptive/sessions/{session_id}/pin", _pin_view)
 
     async def metrics_view(request: web.Request) -> web.StreamResponse:
         if request.headers.get(PROFILE_HEADER):
@@ -116,6 +119,32 @@ async def _restart_view(request: web.Request) -> web.Response:
     return _json({"restarted": name, "seconds": round(time.monotonic() - started, 2)})
 
 
+async def _pin_view(request: web.Request) -> web.Response:
+    """Pin a session to a profile: its next turns go there and its KV cache follows (sticky, unlike the per-request
+    header). `{"profile": null}` hands it back to the router."""
+    session_id = request.match_info["session_id"]
+    try:
+        payload = orjson.loads(await request.read())
+    except orjson.JSONDecodeError:
+        payload = None
+    profile = payload.get("profile", ...) if isinstance(payload, dict) else ...
+    if profile is not None and not isinstance(profile, str):
+        return error_response(
+            400, 'expected a JSON body {"profile": NAME} or {"profile": null}', code="invalid_pin", param="profile"
+        )
+    table = request.app[UPSTREAMS]
+    if profile is not None and table.get(profile) is None:
+        known = ", ".join(table.names())
+        return error_response(404, f"unknown profile {profile!r}; known profiles: {known}", code="unknown_profile")
+    service, router = request.app[SESSIONS], request.app[ROUTER]
+    known_session = (service is not None and service.known(session_id)) or router.placements.get(session_id)
+    if not known_session:
+        return error_response(404, f"no session {session_id!r} is known to the proxy", code="unknown_session")
+    router.pin(session_id, profile)
+    request.app[BUS].publish(SessionPinned(session_id=session_id, profile=profile))
+    return _json({"session_id": session_id, "profile": profile, "pinned": profile is not None})
+
+
 async def _route_view(request: web.Request) -> web.Response:
     """The router's state: learned speeds, where sessions' KV caches live, the policy, recent decisions."""
     return _json(request.app[ROUTER].to_json())
@@ -144,7 +173,9 @@ async def _events_view(request: web.Request) -> web.StreamResponse:
     try:
         service = request.app[SESSIONS]
         sessions = [asdict(s) for s in service.snapshots()] if service is not None else []
-        await resp.write(_sse("snapshot", {"profiles": _profiles(request.app), "sessions": sessions}))
+        in_flight = [e.to_json() for e in request.app[LIFECYCLE].in_flight.values()]
+        snapshot = {"profiles": _profiles(request.app), "sessions": sessions, "in_flight": in_flight}
+        await resp.write(_sse("snapshot", snapshot))
         while True:
             try:
                 batch = await asyncio.wait_for(sub.next_batch(), _HEARTBEAT_S)

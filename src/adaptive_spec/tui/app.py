@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
@@ -23,13 +23,14 @@ from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
 from textual.events import Resize
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Input, Label, RichLog, Sparkline, Static
+from textual.widget import Widget
+from textual.widgets import DataTable, Footer, Input, Label, Sparkline, Static
 from textual.widgets.data_table import CellDoesNotExist, RowDoesNotExist
 
 from adaptive_spec.tui import render
 from adaptive_spec.tui.feed import ControlError, FeedItem, ProxyClient
 from adaptive_spec.tui.screens import ConfirmScreen, DetailScreen, HelpScreen, PickScreen
-from adaptive_spec.tui.state import Dashboard
+from adaptive_spec.tui.state import Dashboard, LogLine
 
 NARROW_COLUMNS = 110
 CHART_MIN_POINTS = 120  # the chart spans at least two minutes
@@ -50,6 +51,18 @@ STARTING = """\
 [b]Starting adaptive-spec serve at {url}[/b] (loading the model can take a minute)
 
 {error}"""
+
+
+class LogView(Widget):
+    """The newest log lines that fit, newest last (drawn at paint time, when the height is known)."""
+
+    def __init__(self, lines: Callable[[], Iterable[LogLine]], id: str) -> None:
+        super().__init__(id=id)
+        self._lines = lines
+
+    def render(self) -> Text:
+        rows = max(1, self.content_size.height)
+        return Text("\n").join(render.log_line(line) for line in list(self._lines())[-rows:])
 
 
 class DashboardApp(App[None]):
@@ -99,7 +112,6 @@ class DashboardApp(App[None]):
         self.sort = 0
         self.filter_text = ""
         self._chart_profiles: tuple[str, ...] = ()
-        self._log_written = 0
         self._narrow = False
         self._table_narrow: bool | None = None
         self.child_argv: list[str] | None = None  # `serve --tui`: the proxy this app starts and stops
@@ -125,7 +137,7 @@ class DashboardApp(App[None]):
         sessions.border_title = "sessions"
         yield sessions
         yield Input(placeholder="filter sessions: session, client, project or profile (esc clears)", id="filter")
-        log = RichLog(id="log", max_lines=render_log_lines(), wrap=False, markup=False)
+        log = LogView(lambda: self.dashboard.log, id="log")
         log.border_title = "log"
         yield log
         yield Footer()
@@ -187,10 +199,7 @@ class DashboardApp(App[None]):
         for name, old in keep.profiles.items():  # but keep what the charts and log already showed
             self.dashboard._profile(name).chart.extend(old.chart)
         self.dashboard.log.extend(keep.log)
-        self.dashboard.log_count = len(self.dashboard.log)
         self.dashboard.note(now, "note", "feed", f"connected to {self.label}")
-        self._log_written = 0
-        self._main.query_one("#log", RichLog).clear()
         self.connected, self.ever_connected = True, True
         self.connected_since = None if replay else now
 
@@ -347,7 +356,8 @@ class DashboardApp(App[None]):
         if self._table_narrow != self._narrow:
             self._table_narrow = self._narrow
             table.clear(columns=True)
-            table.add_columns(*(render.SESSION_COLUMNS_NARROW if self._narrow else render.SESSION_COLUMNS_WIDE))
+            for label, width in render.SESSION_COLUMNS_NARROW if self._narrow else render.SESSION_COLUMNS_WIDE:
+                table.add_column(label, width=width)
         selected = self.selected_session()
         views = self.visible_sessions()
         table.clear()
@@ -361,12 +371,7 @@ class DashboardApp(App[None]):
                 table.move_cursor(row=table.get_row_index(selected))
 
     def _draw_log(self) -> None:
-        log = self._main.query_one("#log", RichLog)
-        lines = self.dashboard.log
-        new = min(len(lines), self.dashboard.log_count - self._log_written)
-        for line in list(lines)[len(lines) - new :] if new > 0 else []:
-            log.write(render.log_line(line))
-        self._log_written = self.dashboard.log_count
+        self._main.query_one("#log", LogView).refresh()
 
     # ---- keys ------------------------------------------------------------------------------------------------
     def selected_session(self) -> str | None:
@@ -449,9 +454,7 @@ class DashboardApp(App[None]):
         except ControlError as exc:
             self.notify(f"pin failed: {exc}", severity="error")
             return
-        what = f"pinned to {profile}" if profile else "back to automatic routing"
-        self.dashboard.note(self.clock(), "note", render.short_id(session, 12), what + " (from the next turn on)")
-        self.notify(f"{session}: {what}")
+        self.notify(f"{session}: " + (f"pinned to {profile}" if profile else "back to automatic routing"))
         self.dirty = True
 
     def action_restart(self) -> None:
@@ -485,12 +488,6 @@ class DashboardApp(App[None]):
             self.notify(f"restart failed: {exc}", severity="error")
             return
         self.notify(f"{name} restarted in {result.get('seconds', '?')} s")
-
-
-def render_log_lines() -> int:
-    from adaptive_spec.tui.state import LOG_LINES
-
-    return LOG_LINES
 
 
 def make_app(

@@ -76,6 +76,8 @@ def profile_line(view: ProfileView, now: float, *, narrow: bool) -> Text:
 def session_cells(view: SessionView, *, narrow: bool) -> tuple[str | Text, ...]:
     last = view.last_turn
     profile = Text(view.profile or DASH, style="bold" if view.in_flight else "")
+    if view.pinned:
+        profile.append(" pin" if view.pinned == view.profile else f" pin→{view.pinned}", style="yellow")
     if view.in_flight:
         profile.append(" ●", style="green")
     accepted = f"{pct(last.accepted_share if last else None)} / {pct(view.accepted_share)}"
@@ -98,19 +100,27 @@ def session_cells(view: SessionView, *, narrow: bool) -> tuple[str | Text, ...]:
 
 
 REASON_CHARS = 64  # the whole reason is in the session's detail
+# (label, width): fixed widths, so a column does not jump as the values in it change
 SESSION_COLUMNS_WIDE = (
-    "session",
-    "client",
-    "project",
-    "turns",
-    "profile",
-    "est. copyable",
-    "accepted last / all",
-    "tok/s",
-    "moves",
-    "last decision",
+    ("session", 14),
+    ("client", 9),
+    ("project", 10),
+    ("turns", 5),
+    ("profile", 18),
+    ("est. copy", 9),
+    ("acc. last / all", 15),
+    ("tok/s", 6),
+    ("moves", 5),
+    ("last decision", REASON_CHARS),
 )
-SESSION_COLUMNS_NARROW = ("session", "client", "turns", "profile", "accepted last / all", "tok/s")
+SESSION_COLUMNS_NARROW = (
+    ("session", 14),
+    ("client", 8),
+    ("turns", 5),
+    ("profile", 16),
+    ("acc. last / all", 15),
+    ("tok/s", 6),
+)
 
 
 def turn_cells(index: int, row: TurnRow) -> tuple[str | Text, ...]:
@@ -139,20 +149,20 @@ def turn_cells(index: int, row: TurnRow) -> tuple[str | Text, ...]:
 
 
 TURN_COLUMNS = (
-    "#",
-    "",
-    "profile",
-    "prompt",
-    "cached",
-    "out",
-    "drafted",
-    "accepted",
-    "tok/s",
-    "TTFT",
-    "TTST",
-    "est / meas",
-    "route",
-    "handoff",
+    ("#", 3),
+    ("", 5),
+    ("profile", 10),
+    ("prompt", 7),
+    ("cached", 7),
+    ("out", 6),
+    ("drafted", 7),
+    ("accepted", 8),
+    ("tok/s", 6),
+    ("TTFT", 8),
+    ("TTST", 8),
+    ("est / meas", 11),
+    ("route", 8),
+    ("handoff", 18),
 )
 
 

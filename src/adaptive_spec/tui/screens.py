@@ -109,7 +109,8 @@ class DetailScreen(Screen[None]):
     def compose(self) -> ComposeResult:
         yield Static(id="detail-head")
         table: DataTable[str | Text] = DataTable(id="turns", cursor_type="row", zebra_stripes=True)
-        table.add_columns(*render.TURN_COLUMNS)
+        for label, width in render.TURN_COLUMNS:
+            table.add_column(label, width=width)
         yield table
         yield Static(id="turn-reason")
         yield Static(id="live")

@@ -130,6 +130,7 @@ class SessionView:
     est_copyability: float | None = None
     profile: str | None = None
     in_flight: str | None = None
+    pinned: str | None = None  # pinned to this profile (POST /adaptive/sessions/{id}/pin)
     last_reason: str | None = None
     last_active: float = 0.0
 
@@ -236,7 +237,6 @@ class Dashboard:
         self.failed_total = 0
         self.dropped_events = 0
         self.live_text = False  # whether any request's text has arrived (the proxy was started to send it)
-        self.log_count = 0  # lines ever added to the log, so a view can tell which are new
         self._last_sample = 0.0
 
     # ---- snapshots -------------------------------------------------------------------------------------------
@@ -306,6 +306,11 @@ class Dashboard:
             self._profile_health(kind, payload, at)
         elif kind == "HandoffDone":
             self._handoff(payload, at)
+        elif kind == "SessionPinned":
+            view = self._session(str(payload.get("session_id")), "default")
+            view.pinned = payload.get("profile")
+            what = f"pinned to {view.pinned}" if view.pinned else "back to automatic routing"
+            self.note(at, "note", _short(view.session_id), what + " (from its next turn)")
         elif kind == "PolicyChanged":
             self.note(at, "policy", "policy", str(payload.get("message")))
         elif kind == "EventsDropped":
@@ -314,7 +319,6 @@ class Dashboard:
 
     def note(self, at: float, kind: str, who: str, text: str) -> None:
         self.log.append(LogLine(at, kind, who, text))
-        self.log_count += 1
 
     def _started(self, p: Mapping[str, Any], at: float) -> None:
         rid = str(p.get("request_id"))

@@ -49,7 +49,8 @@ class RequestState:
     max_tokens: int | None = None
     copy_hint: bool = False  # the prompt itself asks to reproduce a pasted file
     hint_output_tokens: int = 0  # ... and the answer will be about this long (the pasted file's size)
-    pinned: str | None = None  # the x-adaptive-spec-profile header
+    pinned: str | None = None  # the x-adaptive-spec-profile header, or the session's pin
+    pinned_by: str = "the request header"  # or "the session's pin" (POST /adaptive/sessions/{id}/pin)
     explore_draw: float = 1.0  # uniform in [0, 1): below policy.route.explore, try another profile
 
 
@@ -182,7 +183,7 @@ def decide(
         )
 
     if request.pinned is not None and request.pinned in by_name:
-        return decision(request.pinned, "pinned", f"{request.pinned}: pinned by the request header")
+        return decision(request.pinned, "pinned", f"{request.pinned}: pinned by {request.pinned_by}")
 
     allowed = [by_name[n] for n in policy.route.profiles if n in by_name] or list(profiles)
     healthy = [p for p in allowed if p.down_reason is None]

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any, Protocol
 
+from adaptive_spec.core.lru import LRU
 from adaptive_spec.core.profiles import uses_draft_model
 from adaptive_spec.core.records import Timings
 from adaptive_spec.core.routing.copy_hint import pasted_file_chars
@@ -19,6 +20,8 @@ from adaptive_spec.core.routing.decide import Decision, ProfileState, RequestSta
 from adaptive_spec.core.routing.placements import Placements, SlotBook, observe
 from adaptive_spec.core.routing.policy import Policy
 from adaptive_spec.core.routing.speeds import SpeedModel
+
+MAX_PINS = 4096
 
 
 class ProfileHealth(Protocol):
@@ -77,6 +80,7 @@ class RouterState:
         self._rng = random.Random(seed)
         self.recent: deque[dict[str, Any]] = deque(maxlen=200)
         self.handoffs = {"ok": 0, "failed": 0}
+        self.pins: LRU[str, str] = LRU(MAX_PINS)  # session -> profile, until unpinned (sticky, unlike the header)
 
     def states(self) -> list[ProfileState]:
         return [
@@ -103,7 +107,11 @@ class RouterState:
         workspace: str | None,
         pinned: str | None,
     ) -> tuple[Decision, Policy]:
+        """`pinned` is the request header's profile; without one, the session's pin (if any) applies."""
         policy = self.policies.policy_for(project, workspace)
+        pinned_by = "the request header"
+        if pinned is None and session_id is not None and (pin := self.pins.get(session_id)) is not None:
+            pinned, pinned_by = pin, "the session's pin"
         pasted = pasted_file_chars(body, policy.first_turn)
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or body.get("max_output_tokens")
         request = RequestState(
@@ -112,6 +120,7 @@ class RouterState:
             copy_hint=pasted > 0,
             hint_output_tokens=self.speeds.prompt_tokens(pasted),
             pinned=pinned,
+            pinned_by=pinned_by,
             explore_draw=self._rng.random(),
         )
         session = SessionState(session_id, session_turns, copy_share, self.placements.get(session_id))
@@ -159,6 +168,13 @@ class RouterState:
             return
         observe(self.speeds, self.placements, profile, slot, session_id, decision.copy_share, timings, body_bytes)
 
+    def pin(self, session_id: str, profile: str | None) -> None:
+        """Keep the session's requests on `profile` (its KV follows on the next turn); None: automatic again."""
+        if profile is None:
+            self.pins.pop(session_id)
+        else:
+            self.pins.put(session_id, profile)
+
     def remember(self, record: dict[str, Any]) -> None:
         self.recent.append(record)
 
@@ -171,4 +187,5 @@ class RouterState:
             "policy": self.policies.describe("default", None),
             "policy_problems": [str(p) for p in self.policies.problems()],  # every file's, the last good in force
             "recent_decisions": list(self.recent)[-50:],
+            "pins": dict(self.pins.items()),
         }
