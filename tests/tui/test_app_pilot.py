@@ -15,6 +15,7 @@ from textual.widgets import DataTable, Static
 from adaptive_spec.tui.app import DashboardApp, make_app
 from adaptive_spec.tui.screens import DetailScreen, HelpScreen, PickScreen
 from tests.support.servers import free_port
+from tests.tui.waiting import until
 
 FEED = Path(__file__).parent / "data" / "feed.jsonl"
 
@@ -26,17 +27,9 @@ def _records() -> list[dict[str, Any]]:
     return [e["record"] for e in lines if e["type"] in ("RequestFinished", "RequestFailed")]
 
 
-async def _until(predicate: Any, what: str, limit_s: float = 20.0) -> None:
-    deadline = asyncio.get_running_loop().time() + limit_s
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 async def _replayed(app: DashboardApp) -> None:
-    await _until(lambda: any(line.who == "replay" for line in app.dashboard.log), "the end of the replay")
-    await _until(lambda: app.frames > 0 and not app.dirty, "a frame after the replay")
+    await until(lambda: any(line.who == "replay" for line in app.dashboard.log), "the end of the replay")
+    await until(lambda: app.frames > 0 and not app.dirty, "a frame after the replay")
 
 
 async def test_replay_adds_up_to_the_recorded_records() -> None:
@@ -69,13 +62,13 @@ async def test_enter_opens_the_session_detail_and_escape_returns() -> None:
         await _replayed(app)
         app.query_one("#sessions", DataTable).focus()
         await pilot.press("enter")
-        await _until(lambda: isinstance(app.screen, DetailScreen), "the detail screen")
+        await until(lambda: isinstance(app.screen, DetailScreen), "the detail screen")
         screen = app.screen
         assert isinstance(screen, DetailScreen)
         turns = screen.query_one("#turns", DataTable)
         assert turns.row_count == len(app.dashboard.sessions[screen.session_id].turns) > 0
         await pilot.press("escape")
-        await _until(lambda: not isinstance(app.screen, DetailScreen), "the dashboard again")
+        await until(lambda: not isinstance(app.screen, DetailScreen), "the dashboard again")
 
 
 async def test_filter_sort_pause_and_help() -> None:
@@ -85,9 +78,9 @@ async def test_filter_sort_pause_and_help() -> None:
         table = app.query_one("#sessions", DataTable)
         some = next(iter(app.dashboard.sessions))
         await pilot.press("slash", *some)
-        await _until(lambda: table.row_count == 1, "the filtered table")
+        await until(lambda: table.row_count == 1, "the filtered table")
         await pilot.press("escape")
-        await _until(lambda: table.row_count == len(app.dashboard.sessions), "the unfiltered table")
+        await until(lambda: table.row_count == len(app.dashboard.sessions), "the unfiltered table")
         await pilot.press("s")
         assert app.sort == 1
         await pilot.press("space")
@@ -96,9 +89,9 @@ async def test_filter_sort_pause_and_help() -> None:
         await asyncio.sleep(0.3)
         assert app.frames == frames and app.paused
         await pilot.press("space")
-        await _until(lambda: app.frames > frames, "a frame after resuming")
+        await until(lambda: app.frames > frames, "a frame after resuming")
         await pilot.press("question_mark")
-        await _until(lambda: isinstance(app.screen, HelpScreen), "the help")
+        await until(lambda: isinstance(app.screen, HelpScreen), "the help")
 
 
 async def test_controls_are_refused_in_a_replay() -> None:
@@ -106,7 +99,7 @@ async def test_controls_are_refused_in_a_replay() -> None:
     async with app.run_test(size=(120, 36)) as pilot:
         await _replayed(app)
         await pilot.press("p")
-        await _until(lambda: any("replay" in n.message for n in app._notifications), "the refusal")
+        await until(lambda: any("replay" in n.message for n in app._notifications), "the refusal")
         assert not isinstance(app.screen, PickScreen)
 
 
@@ -114,8 +107,8 @@ async def test_no_proxy_says_how_to_start_one_and_keeps_trying() -> None:
     port = free_port()
     app = make_app(url=f"http://127.0.0.1:{port}", frame_s=0.05)
     async with app.run_test(size=(80, 24)):
-        await _until(lambda: "answers at" in app.last_error, "the connection error")
-        await _until(lambda: app.query_one("#banner").has_class("-active"), "the banner")
+        await until(lambda: "answers at" in app.last_error, "the connection error")
+        await until(lambda: app.query_one("#banner").has_class("-active"), "the banner")
         banner = str(app.query_one("#banner", Static).render())
         assert "No adaptive-spec proxy answers" in banner and "adaptive-spec serve" in banner
         assert not app.connected

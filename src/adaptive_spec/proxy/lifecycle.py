@@ -88,12 +88,13 @@ class RequestLifecycle:
         self.in_flight[req.request_id] = started
         self.bus.publish(started)
 
-    def progress(self, req: ProxyRequest) -> None:
-        """After each relayed chunk: publish the running draft totals, at most once per interval."""
+    def progress(self, req: ProxyRequest, *, last_one: bool = False) -> None:
+        """After each relayed chunk: publish the running draft totals, at most once per interval (and, with live
+        text on, once more at the end, so the feed carries the whole answer)."""
         timings = req.meter.timings
         last_at, last = req.last_progress
         now = time.monotonic()
-        if timings is None or timings is last or now - last_at < self.progress_interval_s:
+        if timings is None or timings is last or (now - last_at < self.progress_interval_s and not last_one):
             return
         req.last_progress = (now, timings)
         self.bus.publish(
@@ -133,6 +134,8 @@ class RequestLifecycle:
             )
         as_json = record.to_json()
         self.announce(req)
+        if req.meter.live is not None:
+            self.progress(req, last_one=True)
         self.in_flight.pop(req.request_id, None)
         self.bus.publish(RequestFinished(record=as_json) if finished else RequestFailed(record=as_json))
         trace = self.trace

@@ -193,10 +193,11 @@ def log_line(line: LogLine) -> Text:
     return text
 
 
-def live_text(live: LiveRequest | None, *, enabled: bool) -> Text:
+def live_text(live: LiveRequest | None, *, enabled: bool, finished: bool = False) -> Text:
     if live is None:
         return Text("no request of this session is in flight", style="dim")
-    head = Text(f"{live.profile}: {live.predicted_n} tok, {live.draft_n_accepted} from drafts  ", style="bold")
+    what = "last answer" if finished else "streaming"
+    head = Text(f"{what} on {live.profile}: {live.predicted_n} tok, {live.draft_n_accepted} from drafts  ", "bold")
     if not enabled:
         head.append("(live text is off: start serve with --feed-content to see it)", style="dim")
         return head

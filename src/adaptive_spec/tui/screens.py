@@ -147,8 +147,10 @@ class DetailScreen(Screen[None]):
             table.move_cursor(row=table.row_count - 1 if at_end or self._rows < 0 else self._cursor)
         self._rows = table.row_count
         self._show_reason()
-        live = self.dashboard.live.get(view.in_flight) if view.in_flight else None
-        self.query_one("#live", Static).update(render.live_text(live, enabled=self.dashboard.live_text))
+        live = self.dashboard.live.get(view.in_flight) if view.in_flight else view.last_text
+        self.query_one("#live", Static).update(
+            render.live_text(live, enabled=self.dashboard.live_text, finished=view.in_flight is None)
+        )
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         self._cursor = event.cursor_row

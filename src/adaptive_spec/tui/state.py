@@ -131,6 +131,7 @@ class SessionView:
     profile: str | None = None
     in_flight: str | None = None
     pinned: str | None = None  # pinned to this profile (POST /adaptive/sessions/{id}/pin)
+    last_text: LiveRequest | None = None  # the last answer's live text, once it finished
     last_reason: str | None = None
     last_active: float = 0.0
 
@@ -391,6 +392,8 @@ class Dashboard:
             view.last_active = max(view.last_active, at)
             if view.in_flight == rid:
                 view.in_flight = None
+            if live is not None and live.text:
+                view.last_text = live
         if not from_history:
             self._log_finish(row, sid, at)
         return True
