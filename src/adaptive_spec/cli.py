@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
         "--host", default="127.0.0.1", help="address to serve on (default: %(default)s; 0.0.0.0: every interface)"
     )
     serve.add_argument("--port", type=int, default=8088, help="port to serve on (default: %(default)s)")
+    serve.add_argument(
+        "--verbose", action="store_true", help="also show native libraries' logs (llama.cpp's, loading the tokenizer)"
+    )
     attach = serve.add_argument_group("attach to servers you run (no launching)")
     attach.add_argument(
         "--profile",
@@ -312,7 +315,7 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
             raise ConfigError(f"--profile names must be unique, got {', '.join(names)}")
         sessions = _session_plan(args, _ngram_params(args.ngram_mod))
         return ServePlan(args.host, args.port, proxy, args.default_profile, attach=attached, sessions=sessions,
-                         **_trace_options(args), **_routing_options(args))  # fmt: skip
+                         verbose=args.verbose, **_trace_options(args), **_routing_options(args))  # fmt: skip
     from adaptive_spec.launcher import find_llama_server
 
     if args.draft_type and not args.draft and args.draft_type != "mtp":
@@ -332,7 +335,7 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
     launch = LaunchPlan(binary, specs, settings)
     sessions = _session_plan(args, ngram)
     return ServePlan(args.host, args.port, proxy, args.default_profile, launch=launch, sessions=sessions,
-                     **_trace_options(args), **_routing_options(args))  # fmt: skip
+                     verbose=args.verbose, **_trace_options(args), **_routing_options(args))  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -77,6 +77,7 @@ class ServePlan:
     policy_file: Path | None = None  # None: the shipped policies/default.toml
     workspace_policies: bool = True  # read .adaptive-spec.toml in the workspace an agent reveals
     slot_dir: Path | None = None  # attached profiles' shared --slot-save-path (launched ones get their own)
+    verbose: bool = False  # let native libraries (llama.cpp loading the tokenizer) log to the terminal
 
 
 async def _tokenizer(plan: ServePlan, session: aiohttp.ClientSession, default_url: str) -> Tokenizer | None:
@@ -86,7 +87,7 @@ async def _tokenizer(plan: ServePlan, session: aiohttp.ClientSession, default_ur
         return None
     model_path = plan.launch.settings.model.path if plan.launch is not None else None
     if choice in ("auto", "gguf") and model_path:
-        found = await asyncio.to_thread(llama_vocab_tokenizer, model_path)
+        found = await asyncio.to_thread(llama_vocab_tokenizer, model_path, plan.verbose)
         if found is not None:
             return CachingTokenizer(found)
         if choice == "gguf":
