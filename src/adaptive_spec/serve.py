@@ -175,6 +175,8 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
     client = aiohttp.ClientSession()
     try:
         names = [a.name for a in plan.attach] + ([s.name for s in plan.launch.specs] if plan.launch else [])
+        if plan.default_profile is not None and plan.default_profile not in names:
+            raise ConfigError(f"--default-profile {plan.default_profile!r} is not one of {', '.join(names)}")
         # A bad policy file stops us before any server starts.
         policies = PolicyStore(plan.policy_file, names, config_dir(), read_workspace_files=plan.workspace_policies,
                                log=say)  # fmt: skip
@@ -211,7 +213,10 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
         say(f"sessions: tokens from {tokenizer.name if tokenizer else 'nowhere (statistics off)'}")
         trace = None
         if plan.trace_path is not None:
-            trace = TraceWriter(plan.trace_path, max_bytes=plan.trace_max_bytes, content=plan.trace_content)
+            try:
+                trace = TraceWriter(plan.trace_path, max_bytes=plan.trace_max_bytes, content=plan.trace_content)
+            except OSError as exc:
+                raise ConfigError(f"--trace {plan.trace_path}: {exc.strerror or exc}") from exc
             trace.write({"kind": "profiles", "at_unix": time.time(), "profiles": [asdict(i) for i in infos]})
             say(f"trace: {plan.trace_path}" + (" (with prompts and replies)" if plan.trace_content else ""))
         slot_dir = run_dir / "slots" if run_dir is not None else plan.slot_dir

@@ -71,6 +71,21 @@ def test_a_taken_port_fails_before_any_llama_server_starts(
     assert done.stdout == ""
 
 
+def test_an_unknown_default_profile_fails_before_any_llama_server_starts(
+    tiny_gguf: Path, llama_server_binary: str, tmp_path: Path
+) -> None:
+    wrapper, record = recording_server(tmp_path, llama_server_binary)
+    done = subprocess.run(
+        [sys.executable, "-m", "adaptive_spec", "serve", "--port", "0", "--default-profile", "fast",
+         *serve_argv(tiny_gguf, wrapper)],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "ADAPTIVE_SPEC_STATE_DIR": str(tmp_path / "state")},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == "adaptive-spec: error: --default-profile 'fast' is not one of oneshot, iterative\n"
+    assert not record.exists()
+
+
 def test_a_clean_start_has_no_native_log_lines(started: tuple[ProxyProcess, Path]) -> None:
     proxy, record = started
     assert len(record.read_text().split()) == 2, "the recording llama-server started both profiles"
