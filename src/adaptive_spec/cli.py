@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from adaptive_spec import __version__
+from adaptive_spec import cli_text as text
 from adaptive_spec.core.profiles import (
     DRAFT_TYPES,
     AttachedProfile,
@@ -26,28 +27,30 @@ from adaptive_spec.proxy.app import ProxySettings
 from adaptive_spec.serve import LaunchPlan, ServePlan, SessionPlan, run, say
 from adaptive_spec.tui import command as tui_command
 
-EPILOG = """\
-examples:
-  adaptive-spec serve                                  embedded Qwen2.5-Coder-0.5B, profiles oneshot + iterative
-  adaptive-spec serve --model M.gguf --draft D.gguf --draft-type dflash
-  adaptive-spec serve --model embedded:qwen2.5-coder-1.5b --draft embedded:qwen2.5-coder-0.5b --draft-type simple
-  adaptive-spec serve --profile oneshot=http://127.0.0.1:8080 --profile iterative=http://127.0.0.1:8081
-"""
+RAW = argparse.RawDescriptionHelpFormatter  # keep the examples' columns
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="adaptive-spec", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="adaptive-spec", description=text.MAIN, epilog=text.MAIN_EXAMPLES, formatter_class=RAW
+    )
     parser.add_argument("--version", action="version", version=f"adaptive-spec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser(
         "serve",
         help="run the proxy in front of llama-server profiles",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=text.SERVE,
+        epilog=text.SERVE_EXAMPLES,
+        formatter_class=RAW,
     )
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to serve on (default: %(default)s; 0.0.0.0: every interface)"
+    )
+    serve.add_argument("--port", type=int, default=8088, help="port to serve on (default: %(default)s)")
+    serve.add_argument(
+        "--verbose", action="store_true", help="also show native libraries' logs (llama.cpp's, loading the tokenizer)"
+    )
     serve.add_argument("--tui", action="store_true", help="serve, and watch it in the terminal UI (adaptive-spec tui)")
-    serve.add_argument("--port", type=int, default=8088)
     attach = serve.add_argument_group("attach to servers you run (no launching)")
     attach.add_argument(
         "--profile",
@@ -143,7 +146,13 @@ def _parser() -> argparse.ArgumentParser:
     sessions.add_argument(
         "--session-idle", type=float, default=3600.0, help="seconds before an idle session is dropped"
     )
-    bench = sub.add_parser("bench", help="run workloads on every profile of a running proxy; table, CSV, JSON, chart")
+    bench = sub.add_parser(
+        "bench",
+        help="run workloads on every profile of a running proxy; table, CSV, JSON, chart",
+        description=text.BENCH,
+        epilog=text.BENCH_EXAMPLES,
+        formatter_class=RAW,
+    )
     bench.add_argument(
         "--url", default="http://127.0.0.1:8088", help="the running adaptive-spec (default: %(default)s)"
     )
@@ -170,13 +179,25 @@ def _parser() -> argparse.ArgumentParser:
         help="no proxy: replay the workloads through the routing policy at speeds measured elsewhere "
         "(gpu: the public DFlash benchmark; cpu: this project's 0.5B measurements) and print the comparison",
     )
-    report = sub.add_parser("report", help="the per-profile table (tok/s, acceptance, TTST) from a trace")
+    report = sub.add_parser(
+        "report",
+        help="the per-profile table (tok/s, acceptance, TTST) from a trace",
+        description=text.REPORT,
+        epilog=text.REPORT_EXAMPLES,
+        formatter_class=RAW,
+    )
     report.add_argument("trace", nargs="+", type=Path, help="trace JSONL file(s) written by serve --trace")
     report.add_argument("--out", type=Path, help="folder for report.csv, report.md and report.png")
     report.add_argument(
         "--baseline", help="profile the ratios are taken against (default: the one without speculation)"
     )
-    model = sub.add_parser("model", help="print the path of an embedded model, assembling it if needed")
+    model = sub.add_parser(
+        "model",
+        help="print the path of an embedded model, assembling it if needed",
+        description=text.MODEL,
+        epilog=text.MODEL_EXAMPLES,
+        formatter_class=RAW,
+    )
     model.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(EMBEDDED))
     _policy_parser(sub)
     tui_command.add_parser(sub)
@@ -184,14 +205,32 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _policy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    policy = sub.add_parser("policy", help="check routing policy files, or show the policy a project gets")
+    policy = sub.add_parser(
+        "policy",
+        help="check routing policy files, or show the policy a project gets",
+        description=text.POLICY,
+        epilog=text.POLICY_EXAMPLES,
+        formatter_class=RAW,
+    )
     actions = policy.add_subparsers(dest="policy_command", required=True)
-    check = actions.add_parser("check", help="report every problem of policy files (exit 1 if any)")
+    check = actions.add_parser(
+        "check",
+        help="report every problem of policy files (exit 1 if any)",
+        description=text.POLICY_CHECK,
+        epilog=text.POLICY_CHECK_EXAMPLES,
+        formatter_class=RAW,
+    )
     check.add_argument(
         "files", nargs="*", type=Path, metavar="FILE",
         help="default: the shipped default, <config dir>/policies/*.toml and ./.adaptive-spec.toml",
     )  # fmt: skip
-    show = actions.add_parser("show", help="print the effective policy of a project (TOML, or JSON with --json)")
+    show = actions.add_parser(
+        "show",
+        help="print the effective policy of a project (TOML, or JSON with --json)",
+        description=text.POLICY_SHOW,
+        epilog=text.POLICY_SHOW_EXAMPLES,
+        formatter_class=RAW,
+    )
     show.add_argument("--project", default="default", help="the project (default: %(default)s)")
     show.add_argument("--workspace", help="the workspace folder, whose .adaptive-spec.toml applies last")
     show.add_argument("--policy", type=Path, metavar="FILE", help="base policy file (default: the shipped one)")
@@ -287,7 +326,7 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
             raise ConfigError(f"--profile names must be unique, got {', '.join(names)}")
         sessions = _session_plan(args, _ngram_params(args.ngram_mod))
         return ServePlan(args.host, args.port, proxy, args.default_profile, attach=attached, sessions=sessions,
-                         **_trace_options(args), **_routing_options(args))  # fmt: skip
+                         verbose=args.verbose, **_trace_options(args), **_routing_options(args))  # fmt: skip
     from adaptive_spec.launcher import find_llama_server
 
     if args.draft_type and not args.draft and args.draft_type != "mtp":
@@ -307,7 +346,7 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
     launch = LaunchPlan(binary, specs, settings)
     sessions = _session_plan(args, ngram)
     return ServePlan(args.host, args.port, proxy, args.default_profile, launch=launch, sessions=sessions,
-                     **_trace_options(args), **_routing_options(args))  # fmt: skip
+                     verbose=args.verbose, **_trace_options(args), **_routing_options(args))  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

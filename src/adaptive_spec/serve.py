@@ -7,6 +7,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -77,6 +78,7 @@ class ServePlan:
     policy_file: Path | None = None  # None: the shipped policies/default.toml
     workspace_policies: bool = True  # read .adaptive-spec.toml in the workspace an agent reveals
     slot_dir: Path | None = None  # attached profiles' shared --slot-save-path (launched ones get their own)
+    verbose: bool = False  # let native libraries (llama.cpp loading the tokenizer) log to the terminal
 
 
 async def _tokenizer(plan: ServePlan, session: aiohttp.ClientSession, default_url: str) -> Tokenizer | None:
@@ -86,7 +88,7 @@ async def _tokenizer(plan: ServePlan, session: aiohttp.ClientSession, default_ur
         return None
     model_path = plan.launch.settings.model.path if plan.launch is not None else None
     if choice in ("auto", "gguf") and model_path:
-        found = await asyncio.to_thread(llama_vocab_tokenizer, model_path)
+        found = await asyncio.to_thread(llama_vocab_tokenizer, model_path, plan.verbose)
         if found is not None:
             return CachingTokenizer(found)
         if choice == "gguf":
@@ -116,13 +118,66 @@ def describe(info: ProfileInfo) -> str:
     )
 
 
+def listen(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets for every address `host` names, as aiohttp's TCPSite would bind, but taken before any
+    llama-server starts: a port in use fails at once, and nothing can take it while the profiles load."""
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host!r}: {exc.strerror}") from exc
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(addresses):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart is not blocked by TIME_WAIT
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(128)  # connections made while the profiles load wait in the backlog
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        raise LaunchError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc} (is adaptive-spec already running? "
+            "choose another --port)"
+        ) from exc
+    return sockets
+
+
+def base_url(host: str, sock: socket.socket) -> str:
+    """The root URL clients reach the proxy at; the real port, so `--port 0` prints the one it got."""
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{sock.getsockname()[1]}"
+
+
+def _examples_dir() -> Path | None:
+    """The copy-paste agent setups, when running from a source checkout (they are not installed with the package)."""
+    found = Path(__file__).resolve().parents[2] / "examples"
+    return found if (found / "README.md").is_file() else None
+
+
+def announce(root: str, default_profile: str) -> None:
+    """What a person does next: the base URL for their agent (on stdout, for scripts), how to watch, where the agent
+    setups are."""
+    say(f"adaptive-spec is serving; default profile {default_profile!r}. Point your editor at:")
+    print(f"OPENAI_BASE_URL={root}/v1", flush=True)
+    examples = _examples_dir()
+    say(f"watch it:     adaptive-spec tui --url {root}")
+    say(f"agent setups: {examples or 'examples/ in the adaptive-spec source'} (opencode, Codex CLI, aider, Continue, "
+        "openai SDK); Ctrl-C stops adaptive-spec")  # fmt: skip
+
+
 async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
     launcher: Launcher | None = None
     run_dir: Path | None = None
     runner: web.AppRunner | None = None
+    sockets = listen(plan.host, plan.port)
     client = aiohttp.ClientSession()
     try:
         names = [a.name for a in plan.attach] + ([s.name for s in plan.launch.specs] if plan.launch else [])
+        if plan.default_profile is not None and plan.default_profile not in names:
+            raise ConfigError(f"--default-profile {plan.default_profile!r} is not one of {', '.join(names)}")
         # A bad policy file stops us before any server starts.
         policies = PolicyStore(plan.policy_file, names, config_dir(), read_workspace_files=plan.workspace_policies,
                                log=say)  # fmt: skip
@@ -160,7 +215,10 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
         say(f"sessions: tokens from {tokenizer.name if tokenizer else 'nowhere (statistics off)'}")
         trace = None
         if plan.trace_path is not None:
-            trace = TraceWriter(plan.trace_path, max_bytes=plan.trace_max_bytes, content=plan.trace_content)
+            try:
+                trace = TraceWriter(plan.trace_path, max_bytes=plan.trace_max_bytes, content=plan.trace_content)
+            except OSError as exc:
+                raise ConfigError(f"--trace {plan.trace_path}: {exc.strerror or exc}") from exc
             trace.write({"kind": "profiles", "at_unix": time.time(), "profiles": [asdict(i) for i in infos]})
             say(f"trace: {plan.trace_path}" + (" (with prompts and replies)" if plan.trace_content else ""))
         slot_dir = run_dir / "slots" if run_dir is not None else plan.slot_dir
@@ -175,18 +233,16 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
                         restart=launcher.restart if launcher is not None else None)  # fmt: skip
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
-        try:
-            await web.TCPSite(runner, plan.host, plan.port).start()
-        except OSError as exc:
-            raise LaunchError(f"cannot listen on {plan.host}:{plan.port}: {exc.strerror or exc}") from exc
-        base = f"http://{plan.host}:{plan.port}/v1"
-        say(f"adaptive-spec is serving; default profile {table.default!r}. Point your editor at:")
-        print(f"OPENAI_BASE_URL={base}", flush=True)
+        for sock in sockets:
+            await web.SockSite(runner, sock).start()
+        announce(base_url(plan.host, sockets[0]), table.default)
         await stop.wait()
         say("stopping")
     finally:
         if runner is not None:
             await runner.cleanup()
+        for sock in sockets:
+            sock.close()
         await client.close()
         if launcher is not None:
             await launcher.stop()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -159,13 +158,12 @@ def test_profiles_serving_different_models_are_refused(
 
 
 def test_servers_are_stopped_when_start_up_fails(tiny_gguf: Path, tmp_path: Path, llama_server_binary: str) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        with pytest.raises(AssertionError) as info:
-            _launch(tiny_gguf, tmp_path, port=taken.getsockname()[1])
-    assert "ready at" in str(info.value), "the profiles should have started before the bind failed"
-    assert "cannot listen on" in str(info.value)
+    not_a_folder = tmp_path / "a-file"
+    not_a_folder.write_text("")
+    with pytest.raises(AssertionError) as info:  # the trace file is opened once the profiles are up
+        _launch(tiny_gguf, tmp_path, None, "--trace", str(not_a_folder / "trace.jsonl"))
+    assert "ready at" in str(info.value), "the profiles should have started before the trace failed"
+    assert f"error: --trace {not_a_folder / 'trace.jsonl'}: " in str(info.value)
     assert servers_using(tmp_path) == []
 
 

@@ -62,13 +62,28 @@ class _ThreadTokenizer:
         return await asyncio.to_thread(self._encode_all, texts)
 
 
-def llama_vocab_tokenizer(model_path: str) -> Tokenizer | None:
-    """The GGUF's tokenizer through llama-cpp-python, or None when that package is not installed."""
+_QUIET_LOG: Any = None  # the no-op llama.cpp log callback; held here, as ctypes callbacks must outlive their use
+
+
+def _quiet_llama_cpp(llama_cpp: Any) -> None:
+    """Drop everything llama.cpp logs in this process: its warnings (e.g. "n_ctx_seq (512) > n_ctx_train (0)" from
+    a vocabulary-only context) are about llama-cpp-python's tokenizer context, nothing a user of the proxy acts on."""
+    global _QUIET_LOG
+    if _QUIET_LOG is None:
+        _QUIET_LOG = llama_cpp.llama_log_callback(lambda _level, _text, _user_data: None)
+    llama_cpp.llama_log_set(_QUIET_LOG, None)
+
+
+def llama_vocab_tokenizer(model_path: str, verbose: bool = False) -> Tokenizer | None:
+    """The GGUF's tokenizer through llama-cpp-python, or None when that package is not installed. llama.cpp's own
+    log stays out of the terminal unless `verbose`."""
     if importlib.util.find_spec("llama_cpp") is None:
         return None
     import llama_cpp
 
-    vocab: Any = llama_cpp.Llama(model_path=model_path, vocab_only=True, verbose=False)
+    if not verbose:
+        _quiet_llama_cpp(llama_cpp)
+    vocab: Any = llama_cpp.Llama(model_path=model_path, vocab_only=True, verbose=verbose)
 
     def encode_one(text: str) -> list[int]:
         return list(vocab.tokenize(text.encode("utf-8", "replace"), add_bos=False, special=False))
