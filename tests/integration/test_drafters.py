@@ -9,6 +9,8 @@ A random drafter accepts what it accepts: these tests assert that drafting happe
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import ProxyProcess, http_json, wait_until
+from tests.support.servers import LlamaServer, ProxyProcess, http_json, wait_until
 from tests.support.tiny_drafters import write_tiny_dflash, write_tiny_eagle3, write_tiny_mtp_target
 
 # Routing turns over quickly on the tiny model: hand over any context, move after one turn.
@@ -186,3 +188,40 @@ def _erase(proxy: ProxyProcess, profile: str) -> None:
     req = urllib.request.Request(proxy.base + "/slots/0?action=erase", data=b"{}", method="POST", headers=headers)
     with urllib.request.urlopen(req, timeout=60) as resp:
         resp.read()
+
+
+def test_bench_compares_plain_dflash_and_dflash_ngram_on_real_processes(
+    tiny_gguf: Path, llama_server_binary: str, tmp_path: Path
+) -> None:
+    # The seed's table, plain / DFlash / DFlash + n-gram / adaptive, out of three real llama-servers of the tiny
+    # pair behind one proxy.
+    dflash = str(write_tiny_dflash(tmp_path / "tiny-random-dflash.gguf"))
+    common = ["-c", "8192", "--parallel", "1", "--metrics", "-fa", "on"]
+    setups = {"plain": ["--spec-type", "none"], "dflash": ["-md", dflash, "--spec-type", "draft-dflash"],
+              "dflash-ngram": ["-md", dflash, "--spec-type", "draft-dflash,ngram-mod"]}  # fmt: skip
+    servers: dict[str, LlamaServer] = {}
+    try:
+        for name, args in setups.items():
+            servers[name] = LlamaServer(llama_server_binary, tiny_gguf, *common, *args, log_dir=tmp_path / "logs")
+        attach = [a for name, s in servers.items() for a in ("--profile", f"{name}={s.url}")]
+        proxy = ProxyProcess(*attach, env={"ADAPTIVE_SPEC_STATE_DIR": str(tmp_path / "state")})
+        try:
+            out = tmp_path / "bench"
+            argv = [sys.executable, "-m", "adaptive_spec", "bench", "--url", proxy.base, "--workload", "iterative",
+                    "--profiles", ",".join(setups), "--adaptive", "--max-tokens", "16", "--out", str(out)]  # fmt: skip
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        finally:
+            proxy.stop()
+    finally:
+        for server in servers.values():
+            server.stop()
+    assert done.returncode == 0, done.stderr
+    assert "random weights, so these figures measure plumbing, not speed" in done.stdout
+    result = json.loads((out / "bench.json").read_text())
+    assert result["baseline"] == "plain"
+    assert {r["name"] for r in result["rows"]} == {*setups, "adaptive", "oracle"}
+    records = result["records"]["iterative"]
+    assert all(r["outcome"] == "finished" for r in records)
+    drafted = {name: sum(r["timings"].get("draft_n", 0) for r in records if r["profile"] == name) for name in setups}
+    assert drafted["plain"] == 0 and drafted["dflash"] > 0 and drafted["dflash-ngram"] > 0, drafted
+    (tmp_path.parent / "bench-stdout.txt").write_text(done.stdout)
