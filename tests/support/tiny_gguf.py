@@ -32,10 +32,23 @@ def _vocab() -> tuple[list[str], list[int]]:
     return tokens, [int(t) for t in types]
 
 
+def add_tiny_tokenizer(writer: gguf.GGUFWriter) -> int:
+    """The byte + ASCII vocabulary and ChatML template; drafters carry the same one (llama-server compares them).
+    Returns the vocabulary size."""
+    tokens, types = _vocab()
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([float(-i) for i in range(len(tokens))])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(4)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML)
+    return len(tokens)
+
+
 def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
-    tokens, types = _vocab()
-    n_vocab = len(tokens)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny-random-llama")
     writer.add_context_length(N_CTX)
@@ -47,14 +60,7 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     writer.add_rope_dimension_count(N_EMBD // N_HEAD)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([float(-i) for i in range(n_vocab)])
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(4)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML)
+    n_vocab = add_tiny_tokenizer(writer)
 
     def tensor(name: str, *shape: int, scale: float = 0.5) -> None:
         # float32 explicitly: numpy 2 would promote to float64, which llama-server cannot load.

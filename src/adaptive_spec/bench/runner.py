@@ -297,6 +297,9 @@ def main_bench(
     finally:
         if records:
             print(write_outputs(records, known, out))
+            random = sorted({str(p["model"]) for p in known if "random" in str(p.get("model") or "")})
+            if random:  # a model file named *random*, as the test suite names its random-weight models
+                print(f"\ncaveat: {', '.join(random)}: random weights, so these figures measure plumbing, not speed")
     return ""
 
 
