@@ -113,7 +113,7 @@ class DashboardApp(App[None]):
         self.filter_text = ""
         self._chart_profiles: tuple[str, ...] = ()
         self._narrow = False
-        self._table_narrow: bool | None = None
+        self._table_shape: tuple[bool, int] | None = None
         self.child_argv: list[str] | None = None  # `serve --tui`: the proxy this app starts and stops
         self.child: asyncio.subprocess.Process | None = None
         self.child_exit_code: int | None = None
@@ -155,7 +155,7 @@ class DashboardApp(App[None]):
         if narrow != self._narrow:
             self._narrow = narrow
             self._main.set_class(narrow, "-narrow")
-            self.dirty = True
+        self.dirty = True  # the sessions table fits its columns to the new width
 
     # ---- the feed --------------------------------------------------------------------------------------------
     @work(exclusive=True, group="feed")
@@ -327,7 +327,8 @@ class DashboardApp(App[None]):
             points = list(view.chart)
             rate, accept = view.live(now)
             word = "" if self._narrow else " accept"
-            label.update(Text.assemble((f"{view.name:<11.11}", "bold"), f"{word} {render.pct(accept):>4} "))
+            shown = render.pct(accept) if view.drafts else "—"
+            label.update(Text.assemble((f"{view.name:<11.11}", "bold"), f"{word} {shown:>4} "))
             pad = [0.0] * max(0, CHART_MIN_POINTS - len(points))  # early on, time still flows at a readable pace
             self._main.query_one(f"#chart-accept-{i}", Sparkline).data = pad + [p.acceptance or 0.0 for p in points]
             self._main.query_one(f"#chart-speed-label-{i}", Label).update(f"{rate:6.1f} tok/s ")
@@ -353,10 +354,11 @@ class DashboardApp(App[None]):
 
     def _draw_sessions(self) -> None:
         table = self._main.query_one("#sessions", DataTable)
-        if self._table_narrow != self._narrow:
-            self._table_narrow = self._narrow
+        shape = (self._narrow, table.size.width)
+        if self._table_shape != shape:
+            self._table_shape = shape
             table.clear(columns=True)
-            for label, width in render.SESSION_COLUMNS_NARROW if self._narrow else render.SESSION_COLUMNS_WIDE:
+            for label, width in render.session_columns(self._narrow, table.size.width):
                 table.add_column(label, width=width)
         selected = self.selected_session()
         views = self.visible_sessions()

@@ -24,7 +24,7 @@ def num(value: float | None, digits: int = 1) -> str:
 def ms(value: float | None) -> str:
     if value is None:
         return DASH
-    return f"{value / 1000:.1f} s" if value >= 10_000 else f"{value:,.0f} ms"
+    return f"{value / 1000:.1f} s" if value >= 1000 else f"{value:.0f} ms"
 
 
 def short_id(session_id: str, width: int = 14) -> str:
@@ -84,7 +84,7 @@ def session_cells(view: SessionView, *, narrow: bool) -> tuple[str | Text, ...]:
     speed = num(last.tokens_per_s if last else None)
     if narrow:
         return (short_id(view.session_id, 14), view.client[:8], str(len(view.turns)), profile, accepted, speed)
-    reason = (view.last_reason or "").replace("\n", " ")
+    reason = Text((view.last_reason or "").replace("\n", " "), no_wrap=True, overflow="ellipsis")
     return (
         short_id(view.session_id),
         view.client,
@@ -95,7 +95,7 @@ def session_cells(view: SessionView, *, narrow: bool) -> tuple[str | Text, ...]:
         accepted,
         speed,
         str(view.moves),
-        reason if len(reason) <= REASON_CHARS else reason[: REASON_CHARS - 1] + "…",
+        reason,
     )
 
 
@@ -111,8 +111,20 @@ SESSION_COLUMNS_WIDE = (
     ("acc. last / all", 15),
     ("tok/s", 6),
     ("moves", 5),
-    ("last decision", REASON_CHARS),
+    ("last decision", REASON_CHARS),  # widened to what the terminal leaves, see session_columns()
 )
+
+
+def session_columns(narrow: bool, table_width: int) -> list[tuple[str, int]]:
+    """The sessions table's columns; in a wide table the last decision takes whatever width the others leave."""
+    if narrow:
+        return list(SESSION_COLUMNS_NARROW)
+    columns = list(SESSION_COLUMNS_WIDE)
+    fixed = sum(width + 2 for _, width in columns[:-1]) + 2  # each cell has one column of padding either side
+    columns[-1] = (columns[-1][0], max(16, table_width - fixed - 2))  # the border
+    return columns
+
+
 SESSION_COLUMNS_NARROW = (
     ("session", 14),
     ("client", 8),
@@ -126,7 +138,7 @@ SESSION_COLUMNS_NARROW = (
 def turn_cells(index: int, row: TurnRow) -> tuple[str | Text, ...]:
     handoff = DASH
     if row.handoff_tokens is not None:
-        handoff = f"{row.handoff_tokens:,} tok {num(row.handoff_ms, 0)} ms"
+        handoff = f"{row.handoff_tokens:,} tok {num(row.handoff_ms, 0)}ms"
     elif row.moved_from:
         handoff = "re-prefill"
     status = Text("✓", style="green") if row.outcome == "finished" else Text(f"✗ {row.status}", style="bold red")
@@ -143,26 +155,24 @@ def turn_cells(index: int, row: TurnRow) -> tuple[str | Text, ...]:
         ms(row.ttft_ms),
         ms(row.ttst_ms),
         f"{pct(row.est_accepted_share)} / {pct(row.accepted_share)}",
-        row.route or DASH,
         handoff,
     )
 
 
 TURN_COLUMNS = (
-    ("#", 3),
-    ("", 5),
+    ("#", 2),
+    ("", 3),
     ("profile", 10),
-    ("prompt", 7),
-    ("cached", 7),
-    ("out", 6),
+    ("prompt", 6),
+    ("cached", 6),
+    ("out", 5),
     ("drafted", 7),
     ("accepted", 8),
-    ("tok/s", 6),
-    ("TTFT", 8),
-    ("TTST", 8),
-    ("est / meas", 11),
-    ("route", 8),
-    ("handoff", 18),
+    ("tok/s", 5),
+    ("TTFT", 6),
+    ("TTST", 6),
+    ("est / meas", 10),
+    ("handoff", 15),
 )
 
 
@@ -187,13 +197,14 @@ _LOG_STYLES = {
 
 def log_line(line: LogLine) -> Text:
     stamp = time.strftime("%H:%M:%S", time.localtime(line.at_unix))
-    text = Text(f"{stamp} ", style="dim")
+    text = Text(f"{stamp} ", style="dim", no_wrap=True, overflow="ellipsis")
     text.append(f"{line.who:<12.12} ", style="bold")
     text.append(line.text, style=_LOG_STYLES.get(line.kind, ""))
     return text
 
 
-def live_text(live: LiveRequest | None, *, enabled: bool, finished: bool = False) -> Text:
+def live_text(live: LiveRequest | None, *, enabled: bool, finished: bool = False, lines: int = 7) -> Text:
+    """The answer's text as it streams (its last `lines` lines), accepted-draft pieces highlighted."""
     if live is None:
         return Text("no request of this session is in flight", style="dim")
     what = "last answer" if finished else "streaming"
@@ -201,10 +212,12 @@ def live_text(live: LiveRequest | None, *, enabled: bool, finished: bool = False
     if not enabled:
         head.append("(live text is off: start serve with --feed-content to see it)", style="dim")
         return head
-    head.append("accepted-draft tokens highlighted (inferred from draft_n_accepted between chunks)\n", style="dim")
+    head.append("green: from accepted drafts (inferred from draft_n_accepted between chunks)", style="dim")
+    body = Text()
     for chunk, drafted in live.text:
-        head.append(chunk, style="black on green" if drafted else "")
-    return head
+        body.append(chunk, style="black on green" if drafted else "")
+    tail = body.split("\n")[-lines:]
+    return Text("\n").join([head, *tail])
 
 
 def status_line(board: Dashboard, *, url: str, connected: bool, since: float | None, paused: bool, now: float) -> Text:
