@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from adaptive_spec import __version__
+from adaptive_spec.access_options import access_policy, add_access_arguments
 from adaptive_spec.core.ngram import NgramParams
 from adaptive_spec.core.profiles import (
     DRAFT_TYPES,
@@ -89,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="ARG",
         help="extra llama-server argument, passed to every profile (repeatable)",
     )
+    add_access_arguments(serve)
     serve.add_argument("--default-profile", help="profile for requests without a pin (default: the first)")
     serve.add_argument("--max-body-mb", type=float, default=32.0)
     serve.add_argument(
@@ -267,6 +269,8 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
     proxy = ProxySettings(
         max_body_bytes=int(args.max_body_mb * 1024 * 1024), read_timeout_s=args.read_timeout, history_size=args.history
     )
+    # Before anything is launched or assembled: a refusal to listen without a key comes first.
+    access = access_policy(args, [k for k, _, _ in (item.partition("=") for item in args.project_key) if k])
     if args.default_profile:
         check_profile_name(args.default_profile)
     if args.profile:
@@ -276,7 +280,8 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
             raise ConfigError(f"--profile names must be unique, got {', '.join(names)}")
         sessions = _session_plan(args, _ngram_params(args.ngram_mod))
         return ServePlan(args.host, args.port, proxy, args.default_profile, attach=attached, sessions=sessions,
-                         **_trace_options(args), **_routing_options(args))  # fmt: skip
+                         access=access, **_trace_options(args),
+                         **_routing_options(args))  # fmt: skip
     from adaptive_spec.launcher import find_llama_server
 
     if args.draft_type and not args.draft and args.draft_type != "mtp":
@@ -296,7 +301,8 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
     launch = LaunchPlan(binary, specs, settings)
     sessions = _session_plan(args, ngram)
     return ServePlan(args.host, args.port, proxy, args.default_profile, launch=launch, sessions=sessions,
-                     **_trace_options(args), **_routing_options(args))  # fmt: skip
+                     access=access, **_trace_options(args),
+                     **_routing_options(args))  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,6 +19,8 @@ import aiohttp
 import platformdirs
 from aiohttp import web
 
+from adaptive_spec.access_options import describe_access
+from adaptive_spec.core.access import AccessPolicy
 from adaptive_spec.core.context import ContextTracker
 from adaptive_spec.core.ngram import NgramParams
 from adaptive_spec.core.profiles import AttachedProfile, ProfileInfo, ProfileSpec, ServerSettings, model_mismatch
@@ -76,6 +78,7 @@ class ServePlan:
     policy_file: Path | None = None  # None: the shipped policies/default.toml
     workspace_policies: bool = True  # read .adaptive-spec.toml in the workspace an agent reveals
     slot_dir: Path | None = None  # attached profiles' shared --slot-save-path (launched ones get their own)
+    access: AccessPolicy = field(default_factory=AccessPolicy)
 
 
 async def _tokenizer(plan: ServePlan, session: aiohttp.ClientSession, default_url: str) -> Tokenizer | None:
@@ -170,7 +173,8 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
             + ("on (slot files in " + str(slot_dir) + ")" if slot_dir else "off (no shared slot directory)")
         )
         app = build_app(table, plan.proxy, sessions, trace=trace, profiles=infos, router=router,
-                        restart=launcher.restart if launcher is not None else None)  # fmt: skip
+                        restart=launcher.restart if launcher is not None else None, access=plan.access)  # fmt: skip
+        say(describe_access(plan.access))
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         try:

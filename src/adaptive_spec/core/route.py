@@ -354,9 +354,10 @@ class Placements:
         while len(self._by_session) > self.max_sessions:
             self._by_session.popitem(last=False)
 
-    def displace(self, profile: str, slot: int | None, keep: str) -> None:
-        """`keep` now occupies this slot (served there, or restored into it): the other sessions it held are out of
-        the slot (their prompts may live on in the profile's RAM cache, so their cached figures stay)."""
+    def displace(self, profile: str, slot: int | None, keep: str | None) -> None:
+        """`keep` now occupies this slot (served there, or restored into it; None: nobody, it was erased): the other
+        sessions it held are out of the slot (their prompts may live on in the profile's RAM cache, so their cached
+        figures stay)."""
         for sid, p in list(self._by_session.items()):
             if sid != keep and p.in_slot and p.profile == profile and p.slot == slot:
                 self._by_session[sid] = replace(p, in_slot=False)

@@ -16,6 +16,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from adaptive_spec.core.access import AccessPolicy, with_model
 from adaptive_spec.core.events import (
     DraftProgress,
     ProfileDown,
@@ -34,16 +35,17 @@ from adaptive_spec.core.requests import (
     RequestProblem,
     RoutedPath,
     parse_body,
-    split_path,
 )
 from adaptive_spec.core.route import Decision
 from adaptive_spec.core.sessions import SessionAssignment
 from adaptive_spec.core.timings import ResponseMeter, without_progress_timings
 from adaptive_spec.proxy.bus import EventBus
+from adaptive_spec.proxy.control import add_control_views
 from adaptive_spec.proxy.errors import error_response
 from adaptive_spec.proxy.forward import forward
 from adaptive_spec.proxy.metrics import ProxyMetrics
 from adaptive_spec.proxy.routing import FixedPolicy, HandoffResult, Router
+from adaptive_spec.proxy.security import install_security, routed_path
 from adaptive_spec.proxy.state import (
     BUS,
     CLIENT,
@@ -90,9 +92,11 @@ def build_app(
     profiles: list[ProfileInfo] | None = None,
     router: Router | None = None,
     restart: Callable[[str], Awaitable[None]] | None = None,
+    access: AccessPolicy | None = None,
 ) -> web.Application:
     # The body limit is enforced by read_body (to answer in the OpenAI error shape), not by aiohttp.
     app = web.Application(client_max_size=settings.max_body_bytes + 1)
+    install_security(app, access or AccessPolicy())  # every route, later ones included
     app[UPSTREAMS], app[SETTINGS], app[SESSIONS], app[TRACE] = upstreams, settings, sessions, trace
     app[HISTORY] = RequestHistory(settings.history_size)
     app[BUS] = bus or EventBus()
@@ -120,6 +124,7 @@ def build_app(
     app.cleanup_ctx.append(_policy_refresher)
     app.on_shutdown.append(_close_feeds)
     add_views(app, _proxy_view)
+    add_control_views(app)
     app.router.add_route("*", "/{tail:.*}", _proxy_view)
     return app
 
@@ -198,12 +203,14 @@ def choose_upstream(request: web.Request, table: UpstreamTable, name: str | None
 
 
 def _upstream_query(request: web.Request, upstream: Upstream, api: str) -> str:
-    """Router-mode servers take the preset as `?model=` on GET endpoints such as /props and /slots."""
-    qs = request.query_string
+    """Router-mode servers take the preset as `?model=` on GET endpoints such as /props and /slots: always the
+    profile's own (a client's `model` would make the router load another model)."""
+    qs = request.rel_url.raw_query_string  # as sent: decoding it could turn an encoded '&' into a separator
     preset = upstream.upstream_model
-    if preset is not None and request.method == "GET" and api == "other" and "model" not in request.query:
-        extra = "model=" + quote(preset, safe="")
-        qs = f"{qs}&{extra}" if qs else extra
+    if preset is not None:
+        kept = [p for p in qs.split("&") if p and p.split("=", 1)[0] != "model"]
+        add = ["model=" + quote(preset, safe="")] if request.method == "GET" and api == "other" else []
+        qs = "&".join(kept + add)
     return f"?{qs}" if qs else ""
 
 
@@ -239,7 +246,8 @@ def _upstream_body(req: _Request, upstream: Upstream) -> tuple[bytes, bool]:
     """
     parsed = req.parsed
     if parsed is None:
-        return req.body, False
+        preset = upstream.upstream_model
+        return (with_model(req.body, preset) if preset is not None and req.body else req.body), False
     changes: dict[str, object] = {}
     if upstream.upstream_model is not None and parsed.model != upstream.upstream_model:
         changes["model"] = upstream.upstream_model
@@ -354,7 +362,7 @@ async def _route(request: web.Request, req: _Request) -> Upstream | web.Response
 
 async def _proxy_view(request: web.Request) -> web.StreamResponse:
     app = request.app
-    routed = split_path(request.path)
+    routed = routed_path(request)  # decided on the raw target by the security gate
     req = _Request(uuid.uuid4().hex[:16], routed, request.headers.get(PROFILE_HEADER) or app[UPSTREAMS].default,
                    project=routed.project or DEFAULT_PROJECT)  # fmt: skip
     try:

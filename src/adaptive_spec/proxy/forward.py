@@ -14,6 +14,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from adaptive_spec.core.sse import SSEEvent, SSEParser
 from adaptive_spec.core.timings import ResponseMeter
 from adaptive_spec.proxy.errors import error_response, sse_error_event
+from adaptive_spec.proxy.security import hidden_headers
 from adaptive_spec.proxy.upstreams import Upstream
 
 _HOP_BY_HOP = frozenset(
@@ -46,8 +47,8 @@ class Outcome:
     meter: ResponseMeter
 
 
-def upstream_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _DROP_REQUEST)
+def upstream_headers(headers: CIMultiDictProxy[str], hidden: tuple[str, ...] = ()) -> CIMultiDict[str]:
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _DROP_REQUEST and k.lower() not in hidden)
 
 
 async def forward(
@@ -69,8 +70,9 @@ async def forward(
     `progress` is called after each relayed chunk."""
     # Send the request upstream and relay the answer; upstream faults become errors, never exceptions.
     url = upstream.base_url + path_qs
+    headers = upstream_headers(request.headers, hidden_headers(request))
     try:
-        upstream_resp = await _send(session, request.method, url, body, upstream_headers(request.headers), timeout)
+        upstream_resp = await _send(session, request.method, url, body, headers, timeout)
     except aiohttp.ClientConnectorError as exc:
         message = f"profile {upstream.name!r} at {upstream.base_url} is unreachable: {exc.os_error or exc}"
         return _fail(502, message, "upstream_unreachable", meter)

@@ -216,6 +216,15 @@ class Router:
             cached = timings.cache_n + timings.prompt_n + timings.predicted_n
             self.placements.served(session_id, profile, slot, cached, timings.predicted_n)
 
+    def slot_count(self, profile: str) -> int:
+        return self._books[profile].slots
+
+    def slots_erased(self, profile: str) -> None:
+        """The profile's slots were emptied: no session's KV cache is there any more (its RAM cache may remain)."""
+        for _, placement in self.placements.items():
+            if placement.profile == profile:
+                self.placements.displace(profile, placement.slot, keep=None)
+
     def remember(self, record: dict[str, Any]) -> None:
         self.recent.append(record)
 
