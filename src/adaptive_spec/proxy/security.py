@@ -52,7 +52,8 @@ def routed_path(request: web.Request) -> RoutedPath:
 
 def hidden_headers(request: web.Request) -> tuple[str, ...]:
     """Request headers not to send on to llama-server (the client's key, when the proxy checks keys itself)."""
-    return request[_HIDDEN] if _HIDDEN in request else ()
+    hidden: tuple[str, ...] = request.get(_HIDDEN, ())
+    return hidden
 
 
 @web.middleware
