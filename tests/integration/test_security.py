@@ -142,6 +142,13 @@ def test_an_unknown_profile_pin_on_messages_is_anthropic_shaped(proxy: ProxyProc
     assert "known profiles: plain" in _assert_anthropic_error(answer, 400, "invalid_request_error")
 
 
+def test_llama_servers_own_errors_on_messages_are_anthropic_shaped(proxy: ProxyProcess) -> None:
+    too_long = "a " * 40_000  # beyond the tiny server's 32k context: llama-server's own 400
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": too_long}]}
+    answer = request(_port(proxy), "POST", "/v1/messages", body)
+    assert "context" in _assert_anthropic_error(answer, 400, "invalid_request_error")
+
+
 def test_valid_requests_still_pass(proxy: ProxyProcess) -> None:
     chat = request(_port(proxy), "POST", "/v1/chat/completions", CHAT)
     assert chat.status == 200 and chat.json()["choices"][0]["message"]["content"] is not None

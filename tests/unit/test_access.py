@@ -68,7 +68,8 @@ def test_origins() -> None:
         ("POST", "/slots/0", {"action": "erase"}, True), ("GET", "/slots", {}, False),
         ("GET", "/slots/0", {"action": "save"}, True), ("POST", "/models/load", {}, True),
         ("POST", "/props", {}, True), ("GET", "/props", {}, False), ("POST", "/lora-adapters", {}, True),
-        ("POST", "/tokenize", {}, False),
+        ("POST", "/tokenize", {}, False), ("DELETE", "/models", {}, True), ("GET", "/models", {}, False),
+        ("GET", "/cors-proxy", {"url": "http://x"}, True), ("POST", "/tools", {}, True),
     ],
 )  # fmt: skip
 def test_control_endpoints(method: str, path: str, query: dict[str, str], refused: bool) -> None:

@@ -153,10 +153,13 @@ def control_refusal(policy: AccessPolicy, method: str, path: str, query: Mapping
     bare = path[3:] if path.startswith("/v1/") else path
     if (bare == "/slots" or bare.startswith("/slots/")) and (method not in ("GET", "HEAD") or "action" in query):
         return "slot actions (save, restore, erase) belong to adaptive-spec, which places sessions in slots"
-    if bare.rstrip("/") in ("/models/load", "/models/unload"):
-        return "loading and unloading router-mode models belongs to adaptive-spec's profiles"
-    if method not in ("GET", "HEAD") and bare.rstrip("/") in ("/props", "/lora-adapters"):
+    bare = bare.rstrip("/")
+    if bare in ("/models/load", "/models/unload") or (bare == "/models" and method not in ("GET", "HEAD")):
+        return "loading, adding and unloading router-mode models belongs to adaptive-spec's profiles"
+    if method not in ("GET", "HEAD") and bare in ("/props", "/lora-adapters"):
         return "changing a profile's server settings would change it for every session"
+    if bare in ("/cors-proxy", "/tools"):
+        return "llama-server would fetch URLs or run tools on a client's behalf"
     return None
 
 

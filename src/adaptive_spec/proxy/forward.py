@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from adaptive_spec.core.sse import SSEEvent, SSEParser
 from adaptive_spec.core.timings import ResponseMeter
-from adaptive_spec.proxy.errors import error_response, sse_error_event
+from adaptive_spec.proxy.errors import as_anthropic, error_response, sse_error_event
 from adaptive_spec.proxy.security import hidden_headers
 from adaptive_spec.proxy.upstreams import Upstream
 
@@ -36,6 +37,8 @@ _DROP_REQUEST = _HOP_BY_HOP | {"host", "content-length", "accept-encoding", "x-a
 _DROP_RESPONSE = _HOP_BY_HOP | {"content-length", "server", "date"}
 # Non-streamed bodies up to this size are parsed for their timings; larger ones just pass through.
 _METER_BODY_LIMIT = 8 * 1024 * 1024
+_ANTHROPIC_APIS = frozenset({"messages", "count_tokens"})
+_ERROR_BODY_LIMIT = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,12 +151,31 @@ async def _relay(
     is_sse = upstream_resp.content_type == "text/event-stream"
     if upstream_resp.content_length is not None and not is_sse:
         resp.content_length = upstream_resp.content_length
+    anthropic = await _anthropic_error(upstream_resp, relay.api) if not is_sse else None
+    if anthropic is not None:  # read whole already: answered in one piece
+        resp.content_length = len(anthropic)
+        await resp.prepare(request)
+        await resp.write(anthropic)
+        await resp.write_eof()
+        return resp
     await resp.prepare(request)
     if is_sse:
         await _relay_sse(resp, upstream_resp, relay)
     else:
         await _relay_body(request, resp, upstream_resp, relay.upstream, relay.meter)
     return resp
+
+
+async def _anthropic_error(upstream_resp: aiohttp.ClientResponse, api: str) -> bytes | None:
+    """llama-server answers /v1/messages errors in OpenAI's shape; Anthropic clients parse their own."""
+    length = upstream_resp.content_length
+    if api not in _ANTHROPIC_APIS or upstream_resp.status < 400 or length is None or length > _ERROR_BODY_LIMIT:
+        return None
+    try:
+        body = await upstream_resp.content.readexactly(length)
+    except (aiohttp.ClientError, asyncio.IncompleteReadError, TimeoutError):
+        return None
+    return as_anthropic(upstream_resp.status, body) or body
 
 
 async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResponse, relay: _Relay) -> None:
