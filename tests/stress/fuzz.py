@@ -123,12 +123,13 @@ class Figures:
         }  # fmt: skip
 
 
-async def _send(case: Case, port: int) -> str:
-    """The answer's status code, or what happened instead ("closed": no answer, "sent": the case hung up)."""
+async def _send(case: Case, port: int) -> tuple[str, bytes]:
+    """The answer's status code and its start, or what happened instead ("closed": no answer, "sent": the case hung
+    up)."""
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
     except OSError as exc:
-        return f"connect-error:{exc.errno}"
+        return f"connect-error:{exc.errno}", b""
     try:
         if case.drip_s:
             step = case.drip_s / max(1, len(case.data))
@@ -140,16 +141,18 @@ async def _send(case: Case, port: int) -> str:
             writer.write(case.data)
             await writer.drain()
         if case.stop_after_send:
-            return "sent"
+            return "sent", b""
         head = await asyncio.wait_for(reader.readline(), _READ_TIMEOUT_S)
+        rest = b""
         with contextlib.suppress(OSError, TimeoutError, asyncio.IncompleteReadError):
-            await asyncio.wait_for(reader.read(), _READ_TIMEOUT_S)  # the rest, so the proxy's work completes
+            rest = await asyncio.wait_for(reader.read(), _READ_TIMEOUT_S)  # the rest, so the proxy's work completes
         parts = head.split()
-        return parts[1].decode() if len(parts) >= 2 and parts[1].isdigit() else "closed"
+        status = parts[1].decode() if len(parts) >= 2 and parts[1].isdigit() else "closed"
+        return status, rest.partition(b"\r\n\r\n")[2][:300]
     except (ConnectionError, OSError):
-        return "reset"
+        return "reset", b""
     except TimeoutError:
-        return "timeout"
+        return "timeout", b""
     finally:
         writer.close()
         with contextlib.suppress(OSError):
@@ -171,10 +174,10 @@ async def _fire(cases: list[Case], port: int, figures: Figures) -> None:
 
     async def one(case: Case) -> None:
         async with semaphore:
-            status = await _send(case, port)
+            status, answer = await _send(case, port)
         figures.statuses[status] += 1
         figures.by_kind.setdefault(case.kind, Counter())[status] += 1
-        example = f"{case.kind} {status}: {case.data[:160]!r}"
+        example = f"{case.kind} {status}: {case.data[:1500]!r} -> {answer!r}"
         if case.bad and status.isdigit() and int(status) >= 500:
             figures.bad_5xx.append(example)
         if not case.bad and not (status.isdigit() and 200 <= int(status) < 300):

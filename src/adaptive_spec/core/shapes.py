@@ -91,9 +91,11 @@ def _tools(tools: Any) -> RequestProblem | None:
         function = tool.get("function")
         if function is not None and (not isinstance(function, dict) or not isinstance(function.get("name"), str)):
             return _problem(f"tools[{i}].function", "expected an object with a string 'name'.")
-        name = tool.get("name")
-        if name is not None and not isinstance(name, str):
-            return _problem(f"tools[{i}].name", "expected a string.")
+        problem = _strings(f"tools[{i}]", tool, ("type", "name", "description"))
+        if problem is None and isinstance(function, dict):
+            problem = _strings(f"tools[{i}].function", function, ("description",))
+        if problem is not None:
+            return problem
         for key in ("parameters", "input_schema"):
             schema = tool.get(key, (function or {}).get(key) if isinstance(function, dict) else None)
             if schema is not None and not isinstance(schema, dict):
@@ -172,8 +174,10 @@ def _tool_calls(where: str, calls: Any) -> RequestProblem | None:
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             return _problem(f"{where}[{k}].function", "expected an object with a string 'name'.")
-        if not isinstance(function.get("arguments", ""), str | dict):
-            return _problem(f"{where}[{k}].function.arguments", "expected a string.")
+        if call.get("type") != "function":
+            return _problem(f"{where}[{k}].type", "expected 'function'.")
+        if not isinstance(function.get("arguments"), str | dict):
+            return _problem(f"{where}[{k}].function.arguments", "expected a string (JSON).")
         if call.get("id") is not None and not isinstance(call["id"], str):
             return _problem(f"{where}[{k}].id", "expected a string.")
     return None

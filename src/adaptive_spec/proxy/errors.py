@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -53,3 +54,25 @@ def as_anthropic(status: int, body: bytes) -> bytes | None:
     if not isinstance(error, dict) or obj.get("type") == "error" or not isinstance(error.get("message"), str):
         return None
     return orjson.dumps(anthropic_error_body(status, error["message"]))
+
+
+# How llama-server words the request problems it reports as 500 (a body it could not parse or cannot serve).
+_CLIENT_FAULT = re.compile(
+    r"^(Failed to parse|\[json\.exception\.|Invalid|Unsupported|Missing|Expected|Cannot use both|"
+    r"[^.]{0,80} (is not supported|must be|requires))"
+)
+
+
+def as_client_error(status: int, body: bytes) -> tuple[int, bytes]:
+    """A profile's 500 for a request it could not parse is the client's mistake: 400, in the same shape."""
+    if status != 500:
+        return status, body
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return status, body
+    error = obj.get("error") if isinstance(obj, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    if not isinstance(message, str) or not _CLIENT_FAULT.match(message):
+        return status, body
+    return 400, orjson.dumps(error_body(message, type_="invalid_request_error", code="invalid_request"))

@@ -14,7 +14,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from adaptive_spec.core.sse import SSEEvent, SSEParser
 from adaptive_spec.core.timings import ResponseMeter
-from adaptive_spec.proxy.errors import as_anthropic, error_response, sse_error_event
+from adaptive_spec.proxy.errors import as_anthropic, as_client_error, error_response, sse_error_event
 from adaptive_spec.proxy.security import hidden_headers
 from adaptive_spec.proxy.upstreams import Upstream
 
@@ -38,6 +38,7 @@ _DROP_RESPONSE = _HOP_BY_HOP | {"content-length", "server", "date"}
 # Non-streamed bodies up to this size are parsed for their timings; larger ones just pass through.
 _METER_BODY_LIMIT = 8 * 1024 * 1024
 _ANTHROPIC_APIS = frozenset({"messages", "count_tokens"})
+_CHECKED_APIS = _ANTHROPIC_APIS | {"chat", "completions", "responses", "completion"}
 _ERROR_BODY_LIMIT = 64 * 1024
 
 
@@ -98,7 +99,7 @@ async def forward(
         # Closing (not releasing) drops the connection if the body was not read to the end, which tells
         # llama-server to stop generating and free the slot.
         upstream_resp.close()
-    return resp, Outcome(upstream_resp.status, meter.error, meter)
+    return resp, Outcome(resp.status, meter.error, meter)
 
 
 async def _send(
@@ -151,11 +152,13 @@ async def _relay(
     is_sse = upstream_resp.content_type == "text/event-stream"
     if upstream_resp.content_length is not None and not is_sse:
         resp.content_length = upstream_resp.content_length
-    anthropic = await _anthropic_error(upstream_resp, relay.api) if not is_sse else None
-    if anthropic is not None:  # read whole already: answered in one piece
-        resp.content_length = len(anthropic)
+    error = await _error_body(upstream_resp, relay.api) if not is_sse else None
+    if error is not None:  # read whole already: answered in one piece
+        status, body = error
+        resp.set_status(status)
+        resp.content_length = len(body)
         await resp.prepare(request)
-        await resp.write(anthropic)
+        await resp.write(body)
         await resp.write_eof()
         return resp
     await resp.prepare(request)
@@ -166,16 +169,19 @@ async def _relay(
     return resp
 
 
-async def _anthropic_error(upstream_resp: aiohttp.ClientResponse, api: str) -> bytes | None:
-    """llama-server answers /v1/messages errors in OpenAI's shape; Anthropic clients parse their own."""
+async def _error_body(upstream_resp: aiohttp.ClientResponse, api: str) -> tuple[int, bytes] | None:
+    """A profile's error for a generating request, as the client should get it: llama-server answers 500 for some
+    bodies it cannot parse (the client's mistake: 400), and /v1/messages errors in OpenAI's shape (Anthropic
+    clients parse their own). None: relay the answer as it is."""
     length = upstream_resp.content_length
-    if api not in _ANTHROPIC_APIS or upstream_resp.status < 400 or length is None or length > _ERROR_BODY_LIMIT:
+    if api not in _CHECKED_APIS or upstream_resp.status < 400 or length is None or length > _ERROR_BODY_LIMIT:
         return None
     try:
         body = await upstream_resp.content.readexactly(length)
     except (aiohttp.ClientError, asyncio.IncompleteReadError, TimeoutError):
         return None
-    return as_anthropic(upstream_resp.status, body) or body
+    status, body = as_client_error(upstream_resp.status, body)
+    return status, (as_anthropic(status, body) or body) if api in _ANTHROPIC_APIS else body
 
 
 async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResponse, relay: _Relay) -> None:
