@@ -23,6 +23,18 @@ CHAT = {"model": "m", "max_tokens": 4, "temperature": 0, "messages": [{"role": "
 
 
 @pytest.fixture(scope="module")
+def tiny_server(
+    llama_server_binary: str, tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LlamaServer]:
+    # Slot actions (the proxy's erase) need a slot directory.
+    home = tmp_path_factory.mktemp("slots")
+    server = LlamaServer(llama_server_binary, tiny_gguf, "-c", "32768", "--parallel", "1", "--metrics",
+                         "--spec-type", "none", "--slot-save-path", str(home), log_dir=home)  # fmt: skip
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
 def proxy(tiny_server: LlamaServer) -> Iterator[ProxyProcess]:
     proc = ProxyProcess("--profile", f"plain={tiny_server.url}")
     yield proc

@@ -59,7 +59,10 @@ def hidden_headers(request: web.Request) -> tuple[str, ...]:
 @web.middleware
 async def _gate(request: web.Request, handler: Handler) -> web.StreamResponse:
     decided = decide_path(request.raw_path)
-    api = decided.api if isinstance(decided, RoutedPath) else "other"
+    if isinstance(decided, RoutedPath):
+        api = decided.api
+    else:  # a refused path: an Anthropic client still parses only its own error shape
+        api = "messages" if request.path.rstrip("/").endswith(("/v1/messages", "/count_tokens")) else "other"
     refusal = _refusal(request, decided)
     if refusal is not None:
         return _shaped(api, refusal)
