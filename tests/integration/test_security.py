@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import urllib.error
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import LlamaServer, ProxyProcess, http_json, wait_until
+from tests.support.servers import LlamaServer, ProxyProcess, free_port, http_json, terminate, wait_until
 
 KEY = "sk-test-0123456789"
 CHAT = {"model": "m", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
@@ -399,5 +400,48 @@ def test_listening_on_all_interfaces_with_a_key_from_the_environment(tiny_server
         assert "Host localhost, 127.0.0.1, [::1]" in proc.log()
         _assert_openai_error(request(proc.port, "GET", "/adaptive/health"), 401, "invalid_api_key")
         assert request(proc.port, "GET", "/adaptive/health", headers={"x-api-key": KEY}).status == 200
+    finally:
+        proc.stop()
+
+
+# --- router mode: the profile's preset, whatever the client names -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def router_url(llama_server_binary: str, tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    home = tmp_path_factory.mktemp("router")
+    preset = home / "presets.ini"
+    preset.write_text(f"[*]\nmodel = {tiny_gguf}\nctx-size = 4096\nthreads = 1\njinja = true\n\n"
+                      "[plain]\nspec-type = none\n\n[other]\nspec-type = none\n")  # fmt: skip
+    port = free_port()
+    argv = [llama_server_binary, "--models-preset", str(preset), "--models-max", "2", "--host", "127.0.0.1",
+            "--port", str(port)]  # fmt: skip
+    with (home / "router.log").open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            return bool(http_json(url + "/health", timeout=2).get("status") == "ok")
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    try:
+        wait_until(healthy, 60, f"the router-mode llama-server ({home / 'router.log'})")
+        yield url
+    finally:
+        terminate(proc, 10)
+
+
+def test_a_router_preset_cannot_be_steered_by_the_client(router_url: str) -> None:
+    proc = ProxyProcess("--profile", f"plain={router_url}#plain")
+    try:
+        port = proc.port
+        assert request(port, "POST", "/v1/chat/completions", {**CHAT, "model": "other"}).status == 200
+        assert request(port, "GET", "/props?model=other").status == 200
+        assert request(port, "POST", "/tokenize", {"model": "other", "content": "hi"}).status == 200
+        loaded = {m["id"]: m["status"]["value"] for m in http_json(router_url + "/models")["data"]}
+        assert loaded["plain"] == "loaded" and loaded["other"] != "loaded", loaded
+        _assert_openai_error(request(port, "POST", "/models/load", {"model": "other"}), 403, "control_endpoint")
     finally:
         proc.stop()
