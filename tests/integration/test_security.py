@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import os
 import socket
-import urllib.error
 import subprocess
 import sys
+import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
