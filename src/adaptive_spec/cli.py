@@ -11,6 +11,7 @@ from typing import Any
 
 from adaptive_spec import __version__
 from adaptive_spec import cli_text as text
+from adaptive_spec.access_options import access_policy, add_access_arguments, api_key
 from adaptive_spec.core.profiles import (
     DRAFT_TYPES,
     AttachedProfile,
@@ -94,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="ARG",
         help="extra llama-server argument, passed to every profile (repeatable)",
     )
+    add_access_arguments(serve)
     serve.add_argument("--default-profile", help="profile for requests without a pin (default: the first)")
     serve.add_argument("--max-body-mb", type=float, default=32.0)
     serve.add_argument(
@@ -221,9 +223,12 @@ def _policy_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         formatter_class=RAW,
     )
     check.add_argument(
-        "files", nargs="*", type=Path, metavar="FILE",
+        "files",
+        nargs="*",
+        type=Path,
+        metavar="FILE",
         help="default: the shipped default, <config dir>/policies/*.toml and ./.adaptive-spec.toml",
-    )  # fmt: skip
+    )
     show = actions.add_parser(
         "show",
         help="print the effective policy of a project (TOML, or JSON with --json)",
@@ -288,10 +293,13 @@ def _session_plan(args: argparse.Namespace, ngram: NgramModParams) -> SessionPla
             raise ConfigError(f"--project-key {item!r}: expected API_KEY=PROJECT")
         key_projects[key] = project
     return SessionPlan(
-        tokenizer=args.tokenizer, ngram=NgramParams(ngram.n_match, ngram.n_min, ngram.n_max),
-        key_projects=key_projects, max_sessions=args.max_sessions, max_tokens=args.session_tokens,
+        tokenizer=args.tokenizer,
+        ngram=NgramParams(ngram.n_match, ngram.n_min, ngram.n_max),
+        key_projects=key_projects,
+        max_sessions=args.max_sessions,
+        max_tokens=args.session_tokens,
         idle_expiry_s=args.session_idle,
-    )  # fmt: skip
+    )
 
 
 def _trace_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -317,6 +325,8 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
         history_size=args.history,
         feed_content=args.feed_content,
     )
+    # Before anything is launched or assembled: a refusal to listen without a key comes first.
+    access = access_policy(args, [k for k, _, _ in (item.partition("=") for item in args.project_key) if k])
     if args.default_profile:
         check_profile_name(args.default_profile)
     if args.profile:
@@ -325,8 +335,18 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
         if len(set(names)) != len(names):
             raise ConfigError(f"--profile names must be unique, got {', '.join(names)}")
         sessions = _session_plan(args, _ngram_params(args.ngram_mod))
-        return ServePlan(args.host, args.port, proxy, args.default_profile, attach=attached, sessions=sessions,
-                         verbose=args.verbose, **_trace_options(args), **_routing_options(args))  # fmt: skip
+        return ServePlan(
+            args.host,
+            args.port,
+            proxy,
+            args.default_profile,
+            attach=attached,
+            sessions=sessions,
+            verbose=args.verbose,
+            access=access,
+            **_trace_options(args),
+            **_routing_options(args),
+        )
     from adaptive_spec.launcher import find_llama_server
 
     if args.draft_type and not args.draft and args.draft_type != "mtp":
@@ -345,8 +365,18 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
     specs = list(default_profiles(args.draft_type, ngram))
     launch = LaunchPlan(binary, specs, settings)
     sessions = _session_plan(args, ngram)
-    return ServePlan(args.host, args.port, proxy, args.default_profile, launch=launch, sessions=sessions,
-                     verbose=args.verbose, **_trace_options(args), **_routing_options(args))  # fmt: skip
+    return ServePlan(
+        args.host,
+        args.port,
+        proxy,
+        args.default_profile,
+        launch=launch,
+        sessions=sessions,
+        verbose=args.verbose,
+        access=access,
+        **_trace_options(args),
+        **_routing_options(args),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -354,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve" and args.tui:
             argv = list(sys.argv[1:] if argv is None else argv)
-            return tui_command.serve_with_tui(argv, args.host, args.port, getattr(args, "api_key", None))
+            return tui_command.serve_with_tui(argv, args.host, args.port, api_key(args))
         if args.command == "tui":
             return tui_command.run_tui(args)
         if args.command == "serve":
@@ -369,8 +399,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             profiles = [p for p in args.profiles.split(",") if p] if args.profiles else None
             if args.repeat < 1:
                 raise ConfigError(f"--repeat {args.repeat}: must be 1 or more")
-            main_bench(args.url, args.workload or ["iterative", "oneshot", "mixed"], profiles, args.adaptive, args.out,
-                       args.max_tokens, args.repeat)  # fmt: skip
+            main_bench(
+                args.url,
+                args.workload or ["iterative", "oneshot", "mixed"],
+                profiles,
+                args.adaptive,
+                args.out,
+                args.max_tokens,
+                args.repeat,
+            )
         elif args.command == "report":
             from adaptive_spec.bench.trace_report import run_report
 

@@ -20,6 +20,8 @@ import aiohttp
 import platformdirs
 from aiohttp import web
 
+from adaptive_spec.access_options import describe_access
+from adaptive_spec.core.access import AccessPolicy
 from adaptive_spec.core.profiles import AttachedProfile, ProfileInfo, ProfileSpec, ServerSettings, model_mismatch
 from adaptive_spec.core.sessions.drafter import NgramParams
 from adaptive_spec.core.sessions.statistics import ContextTracker
@@ -79,6 +81,7 @@ class ServePlan:
     workspace_policies: bool = True  # read .adaptive-spec.toml in the workspace an agent reveals
     slot_dir: Path | None = None  # attached profiles' shared --slot-save-path (launched ones get their own)
     verbose: bool = False  # let native libraries (llama.cpp loading the tokenizer) log to the terminal
+    access: AccessPolicy = field(default_factory=AccessPolicy)
 
 
 async def _tokenizer(plan: ServePlan, session: aiohttp.ClientSession, default_url: str) -> Tokenizer | None:
@@ -164,8 +167,10 @@ def announce(root: str, default_profile: str) -> None:
     print(f"OPENAI_BASE_URL={root}/v1", flush=True)
     examples = _examples_dir()
     say(f"watch it:     adaptive-spec tui --url {root}")
-    say(f"agent setups: {examples or 'examples/ in the adaptive-spec source'} (opencode, Codex CLI, aider, Continue, "
-        "openai SDK); Ctrl-C stops adaptive-spec")  # fmt: skip
+    say(
+        f"agent setups: {examples or 'examples/ in the adaptive-spec source'} (opencode, Codex CLI, aider, Continue, "
+        "openai SDK); Ctrl-C stops adaptive-spec"
+    )
 
 
 async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
@@ -179,8 +184,9 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
         if plan.default_profile is not None and plan.default_profile not in names:
             raise ConfigError(f"--default-profile {plan.default_profile!r} is not one of {', '.join(names)}")
         # A bad policy file stops us before any server starts.
-        policies = PolicyStore(plan.policy_file, names, config_dir(), read_workspace_files=plan.workspace_policies,
-                               log=say)  # fmt: skip
+        policies = PolicyStore(
+            plan.policy_file, names, config_dir(), read_workspace_files=plan.workspace_policies, log=say
+        )
         upstreams = [Upstream(a.name, a.base_url, a.upstream_model) for a in plan.attach]
         if plan.launch is not None:
             state_dir().mkdir(parents=True, exist_ok=True)
@@ -209,8 +215,9 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
         assert default is not None
         tokenizer = await _tokenizer(plan, client, default.base_url)
         sp = plan.sessions
-        tracker = ContextTracker(sp.ngram, max_sessions=sp.max_sessions, max_tokens=sp.max_tokens,
-                                 idle_expiry_s=sp.idle_expiry_s)  # fmt: skip
+        tracker = ContextTracker(
+            sp.ngram, max_sessions=sp.max_sessions, max_tokens=sp.max_tokens, idle_expiry_s=sp.idle_expiry_s
+        )
         sessions = SessionService(tracker, tokenizer, sp.key_projects, publish=bus.publish)
         say(f"sessions: tokens from {tokenizer.name if tokenizer else 'nowhere (statistics off)'}")
         trace = None
@@ -222,15 +229,31 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
             trace.write({"kind": "profiles", "at_unix": time.time(), "profiles": [asdict(i) for i in infos]})
             say(f"trace: {plan.trace_path}" + (" (with prompts and replies)" if plan.trace_content else ""))
         slot_dir = run_dir / "slots" if run_dir is not None else plan.slot_dir
-        router = Router(table, policies, {i.name: i.total_slots for i in infos}, {i.name: i.spec_types for i in infos},
-                        slot_dir=slot_dir, publish=bus.publish)  # fmt: skip
+        router = Router(
+            table,
+            policies,
+            {i.name: i.total_slots for i in infos},
+            {i.name: i.spec_types for i in infos},
+            slot_dir=slot_dir,
+            publish=bus.publish,
+        )
         described = policies.describe("default", None)
         say(
             f"routing: policy from {', '.join(described['sources']) or 'built-in defaults'}; KV handoff "
             + ("on (slot files in " + str(slot_dir) + ")" if slot_dir else "off (no shared slot directory)")
         )
-        app = build_app(table, plan.proxy, sessions, bus=bus, trace=trace, profiles=infos, router=router,
-                        restart=launcher.restart if launcher is not None else None)  # fmt: skip
+        app = build_app(
+            table,
+            plan.proxy,
+            sessions,
+            bus=bus,
+            trace=trace,
+            profiles=infos,
+            router=router,
+            restart=launcher.restart if launcher is not None else None,
+            access=plan.access,
+        )
+        say(describe_access(plan.access))
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         for sock in sockets:

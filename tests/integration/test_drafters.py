@@ -58,10 +58,18 @@ def launched(
         writer = write_tiny_dflash if kind == "dflash" else write_tiny_eagle3
         model = ["--model", str(tiny_gguf), "--draft", str(writer(home / f"tiny-random-{kind}.gguf"))]
     (home / "policy.toml").write_text(POLICY.format(with_draft_models="false"))
-    proxy = ProxyProcess(*model, "--draft-type", kind, "--threads", "1", "--ctx-size", "8192",
-                         "--policy", str(home / "policy.toml"),
-                         env={"ADAPTIVE_SPEC_STATE_DIR": str(home / "state"),
-                              "ADAPTIVE_SPEC_CONFIG_DIR": str(home / "config")})  # fmt: skip
+    proxy = ProxyProcess(
+        *model,
+        "--draft-type",
+        kind,
+        "--threads",
+        "1",
+        "--ctx-size",
+        "8192",
+        "--policy",
+        str(home / "policy.toml"),
+        env={"ADAPTIVE_SPEC_STATE_DIR": str(home / "state"), "ADAPTIVE_SPEC_CONFIG_DIR": str(home / "config")},
+    )
     yield Launched(kind, proxy, home)
     proxy.stop()
 
@@ -69,8 +77,11 @@ def launched(
 def stream_record(proxy: ProxyProcess, messages: Messages, max_tokens: int, **headers: str) -> dict[str, Any]:
     """One greedy streamed chat request through the proxy: its record, with the text and the final chunk's timings."""
     body = {"model": "m", "messages": messages, "temperature": 0, "seed": 1, "max_tokens": max_tokens, "stream": True}
-    req = urllib.request.Request(proxy.base + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **headers})  # fmt: skip
+    req = urllib.request.Request(
+        proxy.base + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **headers},
+    )
     text, timings = [], None
     with urllib.request.urlopen(req, timeout=300) as resp:
         request_id = resp.headers["x-adaptive-spec-request-id"]
@@ -91,10 +102,15 @@ def _upstream(proxy: ProxyProcess, profile: str, path: str) -> bytes:
 
 def spec_counters(proxy: ProxyProcess, profile: str) -> tuple[int, int]:
     """llama-server's own drafted and accepted totals for one profile (its /metrics, through the proxy)."""
-    values = dict(line.rsplit(" ", 1) for line in _upstream(proxy, profile, "/metrics").decode().splitlines()
-                  if line and not line.startswith("#"))  # fmt: skip
-    return (int(float(values["llamacpp:spec_decode_num_draft_tokens_total"])),
-            int(float(values["llamacpp:spec_decode_num_accepted_tokens_total"])))  # fmt: skip
+    values = dict(
+        line.rsplit(" ", 1)
+        for line in _upstream(proxy, profile, "/metrics").decode().splitlines()
+        if line and not line.startswith("#")
+    )
+    return (
+        int(float(values["llamacpp:spec_decode_num_draft_tokens_total"])),
+        int(float(values["llamacpp:spec_decode_num_accepted_tokens_total"])),
+    )
 
 
 def test_both_profiles_start_draft_and_count_like_llama_server(launched: Launched) -> None:
@@ -197,8 +213,11 @@ def test_bench_compares_plain_dflash_and_dflash_ngram_on_real_processes(
     # pair behind one proxy.
     dflash = str(write_tiny_dflash(tmp_path / "tiny-random-dflash.gguf"))
     common = ["-c", "8192", "--parallel", "1", "--metrics", "-fa", "on"]
-    setups = {"plain": ["--spec-type", "none"], "dflash": ["-md", dflash, "--spec-type", "draft-dflash"],
-              "dflash-ngram": ["-md", dflash, "--spec-type", "draft-dflash,ngram-mod"]}  # fmt: skip
+    setups = {
+        "plain": ["--spec-type", "none"],
+        "dflash": ["-md", dflash, "--spec-type", "draft-dflash"],
+        "dflash-ngram": ["-md", dflash, "--spec-type", "draft-dflash,ngram-mod"],
+    }
     servers: dict[str, LlamaServer] = {}
     try:
         for name, args in setups.items():
@@ -207,8 +226,23 @@ def test_bench_compares_plain_dflash_and_dflash_ngram_on_real_processes(
         proxy = ProxyProcess(*attach, env={"ADAPTIVE_SPEC_STATE_DIR": str(tmp_path / "state")})
         try:
             out = tmp_path / "bench"
-            argv = [sys.executable, "-m", "adaptive_spec", "bench", "--url", proxy.base, "--workload", "iterative",
-                    "--profiles", ",".join(setups), "--adaptive", "--max-tokens", "16", "--out", str(out)]  # fmt: skip
+            argv = [
+                sys.executable,
+                "-m",
+                "adaptive_spec",
+                "bench",
+                "--url",
+                proxy.base,
+                "--workload",
+                "iterative",
+                "--profiles",
+                ",".join(setups),
+                "--adaptive",
+                "--max-tokens",
+                "16",
+                "--out",
+                str(out),
+            ]
             done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
         finally:
             proxy.stop()

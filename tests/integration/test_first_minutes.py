@@ -76,11 +76,22 @@ def test_an_unknown_default_profile_fails_before_any_llama_server_starts(
 ) -> None:
     wrapper, record = recording_server(tmp_path, llama_server_binary)
     done = subprocess.run(
-        [sys.executable, "-m", "adaptive_spec", "serve", "--port", "0", "--default-profile", "fast",
-         *serve_argv(tiny_gguf, wrapper)],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "adaptive_spec",
+            "serve",
+            "--port",
+            "0",
+            "--default-profile",
+            "fast",
+            *serve_argv(tiny_gguf, wrapper),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "ADAPTIVE_SPEC_STATE_DIR": str(tmp_path / "state")},
-    )  # fmt: skip
+    )
     assert done.returncode == 2, done.stderr
     assert done.stderr == "adaptive-spec: error: --default-profile 'fast' is not one of oneshot, iterative\n"
     assert not record.exists()

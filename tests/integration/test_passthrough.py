@@ -182,7 +182,7 @@ def test_attached_profiles_spec_types_are_found_for_the_router(
 
 def test_restart_is_refused_for_attached_and_unknown_profiles(proxy: ProxyProcess) -> None:
     for name, status, code in (("plain", 409, "not_launched"), ("nope", 404, "unknown_profile")):
-        req = urllib.request.Request(proxy.base + f"/adaptive/profiles/{name}/restart", data=b"", method="POST")
+        req = urllib.request.Request(proxy.base + f"/adaptive/profiles/{name}/restart", method="POST")
         with pytest.raises(urllib.error.HTTPError) as caught:
             urllib.request.urlopen(req, timeout=30)
         assert caught.value.code == status

@@ -4,14 +4,15 @@ and, with --adaptive, on its own route; one table per workload, plus CSV, JSON a
 Inputs stay the same across targets: each target runs the workload in its own pass, and the reply that joins a
 session's history is always the first target's. Known state: before each pass every launched profile is restarted
 (llama-server offers no call to empty its n-gram pool, and a later pass would find the earlier passes' greedy answers
-in it), and each pass's system prompts start with a tag of their own. Attached profiles can only have their slot
-erased; the bench says so. The oracle is computed from the static passes: per request, the one that decoded it
-fastest.
+in it), and each pass's system prompts start with a tag of their own. Attached profiles can only have their slots
+erased (through the proxy's POST /adaptive/profiles/NAME/erase); the bench says so. The oracle is computed from the
+static passes: per request, the one that decoded it fastest.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -77,7 +78,8 @@ async def _stream(
 
 async def _known_state(session: aiohttp.ClientSession, base: str, profiles: list[str], say: Any) -> None:
     """Each pass starts from fresh servers: a launched profile is restarted (empty KV cache, RAM prompt cache and
-    n-gram pool); an attached one can only have its slot erased, and its n-gram pool carries over."""
+    n-gram pool); an attached one can only have its slots erased (by the proxy, which owns them), and its n-gram
+    pool carries over."""
     for name in profiles:
         async with session.post(f"{base}/adaptive/profiles/{name}/restart") as resp:
             await resp.read()
@@ -85,9 +87,11 @@ async def _known_state(session: aiohttp.ClientSession, base: str, profiles: list
                 continue
             if resp.status != 409:
                 raise ConfigError(f"restarting profile {name!r} failed: HTTP {resp.status}")
-        say(f"\nprofile {name!r} is attached: its slot is erased, its n-gram pool carries over to the next pass")
-        async with session.post(f"{base}/slots/0?action=erase", headers={PROFILE_HEADER: name}) as resp:
-            await resp.read()
+        say(f"\nprofile {name!r} is attached: its slots are erased, its n-gram pool carries over to the next pass")
+        async with session.post(f"{base}/adaptive/profiles/{name}/erase") as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                say(f"profile {name!r}: erasing its slots failed (HTTP {resp.status}): {text[:300]}")
 
 
 Records = dict[str, list[dict[str, Any]]]
@@ -108,7 +112,9 @@ async def run_bench(
     slow spells of a shared machine fall on every target alike."""
     records: dict[str, list[dict[str, Any]]] = {}
     timeout = aiohttp.ClientTimeout(total=None, sock_read=1800)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    key = os.environ.get("ADAPTIVE_SPEC_API_KEY", "").strip()  # the proxy's key, when it asks for one
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
         async with session.get(f"{base}/adaptive/profiles") as resp:
             known = (await resp.json())["profiles"]
         names = [p["name"] for p in known]

@@ -105,6 +105,11 @@ def parse_body(api: str, raw: bytes) -> ParsedRequest | RequestProblem:
             continue
         if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
             return _wrong_type(field, wanted, value)
+    from adaptive_spec.core.shapes import check_shape  # builds on this module's types: imported when first used
+
+    problem = check_shape(api, obj)
+    if problem is not None:
+        return problem
     model = obj.get("model")
     return ParsedRequest(obj, bool(obj.get("stream", False)), model if isinstance(model, str) else None)
 

@@ -11,14 +11,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from adaptive_spec.core.access import AccessPolicy
 from adaptive_spec.core.history import RequestHistory
 from adaptive_spec.core.profiles import ProfileInfo
 from adaptive_spec.core.routing.router import FixedPolicy
 from adaptive_spec.proxy.bus import EventBus
+from adaptive_spec.proxy.control import add_control_views
 from adaptive_spec.proxy.handler import proxy_view
 from adaptive_spec.proxy.lifecycle import RequestLifecycle
 from adaptive_spec.proxy.metrics import ProxyMetrics
 from adaptive_spec.proxy.routing import Router
+from adaptive_spec.proxy.security import install_security
 from adaptive_spec.proxy.session_service import SessionService, run_worker
 from adaptive_spec.proxy.state import (
     BUS,
@@ -54,11 +57,13 @@ def build_app(
     profiles: list[ProfileInfo] | None = None,
     router: Router | None = None,
     restart: Callable[[str], Awaitable[None]] | None = None,
+    access: AccessPolicy | None = None,
 ) -> web.Application:
     """The proxy. `upstreams`, `sessions` and `router` publish on `bus`: build them with its `publish` (a router
     made here does)."""
     # The body limit is enforced by read_body (to answer in the OpenAI error shape), not by aiohttp.
     app = web.Application(client_max_size=settings.max_body_bytes + 1)
+    install_security(app, access or AccessPolicy())  # every route, later ones included
     app[UPSTREAMS], app[SETTINGS], app[SESSIONS], app[TRACE] = upstreams, settings, sessions, trace
     app[HISTORY] = RequestHistory(settings.history_size)
     app[BUS] = bus = bus or EventBus()
@@ -84,6 +89,7 @@ def build_app(
     app.cleanup_ctx.append(_policy_refresher)
     app.on_shutdown.append(_close_feeds)
     add_views(app, proxy_view)
+    add_control_views(app)
     app.router.add_route("*", "/{tail:.*}", proxy_view)
     return app
 

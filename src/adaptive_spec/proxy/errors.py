@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -30,3 +31,56 @@ def sse_error_event(api: str, message: str, *, code: str) -> bytes:
     if api == "responses":
         return b"event: error\ndata: " + orjson.dumps({"type": "error", **body}) + b"\n\n"
     return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    default = "invalid_request_error" if status < 500 else "api_error"
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, default), "message": message}}
+
+
+def as_anthropic(status: int, body: bytes) -> bytes | None:
+    """An OpenAI-shaped error body in Anthropic's shape, for /v1/messages clients; None if it is not one."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    error = obj.get("error") if isinstance(obj, dict) else None
+    if not isinstance(error, dict) or obj.get("type") == "error" or not isinstance(error.get("message"), str):
+        return None
+    return orjson.dumps(anthropic_error_body(status, error["message"]))
+
+
+# How llama-server words the request problems it reports as 500 (a body it could not parse or cannot serve).
+_CLIENT_FAULT = re.compile(
+    r"^(Failed to parse|\[json\.exception\.|Invalid|Unsupported|Missing|Expected|Cannot use both|"
+    r"[^.]{0,80} (is not supported|must be|requires))"
+)
+
+
+def as_client_error(status: int, body: bytes) -> tuple[int, bytes]:
+    """A profile's 500 for a request it could not parse is the client's mistake: 400, in the same shape."""
+    if status != 500:
+        return status, body
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return status, body
+    error = obj.get("error") if isinstance(obj, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    if not isinstance(message, str) or not _CLIENT_FAULT.match(message):
+        return status, body
+    return 400, orjson.dumps(error_body(message, type_="invalid_request_error", code="invalid_request"))

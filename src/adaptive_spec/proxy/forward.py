@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,7 +15,8 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from adaptive_spec.core.headers import PROFILE_HEADER
 from adaptive_spec.core.sse import SSEEvent, SSEParser
 from adaptive_spec.core.timings import ResponseMeter
-from adaptive_spec.proxy.errors import error_response, sse_error_event
+from adaptive_spec.proxy.errors import as_anthropic, as_client_error, error_response, sse_error_event
+from adaptive_spec.proxy.security import hidden_headers
 from adaptive_spec.proxy.upstreams import Upstream
 
 _HOP_BY_HOP = frozenset(
@@ -36,6 +38,9 @@ _DROP_REQUEST = _HOP_BY_HOP | {"host", "content-length", "accept-encoding", PROF
 _DROP_RESPONSE = _HOP_BY_HOP | {"content-length", "server", "date"}
 # Non-streamed bodies up to this size are parsed for their timings; larger ones just pass through.
 _METER_BODY_LIMIT = 8 * 1024 * 1024
+_ANTHROPIC_APIS = frozenset({"messages", "count_tokens"})
+_CHECKED_APIS = _ANTHROPIC_APIS | {"chat", "completions", "responses", "completion"}
+_ERROR_BODY_LIMIT = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +52,8 @@ class Outcome:
     meter: ResponseMeter
 
 
-def upstream_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _DROP_REQUEST)
+def upstream_headers(headers: CIMultiDictProxy[str], hidden: tuple[str, ...] = ()) -> CIMultiDict[str]:
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _DROP_REQUEST and k.lower() not in hidden)
 
 
 async def forward(
@@ -70,8 +75,9 @@ async def forward(
     `progress` is called after each relayed chunk."""
     # Send the request upstream and relay the answer; upstream faults become errors, never exceptions.
     url = upstream.base_url + path_qs
+    headers = upstream_headers(request.headers, hidden_headers(request))
     try:
-        upstream_resp = await _send(session, request.method, url, body, upstream_headers(request.headers), timeout)
+        upstream_resp = await _send(session, request.method, url, body, headers, timeout)
     except aiohttp.ClientConnectorError as exc:
         message = f"profile {upstream.name!r} at {upstream.base_url} is unreachable: {exc.os_error or exc}"
         return _fail(502, message, "upstream_unreachable", meter)
@@ -94,7 +100,7 @@ async def forward(
         # Closing (not releasing) drops the connection if the body was not read to the end, which tells
         # llama-server to stop generating and free the slot.
         upstream_resp.close()
-    return resp, Outcome(upstream_resp.status, meter.error, meter)
+    return resp, Outcome(resp.status, meter.error, meter)
 
 
 async def _send(
@@ -147,12 +153,36 @@ async def _relay(
     is_sse = upstream_resp.content_type == "text/event-stream"
     if upstream_resp.content_length is not None and not is_sse:
         resp.content_length = upstream_resp.content_length
+    error = await _error_body(upstream_resp, relay.api) if not is_sse else None
+    if error is not None:  # read whole already: answered in one piece
+        status, body = error
+        resp.set_status(status)
+        resp.content_length = len(body)
+        await resp.prepare(request)
+        await resp.write(body)
+        await resp.write_eof()
+        return resp
     await resp.prepare(request)
     if is_sse:
         await _relay_sse(resp, upstream_resp, relay)
     else:
         await _relay_body(request, resp, upstream_resp, relay.upstream, relay.meter)
     return resp
+
+
+async def _error_body(upstream_resp: aiohttp.ClientResponse, api: str) -> tuple[int, bytes] | None:
+    """A profile's error for a generating request, as the client should get it: llama-server answers 500 for some
+    bodies it cannot parse (the client's mistake: 400), and /v1/messages errors in OpenAI's shape (Anthropic
+    clients parse their own). None: relay the answer as it is."""
+    length = upstream_resp.content_length
+    if api not in _CHECKED_APIS or upstream_resp.status < 400 or length is None or length > _ERROR_BODY_LIMIT:
+        return None
+    try:
+        body = await upstream_resp.content.readexactly(length)
+    except (aiohttp.ClientError, asyncio.IncompleteReadError, TimeoutError):
+        return None
+    status, body = as_client_error(upstream_resp.status, body)
+    return status, (as_anthropic(status, body) or body) if api in _ANTHROPIC_APIS else body
 
 
 async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResponse, relay: _Relay) -> None:

@@ -11,15 +11,17 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from adaptive_spec.core.access import with_model
 from adaptive_spec.core.headers import PROFILE_HEADER, REQUEST_ID_HEADER, ROUTE_HEADER
 from adaptive_spec.core.output import LiveText
-from adaptive_spec.core.requests import GENERATING_APIS, RequestProblem, parse_body, split_path
+from adaptive_spec.core.requests import GENERATING_APIS, RequestProblem, parse_body
 from adaptive_spec.core.sessions.clients import client_name
 from adaptive_spec.core.sessions.project import DEFAULT_PROJECT, workspace_path_from_request
 from adaptive_spec.core.timings import without_progress_timings
 from adaptive_spec.proxy.errors import error_response
 from adaptive_spec.proxy.forward import forward
 from adaptive_spec.proxy.lifecycle import ProxyRequest
+from adaptive_spec.proxy.security import routed_path
 from adaptive_spec.proxy.state import CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
 
@@ -54,22 +56,29 @@ def choose_upstream(request: web.Request, table: UpstreamTable, name: str | None
     upstream = table.get(name)
     if upstream is None:
         known = ", ".join(table.names())
-        return error_response(400, f"unknown profile {name!r} in {PROFILE_HEADER}; known profiles: {known}",
-                              code="unknown_profile", param=PROFILE_HEADER)  # fmt: skip
+        return error_response(
+            400,
+            f"unknown profile {name!r} in {PROFILE_HEADER}; known profiles: {known}",
+            code="unknown_profile",
+            param=PROFILE_HEADER,
+        )
     reason = table.down_reason(name)
     if reason is not None:
-        return error_response(503, f"profile {name!r} at {upstream.base_url} is down: {reason}",
-                              code="profile_unavailable")  # fmt: skip
+        return error_response(
+            503, f"profile {name!r} at {upstream.base_url} is down: {reason}", code="profile_unavailable"
+        )
     return upstream
 
 
 def _upstream_query(request: web.Request, upstream: Upstream, api: str) -> str:
-    """Router-mode servers take the preset as `?model=` on GET endpoints such as /props and /slots."""
-    qs = request.query_string
+    """Router-mode servers take the preset as `?model=` on GET endpoints such as /props and /slots: always the
+    profile's own (a client's `model` would make the router load another model)."""
+    qs = request.rel_url.raw_query_string  # as sent: decoding it could turn an encoded '&' into a separator
     preset = upstream.upstream_model
-    if preset is not None and request.method == "GET" and api == "other" and "model" not in request.query:
-        extra = "model=" + quote(preset, safe="")
-        qs = f"{qs}&{extra}" if qs else extra
+    if preset is not None:
+        kept = [p for p in qs.split("&") if p and p.split("=", 1)[0] != "model"]
+        add = ["model=" + quote(preset, safe="")] if request.method == "GET" and api == "other" else []
+        qs = "&".join(kept + add)
     return f"?{qs}" if qs else ""
 
 
@@ -80,7 +89,8 @@ def _upstream_body(req: ProxyRequest, upstream: Upstream) -> tuple[bytes, bool]:
     """
     parsed = req.parsed
     if parsed is None:
-        return req.body, False
+        preset = upstream.upstream_model
+        return (with_model(req.body, preset) if preset is not None and req.body else req.body), False
     changes: dict[str, object] = {}
     if upstream.upstream_model is not None and parsed.model != upstream.upstream_model:
         changes["model"] = upstream.upstream_model
@@ -141,10 +151,15 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | web.Resp
         await service.settled(session_id, _SETTLE_S)
         turns, copy_share = service.copy_state(session_id)
     req.decision, _ = router.choose(
-        body=parsed.body, body_bytes=len(req.body), session_id=session_id, session_turns=turns, copy_share=copy_share,
-        project=req.project, workspace=req.workspace,
+        body=parsed.body,
+        body_bytes=len(req.body),
+        session_id=session_id,
+        session_turns=turns,
+        copy_share=copy_share,
+        project=req.project,
+        workspace=req.workspace,
         pinned=request.headers.get(PROFILE_HEADER),
-    )  # fmt: skip
+    )
     req.profile = req.decision.profile
     chosen = choose_upstream(request, app[UPSTREAMS], req.profile)
     if isinstance(chosen, web.Response):
@@ -164,28 +179,40 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | web.Resp
 
 async def proxy_view(request: web.Request) -> web.StreamResponse:
     app = request.app
-    routed = split_path(request.path)
-    req = ProxyRequest(uuid.uuid4().hex[:16], routed, request.headers.get(PROFILE_HEADER) or app[UPSTREAMS].default,
-                   project=routed.project or DEFAULT_PROJECT,
-                   client=client_name(request.headers.get("User-Agent")))  # fmt: skip
+    routed = routed_path(request)  # decided on the raw target by the security gate
+    req = ProxyRequest(
+        uuid.uuid4().hex[:16],
+        routed,
+        request.headers.get(PROFILE_HEADER) or app[UPSTREAMS].default,
+        project=routed.project or DEFAULT_PROJECT,
+        client=client_name(request.headers.get("User-Agent")),
+    )
     try:
         chosen = await _prepare(request, req)
         if isinstance(chosen, web.Response):
             return chosen
         app[LIFECYCLE].announce(req)
         settings = app[SETTINGS]
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s,
-                                        sock_read=settings.read_timeout_s)  # fmt: skip
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
+        )
         body, strip = _upstream_body(req, chosen)
         if settings.feed_content and req.parsed is not None and req.parsed.stream and routed.api in _PROGRESS_APIS:
             req.meter.live = LiveText()
         resp, outcome = await forward(
-            request, app[CLIENT], chosen,
-            path_qs=routed.upstream_path + _upstream_query(request, chosen, routed.api), body=body, api=routed.api,
-            timeout=timeout, started=req.started, meter=req.meter,
+            request,
+            app[CLIENT],
+            chosen,
+            path_qs=routed.upstream_path + _upstream_query(request, chosen, routed.api),
+            body=body,
+            api=routed.api,
+            timeout=timeout,
+            started=req.started,
+            meter=req.meter,
             extra_headers=_extra_headers(req, chosen),
-            rewrite=without_progress_timings if strip else None, progress=lambda: app[LIFECYCLE].progress(req),
-        )  # fmt: skip
+            rewrite=without_progress_timings if strip else None,
+            progress=lambda: app[LIFECYCLE].progress(req),
+        )
         req.status, req.error = outcome.status, outcome.error
         return resp
     except (ConnectionResetError, asyncio.CancelledError):

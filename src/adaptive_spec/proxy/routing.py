@@ -56,6 +56,15 @@ class Router(RouterState):
         upstream = self.table.get(profile)
         return self.slot_dir is not None and upstream is not None and upstream.upstream_model is None
 
+    def slot_count(self, profile: str) -> int:
+        return self._books[profile].slots
+
+    def slots_erased(self, profile: str) -> None:
+        """The profile's slots were emptied: no session's KV cache is there any more (its RAM cache may remain)."""
+        for _, placement in self.placements.items():
+            if placement.profile == profile:
+                self.placements.displace(profile, placement.slot, keep=None)
+
     # --- KV handoff -------------------------------------------------------------------------------------------
 
     async def hand_off(

@@ -41,9 +41,10 @@ class Placements:
         out = float(output_tokens) if old is None else self.alpha * output_tokens + (1 - self.alpha) * old.output_tokens
         self._by_session.put(session_id, Placement(profile, slot, cached_tokens, turns, out))
 
-    def displace(self, profile: str, slot: int | None, keep: str) -> None:
-        """`keep` now occupies this slot (served there, or restored into it): the other sessions it held are out of
-        the slot (their prompts may live on in the profile's RAM cache, so their cached figures stay)."""
+    def displace(self, profile: str, slot: int | None, keep: str | None) -> None:
+        """`keep` now occupies this slot (served there, or restored into it; None: nobody, it was erased): the other
+        sessions it held are out of the slot (their prompts may live on in the profile's RAM cache, so their cached
+        figures stay)."""
         for sid, p in list(self._by_session.items()):
             if sid != keep and p.in_slot and p.profile == profile and p.slot == slot:
                 self._by_session.replace(sid, replace(p, in_slot=False))

@@ -1,0 +1,61 @@
+"""Control endpoints that act on profiles on the proxy's behalf, keeping the router's slot bookkeeping right:
+`POST /adaptive/profiles/{name}/erase` empties every slot of a profile (the benchmark's known state for attached
+profiles; clients may not send llama-server's own slot actions through the proxy)."""
+
+from __future__ import annotations
+
+import time
+from urllib.parse import quote
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from adaptive_spec.proxy.errors import error_response
+from adaptive_spec.proxy.state import CLIENT, ROUTER, UPSTREAMS
+
+_ERASE_TIMEOUT_S = 30.0
+
+
+def add_control_views(app: web.Application) -> None:
+    app.router.add_post("/adaptive/profiles/{name}/erase", _erase_view)
+
+
+async def _erase_view(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    table, router = request.app[UPSTREAMS], request.app[ROUTER]
+    upstream = table.get(name)
+    if upstream is None:
+        known = ", ".join(table.names())
+        return error_response(404, f"unknown profile {name!r}; known profiles: {known}", code="unknown_profile")
+    if router.in_flight.get(name):
+        # llama-server would wait for the running request and then erase what it left: refuse instead.
+        return error_response(
+            409,
+            f"profile {name!r} is serving {router.in_flight[name]} request(s); erase it when idle",
+            code="profile_busy",
+        )
+    started = time.monotonic()
+    model = f"&model={quote(upstream.upstream_model, safe='')}" if upstream.upstream_model else ""
+    timeout = aiohttp.ClientTimeout(total=_ERASE_TIMEOUT_S)
+    slots = router.slot_count(name)
+    try:
+        for slot in range(slots):
+            url = f"{upstream.base_url}/slots/{slot}?action=erase{model}"
+            async with request.app[CLIENT].post(url, timeout=timeout) as resp:
+                if resp.status != 200:
+                    text = (await resp.text())[:300]
+                    return error_response(
+                        502,
+                        f"erasing slot {slot} of profile {name!r} at {upstream.base_url} "
+                        f"failed: HTTP {resp.status} {text}",
+                        code="erase_failed",
+                    )
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return error_response(
+            502, f"erasing profile {name!r} at {upstream.base_url} failed: {exc!r}", code="erase_failed"
+        )
+    finally:
+        router.slots_erased(name)  # whatever was reached is empty now; a half-erased profile holds nothing reliable
+    body = {"erased": name, "slots": slots, "seconds": round(time.monotonic() - started, 3)}
+    return web.Response(body=orjson.dumps(body), content_type="application/json")

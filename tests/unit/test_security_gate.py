@@ -1,0 +1,41 @@
+"""The gate's decisions on mocked requests: the client's key is kept from llama-server unless asked otherwise."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from adaptive_spec.core.access import KEY_HEADERS, AccessPolicy
+from adaptive_spec.core.paths import decide_path
+from adaptive_spec.core.requests import RoutedPath
+from adaptive_spec.proxy.forward import upstream_headers
+from adaptive_spec.proxy.security import ACCESS, _refusal, hidden_headers, routed_path
+
+
+def _request(policy: AccessPolicy, headers: dict[str, str]) -> web.Request:
+    app = web.Application()
+    app[ACCESS] = policy
+    return make_mocked_request("POST", "/p/x/v1/chat/completion%73", headers=headers, app=app)
+
+
+def test_the_clients_key_is_not_sent_on_when_the_proxy_checks_keys() -> None:
+    headers = {"Authorization": "Bearer k", "x-api-key": "k", "Host": "127.0.0.1", "Content-Type": "application/json"}
+    request = _request(AccessPolicy(api_keys=("k",)), headers)
+    decided = decide_path(request.raw_path)
+    assert isinstance(decided, RoutedPath)
+    assert _refusal(request, decided) is None
+    assert hidden_headers(request) == KEY_HEADERS
+    assert routed_path(request) == RoutedPath("x", "/v1/chat/completions", "chat")
+    sent = upstream_headers(CIMultiDictProxy(CIMultiDict(headers)), hidden_headers(request))
+    assert dict(sent) == {"Content-Type": "application/json"}
+
+
+def test_the_key_goes_on_when_configured_or_when_no_key_is_checked() -> None:
+    headers = {"Authorization": "Bearer k", "Host": "127.0.0.1"}
+    for policy in (AccessPolicy(api_keys=("k",), forward_api_key=True), AccessPolicy()):
+        request = _request(policy, headers)
+        decided = decide_path(request.raw_path)
+        assert isinstance(decided, RoutedPath)
+        assert _refusal(request, decided) is None
+        assert "Authorization" in upstream_headers(CIMultiDictProxy(CIMultiDict(headers)), hidden_headers(request))
