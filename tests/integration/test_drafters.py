@@ -200,8 +200,10 @@ def test_with_draft_models_the_cache_moves_and_the_drafter_starts_empty(launched
 
 
 def _erase(proxy: ProxyProcess, profile: str) -> None:
-    headers = {"x-adaptive-spec-profile": profile, "Content-Type": "application/json"}
-    req = urllib.request.Request(proxy.base + "/slots/0?action=erase", data=b"{}", method="POST", headers=headers)
+    """Through the proxy's own endpoint: clients may not send llama-server slot actions (the router owns slots)."""
+    headers = {"Content-Type": "application/json"}
+    url = f"{proxy.base}/adaptive/profiles/{profile}/erase"
+    req = urllib.request.Request(url, data=b"{}", method="POST", headers=headers)
     with urllib.request.urlopen(req, timeout=60) as resp:
         resp.read()
 
