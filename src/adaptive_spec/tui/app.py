@@ -274,7 +274,10 @@ class DashboardApp(App[None]):
             return
         self.dirty = False
         self.frames += 1
-        self.redraw(now)
+        try:
+            self.redraw(now)
+        except NoMatches:  # a frame while the screen is still being composed or already torn down: skip it
+            self.dirty = True
 
     def redraw(self, now: float) -> None:
         board = self.dashboard
