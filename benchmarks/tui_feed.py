@@ -188,6 +188,7 @@ async def measure(seconds: float, feed_file: Path) -> dict[str, Any]:
                 lags.append((time.monotonic() - before - 0.1) * 1000)
             cpu_s, wall_s = _cpu() - cpu0, time.monotonic() - wall0
             folded, frames = app.events_seen - events0, app.frames - frames0
+            frame_ms = sorted(app.frame_ms)
     finally:
         server.terminate()
         await server.wait()
@@ -197,6 +198,8 @@ async def measure(seconds: float, feed_file: Path) -> dict[str, Any]:
         "seconds": round(wall_s, 1),
         "frames_per_s": round(frames / wall_s, 2),
         "cpu_share_of_one_core": round(cpu_s / wall_s, 3),
+        "redraw_ms_p50": round(frame_ms[len(frame_ms) // 2], 1) if frame_ms else None,
+        "redraw_ms_max": round(frame_ms[-1], 1) if frame_ms else None,
         "event_loop_lag_ms_p50": round(lags[len(lags) // 2], 1),
         "event_loop_lag_ms_p99": round(lags[min(len(lags) - 1, int(len(lags) * 0.99))], 1),
     }

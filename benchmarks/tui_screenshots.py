@@ -21,7 +21,8 @@ from typing import IO
 
 from adaptive_spec.tui.app import DashboardApp, make_app
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "whole_file_edits.py"
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLE, ONE_SHOT = EXAMPLES / "whole_file_edits.py", EXAMPLES / "openai_sdk.py"
 
 
 async def _wait(predicate: object, limit_s: float) -> None:
@@ -35,20 +36,29 @@ async def _wait(predicate: object, limit_s: float) -> None:
 
 def _streaming_on_iterative(app: DashboardApp) -> bool:
     live = [r for r in app.dashboard.live.values() if r.profile == "iterative" and r.predicted_n > 150]
-    return bool(live) and app.dashboard.requests_total >= 2
+    return bool(live) and app.dashboard.requests_total >= 5
+
+
+async def _client(script: Path, url: str, project: str, *args: str) -> asyncio.subprocess.Process:
+    env = {**os.environ, "OPENAI_BASE_URL": f"{url.rstrip('/')}/p/{project}/v1"}
+    return await asyncio.create_subprocess_exec(sys.executable, str(script), *args, env=env)
 
 
 async def shoot(url: str, out: Path, rec: IO[bytes] | None, turns: int) -> None:
+    """Two edit sessions in two projects and a one-shot prompt, watched by a wide and an 80x24 TUI."""
     wide, narrow = make_app(url=url, record=rec), make_app(url=url)
-    env = {**os.environ, "OPENAI_BASE_URL": url.rstrip("/") + "/p/demo/v1"}
     async with wide.run_test(size=(120, 36)) as wpilot, narrow.run_test(size=(80, 24)) as npilot:
         await _wait(lambda: wide.connected and narrow.connected, 30)
-        session = await asyncio.create_subprocess_exec(sys.executable, str(EXAMPLE), "--turns", str(turns), env=env)
-        await _wait(lambda: _streaming_on_iterative(wide), 1800)
+        clients = [await _client(EXAMPLE, url, "demo", "--turns", str(turns))]
+        await asyncio.sleep(20)
+        clients.append(await _client(EXAMPLE, url, "webapp", "--turns", str(turns - 1)))
+        clients.append(await _client(ONE_SHOT, url, "scratch"))
+        await _wait(lambda: _streaming_on_iterative(wide), 3600)
         await wpilot.pause(1.0)
         wide.save_screenshot(filename="tui-dashboard.svg", path=str(out))
         narrow.save_screenshot(filename="tui-dashboard-80x24.svg", path=str(out))
-        await session.wait()
+        for client in clients:
+            await client.wait()
         await wpilot.pause(2.0)
         await npilot.pause(0.1)
         await wpilot.press("enter")
@@ -61,7 +71,7 @@ def main() -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8088")
     parser.add_argument("--out", type=Path, default=Path("docs/images"))
     parser.add_argument("--record", type=Path)
-    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=4)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rec = args.record.open("wb") if args.record else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import IO, Any, ClassVar
@@ -62,7 +63,8 @@ class LogView(Widget):
 
     def render(self) -> Text:
         rows = max(1, self.content_size.height)
-        return Text("\n").join(render.log_line(line) for line in list(self._lines())[-rows:])
+        lines = list(self._lines())[-rows:]
+        return Text("\n", no_wrap=True, overflow="ellipsis").join(render.log_line(line) for line in lines)
 
 
 class DashboardApp(App[None]):
@@ -108,12 +110,14 @@ class DashboardApp(App[None]):
         self.paused = False
         self.dirty = True
         self.frames = 0
+        self.frame_ms: deque[float] = deque(maxlen=1000)  # how long recent redraws took (the benchmark reads it)
         self.events_seen = 0
         self.sort = 0
         self.filter_text = ""
         self._chart_profiles: tuple[str, ...] = ()
         self._narrow = False
         self._table_shape: tuple[bool, int] | None = None
+        self._table_rows: list[tuple[str, tuple[str | Text, ...]]] = []
         self.child_argv: list[str] | None = None  # `serve --tui`: the proxy this app starts and stops
         self.child: asyncio.subprocess.Process | None = None
         self.child_exit_code: int | None = None
@@ -274,10 +278,12 @@ class DashboardApp(App[None]):
             return
         self.dirty = False
         self.frames += 1
+        started = time.perf_counter()
         try:
             self.redraw(now)
         except NoMatches:  # a frame while the screen is still being composed or already torn down: skip it
             self.dirty = True
+        self.frame_ms.append((time.perf_counter() - started) * 1000)
 
     def redraw(self, now: float) -> None:
         board = self.dashboard
@@ -359,15 +365,18 @@ class DashboardApp(App[None]):
         table = self._main.query_one("#sessions", DataTable)
         shape = (self._narrow, table.size.width)
         if self._table_shape != shape:
-            self._table_shape = shape
+            self._table_shape, self._table_rows = shape, []
             table.clear(columns=True)
             for label, width in render.session_columns(self._narrow, table.size.width):
                 table.add_column(label, width=width)
         selected = self.selected_session()
         views = self.visible_sessions()
-        table.clear()
-        for view in views:
-            table.add_row(*render.session_cells(view, narrow=self._narrow), key=view.session_id)
+        rows = [(view.session_id, render.session_cells(view, narrow=self._narrow)) for view in views]
+        if rows != self._table_rows:  # rebuilding the table is most of a frame's cost: only when a row changed
+            self._table_rows = rows
+            table.clear()
+            for key, cells in rows:
+                table.add_row(*cells, key=key)
         live = sum(1 for v in views if v.in_flight)
         filt = f" · filter '{self.filter_text}'" if self.filter_text else ""
         table.border_title = f"sessions ({len(views)}, {live} active) · sort: {SORTS[self.sort]}{filt}"

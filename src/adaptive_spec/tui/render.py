@@ -56,6 +56,8 @@ def profile_line(view: ProfileView, now: float, *, narrow: bool) -> Text:
     line.append(f"{view.name:<10.10}", style="bold")
     line.append(f" {spec_label(view):<{12 if narrow else 24}.{12 if narrow else 24}}", style="cyan")
     slots = f"{view.busy}/{view.slots}" if view.slots is not None else f"{view.busy}/?"
+    if narrow and view.queued:
+        slots += f"+{view.queued}"  # requests waiting for a slot
     line.append(f" slots {slots:<5}")
     if not narrow:
         line.append(f" queue {view.queued:<3}", style="yellow" if view.queued else "")
