@@ -24,6 +24,8 @@ def num(value: float | None, digits: int = 1) -> str:
 def ms(value: float | None) -> str:
     if value is None:
         return DASH
+    if value >= 100_000:
+        return f"{value / 1000:.0f} s"
     return f"{value / 1000:.1f} s" if value >= 1000 else f"{value:.0f} ms"
 
 
@@ -86,10 +88,11 @@ def session_cells(view: SessionView, *, narrow: bool) -> tuple[str | Text, ...]:
     speed = num(last.tokens_per_s if last else None)
     if narrow:
         return (short_id(view.session_id, 14), view.client[:8], str(len(view.turns)), profile, accepted, speed)
+    client = view.client if len(view.client) <= 10 else view.client[:9] + "…"
     reason = Text((view.last_reason or "").replace("\n", " "), no_wrap=True, overflow="ellipsis")
     return (
         short_id(view.session_id),
-        view.client,
+        client,
         view.project,
         str(len(view.turns)),
         profile,
@@ -105,13 +108,13 @@ REASON_CHARS = 64  # the whole reason is in the session's detail
 # (label, width): fixed widths, so a column does not jump as the values in it change
 SESSION_COLUMNS_WIDE = (
     ("session", 14),
-    ("client", 9),
-    ("project", 10),
+    ("client", 10),
+    ("project", 9),
     ("turns", 5),
-    ("profile", 18),
-    ("est. copy", 9),
-    ("acc. last / all", 15),
-    ("tok/s", 6),
+    ("profile", 14),
+    ("copyable", 8),
+    ("acc last/all", 12),
+    ("tok/s", 5),
     ("moves", 5),
     ("last decision", REASON_CHARS),  # widened to what the terminal leaves, see session_columns()
 )
@@ -132,14 +135,16 @@ SESSION_COLUMNS_NARROW = (
     ("client", 8),
     ("turns", 5),
     ("profile", 16),
-    ("acc. last / all", 15),
+    ("acc last/all", 12),
     ("tok/s", 6),
 )
 
 
 def turn_cells(index: int, row: TurnRow) -> tuple[str | Text, ...]:
     handoff = DASH
-    if row.handoff_tokens is not None:
+    if row.handoff_tokens is not None and not row.handoff_ok:
+        handoff = "failed: prefill"
+    elif row.handoff_tokens is not None:
         handoff = f"{row.handoff_tokens:,} tok {num(row.handoff_ms, 0)}ms"
     elif row.moved_from:
         handoff = "re-prefill"
@@ -214,7 +219,6 @@ def live_text(live: LiveRequest | None, *, enabled: bool, finished: bool = False
     if not enabled:
         head.append("(live text is off: start serve with --feed-content to see it)", style="dim")
         return head
-    head.append("green: from accepted drafts (inferred from draft_n_accepted between chunks)", style="dim")
     body = Text()
     for chunk, drafted in live.text:
         body.append(chunk, style="black on green" if drafted else "")

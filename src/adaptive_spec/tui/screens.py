@@ -113,7 +113,9 @@ class DetailScreen(Screen[None]):
             table.add_column(label, width=width)
         yield table
         yield Static(id="turn-reason")
-        yield Static(id="live")
+        live = Static(id="live")
+        live.border_title = "answer · green: from accepted drafts (inferred from draft_n_accepted between chunks)"
+        yield live
         yield Footer()
 
     def on_mount(self) -> None:

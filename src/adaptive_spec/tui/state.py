@@ -113,6 +113,7 @@ class TurnRow:
     moved_from: str | None
     handoff_tokens: int | None
     handoff_ms: float | None
+    handoff_ok: bool = False
     est_accepted_share: float | None = None
 
     @property
@@ -488,4 +489,5 @@ def _turn_row(record: Mapping[str, Any]) -> TurnRow:
         moved_from=record.get("moved_from"),
         handoff_tokens=_int(handoff.get("tokens")) if handoff else None,
         handoff_ms=handoff_ms,
+        handoff_ok=bool(handoff.get("ok")) if handoff else False,
     )
