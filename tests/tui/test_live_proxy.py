@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 
 from adaptive_spec.tui.app import make_app
+from adaptive_spec.tui.feed import FeedItem
+from adaptive_spec.tui.state import Dashboard
 from tests.support.servers import ProxyProcess, chat_record, free_port, http_text
 from tests.tui.waiting import turns, until
 
@@ -95,6 +97,11 @@ async def test_the_view_follows_a_proxy_that_restarts_and_its_figures_equal_the_
             view = app.dashboard.sessions["watched"]
             assert view.predicted_n == sum(r["timings"]["predicted_n"] for r in records)
             assert {t.request_id for t in view.turns} == {r["request_id"] for r in records}
+            # A feed that dropped events: the view says so and takes what it missed from /adaptive/requests.
+            app.dashboard = Dashboard()
+            app.handle(FeedItem("EventsDropped", {"count": 7}))
+            await until(lambda: turns(app, "watched") == 3, "the resync from the request history")
+            assert any("7 events dropped" in line.text for line in app.dashboard.log)
             await asyncio.to_thread(proxy.stop)
             await until(lambda: not app.connected, "the disconnect")
             assert any("disconnected" in line.text for line in app.dashboard.log)
