@@ -72,8 +72,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/images"))
     parser.add_argument("--record", type=Path)
     parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--png-only", action="store_true", help="only convert the SVGs already in --out to PNG")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.png_only:
+        for svg in args.out.glob("tui-*.svg"):
+            to_png(svg, svg.with_suffix(".png"))
+        return
     rec = args.record.open("wb") if args.record else None
     try:
         asyncio.run(shoot(args.url, args.out, rec, args.turns))
@@ -82,7 +87,19 @@ def main() -> None:
             rec.close()
     if shutil.which("rsvg-convert"):
         for svg in args.out.glob("tui-*.svg"):
-            subprocess.run(["rsvg-convert", "-w", "1400", str(svg), "-o", str(svg.with_suffix(".png"))], check=True)
+            to_png(svg, svg.with_suffix(".png"))
+
+
+def to_png(svg: Path, png: Path) -> None:
+    """rsvg-convert lays out Textual's non-breaking spaces in a fallback font badly (runs collapse, then stretch):
+    plain spaces with xml:space="preserve" keep the columns."""
+    text = svg.read_text(encoding="utf-8").replace("&#160;", " ").replace("<svg ", '<svg xml:space="preserve" ', 1)
+    fixed = png.with_suffix(".tmp.svg")
+    fixed.write_text(text, encoding="utf-8")
+    try:
+        subprocess.run(["rsvg-convert", "-w", "1400", str(fixed), "-o", str(png)], check=True)
+    finally:
+        fixed.unlink()
 
 
 if __name__ == "__main__":
