@@ -27,6 +27,7 @@ class FakeUpstream:
     def __init__(self) -> None:
         self.cancelled = asyncio.Event()
         self.dropped_once = False
+        self.transports: set[int] = set()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         fault = request.headers.get("x-fault", "")
@@ -35,6 +36,14 @@ class FakeUpstream:
             assert request.transport is not None
             request.transport.close()
             await asyncio.sleep(1)
+        if fault == "drop-reused-connections":
+            # A server that closes its kept-alive connections: each is answered once, then dropped unanswered.
+            assert request.transport is not None
+            if id(request.transport) in self.transports:
+                request.transport.close()
+                await asyncio.sleep(1)
+            self.transports.add(id(request.transport))
+            await asyncio.sleep(0.2)  # concurrent requests need connections of their own
         if fault == "stall-before-headers":
             await asyncio.sleep(30)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -171,3 +180,16 @@ async def test_a_connection_dropped_before_any_answer_is_sent_again(rig: tuple[F
     fake, proxy, _ = rig
     status, body = await asyncio.wait_for(_post(proxy, {"x-fault": "close-before-answer-once"}), 10)
     assert fake.dropped_once and status == 200 and body.startswith(CHUNK + CHUNK)
+
+
+async def test_a_request_is_sent_again_on_a_new_connection_when_pooled_ones_are_dead(
+    rig: tuple[FakeUpstream, TestServer, str],
+) -> None:
+    # Regression: under load llama-server dropped several pooled connections at once; the one retry took another
+    # dead one from the pool and the client got 502 "Can not write request body".
+    _, proxy, _ = rig
+    headers = {"x-fault": "drop-reused-connections"}
+    first = await asyncio.gather(*(_post(proxy, headers) for _ in range(3)))  # three connections in the pool
+    assert [status for status, _ in first] == [200, 200, 200]
+    status, body = await asyncio.wait_for(_post(proxy, headers), 10)
+    assert status == 200 and body.startswith(CHUNK + CHUNK), body
