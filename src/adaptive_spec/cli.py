@@ -101,6 +101,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--read-timeout", type=float, default=600.0, help="seconds of upstream silence before a request fails (504)"
     )
+    serve.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=10.0,
+        help="on Ctrl-C or SIGTERM, seconds a request in flight may run on; then it ends with an error (503, or a "
+        "final error event in a stream)",
+    )
     serve.add_argument("--history", type=int, default=1000, help="request records kept for /adaptive/requests")
     routing = serve.add_argument_group("routing policy")
     routing.add_argument(
@@ -324,6 +331,7 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
         read_timeout_s=args.read_timeout,
         history_size=args.history,
         feed_content=args.feed_content,
+        shutdown_grace_s=args.shutdown_grace,
     )
     # Before anything is launched or assembled: a refusal to listen without a key comes first.
     access = access_policy(args, [k for k, _, _ in (item.partition("=") for item in args.project_key) if k])

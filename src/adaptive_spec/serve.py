@@ -33,6 +33,7 @@ from adaptive_spec.proxy.policy_files import PolicyStore, config_dir
 from adaptive_spec.proxy.probe import probe, probe_spec_types
 from adaptive_spec.proxy.routing import Router
 from adaptive_spec.proxy.session_service import SessionService
+from adaptive_spec.proxy.state import LIFECYCLE
 from adaptive_spec.proxy.tokenizers import (
     CachingTokenizer,
     EndpointTokenizer,
@@ -254,13 +255,19 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
             access=plan.access,
         )
         say(describe_access(plan.access))
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        # The shutdown grace is the app's own (it tells each request it ends); aiohttp then waits for them briefly.
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
         await runner.setup()
         for sock in sockets:
             await web.SockSite(runner, sock).start()
         announce(base_url(plan.host, sockets[0]), table.default)
         await stop.wait()
-        say("stopping")
+        running = len(app[LIFECYCLE].handlers)
+        say(
+            f"stopping; {running} requests in flight get up to {plan.proxy.shutdown_grace_s:g} s"
+            if running
+            else "stopping"
+        )
     finally:
         if runner is not None:
             await runner.cleanup()
