@@ -83,6 +83,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     launch.add_argument("--parallel", type=int, default=1, help="slots per server")
     launch.add_argument(
+        "--start-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a profile may take to load and answer /health before serve gives up (default: %(default)s)",
+    )
+    launch.add_argument(
         "--ngram-mod",
         default=None,
         metavar="MATCH,MIN,MAX",
@@ -371,7 +377,7 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
     )
     ngram = _ngram_params(args.ngram_mod)
     specs = list(default_profiles(args.draft_type, ngram))
-    launch = LaunchPlan(binary, specs, settings)
+    launch = LaunchPlan(binary, specs, settings, start_timeout_s=args.start_timeout)
     sessions = _session_plan(args, ngram)
     return ServePlan(
         args.host,

@@ -54,6 +54,7 @@ class LaunchPlan:
     binary: str
     specs: list[ProfileSpec]
     settings: ServerSettings
+    start_timeout_s: float = 600.0  # each profile's time to become healthy
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,7 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
     launcher: Launcher | None = None
     run_dir: Path | None = None
     runner: web.AppRunner | None = None
+    keep_logs = False
     sockets = listen(plan.host, plan.port)
     client = aiohttp.ClientSession()
     try:
@@ -192,9 +194,21 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
         if plan.launch is not None:
             state_dir().mkdir(parents=True, exist_ok=True)
             run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=state_dir()))
-            launcher = Launcher(plan.launch.binary, plan.launch.specs, plan.launch.settings, run_dir=run_dir, say=say)
-            if not await _until_stopped(launcher.start(), stop):
-                return
+            launch = plan.launch
+            launcher = Launcher(
+                launch.binary,
+                launch.specs,
+                launch.settings,
+                run_dir=run_dir,
+                say=say,
+                health_timeout_s=launch.start_timeout_s,
+            )
+            try:
+                if not await _until_stopped(launcher.start(), stop):
+                    return
+            except LaunchError:
+                keep_logs = True  # the error names a log file: it must still be there to be read
+                raise
             upstreams = [Upstream(name, url) for name, url in launcher.endpoints.items()]
         bus = EventBus()  # every service below publishes on it: handed to each constructor
         table = UpstreamTable(upstreams, plan.default_profile, publish=bus.publish)
@@ -276,7 +290,10 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
         await client.close()
         if launcher is not None:
             await launcher.stop()
-        if run_dir is not None:
+        if run_dir is not None and keep_logs:
+            shutil.rmtree(run_dir / "slots", ignore_errors=True)
+            say(f"the profiles' logs are kept in {run_dir / 'logs'}")
+        elif run_dir is not None:
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
