@@ -107,7 +107,7 @@ def _is_up(proxy: ProxyProcess, name: str) -> bool:
 
 
 def sigkill(workdir: Path) -> dict[str, Any]:
-    proxy = launched(workdir)
+    proxy = launched(workdir, "--parallel", "2")  # the stream on the other profile leaves a slot for the rest
     try:
         pids = profile_pids(proxy)
         other: dict[str, Any] = {}
@@ -122,14 +122,12 @@ def sigkill(workdir: Path) -> dict[str, Any]:
         routed = _route_while_down(proxy, "oneshot", killed)
         other_stream.join(60)
         wait_until(lambda: _is_up(proxy, "oneshot"), 60, "the killed profile to come back")
-        rejoined_s = time.monotonic() - killed
         pinned_after = status_of(lambda: post(proxy, SHORT, {"x-adaptive-spec-profile": "oneshot"}))
         return {
             "client_error": last_event(tail).get("error", {}).get("code"),
             "client_error_after_s": round(error_after_s, 2),
             "other_profile_stream": other,
             "requests_while_down": routed,
-            "rejoined_after_s": round(rejoined_s, 2),
             "new_pid": profile_pids(proxy).get("oneshot") not in (None, pids["oneshot"]),
             "pinned_request_after_rejoin": pinned_after,
             "restart_said": "restarting in" in proxy.log(),
@@ -147,22 +145,30 @@ def _read_stream(proxy: ProxyProcess, profile: str, tokens: int, out: dict[str, 
 
 
 def _route_while_down(proxy: ProxyProcess, down: str, since: float) -> dict[str, Any]:
-    """Unpinned requests sent while `down` is down (by /adaptive/health before and after each one): where they went
-    and how they ended."""
-    seen: Counter[str] = Counter()
+    """Unpinned requests sent while `down` is marked down in /adaptive/health: where they went, how they ended, and
+    whether the router said why it passed over it."""
+    sent: list[str] = []
     statuses: Counter[int] = Counter()
+    back_after_s = None
     while time.monotonic() - since < 30:
-        before = _is_up(proxy, down)
-        with post(proxy, SHORT, {"x-session-id": f"while-down-{sum(seen.values())}"}) as resp:
+        if _is_up(proxy, down):
+            if sent:
+                back_after_s = round(time.monotonic() - since, 2)
+                break  # it is back
+            time.sleep(0.02)  # the launcher has not noticed the exit yet
+            continue
+        with post(proxy, SHORT, {"x-session-id": f"while-down-{len(sent)}"}) as resp:
             resp.read()
-            profile, status = resp.headers["x-adaptive-spec-profile"], resp.status
-        if before or _is_up(proxy, down):
-            if sum(seen.values()):
-                break  # it is back: what was sent while it was down is counted
-            continue  # not marked down yet: the launcher notices the exit within a moment
-        seen[profile] += 1
-        statuses[status] += 1
-    return {"sent": sum(seen.values()), "went_to": dict(seen), "statuses": dict(statuses)}
+            sent.append(resp.headers["x-adaptive-spec-request-id"])
+            statuses[resp.status] += 1
+    records = [r for r in proxy.requests() if r["request_id"] in sent]
+    return {
+        "sent": len(sent),
+        "went_to": dict(Counter(r["profile"] for r in records)),
+        "statuses": dict(statuses),
+        "reason_says_down": sum(1 for r in records if f"{down} is down" in (r["reason"] or "")),
+        "up_again_after_s": back_after_s,
+    }
 
 
 # --- SIGSTOP ----------------------------------------------------------------------------------------------------
@@ -357,7 +363,8 @@ def restore_answer_lost(workdir: Path) -> dict[str, Any]:
     return asyncio.run(run_slot_fault(workdir, "restore-answer-lost"))
 
 
-SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
+Scenario = Callable[[Path], dict[str, Any]]
+SCENARIOS: dict[str, Scenario] = {
     "sigkill": sigkill,
     "sigstop": sigstop,
     "never-healthy": never_healthy,
