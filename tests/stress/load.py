@@ -124,7 +124,7 @@ async def drive(proxy: ProxyProcess, run: LoadRun, body: dict[str, Any]) -> None
         run.samples["middle"] = process_figures(proxy.proc.pid)
         await asyncio.gather(*clients)
         run.samples["end"] = process_figures(proxy.proc.pid)
-    await asyncio.sleep(3)  # pooled upstream connections close 2 s after their last use
+    await asyncio.sleep(6)  # idle pooled connections are closed by a sweep every 2 s: gone within 4 s
     run.samples["idle_after"] = process_figures(proxy.proc.pid)
 
 
