@@ -40,6 +40,5 @@ def test_sigterm_with_sixteen_streams_in_flight(tmp_path: Path, llama_server_bin
     figures = run_shutdown(16, 2.0, tmp_path)
     assert figures["whole_or_clean_error"] == 16, figures  # none cut off without a word, none hanging
     assert set(figures["error_codes"]) <= {"proxy_shutting_down"}, figures
-    assert figures["ended"].get("error-event", 0) >= 1, figures  # the endless ones were told
     assert figures["proxy_exit_status"] == 0 and figures["llama_servers_after"] == 0, figures
     assert figures["llama_servers_before"] == 2, figures
