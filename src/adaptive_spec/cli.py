@@ -83,6 +83,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     launch.add_argument("--parallel", type=int, default=1, help="slots per server")
     launch.add_argument(
+        "--start-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a profile may take to load and answer /health before serve gives up (default: %(default)s)",
+    )
+    launch.add_argument(
         "--ngram-mod",
         default=None,
         metavar="MATCH,MIN,MAX",
@@ -100,6 +106,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-mb", type=float, default=32.0)
     serve.add_argument(
         "--read-timeout", type=float, default=600.0, help="seconds of upstream silence before a request fails (504)"
+    )
+    serve.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=10.0,
+        help="on Ctrl-C or SIGTERM, seconds a request in flight may run on; then it ends with an error (503, or a "
+        "final error event in a stream)",
     )
     serve.add_argument("--history", type=int, default=1000, help="request records kept for /adaptive/requests")
     routing = serve.add_argument_group("routing policy")
@@ -324,6 +337,7 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
         read_timeout_s=args.read_timeout,
         history_size=args.history,
         feed_content=args.feed_content,
+        shutdown_grace_s=args.shutdown_grace,
     )
     # Before anything is launched or assembled: a refusal to listen without a key comes first.
     access = access_policy(args, [k for k, _, _ in (item.partition("=") for item in args.project_key) if k])
@@ -363,7 +377,7 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
     )
     ngram = _ngram_params(args.ngram_mod)
     specs = list(default_profiles(args.draft_type, ngram))
-    launch = LaunchPlan(binary, specs, settings)
+    launch = LaunchPlan(binary, specs, settings, start_timeout_s=args.start_timeout)
     sessions = _session_plan(args, ngram)
     return ServePlan(
         args.host,

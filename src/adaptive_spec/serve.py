@@ -33,6 +33,7 @@ from adaptive_spec.proxy.policy_files import PolicyStore, config_dir
 from adaptive_spec.proxy.probe import probe, probe_spec_types
 from adaptive_spec.proxy.routing import Router
 from adaptive_spec.proxy.session_service import SessionService
+from adaptive_spec.proxy.state import LIFECYCLE
 from adaptive_spec.proxy.tokenizers import (
     CachingTokenizer,
     EndpointTokenizer,
@@ -53,6 +54,7 @@ class LaunchPlan:
     binary: str
     specs: list[ProfileSpec]
     settings: ServerSettings
+    start_timeout_s: float = 600.0  # each profile's time to become healthy
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,7 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
     launcher: Launcher | None = None
     run_dir: Path | None = None
     runner: web.AppRunner | None = None
+    keep_logs = False
     sockets = listen(plan.host, plan.port)
     client = aiohttp.ClientSession()
     try:
@@ -191,9 +194,21 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
         if plan.launch is not None:
             state_dir().mkdir(parents=True, exist_ok=True)
             run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=state_dir()))
-            launcher = Launcher(plan.launch.binary, plan.launch.specs, plan.launch.settings, run_dir=run_dir, say=say)
-            if not await _until_stopped(launcher.start(), stop):
-                return
+            launch = plan.launch
+            launcher = Launcher(
+                launch.binary,
+                launch.specs,
+                launch.settings,
+                run_dir=run_dir,
+                say=say,
+                health_timeout_s=launch.start_timeout_s,
+            )
+            try:
+                if not await _until_stopped(launcher.start(), stop):
+                    return
+            except LaunchError:
+                keep_logs = True  # the error names a log file: it must still be there to be read
+                raise
             upstreams = [Upstream(name, url) for name, url in launcher.endpoints.items()]
         bus = EventBus()  # every service below publishes on it: handed to each constructor
         table = UpstreamTable(upstreams, plan.default_profile, publish=bus.publish)
@@ -254,13 +269,19 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
             access=plan.access,
         )
         say(describe_access(plan.access))
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        # The shutdown grace is the app's own (it tells each request it ends); aiohttp then waits for them briefly.
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
         await runner.setup()
         for sock in sockets:
             await web.SockSite(runner, sock).start()
         announce(base_url(plan.host, sockets[0]), table.default)
         await stop.wait()
-        say("stopping")
+        running = len(app[LIFECYCLE].handlers)
+        say(
+            f"stopping; {running} requests in flight get up to {plan.proxy.shutdown_grace_s:g} s"
+            if running
+            else "stopping"
+        )
     finally:
         if runner is not None:
             await runner.cleanup()
@@ -269,7 +290,10 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
         await client.close()
         if launcher is not None:
             await launcher.stop()
-        if run_dir is not None:
+        if run_dir is not None and keep_logs:
+            shutil.rmtree(run_dir / "slots", ignore_errors=True)
+            say(f"the profiles' logs are kept in {run_dir / 'logs'}")
+        elif run_dir is not None:
             shutil.rmtree(run_dir, ignore_errors=True)
 
 

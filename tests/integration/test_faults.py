@@ -15,7 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from adaptive_spec.proxy.app import ProxySettings, build_app
-from adaptive_spec.proxy.state import HISTORY
+from adaptive_spec.proxy.state import HISTORY, LIFECYCLE, UPSTREAMS
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
 from tests.support.servers import free_port
 
@@ -27,6 +27,7 @@ class FakeUpstream:
     def __init__(self) -> None:
         self.cancelled = asyncio.Event()
         self.dropped_once = False
+        self.transports: set[int] = set()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         fault = request.headers.get("x-fault", "")
@@ -35,6 +36,14 @@ class FakeUpstream:
             assert request.transport is not None
             request.transport.close()
             await asyncio.sleep(1)
+        if fault == "drop-reused-connections":
+            # A server that closes its kept-alive connections: each is answered once, then dropped unanswered.
+            assert request.transport is not None
+            if id(request.transport) in self.transports:
+                request.transport.close()
+                await asyncio.sleep(1)
+            self.transports.add(id(request.transport))
+            await asyncio.sleep(0.2)  # concurrent requests need connections of their own
         if fault == "stall-before-headers":
             await asyncio.sleep(30)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -171,3 +180,48 @@ async def test_a_connection_dropped_before_any_answer_is_sent_again(rig: tuple[F
     fake, proxy, _ = rig
     status, body = await asyncio.wait_for(_post(proxy, {"x-fault": "close-before-answer-once"}), 10)
     assert fake.dropped_once and status == 200 and body.startswith(CHUNK + CHUNK)
+
+
+async def test_a_request_is_sent_again_on_a_new_connection_when_pooled_ones_are_dead(
+    rig: tuple[FakeUpstream, TestServer, str],
+) -> None:
+    # Regression: under load llama-server dropped several pooled connections at once; the one retry took another
+    # dead one from the pool and the client got 502 "Can not write request body".
+    _, proxy, _ = rig
+    headers = {"x-fault": "drop-reused-connections"}
+    first = await asyncio.gather(*(_post(proxy, headers) for _ in range(3)))  # three connections in the pool
+    assert [status for status, _ in first] == [200, 200, 200]
+    status, body = await asyncio.wait_for(_post(proxy, headers), 10)
+    assert status == 200 and body.startswith(CHUNK + CHUNK), body
+
+
+async def test_requests_still_running_after_the_shutdown_grace_are_told(
+    rig: tuple[FakeUpstream, TestServer, str],
+) -> None:
+    # Before: aiohttp waited 60 s, then cut the streams off without a word, and they were recorded as disconnects.
+    fake, upstream_proxy, _ = rig
+    upstream_url = upstream_proxy.app[UPSTREAMS].get("fake")
+    assert upstream_url is not None
+    settings = ProxySettings(read_timeout_s=60, shutdown_grace_s=0.3)
+    proxy = TestServer(build_app(UpstreamTable([upstream_url]), settings), port=free_port())
+    await proxy.start_server()
+    async with aiohttp.ClientSession() as session:
+        streaming = await session.post(
+            proxy.make_url("/v1/chat/completions"), data=BODY, headers={"x-fault": "endless"}
+        )
+        assert await streaming.content.readany()
+        waiting = asyncio.create_task(_post(proxy, {"x-fault": "stall-before-headers"}))
+        for _ in range(1000):  # until both are being handled
+            if len(proxy.app[LIFECYCLE].handlers) == 2:
+                break
+            await asyncio.sleep(0.01)
+        closing = asyncio.create_task(proxy.close())  # the shutdown
+        tail = await asyncio.wait_for(streaming.read(), 10)
+        status, body = await asyncio.wait_for(waiting, 10)
+        await closing
+    assert (await _error_event(tail))["code"] == "proxy_shutting_down"
+    assert status == 503 and orjson.loads(body)["error"]["code"] == "proxy_shutting_down"
+    records = proxy.app[HISTORY].latest(2)
+    assert sorted(r.status for r in records) == [200, 503]
+    assert all(r.outcome == "failed" and "shutting down" in (r.error or "") for r in records)
+    assert fake.cancelled.is_set()  # the upstream request was ended too

@@ -74,11 +74,12 @@ def test_event_feed_tells_the_story_of_each_request(traced: tuple[ProxyProcess, 
     finally:
         feed.close()
     by_request: dict[str, list[str]] = {}
+    lifecycle = ("RequestStarted", "DraftProgress", "RequestFinished", "RequestFailed")
     for kind, data in feed.events[1:]:
         if kind == "SessionUpdated":  # the session's statistics, folded in after the request's own story
             continue
         rid = data.get("request_id") or data.get("record", {}).get("request_id")
-        if rid:
+        if rid and kind in lifecycle:  # a SessionUpdated for the request may follow its end (the worker's, later)
             by_request.setdefault(rid, []).append(kind)
     stories = list(by_request.values())
     good = next(s for s in stories if "RequestFinished" in s)

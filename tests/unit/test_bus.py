@@ -138,3 +138,39 @@ def _record(request_id: str) -> RequestRecord:
         ttst_ms=None,
         total_ms=1.0,
     )
+
+
+def test_a_trace_that_cannot_be_written_drops_lines_and_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
+    trace = TraceWriter(Path("/dev/full"))  # every write: "No space left on device"
+    for n in range(5):
+        trace.write({"kind": "request", "n": n})
+    assert (trace.dropped, trace.dropped_total) == (5, 5)
+    errors = [r for r in caplog.records if "cannot write /dev/full" in r.getMessage()]
+    assert len(errors) == 1 and "No space left on device" in errors[0].getMessage()
+    trace.close()
+
+
+def test_a_trace_line_cut_off_by_a_full_disk_does_not_spoil_the_next(tmp_path: Path) -> None:
+    trace = TraceWriter(tmp_path / "t.jsonl")
+    trace.write({"n": 1})
+    real = trace._file
+    writes: list[bytes] = []
+
+    class HalfFull:  # writes 5 bytes, then the disk is full
+        def write(self, data: memoryview) -> int:
+            if writes:
+                raise OSError(28, "No space left on device")
+            writes.append(bytes(data[:5]))
+            return real.write(data[:5]) or 0
+
+        def tell(self) -> int:
+            return real.tell()
+
+    trace._file = HalfFull()  # type: ignore[assignment]
+    trace.write({"n": 2})
+    trace._file = real
+    trace.write({"n": 3})
+    trace.close()
+    lines = (tmp_path / "t.jsonl").read_bytes().split(b"\n")
+    assert lines[0] == b'{"n":1}' and lines[1] == b'{"n":' and lines[2] == b'{"n":3}', lines
+    assert trace.dropped == 0 and trace.dropped_total == 1

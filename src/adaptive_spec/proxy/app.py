@@ -26,6 +26,7 @@ from adaptive_spec.proxy.session_service import SessionService, run_worker
 from adaptive_spec.proxy.state import (
     BUS,
     CLIENT,
+    FRESH_CLIENT,
     HISTORY,
     LIFECYCLE,
     METRICS,
@@ -88,6 +89,7 @@ def build_app(
     app.cleanup_ctx.append(_session_worker)
     app.cleanup_ctx.append(_policy_refresher)
     app.on_shutdown.append(_close_feeds)
+    app.on_shutdown.append(_drain)
     add_views(app, proxy_view)
     add_control_views(app)
     app.router.add_route("*", "/{tail:.*}", proxy_view)
@@ -98,12 +100,26 @@ async def _close_feeds(app: web.Application) -> None:
     app[BUS].close_all()  # event feeds end before the server stops waiting for its handlers
 
 
+async def _drain(app: web.Application) -> None:
+    ended = await app[LIFECYCLE].drain(app[SETTINGS].shutdown_grace_s)
+    if ended:
+        log.warning(
+            "ended %d requests still running after the %.0f s shutdown grace", ended, app[SETTINGS].shutdown_grace_s
+        )
+
+
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
     # No connection limit (each request holds one for its whole stream) and no decompression (bytes pass as sent).
     # Idle connections are dropped after 2 s, before llama-server's own keep-alive timeout (5 s) closes them under us.
     connector = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=2.0)
-    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
-        app[CLIENT] = session
+    # A request the pool sent on a connection the server had closed is sent again on a new one: under load a server
+    # can close several idle connections at once, and another pooled one may be just as dead.
+    fresh = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with (
+        aiohttp.ClientSession(connector=connector, auto_decompress=False) as session,
+        aiohttp.ClientSession(connector=fresh, auto_decompress=False) as fresh_session,
+    ):
+        app[CLIENT], app[FRESH_CLIENT] = session, fresh_session
         yield
 
 

@@ -41,6 +41,8 @@ _METER_BODY_LIMIT = 8 * 1024 * 1024
 _ANTHROPIC_APIS = frozenset({"messages", "count_tokens"})
 _CHECKED_APIS = _ANTHROPIC_APIS | {"chat", "completions", "responses", "completion"}
 _ERROR_BODY_LIMIT = 64 * 1024
+SHUTDOWN_MESSAGE = "adaptive-spec is shutting down: the request ran past the shutdown grace and was ended"
+SHUTDOWN_CODE = "proxy_shutting_down"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +60,7 @@ def upstream_headers(headers: CIMultiDictProxy[str], hidden: tuple[str, ...] = (
 
 async def forward(
     request: web.Request,
-    session: aiohttp.ClientSession,
+    sessions: tuple[aiohttp.ClientSession, aiohttp.ClientSession],
     upstream: Upstream,
     *,
     path_qs: str,
@@ -70,14 +72,16 @@ async def forward(
     meter: ResponseMeter,
     rewrite: Callable[[list[SSEEvent], list[dict[str, Any] | None]], bytes] | None = None,
     progress: Callable[[], None] | None = None,
+    shutting_down: Callable[[], bool] = lambda: False,
 ) -> tuple[web.StreamResponse, Outcome]:
     """`rewrite`, when given, re-encodes each batch of stream events for the client (instead of the raw bytes);
-    `progress` is called after each relayed chunk."""
+    `progress` is called after each relayed chunk; `shutting_down` says whether a cancellation is the shutdown's
+    (the client is told so) rather than the client's own disconnect."""
     # Send the request upstream and relay the answer; upstream faults become errors, never exceptions.
     url = upstream.base_url + path_qs
     headers = upstream_headers(request.headers, hidden_headers(request))
     try:
-        upstream_resp = await _send(session, request.method, url, body, headers, timeout)
+        upstream_resp = await _send(sessions, request.method, url, body, headers, timeout)
     except aiohttp.ClientConnectorError as exc:
         message = f"profile {upstream.name!r} at {upstream.base_url} is unreachable: {exc.os_error or exc}"
         return _fail(502, message, "upstream_unreachable", meter)
@@ -93,8 +97,12 @@ async def forward(
     except aiohttp.ClientError as exc:
         message = f"profile {upstream.name!r} at {upstream.base_url} failed before answering: {exc}"
         return _fail(502, message, "upstream_error", meter)
+    except asyncio.CancelledError:
+        if not _shutdown_cancel(shutting_down):
+            raise
+        return _fail(503, SHUTDOWN_MESSAGE, SHUTDOWN_CODE, meter)
     try:
-        relay = _Relay(upstream, api, meter, started, rewrite, progress)
+        relay = _Relay(upstream, api, meter, started, rewrite, progress, shutting_down)
         resp = await _relay(request, upstream_resp, relay, extra_headers)
     finally:
         # Closing (not releasing) drops the connection if the body was not read to the end, which tells
@@ -104,22 +112,34 @@ async def forward(
 
 
 async def _send(
-    session: aiohttp.ClientSession,
+    sessions: tuple[aiohttp.ClientSession, aiohttp.ClientSession],
     method: str,
     url: str,
     body: bytes,
     headers: CIMultiDict[str],
     timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - aiohttp's per-phase timeouts
 ) -> aiohttp.ClientResponse:
-    """One request; sent again once if the server dropped the connection before answering: a pooled keep-alive
-    connection the server had just closed ("server disconnected", "can not write request body"), which the request
-    never reached. A refused connection is not retried: the profile is down."""
+    """One request on the first (pooling) session; sent again once, on the second session's new connection, if the
+    server dropped the connection before answering: a pooled keep-alive connection the server had just closed
+    ("server disconnected", "can not write request body"), which the request never reached. A refused connection is
+    not retried: the profile is down."""
+    pooled, fresh = sessions
     try:
-        return await session.request(method, url, data=body or None, headers=headers, timeout=timeout)
+        return await pooled.request(method, url, data=body or None, headers=headers, timeout=timeout)
     except aiohttp.ClientConnectorError:
         raise
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-        return await session.request(method, url, data=body or None, headers=headers, timeout=timeout)
+        return await fresh.request(method, url, data=body or None, headers=headers, timeout=timeout)
+
+
+def _shutdown_cancel(shutting_down: Callable[[], bool]) -> bool:
+    """Whether the cancellation being handled is the shutdown ending this request; if so it is taken back, so the
+    client can still be told."""
+    task = asyncio.current_task()
+    if not shutting_down() or task is None:
+        return False
+    task.uncancel()
+    return True
 
 
 def _fail(status: int, message: str, code: str, meter: ResponseMeter) -> tuple[web.StreamResponse, Outcome]:
@@ -137,6 +157,7 @@ class _Relay:
     started: float
     rewrite: Callable[[list[SSEEvent], list[dict[str, Any] | None]], bytes] | None
     progress: Callable[[], None] | None
+    shutting_down: Callable[[], bool]
 
     def where(self) -> str:
         return f"profile {self.upstream.name!r} at {self.upstream.base_url}"
@@ -206,6 +227,11 @@ async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResp
     except TimeoutError:
         message = f"{relay.where()} stopped sending (read timeout)"
         await _end_stream_with_error(resp, relay.api, meter, message, "upstream_timeout")
+        return
+    except asyncio.CancelledError:
+        if not _shutdown_cancel(relay.shutting_down):
+            raise
+        await _end_stream_with_error(resp, relay.api, meter, SHUTDOWN_MESSAGE, SHUTDOWN_CODE)
         return
     parser.close()
     if parser.pending and meter.error is None:

@@ -19,10 +19,10 @@ from adaptive_spec.core.sessions.clients import client_name
 from adaptive_spec.core.sessions.project import DEFAULT_PROJECT, workspace_path_from_request
 from adaptive_spec.core.timings import without_progress_timings
 from adaptive_spec.proxy.errors import error_response
-from adaptive_spec.proxy.forward import forward
+from adaptive_spec.proxy.forward import SHUTDOWN_MESSAGE, forward
 from adaptive_spec.proxy.lifecycle import ProxyRequest
 from adaptive_spec.proxy.security import routed_path
-from adaptive_spec.proxy.state import CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
+from adaptive_spec.proxy.state import CLIENT, FRESH_CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
 
 # APIs whose streams llama-server can annotate with per-token timings (for the live draft progress).
@@ -187,11 +187,16 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
         project=routed.project or DEFAULT_PROJECT,
         client=client_name(request.headers.get("User-Agent")),
     )
+    lifecycle = app[LIFECYCLE]
+    task = asyncio.current_task()
+    if task is not None:
+        lifecycle.handlers[req.request_id] = task
     try:
         chosen = await _prepare(request, req)
         if isinstance(chosen, web.Response):
+            chosen.headers[REQUEST_ID_HEADER] = req.request_id  # every answer names its record
             return chosen
-        app[LIFECYCLE].announce(req)
+        lifecycle.announce(req)
         settings = app[SETTINGS]
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
@@ -201,7 +206,7 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
             req.meter.live = LiveText()
         resp, outcome = await forward(
             request,
-            app[CLIENT],
+            (app[CLIENT], app[FRESH_CLIENT]),
             chosen,
             path_qs=routed.upstream_path + _upstream_query(request, chosen, routed.api),
             body=body,
@@ -211,17 +216,24 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
             meter=req.meter,
             extra_headers=_extra_headers(req, chosen),
             rewrite=without_progress_timings if strip else None,
-            progress=lambda: app[LIFECYCLE].progress(req),
+            progress=lambda: lifecycle.progress(req),
+            shutting_down=lambda: lifecycle.stopping,
         )
         req.status, req.error = outcome.status, outcome.error
+        if not resp.prepared:
+            resp.headers[REQUEST_ID_HEADER] = req.request_id
         return resp
     except (ConnectionResetError, asyncio.CancelledError):
         # aiohttp cancels the handler when the client goes away; forward() has closed the upstream connection.
         # A client that hangs up right after the stream's end marker got the whole answer.
-        req.status, req.error = (200, None) if req.meter.complete else (499, "the client disconnected")
+        if req.meter.complete:
+            req.status, req.error = 200, None
+        else:
+            req.status, req.error = (503, SHUTDOWN_MESSAGE) if lifecycle.stopping else (499, "the client disconnected")
         raise
     except Exception as exc:
         req.status, req.error = 500, f"internal error: {exc!r}"
         raise
     finally:
-        app[LIFECYCLE].finish(request.method, request.path, req)
+        lifecycle.handlers.pop(req.request_id, None)
+        lifecycle.finish(request.method, request.path, req)

@@ -4,6 +4,7 @@ progress and its end. The one owner of "every request ends with exactly one reco
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -65,6 +66,19 @@ class RequestLifecycle:
         self.bus, self.history, self.router, self.sessions, self.trace = bus, history, router, sessions, trace
         self.progress_interval_s = progress_interval_s
         self.in_flight: dict[str, RequestStarted] = {}  # announced, not ended: the feed's snapshot lists them
+        self.handlers: dict[str, asyncio.Task[object]] = {}  # every request being handled, for the shutdown
+        self.stopping = False  # the shutdown grace is over: requests still running are being ended
+
+    async def drain(self, grace_s: float) -> int:
+        """On shutdown: let requests in flight run for up to `grace_s`, then end the rest (each answers 503, or ends
+        its stream with a final error event: see `forward`). Returns how many were ended."""
+        if self.handlers:
+            await asyncio.wait(set(self.handlers.values()), timeout=grace_s)
+        self.stopping = True
+        left = list(self.handlers.values())
+        for task in left:
+            task.cancel("adaptive-spec is shutting down")
+        return len(left)
 
     def announce(self, req: ProxyRequest) -> None:
         """RequestStarted, once: when the request is forwarded, or at its end if it never was."""

@@ -101,6 +101,7 @@ class Router(RouterState):
             saved = await _slot_action(client, source, from_slot, "save", name, timeout)
             t1 = time.perf_counter()
             n_saved = int(saved.get("n_saved") or 0)
+            await self._check_slot_file(source.name, name, saved.get("n_written"))
             if n_saved < 0.9 * placement.cached_tokens:
                 raise _SlotError(
                     f"save on {source.name} slot {from_slot} wrote {n_saved} tokens, not the session's "
@@ -137,6 +138,17 @@ class Router(RouterState):
             )
         )
         return result
+
+    async def _check_slot_file(self, profile: str, name: str, n_written: object) -> None:
+        """The saved file must be whole before another server restores it: llama-server aborts (GGML_ASSERT in
+        state_seq_load_file) on a slot file that is cut short, say by a full disk."""
+        if not isinstance(n_written, int) or self.slot_dir is None:
+            return
+        size = await asyncio.to_thread(_size, self.slot_dir / name)
+        if size != n_written:
+            raise _SlotError(
+                f"the slot file {profile} saved has {size} of its {n_written} bytes (disk full?); not restoring it"
+            )
 
     def sweep_slot_files(self) -> int:
         """Delete slot files of handoffs that were given up while llama-server still wrote them (file I/O: off the
@@ -192,6 +204,13 @@ async def _slot_action(
     if not isinstance(body, dict):
         raise _SlotError(f"{action} on {upstream.name} slot {slot}: unexpected answer {str(body)[:200]}")
     return body
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
 
 
 def _unlink(path: Path) -> None:

@@ -27,12 +27,14 @@ class ProxySettings:
     history_size: int = 1000
     progress_interval_s: float = 0.25  # at most one DraftProgress event per request in this interval
     feed_content: bool = False  # the live feed carries streamed text (serve --feed-content): opt-in, like the trace's
+    shutdown_grace_s: float = 10.0  # on SIGTERM, how long requests in flight may run on before they are ended
 
 
 HISTORY = web.AppKey("history", RequestHistory)
 UPSTREAMS = web.AppKey("upstreams", UpstreamTable)
 SETTINGS = web.AppKey("settings", ProxySettings)
 CLIENT = web.AppKey("client", aiohttp.ClientSession)
+FRESH_CLIENT = web.AppKey("fresh_client", aiohttp.ClientSession)  # never reuses a connection: for resending
 BUS = web.AppKey("bus", EventBus)
 METRICS = web.AppKey("metrics", ProxyMetrics)
 SESSIONS: web.AppKey[SessionService | None] = web.AppKey("sessions")

@@ -26,6 +26,7 @@ from adaptive_spec.proxy.state import (
     RESTART,
     ROUTER,
     SESSIONS,
+    TRACE,
     UPSTREAMS,
 )
 
@@ -95,7 +96,13 @@ async def _profiles_view(request: web.Request) -> web.Response:
 
 
 async def _health_view(request: web.Request) -> web.Response:
-    return _json({"profiles": {p["name"]: {"up": p["up"], "reason": p["reason"]} for p in _profiles(request.app)}})
+    health: dict[str, Any] = {
+        "profiles": {p["name"]: {"up": p["up"], "reason": p["reason"]} for p in _profiles(request.app)}
+    }
+    trace = request.app[TRACE]
+    if trace is not None:  # a trace that cannot be written (disk full) does not stop the proxy: it says so here
+        health["trace"] = {"writing": trace.dropped == 0, "dropped_lines": trace.dropped_total}
+    return _json(health)
 
 
 async def _restart_view(request: web.Request) -> web.Response:

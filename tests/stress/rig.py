@@ -1,0 +1,172 @@
+"""What the stress scripts share: a fast fake llama-server (for measuring the proxy alone), a streaming client that
+says how each answer ended, and the process figures (resident memory, open descriptors) of another process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from tests.support.servers import free_port
+
+FAKE_CHUNKS = 16  # content chunks per fake answer
+FAKE_TEXT = "tok "
+
+
+def process_figures(pid: int) -> dict[str, int]:
+    """Resident memory (KiB) and open file descriptors of process `pid`, from /proc."""
+    rss = 0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss = int(line.split()[1])
+    return {"rss_kib": rss, "fds": len(list(Path(f"/proc/{pid}/fd").iterdir()))}
+
+
+def _chunk(content: str | None, finish: str | None = None, **extra: Any) -> bytes:
+    choice = {"index": 0, "delta": {"content": content} if content is not None else {}, "finish_reason": finish}
+    return b"data: " + orjson.dumps({"choices": [choice], **extra}) + b"\n\n"
+
+
+class FastUpstream:
+    """A fake llama-server that answers at once: /props, /slots, /tokenize and /health for the proxy's start-up, and
+    a streamed chat answer of FAKE_CHUNKS chunks (one per `delay_s`) with timings on the last one."""
+
+    def __init__(self, delay_s: float = 0.002) -> None:
+        self.delay_s = delay_s
+        self.served = 0
+        self.server: TestServer | None = None
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_get("/props", self._props)
+        app.router.add_get("/slots", self._slots)
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        self.server = TestServer(app, host="127.0.0.1", port=free_port())
+        await self.server.start_server()
+        return str(self.server.make_url("")).rstrip("/")
+
+    async def close(self) -> None:
+        if self.server is not None:
+            await self.server.close()
+
+    async def _props(self, _request: web.Request) -> web.Response:
+        props = {"model_path": "/models/fake.gguf", "total_slots": 4, "default_generation_settings": {"n_ctx": 8192}}
+        return web.json_response(props)
+
+    async def _slots(self, _request: web.Request) -> web.Response:
+        return web.json_response([{"id": i, "speculative": False, "is_processing": False} for i in range(4)])
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        content = (await request.json()).get("content", "")
+        return web.json_response({"tokens": [ord(c) % 512 for c in content[:100_000]]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(FAKE_CHUNKS):
+            await resp.write(_chunk(FAKE_TEXT))
+            await asyncio.sleep(self.delay_s)
+        timings = {"prompt_n": 8, "prompt_ms": 1.0, "predicted_n": FAKE_CHUNKS, "predicted_ms": 10.0, "cache_n": 0}
+        await resp.write(_chunk(None, "stop", timings=timings) + b"data: [DONE]\n\n")
+        await resp.write_eof()
+        self.served += 1
+        return resp
+
+
+@dataclass(frozen=True)
+class StreamResult:
+    """How one streamed answer ended: `ended` is "done" (the [DONE] marker), "error-event" (a final error event),
+    "http-error" (an error status before any stream), "cut" (the connection closed mid-stream, no error event) or
+    "timeout"."""
+
+    status: int
+    ended: str
+    text: str
+    request_id: str | None
+    error_code: str | None
+    seconds: float
+
+
+def _content(event: bytes) -> tuple[str, str | None]:
+    """(text, error code) of one SSE event."""
+    if not event.startswith(b"data: ") or event == b"data: [DONE]":
+        return "", None
+    try:
+        obj = json.loads(event[6:])
+    except ValueError:
+        return "", None
+    if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
+        return "", str(obj["error"].get("code"))
+    pieces = [str((c.get("delta") or {}).get("content") or "") for c in obj.get("choices") or []]
+    return "".join(pieces), None
+
+
+async def stream_chat(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    timeout_s: float,
+    on_first_chunk: asyncio.Event | None = None,
+) -> StreamResult:
+    """One streamed chat request, read to its end; never raises for what the server does."""
+    started = time.monotonic()
+    status, request_id, text, code, ended = 0, None, "", None, "cut"
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with session.post(url, json={**body, "stream": True}, headers=headers) as resp:
+                status, request_id = resp.status, resp.headers.get("x-adaptive-spec-request-id")
+                if status != 200:
+                    error = orjson.loads(await resp.read()).get("error") or {}
+                    return StreamResult(status, "http-error", "", request_id, error.get("code"), _since(started))
+                buffer = b""
+                async for chunk in resp.content.iter_any():
+                    if on_first_chunk is not None:
+                        on_first_chunk.set()
+                    buffer += chunk
+                    *events, buffer = buffer.split(b"\n\n")
+                    for event in events:
+                        piece, error_code = _content(event.strip())
+                        text += piece
+                        code = error_code or code
+                        if event.strip() == b"data: [DONE]":
+                            ended = "done"
+                ended = "error-event" if code is not None else ended
+    except TimeoutError:
+        ended = "timeout"
+    except (aiohttp.ClientError, ConnectionError):
+        ended = "error-event" if code is not None else "cut"
+    return StreamResult(status, ended, text, request_id, code, _since(started))
+
+
+def _since(started: float) -> float:
+    return round(time.monotonic() - started, 3)
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def write_figures(figures: dict[str, Any], out: Path | None) -> None:
+    text = json.dumps(figures, indent=2)
+    print(text)
+    if out is not None:
+        out.write_text(text + "\n")
