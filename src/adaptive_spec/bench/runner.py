@@ -96,22 +96,20 @@ async def _known_state(session: aiohttp.ClientSession, base: str, profiles: list
 Records = dict[str, list[dict[str, Any]]]
 
 
-async def _load(workload: str, target: str, round_: int) -> dict[str, Any]:
+async def _pass_starts(workload: str, target: str, round_: int) -> tuple[dict[str, Any], machine.LoadSample]:
+    """The machine's load as a pass starts (sampled in a thread: a sample waits a second)."""
     start = await asyncio.to_thread(machine.sample)
-    return {"workload": workload, "target": target, "round": round_, "start": asdict(start)}
+    passed: dict[str, Any] = {"workload": workload, "target": target, "round": round_, "start": asdict(start)}
+    return passed, start
 
 
-async def _pass_ends(passed: dict[str, Any], progress: Progress) -> None:
+async def _pass_ends(passed: dict[str, Any], start: machine.LoadSample, progress: Progress) -> None:
     end = await asyncio.to_thread(machine.sample)
     passed["end"] = asdict(end)
-    passed["warning"] = machine.judge(machine.LoadSample(**_sample_args(passed["start"])), end)
+    passed["warning"] = machine.judge(start, end)
     if passed["warning"]:
         where = f"{passed['workload']} on {passed['target']} (round {passed['round'] + 1})"
         progress.note(f"warning: the machine's load changed during {where}: {passed['warning']}")
-
-
-def _sample_args(d: dict[str, Any]) -> dict[str, Any]:
-    return {**d, "busiest": tuple(machine.Busy(**b) for b in d["busiest"])}
 
 
 async def run_bench(
@@ -151,7 +149,7 @@ async def run_bench(
                 order = [(r, t) for r in range(repeat) for t in (targets if r % 2 == 0 else targets[::-1])]
                 for round_, target in order:
                     # Sampled while the servers are idle, before their restarts: the load is other processes'.
-                    passed = await _load(workload.name, target, round_)
+                    passed, start = await _pass_starts(workload.name, target, round_)
                     passes.append(passed)
                     # One pass per target, from a known state: fresh servers, so no target inherits another's KV
                     # cache, prompt cache or n-gram pool.
@@ -167,7 +165,7 @@ async def run_bench(
                         replay.keep_reply(request, replies.setdefault(request.index, text))
                         done += 1
                         progress.step(done, f"{workload.name}: request {request.index + 1} on {target}")
-                    await _pass_ends(passed, progress)
+                    await _pass_ends(passed, start, progress)
         except asyncio.CancelledError:
             progress.note("interrupted: keeping what finished")
         progress.close()
