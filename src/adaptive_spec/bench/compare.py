@@ -66,7 +66,13 @@ def with_references(records: list[dict[str, Any]], statics: list[str]) -> list[d
         # the fastest pass's.
         t = fastest["timings"]
         share = int(t.get("draft_n_accepted", 0)) / max(1, int(t.get("predicted_n", 0)))
-        timings = {"predicted_n": n, "predicted_ms": n * _ms_per_token(fastest), "draft_n_accepted": round(share * n)}
+        ms = n * _ms_per_token(fastest)
+        timings = {
+            "predicted_n": n,
+            "predicted_ms": ms,
+            "predicted_per_second": n / ms * 1000 if ms else 0.0,
+            "draft_n_accepted": round(share * n),
+        }
         extra.append(
             {
                 "profile": BEST_SEEN,
