@@ -45,6 +45,7 @@ def test_a_change_that_matters_is_warned_about() -> None:
     assert machine.judge(_sample(0.1, 1.0), _sample(0.3, 2.0)) is None
     assert machine.judge(_sample(0.1, None), _sample(1.2, None)) == "other work went from 0.10 to 1.20 busy cores"
     assert machine.judge(_sample(0.1, 1.0), _sample(0.1, 9.0)) == "CPU steal went from 1% to 9%"
+    assert machine.judge(_sample(2.0, 0.0), _sample(1.7, 0.0)) == "other work kept 1.70 of 2 cores busy"
 
 
 def test_a_real_sample_of_this_machine_has_its_fields() -> None:
@@ -81,7 +82,7 @@ def test_outputs_carry_intervals_verdicts_and_load(tmp_path: Path) -> None:
     assert f"adaptive vs {BEST_STATIC} (not an upper bound): decode tok/s" in text
     assert f"adaptive vs {BEST_SEEN} (an upper bound): decode tok/s" in text
     assert "| iterative | 16 | 1600 |" in text and "| 2.00 [2.00, 2.00] |" in text  # × baseline, with its interval
-    assert "warning: the machine's load changed during 1 pass(es)" in text
+    assert "warning: other work on the machine may have moved the figures of 1 pass(es)" in text
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["load"] == load
     assert {v["against"] for v in result["verdicts"]} == {"oneshot", "iterative", BEST_STATIC, BEST_SEEN}

@@ -18,6 +18,9 @@ WINDOW_S = 1.0
 # on a small machine (llama-server runs one thread per profile here); steal moving by 5 points likewise.
 CORES_CHANGE = 0.5
 STEAL_CHANGE = 5.0
+# Other work taking three quarters of the machine at both ends: no change to warn about, but figures from a saturated
+# machine are slow and noisy, and the reader should know.
+SATURATED = 0.75
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,12 +92,15 @@ def busiest(
 
 
 def judge(start: LoadSample, end: LoadSample) -> str | None:
-    """A warning when the machine's load moved enough between a pass's start and end to matter, else None."""
+    """A warning when the machine's load moved enough between a pass's start and end to matter, or stayed saturated
+    by other work, else None."""
     reasons = []
     if start.busy_cores is not None and end.busy_cores is not None:
         change = end.busy_cores - start.busy_cores
         if abs(change) >= CORES_CHANGE:
             reasons.append(f"other work went from {start.busy_cores:.2f} to {end.busy_cores:.2f} busy cores")
+        elif min(start.busy_cores, end.busy_cores) >= SATURATED * start.cores:
+            reasons.append(f"other work kept {min(start.busy_cores, end.busy_cores):.2f} of {start.cores} cores busy")
     before, after = start.steal_pct, end.steal_pct
     if before is not None and after is not None and abs(after - before) >= STEAL_CHANGE:
         reasons.append(f"CPU steal went from {before:.0f}% to {after:.0f}%")

@@ -109,7 +109,7 @@ async def _pass_ends(passed: dict[str, Any], start: machine.LoadSample, progress
     passed["warning"] = machine.judge(start, end)
     if passed["warning"]:
         where = f"{passed['workload']} on {passed['target']} (round {passed['round'] + 1})"
-        progress.note(f"warning: the machine's load changed during {where}: {passed['warning']}")
+        progress.note(f"warning: {where}: {passed['warning']}")
 
 
 async def run_bench(
@@ -228,7 +228,10 @@ def write_outputs(
         text += "\n\nnote: one round only (--repeat 1): the intervals cover request-to-request spread, not a slow spell"
     warned = [p for p in passes or [] if p.get("warning")]
     if warned:
-        text += f"\n\nwarning: the machine's load changed during {len(warned)} pass(es); see bench.json 'load'"
+        text += (
+            f"\n\nwarning: other work on the machine may have moved the figures of {len(warned)} pass(es): "
+            "see bench.json 'load'"
+        )
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         result = {
