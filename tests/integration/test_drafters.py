@@ -242,6 +242,8 @@ def test_bench_compares_plain_dflash_and_dflash_ngram_on_real_processes(
                 "--adaptive",
                 "--max-tokens",
                 "16",
+                "--repeat",
+                "1",
                 "--out",
                 str(out),
             ]
@@ -255,7 +257,8 @@ def test_bench_compares_plain_dflash_and_dflash_ngram_on_real_processes(
     assert "random weights, so these figures measure plumbing, not speed" in done.stdout
     result = json.loads((out / "bench.json").read_text())
     assert result["baseline"] == "plain"
-    assert {r["name"] for r in result["rows"]} == {*setups, "adaptive", "oracle"}
+    references = {"best static per request", "best seen per request"}
+    assert {r["name"] for r in result["rows"]} == {*setups, "adaptive", *references}
     records = result["records"]["iterative"]
     assert all(r["outcome"] == "finished" for r in records)
     drafted = {name: sum(r["timings"].get("draft_n", 0) for r in records if r["profile"] == name) for name in setups}

@@ -5,8 +5,9 @@ Inputs stay the same across targets: each target runs the workload in its own pa
 session's history is always the first target's. Known state: before each pass every launched profile is restarted
 (llama-server offers no call to empty its n-gram pool, and a later pass would find the earlier passes' greedy answers
 in it), and each pass's system prompts start with a tag of their own. Attached profiles can only have their slots
-erased (through the proxy's POST /adaptive/profiles/NAME/erase); the bench says so. The oracle is computed from the
-static passes: per request, the one that decoded it fastest.
+erased (through the proxy's POST /adaptive/profiles/NAME/erase); the bench says so. Every ratio comes with a 95%
+interval and a verdict (bench/compare.py, bench/stats.py); the machine's load is sampled around every pass
+(bench/machine.py).
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ import time
 from dataclasses import asdict
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import aiohttp
 import orjson
 
+from adaptive_spec.bench import compare, machine
+from adaptive_spec.bench.chart import chart
+from adaptive_spec.bench.compare import ADAPTIVE, REFERENCES
+from adaptive_spec.bench.progress import Progress
 from adaptive_spec.bench.stream import stream_chat
 from adaptive_spec.bench.table import ReportRow, baseline_profile, summarize, to_csv, to_markdown
 from adaptive_spec.bench.workload import Replay, Workload, WorkloadRequest, parse_workload, workload_from_trace
@@ -30,8 +35,7 @@ from adaptive_spec.core.headers import PROFILE_HEADER, SESSION_ID_HEADER
 from adaptive_spec.errors import ConfigError
 
 BUILTIN = ("iterative", "oneshot", "mixed")
-ADAPTIVE = "adaptive"
-ORACLE = "oracle"  # per request, the static profile that decoded it fastest (computed from the static passes)
+REPEAT = 2  # order-balanced: A B C, then C B A
 
 
 def load_workload(spec: str) -> Workload:
@@ -76,7 +80,7 @@ async def _stream(
     }
 
 
-async def _known_state(session: aiohttp.ClientSession, base: str, profiles: list[str], say: Any) -> None:
+async def _known_state(session: aiohttp.ClientSession, base: str, profiles: list[str], progress: Progress) -> None:
     """Each pass starts from fresh servers: a launched profile is restarted (empty KV cache, RAM prompt cache and
     n-gram pool); an attached one can only have its slots erased (by the proxy, which owns them), and its n-gram
     pool carries over."""
@@ -87,14 +91,32 @@ async def _known_state(session: aiohttp.ClientSession, base: str, profiles: list
                 continue
             if resp.status != 409:
                 raise ConfigError(f"restarting profile {name!r} failed: HTTP {resp.status}")
-        say(f"\nprofile {name!r} is attached: its slots are erased, its n-gram pool carries over to the next pass")
+        progress.note(
+            f"profile {name!r} is attached: its slots are erased, its n-gram pool carries over to later passes"
+        )
         async with session.post(f"{base}/adaptive/profiles/{name}/erase") as resp:
             text = await resp.text()
             if resp.status != 200:
-                say(f"profile {name!r}: erasing its slots failed (HTTP {resp.status}): {text[:300]}")
+                progress.note(f"profile {name!r}: erasing its slots failed (HTTP {resp.status}): {text[:300]}")
 
 
 Records = dict[str, list[dict[str, Any]]]
+
+
+async def _pass_starts(workload: str, target: str, round_: int) -> tuple[dict[str, Any], machine.LoadSample]:
+    """The machine's load as a pass starts (sampled in a thread: a sample waits a second)."""
+    start = await asyncio.to_thread(machine.sample)
+    passed: dict[str, Any] = {"workload": workload, "target": target, "round": round_, "start": asdict(start)}
+    return passed, start
+
+
+async def _pass_ends(passed: dict[str, Any], start: machine.LoadSample, progress: Progress) -> None:
+    end = await asyncio.to_thread(machine.sample)
+    passed["end"] = asdict(end)
+    passed["warning"] = machine.judge(start, end)
+    if passed["warning"]:
+        where = f"{passed['workload']} on {passed['target']} (round {passed['round'] + 1})"
+        progress.note(f"warning: {where}: {passed['warning']}")
 
 
 async def run_bench(
@@ -103,14 +125,16 @@ async def run_bench(
     profiles: list[str] | None,
     adaptive: bool,
     max_tokens: int | None,
-    say: Any,
-    repeat: int = 1,
-) -> tuple[Records, list[dict[str, Any]]]:
-    """Records per workload, and the profiles the proxy reported; stops cleanly on cancellation (Ctrl-C).
+    stream: TextIO,
+    repeat: int = REPEAT,
+) -> tuple[Records, list[dict[str, Any]], list[dict[str, Any]]]:
+    """Records per workload, the profiles the proxy reported, and the machine's load around each pass; stops cleanly
+    on cancellation (Ctrl-C).
 
     `repeat` runs every target's pass that many times, alternating targets and their order (A B C C B A ...), so
     slow spells of a shared machine fall on every target alike."""
     records: dict[str, list[dict[str, Any]]] = {}
+    passes: list[dict[str, Any]] = []
     timeout = aiohttp.ClientTimeout(total=None, sock_read=1800)
     key = os.environ.get("ADAPTIVE_SPEC_API_KEY", "").strip()  # the proxy's key, when it asks for one
     headers = {"Authorization": f"Bearer {key}"} if key else None
@@ -123,7 +147,7 @@ async def run_bench(
         if unknown:
             raise ConfigError(f"--profiles: {', '.join(sorted(unknown))} not served; the proxy has {', '.join(names)}")
         targets = [*([ADAPTIVE] if adaptive else []), *chosen]
-        total = sum(len(w.requests) for w in workloads) * len(targets) * repeat
+        progress = Progress(stream, sum(len(w.requests) for w in workloads) * len(targets) * repeat, stream.isatty())
         done = 0
         try:
             for workload in workloads:
@@ -133,9 +157,12 @@ async def run_bench(
                 # machine's speed nor being first after a restart favours one target.
                 order = [(r, t) for r in range(repeat) for t in (targets if r % 2 == 0 else targets[::-1])]
                 for round_, target in order:
+                    # Sampled while the servers are idle, before their restarts: the load is other processes'.
+                    passed, start = await _pass_starts(workload.name, target, round_)
+                    passes.append(passed)
                     # One pass per target, from a known state: fresh servers, so no target inherits another's KV
                     # cache, prompt cache or n-gram pool.
-                    await _known_state(session, base, names, say)
+                    await _known_state(session, base, names, progress)
                     replay = Replay(workload, tag=f"bench pass {target} {round_}")
                     for request in workload.requests:
                         result = await _one(session, base, workload, replay, request, target, max_tokens)
@@ -146,11 +173,12 @@ async def run_bench(
                         rows.append(result)
                         replay.keep_reply(request, replies.setdefault(request.index, text))
                         done += 1
-                        say(f"\r[{done}/{total}] {workload.name}: request {request.index + 1} on {target}   ", end="")
+                        progress.step(done, f"{workload.name}: request {request.index + 1} on {target}")
+                    await _pass_ends(passed, start, progress)
         except asyncio.CancelledError:
-            say("\ninterrupted: keeping what finished")
-        say("")
-    return records, known
+            progress.note("interrupted: keeping what finished")
+        progress.close()
+    return records, known, passes
 
 
 async def _one(
@@ -181,100 +209,59 @@ async def _one(
     return result
 
 
-def _decode_s_per_token(record: dict[str, Any]) -> float:
-    t = record.get("timings") or {}
-    n = int(t.get("predicted_n", 0))
-    return float(t.get("predicted_ms", 0.0)) / n if n else float("inf")
-
-
-def with_oracle(recs: list[dict[str, Any]], statics: list[str]) -> list[dict[str, Any]]:
-    """The records plus an `oracle` pass: per request, the static profile's record that decoded it fastest."""
-    by_index: dict[tuple[int, int], list[dict[str, Any]]] = {}
-    for r in recs:
-        if r.get("profile") in statics and r.get("outcome") == "finished" and "index" in r:
-            by_index.setdefault((int(r["index"]), int(r.get("round", 0))), []).append(r)
-    complete = [rows for rows in by_index.values() if len(rows) == len(statics)]
-    if len(statics) < 2 or not complete:
-        return recs
-    best = [min(rows, key=_decode_s_per_token) for rows in complete]
-    return recs + [{**r, "profile": ORACLE, "served_profile": r["profile"], "session_id": None} for r in best]
-
-
-def comparison(rows: list[ReportRow], statics: list[str]) -> str | None:
-    """Adaptive against the better static profile (throughput and median TTST) and against the oracle."""
-    by = {r.name: r for r in rows}
-    adaptive, oracle = by.get(ADAPTIVE), by.get(ORACLE)
-    static_rows = [by[s] for s in statics if s in by]
-    if adaptive is None or not static_rows:
-        return None
-    best_speed = max(static_rows, key=lambda r: r.decode_tok_s)
-    best_ttst = min(static_rows, key=lambda r: r.ttst_ms_median or float("inf"))
-    parts = [f"adaptive: {adaptive.decode_tok_s / best_speed.decode_tok_s:.3f}× the throughput of {best_speed.name}"]
-    if adaptive.ttst_ms_median and best_ttst.ttst_ms_median:
-        parts.append(f"{adaptive.ttst_ms_median / best_ttst.ttst_ms_median:.3f}× the median TTST of {best_ttst.name}")
-    if oracle is not None and oracle.decode_tok_s:
-        parts.append(f"{adaptive.decode_tok_s / oracle.decode_tok_s:.3f}× the oracle's throughput")
-    for r in static_rows:
-        if r.ttst_ms_median and adaptive.ttst_ms_median:
-            parts.append(
-                f"vs {r.name}: {adaptive.decode_tok_s / r.decode_tok_s:.3f}× tok/s, "
-                f"{adaptive.ttst_ms_median / r.ttst_ms_median:.3f}× TTST"
-            )
-    return "; ".join(parts)
-
-
-def write_outputs(records: dict[str, list[dict[str, Any]]], known: list[dict[str, Any]], out: Path | None) -> str:
+def write_outputs(
+    records: dict[str, list[dict[str, Any]]],
+    known: list[dict[str, Any]],
+    out: Path | None,
+    passes: list[dict[str, Any]] | None = None,
+) -> str:
+    """The tables and verdicts as text; with `out`, bench.json (rows, intervals, verdicts, load, records), bench.csv,
+    bench.md and bench.png."""
     baseline = baseline_profile(known)
-    tables, flat = [], []
+    tables, flat, verdicts, intervals = [], [], [], []
     for name, recs in records.items():
-        statics = [p for p in dict.fromkeys(str(r.get("profile")) for r in recs) if p not in (ADAPTIVE, ORACLE)]
-        recs = records[name] = with_oracle(recs, statics)
-        rows: list[ReportRow] = summarize(recs, baseline)
-        rows = [r for r in rows if r.name != "all (as routed)"]
-        compared = comparison(rows, statics)
-        tables.append(f"workload: {name}\n" + to_markdown(rows, baseline) + (f"\n\n{compared}" if compared else ""))
+        statics = [p for p in dict.fromkeys(str(r.get("profile")) for r in recs) if p not in (ADAPTIVE, *REFERENCES)]
+        recs = records[name] = compare.with_references(recs, statics)
+        rows: list[ReportRow] = [r for r in summarize(recs, baseline) if r.name != "all (as routed)"]
+        per_target = compare.target_intervals(recs, baseline)
+        vs_base = {t.name: t.vs_baseline for t in per_target if t.vs_baseline is not None}
+        found = compare.comparisons(recs, statics)
+        lines = [compare.describe(c) for c in found]
+        table = to_markdown(rows, baseline, vs_base)
+        tables.append(f"workload: {name}\n{table}" + "".join(f"\n{x}" for x in ["", *lines]))
         flat += [{"workload": name, **asdict(r)} for r in rows]
+        verdicts += [{"workload": name, **compare.as_json(c)} for c in found]
+        intervals += [{"workload": name, **asdict(t)} for t in per_target]
     text = "\n\n".join(tables)
+    if records and not any(r.get("round", 0) for recs in records.values() for r in recs):
+        text += "\n\nnote: one round only (--repeat 1): the intervals cover request-to-request spread, not a slow spell"
+    warned = [p for p in passes or [] if p.get("warning")]
+    if warned:
+        text += (
+            f"\n\nwarning: other work on the machine may have moved the figures of {len(warned)} pass(es): "
+            "see bench.json 'load'"
+        )
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.json").write_bytes(
-            orjson.dumps({"baseline": baseline, "rows": flat, "records": records}, option=orjson.OPT_INDENT_2)
-        )
+        result = {
+            "baseline": baseline,
+            "rows": flat,
+            "intervals": intervals,
+            "verdicts": verdicts,
+            "load": passes or [],
+            "records": records,
+        }
+        (out / "bench.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
         header = "workload," + to_csv([]).strip()
-        lines = [header] + [
-            f"{w}," + to_csv([r]).splitlines()[1]
-            for w, recs in records.items()
-            for r in summarize(recs, baseline)
-            if r.name != "all (as routed)"
-        ]
-        (out / "bench.csv").write_text("\n".join(lines) + "\n")
+        csv_lines = [header] + [f"{r['workload']}," + to_csv([_report_row(r)]).splitlines()[1] for r in flat]
+        (out / "bench.csv").write_text("\n".join(csv_lines) + "\n")
         (out / "bench.md").write_text(text + "\n")
-        _chart(flat, out / "bench.png")
+        chart(flat, intervals, baseline, out / "bench.png")
     return text
 
 
-def _chart(rows: list[dict[str, Any]], path: Path) -> None:
-    """Grouped bars: decode tok/s per workload, one bar per profile."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    profiles = list(dict.fromkeys(r["name"] for r in rows))
-    width = 0.8 / max(1, len(profiles))
-    fig, ax = plt.subplots(figsize=(max(6, 2.5 * len(workloads)), 4), constrained_layout=True)
-    for i, profile in enumerate(profiles):
-        values = [
-            next((r["decode_tok_s"] for r in rows if r["workload"] == w and r["name"] == profile), 0.0)
-            for w in workloads
-        ]
-        ax.bar([x + (i - (len(profiles) - 1) / 2) * width for x in range(len(workloads))], values, width, label=profile)
-    ax.set_xticks(list(range(len(workloads))), workloads)
-    ax.set_ylabel("decode tok/s (aggregate)")
-    ax.legend()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def _report_row(row: dict[str, Any]) -> ReportRow:
+    return ReportRow(**{k: v for k, v in row.items() if k != "workload"})
 
 
 def main_bench(
@@ -284,25 +271,23 @@ def main_bench(
     adaptive: bool,
     out: Path | None,
     max_tokens: int | None,
-    repeat: int = 1,
+    repeat: int = REPEAT,
 ) -> str:
     workloads = [load_workload(s) for s in specs]
-
-    def say(message: str, end: str = "\n") -> None:
-        print(message, end=end, file=sys.stderr, flush=True)
-
     records: dict[str, list[dict[str, Any]]] = {}
     known: list[dict[str, Any]] = []
+    passes: list[dict[str, Any]] = []
 
     async def go() -> None:
-        nonlocal records, known
-        records, known = await run_bench(url.rstrip("/"), workloads, profiles, adaptive, max_tokens, say, repeat)
+        nonlocal records, known, passes
+        base = url.rstrip("/")
+        records, known, passes = await run_bench(base, workloads, profiles, adaptive, max_tokens, sys.stderr, repeat)
 
     try:
         asyncio.run(go())
     finally:
         if records:
-            print(write_outputs(records, known, out))
+            print(write_outputs(records, known, out, passes))
             random = sorted({str(p["model"]) for p in known if "random" in str(p.get("model") or "")})
             if random:  # a model file named *random*, as the test suite names its random-weight models
                 print(f"\ncaveat: {', '.join(random)}: random weights, so these figures measure plumbing, not speed")

@@ -9,6 +9,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from adaptive_spec.bench.stats import Interval
+
 ALL_ROUTED = "all (as routed)"
 
 
@@ -95,7 +97,8 @@ def _fmt(value: Any, pct: bool = False) -> str:
     return str(value)
 
 
-def to_markdown(rows: list[ReportRow], baseline: str | None) -> str:
+def to_markdown(rows: list[ReportRow], baseline: str | None, vs_baseline: Mapping[str, Interval] | None = None) -> str:
+    """The table; `vs_baseline` (the bench's) gives the baseline column's 95% intervals."""
     head = (
         "| profile | requests | output tokens | decode tok/s | median tok/s | vs "
         + (baseline or "baseline")
@@ -109,7 +112,7 @@ def to_markdown(rows: list[ReportRow], baseline: str | None) -> str:
             _fmt(r.output_tokens),
             _fmt(r.decode_tok_s),
             _fmt(r.decode_tok_s_median),
-            f"{r.ratio_to_baseline:.2f}" if r.ratio_to_baseline is not None else "—",
+            _vs_baseline(r, (vs_baseline or {}).get(r.name)),
             _fmt(r.acceptance, pct=True),
             _fmt(r.output_from_drafts, pct=True),
             _fmt(r.ttft_ms_median),
@@ -119,6 +122,14 @@ def to_markdown(rows: list[ReportRow], baseline: str | None) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _vs_baseline(row: ReportRow, interval: Interval | None) -> str:
+    if row.ratio_to_baseline is None:
+        return "—"
+    if interval is None:
+        return f"{row.ratio_to_baseline:.2f}"
+    return f"{row.ratio_to_baseline:.2f} [{interval.low:.2f}, {interval.high:.2f}]"
 
 
 def to_csv(rows: list[ReportRow]) -> str:
