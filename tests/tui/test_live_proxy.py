@@ -89,6 +89,7 @@ async def test_the_view_follows_a_proxy_that_restarts_and_its_figures_equal_the_
     try:
         async with app.run_test(size=(120, 36)) as pilot:
             await until(lambda: app.connected and "oneshot" in app.dashboard.profiles, "the snapshot")
+            await until(lambda: app.dashboard.policy_sources is not None, "the policy from /adaptive/route")
             for i in range(3):
                 body = [{"role": "user", "content": f"turn {i}"}]
                 await asyncio.to_thread(chat_record, proxy, body, 8, **{"x-session-id": "watched"})

@@ -234,3 +234,14 @@ def test_sparkline_scales_to_its_peak() -> None:
     assert spark([5, 5], 1) == "█"
     assert spark([], 5) == ""
     assert spark([0.0, 0.0], 5) == "▁▁"
+
+
+def test_route_gives_the_policy_files_and_earlier_pins() -> None:
+    from adaptive_spec.tui.render import status_line
+
+    board = Dashboard()
+    board.load_route({"policy": {"sources": ["/etc/x/default.toml", "proj.toml"]}, "pins": {"s1": "iterative"}})
+    assert board.policy_sources == ("/etc/x/default.toml", "proj.toml")
+    assert board.sessions["s1"].pinned == "iterative"
+    line = status_line(board, url="u", connected=True, since=T0, paused=False, now=T0 + 5).plain
+    assert "policy: default.toml + proj.toml" in line

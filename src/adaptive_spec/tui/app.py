@@ -181,7 +181,13 @@ class DashboardApp(App[None]):
         self.dirty = True
         if self.replaying:
             self.dashboard.tick(now)  # the recording's seconds, however fast they are replayed
-        if self.record is not None and item.kind not in ("connected", "disconnected", "history", "replay-ended"):
+        if self.record is not None and item.kind not in (
+            "connected",
+            "disconnected",
+            "history",
+            "route",
+            "replay-ended",
+        ):
             self.record.write(orjson.dumps({"type": item.kind, **item.payload}) + b"\n")
         if item.kind == "connected":
             self.replaying = bool(item.payload.get("replay"))
@@ -190,6 +196,8 @@ class DashboardApp(App[None]):
             self._disconnected(now, str(item.payload.get("error") or "connection lost"))
         elif item.kind == "history":
             self.dashboard.load_requests(item.payload.get("requests") or [])
+        elif item.kind == "route":
+            self.dashboard.load_route(item.payload)
         elif item.kind == "replay-ended":
             self.dashboard.note(now, "note", "replay", "end of the recording")
         else:

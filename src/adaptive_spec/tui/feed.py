@@ -107,6 +107,7 @@ class ProxyClient:
                     if first and event.event == "snapshot":
                         first = False
                         yield FeedItem("history", await self.get_json("/adaptive/requests"))
+                        yield FeedItem("route", await self.get_json("/adaptive/route"))
 
 
 def _describe(exc: BaseException) -> str:

@@ -240,6 +240,9 @@ def status_line(board: Dashboard, *, url: str, connected: bool, since: float | N
         text.append(f", {board.failed_total} failed", style="red")
     if board.dropped_events:
         text.append(f"  {board.dropped_events} events dropped (resynced)", style="yellow")
+    if board.policy_sources is not None:
+        names = [source.replace("\\", "/").rsplit("/", 1)[-1] for source in board.policy_sources]
+        text.append(f"  policy: {' + '.join(names) if names else 'built-in default'}", style="dim")
     if paused:
         text.append("  PAUSED (space resumes)", style="bold yellow")
     return text

@@ -239,6 +239,7 @@ class Dashboard:
         self.failed_total = 0
         self.dropped_events = 0
         self.live_text = False  # whether any request's text has arrived (the proxy was started to send it)
+        self.policy_sources: tuple[str, ...] | None = None  # the base policy's files (None: not known yet)
         self._last_sample = 0.0
 
     # ---- snapshots -------------------------------------------------------------------------------------------
@@ -262,6 +263,14 @@ class Dashboard:
             if self._finish(record, from_history=True):
                 new += 1
         return new
+
+    def load_route(self, route: Mapping[str, Any]) -> None:
+        """From /adaptive/route: the policy's sources and the sessions pinned before the view connected."""
+        sources = _mapping(route.get("policy")).get("sources")
+        if isinstance(sources, list):
+            self.policy_sources = tuple(str(s) for s in sources)
+        for session_id, profile in _mapping(route.get("pins")).items():
+            self._session(str(session_id), "default").pinned = str(profile)
 
     def _profile_info(self, p: Mapping[str, Any]) -> None:
         view = self.profiles.setdefault(str(p.get("name")), ProfileView(str(p.get("name"))))
