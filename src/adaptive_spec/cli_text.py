@@ -13,6 +13,7 @@ examples:
   adaptive-spec serve --help                  every serve option: your own GGUF, draft models, servers you run
   adaptive-spec bench --out results/          compare the profiles on a running adaptive-spec
   adaptive-spec report run.jsonl              per-profile speeds from a `serve --trace run.jsonl`
+  adaptive-spec tui                           watch acceptance, sessions and routing live
 
 Each command's --help says more (adaptive-spec COMMAND --help)."""
 

@@ -29,9 +29,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     tui = sub.add_parser(
         "tui",
         help="watch draft acceptance, sessions and routing decisions live in the terminal",
-        description="A live terminal view of a running adaptive-spec proxy: per profile the decode speed and the "
-        "share of output tokens that came from accepted drafts, per agent session its turns, profile and the "
-        "router's reasons; pin a session to a profile or restart a profile with one key.",
+        description=(
+            "A live terminal view of a running adaptive-spec proxy: per profile the decode speed and the share of\n"
+            "output tokens that came from accepted drafts; per agent session its turns, profile and the router's\n"
+            "reasons; pin a session to a profile or restart a profile with one key."
+        ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
