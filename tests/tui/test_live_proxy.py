@@ -114,3 +114,20 @@ async def test_the_view_follows_a_proxy_that_restarts_and_its_figures_equal_the_
             await pilot.pause()
     finally:
         await asyncio.to_thread(proxy.stop)
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_a_proxy_that_wants_a_key_is_named_as_such_and_the_key_lets_the_view_in(
+    tiny_gguf: Path, llama_server_binary: str, tmp_path: Path
+) -> None:
+    proxy = await asyncio.to_thread(_serve, tiny_gguf, tmp_path, None, "--api-key", "s3cret")
+    try:
+        refused = make_app(url=proxy.base, frame_s=0.05)
+        async with refused.run_test(size=(100, 30)):
+            await until(lambda: refused.last_error.startswith("401"), "the refusal")
+            await until(lambda: "refused this view" in str(refused.query_one("#banner").render()), "the banner")
+        keyed = make_app(url=proxy.base, api_key="s3cret", frame_s=0.05)
+        async with keyed.run_test(size=(100, 30)):
+            await until(lambda: keyed.connected and "oneshot" in keyed.dashboard.profiles, "the snapshot with the key")
+    finally:
+        await asyncio.to_thread(proxy.stop)

@@ -48,6 +48,14 @@ Pointing at another address?     [b]adaptive-spec tui --url http://HOST:PORT[/b]
 
 Retrying every few seconds…"""
 
+REFUSED = """\
+[b]The adaptive-spec proxy at {url} refused this view[/b]
+
+{error}
+
+It needs its API key: [b]adaptive-spec tui --api-key KEY[/b] (or set $ADAPTIVE_SPEC_API_KEY), and a host name it
+allows (serve --allow-host). Retrying every few seconds…"""
+
 STARTING = """\
 [b]Starting adaptive-spec serve at {url}[/b] (loading the model can take a minute)
 
@@ -309,6 +317,8 @@ class DashboardApp(App[None]):
         banner.set_class(not self.connected and not self.ever_connected, "-active")
         if not self.connected and not self.ever_connected:
             template = STARTING if self.child_argv and self.child_exit_code is None else NO_PROXY
+            if self.last_error.startswith(("401", "403")):
+                template = REFUSED
             banner.update(Text.from_markup(template.format(url=self.label, error=escape(self.last_error or "…"))))
         lines = Text("\n").join(render.profile_line(v, now, narrow=self._narrow) for v in board.profiles.values())
         self._main.query_one("#profiles", Static).update(lines if board.profiles else Text("waiting for the proxy…"))
