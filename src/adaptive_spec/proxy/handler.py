@@ -4,6 +4,7 @@ forward it upstream; the request's lifecycle (`proxy/lifecycle.py`) records how 
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from urllib.parse import quote
 
@@ -25,8 +26,10 @@ from adaptive_spec.proxy.security import routed_path
 from adaptive_spec.proxy.state import CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
 
-# APIs whose streams llama-server can annotate with per-token timings (for the live draft progress).
-_PROGRESS_APIS = frozenset({"chat", "completions"})
+log = logging.getLogger(__name__)
+# APIs whose streams llama-server can annotate with per-token timings (for the live draft progress). Its Anthropic
+# stream (/v1/messages) carries no timings at all, asked or not (llama-server b11434): only usage at the end.
+_PROGRESS_APIS = frozenset({"chat", "completions", "responses"})
 # APIs whose body llama-server passes `id_slot` on from (its Anthropic and Responses conversions rebuild the body).
 _SLOT_APIS = frozenset({"chat", "completions"})
 # How long a request waits for its session's previous turn to be folded into the statistics it is routed on.
@@ -177,6 +180,16 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | web.Resp
     return chosen
 
 
+def _client_gone(req: ProxyRequest) -> None:
+    """The client went away. One that hangs up right after the stream's end marker got the whole answer."""
+    if req.meter.complete and req.meter.error is None:
+        req.status, req.error = 200, None
+        log.debug("request %s: the client hung up after the end of the answer", req.request_id)
+    else:
+        req.status, req.error = 499, "the client disconnected"
+        log.info("request %s: the client disconnected before the end of the answer", req.request_id)
+
+
 async def proxy_view(request: web.Request) -> web.StreamResponse:
     app = request.app
     routed = routed_path(request)  # decided on the raw target by the security gate
@@ -214,11 +227,13 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
             progress=lambda: app[LIFECYCLE].progress(req),
         )
         req.status, req.error = outcome.status, outcome.error
+        if outcome.client_gone:
+            _client_gone(req)
         return resp
     except (ConnectionResetError, asyncio.CancelledError):
         # aiohttp cancels the handler when the client goes away; forward() has closed the upstream connection.
         # A client that hangs up right after the stream's end marker got the whole answer.
-        req.status, req.error = (200, None) if req.meter.complete else (499, "the client disconnected")
+        _client_gone(req)
         raise
     except Exception as exc:
         req.status, req.error = 500, f"internal error: {exc!r}"
