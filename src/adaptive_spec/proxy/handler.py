@@ -173,7 +173,7 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | web.Resp
         req.slot = client_slot  # the client chose; the router follows it
     elif req.routed.api in _SLOT_APIS:
         req.slot = router.slot_for(chosen.name, session_id)
-    router.started(chosen.name, req.slot)
+    router.started(chosen.name, req.slot, session_id)
     req.routed_started = True
     if req.decision.handoff and session_id is not None:
         req.handoff = await router.hand_off(app[CLIENT], req.decision, session_id, req.slot)
