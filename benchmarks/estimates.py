@@ -1,9 +1,11 @@
 """How well the router predicts the prompt tokens llama-server will prefill, on recorded agent traffic.
 
-Replays each session of the recorded agent requests (opencode, Codex CLI, llm, the openai SDK: one JSON line per
-request, in `--fixtures`) against a REAL llama-server, in order, each session on an emptied slot with the RAM prompt
-cache off (`--cache-ram 0`), so llama-server's `prompt_n` is the truth for "new tokens" (the recordings were made
-against a stub and carry no counts). Every request is sent as recorded except: not streamed, greedy, at most
+Replays the recorded agent requests (opencode, Codex CLI, llm, the openai SDK: one JSON line per request, in
+`--fixtures`) session after session against a REAL llama-server with one slot and the RAM prompt cache off
+(`--cache-ram 0`), so the slot holds exactly the last request served and llama-server's `prompt_n` is the truth for
+"new tokens" (the recordings were made against a stub and carry no counts). A session's first turn finds the slot
+holding the previous session's last request (of the same agent: its system prompt and tools are shared), as it
+would on a server that serves several sessions. Every request is sent as recorded except: not streamed, greedy, at most
 `--max-tokens` generated (the server's own reply stands in for the stub's, as the proxy would have served it; the next
 recorded request then carries the stub's reply, so the cache breaks there as it would for a client that rewrote it).
 
@@ -90,16 +92,21 @@ class After:
 
     def __init__(self) -> None:
         self.table = prefix.PrefixTable()
+        self.slot: prefix.PrefixState | None = None  # the one slot's last request, whichever session
         self.chars_per_token = prefix.DEFAULT_CHARS_PER_TOKEN
 
     def estimate(self, session: str, body: dict[str, Any]) -> prefix.PromptEstimate:
         pieces = prefix.prompt_pieces(body)
-        return prefix.estimate(self.table.get(session), pieces, bool(body.get("tools")), self.chars_per_token)
+        # The session's own state counts only while the slot still holds it (no RAM cache here).
+        own = self.table.get(session) if self.slot is self.table.get(session) else None
+        est = prefix.estimate(own, pieces, bool(body.get("tools")), self.chars_per_token, self.slot)
+        return est
 
     def observe(self, session: str, body: dict[str, Any], reply: str, timings: Timings) -> None:
         pieces = prefix.prompt_pieces(body)
         state = prefix.observe(self.table.get(session), pieces, bool(body.get("tools")), reply, timings)
         self.table.put(session, state)
+        self.slot = state
         self.chars_per_token = state.chars_per_token  # a first turn elsewhere starts from the latest session's rate
 
 
@@ -148,7 +155,6 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     try:
         for session, records in found:
-            http_json(f"{server.url}/slots/0?action=erase", {})
             for record in records:
                 rows.append(_replay_one(server.url, session, record, args.max_tokens, before, after))
                 print(json.dumps(rows[-1]), flush=True)

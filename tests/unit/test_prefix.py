@@ -82,3 +82,13 @@ def test_a_main_line_with_tools_after_a_title_request_moves_the_line() -> None:
     assert est.line_moved and not est.side
     after = served(state, body({"role": "user", "content": "go"}, tools=True), "ok", 900, 3, 2)
     assert estimate(after, title).side
+
+
+def test_a_new_session_reuses_the_system_prompt_another_session_left_in_the_slot() -> None:
+    other = served(None, body({"role": "user", "content": "first task"}, tools=True), "done", 2000, 0, 5)
+    fresh = body({"role": "user", "content": "another task"}, tools=True)
+    alone = estimate(None, fresh)
+    est = prefix.estimate(None, prefix.prompt_pieces(fresh), True, 3.5, slot=other)
+    # tools and system prompt are held: only the user message and the template around it are new
+    assert est.shared_tokens > 0 and est.new_tokens < 30 < alone.new_tokens
+    assert prefix.shared_tokens(other, prefix.prompt_pieces(fresh), 3.5) == est.shared_tokens

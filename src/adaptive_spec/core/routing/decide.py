@@ -57,6 +57,7 @@ class RequestState:
     # From the session's prefix state (core/sessions/prefix.py); None: estimate from the body's size.
     prompt_tokens: int | None = None  # the whole prompt, in the model's tokens
     shared_tokens: int | None = None  # its prefix that the session's KV cache holds
+    shared_on: Mapping[str, int] | None = None  # per profile: its prefix that the slot it would use holds now
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,15 +108,17 @@ def _estimate(
     placement = session.placement
     handoff_s = 0.0
     prefill_tokens = prompt_tokens
+    held_here = min(prompt_tokens, request.shared_on.get(p.name, 0)) if request.shared_on is not None else 0
+    prefill_tokens = prompt_tokens - held_here
     if placement is not None and placement.cached_tokens > 0:
         reuse = _reuse(placement, request, prompt_tokens)
         if placement.profile == p.name:
-            prefill_tokens = prompt_tokens - reuse
+            prefill_tokens = prompt_tokens - max(reuse, held_here)
         elif _can_hand_off(placement, p, policy, profiles, reuse):
             # Priced by the prefix the new prompt shares with the saved slot, and only when restoring that prefix is
             # cheaper than prefilling it (a rewritten history may reuse little of a large slot).
             cost = speeds.handoff_s(placement.cached_tokens)
-            if cost < speeds.prefill_s(p.name, reuse):
+            if reuse > held_here and cost < speeds.prefill_s(p.name, reuse - held_here):
                 prefill_tokens = prompt_tokens - reuse
                 handoff_s = cost
     out = placement.output_tokens if placement is not None else float(policy.estimator.output_tokens)

@@ -85,6 +85,8 @@ class RouterState:
         self.prefixes = prefix.PrefixTable()  # what each session's slot holds: its new-token estimates
         self.chars_per_token = prefix.DEFAULT_CHARS_PER_TOKEN  # the latest measured rate, for first turns
         self.sessions_in_flight: dict[str, tuple[str, int]] = {}  # session -> (profile, requests being served)
+        # What each slot served last, whichever session: a new session of the same agent shares its system prompt.
+        self.slot_prefixes: LRU[tuple[str, int | None], prefix.PrefixState] = LRU(4096)
 
     def states(self) -> list[ProfileState]:
         return [
@@ -132,10 +134,18 @@ class RouterState:
         state = self.prefixes.get(session_id)
         placement = self.placements.get(session_id)
         est = prefix.estimate(state, pieces, has_tools, self.chars_per_token)
+        cpt = state.chars_per_token if state is not None else self.chars_per_token
+        own = prefix.shared_tokens(state, pieces, cpt)
+        shared_on = {}
+        for name in self.health.names():
+            held = self.slot_prefixes.get((name, self._slot_key(name, session_id)))
+            mine = own if placement is not None and placement.profile == name else 0
+            shared_on[name] = max(mine, prefix.shared_tokens(held, pieces, cpt))
         request = replace(
             request,
             prompt_tokens=est.total_tokens,
-            shared_tokens=est.shared_tokens if state is not None and placement is not None else None,
+            shared_tokens=own if state is not None and placement is not None else None,
+            shared_on=shared_on,
         )
         busy = self.sessions_in_flight.get(session_id) if session_id is not None else None
         session = SessionState(
@@ -153,6 +163,10 @@ class RouterState:
             line_moved=state is not None and est.line_moved,
         )
         return decision, policy
+
+    def _slot_key(self, profile: str, session_id: str | None) -> int | None:
+        book = self._books[profile]
+        return book.by_session.get(session_id) if book.slots > 1 and session_id is not None else None
 
     def slot_busy(self, profile: str, slot: int | None, mine: int) -> bool:
         """Whether requests other than `mine` (0 or 1: this request's own, counted already) occupy the slot."""
@@ -202,9 +216,13 @@ class RouterState:
         if not ok or timings is None:
             return
         observe(self.speeds, self.placements, profile, slot, session_id, decision.copy_share, timings, body_bytes)
-        if session_id is not None and decision.pieces and not decision.side:
+        if not decision.pieces:
+            return
+        own = self.prefixes.get(session_id)
+        state = prefix.observe(own, decision.pieces, decision.has_tools, reply, timings)
+        self.slot_prefixes.put((profile, slot if self._books[profile].slots > 1 else None), state)
+        if session_id is not None and not decision.side:
             # A side request leaves the main line's state: llama-server keeps the line's prompt in its RAM cache.
-            state = prefix.observe(self.prefixes.get(session_id), decision.pieces, decision.has_tools, reply, timings)
             self.prefixes.put(session_id, state)
             self.chars_per_token = state.chars_per_token
 

@@ -96,36 +96,58 @@ def _tokens(chars: int, pieces: int, chars_per_token: float) -> float:
     return chars / chars_per_token + pieces * PIECE_OVERHEAD_TOKENS
 
 
-def estimate(
-    state: PrefixState | None, pieces: Sequence[Piece], has_tools: bool, chars_per_token: float
-) -> PromptEstimate:
-    """The request's prompt tokens, and how many of them the session's slot already holds."""
-    cpt = state.chars_per_token if state is not None else chars_per_token
-    total = _tokens(sum(p.chars for p in pieces), len(pieces), cpt) + PROMPT_OVERHEAD_TOKENS
-    if state is None:
-        return PromptEstimate(round(total), 0, round(total))
-    system = _system(pieces, has_tools)
-    line_moved = state.line is not None and system != state.line and has_tools and not state.line_tools
-    side = state.line is not None and system != state.line and not line_moved
-    held = state.pieces
+def _against(held: PrefixState, pieces: Sequence[Piece], cpt: float, total: float) -> tuple[float, float]:
+    """(shared, new) tokens of a prompt against what a slot holds: `held`'s prompt, then its reply."""
+    prev = held.pieces
     n = 0
-    while n < len(pieces) and n < len(held) and pieces[n].digest == held[n].digest:
+    while n < len(pieces) and n < len(prev) and pieces[n].digest == prev[n].digest:
         n += 1
-    if n == len(held) and held:
+    if n == len(prev) and prev:
         # The whole previous prompt is held; the reply follows it in the slot when the client sent it back as it was.
-        shared = float(state.prompt_tokens - 1)
+        shared = float(held.prompt_tokens - 1)
         k = n
         while k < len(pieces) and pieces[k].assistant:
             k += 1
-        if k > n and state.reply_tokens and state.reply in {p.digest for p in pieces[n:k]}:
-            shared += state.reply_tokens
+        if k > n and held.reply_tokens and held.reply in {p.digest for p in pieces[n:k]}:
+            shared += held.reply_tokens
             n = k
         rest = pieces[n:]
-        new = _tokens(sum(p.chars for p in rest), len(rest), cpt) + PROMPT_OVERHEAD_TOKENS
-        return PromptEstimate(round(shared + new), round(shared), round(new), side, line_moved)
-    shared_part = _tokens(sum(p.chars for p in pieces[:n]), n, cpt)
-    new = max(1.0, total - shared_part)
-    return PromptEstimate(round(total), round(shared_part), round(new), side, line_moved)
+        return shared, _tokens(sum(p.chars for p in rest), len(rest), cpt) + PROMPT_OVERHEAD_TOKENS
+    shared = _tokens(sum(p.chars for p in pieces[:n]), n, cpt)
+    return shared, max(1.0, total - shared)
+
+
+def estimate(
+    state: PrefixState | None,
+    pieces: Sequence[Piece],
+    has_tools: bool,
+    chars_per_token: float,
+    slot: PrefixState | None = None,
+) -> PromptEstimate:
+    """The request's prompt tokens, and how many of them a server already holds: the session's own last request
+    (`state`: in its slot, or in llama-server's RAM cache of prompts) or whatever request the slot it will use served
+    last (`slot`: another session of the same agent shares the system prompt and tools)."""
+    cpt = state.chars_per_token if state is not None else chars_per_token
+    total = _tokens(sum(p.chars for p in pieces), len(pieces), cpt) + PROMPT_OVERHEAD_TOKENS
+    best = (0.0, total)
+    for held in (state, slot):
+        if held is not None:
+            best = max(best, _against(held, pieces, cpt, total), key=lambda c: c[0])
+    shared, new = best
+    side = line_moved = False
+    if state is not None and state.line is not None:
+        system = _system(pieces, has_tools)
+        line_moved = system != state.line and has_tools and not state.line_tools
+        side = system != state.line and not line_moved
+    return PromptEstimate(round(shared + new), round(shared), round(new), side, line_moved)
+
+
+def shared_tokens(held: PrefixState | None, pieces: Sequence[Piece], chars_per_token: float) -> int:
+    """The tokens of this prompt that a slot holding `held` would reuse."""
+    if held is None:
+        return 0
+    total = _tokens(sum(p.chars for p in pieces), len(pieces), chars_per_token) + PROMPT_OVERHEAD_TOKENS
+    return round(_against(held, pieces, chars_per_token, total)[0])
 
 
 def observe(
