@@ -158,19 +158,10 @@ def main(argv: list[str] | None = None) -> int:
             for record in records:
                 rows.append(_replay_one(server.url, session, record, args.max_tokens, before, after))
                 print(json.dumps(rows[-1]), flush=True)
+                _write(args.out, rows, args.max_tokens)  # after every turn: a run cut short keeps what it measured
     finally:
         server.stop()
-    ok = [r for r in rows if r["true_new"] is not None]
-    figures: dict[str, Any] = {
-        "before": _rel([(r["before"], r["true_new"]) for r in ok]),
-        "after": _rel([(r["after"], r["true_new"]) for r in ok]),
-        "failed": [r for r in rows if r["true_new"] is None],
-        "turns": rows,
-        "setup": f"llama-server b11434, Qwen2.5-Coder-0.5B Q4_K_M, -t 1, --parallel 1, --cache-ram 0, "
-        f"max tokens {args.max_tokens}, greedy",
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(figures, indent=1))
+    figures = _write(args.out, rows, args.max_tokens)
     for name in ("before", "after"):
         f = figures[name]
         print(
@@ -180,6 +171,21 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"written to {args.out}")
     return 0
+
+
+def _write(out: Path, rows: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
+    ok = [r for r in rows if r["true_new"] is not None]
+    figures: dict[str, Any] = {
+        "before": _rel([(r["before"], r["true_new"]) for r in ok]),
+        "after": _rel([(r["after"], r["true_new"]) for r in ok]),
+        "failed": [r for r in rows if r["true_new"] is None],
+        "turns": rows,
+        "setup": f"llama-server b11434, Qwen2.5-Coder-0.5B Q4_K_M, -t 1, --parallel 1, --cache-ram 0, "
+        f"max tokens {max_tokens}, greedy",
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(figures, indent=1))
+    return figures
 
 
 def _replay_one(
@@ -200,7 +206,7 @@ def _replay_one(
     }
     started = time.perf_counter()
     try:
-        answer = http_json(url + record["path"], replay_body(record, max_tokens), timeout=600)
+        answer = http_json(url + record["path"], replay_body(record, max_tokens), timeout=3600)
     except urllib.error.HTTPError as exc:
         row["error"] = f"HTTP {exc.code}: {exc.read()[:300]!r}"
         return row
