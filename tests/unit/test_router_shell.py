@@ -127,3 +127,16 @@ def test_new_tokens_come_from_what_the_slot_holds_and_a_busy_session_is_not_new(
     }
     d3 = _choose(r, follow, "a")
     assert d3.new_tokens is not None and d3.new_tokens < 30
+
+
+def test_a_main_line_that_starts_while_the_title_is_in_flight_is_known_at_its_end() -> None:
+    """opencode sends its title request and its first turn at once: the line moves when the first turn ends."""
+    r = router(slots=1)
+    title = {"messages": [{"role": "system", "content": "Write a title."}, {"role": "user", "content": "fix it"}]}
+    tools = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
+    main = {"messages": [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "fix it"}]}
+    d_title = _choose(r, title, "s")
+    d_main = _choose(r, {**main, "tools": tools}, "s")
+    t = Timings(prompt_n=100, predicted_n=5, predicted_ms=50.0)
+    assert not r.finished(d_title, d_title.profile, None, "s", t, 10, True, "A title")
+    assert r.finished(d_main, d_main.profile, None, "s", t, 10, True, "done")

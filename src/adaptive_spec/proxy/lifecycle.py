@@ -115,8 +115,9 @@ class RequestLifecycle:
         finished = req.error is None and req.status < 400
         assignment, decision, meter = req.assignment, req.decision, req.meter
         session_id = assignment.session_id if assignment else None
+        line_moved = False
         if req.routed_started and decision is not None:  # first: the profile's load must come down whatever happens
-            self.router.finished(
+            line_moved = self.router.finished(
                 decision, req.profile, req.slot, session_id, meter.timings, len(req.body), finished, meter.output.text
             )
         if finished and self.sessions is not None and assignment is not None and req.parsed is not None:
@@ -127,7 +128,7 @@ class RequestLifecycle:
                 meter.output,
                 req.request_id,
                 side=decision is not None and decision.side,
-                line_moved=decision is not None and decision.line_moved,
+                line_moved=line_moved,
             )
         record = _record(method, path, req, finished)
         self.history.add(record)

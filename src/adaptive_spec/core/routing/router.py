@@ -203,7 +203,8 @@ class RouterState:
         body_bytes: int,
         ok: bool,
         reply: str = "",
-    ) -> None:
+    ) -> bool:
+        """Returns whether this request started its session's main line (the requests before it were side ones)."""
         self.in_flight[profile] = max(0, self.in_flight.get(profile, 0) - 1)
         if session_id is not None and session_id in self.sessions_in_flight:
             where, count = self.sessions_in_flight.pop(session_id)
@@ -214,10 +215,10 @@ class RouterState:
             book.busy[slot] = max(0, book.busy.get(slot, 0) - 1)
             book.last_used[slot] = time.monotonic()
         if not ok or timings is None:
-            return
+            return False
         observe(self.speeds, self.placements, profile, slot, session_id, decision.copy_share, timings, body_bytes)
         if not decision.pieces:
-            return
+            return False
         own = self.prefixes.get(session_id)
         state = prefix.observe(own, decision.pieces, decision.has_tools, reply, timings)
         self.slot_prefixes.put((profile, slot if self._books[profile].slots > 1 else None), state)
@@ -225,6 +226,8 @@ class RouterState:
             # A side request leaves the main line's state: llama-server keeps the line's prompt in its RAM cache.
             self.prefixes.put(session_id, state)
             self.chars_per_token = state.chars_per_token
+        # Known only now when the earlier request was still in flight at this one's start (opencode's title).
+        return decision.line_moved or (own is not None and own.line is not None and state.line != own.line)
 
     def pin(self, session_id: str, profile: str | None) -> None:
         """Keep the session's requests on `profile` (its KV follows on the next turn); None: automatic again."""
