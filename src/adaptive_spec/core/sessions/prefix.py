@@ -29,6 +29,8 @@ from adaptive_spec.core.sessions.grouping import context_messages, message_diges
 PIECE_OVERHEAD_TOKENS = 5.0
 PROMPT_OVERHEAD_TOKENS = 4.0
 DEFAULT_CHARS_PER_TOKEN = 3.5
+_RATIO_ALPHA = 0.5
+_MAX_RATIO = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,12 @@ class PrefixState:
     chars_per_token: float  # this session's, from llama-server's counts
     line: bytes | None = None  # the system prompt digest of the session's main line
     line_tools: bool = False
+    # llama-server's prefilled tokens over this estimate's, on turns that continued a held prefix (EWMA): the
+    # template's cost of tool calls and tool results, which characters alone miss.
+    new_ratio: float = 1.0
+
+
+_NO_STATE = PrefixState((), b"", 0, 0, DEFAULT_CHARS_PER_TOKEN)
 
 
 def _digest(data: bytes) -> bytes:
@@ -134,6 +142,8 @@ def estimate(
         if held is not None:
             best = max(best, _against(held, pieces, cpt, total), key=lambda c: c[0])
     shared, new = best
+    if shared > 0:
+        new *= (state or slot or _NO_STATE).new_ratio
     side = line_moved = False
     if state is not None and state.line is not None:
         system = _system(pieces, has_tools)
@@ -162,6 +172,13 @@ def observe(
     chars = sum(p.chars for p in pieces)
     templated = prompt_tokens - len(pieces) * PIECE_OVERHEAD_TOKENS - PROMPT_OVERHEAD_TOKENS
     cpt = state.chars_per_token if state is not None else DEFAULT_CHARS_PER_TOKEN
+    ratio = state.new_ratio if state is not None else 1.0
+    if state is not None and timings.cache_n > 0 and not timings.from_usage:
+        total = _tokens(chars, len(pieces), cpt) + PROMPT_OVERHEAD_TOKENS
+        shared, new = _against(state, pieces, cpt, total)
+        if shared > 0 and new > 0:
+            sample = timings.prompt_n / new
+            ratio = min(_MAX_RATIO, max(1 / _MAX_RATIO, _RATIO_ALPHA * sample + (1 - _RATIO_ALPHA) * ratio))
     if chars > 0 and templated > 0:
         cpt = chars / templated
     system = _system(pieces, has_tools)
@@ -176,6 +193,7 @@ def observe(
         chars_per_token=cpt,
         line=line,
         line_tools=line_tools,
+        new_ratio=ratio,
     )
 
 
