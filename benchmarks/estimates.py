@@ -35,7 +35,7 @@ from adaptive_spec.core.records import Timings
 from adaptive_spec.core.routing.policy import Policy
 from adaptive_spec.core.routing.speeds import SpeedModel
 from adaptive_spec.core.sessions import prefix
-from adaptive_spec.core.timings import find_timings
+from adaptive_spec.core.timings import find_timings, find_usage, timings_from_usage
 from adaptive_spec.models import ensure_embedded
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="re-estimate over the llama-server counts an earlier run measured (its --out file), without a server",
     )
+    parser.add_argument("--only", default="", help="replay only the sessions whose name contains this")
     args = parser.parse_args(argv)
-    found = sessions(args.fixtures)
+    found = [(name, records) for name, records in sessions(args.fixtures) if args.only in name]
     if not found:
         print(f"no recorded agent traffic in {args.fixtures}", file=sys.stderr)
         return 2
@@ -211,7 +212,9 @@ def _replay_one(
     except urllib.error.HTTPError as exc:
         row["error"] = f"HTTP {exc.code}: {exc.read()[:300]!r}"
         return row
-    timings = find_timings(answer)
+    usage = find_usage(answer)
+    # llama-server's non-streamed Responses answer carries usage only (its streams carry timings)
+    timings = find_timings(answer) or (timings_from_usage(usage) if usage else None)
     if timings is None:
         row["error"] = "no timings in the answer"
         return row
