@@ -40,6 +40,7 @@ class Piece:
     digest: bytes
     chars: int
     assistant: bool = False
+    tools: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,20 +84,30 @@ def prompt_pieces(body: Mapping[str, Any]) -> tuple[Piece, ...]:
     """The pieces of a generating request, in the order a chat template renders them (tools go into the system
     block). A plain `prompt` (completions) is one piece."""
     pieces: list[Piece] = []
-    tools = body.get("tools")
-    if tools:
-        raw = orjson.dumps(tools)
-        pieces.append(Piece(_digest(b"tools\0" + raw), len(raw)))
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         pieces.append(Piece(_digest(b"prompt\0" + prompt.encode()), len(prompt)))
     for digest, assistant, text in context_messages(body):
         pieces.append(Piece(digest, len(text), assistant))
+    tools = body.get("tools")
+    if tools:
+        # Chat templates put the tools at the end of the system block: after the system prompt, before the rest.
+        raw = orjson.dumps(tools)
+        at = 1 if _starts_with_system(body) and pieces else 0
+        pieces.insert(at, Piece(_digest(b"tools\0" + raw), len(raw), tools=True))
     return tuple(pieces)
 
 
+def _starts_with_system(body: Mapping[str, Any]) -> bool:
+    if body.get("instructions") or body.get("system"):
+        return True
+    messages = body.get("messages") or body.get("input")
+    first = messages[0] if isinstance(messages, list) and messages else None
+    return isinstance(first, dict) and first.get("role") in ("system", "developer")
+
+
 def _system(pieces: Sequence[Piece], has_tools: bool) -> bytes | None:
-    first = pieces[1] if has_tools and len(pieces) > 1 else (pieces[0] if pieces else None)
+    first = next((p for p in pieces if not p.tools), None)
     return first.digest if first is not None and not first.assistant else None
 
 
