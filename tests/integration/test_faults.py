@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -57,6 +59,8 @@ class FakeUpstream:
                 await asyncio.sleep(30)
             elif fault == "malformed":
                 await resp.write(b'data: {not json}\n\n: comment\ndata: {"choices": [{"delta": {"content": "x')
+            elif fault == "done":
+                await resp.write(b"data: [DONE]\n\n")
             elif fault == "endless":
                 for _ in range(600):
                     await asyncio.sleep(0.05)
@@ -225,3 +229,40 @@ async def test_requests_still_running_after_the_shutdown_grace_are_told(
     assert sorted(r.status for r in records) == [200, 503]
     assert all(r.outcome == "failed" and "shutting down" in (r.error or "") for r in records)
     assert fake.cancelled.is_set()  # the upstream request was ended too
+
+
+DONE_BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
+
+
+@pytest.mark.parametrize("where", ["write_eof", "write"])
+async def test_a_client_gone_while_the_proxy_writes_is_a_disconnect_not_a_traceback(
+    rig: tuple[FakeUpstream, TestServer, str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    where: str,
+) -> None:
+    """What aiohttp raises when the client closed its socket just before the proxy writes (seen with real agents
+    right after `[DONE]`): ClientConnectionResetError from the write, before the handler is cancelled."""
+    _, proxy, _ = rig
+    original = getattr(web.StreamResponse, where)
+
+    async def closing(self: web.StreamResponse, data: bytes = b"") -> None:
+        if "x-adaptive-spec-profile" in self.headers:  # the proxy's answer, not the fake upstream's
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+        await original(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, where, closing)
+    fault = "done" if where == "write_eof" else "endless"
+    caplog.set_level(logging.DEBUG)
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(proxy.make_url("/v1/chat/completions"), data=DONE_BODY, headers={"x-fault": fault})
+        with contextlib.suppress(aiohttp.ClientError):
+            await resp.read()
+    await asyncio.sleep(0.1)
+    record = _last_record(proxy)
+    if where == "write_eof":  # everything up to [DONE] was written: the client lost nothing
+        assert record.status == 200 and record.outcome == "finished" and record.error is None
+    else:
+        assert record.status == 499 and record.error == "the client disconnected"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    assert any("client" in r.getMessage() and record.request_id in r.getMessage() for r in caplog.records)

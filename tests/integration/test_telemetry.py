@@ -133,3 +133,66 @@ def test_report_from_the_trace(traced: tuple[ProxyProcess, Path], tmp_path: Path
     bad.write_text('{"kind": "request"}\nnot json\n')
     failed = subprocess.run([sys.executable, "-m", "adaptive_spec", "report", str(bad)], capture_output=True, text=True)
     assert failed.returncode != 0 and f"{bad}:2: not a JSON line" in failed.stderr
+
+
+def test_a_responses_stream_gets_live_draft_progress(traced: tuple[ProxyProcess, Path]) -> None:
+    proxy, _ = traced
+    feed = Feed(proxy.base + "/adaptive/events")
+    try:
+        wait_until(lambda: bool(feed.events), 10, "the snapshot")
+        body = {"input": "go", "max_output_tokens": 3000, "ignore_eos": True, "stream": True}
+        status, raw = _post(proxy.base + "/v1/responses", body)
+        assert status == 200
+        wait_until(lambda: any(k == "RequestFinished" for k, _ in feed.events), 10, "the end")
+    finally:
+        feed.close()
+    finished = next(d["record"] for k, d in feed.events if k == "RequestFinished")
+    assert finished["api"] == "responses"
+    total = finished["timings"]["predicted_n"]
+    progress = [
+        d["predicted_n"] for k, d in feed.events if k == "DraftProgress" and d["request_id"] == finished["request_id"]
+    ]
+    # Live: published while the answer was still being generated, not only once at its end.
+    assert progress and min(progress) < total
+    # The client never asked for per-token timings: only the response.completed event carries them.
+    events = [e for e in raw.split(b"\n\n") if b"data: {" in e]
+    with_timings = [e for e in events if b'"timings"' in e]
+    assert len(events) > 100 and len(with_timings) == 1 and b"event: response.completed" in with_timings[0]
+
+
+def test_a_responses_stream_dropped_by_the_client_keeps_its_timings(traced: tuple[ProxyProcess, Path]) -> None:
+    proxy, _ = traced
+    body = {"input": "go", "max_output_tokens": 30000, "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(proxy.base + "/v1/responses", data=json.dumps(body).encode())
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        seen = b""
+        while seen.count(b"response.output_text.delta") < 20:
+            seen += resp.read1(65536)
+        request_id = resp.headers["x-adaptive-spec-request-id"]
+
+    def record() -> dict[str, Any] | None:
+        records = json.loads(http_text(proxy.base + "/adaptive/requests"))["requests"]
+        return next((r for r in records if r["request_id"] == request_id), None)
+
+    wait_until(lambda: record() is not None, 10, "the dropped request's record")
+    dropped = record()
+    assert dropped is not None and dropped["status"] == 499 and dropped["outcome"] == "failed"
+    assert dropped["timings"] is not None and dropped["timings"]["predicted_n"] >= 20
+
+
+def test_the_feed_snapshot_lists_requests_in_flight(traced: tuple[ProxyProcess, Path]) -> None:
+    proxy, _ = traced
+    body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 30000, "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(proxy.base + "/p/live/v1/chat/completions", data=json.dumps(body).encode())
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.read1(1024)  # answering (and, unread, held back by the client's own pace)
+        request_id = resp.headers["x-adaptive-spec-request-id"]
+        feed = Feed(proxy.base + "/adaptive/events")
+        try:
+            wait_until(lambda: bool(feed.events), 10, "the snapshot")
+        finally:
+            feed.close()
+    kind, snapshot = feed.events[0]
+    assert kind == "snapshot"
+    live = [r for r in snapshot["in_flight"] if r["request_id"] == request_id]
+    assert len(live) == 1 and live[0]["project"] == "live" and live[0]["api"] == "chat" and live[0]["stream"] is True

@@ -89,3 +89,27 @@ def test_tracker_bounds_sessions_and_expires_idle_ones() -> None:
     assert [s.session_id for s in tracker.snapshots()] == ["c", "b"]
     assert tracker.expire(now=11.5) == ["b"]
     assert [s.session_id for s in tracker.snapshots()] == ["c"]
+
+
+def test_side_requests_are_recorded_but_not_turns_and_move_no_average() -> None:
+    tracker = ContextTracker(PARAMS, ewma_alpha=0.5)
+    text = list(range(100, 160))
+    tracker.on_prompt("s", "p", [b"m1"], [text], 0.0)
+    tracker.on_output("s", "p", b"r1", text, 0.0)  # copies its context: share near 1
+    turns, share = tracker.copy_state("s")
+    assert turns == 1 and share is not None and share > 0.5
+    tracker.on_prompt("s", "p", [b"t"], [[7, 8, 9]], 0.0)
+    side = tracker.on_output("s", "p", b"r2", [900, 901, 902, 903], 0.0, side=True)  # a title: nothing to copy
+    assert side.side and tracker.copy_state("s") == (1, share)
+    snap = tracker.snapshot("s")
+    assert snap is not None and [t.side for t in snap.last_turns] == [False, True]
+
+
+def test_a_main_line_that_starts_late_demotes_what_came_before() -> None:
+    tracker = ContextTracker(PARAMS)
+    tracker.on_prompt("s", "p", [b"t"], [[1, 2, 3]], 0.0)
+    tracker.on_output("s", "p", b"r", [4, 5], 0.0)  # a title request, before the first real turn
+    tracker.demote("s")
+    assert tracker.copy_state("s") == (0, None)
+    snap = tracker.snapshot("s")
+    assert snap is not None and all(t.side for t in snap.last_turns)

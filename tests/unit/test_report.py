@@ -56,6 +56,14 @@ def test_rows_per_profile_and_as_routed() -> None:
     assert routed.requests == 3 and routed.session_moves == 1 and routed.ttst_ms_median == 50.0
 
 
+def test_the_moves_column_adds_up() -> None:
+    """Each move is counted on the profile the session moved to; the profiles' counts sum to the total."""
+    records = [*RECORDS, _rec("plain", "a", 5, 10, 1000), _rec("ngram", "b", 6, 10, 1000)]
+    rows = {r.name: r for r in summarize(records, baseline="plain")}
+    assert rows["ngram"].session_moves == 2 and rows["plain"].session_moves == 1  # a: →ngram, →plain; b: →ngram
+    assert rows[ALL_ROUTED].session_moves == 3 == rows["ngram"].session_moves + rows["plain"].session_moves
+
+
 def test_moves_count_profile_changes_within_a_session() -> None:
     assert session_moves(RECORDS) == 1  # a: plain → ngram → ngram; b: one request
     assert session_moves([_rec("p", "x", 1, 1, 1), _rec("p", "x", 2, 1, 1)]) == 0

@@ -465,3 +465,35 @@ def test_answers_too_short_to_draft_do_not_teach_the_n_gram_gain() -> None:
     assert model.gain("iterative") == before
     model.observe("iterative", 0.6, _timings(5.0, n=200), body_bytes=14_000)
     assert model.gain("iterative") < before
+
+
+def test_a_handoff_is_priced_by_the_prefix_the_prompt_shares_with_the_slot() -> None:
+    """aider rewrites its history: a slot of 6,000 tokens of which the new prompt shares 2,000. The move re-uses only
+    those 2,000, and the estimate says so."""
+    request = RequestState(tokens(6500), prompt_tokens=6500, shared_tokens=2000)
+    decision = decide(request, placed("oneshot", 0.9), profiles(), speeds(), Policy())
+    by = {e.profile: e for e in decision.estimates}
+    assert by["oneshot"].prefill_tokens == 4500 and by["iterative"].prefill_tokens == 4500
+    assert decision.profile == "iterative" and decision.handoff
+
+
+def test_no_handoff_of_what_the_new_prompt_will_not_reuse() -> None:
+    request = RequestState(tokens(6500), prompt_tokens=6500, shared_tokens=600)  # below handoff.min_tokens
+    decision = decide(request, placed("oneshot", 0.9), profiles(), speeds(), Policy())
+    by = {e.profile: e for e in decision.estimates}
+    assert not decision.handoff and by["iterative"].handoff_s == 0 and by["iterative"].prefill_tokens == 6500
+
+
+def test_a_handoff_dearer_than_the_prefill_it_saves_is_not_made() -> None:
+    # Restoring a 30,000-token slot to reuse 1,100 tokens costs more than prefilling those 1,100.
+    slow = replace(Policy(), handoff=HandoffPolicy(save_s_per_1k=1.0))
+    request = RequestState(tokens(31000), prompt_tokens=31000, shared_tokens=1100)
+    decision = decide(request, placed("oneshot", 0.9, cached=30000), profiles(), speeds(slow), slow)
+    assert not decision.handoff and all(e.handoff_s == 0 for e in decision.estimates)
+
+
+def test_a_session_with_a_request_in_flight_is_not_called_new() -> None:
+    session = SessionState("s", 0, None, None, in_flight_on="oneshot")
+    decision = decide(RequestState(tokens(300)), session, profiles(), speeds(), Policy())
+    assert "new session" not in decision.reason and "still in flight on oneshot" in decision.reason
+    assert "new session" in decide(RequestState(tokens(300)), NEW, profiles(), speeds(), Policy()).reason

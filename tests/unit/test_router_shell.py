@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from adaptive_spec.core.records import Timings
+from adaptive_spec.core.routing.decide import Decision
 from adaptive_spec.core.routing.router import FixedPolicy
 from adaptive_spec.proxy.routing import Router
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
@@ -85,3 +87,56 @@ def test_stale_slot_files_are_swept(tmp_path: Path) -> None:
     os.utime(other, (time.time() - 3600, time.time() - 3600))
     assert r.sweep_slot_files() == 1
     assert not old.exists() and fresh.exists() and other.exists()
+
+
+def _choose(r: Router, body: dict[str, Any], session: str) -> Decision:
+    decision, _ = r.choose(
+        body=body,
+        body_bytes=len(str(body)),
+        session_id=session,
+        session_turns=0,
+        copy_share=None,
+        project="default",
+        workspace=None,
+        pinned=None,
+    )
+    return decision
+
+
+def test_new_tokens_come_from_what_the_slot_holds_and_a_busy_session_is_not_new() -> None:
+    r = router(slots=1)
+    system = {"role": "system", "content": "You are a careful coding agent. " * 200}
+    first = {"messages": [system, {"role": "user", "content": "task one"}]}
+    d1 = _choose(r, first, "a")
+    r.started(d1.profile, None, "a")
+    d_side = _choose(r, {"messages": [{"role": "user", "content": "a title please"}]}, "a")
+    assert "new session" not in d_side.reason and "still in flight" in d_side.reason
+    timings = Timings(prompt_n=1500, cache_n=0, predicted_n=40, predicted_ms=800.0, prompt_ms=3000.0)
+    r.finished(d1, d1.profile, None, "a", timings, 100, True, "the answer")
+    assert d1.new_tokens is not None and d1.new_tokens > 1000
+    # Another session of the same agent: the slot holds the shared system prompt, so only its own turn is new.
+    d2 = _choose(r, {"messages": [system, {"role": "user", "content": "task two"}]}, "b")
+    assert d2.profile == d1.profile and d2.new_tokens is not None and d2.new_tokens < 30
+    # The first session's next turn carries the reply back: only what follows it is new.
+    follow = {
+        "messages": [
+            *first["messages"],
+            {"role": "assistant", "content": "the answer"},
+            {"role": "user", "content": "go on"},
+        ]
+    }
+    d3 = _choose(r, follow, "a")
+    assert d3.new_tokens is not None and d3.new_tokens < 30
+
+
+def test_a_main_line_that_starts_while_the_title_is_in_flight_is_known_at_its_end() -> None:
+    """opencode sends its title request and its first turn at once: the line moves when the first turn ends."""
+    r = router(slots=1)
+    title = {"messages": [{"role": "system", "content": "Write a title."}, {"role": "user", "content": "fix it"}]}
+    tools = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
+    main = {"messages": [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "fix it"}]}
+    d_title = _choose(r, title, "s")
+    d_main = _choose(r, {**main, "tools": tools}, "s")
+    t = Timings(prompt_n=100, predicted_n=5, predicted_ms=50.0)
+    assert not r.finished(d_title, d_title.profile, None, "s", t, 10, True, "A title")
+    assert r.finished(d_main, d_main.profile, None, "s", t, 10, True, "done")

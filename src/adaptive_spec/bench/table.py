@@ -26,7 +26,7 @@ class ReportRow:
     output_from_drafts: float  # accepted / output tokens
     ttft_ms_median: float | None
     ttst_ms_median: float | None
-    session_moves: int
+    session_moves: int  # moves of a session onto this profile (all: every move)
     wall_s: float  # Σ request durations as the client saw them
 
 
@@ -34,22 +34,28 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def session_moves(records: Iterable[Mapping[str, Any]]) -> int:
-    """How many times a session's next request went to another profile than its previous one."""
+def moves_into(records: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """How many times a session's next request went to another profile than its previous one, counted on the
+    profile it moved to (so the profiles' counts add up to the total)."""
     last: dict[str, str] = {}
-    moves = 0
+    moves: dict[str, int] = {}
     for record in sorted(records, key=lambda r: float(r.get("started_at_unix", 0.0))):
         session = record.get("session_id")
         if not session:
             continue
         profile = str(record.get("served_profile") or record.get("profile"))
         if session in last and last[session] != profile:
-            moves += 1
+            moves[profile] = moves.get(profile, 0) + 1
         last[session] = profile
     return moves
 
 
-def _row(name: str, records: list[Mapping[str, Any]], baseline_speed: float | None) -> ReportRow:
+def session_moves(records: Iterable[Mapping[str, Any]]) -> int:
+    """How many times a session's next request went to another profile than its previous one."""
+    return sum(moves_into(records).values())
+
+
+def _row(name: str, records: list[Mapping[str, Any]], baseline_speed: float | None, moves: int) -> ReportRow:
     timings = [r["timings"] for r in records if isinstance(r.get("timings"), dict)]
     predicted = sum(int(t.get("predicted_n", 0)) for t in timings)
     decode_ms = sum(float(t.get("predicted_ms", 0.0)) for t in timings)
@@ -68,7 +74,7 @@ def _row(name: str, records: list[Mapping[str, Any]], baseline_speed: float | No
         output_from_drafts=accepted / predicted if predicted else 0.0,
         ttft_ms_median=_median([float(r["ttft_ms"]) for r in records if r.get("ttft_ms") is not None]),
         ttst_ms_median=_median([float(r["ttst_ms"]) for r in records if r.get("ttst_ms") is not None]),
-        session_moves=session_moves(records),
+        session_moves=moves,
         wall_s=sum(float(r.get("total_ms") or 0.0) for r in records) / 1000.0,
     )
 
@@ -80,10 +86,12 @@ def summarize(records: Iterable[Mapping[str, Any]], baseline: str | None = None)
     by_profile: dict[str, list[Mapping[str, Any]]] = {}
     for record in finished:
         by_profile.setdefault(str(record.get("profile")), []).append(record)
-    baseline_speed = _row(baseline, by_profile[baseline], None).decode_tok_s if baseline in by_profile else None
-    rows = [_row(name, recs, baseline_speed) for name, recs in by_profile.items()]
+    moves = moves_into(finished)  # a move is seen across profiles: counted on the one moved to
+    base_rows = by_profile.get(baseline) if baseline is not None else None
+    baseline_speed = _row(baseline, base_rows, None, 0).decode_tok_s if baseline and base_rows else None
+    rows = [_row(name, recs, baseline_speed, moves.get(name, 0)) for name, recs in by_profile.items()]
     if finished:
-        rows.append(_row(ALL_ROUTED, finished, baseline_speed))
+        rows.append(_row(ALL_ROUTED, finished, baseline_speed, sum(moves.values())))
     return rows
 
 

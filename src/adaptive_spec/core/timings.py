@@ -232,6 +232,9 @@ def _loads(data: str) -> Any:
 
 
 def _is_final_chunk(obj: dict[str, Any]) -> bool:
+    kind = obj.get("type")
+    if isinstance(kind, str):  # a Responses-API event: its last one carries the timings
+        return kind in _END_EVENTS
     choices = obj.get("choices")
     if not isinstance(choices, list) or not choices:
         return True  # the usage chunk of `stream_options.include_usage`

@@ -52,6 +52,7 @@ class Outcome:
     status: int
     error: str | None
     meter: ResponseMeter
+    client_gone: bool = False  # the client hung up while the answer was being written to it
 
 
 def upstream_headers(headers: CIMultiDictProxy[str], hidden: tuple[str, ...] = ()) -> CIMultiDict[str]:
@@ -103,12 +104,12 @@ async def forward(
         return _fail(503, SHUTDOWN_MESSAGE, SHUTDOWN_CODE, meter)
     try:
         relay = _Relay(upstream, api, meter, started, rewrite, progress, shutting_down)
-        resp = await _relay(request, upstream_resp, relay, extra_headers)
+        resp, client_gone = await _relay(request, upstream_resp, relay, extra_headers)
     finally:
         # Closing (not releasing) drops the connection if the body was not read to the end, which tells
         # llama-server to stop generating and free the slot.
         upstream_resp.close()
-    return resp, Outcome(resp.status, meter.error, meter)
+    return resp, Outcome(resp.status, meter.error, meter, client_gone)
 
 
 async def _send(
@@ -165,7 +166,9 @@ class _Relay:
 
 async def _relay(
     request: web.Request, upstream_resp: aiohttp.ClientResponse, relay: _Relay, extra_headers: dict[str, str]
-) -> web.StreamResponse:
+) -> tuple[web.StreamResponse, bool]:
+    """The response relayed, and whether the client hung up while it was written (a write to a closing transport
+    raises ConnectionResetError before aiohttp gets to cancel the handler: a disconnect, not a fault)."""
     resp = web.StreamResponse(status=upstream_resp.status, reason=upstream_resp.reason)
     for key, value in upstream_resp.headers.items():
         if key.lower() not in _DROP_RESPONSE:
@@ -175,20 +178,23 @@ async def _relay(
     if upstream_resp.content_length is not None and not is_sse:
         resp.content_length = upstream_resp.content_length
     error = await _error_body(upstream_resp, relay.api) if not is_sse else None
-    if error is not None:  # read whole already: answered in one piece
-        status, body = error
-        resp.set_status(status)
-        resp.content_length = len(body)
+    try:
+        if error is not None:  # read whole already: answered in one piece
+            status, body = error
+            resp.set_status(status)
+            resp.content_length = len(body)
+            await resp.prepare(request)
+            await resp.write(body)
+            await resp.write_eof()
+            return resp, False
         await resp.prepare(request)
-        await resp.write(body)
-        await resp.write_eof()
-        return resp
-    await resp.prepare(request)
-    if is_sse:
-        await _relay_sse(resp, upstream_resp, relay)
-    else:
-        await _relay_body(request, resp, upstream_resp, relay.upstream, relay.meter)
-    return resp
+        if is_sse:
+            await _relay_sse(resp, upstream_resp, relay)
+        else:
+            await _relay_body(request, resp, upstream_resp, relay.upstream, relay.meter)
+    except ConnectionResetError:
+        return resp, True
+    return resp, False
 
 
 async def _error_body(upstream_resp: aiohttp.ClientResponse, api: str) -> tuple[int, bytes] | None:

@@ -4,6 +4,7 @@ forward it upstream; the request's lifecycle (`proxy/lifecycle.py`) records how 
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from urllib.parse import quote
 
@@ -25,8 +26,10 @@ from adaptive_spec.proxy.security import routed_path
 from adaptive_spec.proxy.state import CLIENT, FRESH_CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
 
-# APIs whose streams llama-server can annotate with per-token timings (for the live draft progress).
-_PROGRESS_APIS = frozenset({"chat", "completions"})
+log = logging.getLogger(__name__)
+# APIs whose streams llama-server can annotate with per-token timings (for the live draft progress). Its Anthropic
+# stream (/v1/messages) carries no timings at all, asked or not (llama-server b11434): only usage at the end.
+_PROGRESS_APIS = frozenset({"chat", "completions", "responses"})
 # APIs whose body llama-server passes `id_slot` on from (its Anthropic and Responses conversions rebuild the body).
 _SLOT_APIS = frozenset({"chat", "completions"})
 # How long a request waits for its session's previous turn to be folded into the statistics it is routed on.
@@ -170,11 +173,24 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | web.Resp
         req.slot = client_slot  # the client chose; the router follows it
     elif req.routed.api in _SLOT_APIS:
         req.slot = router.slot_for(chosen.name, session_id)
-    router.started(chosen.name, req.slot)
+    router.started(chosen.name, req.slot, session_id)
     req.routed_started = True
     if req.decision.handoff and session_id is not None:
         req.handoff = await router.hand_off(app[CLIENT], req.decision, session_id, req.slot)
     return chosen
+
+
+def _client_gone(req: ProxyRequest, *, stopping: bool) -> None:
+    """The client went away (or, while the proxy stops, its handler was ended). One that hangs up right after the
+    stream's end marker got the whole answer."""
+    if req.meter.complete and req.meter.error is None:
+        req.status, req.error = 200, None
+        log.debug("request %s: the client hung up after the end of the answer", req.request_id)
+    elif stopping:
+        req.status, req.error = 503, SHUTDOWN_MESSAGE
+    else:
+        req.status, req.error = 499, "the client disconnected"
+        log.info("request %s: the client disconnected before the end of the answer", req.request_id)
 
 
 async def proxy_view(request: web.Request) -> web.StreamResponse:
@@ -222,14 +238,13 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
         req.status, req.error = outcome.status, outcome.error
         if not resp.prepared:
             resp.headers[REQUEST_ID_HEADER] = req.request_id
+        if outcome.client_gone:
+            _client_gone(req, stopping=lifecycle.stopping)
         return resp
     except (ConnectionResetError, asyncio.CancelledError):
         # aiohttp cancels the handler when the client goes away; forward() has closed the upstream connection.
         # A client that hangs up right after the stream's end marker got the whole answer.
-        if req.meter.complete:
-            req.status, req.error = 200, None
-        else:
-            req.status, req.error = (503, SHUTDOWN_MESSAGE) if lifecycle.stopping else (499, "the client disconnected")
+        _client_gone(req, stopping=lifecycle.stopping)
         raise
     except Exception as exc:
         req.status, req.error = 500, f"internal error: {exc!r}"

@@ -129,10 +129,21 @@ class RequestLifecycle:
         finished = req.error is None and req.status < 400
         assignment, decision, meter = req.assignment, req.decision, req.meter
         session_id = assignment.session_id if assignment else None
+        line_moved = False
         if req.routed_started and decision is not None:  # first: the profile's load must come down whatever happens
-            self.router.finished(decision, req.profile, req.slot, session_id, meter.timings, len(req.body), finished)
+            line_moved = self.router.finished(
+                decision, req.profile, req.slot, session_id, meter.timings, len(req.body), finished, meter.output.text
+            )
         if finished and self.sessions is not None and assignment is not None and req.parsed is not None:
-            self.sessions.finished(assignment, req.project, req.parsed.body, meter.output, req.request_id)
+            self.sessions.finished(
+                assignment,
+                req.project,
+                req.parsed.body,
+                meter.output,
+                req.request_id,
+                side=decision is not None and decision.side,
+                line_moved=line_moved,
+            )
         record = _record(method, path, req, finished)
         self.history.add(record)
         if decision is not None:
@@ -186,4 +197,6 @@ def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> Reques
         moved_from=decision.moved_from if decision else None,
         handoff=asdict(req.handoff) if req.handoff is not None else None,
         client=req.client,
+        new_tokens_est=decision.new_tokens if decision else None,
+        side=decision.side if decision else False,
     )

@@ -35,6 +35,8 @@ class _Work:
     body: Mapping[str, Any]
     output_text: str
     at: float
+    side: bool = False
+    line_moved: bool = False
 
 
 class SessionService:
@@ -90,6 +92,9 @@ class SessionService:
         body: Mapping[str, Any],
         out: OutputCollector,
         request_id: str = "",
+        *,
+        side: bool = False,
+        line_moved: bool = False,
     ) -> None:
         """A response was served in full: remember it for the reply echo now; update statistics in the background."""
         text = out.text
@@ -97,7 +102,8 @@ class SessionService:
         if self.tokenizer is None:
             return
         try:
-            self._queue.put_nowait(_Work(request_id, assignment.session_id, project, body, text, time.time()))
+            work = _Work(request_id, assignment.session_id, project, body, text, time.time(), side, line_moved)
+            self._queue.put_nowait(work)
         except asyncio.QueueFull:
             self.dropped += 1
             return
@@ -181,8 +187,12 @@ class SessionService:
         def fold() -> tuple[TurnStats, SessionSnapshot | None]:
             # Indexing a long first turn takes tens of milliseconds of pure Python: off the event loop.
             with self._lock:
+                if work.line_moved:
+                    self.tracker.demote(work.session_id)
                 self.tracker.on_prompt(work.session_id, work.project, all_digests, tokens[:-1], work.at)
-                turn = self.tracker.on_output(work.session_id, work.project, reply_digest, tokens[-1], work.at)
+                turn = self.tracker.on_output(
+                    work.session_id, work.project, reply_digest, tokens[-1], work.at, side=work.side
+                )
                 return turn, self.tracker.snapshot(work.session_id)
 
         turn, snap = await asyncio.to_thread(fold)

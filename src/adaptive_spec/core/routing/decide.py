@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from adaptive_spec.core.routing.placements import Placement
 from adaptive_spec.core.routing.policy import Policy
 from adaptive_spec.core.routing.speeds import SpeedModel
+from adaptive_spec.core.sessions.prefix import Piece
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,7 @@ class SessionState:
     turns: int  # turns whose statistics are known
     copy_share: float | None  # estimated accepted share of n-gram drafts (EWMA over recent turns); None = no history
     placement: Placement | None
+    in_flight_on: str | None = None  # a request of this session is being served there (its KV is not placed yet)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +54,10 @@ class RequestState:
     pinned: str | None = None  # the x-adaptive-spec-profile header, or the session's pin
     pinned_by: str = "the request header"  # or "the session's pin" (POST /adaptive/sessions/{id}/pin)
     explore_draw: float = 1.0  # uniform in [0, 1): below policy.route.explore, try another profile
+    # From the session's prefix state (core/sessions/prefix.py); None: estimate from the body's size.
+    prompt_tokens: int | None = None  # the whole prompt, in the model's tokens
+    shared_tokens: int | None = None  # its prefix that the session's KV cache holds
+    shared_on: Mapping[str, int] | None = None  # per profile: its prefix that the slot it would use holds now
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +83,12 @@ class Decision:
     handoff: bool = False  # save the slot on moved_from and restore it on `profile` before forwarding
     handoff_tokens: int = 0
     estimates: tuple[Estimate, ...] = ()
+    # The prompt as the session's prefix state saw it (set by the router), so the request's end can update it.
+    pieces: tuple[Piece, ...] = ()
+    has_tools: bool = False
+    new_tokens: int | None = None  # estimated tokens the profile's KV does not hold (None: no estimate)
+    side: bool = False  # a side request of its session (title, commit message): not a turn of its main line
+    line_moved: bool = False  # this request starts the session's main line: the requests before it were side ones
 
 
 def _fmt_tokens(n: int) -> str:
@@ -96,13 +108,19 @@ def _estimate(
     placement = session.placement
     handoff_s = 0.0
     prefill_tokens = prompt_tokens
+    held_here = min(prompt_tokens, request.shared_on.get(p.name, 0)) if request.shared_on is not None else 0
+    prefill_tokens = prompt_tokens - held_here
     if placement is not None and placement.cached_tokens > 0:
-        reuse = min(placement.cached_tokens, prompt_tokens)
+        reuse = _reuse(placement, request, prompt_tokens)
         if placement.profile == p.name:
-            prefill_tokens = prompt_tokens - reuse
-        elif _can_hand_off(placement, p, policy, profiles):
-            prefill_tokens = prompt_tokens - reuse
-            handoff_s = speeds.handoff_s(placement.cached_tokens)
+            prefill_tokens = prompt_tokens - max(reuse, held_here)
+        elif _can_hand_off(placement, p, policy, profiles, reuse):
+            # Priced by the prefix the new prompt shares with the saved slot, and only when restoring that prefix is
+            # cheaper than prefilling it (a rewritten history may reuse little of a large slot).
+            cost = speeds.handoff_s(placement.cached_tokens)
+            if reuse > held_here and cost < speeds.prefill_s(p.name, reuse - held_here):
+                prefill_tokens = prompt_tokens - reuse
+                handoff_s = cost
     out = placement.output_tokens if placement is not None else float(policy.estimator.output_tokens)
     if request.copy_hint and request.hint_output_tokens:
         out = max(out, float(request.hint_output_tokens))
@@ -122,7 +140,15 @@ def _estimate(
     )
 
 
-def _can_hand_off(placement: Placement, to: ProfileState, policy: Policy, profiles: Mapping[str, ProfileState]) -> bool:
+def _reuse(placement: Placement, request: RequestState, prompt_tokens: int) -> int:
+    """The prompt tokens the session's cache can serve: the shared prefix when known, else all it holds."""
+    held = min(placement.cached_tokens, prompt_tokens)
+    return held if request.shared_tokens is None else min(request.shared_tokens, held)
+
+
+def _can_hand_off(
+    placement: Placement, to: ProfileState, policy: Policy, profiles: Mapping[str, ProfileState], reuse: int
+) -> bool:
     source = profiles.get(placement.profile)
     return (
         policy.handoff.enabled
@@ -132,8 +158,8 @@ def _can_hand_off(placement: Placement, to: ProfileState, policy: Policy, profil
         and to.handoff
         and placement.in_slot
         and (policy.handoff.with_draft_models or not (source.draft_model or to.draft_model))
-        and placement.cached_tokens > 0
-        and placement.cached_tokens >= policy.handoff.min_tokens
+        and reuse > 0
+        and reuse >= policy.handoff.min_tokens
     )
 
 
@@ -164,12 +190,18 @@ def decide(
     where the KV lives, dwell and hysteresis, exploration), and reading them top to bottom is reading the policy."""
     by_name = {p.name: p for p in profiles}
     copy_share, copy_src = copyability(session, request, policy)
-    prompt_tokens = speeds.prompt_tokens(request.body_bytes)
+    prompt_tokens = (
+        request.prompt_tokens if request.prompt_tokens is not None else speeds.prompt_tokens(request.body_bytes)
+    )
     placement = session.placement
 
     def decision(name: str, kind: str, reason: str, estimates: tuple[Estimate, ...] = ()) -> Decision:
         moved = placement.profile if placement is not None and placement.profile != name else None
-        handoff = moved is not None and _can_hand_off(placement, by_name[name], policy, by_name)  # type: ignore[arg-type]
+        handoff = (
+            moved is not None
+            and _estimate(by_name[name], request, session, copy_share, prompt_tokens, speeds, policy, by_name).handoff_s
+            > 0
+        )
         return Decision(
             profile=name,
             kind=kind,
@@ -239,7 +271,8 @@ def decide(
 
     if placement is not None and here is None:  # its KV lives on a profile that is down or overloaded
         why = passed_over(placement.profile) or f"{placement.profile} is not allowed by the policy"
-        return decision(best.profile, "fallback", f"{best.profile}: {why}; {_move_text(best, placement)}", estimates)
+        reason = f"{best.profile}: {why}; {_move_text(best, placement, session.in_flight_on)}"
+        return decision(best.profile, "fallback", reason, estimates)
     ideal = min(everywhere.values(), key=lambda e: e.total_s) if everywhere else best
     if placement is None and ideal.profile != best.profile:  # the estimated best is down or overloaded
         why = passed_over(ideal.profile)
@@ -267,10 +300,16 @@ def decide(
     if placement is None and request.explore_draw < policy.route.explore and len(estimates) > 1:
         chosen = sorted(estimates, key=lambda e: e.total_s)[1]
         kind = "explore"
-    return decision(chosen.profile, kind, _reason(chosen, estimates, copy_share, copy_src, placement, kind), estimates)
+    reason = _reason(chosen, estimates, copy_share, copy_src, session, kind)
+    return decision(chosen.profile, kind, reason, estimates)
 
 
-def _move_text(chosen: Estimate, placement: Placement | None) -> str:
+def _move_text(chosen: Estimate, placement: Placement | None, in_flight_on: str | None = None) -> str:
+    if placement is None and in_flight_on is not None:  # not new: its first request has not finished yet
+        return (
+            f"its earlier request is still in flight on {in_flight_on}; prefills "
+            f"{_fmt_tokens(chosen.prefill_tokens)} tok ≈ {chosen.prefill_s:.2f} s"
+        )
     if placement is None:
         return f"new session, prefills {_fmt_tokens(chosen.prefill_tokens)} tok ≈ {chosen.prefill_s:.2f} s"
     if placement.profile == chosen.profile:
@@ -288,9 +327,10 @@ def _reason(
     estimates: tuple[Estimate, ...],
     copy_share: float,
     copy_src: str,
-    placement: Placement | None,
+    session: SessionState,
     kind: str,
 ) -> str:
+    placement = session.placement
     others = [e for e in estimates if e.profile != chosen.profile]
     vs = ", ".join(f"{e.profile} {e.speedup:.1f}× ({e.total_s:.1f} s)" for e in others)
     head = (
@@ -298,7 +338,7 @@ def _reason(
     )
     if vs:
         head += f" vs {vs}"
-    tail = _move_text(chosen, placement)
+    tail = _move_text(chosen, placement, session.in_flight_on)
     if placement is not None and placement.profile != chosen.profile and others:
         stay = next((e for e in others if e.profile == placement.profile), None)
         if stay is not None:

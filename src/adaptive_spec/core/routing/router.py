@@ -9,7 +9,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Protocol
 
 from adaptive_spec.core.lru import LRU
@@ -20,6 +20,7 @@ from adaptive_spec.core.routing.decide import Decision, ProfileState, RequestSta
 from adaptive_spec.core.routing.placements import Placements, SlotBook, observe
 from adaptive_spec.core.routing.policy import Policy
 from adaptive_spec.core.routing.speeds import SpeedModel
+from adaptive_spec.core.sessions import prefix
 
 MAX_PINS = 4096
 
@@ -81,6 +82,11 @@ class RouterState:
         self.recent: deque[dict[str, Any]] = deque(maxlen=200)
         self.handoffs = {"ok": 0, "failed": 0}
         self.pins: LRU[str, str] = LRU(MAX_PINS)  # session -> profile, until unpinned (sticky, unlike the header)
+        self.prefixes = prefix.PrefixTable()  # what each session's slot holds: its new-token estimates
+        self.chars_per_token = prefix.DEFAULT_CHARS_PER_TOKEN  # the latest measured rate, for first turns
+        self.sessions_in_flight: dict[str, tuple[str, int]] = {}  # session -> (profile, requests being served)
+        # What each slot served last, whichever session: a new session of the same agent shares its system prompt.
+        self.slot_prefixes: LRU[tuple[str, int | None], prefix.PrefixState] = LRU(4096)
 
     def states(self) -> list[ProfileState]:
         return [
@@ -123,9 +129,44 @@ class RouterState:
             pinned_by=pinned_by,
             explore_draw=self._rng.random(),
         )
-        session = SessionState(session_id, session_turns, copy_share, self.placements.get(session_id))
+        has_tools = bool(body.get("tools"))
+        pieces = prefix.prompt_pieces(body)
+        state = self.prefixes.get(session_id)
+        placement = self.placements.get(session_id)
+        est = prefix.estimate(state, pieces, has_tools, self.chars_per_token)
+        cpt = state.chars_per_token if state is not None else self.chars_per_token
+        own = prefix.shared_tokens(state, pieces, cpt)
+        shared_on = {}
+        for name in self.health.names():
+            held = self.slot_prefixes.get((name, self._slot_key(name, session_id)))
+            mine = own if placement is not None and placement.profile == name else 0
+            shared_on[name] = max(mine, prefix.shared_tokens(held, pieces, cpt))
+        request = replace(
+            request,
+            prompt_tokens=est.total_tokens,
+            shared_tokens=own if state is not None and placement is not None else None,
+            shared_on=shared_on,
+        )
+        busy = self.sessions_in_flight.get(session_id) if session_id is not None else None
+        session = SessionState(
+            session_id, session_turns, copy_share, placement, in_flight_on=busy[0] if busy is not None else None
+        )
         decision = decide(request, session, self.states(), self.speeds, policy)
+        chosen = next((e for e in decision.estimates if e.profile == decision.profile), None)
+        here = placement is None or placement.profile == decision.profile
+        decision = replace(
+            decision,
+            pieces=pieces,
+            has_tools=has_tools,
+            new_tokens=chosen.prefill_tokens if chosen is not None else (est.new_tokens if here else est.total_tokens),
+            side=est.side,
+            line_moved=state is not None and est.line_moved,
+        )
         return decision, policy
+
+    def _slot_key(self, profile: str, session_id: str | None) -> int | None:
+        book = self._books[profile]
+        return book.by_session.get(session_id) if book.slots > 1 and session_id is not None else None
 
     def slot_busy(self, profile: str, slot: int | None, mine: int) -> bool:
         """Whether requests other than `mine` (0 or 1: this request's own, counted already) occupy the slot."""
@@ -143,8 +184,11 @@ class RouterState:
         book = self._books[profile]
         return book.pick(session_id) if book.slots > 1 else None
 
-    def started(self, profile: str, slot: int | None) -> None:
+    def started(self, profile: str, slot: int | None, session_id: str | None = None) -> None:
         self.in_flight[profile] = self.in_flight.get(profile, 0) + 1
+        if session_id is not None:
+            _, count = self.sessions_in_flight.get(session_id, (profile, 0))
+            self.sessions_in_flight[session_id] = (profile, count + 1)
         if slot is not None:
             book = self._books[profile]
             book.busy[slot] = book.busy.get(slot, 0) + 1
@@ -158,15 +202,32 @@ class RouterState:
         timings: Timings | None,
         body_bytes: int,
         ok: bool,
-    ) -> None:
+        reply: str = "",
+    ) -> bool:
+        """Returns whether this request started its session's main line (the requests before it were side ones)."""
         self.in_flight[profile] = max(0, self.in_flight.get(profile, 0) - 1)
+        if session_id is not None and session_id in self.sessions_in_flight:
+            where, count = self.sessions_in_flight.pop(session_id)
+            if count > 1:
+                self.sessions_in_flight[session_id] = (where, count - 1)
         book = self._books[profile]
         if slot is not None:
             book.busy[slot] = max(0, book.busy.get(slot, 0) - 1)
             book.last_used[slot] = time.monotonic()
         if not ok or timings is None:
-            return
+            return False
         observe(self.speeds, self.placements, profile, slot, session_id, decision.copy_share, timings, body_bytes)
+        if not decision.pieces:
+            return False
+        own = self.prefixes.get(session_id)
+        state = prefix.observe(own, decision.pieces, decision.has_tools, reply, timings)
+        self.slot_prefixes.put((profile, slot if self._books[profile].slots > 1 else None), state)
+        if session_id is not None and not decision.side:
+            # A side request leaves the main line's state: llama-server keeps the line's prompt in its RAM cache.
+            self.prefixes.put(session_id, state)
+            self.chars_per_token = state.chars_per_token
+        # Known only now when the earlier request was still in flight at this one's start (opencode's title).
+        return decision.line_moved or (own is not None and own.line is not None and state.line != own.line)
 
     def pin(self, session_id: str, profile: str | None) -> None:
         """Keep the session's requests on `profile` (its KV follows on the next turn); None: automatic again."""

@@ -203,6 +203,11 @@ def _tool_text(message: Mapping[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def message_digest(role: str, text: str) -> bytes:
+    """The digest `context_messages` gives a message of this role and text (whitespace does not count)."""
+    return _digest(role + "\0" + "".join(text.split()))
+
+
 def context_messages(body: Mapping[str, Any]) -> list[tuple[bytes, bool, str]]:
     """A request's context as (digest, written by the assistant, text), system prompt first."""
     out: list[tuple[bytes, bool, str]] = []
@@ -214,5 +219,5 @@ def context_messages(body: Mapping[str, Any]) -> list[tuple[bytes, bool, str]]:
         role = str(message.get("role") or message.get("type") or "")
         text = "\n".join(t for t in (message_text(message.get("content")), _tool_text(message)) if t)
         assistant = role in ("assistant", "function_call", "custom_tool_call")
-        out.append((_digest(role + "\0" + "".join(text.split())), assistant, text))
+        out.append((message_digest(role, text), assistant, text))
     return out

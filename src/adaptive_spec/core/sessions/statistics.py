@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from adaptive_spec.core.lru import LRU
 from adaptive_spec.core.sessions.drafter import SEPARATOR, DraftEstimate, NgramIndex, NgramParams, estimate_drafts
@@ -23,6 +23,7 @@ class TurnStats:
     est_accepted: int
     est_accepted_share: float  # share of output tokens that accepted n-gram drafts would have produced
     est_mean_accepted_run: float
+    side: bool = False  # a side request (title, commit message): recorded, not a turn, not in the averages
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,14 +132,15 @@ class ContextTracker:
         return new_tokens, share
 
     def on_output(
-        self, session_id: str, project: str, reply_digest: bytes, output: Sequence[int], now: float
+        self, session_id: str, project: str, reply_digest: bytes, output: Sequence[int], now: float, side: bool = False
     ) -> TurnStats:
-        """Replay a response through the counterfactual drafter and fold it into the session's statistics."""
+        """Replay a response through the counterfactual drafter and fold it into the session's statistics (a side
+        request's only into its recent history: it is not a turn and moves no average)."""
         session = self._get(session_id, project, now)
         estimate: DraftEstimate = estimate_drafts(session.index, output, self.params)
         session.index.extend((SEPARATOR,))
         session.seen_messages.add(reply_digest)  # the next request carries this reply back: it is not new
-        session.turns += 1
+        session.turns += 0 if side else 1
         new_tokens, repeat = session.pending_prompt
         session.pending_prompt = (0, 0.0)
         turn = TurnStats(
@@ -150,15 +152,27 @@ class ContextTracker:
             est_accepted=estimate.accepted,
             est_accepted_share=estimate.accepted_share,
             est_mean_accepted_run=estimate.mean_accepted_run,
+            side=side,
         )
         session.history.append(turn)
         while len(session.history) > self.keep_turns:
             session.history.popleft()
+        if side:
+            return turn
         if estimate.output_tokens:
             session.accepted_ewma = _ewma(session.accepted_ewma, estimate.accepted_share, self.alpha)
         if new_tokens:
             session.repeat_ewma = _ewma(session.repeat_ewma, repeat, self.alpha)
         return turn
+
+    def demote(self, session_id: str) -> None:
+        """The session's main line starts only now: what it served so far were side requests (opencode's title
+        comes before the first turn)."""
+        s = self._sessions.get(session_id)
+        if s is None:
+            return
+        s.history = deque(replace(t, side=True) for t in s.history)
+        s.turns, s.accepted_ewma, s.repeat_ewma = 0, None, None
 
     def expire(self, now: float) -> list[str]:
         gone = [sid for sid, s in self._sessions.items() if now - s.last_seen > self.idle_expiry_s]

@@ -1,0 +1,114 @@
+"""The new-prompt-token estimate from what a session's slot holds (core/sessions/prefix.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from adaptive_spec.core.records import Timings
+from adaptive_spec.core.sessions import prefix
+
+SYSTEM = {"role": "system", "content": "You are a coding assistant. " * 40}
+TOOLS = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
+
+
+def body(*messages: dict[str, Any], tools: bool = False, system: dict[str, Any] = SYSTEM) -> dict[str, Any]:
+    out: dict[str, Any] = {"messages": [system, *messages]}
+    if tools:
+        out["tools"] = TOOLS
+    return out
+
+
+def served(
+    state: prefix.PrefixState | None, request: dict[str, Any], reply: str, prompt_n: int, cache_n: int, out: int
+) -> prefix.PrefixState:
+    pieces = prefix.prompt_pieces(request)
+    timings = Timings(prompt_n=prompt_n, cache_n=cache_n, predicted_n=out)
+    return prefix.observe(state, pieces, bool(request.get("tools")), reply, timings)
+
+
+def estimate(state: prefix.PrefixState | None, request: dict[str, Any]) -> prefix.PromptEstimate:
+    return prefix.estimate(state, prefix.prompt_pieces(request), bool(request.get("tools")), 3.5)
+
+
+def test_a_first_turn_is_all_new() -> None:
+    first = body({"role": "user", "content": "x" * 350})
+    est = estimate(None, first)
+    assert est.shared_tokens == 0 and est.new_tokens == est.total_tokens
+    assert 100 < est.new_tokens < 600
+
+
+def test_an_appended_turn_costs_only_what_follows_the_echoed_reply() -> None:
+    user1 = {"role": "user", "content": "Fix the bug in main.py"}
+    state = served(None, body(user1), "Here is the fix: " + "y" * 400, prompt_n=300, cache_n=0, out=120)
+    reply = {"role": "assistant", "content": "Here is the fix: " + "y" * 400}
+    user2 = {"role": "user", "content": "z" * 70}
+    est = estimate(state, body(user1, reply, user2))
+    # The slot holds the 300-token prompt and the 120-token reply; the new part is ~20 tokens of text plus markers.
+    assert est.shared_tokens == 300 - 1 + 120
+    assert 15 <= est.new_tokens <= 40
+
+
+def test_a_reply_the_client_rewrote_is_prefilled_again() -> None:
+    user1 = {"role": "user", "content": "Fix the bug"}
+    state = served(None, body(user1), "the served answer " * 20, prompt_n=300, cache_n=0, out=80)
+    edited = {"role": "assistant", "content": "another text " * 20}
+    est = estimate(state, body(user1, edited, {"role": "user", "content": "next"}))
+    assert est.shared_tokens == 299 and est.new_tokens > 60
+
+
+def test_a_rewritten_history_shares_only_its_unchanged_head() -> None:
+    a, b = {"role": "user", "content": "a" * 700}, {"role": "user", "content": "b" * 700}
+    state = served(None, body(a, b), "ok", prompt_n=500, cache_n=0, out=2)
+    est = estimate(state, body(a, {"role": "user", "content": "c" * 700}))
+    assert 0 < est.shared_tokens < est.total_tokens and est.new_tokens >= 100
+    # the chars per token came from llama-server's count: 500 tokens for the prompt's characters and markers
+    assert state.chars_per_token > 2
+
+
+def test_a_title_request_with_another_system_prompt_is_a_side_request() -> None:
+    main = body({"role": "user", "content": "go"}, tools=True)
+    state = served(None, main, "done", prompt_n=900, cache_n=0, out=10)
+    title = body({"role": "user", "content": "go"}, system={"role": "system", "content": "Write a title."})
+    assert estimate(state, title).side
+    assert not estimate(
+        state, body({"role": "user", "content": "go"}, {"role": "user", "content": "more"}, tools=True)
+    ).side
+
+
+def test_a_main_line_with_tools_after_a_title_request_moves_the_line() -> None:
+    title = body({"role": "user", "content": "go"}, system={"role": "system", "content": "Write a title."})
+    state = served(None, title, "A title", prompt_n=60, cache_n=0, out=3)
+    est = estimate(state, body({"role": "user", "content": "go"}, tools=True))
+    assert est.line_moved and not est.side
+    after = served(state, body({"role": "user", "content": "go"}, tools=True), "ok", 900, 3, 2)
+    assert estimate(after, title).side
+
+
+def test_a_new_session_reuses_the_system_prompt_another_session_left_in_the_slot() -> None:
+    other = served(None, body({"role": "user", "content": "first task"}, tools=True), "done", 2000, 0, 5)
+    fresh = body({"role": "user", "content": "another task"}, tools=True)
+    alone = estimate(None, fresh)
+    est = prefix.estimate(None, prefix.prompt_pieces(fresh), True, 3.5, slot=other)
+    # tools and system prompt are held: only the user message and the template around it are new
+    assert est.shared_tokens > 0 and est.new_tokens < 30 < alone.new_tokens
+    assert prefix.shared_tokens(other, prefix.prompt_pieces(fresh), 3.5) == est.shared_tokens
+
+
+def test_the_template_cost_of_tool_turns_is_learned_from_llama_servers_counts() -> None:
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "read", "arguments": '{"path": "a.py"}'}}],
+    }
+    result = {"role": "tool", "tool_call_id": "c1", "content": "print(1)\n" * 5}
+    first = body({"role": "user", "content": "go"}, tools=True)
+    state = served(None, first, "text", 1000, 0, 16)
+    second = body({"role": "user", "content": "go"}, call, result, tools=True)
+    raw = estimate(state, second).new_tokens
+    after = served(state, second, "text", prompt_n=raw * 2, cache_n=999, out=16)  # the server prefilled twice as many
+    assert after.new_ratio > 1.4
+    third = body({"role": "user", "content": "go"}, call, result, call, result, tools=True)
+    assert (
+        estimate(after, third).new_tokens
+        > 1.4 * estimate(state, body({"role": "user", "content": "go"}, call, result, tools=True)).new_tokens
+    )
