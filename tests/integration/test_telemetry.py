@@ -177,7 +177,8 @@ def test_a_responses_stream_dropped_by_the_client_keeps_its_timings(traced: tupl
     wait_until(lambda: record() is not None, 10, "the dropped request's record")
     dropped = record()
     assert dropped is not None and dropped["status"] == 499 and dropped["outcome"] == "failed"
-    assert dropped["timings"] is not None and dropped["timings"]["predicted_n"] >= 20
+    # The timings of the last event the proxy parsed: per-token timings can trail the text deltas by a few events.
+    assert dropped["timings"] is not None and dropped["timings"]["predicted_n"] >= 10
 
 
 def test_the_feed_snapshot_lists_requests_in_flight(traced: tuple[ProxyProcess, Path]) -> None:
