@@ -344,24 +344,27 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
     access = access_policy(args, [k for k, _, _ in (item.partition("=") for item in args.project_key) if k])
     if args.default_profile:
         check_profile_name(args.default_profile)
-    if args.profile:
-        attached = [AttachedProfile.parse(p) for p in args.profile]
-        names = [a.name for a in attached]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"--profile names must be unique, got {', '.join(names)}")
-        sessions = _session_plan(args, _ngram_params(args.ngram_mod))
+
+    def plan(**profiles: Any) -> ServePlan:  # attached profiles or launched ones: the rest is the same
         return ServePlan(
             args.host,
             args.port,
             proxy,
             args.default_profile,
-            attach=attached,
-            sessions=sessions,
+            sessions=_session_plan(args, _ngram_params(args.ngram_mod)),
             verbose=args.verbose,
             access=access,
+            **profiles,
             **_trace_options(args),
             **_routing_options(args),
         )
+
+    if args.profile:
+        attached = [AttachedProfile.parse(p) for p in args.profile]
+        names = [a.name for a in attached]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"--profile names must be unique, got {', '.join(names)}")
+        return plan(attach=attached)
     from adaptive_spec.launcher import find_llama_server
 
     if args.draft_type and not args.draft and args.draft_type != "mtp":
@@ -376,22 +379,8 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
         parallel=args.parallel,
         extra_args=tuple(args.server_arg),
     )
-    ngram = _ngram_params(args.ngram_mod)
-    specs = list(default_profiles(args.draft_type, ngram))
-    launch = LaunchPlan(binary, specs, settings, start_timeout_s=args.start_timeout)
-    sessions = _session_plan(args, ngram)
-    return ServePlan(
-        args.host,
-        args.port,
-        proxy,
-        args.default_profile,
-        launch=launch,
-        sessions=sessions,
-        verbose=args.verbose,
-        access=access,
-        **_trace_options(args),
-        **_routing_options(args),
-    )
+    specs = list(default_profiles(args.draft_type, _ngram_params(args.ngram_mod)))
+    return plan(launch=LaunchPlan(binary, specs, settings, start_timeout_s=args.start_timeout))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
