@@ -244,4 +244,12 @@ def test_route_gives_the_policy_files_and_earlier_pins() -> None:
     assert board.policy_sources == ("/etc/x/default.toml", "proj.toml")
     assert board.sessions["s1"].pinned == "iterative"
     line = status_line(board, url="u", connected=True, since=T0, paused=False, now=T0 + 5).plain
-    assert "policy: default.toml + proj.toml" in line
+    assert "policy default.toml + proj.toml" in line
+
+
+def test_speeds_fit_their_columns() -> None:
+    from adaptive_spec.tui.render import num
+
+    assert num(8363.24) == "8,363"
+    assert num(48.25) == "48.2"
+    assert num(None) == "—"

@@ -18,7 +18,9 @@ def pct(share: float | None) -> str:
 
 
 def num(value: float | None, digits: int = 1) -> str:
-    return DASH if value is None else f"{value:,.{digits}f}"
+    if value is None:
+        return DASH
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:,.{digits}f}"  # fits the narrow speed columns
 
 
 def ms(value: float | None) -> str:
@@ -242,7 +244,7 @@ def status_line(board: Dashboard, *, url: str, connected: bool, since: float | N
         text.append(f"  {board.dropped_events} events dropped (resynced)", style="yellow")
     if board.policy_sources is not None:
         names = [source.replace("\\", "/").rsplit("/", 1)[-1] for source in board.policy_sources]
-        text.append(f"  policy: {' + '.join(names) if names else 'built-in default'}", style="dim")
+        text.append(f" policy {' + '.join(names) if names else 'built-in'}", style="dim")
     if paused:
         text.append("  PAUSED (space resumes)", style="bold yellow")
     return text
