@@ -104,7 +104,8 @@ class After:
 
     def observe(self, session: str, body: dict[str, Any], reply: str, timings: Timings) -> None:
         pieces = prefix.prompt_pieces(body)
-        state = prefix.observe(self.table.get(session), pieces, bool(body.get("tools")), reply, timings)
+        own = self.table.get(session)
+        state = prefix.observe(own, pieces, bool(body.get("tools")), reply, timings, self.chars_per_token)
         self.table.put(session, state)
         self.slot = state
         self.chars_per_token = state.chars_per_token  # a first turn elsewhere starts from the latest session's rate

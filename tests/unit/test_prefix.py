@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+import pytest
+
 from adaptive_spec.core.records import Timings
 from adaptive_spec.core.sessions import prefix
 
@@ -112,3 +115,69 @@ def test_the_template_cost_of_tool_turns_is_learned_from_llama_servers_counts() 
         estimate(after, third).new_tokens
         > 1.4 * estimate(state, body({"role": "user", "content": "go"}, call, result, tools=True)).new_tokens
     )
+
+
+def test_a_piece_that_changes_only_near_its_end_still_shares_its_head() -> None:
+    # A tool list whose last description differs (an agent's new session id): the server reuses all but its tail.
+    tools_a = [{"type": "function", "function": {"name": f"t{i}", "description": "d" * 300}} for i in range(20)]
+    tools_b = [*tools_a[:-1], {"type": "function", "function": {"name": "t19", "description": "e" * 300}}]
+    user = {"role": "user", "content": "Fix the bug"}
+    first = {"messages": [SYSTEM, user], "tools": tools_a}
+    state = served(None, first, "ok", prompt_n=2500, cache_n=0, out=2)
+    est = prefix.estimate(None, prefix.prompt_pieces({"messages": [SYSTEM, user], "tools": tools_b}), True, 3.5, state)
+    changed_chars = 300 + 2 * prefix.BLOCK_CHARS  # the changed description and at most the blocks it straddles
+    assert 0 < est.new_tokens <= changed_chars / 3.5 + 20
+    # Without the blocks (a different first character), the whole list and what follows are new.
+    tools_c = [{"type": "function", "function": {"name": "u0", "description": "d" * 300}}, *tools_a[1:]]
+    whole = prefix.estimate(
+        None, prefix.prompt_pieces({"messages": [SYSTEM, user], "tools": tools_c}), True, 3.5, state
+    )
+    assert whole.new_tokens > 20 * 300 / 3.5
+
+
+def test_block_digests_depend_on_everything_before_them() -> None:
+    a = prefix.prompt_pieces({"prompt": "x" * 300 + "y" * 600})[0]
+    b = prefix.prompt_pieces({"prompt": "z" + "x" * 299 + "y" * 600})[0]
+    assert len(a.blocks) == len(b.blocks) == 3 * 8  # 900 chars: three whole 256-char blocks
+    # Only the first block differs in its text, yet every chained digest after it differs too.
+    assert all(a.blocks[i : i + 8] != b.blocks[i : i + 8] for i in range(0, 24, 8))
+
+
+def test_tool_calls_and_results_cost_their_template_tokens_in_every_api_shape() -> None:
+    chat = {
+        "messages": [
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": "{}"}}] * 2},
+            {"role": "tool", "content": "x"},
+        ]
+    }
+    responses = {
+        "input": [{"type": "function_call", "arguments": "{}"}, {"type": "function_call_output", "output": "x"}]
+    }
+    anthropic = {
+        "messages": [
+            {"role": "assistant", "content": [{"type": "tool_use", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "content": "x"}]},
+        ]
+    }
+    assert [p.extra for p in prefix.prompt_pieces(chat)] == [2 * prefix.TOOL_CALL_TOKENS, prefix.TOOL_RESULT_TOKENS]
+    assert [p.extra for p in prefix.prompt_pieces(responses)] == [prefix.TOOL_CALL_TOKENS, prefix.TOOL_RESULT_TOKENS]
+    assert [p.extra for p in prefix.prompt_pieces(anthropic)] == [prefix.TOOL_CALL_TOKENS, prefix.TOOL_RESULT_TOKENS]
+    plain = prefix.prompt_pieces({"instructions": "be brief", "input": [{"role": "user", "content": "hi"}]})
+    assert [p.extra for p in plain] == [0.0, 0.0]
+
+
+def test_tools_the_server_does_not_render_are_not_counted() -> None:
+    function = {"type": "function", "name": "run", "parameters": {"type": "object"}}
+    both = {"input": "hi", "tools": [function, {"type": "namespace", "tools": ["y" * 5000]}, {"type": "web_search"}]}
+    tools = next(p for p in prefix.prompt_pieces(both) if p.tools)
+    assert tools.chars == len(orjson.dumps([function]))
+    assert not any(p.tools for p in prefix.prompt_pieces({"input": "hi", "tools": [{"type": "web_search"}]}))
+
+
+def test_a_tiny_prompt_barely_moves_the_characters_per_token_rate() -> None:
+    # 21 characters under a template's default system prompt: 35 tokens. Taken at face value that is < 1 char/token.
+    tiny = served(None, {"messages": [{"role": "user", "content": "x" * 21}]}, "ok", prompt_n=35, cache_n=0, out=2)
+    assert 3.0 < tiny.chars_per_token <= 3.5
+    # A large prompt counts in full.
+    big = served(None, {"messages": [{"role": "user", "content": "x" * 8000}]}, "ok", prompt_n=2009, cache_n=0, out=2)
+    assert big.chars_per_token == pytest.approx(4.0, rel=0.01)

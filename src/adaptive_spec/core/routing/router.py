@@ -220,7 +220,7 @@ class RouterState:
         if not decision.pieces:
             return False
         own = self.prefixes.get(session_id)
-        state = prefix.observe(own, decision.pieces, decision.has_tools, reply, timings)
+        state = prefix.observe(own, decision.pieces, decision.has_tools, reply, timings, self.chars_per_token)
         self.slot_prefixes.put((profile, slot if self._books[profile].slots > 1 else None), state)
         if session_id is not None and not decision.side:
             # A side request leaves the main line's state: llama-server keeps the line's prompt in its RAM cache.

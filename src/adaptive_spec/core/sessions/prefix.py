@@ -22,15 +22,31 @@ import orjson
 
 from adaptive_spec.core.lru import LRU
 from adaptive_spec.core.records import Timings
-from adaptive_spec.core.sessions.grouping import context_messages, message_digest
+from adaptive_spec.core.sessions.grouping import context_messages, message_digest, messages_of
 
 # Tokens a chat template adds around each piece (role markers, separators) and once per prompt (the generation
 # prompt, and the one token llama-server always re-evaluates): Qwen-style ChatML measured on llama-server.
 PIECE_OVERHEAD_TOKENS = 5.0
 PROMPT_OVERHEAD_TOKENS = 4.0
+# The preamble a template writes once when tools are present ("# Tools ... <tools></tools> ... <tool_call>"): 85
+# tokens in Qwen's, measured on llama-server; it would otherwise read as a very low characters-per-token rate.
+TOOLS_OVERHEAD_TOKENS = 85.0
 DEFAULT_CHARS_PER_TOKEN = 3.5
+# What a template writes around each tool call (`<tool_call>{"name": …, "arguments": …}</tool_call>`) and each tool
+# result (`<tool_response>…</tool_response>`) beyond a message's markers: Qwen's, measured on llama-server with
+# opencode's and Codex CLI's recorded turns (40-45 tokens per call and result).
+TOOL_CALL_TOKENS = 25.0
+TOOL_RESULT_TOKENS = 15.0
+# A request's characters-per-token sample counts in full from this many characters on, and in proportion below
+# (a 21-character prompt under a default system prompt says nothing about the rate of a 30,000-character one).
+CALIBRATION_CHARS = 2000
 _RATIO_ALPHA = 0.5
 _MAX_RATIO = 3.0
+# A piece's text is also digested in chained blocks of this many characters, so two pieces that differ only near
+# their end (a tool list with one changed description, a system prompt with today's date last) are known to share
+# the characters before the first differing block. 8 bytes per block: ~3% of the text's size kept per session.
+BLOCK_CHARS = 256
+_BLOCK_DIGEST = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +57,8 @@ class Piece:
     chars: int
     assistant: bool = False
     tools: bool = False
+    blocks: bytes = b""  # chained digests of each whole BLOCK_CHARS block of the text, _BLOCK_DIGEST bytes each
+    extra: float = 0.0  # the template's tokens around its tool calls or tool results, beyond PIECE_OVERHEAD_TOKENS
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +93,26 @@ def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=12).digest()
 
 
+def _blocks(kind: str, text: str) -> bytes:
+    """Chained digests of the text's whole blocks: block i's digest covers everything up to its end, so the number of
+    leading equal digests of two pieces is the number of leading blocks they share."""
+    out = bytearray()
+    chain = kind.encode()
+    for at in range(BLOCK_CHARS, len(text) + 1, BLOCK_CHARS):
+        chain = hashlib.blake2b(chain + text[at - BLOCK_CHARS : at].encode(), digest_size=_BLOCK_DIGEST).digest()
+        out += chain
+    return bytes(out)
+
+
+def _shared_chars(a: Piece, b: Piece) -> int:
+    """The characters two differing pieces are known to share at their start (whole blocks only)."""
+    n = 0
+    limit = min(len(a.blocks), len(b.blocks))
+    while n < limit and a.blocks[n : n + _BLOCK_DIGEST] == b.blocks[n : n + _BLOCK_DIGEST]:
+        n += _BLOCK_DIGEST
+    return n // _BLOCK_DIGEST * BLOCK_CHARS
+
+
 def reply_digest(text: str) -> bytes:
     """The digest an assistant message carrying exactly this text has among a request's pieces."""
     return message_digest("assistant", text)
@@ -86,16 +124,46 @@ def prompt_pieces(body: Mapping[str, Any]) -> tuple[Piece, ...]:
     pieces: list[Piece] = []
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        pieces.append(Piece(_digest(b"prompt\0" + prompt.encode()), len(prompt)))
-    for digest, assistant, text in context_messages(body):
-        pieces.append(Piece(digest, len(text), assistant))
-    tools = body.get("tools")
+        pieces.append(Piece(_digest(b"prompt\0" + prompt.encode()), len(prompt), blocks=_blocks("prompt", prompt)))
+    context = context_messages(body)
+    messages = messages_of(body)
+    extras = [0.0] * (len(context) - len(messages)) + [_tool_template_tokens(m) for m in messages]
+    for (digest, assistant, text), extra in zip(context, extras, strict=True):
+        pieces.append(Piece(digest, len(text), assistant, blocks=_blocks(str(assistant), text), extra=extra))
+    tools = _rendered_tools(body.get("tools"))
     if tools:
         # Chat templates put the tools at the end of the system block: after the system prompt, before the rest.
         raw = orjson.dumps(tools)
         at = 1 if _starts_with_system(body) and pieces else 0
-        pieces.insert(at, Piece(_digest(b"tools\0" + raw), len(raw), tools=True))
+        blocks = _blocks("tools", raw.decode())
+        pieces.insert(at, Piece(_digest(b"tools\0" + raw), len(raw), tools=True, blocks=blocks))
     return tuple(pieces)
+
+
+def _tool_template_tokens(message: Mapping[str, Any]) -> float:
+    """The template's tokens around a message's tool calls and tool results (chat, Responses and Anthropic shapes)."""
+    kind = message.get("type") or message.get("role")
+    if kind in ("function_call", "custom_tool_call"):
+        return TOOL_CALL_TOKENS
+    if kind in ("tool", "function_call_output", "custom_tool_call_output"):
+        return TOOL_RESULT_TOKENS
+    calls = message.get("tool_calls")
+    tokens = TOOL_CALL_TOKENS * len(calls) if isinstance(calls, list) else 0.0
+    content = message.get("content")
+    for block in content if isinstance(content, list) else ():
+        if isinstance(block, dict) and block.get("type") == "tool_use":
+            tokens += TOOL_CALL_TOKENS
+        elif isinstance(block, dict) and block.get("type") == "tool_result":
+            tokens += TOOL_RESULT_TOKENS
+    return tokens
+
+
+def _rendered_tools(tools: Any) -> list[Any]:
+    """The tools a template renders: llama-server skips Responses-API tools that are not functions (Codex sends a
+    `namespace` of 11,000 characters and `web_search`); entries without a type (Anthropic's) are kept."""
+    if not isinstance(tools, list):
+        return []
+    return [t for t in tools if not isinstance(t, dict) or t.get("type") in (None, "function")]
 
 
 def _starts_with_system(body: Mapping[str, Any]) -> bool:
@@ -111,8 +179,13 @@ def _system(pieces: Sequence[Piece], has_tools: bool) -> bytes | None:
     return first.digest if first is not None and not first.assistant else None
 
 
-def _tokens(chars: int, pieces: int, chars_per_token: float) -> float:
-    return chars / chars_per_token + pieces * PIECE_OVERHEAD_TOKENS
+def _tokens(pieces: Sequence[Piece], chars_per_token: float) -> float:
+    return sum(p.chars / chars_per_token + PIECE_OVERHEAD_TOKENS + p.extra for p in pieces)
+
+
+def _fixed(pieces: Sequence[Piece]) -> float:
+    """The template's tokens a prompt has whatever its text: the generation prompt, and the tools preamble."""
+    return PROMPT_OVERHEAD_TOKENS + (TOOLS_OVERHEAD_TOKENS if any(p.tools for p in pieces) else 0.0)
 
 
 def _against(held: PrefixState, pieces: Sequence[Piece], cpt: float, total: float) -> tuple[float, float]:
@@ -131,8 +204,14 @@ def _against(held: PrefixState, pieces: Sequence[Piece], cpt: float, total: floa
             shared += held.reply_tokens
             n = k
         rest = pieces[n:]
-        return shared, _tokens(sum(p.chars for p in rest), len(rest), cpt) + PROMPT_OVERHEAD_TOKENS
-    shared = _tokens(sum(p.chars for p in pieces[:n]), n, cpt)
+        preamble = TOOLS_OVERHEAD_TOKENS if any(p.tools for p in rest) else 0.0
+        return shared, _tokens(rest, cpt) + PROMPT_OVERHEAD_TOKENS + preamble
+    # The first differing piece still shares its leading characters: llama-server reuses tokens up to the first one
+    # that differs, wherever it falls inside a piece.
+    within = _shared_chars(prev[n], pieces[n]) if n < len(prev) and n < len(pieces) else 0
+    shared = _tokens(pieces[:n], cpt) + within / cpt
+    if any(p.tools for p in pieces[:n]) or (within and pieces[n].tools):
+        shared += TOOLS_OVERHEAD_TOKENS  # the preamble around a held tool list is held with it
     return shared, max(1.0, total - shared)
 
 
@@ -147,7 +226,7 @@ def estimate(
     (`state`: in its slot, or in llama-server's RAM cache of prompts) or whatever request the slot it will use served
     last (`slot`: another session of the same agent shares the system prompt and tools)."""
     cpt = state.chars_per_token if state is not None else chars_per_token
-    total = _tokens(sum(p.chars for p in pieces), len(pieces), cpt) + PROMPT_OVERHEAD_TOKENS
+    total = _tokens(pieces, cpt) + _fixed(pieces)
     best = (0.0, total)
     for held in (state, slot):
         if held is not None:
@@ -167,7 +246,7 @@ def shared_tokens(held: PrefixState | None, pieces: Sequence[Piece], chars_per_t
     """The tokens of this prompt that a slot holding `held` would reuse."""
     if held is None:
         return 0
-    total = _tokens(sum(p.chars for p in pieces), len(pieces), chars_per_token) + PROMPT_OVERHEAD_TOKENS
+    total = _tokens(pieces, chars_per_token) + _fixed(pieces)
     return round(_against(held, pieces, chars_per_token, total)[0])
 
 
@@ -177,21 +256,24 @@ def observe(
     has_tools: bool,
     reply_text: str,
     timings: Timings,
+    chars_per_token: float = DEFAULT_CHARS_PER_TOKEN,
 ) -> PrefixState:
-    """The session's slot after a request served in full: its pieces, its reply, and llama-server's counts."""
+    """The session's slot after a request served in full: its pieces, its reply, and llama-server's counts.
+    `chars_per_token` is the rate a new session starts from (the proxy's latest)."""
     prompt_tokens = timings.prompt_n + timings.cache_n
     chars = sum(p.chars for p in pieces)
-    templated = prompt_tokens - len(pieces) * PIECE_OVERHEAD_TOKENS - PROMPT_OVERHEAD_TOKENS
-    cpt = state.chars_per_token if state is not None else DEFAULT_CHARS_PER_TOKEN
+    templated = prompt_tokens - _tokens(pieces, float("inf")) - _fixed(pieces)
+    cpt = state.chars_per_token if state is not None else chars_per_token
     ratio = state.new_ratio if state is not None else 1.0
     if state is not None and timings.cache_n > 0 and not timings.from_usage:
-        total = _tokens(chars, len(pieces), cpt) + PROMPT_OVERHEAD_TOKENS
+        total = _tokens(pieces, cpt) + _fixed(pieces)
         shared, new = _against(state, pieces, cpt, total)
         if shared > 0 and new > 0:
             sample = timings.prompt_n / new
             ratio = min(_MAX_RATIO, max(1 / _MAX_RATIO, _RATIO_ALPHA * sample + (1 - _RATIO_ALPHA) * ratio))
     if chars > 0 and templated > 0:
-        cpt = chars / templated
+        weight = min(1.0, chars / CALIBRATION_CHARS)
+        cpt = weight * (chars / templated) + (1 - weight) * cpt
     system = _system(pieces, has_tools)
     line, line_tools = (state.line, state.line_tools) if state is not None else (None, False)
     if line is None or (has_tools and not line_tools):
