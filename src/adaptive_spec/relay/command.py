@@ -19,12 +19,12 @@ from adaptive_spec.relay.service import RATE_ENV, RelaySettings, build_relay_app
 
 KEY_ENV = "ADAPTIVE_SPEC_RELAY_KEY"
 EPILOG = """\
-example, on the big machine (the llama-server's --slot-save-path is the relay's --slot-dir):
-  llama-server -m model.gguf --port 8080 --slot-save-path /srv/slots ...
+examples:
+  on the big machine, beside `llama-server -m model.gguf --port 8080 --slot-save-path /srv/slots`:
   adaptive-spec kv-relay --slot-dir /srv/slots --model model.gguf --server http://127.0.0.1:8080 \\
-      --key-file relay.key --host 0.0.0.0 --port 8095 --allow-host ppserver
-and on the small one:
-  adaptive-spec serve ... --pp-server http://ppserver:8095 --pp-key-file relay.key
+      --key-file relay.key --host 0.0.0.0 --allow-host ppserver
+  and on the small one (same GGUF, its profiles' slot files in a directory of their own):
+  adaptive-spec serve --model model.gguf --pp-server http://ppserver:8095 --pp-key-file relay.key
 """
 
 
