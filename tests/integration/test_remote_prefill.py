@@ -91,6 +91,21 @@ def test_a_long_prompt_is_prefilled_remotely_and_decoded_here(rig: Rig) -> None:
     assert record["text"] == direct["choices"][0]["message"]["content"]
 
 
+def test_on_the_real_model_the_greedy_text_equals_a_local_prefills(
+    llama_server_binary: str, qwen_gguf: Path, tmp_path: Path
+) -> None:
+    rig = Rig(llama_server_binary, qwen_gguf, tmp_path)
+    try:
+        messages = [{"role": "user", "content": LONG}]
+        record = chat_record(rig.proxy, messages, 24, **{"x-session-id": "qwen"})
+        assert record["remote_prefill"]["ok"], (record["reason"], record["remote_prefill"])
+        assert record["timings"]["cache_n"] >= record["remote_prefill"]["tokens"] - 2 > 1500, record["timings"]
+        assert record["text"] == _direct(rig.local, messages)["choices"][0]["message"]["content"]
+        assert list(rig.local_slots.iterdir()) == [] and list(rig.remote_slots.iterdir()) == []
+    finally:
+        rig.stop()
+
+
 def test_a_short_prompt_is_prefilled_here(rig: Rig) -> None:
     record = chat_record(rig.proxy, [{"role": "user", "content": "hello there"}], 8, **{"x-session-id": "short"})
     assert record["remote_prefill"] is None and "remote" not in record["reason"]

@@ -19,7 +19,7 @@ def test_the_proposals_case_goes_remote_and_says_by_how_much() -> None:
     choice = choose(50_000, 50_000, LOCAL_10_TPS, _costs())
     assert choice.remote and choice.local_s == pytest.approx(5000.0)
     assert 60 < choice.remote_s < 120 and choice.transfer_s == pytest.approx(60.0)
-    assert choice.reason.startswith("remote prefill of 50,000 tokens saves 49") and "transfer 60.0 s" in choice.reason
+    assert choice.reason.startswith("remote prefill of 50,000 tokens saves 4,9") and "transfer 60.0 s" in choice.reason
 
 
 @pytest.mark.parametrize(

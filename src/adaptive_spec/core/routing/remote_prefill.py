@@ -132,13 +132,13 @@ def choose(new_tokens: int, prompt_tokens: int, local_s_per_token: float, costs:
     local_s = new_tokens * local_s_per_token
     tokens = max(prompt_tokens, new_tokens)
     remote_s, transfer_s = costs.remote_s(tokens), costs.transfer_s(tokens)
-    figures = f"local {local_s:.1f} s vs remote {remote_s:.1f} s (of which transfer {transfer_s:.1f} s)"
+    figures = f"local {local_s:,.1f} s vs remote {remote_s:,.1f} s (of which transfer {transfer_s:,.1f} s)"
     if new_tokens < p.min_tokens and not p.force:
         return RemotePrefillChoice(False, local_s, remote_s, transfer_s, f"prefill here: {new_tokens:,} new tokens")
     if p.force:
         return RemotePrefillChoice(True, local_s, remote_s, transfer_s, f"remote prefill (forced): {figures}")
     if remote_s * (1.0 + p.margin) < local_s:
         saves = local_s - remote_s
-        reason = f"remote prefill of {tokens:,} tokens saves {saves:.1f} s: {figures}"
+        reason = f"remote prefill of {tokens:,} tokens saves {saves:,.1f} s: {figures}"
         return RemotePrefillChoice(True, local_s, remote_s, transfer_s, reason)
     return RemotePrefillChoice(False, local_s, remote_s, transfer_s, f"prefill here ({new_tokens:,} tokens): {figures}")
