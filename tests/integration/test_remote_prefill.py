@@ -17,8 +17,8 @@ from tests.support.relay import RelayProcess
 from tests.support.servers import LlamaServer, ProxyProcess, chat_record, http_json
 
 KEY = "pp-relay-key"
-# A slow local box: its prefill prior is 50 tokens/s (it has not measured a long prompt yet), the remote's 5,000.
-POLICY = "[estimator]\nprefill_tps = 50.0\n"
+# A slow local box: its prefill prior is 20 tokens/s (it has not measured a long prompt yet), the remote's 5,000.
+POLICY = "[estimator]\nprefill_tps = 20.0\n"
 LONG = "Here is the log:\n" + "\n".join(f"line {i}: value={i * 7 % 13} status=ok" for i in range(140)) + "\nSum up."
 
 

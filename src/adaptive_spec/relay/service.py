@@ -144,15 +144,17 @@ async def _download(request: web.Request) -> web.StreamResponse:
     if refused is not None:
         return refused
     try:
-        size, digest = await asyncio.to_thread(_size_and_sha256, path)
+        # Opened before hashing: a delete racing this download cannot leave the headers promising a missing file.
+        fh: BinaryIO = await asyncio.to_thread(path.open, "rb")
     except FileNotFoundError:
         return error(404, f"no slot file {path.name!r}", "not_found")
-    resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", SHA256_HEADER: digest})
-    resp.content_length = size
-    await resp.prepare(request)
-    throttle = Throttle(request.app[SETTINGS].rate_bytes_per_s)
-    fh = await asyncio.to_thread(path.open, "rb")
     try:
+        size, digest = await asyncio.to_thread(_size_and_sha256, fh)
+        await asyncio.to_thread(fh.seek, 0)
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", SHA256_HEADER: digest})
+        resp.content_length = size
+        await resp.prepare(request)
+        throttle = Throttle(request.app[SETTINGS].rate_bytes_per_s)
         while chunk := await asyncio.to_thread(fh.read, _CHUNK):
             await resp.write(chunk)
             await throttle.passed(len(chunk))
@@ -217,12 +219,11 @@ async def _delete(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
-def _size_and_sha256(path: Path) -> tuple[int, str]:
+def _size_and_sha256(fh: BinaryIO) -> tuple[int, str]:
     digest, size = hashlib.sha256(), 0
-    with path.open("rb") as fh:
-        while chunk := fh.read(4 * _CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
+    while chunk := fh.read(4 * _CHUNK):
+        digest.update(chunk)
+        size += len(chunk)
     return size, digest.hexdigest()
 
 
