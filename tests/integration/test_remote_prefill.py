@@ -86,6 +86,9 @@ def test_a_long_prompt_is_prefilled_remotely_and_decoded_here(rig: Rig) -> None:
     assert record["timings"]["cache_n"] >= pp["tokens"] - 2 and record["timings"]["prompt_n"] < 10, record["timings"]
     assert pp["bytes"] > 100 * pp["tokens"]
     assert list(rig.local_slots.iterdir()) == [] and list(rig.remote_slots.iterdir()) == []
+    learned = http_json(rig.proxy.base + "/adaptive/route")["remote_prefill"]
+    assert learned["counts"] == {"ok": 1, "failed": 0}
+    assert learned["estimates"]["bytes_per_token"] == pytest.approx(pp["bytes"] / pp["tokens"], rel=0.05)
     direct = _direct(rig.local, messages)
     assert direct["timings"]["cache_n"] == 0
     assert record["text"] == direct["choices"][0]["message"]["content"]

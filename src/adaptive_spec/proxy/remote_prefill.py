@@ -56,6 +56,9 @@ class RemotePrefill:
         self.counts = {"ok": 0, "failed": 0}
         self._seq = 0
 
+    def to_json(self) -> dict[str, Any]:
+        return {"relay": self.relay.base_url, "counts": dict(self.counts), "estimates": self.costs.describe()}
+
     async def connect(self, client: aiohttp.ClientSession) -> str:
         """At start: the relay's model must be ours (else refuse, naming both hashes); then a probe of the link."""
         try:

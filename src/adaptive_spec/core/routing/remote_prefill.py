@@ -44,6 +44,8 @@ class _Mean:
         self.n = self.n * self.forget + 1.0
 
     def value(self, prior: float) -> float:
+        if self.weight + self.n <= 0:
+            return prior
         return (prior * self.weight + self.total) / (self.weight + self.n)
 
 
@@ -79,7 +81,7 @@ class RemoteCosts:
         w = policy.prior_weight
         self._prefill, self._rtt, self._bandwidth = _Mean(w, forget), _Mean(w, forget), _Mean(w, forget)
         # Bytes per token is a fact of the model and its cache type, not a noisy figure: one file replaces the prior.
-        self._bytes, self._save, self._restore = _Mean(0.01, forget), _Mean(w, forget), _Mean(w, forget)
+        self._bytes, self._save, self._restore = _Mean(0.0, forget), _Mean(w, forget), _Mean(w, forget)
 
     def observe_link(self, round_trip_s: float | None, bandwidth_bytes_per_s: float | None) -> None:
         """A probe of the link (at start-up): its round trip and a timed download."""
