@@ -24,7 +24,9 @@ from adaptive_spec.core.profiles import (
 from adaptive_spec.core.sessions.drafter import NgramParams
 from adaptive_spec.errors import AdaptiveSpecError, ConfigError
 from adaptive_spec.models import DEFAULT_MODEL, EMBEDDED, ensure_embedded, resolve_model
+from adaptive_spec.pp_options import add_pp_arguments, pp_plan
 from adaptive_spec.proxy.app import ProxySettings
+from adaptive_spec.relay import command as relay_command
 from adaptive_spec.serve import LaunchPlan, ServePlan, SessionPlan, run, say
 from adaptive_spec.tui import command as tui_command
 
@@ -133,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="the --slot-save-path every attached profile shares: lets a moving session's KV cache be handed over",
     )
+    add_pp_arguments(serve)
     trace = serve.add_argument_group("trace")
     trace.add_argument("--trace", metavar="FILE.jsonl", help="write every request record to this JSONL file")
     trace.add_argument("--trace-content", action="store_true", help="also keep prompts and replies in the trace")
@@ -217,6 +220,7 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(EMBEDDED))
     _policy_parser(sub)
     tui_command.add_parser(sub)
+    relay_command.add_parser(sub)
     return parser
 
 
@@ -329,7 +333,12 @@ def _trace_options(args: argparse.Namespace) -> dict[str, Any]:
 def _routing_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.slot_dir is not None and not args.profile:
         raise ConfigError("--slot-dir is for attached profiles (--profile); launched profiles share one already")
-    return {"policy_file": args.policy, "workspace_policies": not args.no_workspace_policies, "slot_dir": args.slot_dir}
+    return {
+        "policy_file": args.policy,
+        "workspace_policies": not args.no_workspace_policies,
+        "slot_dir": args.slot_dir,
+        "remote_prefill": pp_plan(args),
+    }
 
 
 def _serve_plan(args: argparse.Namespace) -> ServePlan:
@@ -391,6 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return tui_command.serve_with_tui(argv, args.host, args.port, api_key(args))
         if args.command == "tui":
             return tui_command.run_tui(args)
+        if args.command == "kv-relay":
+            return relay_command.run(args)
         if args.command == "serve":
             run(_serve_plan(args))
         elif args.command == "bench" and args.simulate:

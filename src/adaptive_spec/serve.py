@@ -31,6 +31,7 @@ from adaptive_spec.proxy.app import ProxySettings, build_app
 from adaptive_spec.proxy.bus import EventBus
 from adaptive_spec.proxy.policy_files import PolicyStore, config_dir
 from adaptive_spec.proxy.probe import probe, probe_spec_types
+from adaptive_spec.proxy.remote_prefill import REMOTE_PREFILL, RemotePrefillPlan, start_remote_prefill
 from adaptive_spec.proxy.routing import Router
 from adaptive_spec.proxy.session_service import SessionService
 from adaptive_spec.proxy.state import LIFECYCLE
@@ -84,6 +85,7 @@ class ServePlan:
     slot_dir: Path | None = None  # attached profiles' shared --slot-save-path (launched ones get their own)
     verbose: bool = False  # let native libraries (llama.cpp loading the tokenizer) log to the terminal
     access: AccessPolicy = field(default_factory=AccessPolicy)
+    remote_prefill: RemotePrefillPlan | None = None  # --pp-server
 
 
 async def _tokenizer(plan: ServePlan, session: aiohttp.ClientSession, default_url: str) -> Tokenizer | None:
@@ -268,6 +270,9 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
             restart=launcher.restart if launcher is not None else None,
             access=plan.access,
         )
+        if plan.remote_prefill is not None:
+            model_path = plan.launch.settings.model.path if plan.launch is not None else infos[0].model_path
+            app[REMOTE_PREFILL] = await start_remote_prefill(plan.remote_prefill, client, model_path, slot_dir, say)
         say(describe_access(plan.access))
         # The shutdown grace is the app's own (it tells each request it ends); aiohttp then waits for them briefly.
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)

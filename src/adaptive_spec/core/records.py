@@ -47,6 +47,7 @@ class RequestRecord:
     reason: str | None = None  # the routing decision in one line
     moved_from: str | None = None  # the session's KV cache lived on this other profile before this request
     handoff: dict[str, Any] | None = None  # the KV slot save/restore before forwarding, when the session moved
+    remote_prefill: dict[str, Any] | None = None  # the prompt prefilled on --pp-server and its slot restored here
     client: str | None = None  # the agent, from its User-Agent (opencode, codex, aider, …)
     new_tokens_est: int | None = None  # the router's estimate of the prompt tokens to prefill (truth: prompt_n)
     side: bool = False  # a side request of its session (a title, a commit message): not one of its turns

@@ -22,6 +22,7 @@ from adaptive_spec.core.timings import without_progress_timings
 from adaptive_spec.proxy.errors import error_response
 from adaptive_spec.proxy.forward import SHUTDOWN_MESSAGE, forward
 from adaptive_spec.proxy.lifecycle import ProxyRequest
+from adaptive_spec.proxy.remote_prefill import REMOTE_PREFILL
 from adaptive_spec.proxy.security import routed_path
 from adaptive_spec.proxy.state import CLIENT, FRESH_CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
@@ -177,6 +178,12 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | web.Resp
     req.routed_started = True
     if req.decision.handoff and session_id is not None:
         req.handoff = await router.hand_off(app[CLIENT], req.decision, session_id, req.slot)
+    remote = app.get(REMOTE_PREFILL)
+    if remote is not None and req.routed.api in _SLOT_APIS:
+        request_spec = (req.routed.upstream_path, parsed.body)
+        req.decision, req.remote_prefill = await remote.maybe(
+            app[CLIENT], router, req.decision, chosen, req.slot, request_spec, session_id
+        )
     return chosen
 
 

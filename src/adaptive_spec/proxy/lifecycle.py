@@ -18,6 +18,7 @@ from adaptive_spec.core.sessions.grouping import SessionAssignment
 from adaptive_spec.core.sessions.project import DEFAULT_PROJECT
 from adaptive_spec.core.timings import ResponseMeter
 from adaptive_spec.proxy.bus import EventBus
+from adaptive_spec.proxy.remote_prefill import RemotePrefillResult
 from adaptive_spec.proxy.routing import HandoffResult, Router
 from adaptive_spec.proxy.session_service import SessionService
 from adaptive_spec.proxy.trace import TraceWriter
@@ -47,6 +48,7 @@ class ProxyRequest:
     decision: Decision | None = None
     slot: int | None = None  # the slot named with id_slot (profiles with several slots)
     handoff: HandoffResult | None = None
+    remote_prefill: RemotePrefillResult | None = None  # the prompt was prefilled on --pp-server first
     routed_started: bool = False  # counted in the router's in-flight load
     client: str | None = None  # the agent, from its User-Agent
 
@@ -196,6 +198,7 @@ def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> Reques
         reason=decision.reason if decision else None,
         moved_from=decision.moved_from if decision else None,
         handoff=asdict(req.handoff) if req.handoff is not None else None,
+        remote_prefill=asdict(req.remote_prefill) if req.remote_prefill is not None else None,
         client=req.client,
         new_tokens_est=decision.new_tokens if decision else None,
         side=decision.side if decision else False,

@@ -56,6 +56,9 @@ class Router(RouterState):
         upstream = self.table.get(profile)
         return self.slot_dir is not None and upstream is not None and upstream.upstream_model is None
 
+    def can_save(self, profile: str) -> bool:
+        return self._can_save(profile)
+
     def slot_count(self, profile: str) -> int:
         return self._books[profile].slots
 
@@ -95,25 +98,25 @@ class Router(RouterState):
             # llama-server does not refuse a slot action on a busy slot: it waits for the running request, then acts
             # on whatever that slot holds by then. So only idle slots are touched (this request is not sent yet).
             if self.slot_busy(source.name, placement.slot, mine=0):
-                raise _SlotError(f"{source.name} slot {from_slot} is busy with another request")
+                raise SlotError(f"{source.name} slot {from_slot} is busy with another request")
             if self.slot_busy(target.name, to_slot, mine=1):
-                raise _SlotError(f"{target.name} slot {into_slot} is busy with another request")
-            saved = await _slot_action(client, source, from_slot, "save", name, timeout)
+                raise SlotError(f"{target.name} slot {into_slot} is busy with another request")
+            saved = await slot_action(client, source, from_slot, "save", name, timeout)
             t1 = time.perf_counter()
             n_saved = int(saved.get("n_saved") or 0)
             await self._check_slot_file(source.name, name, saved.get("n_written"))
             if n_saved < 0.9 * placement.cached_tokens:
-                raise _SlotError(
+                raise SlotError(
                     f"save on {source.name} slot {from_slot} wrote {n_saved} tokens, not the session's "
                     f"{placement.cached_tokens} (its slot was reused)"
                 )
             if self.slot_busy(target.name, to_slot, mine=1):
-                raise _SlotError(f"{target.name} slot {into_slot} became busy with another request")
-            restored = await _slot_action(client, target, into_slot, "restore", name, timeout)
+                raise SlotError(f"{target.name} slot {into_slot} became busy with another request")
+            restored = await slot_action(client, target, into_slot, "restore", name, timeout)
             t2 = time.perf_counter()
             if int(restored.get("n_restored") or -1) != n_saved:
-                raise _SlotError(f"restore on {target.name} restored {restored.get('n_restored')} of {n_saved} tokens")
-        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, _SlotError) as exc:
+                raise SlotError(f"restore on {target.name} restored {restored.get('n_restored')} of {n_saved} tokens")
+        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, SlotError) as exc:
             self.handoffs["failed"] += 1
             result = HandoffResult(False, placement.cached_tokens, 0.0, 0.0, str(exc) or type(exc).__name__)
         else:
@@ -146,7 +149,7 @@ class Router(RouterState):
             return
         size = await asyncio.to_thread(_size, self.slot_dir / name)
         if size != n_written:
-            raise _SlotError(
+            raise SlotError(
                 f"the slot file {profile} saved has {size} of its {n_written} bytes (disk full?); not restoring it"
             )
 
@@ -183,11 +186,11 @@ class Router(RouterState):
             self.publish(PolicyChanged(message=message))
 
 
-class _SlotError(Exception):
+class SlotError(Exception):
     pass
 
 
-async def _slot_action(
+async def slot_action(
     client: aiohttp.ClientSession,
     upstream: Upstream,
     slot: int,
@@ -199,10 +202,10 @@ async def _slot_action(
     async with client.post(url, json={"filename": filename}, timeout=timeout) as resp:
         if resp.status != 200:
             text = (await resp.text())[:300]
-            raise _SlotError(f"{action} on {upstream.name} slot {slot}: HTTP {resp.status} {text}")
+            raise SlotError(f"{action} on {upstream.name} slot {slot}: HTTP {resp.status} {text}")
         body = await resp.json(content_type=None)
     if not isinstance(body, dict):
-        raise _SlotError(f"{action} on {upstream.name} slot {slot}: unexpected answer {str(body)[:200]}")
+        raise SlotError(f"{action} on {upstream.name} slot {slot}: unexpected answer {str(body)[:200]}")
     return body
 
 

@@ -17,6 +17,7 @@ from adaptive_spec.core.events import SessionPinned
 from adaptive_spec.core.headers import PROFILE_HEADER
 from adaptive_spec.errors import LaunchError
 from adaptive_spec.proxy.errors import error_response
+from adaptive_spec.proxy.remote_prefill import REMOTE_PREFILL
 from adaptive_spec.proxy.state import (
     BUS,
     HISTORY,
@@ -153,8 +154,13 @@ async def _pin_view(request: web.Request) -> web.Response:
 
 
 async def _route_view(request: web.Request) -> web.Response:
-    """The router's state: learned speeds, where sessions' KV caches live, the policy, recent decisions."""
-    return _json(request.app[ROUTER].to_json())
+    """The router's state: learned speeds, where sessions' KV caches live, the policy, recent decisions; and remote
+    prefill's learned terms and counts, with --pp-server."""
+    body = request.app[ROUTER].to_json()
+    remote = request.app.get(REMOTE_PREFILL)
+    if remote is not None:
+        body["remote_prefill"] = remote.to_json()
+    return _json(body)
 
 
 async def _sessions_view(request: web.Request) -> web.Response:

@@ -1,0 +1,215 @@
+"""Remote prefill's shell (`serve --pp-server`): a long prompt is prefilled on a bigger machine through its kv-relay,
+the slot file brought home and restored into the local slot, so the local profile prefills only the tail.
+
+The decision is `core/routing/remote_prefill.choose()`; this module checks the two models hash the same at start,
+measures the link, performs the steps and learns from them. It never raises into the request: any failure means the
+local profile prefills the prompt itself (correct, only slower), and the reason line says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from adaptive_spec.core.routing.decide import Decision
+from adaptive_spec.core.routing.remote_prefill import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy, choose
+from adaptive_spec.core.slot_files import model_mismatch
+from adaptive_spec.errors import ConfigError, ProfileMismatchError
+from adaptive_spec.proxy.routing import Router, SlotError, slot_action
+from adaptive_spec.proxy.upstreams import Upstream
+from adaptive_spec.relay.client import RelayClient, RelayError
+from adaptive_spec.relay.model_hash import file_sha256
+
+log = logging.getLogger(__name__)
+_PROBE_BYTES = 256 << 10
+_FILE_PREFIX = "as-pp-"  # the router's sweep of left-over slot files (as-*.bin) takes these too
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePrefillResult:
+    """What a remote prefill did, for the request's record."""
+
+    ok: bool
+    tokens: int  # tokens the restored slot holds
+    remote_prefill_s: float
+    save_s: float
+    transfer_s: float
+    restore_s: float
+    bytes: int
+    error: str | None = None
+
+
+class RemotePrefill:
+    """The proxy's remote prefill: one per proxy, set on the app by `serve` (`REMOTE_PREFILL`)."""
+
+    def __init__(self, relay: RelayClient, costs: RemoteCosts, slot_dir: Path, max_bytes: int = 64 << 30) -> None:
+        self.relay, self.costs, self.slot_dir, self.max_bytes = relay, costs, slot_dir, max_bytes
+        self.counts = {"ok": 0, "failed": 0}
+        self._seq = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"relay": self.relay.base_url, "counts": dict(self.counts), "estimates": self.costs.describe()}
+
+    async def connect(self, client: aiohttp.ClientSession) -> str:
+        """At start: the relay's model must be ours (else refuse, naming both hashes); then a probe of the link."""
+        try:
+            model, round_trip_s = await self.relay.model(client)
+            bandwidth = await self.relay.probe(client, _PROBE_BYTES)
+        except (aiohttp.ClientError, TimeoutError, RelayError, ValueError) as exc:
+            raise ProfileMismatchError(f"--pp-server {self.relay.base_url}: {exc or type(exc).__name__}") from exc
+        where = f"--pp-server {self.relay.base_url}"
+        problem = model_mismatch(str(model.get("sha256")), self.relay.model_sha256, where)
+        if problem:
+            raise ProfileMismatchError(problem)
+        if not model.get("server"):
+            raise ProfileMismatchError(f"--pp-server {self.relay.base_url}: the relay has no llama-server (--server)")
+        self.costs.observe_link(round_trip_s, bandwidth)
+        return (
+            f"remote prefill: {self.relay.base_url} runs the same model ({model.get('model')}, sha256 "
+            f"{self.relay.model_sha256[:12]}…); link {round_trip_s * 1000:.0f} ms, {bandwidth / 1e6:.1f} MB/s"
+        )
+
+    async def maybe(
+        self,
+        client: aiohttp.ClientSession,
+        router: Router,
+        decision: Decision,
+        upstream: Upstream,
+        slot: int | None,
+        request: tuple[str, dict[str, Any]],
+        session_id: str | None,
+    ) -> tuple[Decision, RemotePrefillResult | None]:
+        """Prefill `request` (upstream path, body) remotely when the cost model says so; the decision comes back with
+        its reason extended."""
+        if decision.new_tokens is None or decision.handoff or not router.can_save(upstream.name):
+            return decision, None
+        if slot is None and router.slot_count(upstream.name) > 1:
+            return decision, None
+        local = router.speeds.prefill_s(upstream.name, 1.0)
+        choice = choose(decision.new_tokens, decision.context_tokens, local, self.costs)
+        if not choice.remote:
+            extended = decision.new_tokens >= self.costs.policy.min_tokens
+            return (replace(decision, reason=f"{decision.reason}; {choice.reason}") if extended else decision), None
+        result = await self._run(client, router, upstream, slot or 0, request, session_id)
+        note = choice.reason if result.ok else f"remote prefill failed ({result.error}): prefilled here"
+        return replace(decision, reason=f"{decision.reason}; {note}"), result
+
+    async def _run(
+        self,
+        client: aiohttp.ClientSession,
+        router: Router,
+        upstream: Upstream,
+        slot: int,
+        request: tuple[str, dict[str, Any]],
+        session_id: str | None,
+    ) -> RemotePrefillResult:
+        """Prefill and save there, download, restore here; whatever happens, the file goes on both sides."""
+        self._seq += 1
+        tag = hashlib.sha256((session_id or "").encode()).hexdigest()[:20]
+        name = f"{_FILE_PREFIX}{tag}-{self._seq}.bin"
+        dest = self.slot_dir / name
+        path, body = request
+        t0 = time.perf_counter()
+        try:
+            if router.slot_busy(upstream.name, slot, mine=1):
+                raise SlotError(f"{upstream.name} slot {slot} is busy with another request")
+            prefilled = await self.relay.prefill(client, path, body, name, timeout_s=3600.0)
+            t1 = time.perf_counter()
+            got = await self.relay.download(client, name, dest, self.max_bytes, timeout_s=3600.0)
+            if got.bytes != prefilled.n_written:
+                raise RelayError(f"downloaded {got.bytes} of the {prefilled.n_written} bytes saved")
+            t2 = time.perf_counter()
+            timeout = aiohttp.ClientTimeout(total=10.0 + prefilled.n_saved * 0.0005)
+            restored = await slot_action(client, upstream, slot, "restore", name, timeout)
+            t3 = time.perf_counter()
+            if int(restored.get("n_restored") or -1) != prefilled.n_saved:
+                raise SlotError(
+                    f"restore on {upstream.name} restored {restored.get('n_restored')} of {prefilled.n_saved} tokens"
+                )
+        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, OSError, RelayError, SlotError) as exc:
+            self.counts["failed"] += 1
+            log.warning("remote prefill via %s failed: %s", self.relay.base_url, exc)
+            return RemotePrefillResult(False, 0, 0.0, 0.0, 0.0, 0.0, 0, str(exc) or type(exc).__name__)
+        finally:
+            router.placements.displace(upstream.name, slot, keep=session_id)
+            await asyncio.to_thread(dest.unlink, True)
+            await self._delete_there(client, name)  # also after a failed call: the save may have happened
+        self.counts["ok"] += 1
+        server_s = (prefilled.prompt_ms + prefilled.save_ms) / 1000.0
+        self.costs.observe(
+            RemoteMeasurement(
+                tokens=prefilled.n_saved,
+                prompt_n=prefilled.prompt_n,
+                prefill_s=prefilled.prompt_ms / 1000.0,
+                round_trip_s=(t1 - t0) - server_s,
+                save_s=prefilled.save_ms / 1000.0,
+                file_bytes=got.bytes,
+                transfer_s=t2 - t1,
+                restore_s=t3 - t2,
+            )
+        )
+        return RemotePrefillResult(
+            True,
+            prefilled.n_saved,
+            prefilled.prompt_ms / 1000.0,
+            prefilled.save_ms / 1000.0,
+            t2 - t1,
+            t3 - t2,
+            got.bytes,
+        )
+
+    async def _delete_there(self, client: aiohttp.ClientSession, name: str) -> None:
+        try:
+            await self.relay.delete(client, name)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("could not delete %s at %s: %s", name, self.relay.base_url, exc)
+
+
+REMOTE_PREFILL = web.AppKey("remote_prefill", RemotePrefill)
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePrefillPlan:
+    """`serve --pp-server URL` (the kv-relay beside the remote llama-server) and how to price it."""
+
+    relay_url: str
+    key: str
+    policy: RemotePrefillPolicy
+    model_sha256: str | None = None  # this side's GGUF hash, when the proxy cannot read the file (attached profiles)
+
+
+async def start_remote_prefill(
+    plan: RemotePrefillPlan,
+    client: aiohttp.ClientSession,
+    model_path: str | None,
+    slot_dir: Path | None,
+    say: Callable[[str], None],
+) -> RemotePrefill:
+    """Check and connect at start: this side's model hash (`--pp-model-sha256`, else the GGUF the profiles run:
+    the launched model, or the attached profiles' /props model_path when that file is on this machine), the
+    slot directory it restores from, and the relay's model."""
+    if slot_dir is None:
+        raise ConfigError(
+            "--pp-server restores slot files here: attached profiles need --slot-dir (their shared --slot-save-path)"
+        )
+    sha = plan.model_sha256
+    if sha is None:
+        if not model_path or not await asyncio.to_thread(Path(model_path).is_file):
+            raise ConfigError(
+                f"--pp-server: the profiles' model file {model_path or '(unknown)'} is not readable here to hash; "
+                "give --pp-model-sha256 HEX (sha256sum of the GGUF)"
+            )
+        say(f"remote prefill: hashing {model_path} ...")
+        sha = await asyncio.to_thread(file_sha256, Path(model_path))
+    remote = RemotePrefill(RelayClient(plan.relay_url, plan.key, sha), RemoteCosts(plan.policy), slot_dir)
+    say(await remote.connect(client))
+    return remote

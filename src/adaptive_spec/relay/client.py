@@ -1,0 +1,155 @@
+"""The caller's side of a kv-relay: its model's hash, a probe of the link, a remote prefill, and a slot file brought
+home (streamed into a hidden partial file, its sha256 checked, then renamed) and deleted over there."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import aiohttp
+import orjson
+
+from adaptive_spec.core.slot_files import MODEL_HEADER, SHA256_HEADER, valid_sha256
+
+_CHUNK = 1 << 20
+
+
+class RelayError(Exception):
+    """The relay refused or failed; the message names what and where."""
+
+
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    slot: int
+    prompt_n: int
+    cache_n: int
+    prompt_ms: float
+    n_saved: int
+    n_written: int
+    save_ms: float
+    elapsed_ms: float  # the whole call, as the relay measured it
+
+
+@dataclass(frozen=True, slots=True)
+class Downloaded:
+    bytes: int
+    seconds: float
+    sha256: str
+
+
+class RelayClient:
+    def __init__(self, base_url: str, key: str, model_sha256: str) -> None:
+        self.base_url, self.model_sha256 = base_url.rstrip("/"), model_sha256
+        self._headers = {"Authorization": f"Bearer {key}", MODEL_HEADER: model_sha256}
+
+    async def _json(self, resp: aiohttp.ClientResponse, what: str) -> dict[str, Any]:
+        text = await resp.text()
+        if resp.status >= 300:
+            raise RelayError(f"{what} at {self.base_url}: HTTP {resp.status}: {_message(text)}")
+        body = orjson.loads(text) if text else {}
+        if not isinstance(body, dict):
+            raise RelayError(f"{what} at {self.base_url}: unexpected answer {text[:200]}")
+        return body
+
+    async def model(self, client: aiohttp.ClientSession) -> tuple[dict[str, Any], float]:
+        """The relay's model (sha256, name, size) and the call's round trip in seconds."""
+        t0 = time.perf_counter()
+        async with client.get(f"{self.base_url}/relay/model", headers=self._headers, timeout=_timeout(30)) as resp:
+            body = await self._json(resp, "GET /relay/model")
+        return body, time.perf_counter() - t0
+
+    async def probe(self, client: aiohttp.ClientSession, n_bytes: int) -> float:
+        """Bytes per second of a timed download of `n_bytes`."""
+        t0 = time.perf_counter()
+        url = f"{self.base_url}/relay/probe?bytes={n_bytes}"
+        async with client.get(url, headers=self._headers, timeout=_timeout(120)) as resp:
+            if resp.status != 200:
+                raise RelayError(f"probe at {self.base_url}: HTTP {resp.status}")
+            got = 0
+            async for chunk in resp.content.iter_chunked(_CHUNK):
+                got += len(chunk)
+        return got / max(1e-6, time.perf_counter() - t0)
+
+    async def prefill(
+        self, client: aiohttp.ClientSession, path: str, body: dict[str, Any], filename: str, timeout_s: float
+    ) -> Prefilled:
+        payload = orjson.dumps({"path": path, "body": body, "filename": filename})
+        headers = {**self._headers, "Content-Type": "application/json"}
+        url = f"{self.base_url}/relay/prefill"
+        async with client.post(url, data=payload, headers=headers, timeout=_timeout(timeout_s)) as resp:
+            answer = await self._json(resp, "remote prefill")
+        timings = answer.get("timings") or {}
+        return Prefilled(
+            slot=int(answer.get("slot") or 0),
+            prompt_n=int(timings.get("prompt_n") or 0),
+            cache_n=int(timings.get("cache_n") or 0),
+            prompt_ms=float(timings.get("prompt_ms") or 0.0),
+            n_saved=int(answer.get("n_saved") or 0),
+            n_written=int(answer.get("n_written") or 0),
+            save_ms=float(answer.get("save_ms") or 0.0),
+            elapsed_ms=float(answer.get("elapsed_ms") or 0.0),
+        )
+
+    async def download(
+        self, client: aiohttp.ClientSession, name: str, dest: Path, max_bytes: int, timeout_s: float
+    ) -> Downloaded:
+        """Stream the relay's slot file `name` to `dest` (same directory partial file, renamed once its sha256
+        matches the relay's header); nothing is left at `dest` on failure."""
+        partial = dest.with_name(f".part-{uuid.uuid4().hex}")
+        t0 = time.perf_counter()
+        url = f"{self.base_url}/relay/slots/{name}"
+        try:
+            async with client.get(url, headers=self._headers, timeout=_timeout(timeout_s)) as resp:
+                if resp.status != 200:
+                    raise RelayError(
+                        f"download of {name} at {self.base_url}: HTTP {resp.status}: {_message(await resp.text())}"
+                    )
+                expected = resp.headers.get(SHA256_HEADER, "").lower()
+                if not valid_sha256(expected):
+                    raise RelayError(f"download of {name}: the relay sent no {SHA256_HEADER}")
+                size, digest = await _write(resp, partial, max_bytes)
+            if digest != expected:
+                raise RelayError(f"download of {name}: sha256 {digest} does not match the relay's {expected}")
+            await asyncio.to_thread(os.replace, partial, dest)
+        finally:
+            await asyncio.to_thread(partial.unlink, True)
+        return Downloaded(size, time.perf_counter() - t0, digest)
+
+    async def delete(self, client: aiohttp.ClientSession, name: str) -> bool:
+        url = f"{self.base_url}/relay/slots/{name}"
+        async with client.delete(url, headers=self._headers, timeout=_timeout(30)) as resp:
+            return resp.status == 204
+
+
+async def _write(resp: aiohttp.ClientResponse, partial: Path, max_bytes: int) -> tuple[int, str]:
+    digest, size = hashlib.sha256(), 0
+    fh: BinaryIO = await asyncio.to_thread(partial.open, "wb")
+    try:
+        async for chunk in resp.content.iter_chunked(_CHUNK):
+            size += len(chunk)
+            if size > max_bytes:
+                raise RelayError(f"the slot file is larger than {max_bytes} bytes")
+            digest.update(chunk)
+            await asyncio.to_thread(fh.write, chunk)
+    finally:
+        fh.close()
+    return size, digest.hexdigest()
+
+
+def _timeout(total_s: float) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=total_s)
+
+
+def _message(text: str) -> str:
+    """The message of an OpenAI-shaped error body, else the text's start."""
+    try:
+        body = orjson.loads(text)
+        return str(body["error"]["message"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return text[:300]

@@ -1,0 +1,139 @@
+"""`POST /relay/prefill`: the relay's one door to its llama-server. It prefills a prompt into a free slot (one token
+generated: llama-server b11434 samples one even with `n_predict: 0`, and the slot then holds the prompt alone) and
+saves that slot under the name the caller chose, so the caller can download it. The llama-server itself need not be
+reachable from anywhere but the relay.
+
+Request: `{"path": "/v1/chat/completions", "body": {...}, "filename": "NAME.bin"}` (path: the chat or completions
+API); answer: the server's `timings`, `n_saved`, `n_written`, `save_ms`, the slot used and the call's `elapsed_ms`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from adaptive_spec.core.slot_files import valid_slot_name
+from adaptive_spec.relay.service import SETTINGS, check_model, error
+
+PREFILL_PATHS = frozenset(
+    {"/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions", "/completion"}
+)
+_CLIENT = web.AppKey("relay_client", aiohttp.ClientSession)
+
+
+class _Slots:
+    """The server's slots, asked once (`/props` total_slots): one prefill per slot at a time."""
+
+    def __init__(self) -> None:
+        self.free: asyncio.Queue[int] = asyncio.Queue()
+        self.known = False
+        self.lock = asyncio.Lock()
+
+
+_SLOTS = web.AppKey("relay_slots", _Slots)
+# Fields that would change what the slot holds or how the answer comes back.
+_DROPPED = ("stream", "stream_options", "n_probs", "logprobs", "top_logprobs", "timings_per_token")
+
+
+class _ServerError(Exception):
+    pass
+
+
+async def _free_slots(slots: _Slots, client: aiohttp.ClientSession, url: str) -> asyncio.Queue[int]:
+    async with slots.lock:
+        if not slots.known:
+            async with client.get(f"{url}/props", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                props = await resp.json(content_type=None)
+            for slot in range(int(props.get("total_slots") or 1)):
+                slots.free.put_nowait(slot)
+            slots.known = True
+    return slots.free
+
+
+async def _post(client: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    async with client.post(
+        url,
+        data=orjson.dumps(body),
+        headers={"Content-Type": "application/json"},
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+    ) as resp:
+        text = await resp.text()
+        if resp.status != 200:
+            raise _ServerError(f"llama-server answered {url.rsplit('/', 1)[-1]} with HTTP {resp.status}: {text[:300]}")
+    answer = orjson.loads(text)
+    if not isinstance(answer, dict):
+        raise _ServerError(f"unexpected answer from llama-server: {text[:200]}")
+    return answer
+
+
+async def prefill(request: web.Request) -> web.Response:
+    settings = request.app[SETTINGS]
+    if settings.server_url is None:
+        return error(404, "this relay has no llama-server behind it (kv-relay --server URL)", "no_server")
+    refused = check_model(request)
+    if refused is not None:
+        return refused
+    try:
+        spec = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        return error(400, f"the body is not JSON: {exc}", "bad_json")
+    path, body, filename = spec.get("path"), spec.get("body"), spec.get("filename")
+    if path not in PREFILL_PATHS or not isinstance(body, dict):
+        return error(400, f"path must be one of {sorted(PREFILL_PATHS)} and body an object", "bad_prefill")
+    if not isinstance(filename, str) or not valid_slot_name(filename):
+        return error(400, "filename must be one plain file name: [A-Za-z0-9_.-]{1,128}", "bad_name")
+    client, url = request.app[_CLIENT], settings.server_url
+    t0 = time.perf_counter()
+    try:
+        queue = await _free_slots(request.app[_SLOTS], client, url)
+        slot = await queue.get()
+        try:
+            sent = {k: v for k, v in body.items() if k not in _DROPPED}
+            sent |= {"n_predict": 1, "stream": False, "id_slot": slot, "cache_prompt": True}
+            answer = await _post(client, url + path, sent, settings.prefill_timeout_s)
+            saved = await _post(client, f"{url}/slots/{slot}?action=save", {"filename": filename}, 600.0)
+        finally:
+            queue.put_nowait(slot)
+    except (aiohttp.ClientError, TimeoutError, ValueError, _ServerError) as exc:
+        return error(502, f"prefill on the relay's llama-server {url} failed: {exc or type(exc).__name__}", "server")
+    size = await asyncio.to_thread(_size, settings.slot_dir / filename)
+    if size != saved.get("n_written"):
+        return error(
+            502,
+            f"llama-server saved {saved.get('n_written')} bytes but {filename!r} in the relay's --slot-dir has {size}:"
+            " is llama-server's --slot-save-path the relay's --slot-dir?",
+            "slot_dir_mismatch",
+        )
+    return web.json_response(
+        {
+            "slot": slot,
+            "timings": answer.get("timings") or {},
+            "n_saved": saved.get("n_saved"),
+            "n_written": saved.get("n_written"),
+            "save_ms": (saved.get("timings") or {}).get("save_ms"),
+            "elapsed_ms": round((time.perf_counter() - t0) * 1000.0, 3),
+        }
+    )
+
+
+def _size(path: Any) -> int:
+    try:
+        return int(path.stat().st_size)
+    except OSError:
+        return -1
+
+
+async def client_ctx(app: web.Application) -> AsyncIterator[None]:
+    app[_CLIENT] = aiohttp.ClientSession()
+    app[_SLOTS] = _Slots()
+    yield
+    await app[_CLIENT].close()
+
+
+ROUTES = [web.post("/relay/prefill", prefill)]

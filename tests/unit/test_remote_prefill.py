@@ -1,0 +1,117 @@
+"""The remote prefill cost model (`core/routing/remote_prefill.py`) and the relay's slot-file names, table-driven."""
+
+from __future__ import annotations
+
+import pytest
+
+from adaptive_spec.core.routing.remote_prefill import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy, choose
+from adaptive_spec.core.slot_files import model_mismatch, valid_slot_name
+
+LOCAL_10_TPS = 0.1  # seconds per token: the public proposal's weak local box
+
+
+def _costs(**policy: float) -> RemoteCosts:
+    return RemoteCosts(RemotePrefillPolicy(**policy))  # type: ignore[arg-type]
+
+
+def test_the_proposals_case_goes_remote_and_says_by_how_much() -> None:
+    # 50k tokens at 10 tok/s here (5,000 s) vs a 2,000 tok/s remote, 120 kB/token over 1 Gbit/s (~60 s).
+    choice = choose(50_000, 50_000, LOCAL_10_TPS, _costs())
+    assert choice.remote and choice.local_s == pytest.approx(5000.0)
+    assert 60 < choice.remote_s < 120 and choice.transfer_s == pytest.approx(60.0)
+    assert choice.reason.startswith("remote prefill of 50,000 tokens saves 4,9") and "transfer 60.0 s" in choice.reason
+
+
+@pytest.mark.parametrize(
+    ("new_tokens", "local_s_per_token", "bandwidth", "remote"),
+    [
+        (1_000, LOCAL_10_TPS, 100e6, False),  # under min_tokens: never worth a round trip
+        (50_000, 1 / 3000, 100e6, False),  # a local box faster than the remote
+        (50_000, LOCAL_10_TPS, 1e6, False),  # 6 GB over 8 Mbit/s: 6,000 s of transfer
+        (50_000, LOCAL_10_TPS, 1.25e9, True),  # 10 Gbit/s
+    ],
+)
+def test_the_choice_follows_the_terms(
+    new_tokens: int, local_s_per_token: float, bandwidth: float, remote: bool
+) -> None:
+    choice = choose(new_tokens, new_tokens, local_s_per_token, _costs(bandwidth_bytes_per_s=bandwidth))
+    assert choice.remote is remote, choice.reason
+
+
+def test_the_margin_keeps_a_near_tie_here() -> None:
+    costs = _costs(margin=0.25)
+    tokens = 50_000
+    remote_s = costs.remote_s(tokens)
+    assert not choose(tokens, tokens, remote_s * 1.2 / tokens, costs).remote
+    assert choose(tokens, tokens, remote_s * 1.3 / tokens, costs).remote
+
+
+def test_the_remote_prices_the_whole_context_a_slot_file_carries() -> None:
+    # 2,000 new tokens after 48,000 already cached here: the file holds 50,000.
+    choice = choose(2_000, 50_000, LOCAL_10_TPS, _costs())
+    assert not choice.remote and choice.local_s == pytest.approx(200.0) and choice.remote_s > 60
+
+
+def test_measurements_replace_the_priors() -> None:
+    costs = _costs()
+    slow_link = RemoteMeasurement(
+        tokens=4_000,
+        prompt_n=4_000,
+        prefill_s=0.4,
+        round_trip_s=0.01,
+        save_s=0.05,
+        file_bytes=4_000 * 12_300,
+        transfer_s=49.2,  # 1 MB/s
+        restore_s=0.05,
+    )
+    costs.observe(slow_link)
+    assert costs.bytes_per_token() == pytest.approx(12_300, rel=0.1)  # a fact of the model: one file tells it
+    for _ in range(19):
+        costs.observe(slow_link)
+    assert costs.bandwidth() == pytest.approx(1e6, rel=0.2)
+    assert 6_000 < 1 / costs.s_per_token() < 10_000  # from the 2,000 prior toward the measured 10,000
+    assert not choose(50_000, 50_000, 1 / 100, costs).remote  # 615 s of transfer vs 500 s here
+
+
+def test_a_probe_of_the_link_counts_before_any_transfer() -> None:
+    costs = _costs()
+    costs.observe_link(0.002, 100_000.0)
+    assert costs.bandwidth() < 1e6
+
+
+def test_forced_goes_remote_whatever_the_estimate() -> None:
+    choice = choose(10, 10, 1 / 1e6, _costs(force=True))
+    assert choice.remote and "forced" in choice.reason
+
+
+@pytest.mark.parametrize(
+    ("name", "ok"),
+    [
+        ("as-pp-0123abc-1.bin", True),
+        ("slot_0.bin", True),
+        ("a", True),
+        ("x" * 128, True),
+        ("x" * 129, False),
+        ("", False),
+        (".", False),
+        ("..", False),
+        (".hidden", False),
+        (".part-abc", False),
+        ("a/b", False),
+        ("../x", False),
+        ("a..b", False),
+        ("a\\b", False),
+        ("a b", False),
+        ("ü.bin", False),
+        ("a\0b", False),
+    ],
+)
+def test_slot_file_names(name: str, ok: bool) -> None:
+    assert valid_slot_name(name) is ok
+
+
+def test_a_model_mismatch_names_both_hashes() -> None:
+    here, there = "a" * 64, "b" * 64
+    assert model_mismatch(here, here, "x") is None
+    message = model_mismatch(there, here, "--pp-server http://big:8095")
+    assert message is not None and here in message and there in message and "--pp-server http://big:8095" in message
