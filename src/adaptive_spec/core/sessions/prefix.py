@@ -99,7 +99,9 @@ def _blocks(kind: str, text: str) -> bytes:
     out = bytearray()
     chain = kind.encode()
     for at in range(BLOCK_CHARS, len(text) + 1, BLOCK_CHARS):
-        chain = hashlib.blake2b(chain + text[at - BLOCK_CHARS : at].encode(), digest_size=_BLOCK_DIGEST).digest()
+        chain = hashlib.blake2b(
+            chain + text[at - BLOCK_CHARS : at].encode("utf-8", "surrogatepass"), digest_size=_BLOCK_DIGEST
+        ).digest()
         out += chain
     return bytes(out)
 
