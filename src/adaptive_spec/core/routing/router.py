@@ -129,14 +129,16 @@ class RouterState:
         states = []
         for i, (url, down) in enumerate(self.health.replica_health(profile)):
             book = self._books.get((profile, i)) or SlotBook(1)
+            in_flight = self.replica_in_flight.get((profile, i), 0)
             states.append(
                 ReplicaState(
                     index=i,
                     base_url=url,
                     down_reason=down,
                     slots=book.slots,
-                    busy_slots=sum(1 for n in book.busy.values() if n > 0),
-                    in_flight=self.replica_in_flight.get((profile, i), 0),
+                    # Requests without a named slot (one-slot servers, APIs that take no id_slot) occupy one too.
+                    busy_slots=min(book.slots, max(sum(1 for n in book.busy.values() if n > 0), in_flight)),
+                    in_flight=in_flight,
                     sessions=self.placements.count_on(profile, i),
                 )
             )
@@ -234,6 +236,9 @@ class RouterState:
                 idle is not None
                 and policy.handoff.enabled
                 and placement.in_slot
+                # A busy slot cannot be saved (llama-server would save whatever it holds once the running request
+                # ends): under load the session's slot is usually serving another session, and a move re-prefills.
+                and not self.slot_busy(profile, placement.slot, mine=0, replica=held)
                 and self._can_move(profile, held, profile, idle.index)
             )
             costs = MoveCosts(
@@ -241,7 +246,7 @@ class RouterState:
                 handoff_s=self.speeds.handoff_s(placement.cached_tokens) if can_move else None,
                 reprefill_s=self.speeds.prefill_s(profile, placement.cached_tokens),
                 # A request queued ahead is taken to last about as long as this one is estimated to.
-                wait_s=chosen.total_s if chosen is not None else 0.0,
+                wait_s=chosen.total_s if chosen is not None else self._turn_s(decision, placement),
             )
         choice: ReplicaChoice = choose_replica(profile, replicas, held, costs)
         changes: dict[str, Any] = {"replica": choice.replica, "replica_kind": choice.kind}
@@ -259,6 +264,12 @@ class RouterState:
             if not changes["handoff"]:
                 changes["handoff_tokens"] = 0
         return replace(decision, **changes)
+
+    def _turn_s(self, decision: Decision, placement: Placement) -> float:
+        """This turn's estimated time where the session is (a decision without estimates: pinned, forced, only)."""
+        per_token = self.speeds.decode_s_per_token(decision.profile, decision.copy_share, decision.context_tokens)
+        prefill = self.speeds.prefill_s(decision.profile, decision.new_tokens or 0)
+        return prefill + max(1.0, placement.output_tokens) * per_token
 
     def _can_move(self, from_profile: str, from_replica: int, to_profile: str, to_replica: int) -> bool:
         """Whether a slot can go from one server to the other (the shell knows how: a shared slot directory, or a
