@@ -192,9 +192,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, help="folder for bench.csv, bench.json, bench.md and bench.png")
     bench.add_argument(
         "--simulate",
-        choices=["gpu", "cpu"],
+        choices=["gpu", "cpu", "pp-remote", "pool"],
         help="no proxy: replay the workloads through the routing policy at speeds measured elsewhere "
-        "(gpu: the public DFlash benchmark; cpu: this project's 0.5B measurements) and print the comparison",
+        "(gpu: the public DFlash benchmark; cpu: this project's 0.5B measurements) and print the comparison; "
+        "pp-remote: prefilling a long prompt on a faster remote server vs locally; pool: 4 replicas of a profile "
+        "under a day of agent traffic",
     )
     report = sub.add_parser(
         "report",
