@@ -102,6 +102,7 @@ def _profiles(app: web.Application) -> list[dict[str, Any]]:
         upstream = table.get(name)
         assert upstream is not None
         info = infos.get(name)
+        replicas = _replicas(app, name)
         out.append(
             {
                 "name": name,
@@ -112,8 +113,9 @@ def _profiles(app: web.Application) -> list[dict[str, Any]]:
                 "model": info.model_identity if info else None,
                 "spec_types": info.spec_types if info else None,
                 "n_ctx": info.n_ctx if info else None,
-                "slots": info.total_slots if info else None,
-                "replicas": _replicas(app, name),
+                # A pool's slots are all its servers' together (each replica's own are under "replicas").
+                "slots": sum(r["slots"] for r in replicas) if info else None,
+                "replicas": replicas,
             }
         )
     return out
