@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +29,20 @@ def pool(
     llama_server_binary: str, tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[ProxyProcess, list[LlamaServer]]]:
     home = tmp_path_factory.mktemp("pool")
-    servers = [LlamaServer(llama_server_binary, tiny_gguf, *SERVER_ARGS, log_dir=home / "logs") for _ in range(2)]
+    # Each server has its own slot directory (as on two hosts): slot actions work, no KV moves between them.
+    for i in range(2):
+        (home / f"slots{i}").mkdir()
+    servers = [
+        LlamaServer(
+            llama_server_binary,
+            tiny_gguf,
+            *SERVER_ARGS,
+            "--slot-save-path",
+            str(home / f"slots{i}"),
+            log_dir=home / "logs",
+        )
+        for i in range(2)
+    ]
     env = {"ADAPTIVE_SPEC_STATE_DIR": str(home / "state"), "ADAPTIVE_SPEC_CONFIG_DIR": str(home / "config")}
     args = [a for s in servers for a in ("--profile", f"plain={s.url}")]
     proxy = ProxyProcess(*args, "--tokenizer", "off", env=env)
@@ -104,6 +118,12 @@ def test_sessions_spread_stay_and_survive_a_killed_replica(pool: tuple[ProxyProc
     assert 'adaptive_spec_replica_up{profile="plain",replica="1"} 0.0' in metrics
     assert 'adaptive_spec_profile_up{profile="plain"} 1.0' in metrics
     assert 'adaptive_spec_replica_moves_total{from_replica="1",profile="plain",to_replica="0"} 4.0' in metrics
+    # Erasing the profile empties the replica that is up (the one down is asked nothing).
+    try:
+        status, erased, _ = _post(proxy.base + "/adaptive/profiles/plain/erase", {}, {})
+    except urllib.error.HTTPError as exc:
+        raise AssertionError(exc.read().decode()) from exc
+    assert status == 200 and erased["slots"] == 2, erased
 
 
 def test_replicas_serving_different_models_are_refused(

@@ -455,7 +455,8 @@ class Dashboard:
         self.note(at, "profile", who, "up" if up else f"down: {p.get('reason')}")
 
     def _handoff(self, p: Mapping[str, Any], at: float) -> None:
-        moved = f"{p.get('from_profile')} → {p.get('to_profile')}"
+        ends = [(p.get("from_profile"), _int(p.get("from_replica"))), (p.get("to_profile"), _int(p.get("to_replica")))]
+        moved = " → ".join(f"{name}#{r}" if r else str(name) for name, r in ends)  # replica #0 (or no pool): the name
         if p.get("ok"):
             ms = ((_float(p.get("save_s")) or 0.0) + (_float(p.get("restore_s")) or 0.0)) * 1000
             text = f"KV handed over {moved}: {_int(p.get('tokens')):,} tok in {ms:.0f} ms"
