@@ -4,6 +4,7 @@ replica with its KV through a slot mover."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -206,3 +207,26 @@ async def test_a_kv_handoff_between_replicas_goes_through_the_slot_mover() -> No
     assert result.ok and mover.moves == [("plain", 1, "plain#1", 0)]
     placement = router.placements.get("s")
     assert placement is not None and placement.in_slot
+
+
+def test_a_session_leaving_a_replica_that_is_down_re_prefills_on_the_new_profile(tmp_path: Path) -> None:
+    table = UpstreamTable(
+        [Upstream("oneshot", "http://a:1"), Upstream("oneshot", "http://b:1"), Upstream("iterative", "http://a:2")]
+    )
+    router = Router(table, FixedPolicy(), {"oneshot": 1, "iterative": 1}, {"oneshot": ("none",)}, slot_dir=tmp_path)
+    router.placements.served("s", "oneshot", None, 4000, 10, replica=1)
+    moving = dict(
+        body={"messages": [{"role": "user", "content": "word " * 8000}]},  # more than the 4,000 tokens its KV holds
+        body_bytes=40_000,
+        session_id="s",
+        session_turns=3,
+        copy_share=0.0,
+        project="default",
+        workspace=None,
+        pinned="iterative",
+    )
+    up, _ = router.choose(**moving)  # type: ignore[arg-type]
+    assert up.handoff and up.moved_from == "oneshot", up.reason
+    table.mark_down("oneshot", "refused connections", 1)
+    down, _ = router.choose(**moving)  # type: ignore[arg-type]
+    assert down.moved_from == "oneshot" and not down.handoff and down.handoff_tokens == 0

@@ -72,7 +72,7 @@ def _replicas(app: web.Application, name: str) -> list[dict[str, Any]]:
     infos = {(i.name, i.replica): i for i in app[PROFILES]}
     router = app[ROUTER]
     out = []
-    for r in router.replica_states(name):
+    for r in router.replica_states(name, count_sessions=True):
         counts = router.replica_counts.get((name, r.index), {})
         drafted = counts.get("draft_n", 0)
         info = infos.get((name, r.index))

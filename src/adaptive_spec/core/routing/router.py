@@ -125,9 +125,12 @@ class RouterState:
             )
         return out
 
-    def replica_states(self, profile: str) -> list[ReplicaState]:
+    def replica_states(self, profile: str, count_sessions: bool = False) -> list[ReplicaState]:
+        """`sessions` (placed on each replica) is counted for a pool, or when asked: a scan of the placements."""
+        health = self.health.replica_health(profile)
+        count_sessions = count_sessions or len(health) > 1
         states = []
-        for i, (url, down) in enumerate(self.health.replica_health(profile)):
+        for i, (url, down) in enumerate(health):
             book = self._books.get((profile, i)) or SlotBook(1)
             in_flight = self.replica_in_flight.get((profile, i), 0)
             states.append(
@@ -139,7 +142,7 @@ class RouterState:
                     # Requests without a named slot (one-slot servers, APIs that take no id_slot) occupy one too.
                     busy_slots=min(book.slots, max(sum(1 for n in book.busy.values() if n > 0), in_flight)),
                     in_flight=in_flight,
-                    sessions=self.placements.count_on(profile, i),
+                    sessions=self.placements.count_on(profile, i) if count_sessions else 0,
                 )
             )
         return states
@@ -259,8 +262,12 @@ class RouterState:
             if not choice.handoff:
                 changes["new_tokens"] = total_tokens  # its KV is out of reach: the whole prompt is prefilled
         elif decision.handoff and placement is not None:
-            # Across profiles: the KV goes from its replica to the chosen one, when those two can hand over.
-            changes["handoff"] = self._can_move(placement.profile, placement.replica, profile, choice.replica)
+            # Across profiles: the KV goes from its replica (if that one is up) to the chosen one, when they can.
+            source = self.health.replica_health(placement.profile)
+            source_up = placement.replica < len(source) and source[placement.replica][1] is None
+            changes["handoff"] = source_up and self._can_move(
+                placement.profile, placement.replica, profile, choice.replica
+            )
             if not changes["handoff"]:
                 changes["handoff_tokens"] = 0
         return replace(decision, **changes)
@@ -366,7 +373,7 @@ class RouterState:
         return {
             "speeds": [asdict(s) for s in self.speeds.describe()],
             "in_flight": dict(self.in_flight),
-            "replicas": {n: [asdict(r) for r in self.replica_states(n)] for n in self.health.names()},
+            "replicas": {n: [asdict(r) for r in self.replica_states(n, True)] for n in self.health.names()},
             "handoffs": dict(self.handoffs),
             "placements": [{"session_id": sid, **asdict(p)} for sid, p in self.placements.items()[-100:]],
             "policy": self.policies.describe("default", None),
