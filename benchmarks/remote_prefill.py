@@ -27,7 +27,7 @@ from tests.support.tiny_gguf import write_tiny_gguf
 
 from adaptive_spec.launcher import find_llama_server
 from adaptive_spec.models import ensure_embedded
-from adaptive_spec.proxy.routing import slot_action
+from adaptive_spec.proxy.slot_mover import slot_action
 from adaptive_spec.proxy.upstreams import Upstream
 from adaptive_spec.relay.client import RelayClient
 from adaptive_spec.relay.model_hash import file_sha256

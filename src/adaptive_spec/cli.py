@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=URL[#MODEL]",
-        help="a llama-server profile; #MODEL picks a router-mode preset (repeatable)",
+        help="a llama-server profile; #MODEL picks a router-mode preset (repeatable; a name given again adds a "
+        "replica: a pool of servers for that profile)",
     )
     launch = serve.add_argument_group("launch llama-server profiles (the default)")
     launch.add_argument(
@@ -194,9 +195,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, help="folder for bench.csv, bench.json, bench.md and bench.png")
     bench.add_argument(
         "--simulate",
-        choices=["gpu", "cpu"],
+        choices=["gpu", "cpu", "pp-remote", "pool"],
         help="no proxy: replay the workloads through the routing policy at speeds measured elsewhere "
-        "(gpu: the public DFlash benchmark; cpu: this project's 0.5B measurements) and print the comparison",
+        "(gpu: the public DFlash benchmark; cpu: this project's 0.5B measurements) and print the comparison; "
+        "pp-remote: prefilling a long prompt on a faster remote server vs locally; pool: 4 replicas of a profile "
+        "under a day of agent traffic",
     )
     report = sub.add_parser(
         "report",
@@ -341,6 +344,18 @@ def _routing_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def attached_profiles(texts: Sequence[str]) -> list[AttachedProfile]:
+    """`--profile NAME=URL`, repeatable; a name given again adds a replica to that profile's pool (in order)."""
+    attached = [AttachedProfile.parse(t) for t in texts]
+    seen: set[tuple[str, str, str | None]] = set()
+    for a in attached:
+        key = (a.name, a.base_url, a.upstream_model)
+        if key in seen:
+            raise ConfigError(f"--profile {a.name}={a.base_url} is given twice; each replica is a different server")
+        seen.add(key)
+    return attached
+
+
 def _serve_plan(args: argparse.Namespace) -> ServePlan:
     proxy = ProxySettings(
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
@@ -369,11 +384,7 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
         )
 
     if args.profile:
-        attached = [AttachedProfile.parse(p) for p in args.profile]
-        names = [a.name for a in attached]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"--profile names must be unique, got {', '.join(names)}")
-        return plan(attach=attached)
+        return plan(attach=attached_profiles(args.profile))
     from adaptive_spec.launcher import find_llama_server
 
     if args.draft_type and not args.draft and args.draft_type != "mtp":

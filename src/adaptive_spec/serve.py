@@ -22,7 +22,14 @@ from aiohttp import web
 
 from adaptive_spec.access_options import describe_access
 from adaptive_spec.core.access import AccessPolicy
-from adaptive_spec.core.profiles import AttachedProfile, ProfileInfo, ProfileSpec, ServerSettings, model_mismatch
+from adaptive_spec.core.profiles import (
+    AttachedProfile,
+    ProfileInfo,
+    ProfileSpec,
+    ServerSettings,
+    model_mismatch,
+    replica_mismatch,
+)
 from adaptive_spec.core.sessions.drafter import NgramParams
 from adaptive_spec.core.sessions.statistics import ContextTracker
 from adaptive_spec.errors import ConfigError, LaunchError, ProfileMismatchError
@@ -120,7 +127,7 @@ def state_dir() -> Path:
 def describe(info: ProfileInfo) -> str:
     spec = ",".join(info.spec_types) if info.spec_types else "unknown until its first request"
     return (
-        f"  {info.name:<10} {info.base_url}  model={info.model_identity}  n_ctx={info.n_ctx} "
+        f"  {info.label:<10} {info.base_url}  model={info.model_identity}  n_ctx={info.n_ctx} "
         f"slots={info.total_slots} speculative={info.speculative} spec-types={spec}"
     )
 
@@ -185,7 +192,9 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
     sockets = listen(plan.host, plan.port)
     client = aiohttp.ClientSession()
     try:
-        names = [a.name for a in plan.attach] + ([s.name for s in plan.launch.specs] if plan.launch else [])
+        names = list(dict.fromkeys(a.name for a in plan.attach)) + (
+            [s.name for s in plan.launch.specs] if plan.launch else []
+        )
         if plan.default_profile is not None and plan.default_profile not in names:
             raise ConfigError(f"--default-profile {plan.default_profile!r} is not one of {', '.join(names)}")
         # A bad policy file stops us before any server starts.
@@ -216,6 +225,7 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
         table = UpstreamTable(upstreams, plan.default_profile, publish=bus.publish)
         if launcher is not None:
             launcher.set_health_hooks(table.mark_up, table.mark_down)
+        upstreams = table.all()  # each replica numbered within its profile's pool
         infos = [await probe(client, u) for u in upstreams]
         if plan.launch is not None:  # before its first request /slots does not say; the launcher knows
             known = {spec.name: spec.spec_types for spec in plan.launch.specs}
@@ -225,7 +235,7 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
         say("profiles:")
         for info in infos:
             say(describe(info))
-        mismatch = model_mismatch(infos)
+        mismatch = replica_mismatch(infos) or model_mismatch(infos)
         if mismatch:
             raise ProfileMismatchError(mismatch)
         default = table.get(table.default)
@@ -249,10 +259,11 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
         router = Router(
             table,
             policies,
-            {i.name: i.total_slots for i in infos},
-            {i.name: i.spec_types for i in infos},
+            {i.name: i.total_slots for i in infos if i.replica == 0},
+            {i.name: i.spec_types for i in infos if i.replica == 0},
             slot_dir=slot_dir,
             publish=bus.publish,
+            replica_slots={(i.name, i.replica): i.total_slots for i in infos},
         )
         described = policies.describe("default", None)
         say(

@@ -96,6 +96,12 @@ class LlamaServer:
     def _run(self, work: Coroutine[Any, Any, None]) -> None:
         asyncio.run_coroutine_threadsafe(work, self._loop).result()
 
+    @property
+    def pid(self) -> int:
+        process = self._server.process
+        assert process is not None
+        return process.pid
+
     def slot_busy(self) -> bool:
         return any(bool(s.get("is_processing")) for s in http_json(self.url + "/slots"))
 

@@ -300,6 +300,8 @@ def main_simulate(scenario_name: str, specs: list[str], out: Path | None) -> str
     from adaptive_spec.bench.simulator import SCENARIOS, public_mix, requests_from_workload, simulate_targets
     from adaptive_spec.bench.simulator import to_markdown as sim_markdown
 
+    if scenario_name in ("pp-remote", "pool"):
+        return _simulate_scale(scenario_name, specs, out)
     scenario = SCENARIOS[scenario_name]
     runs = [("public benchmark mix (18-turn edit session + 100 one-shot prompts, 50/50 tokens)", public_mix())]
     runs += [(w.name, requests_from_workload(w)) for w in (load_workload(s) for s in specs or BUILTIN)]
@@ -313,4 +315,28 @@ def main_simulate(scenario_name: str, specs: list[str], out: Path | None) -> str
         out.mkdir(parents=True, exist_ok=True)
         (out / f"simulate-{scenario.name}.md").write_text(text + "\n")
         (out / f"simulate-{scenario.name}.json").write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
+    return text
+
+
+def _simulate_scale(name: str, specs: list[str], out: Path | None) -> str:
+    """The arithmetic beyond one machine: remote prefill (`pp-remote`), a pool of replicas (`pool`, on the sessions
+    of the given workloads, `mixed` by default)."""
+    from adaptive_spec.bench.sim_pool import pool_tables
+    from adaptive_spec.bench.sim_remote import remote_tables
+    from adaptive_spec.bench.simulator import SimRequest, requests_from_workload
+
+    if name == "pp-remote":
+        text = remote_tables()
+    else:
+        workloads = [load_workload(s) for s in specs or ["mixed"]]
+        templates: list[list[SimRequest]] = []
+        for w in workloads:
+            by_session: dict[str, list[SimRequest]] = {}
+            for r in requests_from_workload(w):
+                by_session.setdefault(r.session, []).append(r)
+            templates += by_session.values()
+        text = pool_tables(templates, ", ".join(w.name for w in workloads))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"simulate-{name}.md").write_text(text + "\n")
     return text

@@ -33,6 +33,7 @@ class RequestStarted(_Event):
     reason: str | None = None  # the routing decision's one-line reason
     moved_from: str | None = None  # the session's KV cache lived on this other profile
     client: str | None = None  # the agent, from its User-Agent (opencode, codex, aider, …)
+    replica: int = 0  # which server of the profile's pool serves it
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,7 @@ class SessionUpdated(_Event):
 class ProfileUp(_Event):
     profile: str
     base_url: str
+    replica: int = 0  # which server of the profile's pool (0 for a profile of one server)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +84,8 @@ class ProfileDown(_Event):
     profile: str
     base_url: str
     reason: str
+    replica: int = 0
+    profile_down: bool = True  # every replica of the profile is down (False: others of its pool still serve)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +101,8 @@ class HandoffDone(_Event):
     save_s: float
     restore_s: float
     error: str | None
+    from_replica: int = 0  # the servers of the two profiles' pools (a move between replicas of one profile too)
+    to_replica: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 PROFILE_HEADER = "x-adaptive-spec-profile"  # request: pin a profile; response: the profile that served it
 ROUTE_HEADER = "x-adaptive-spec-route"  # response: the kind of routing decision (estimate, stay, pinned, ...)
+REPLICA_HEADER = "x-adaptive-spec-replica"  # response, for a profile with a pool: which replica served it
 REQUEST_ID_HEADER = "x-adaptive-spec-request-id"  # sent upstream and back: which request this is
 SESSION_ID_HEADER = "x-session-id"  # the plainest way to name a session (the bench names its sessions with it)
 # A session id the client names, in the order they are looked for (any other x-*-session-id counts too).

@@ -168,11 +168,39 @@ class ProfileInfo:
     total_slots: int
     spec_types: tuple[str, ...] | None  # None until a slot has served a request
     speculative: bool | None
+    replica: int = 0  # its place in the profile's pool (`--profile NAME=URL` given more than once)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}#{self.replica}" if self.replica else self.name
 
     @property
     def model_identity(self) -> str:
         """The model file's name: the same GGUF under different directories (or machines) still matches."""
         return PurePath(self.model_path).name if self.model_path else self.model_alias
+
+
+def replica_mismatch(infos: list[ProfileInfo]) -> str | None:
+    """A message naming two replicas of one profile that serve different models (or, when both say, different
+    speculation types), or None: a pool's servers must be interchangeable."""
+    first: dict[str, ProfileInfo] = {}
+    for info in infos:
+        head = first.setdefault(info.name, info)
+        if head is info:
+            continue
+        what = None
+        if info.model_identity != head.model_identity:
+            what = ("models", head.model_identity, info.model_identity)
+        elif head.spec_types and info.spec_types and head.spec_types != info.spec_types:
+            what = ("speculation types", ",".join(head.spec_types), ",".join(info.spec_types))
+        if what is not None:
+            kind, a, b = what
+            return (
+                f"the replicas of profile {info.name!r} serve different {kind}: #{head.replica} at {head.base_url} "
+                f"serves {a!r} but #{info.replica} at {info.base_url} serves {b!r}. Every replica of a profile must "
+                "run the same model and setup (sessions move between them)."
+            )
+    return None
 
 
 def model_mismatch(infos: list[ProfileInfo]) -> str | None:

@@ -51,6 +51,8 @@ class RequestRecord:
     client: str | None = None  # the agent, from its User-Agent (opencode, codex, aider, …)
     new_tokens_est: int | None = None  # the router's estimate of the prompt tokens to prefill (truth: prompt_n)
     side: bool = False  # a side request of its session (a title, a commit message): not one of its turns
+    replica: int = 0  # which server of the profile's pool served it (0 for a profile of one server)
+    replica_moved_from: int | None = None  # the session's KV lived on this other server of the same pool
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

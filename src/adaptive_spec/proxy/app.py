@@ -46,6 +46,7 @@ from adaptive_spec.proxy.views import add_views
 __all__ = ["ProxySettings", "build_app"]
 log = logging.getLogger(__name__)
 _POLICY_REFRESH_S = 2.0
+_REPLICA_WATCH_S = 1.0
 
 
 def build_app(
@@ -71,13 +72,14 @@ def build_app(
     app[METRICS] = ProxyMetrics(frozenset(upstreams.names()))
     app[PROFILES] = profiles or []
     if router is None:
-        infos = {i.name: i for i in app[PROFILES]}
+        infos = {i.name: i for i in app[PROFILES] if i.replica == 0}
         router = Router(
             upstreams,
             FixedPolicy(),
             {n: i.total_slots for n, i in infos.items()},
             {n: i.spec_types for n, i in infos.items()},
             publish=bus.publish,
+            replica_slots={(i.name, i.replica): i.total_slots for i in app[PROFILES]},
         )
     app[ROUTER] = router
     app[RESTART] = restart
@@ -85,9 +87,13 @@ def build_app(
     bus.listen(app[METRICS].on_event)
     for name in upstreams.names():
         app[METRICS].profile_up.labels(name).set(0 if upstreams.down_reason(name) else 1)
+        for u in upstreams.replicas(name):
+            down = upstreams.replica_down_reason(name, u.replica)
+            app[METRICS].replica_up.labels(name, str(u.replica)).set(0 if down else 1)
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_session_worker)
     app.cleanup_ctx.append(_policy_refresher)
+    app.cleanup_ctx.append(_replica_watch)
     app.on_shutdown.append(_close_feeds)
     app.on_shutdown.append(_drain)
     add_views(app, proxy_view)
@@ -147,6 +153,36 @@ async def _policy_refresher(app: web.Application) -> AsyncIterator[None]:
                 await asyncio.to_thread(app[ROUTER].sweep_slot_files)
             except Exception:
                 log.exception("policy refresh failed")
+
+    task = asyncio.create_task(loop())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _replica_watch(app: web.Application) -> AsyncIterator[None]:
+    """Ask each replica the proxy marked down itself (it refused a connection; nobody else supervises it) for its
+    /health every second, and mark it up when it answers 200: its sessions were re-placed, new ones may go there."""
+
+    async def loop() -> None:
+        table = app[UPSTREAMS]
+        while True:
+            await asyncio.sleep(_REPLICA_WATCH_S)
+            for name, replica in sorted(table.watched):
+                upstream = table.get(name, replica)
+                if upstream is None:
+                    continue
+                try:
+                    async with app[FRESH_CLIENT].get(
+                        f"{upstream.base_url}/health", timeout=aiohttp.ClientTimeout(total=2.0)
+                    ) as resp:
+                        healthy = resp.status == 200
+                except (aiohttp.ClientError, TimeoutError):
+                    healthy = False
+                if healthy:
+                    log.warning("%s at %s answers again; it takes sessions again", upstream.label, upstream.base_url)
+                    table.mark_up(name, replica)
 
     task = asyncio.create_task(loop())
     yield

@@ -1,6 +1,7 @@
 """Control endpoints that act on profiles on the proxy's behalf, keeping the router's slot bookkeeping right:
-`POST /adaptive/profiles/{name}/erase` empties every slot of a profile (the benchmark's known state for attached
-profiles; clients may not send llama-server's own slot actions through the proxy)."""
+`POST /adaptive/profiles/{name}/erase` empties every slot of a profile, on each server of its pool that is up (the
+benchmark's known state for attached profiles; clients may not send llama-server's own slot actions through the
+proxy)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from aiohttp import web
 
 from adaptive_spec.proxy.errors import error_response
 from adaptive_spec.proxy.state import CLIENT, ROUTER, UPSTREAMS
+from adaptive_spec.proxy.upstreams import Upstream
 
 _ERASE_TIMEOUT_S = 30.0
 
@@ -36,11 +38,27 @@ async def _erase_view(request: web.Request) -> web.Response:
             code="profile_busy",
         )
     started = time.monotonic()
+    slots = 0
+    pool = table.replicas(name)
+    for replica in pool:  # every server of a pool that is up (one that is down is asked nothing)
+        if len(pool) > 1 and table.replica_down_reason(name, replica.replica) is not None:
+            router.slots_erased(name, replica.replica)
+            continue
+        failed = await _erase_replica(request, replica)
+        if failed is not None:
+            return failed
+        slots += router.slot_count(name, replica.replica)
+    body = {"erased": name, "slots": slots, "seconds": round(time.monotonic() - started, 3)}
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+async def _erase_replica(request: web.Request, upstream: Upstream) -> web.Response | None:
+    """Erase each slot of one server; the error to answer, or None."""
+    router, name = request.app[ROUTER], upstream.label
     model = f"&model={quote(upstream.upstream_model, safe='')}" if upstream.upstream_model else ""
     timeout = aiohttp.ClientTimeout(total=_ERASE_TIMEOUT_S)
-    slots = router.slot_count(name)
     try:
-        for slot in range(slots):
+        for slot in range(router.slot_count(upstream.name, upstream.replica)):
             url = f"{upstream.base_url}/slots/{slot}?action=erase{model}"
             async with request.app[CLIENT].post(url, timeout=timeout) as resp:
                 if resp.status != 200:
@@ -56,6 +74,6 @@ async def _erase_view(request: web.Request) -> web.Response:
             502, f"erasing profile {name!r} at {upstream.base_url} failed: {exc!r}", code="erase_failed"
         )
     finally:
-        router.slots_erased(name)  # whatever was reached is empty now; a half-erased profile holds nothing reliable
-    body = {"erased": name, "slots": slots, "seconds": round(time.monotonic() - started, 3)}
-    return web.Response(body=orjson.dumps(body), content_type="application/json")
+        # Whatever was reached is empty now; a half-erased server holds nothing reliable.
+        router.slots_erased(upstream.name, upstream.replica)
+    return None

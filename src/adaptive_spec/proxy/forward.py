@@ -53,6 +53,7 @@ class Outcome:
     error: str | None
     meter: ResponseMeter
     client_gone: bool = False  # the client hung up while the answer was being written to it
+    unreachable: bool = False  # the server refused the connection: the request never reached it
 
 
 def upstream_headers(headers: CIMultiDictProxy[str], hidden: tuple[str, ...] = ()) -> CIMultiDict[str]:
@@ -85,7 +86,7 @@ async def forward(
         upstream_resp = await _send(sessions, request.method, url, body, headers, timeout)
     except aiohttp.ClientConnectorError as exc:
         message = f"profile {upstream.name!r} at {upstream.base_url} is unreachable: {exc.os_error or exc}"
-        return _fail(502, message, "upstream_unreachable", meter)
+        return _fail(502, message, "upstream_unreachable", meter, unreachable=True)
     except aiohttp.ConnectionTimeoutError:
         message = (
             f"profile {upstream.name!r} at {upstream.base_url} did not accept a connection within "
@@ -143,9 +144,11 @@ def _shutdown_cancel(shutting_down: Callable[[], bool]) -> bool:
     return True
 
 
-def _fail(status: int, message: str, code: str, meter: ResponseMeter) -> tuple[web.StreamResponse, Outcome]:
+def _fail(
+    status: int, message: str, code: str, meter: ResponseMeter, *, unreachable: bool = False
+) -> tuple[web.StreamResponse, Outcome]:
     meter.error = message
-    return error_response(status, message, code=code), Outcome(status, message, meter)
+    return error_response(status, message, code=code), Outcome(status, message, meter, unreachable=unreachable)
 
 
 @dataclass(frozen=True, slots=True)

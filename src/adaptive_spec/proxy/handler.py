@@ -13,14 +13,14 @@ import orjson
 from aiohttp import web
 
 from adaptive_spec.core.access import with_model
-from adaptive_spec.core.headers import PROFILE_HEADER, REQUEST_ID_HEADER, ROUTE_HEADER
+from adaptive_spec.core.headers import PROFILE_HEADER, REPLICA_HEADER, REQUEST_ID_HEADER, ROUTE_HEADER
 from adaptive_spec.core.output import LiveText
 from adaptive_spec.core.requests import GENERATING_APIS, RequestProblem, parse_body
 from adaptive_spec.core.sessions.clients import client_name
 from adaptive_spec.core.sessions.project import DEFAULT_PROJECT, workspace_path_from_request
-from adaptive_spec.core.timings import without_progress_timings
+from adaptive_spec.core.timings import ResponseMeter, without_progress_timings
 from adaptive_spec.proxy.errors import error_response
-from adaptive_spec.proxy.forward import SHUTDOWN_MESSAGE, forward
+from adaptive_spec.proxy.forward import SHUTDOWN_MESSAGE, Outcome, forward
 from adaptive_spec.proxy.lifecycle import ProxyRequest
 from adaptive_spec.proxy.remote_prefill import REMOTE_PREFILL
 from adaptive_spec.proxy.security import routed_path
@@ -54,10 +54,16 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def choose_upstream(request: web.Request, table: UpstreamTable, name: str | None = None) -> Upstream | web.Response:
-    """The upstream of profile `name` (default: the one the header pins, else the default), or the error to answer."""
+def choose_upstream(
+    request: web.Request, table: UpstreamTable, name: str | None = None, replica: int | None = None
+) -> Upstream | web.Response:
+    """The upstream of profile `name` (default: the one the header pins, else the default), or the error to answer.
+    `replica`: which server of its pool (None: the first one up)."""
     name = name or request.headers.get(PROFILE_HEADER) or table.default
-    upstream = table.get(name)
+    if replica is None:
+        up = [u for u in table.replicas(name) if table.replica_down_reason(name, u.replica) is None]
+        replica = up[0].replica if up else 0
+    upstream = table.get(name, replica)
     if upstream is None:
         known = ", ".join(table.names())
         return error_response(
@@ -66,7 +72,7 @@ def choose_upstream(request: web.Request, table: UpstreamTable, name: str | None
             code="unknown_profile",
             param=PROFILE_HEADER,
         )
-    reason = table.down_reason(name)
+    reason = table.replica_down_reason(name, replica)
     if reason is not None:
         return error_response(
             503, f"profile {name!r} at {upstream.base_url} is down: {reason}", code="profile_unavailable"
@@ -111,6 +117,8 @@ def _extra_headers(req: ProxyRequest, chosen: Upstream) -> dict[str, str]:
     headers = {REQUEST_ID_HEADER: req.request_id, PROFILE_HEADER: chosen.name}
     if req.decision is not None:
         headers[ROUTE_HEADER] = req.decision.kind
+    if req.pool_size > 1:
+        headers[REPLICA_HEADER] = str(chosen.replica)
     return headers
 
 
@@ -141,7 +149,36 @@ async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | web.Re
     chosen = choose_upstream(request, request.app[UPSTREAMS])
     if isinstance(chosen, web.Response):
         req.status, req.error = chosen.status, (chosen.text or "")[:300]
+    else:
+        req.replica, req.pool_size = chosen.replica, len(request.app[UPSTREAMS].replicas(chosen.name))
     return chosen
+
+
+async def _failover(request: web.Request, req: ProxyRequest, failed: Upstream) -> Upstream | None:
+    """`failed`, a replica of a pool, refused the connection (the request never reached it): mark it down (the
+    health watch brings it back) and route the request again among the replicas still up. A session whose KV lived
+    there is re-placed and re-prefills. None: no other replica is up, the refusal stands."""
+    table = request.app[UPSTREAMS]
+    if req.pool_size <= 1 or not any(
+        table.replica_down_reason(failed.name, u.replica) is None and u.replica != failed.replica
+        for u in table.replicas(failed.name)
+    ):
+        return None
+    table.mark_down(failed.name, "refused connections", failed.replica, watch=True)
+    log.warning("request %s: %s refused the connection; trying another replica", req.request_id, failed.label)
+    req.meter = ResponseMeter()
+    req.status, req.error = 500, None
+    if req.decision is None or not req.routed_started:
+        chosen = choose_upstream(request, table, failed.name)
+        return chosen if isinstance(chosen, Upstream) else None
+    session_id = req.assignment.session_id if req.assignment is not None else None
+    # Its load comes off the refused replica; nothing was served, nothing is learned.
+    request.app[ROUTER].finished(
+        req.decision, req.profile, req.slot, session_id, None, len(req.body), False, replica=failed.replica
+    )
+    req.routed_started, req.slot, req.handoff = False, None, None
+    routed = await _route(request, req)
+    return routed if isinstance(routed, Upstream) else None
 
 
 async def _route(request: web.Request, req: ProxyRequest) -> Upstream | web.Response:
@@ -165,16 +202,17 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | web.Resp
         pinned=request.headers.get(PROFILE_HEADER),
     )
     req.profile = req.decision.profile
-    chosen = choose_upstream(request, app[UPSTREAMS], req.profile)
+    chosen = choose_upstream(request, app[UPSTREAMS], req.profile, req.decision.replica)
     if isinstance(chosen, web.Response):
         req.status, req.error = chosen.status, (chosen.text or "")[:300]
         return chosen
+    req.replica, req.pool_size = chosen.replica, len(app[UPSTREAMS].replicas(chosen.name))
     client_slot = parsed.body.get("id_slot")
     if isinstance(client_slot, int) and not isinstance(client_slot, bool) and client_slot >= 0:
         req.slot = client_slot  # the client chose; the router follows it
     elif req.routed.api in _SLOT_APIS:
-        req.slot = router.slot_for(chosen.name, session_id)
-    router.started(chosen.name, req.slot, session_id)
+        req.slot = router.slot_for(chosen.name, session_id, chosen.replica)
+    router.started(chosen.name, req.slot, session_id, chosen.replica)
     req.routed_started = True
     if req.decision.handoff and session_id is not None:
         req.handoff = await router.hand_off(app[CLIENT], req.decision, session_id, req.slot)
@@ -220,28 +258,10 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
             chosen.headers[REQUEST_ID_HEADER] = req.request_id  # every answer names its record
             return chosen
         lifecycle.announce(req)
-        settings = app[SETTINGS]
-        timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
-        )
-        body, strip = _upstream_body(req, chosen)
-        if settings.feed_content and req.parsed is not None and req.parsed.stream and routed.api in _PROGRESS_APIS:
-            req.meter.live = LiveText()
-        resp, outcome = await forward(
-            request,
-            (app[CLIENT], app[FRESH_CLIENT]),
-            chosen,
-            path_qs=routed.upstream_path + _upstream_query(request, chosen, routed.api),
-            body=body,
-            api=routed.api,
-            timeout=timeout,
-            started=req.started,
-            meter=req.meter,
-            extra_headers=_extra_headers(req, chosen),
-            rewrite=without_progress_timings if strip else None,
-            progress=lambda: lifecycle.progress(req),
-            shutting_down=lambda: lifecycle.stopping,
-        )
+        resp, outcome = await _forward_once(request, req, chosen)
+        while outcome.unreachable and not resp.prepared and (other := await _failover(request, req, chosen)):
+            chosen = other
+            resp, outcome = await _forward_once(request, req, chosen)
         req.status, req.error = outcome.status, outcome.error
         if not resp.prepared:
             resp.headers[REQUEST_ID_HEADER] = req.request_id
@@ -259,3 +279,31 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
     finally:
         lifecycle.handlers.pop(req.request_id, None)
         lifecycle.finish(request.method, request.path, req)
+
+
+async def _forward_once(
+    request: web.Request, req: ProxyRequest, chosen: Upstream
+) -> tuple[web.StreamResponse, Outcome]:
+    app, routed, lifecycle = request.app, req.routed, request.app[LIFECYCLE]
+    settings = app[SETTINGS]
+    timeout = aiohttp.ClientTimeout(
+        total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
+    )
+    body, strip = _upstream_body(req, chosen)
+    if settings.feed_content and req.parsed is not None and req.parsed.stream and routed.api in _PROGRESS_APIS:
+        req.meter.live = LiveText()
+    return await forward(
+        request,
+        (app[CLIENT], app[FRESH_CLIENT]),
+        chosen,
+        path_qs=routed.upstream_path + _upstream_query(request, chosen, routed.api),
+        body=body,
+        api=routed.api,
+        timeout=timeout,
+        started=req.started,
+        meter=req.meter,
+        extra_headers=_extra_headers(req, chosen),
+        rewrite=without_progress_timings if strip else None,
+        progress=lambda: lifecycle.progress(req),
+        shutting_down=lambda: lifecycle.stopping,
+    )

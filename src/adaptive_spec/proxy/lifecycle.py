@@ -51,6 +51,8 @@ class ProxyRequest:
     remote_prefill: RemotePrefillResult | None = None  # the prompt was prefilled on --pp-server first
     routed_started: bool = False  # counted in the router's in-flight load
     client: str | None = None  # the agent, from its User-Agent
+    replica: int = 0  # which server of the profile's pool it was sent to
+    pool_size: int = 1  # how many servers that profile has
 
 
 class RequestLifecycle:
@@ -100,6 +102,7 @@ class RequestLifecycle:
             reason=decision.reason if decision else None,
             moved_from=decision.moved_from if decision else None,
             client=req.client,
+            replica=req.replica,
         )
         self.in_flight[req.request_id] = started
         self.bus.publish(started)
@@ -134,7 +137,15 @@ class RequestLifecycle:
         line_moved = False
         if req.routed_started and decision is not None:  # first: the profile's load must come down whatever happens
             line_moved = self.router.finished(
-                decision, req.profile, req.slot, session_id, meter.timings, len(req.body), finished, meter.output.text
+                decision,
+                req.profile,
+                req.slot,
+                session_id,
+                meter.timings,
+                len(req.body),
+                finished,
+                meter.output.text,
+                replica=req.replica,
             )
         if finished and self.sessions is not None and assignment is not None and req.parsed is not None:
             self.sessions.finished(
@@ -154,6 +165,7 @@ class RequestLifecycle:
                     "request_id": req.request_id,
                     "session_id": session_id,
                     "profile": req.profile,
+                    "replica": req.replica,
                     "route": decision.kind,
                     "reason": decision.reason,
                     "status": req.status,
@@ -202,4 +214,6 @@ def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> Reques
         client=req.client,
         new_tokens_est=decision.new_tokens if decision else None,
         side=decision.side if decision else False,
+        replica=req.replica,
+        replica_moved_from=decision.replica_moved_from if decision else None,
     )

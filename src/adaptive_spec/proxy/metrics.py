@@ -15,6 +15,7 @@ from adaptive_spec.core.events import (
 )
 
 _LABELS = ("profile", "project")
+_REPLICA = ("profile", "replica")
 MAX_PROJECT_LABELS = 100  # projects beyond this share the label "other": series are never freed
 _SPEED_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -75,14 +76,42 @@ class ProxyMetrics:
         )
         self.policy_changes = Counter("adaptive_spec_policy_changes", "Policy files reloaded or found bad", registry=r)
         self.profile_up = Gauge("adaptive_spec_profile_up", "1 when the profile is serving", ["profile"], registry=r)
+        self._replica_metrics(r)
+
+    def _replica_metrics(self, r: CollectorRegistry) -> None:
+        """Per server of a profile's pool (`replica` is its index in the pool; 0 for a profile of one server)."""
+        self.replica_up = Gauge(
+            "adaptive_spec_replica_up", "1 when the replica is serving", ["profile", "replica"], registry=r
+        )
+        self.replica_requests = Counter(
+            "adaptive_spec_replica_requests", "Requests by replica and outcome", [*_REPLICA, "outcome"], registry=r
+        )
+        self.replica_predicted = Counter(
+            "adaptive_spec_replica_predicted_tokens", "Output tokens by replica", _REPLICA, registry=r
+        )
+        self.replica_drafted = Counter(
+            "adaptive_spec_replica_draft_tokens", "Drafted tokens by replica", _REPLICA, registry=r
+        )
+        self.replica_accepted = Counter(
+            "adaptive_spec_replica_draft_accepted_tokens", "Accepted drafted tokens by replica", _REPLICA, registry=r
+        )
+        self.replica_moves = Counter(
+            "adaptive_spec_replica_moves",
+            "Requests whose session's KV lived on another replica of the same profile",
+            ["profile", "from_replica", "to_replica"],
+            registry=r,
+        )
 
     def on_event(self, event: Event) -> None:
         if isinstance(event, RequestFinished | RequestFailed):
             self._record(event.record, failed=isinstance(event, RequestFailed))
         elif isinstance(event, ProfileUp):
             self.profile_up.labels(event.profile).set(1)
+            self.replica_up.labels(event.profile, str(event.replica)).set(1)
         elif isinstance(event, ProfileDown):
-            self.profile_up.labels(event.profile).set(0)
+            # A profile with a pool stays up while one replica serves: its gauge is the table's (set by the app).
+            self.profile_up.labels(event.profile).set(0 if event.profile_down else 1)
+            self.replica_up.labels(event.profile, str(event.replica)).set(0)
         elif isinstance(event, HandoffDone):
             self.handoffs.labels("ok" if event.ok else "failed").inc()
         elif isinstance(event, PolicyChanged):
@@ -93,6 +122,7 @@ class ProxyMetrics:
         self.requests.labels(*labels, str(record["api"]), "failed" if failed else "finished").inc()
         if failed:
             self.errors.labels(*labels, _error_kind(record)).inc()
+        self._replica_record(record, labels[0], failed=failed)
         route = record.get("route")
         if isinstance(route, str):
             self.decisions.labels(labels[0], route).inc()
@@ -112,6 +142,18 @@ class ProxyMetrics:
         ttft = record.get("ttft_ms")
         if isinstance(ttft, int | float):
             self.ttft.labels(*labels).observe(ttft / 1000.0)
+
+    def _replica_record(self, record: dict[str, object], profile: str, *, failed: bool) -> None:
+        replica = str(record.get("replica") or 0)
+        self.replica_requests.labels(profile, replica, "failed" if failed else "finished").inc()
+        moved = record.get("replica_moved_from")
+        if isinstance(moved, int):
+            self.replica_moves.labels(profile, str(moved), replica).inc()
+        timings = record.get("timings")
+        if isinstance(timings, dict):
+            self.replica_predicted.labels(profile, replica).inc(int(timings.get("predicted_n", 0)))
+            self.replica_drafted.labels(profile, replica).inc(int(timings.get("draft_n", 0)))
+            self.replica_accepted.labels(profile, replica).inc(int(timings.get("draft_n_accepted", 0)))
 
     def _profile_label(self, profile: str) -> str:
         # A pin naming no profile (answered 400) must not mint a new series per made-up name.

@@ -41,9 +41,9 @@ async def probe(session: aiohttp.ClientSession, upstream: Upstream) -> ProfileIn
         except LaunchError:
             slots = None  # /slots can be disabled (--no-slots); the spec types are then unknown
     except (aiohttp.ClientError, TimeoutError) as exc:
-        raise LaunchError(f"profile {upstream.name!r} at {base} cannot be reached: {exc}") from exc
+        raise LaunchError(f"profile {upstream.label!r} at {base} cannot be reached: {exc}") from exc
     except LaunchError as exc:
-        raise LaunchError(f"profile {upstream.name!r}: {exc}") from exc
+        raise LaunchError(f"profile {upstream.label!r}: {exc}") from exc
     if not isinstance(props, dict):
         raise LaunchError(f"profile {upstream.name!r} at {base}: /props is not a JSON object")
     settings = props.get("default_generation_settings")
@@ -59,6 +59,7 @@ async def probe(session: aiohttp.ClientSession, upstream: Upstream) -> ProfileIn
         total_slots=int(props["total_slots"]) if isinstance(props.get("total_slots"), int) else 0,
         spec_types=spec_types,
         speculative=speculative,
+        replica=upstream.replica,
     )
 
 

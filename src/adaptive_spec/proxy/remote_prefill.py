@@ -24,7 +24,8 @@ from adaptive_spec.core.routing.decide import Decision
 from adaptive_spec.core.routing.remote_prefill import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy, choose
 from adaptive_spec.core.slot_files import model_mismatch
 from adaptive_spec.errors import ConfigError, ProfileMismatchError
-from adaptive_spec.proxy.routing import Router, SlotError, slot_action
+from adaptive_spec.proxy.routing import Router
+from adaptive_spec.proxy.slot_mover import SlotError, slot_action
 from adaptive_spec.proxy.upstreams import Upstream
 from adaptive_spec.relay.client import RelayClient, RelayError
 from adaptive_spec.relay.model_hash import file_sha256
@@ -92,7 +93,7 @@ class RemotePrefill:
         its reason extended."""
         if decision.new_tokens is None or decision.handoff or not router.can_save(upstream.name):
             return decision, None
-        if slot is None and router.slot_count(upstream.name) > 1:
+        if slot is None and router.slot_count(upstream.name, upstream.replica) > 1:
             return decision, None
         local = router.speeds.prefill_s(upstream.name, 1.0)
         choice = choose(decision.new_tokens, decision.context_tokens, local, self.costs)
@@ -120,7 +121,7 @@ class RemotePrefill:
         path, body = request
         t0 = time.perf_counter()
         try:
-            if router.slot_busy(upstream.name, slot, mine=1):
+            if router.slot_busy(upstream.name, slot, mine=1, replica=upstream.replica):
                 raise SlotError(f"{upstream.name} slot {slot} is busy with another request")
             prefilled = await self.relay.prefill(client, path, body, name, timeout_s=3600.0)
             t1 = time.perf_counter()
@@ -140,7 +141,7 @@ class RemotePrefill:
             log.warning("remote prefill via %s failed: %s", self.relay.base_url, exc)
             return RemotePrefillResult(False, 0, 0.0, 0.0, 0.0, 0.0, 0, str(exc) or type(exc).__name__)
         finally:
-            router.placements.displace(upstream.name, slot, keep=session_id)
+            router.placements.displace(upstream.name, slot, keep=session_id, replica=upstream.replica)
             await asyncio.to_thread(dest.unlink, True)
             await self._delete_there(client, name)  # also after a failed call: the save may have happened
         self.counts["ok"] += 1

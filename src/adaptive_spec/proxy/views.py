@@ -68,14 +68,42 @@ async def _requests_view(request: web.Request) -> web.Response:
     return _json({"total": history.total, "requests": [r.to_json() for r in history.latest(limit)]})
 
 
+def _replicas(app: web.Application, name: str) -> list[dict[str, Any]]:
+    """Each server of the profile's pool: health, load (the router's own count) and acceptance so far."""
+    infos = {(i.name, i.replica): i for i in app[PROFILES]}
+    router = app[ROUTER]
+    out = []
+    for r in router.replica_states(name, count_sessions=True):
+        counts = router.replica_counts.get((name, r.index), {})
+        drafted = counts.get("draft_n", 0)
+        info = infos.get((name, r.index))
+        out.append(
+            {
+                "replica": r.index,
+                "base_url": r.base_url,
+                "up": r.down_reason is None,
+                "reason": r.down_reason,
+                "slots": info.total_slots if info else r.slots,
+                "busy_slots": r.busy_slots,
+                "in_flight": r.in_flight,
+                "sessions": r.sessions,
+                "requests": counts.get("requests", 0),
+                "predicted_n": counts.get("predicted_n", 0),
+                "acceptance": round(counts.get("draft_n_accepted", 0) / drafted, 4) if drafted else None,
+            }
+        )
+    return out
+
+
 def _profiles(app: web.Application) -> list[dict[str, Any]]:
     table = app[UPSTREAMS]
-    infos = {i.name: i for i in app[PROFILES]}
+    infos = {i.name: i for i in app[PROFILES] if i.replica == 0}
     out = []
     for name in table.names():
         upstream = table.get(name)
         assert upstream is not None
         info = infos.get(name)
+        replicas = _replicas(app, name)
         out.append(
             {
                 "name": name,
@@ -86,7 +114,9 @@ def _profiles(app: web.Application) -> list[dict[str, Any]]:
                 "model": info.model_identity if info else None,
                 "spec_types": info.spec_types if info else None,
                 "n_ctx": info.n_ctx if info else None,
-                "slots": info.total_slots if info else None,
+                # A pool's slots are all its servers' together (each replica's own are under "replicas").
+                "slots": sum(r["slots"] for r in replicas) if info else None,
+                "replicas": replicas,
             }
         )
     return out

@@ -320,7 +320,7 @@ class DashboardApp(App[None]):
             if self.last_error.startswith(("401", "403")):
                 template = REFUSED
             banner.update(Text.from_markup(template.format(url=self.label, error=escape(self.last_error or "…"))))
-        lines = Text("\n").join(render.profile_line(v, now, narrow=self._narrow) for v in board.profiles.values())
+        lines = Text("\n").join(render.profile_lines(v, now, narrow=self._narrow) for v in board.profiles.values())
         self._main.query_one("#profiles", Static).update(lines if board.profiles else Text("waiting for the proxy…"))
         self._draw_chart(now)
         self._draw_sessions()

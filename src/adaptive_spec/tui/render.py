@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from rich.text import Text
 
+from adaptive_spec.tui.replicas import ReplicaView
 from adaptive_spec.tui.state import Dashboard, LiveRequest, LogLine, ProfileView, SessionView, TurnRow
 
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -74,6 +75,30 @@ def profile_line(view: ProfileView, now: float, *, narrow: bool) -> Text:
         line.append(f"  {pct(view.acceptance_total):>4} since start")
     else:
         line.append("  no drafting", style="dim")
+    if not view.up and view.reason:
+        line.append(f"  down: {view.reason}", style="red")
+    return line
+
+
+def profile_lines(view: ProfileView, now: float, *, narrow: bool) -> Text:
+    """The profile's line, and under it one line per server of its pool (when it has several)."""
+    lines = [profile_line(view, now, narrow=narrow)]
+    if len(view.replicas) > 1:
+        lines += [replica_line(r, drafts=view.drafts, narrow=narrow) for _, r in sorted(view.replicas.items())]
+    return Text("\n").join(lines)
+
+
+def replica_line(view: ReplicaView, *, drafts: bool, narrow: bool) -> Text:
+    """One server of a pool, indented under its profile: health, address, slots in use, requests, acceptance."""
+    line = Text("  ")
+    line.append("● " if view.up else "○ ", style="green" if view.up else "bold red")
+    address = view.base_url.removeprefix("http://").removeprefix("https://")
+    width = 18 if narrow else 28
+    line.append(f"#{view.index} {address:<{width}.{width}}", style="dim")
+    slots = f"{min(len(view.in_flight), view.slots or len(view.in_flight))}/{view.slots or '?'}"
+    line.append(f" slots {slots:<5} req {view.requests:<6}")
+    if drafts:
+        line.append(f" acc {pct(view.acceptance):>4}", style="green" if view.acceptance else "")
     if not view.up and view.reason:
         line.append(f"  down: {view.reason}", style="red")
     return line

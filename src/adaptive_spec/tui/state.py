@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from adaptive_spec.tui import replicas as replicas_view
+
 WINDOW_S = 1.0  # the live decode rate and acceptance: a 1-second sliding window
 CHART_SECONDS = 600  # the acceptance and speed chart keeps the last 10 minutes, one point a second
 LOG_LINES = 500
@@ -46,6 +48,7 @@ class ProfileView:
     predicted_ms: float = 0.0
     chart: deque[ChartPoint] = field(default_factory=lambda: deque(maxlen=CHART_SECONDS))
     _bucket: list[int] = field(default_factory=lambda: [0, 0])  # this second's output and accepted tokens
+    replicas: dict[int, replicas_view.ReplicaView] = field(default_factory=dict)  # a pool's servers (2 or more)
 
     @property
     def busy(self) -> int:
@@ -286,6 +289,7 @@ class Dashboard:
         view.n_ctx = p.get("n_ctx") if isinstance(p.get("n_ctx"), int) else view.n_ctx
         view.slots = p.get("slots") if isinstance(p.get("slots"), int) else view.slots
         view.default = bool(p.get("default", view.default))
+        replicas_view.from_snapshot(view.replicas, p.get("replicas"))
 
     def _session(self, session_id: str, project: str) -> SessionView:
         view = self.sessions.get(session_id)
@@ -339,6 +343,7 @@ class Dashboard:
         profile = str(p.get("profile"))
         self.live[rid] = LiveRequest(rid, sid, profile, at)
         self._profile(profile).in_flight.add(rid)
+        replicas_view.started(self._profile(profile).replicas, p, rid)
         if sid:
             view = self._session(str(sid), str(p.get("project") or "default"))
             view.client = client_of(p.get("session_source"), p.get("client")) if view.client == "?" else view.client
@@ -388,6 +393,7 @@ class Dashboard:
         profile.predicted_n += row.predicted_n
         profile.draft_n += row.draft_n
         profile.draft_n_accepted += row.draft_n_accepted
+        replicas_view.finished(profile.replicas, record, rid, row.predicted_n, row.draft_n_accepted)
         profile.predicted_ms += _float(_mapping(record.get("timings")).get("predicted_ms")) or 0.0
         self.requests_total += 1
         self.failed_total += row.outcome != "finished"
@@ -440,13 +446,17 @@ class Dashboard:
     def _profile_health(self, kind: str, p: Mapping[str, Any], at: float) -> None:
         name = str(p.get("profile"))
         view = self._profile(name)
-        view.up = kind == "ProfileUp"
+        up = kind == "ProfileUp"
+        view.up = replicas_view.health(view.replicas, p, up)
         view.reason = None if view.up else str(p.get("reason"))
-        view.base_url = str(p.get("base_url") or view.base_url)
-        self.note(at, "profile", name, "up" if view.up else f"down: {view.reason}")
+        who = f"{name}#{replicas_view.index_of(p)}" if len(view.replicas) > 1 else name
+        if len(view.replicas) <= 1:
+            view.base_url = str(p.get("base_url") or view.base_url)
+        self.note(at, "profile", who, "up" if up else f"down: {p.get('reason')}")
 
     def _handoff(self, p: Mapping[str, Any], at: float) -> None:
-        moved = f"{p.get('from_profile')} → {p.get('to_profile')}"
+        ends = [(p.get("from_profile"), _int(p.get("from_replica"))), (p.get("to_profile"), _int(p.get("to_replica")))]
+        moved = " → ".join(f"{name}#{r}" if r else str(name) for name, r in ends)  # replica #0 (or no pool): the name
         if p.get("ok"):
             ms = ((_float(p.get("save_s")) or 0.0) + (_float(p.get("restore_s")) or 0.0)) * 1000
             text = f"KV handed over {moved}: {_int(p.get('tokens')):,} tok in {ms:.0f} ms"

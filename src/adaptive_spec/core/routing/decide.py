@@ -89,6 +89,10 @@ class Decision:
     new_tokens: int | None = None  # estimated tokens the profile's KV does not hold (None: no estimate)
     side: bool = False  # a side request of its session (title, commit message): not a turn of its main line
     line_moved: bool = False  # this request starts the session's main line: the requests before it were side ones
+    # Which replica of the profile (core/routing/replicas.py chooses it after the profile is decided).
+    replica: int = 0
+    replica_kind: str = "only"  # only | stay | least-loaded | replaced | rebalanced
+    replica_moved_from: int | None = None  # the session's KV lived on this other replica of the same profile
 
 
 def _fmt_tokens(n: int) -> str:

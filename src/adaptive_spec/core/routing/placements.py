@@ -23,6 +23,7 @@ class Placement:
     # Whether the slot still holds this session. Another session served there since displaced it: the profile may
     # still have the prompt in its RAM cache, but a slot save would capture the other session's KV.
     in_slot: bool = True
+    replica: int = 0  # which replica of the profile (a pool of llama-servers) holds it
 
 
 class Placements:
@@ -35,22 +36,34 @@ class Placements:
     def get(self, session_id: str | None) -> Placement | None:
         return self._by_session.get(session_id) if session_id is not None else None
 
-    def served(self, session_id: str, profile: str, slot: int | None, cached_tokens: int, output_tokens: int) -> None:
+    def served(
+        self,
+        session_id: str,
+        profile: str,
+        slot: int | None,
+        cached_tokens: int,
+        output_tokens: int,
+        replica: int = 0,
+    ) -> None:
         old = self._by_session.get(session_id)
         turns = old.turns_here + 1 if old is not None and old.profile == profile else 1
         out = float(output_tokens) if old is None else self.alpha * output_tokens + (1 - self.alpha) * old.output_tokens
-        self._by_session.put(session_id, Placement(profile, slot, cached_tokens, turns, out))
+        self._by_session.put(session_id, Placement(profile, slot, cached_tokens, turns, out, replica=replica))
 
-    def displace(self, profile: str, slot: int | None, keep: str | None) -> None:
+    def displace(self, profile: str, slot: int | None, keep: str | None, replica: int = 0) -> None:
         """`keep` now occupies this slot (served there, or restored into it; None: nobody, it was erased): the other
         sessions it held are out of the slot (their prompts may live on in the profile's RAM cache, so their cached
         figures stay)."""
         for sid, p in list(self._by_session.items()):
-            if sid != keep and p.in_slot and p.profile == profile and p.slot == slot:
+            if sid != keep and p.in_slot and p.profile == profile and p.slot == slot and p.replica == replica:
                 self._by_session.replace(sid, replace(p, in_slot=False))
 
     def __len__(self) -> int:
         return len(self._by_session)
+
+    def count_on(self, profile: str, replica: int) -> int:
+        """Sessions whose KV cache lives on this replica (a tie-break for new sessions: spread them)."""
+        return sum(1 for _, p in self._by_session.items() if p.profile == profile and p.replica == replica)
 
     def items(self) -> list[tuple[str, Placement]]:
         return self._by_session.items()
@@ -85,11 +98,13 @@ def observe(
     copy_share: float,
     timings: Timings,
     body_bytes: int,
+    replica: int = 0,
 ) -> None:
-    """Learn from a request served in full on `profile`: its speeds, and that the session's KV now lives in `slot`
-    (whichever session held that slot before is out of it)."""
+    """Learn from a request served in full on `profile` (its `replica`): its speeds, and that the session's KV now
+    lives in `slot` there (whichever session held that slot before is out of it). Speeds are learned per profile:
+    the replicas of a pool run the same model and setup."""
     speeds.observe(profile, copy_share, timings, body_bytes)
     if session_id is not None:
-        placements.displace(profile, slot, keep=session_id)
+        placements.displace(profile, slot, keep=session_id, replica=replica)
         cached = timings.cache_n + timings.prompt_n + timings.predicted_n
-        placements.served(session_id, profile, slot, cached, timings.predicted_n)
+        placements.served(session_id, profile, slot, cached, timings.predicted_n, replica)

@@ -1,7 +1,8 @@
-"""The router's state, pure: the learned speeds, where sessions' KV caches live and which slot each holds, the load
-of each profile, the recent decisions. `choose()` runs `decide()` on them; `started()` and `finished()` keep the load
-and learn from each served request (through `observe()`). The proxy's shell (`proxy/routing.py`) adds the I/O: slot
-save/restore, the slot-file sweep, policy reload."""
+"""The router's state, pure: the learned speeds, where sessions' KV caches live (profile, replica, slot), the load
+of each replica, the recent decisions. `choose()` runs `decide()` for the profile, then `choose_replica()` for the
+replica of it; `started()` and `finished()` keep the load and learn from each served request (through
+`observe()`). The proxy's shell (`proxy/routing.py`) adds the I/O: slot save/restore, the slot-file sweep, policy
+reload."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from adaptive_spec.core.profiles import uses_draft_model
 from adaptive_spec.core.records import Timings
 from adaptive_spec.core.routing.copy_hint import pasted_file_chars
 from adaptive_spec.core.routing.decide import Decision, ProfileState, RequestState, SessionState, decide
-from adaptive_spec.core.routing.placements import Placements, SlotBook, observe
+from adaptive_spec.core.routing.placements import Placement, Placements, SlotBook, observe
 from adaptive_spec.core.routing.policy import Policy
+from adaptive_spec.core.routing.replicas import MoveCosts, ReplicaChoice, ReplicaState, choose_replica, least_loaded
 from adaptive_spec.core.routing.speeds import SpeedModel
 from adaptive_spec.core.sessions import prefix
 
@@ -26,11 +28,16 @@ MAX_PINS = 4096
 
 
 class ProfileHealth(Protocol):
-    """The profiles by name and whether each is down (the proxy's upstream table)."""
+    """The profiles by name and whether each is down (the proxy's upstream table): a profile is down when all its
+    replicas are."""
 
     def names(self) -> list[str]: ...
 
     def down_reason(self, name: str) -> str | None: ...
+
+    def replica_health(self, name: str) -> list[tuple[str, str | None]]:
+        """Each replica's base URL and down reason (None: up), in replica order."""
+        ...
 
 
 class PolicySource(Protocol):
@@ -70,14 +77,26 @@ class RouterState:
         slots: Mapping[str, int],
         spec_types: Mapping[str, tuple[str, ...] | None],
         seed: int | None = None,
+        replica_slots: Mapping[tuple[str, int], int] | None = None,
     ) -> None:
+        """`slots`: each profile's slots per server; `replica_slots` overrides it for a (profile, replica)."""
         self.health, self.policies = health, policies
         self._spec_types = dict(spec_types)
         base = policies.policy_for("default", None)
         self.speeds = SpeedModel(base.estimator, base.handoff, {n: spec_types.get(n) for n in health.names()})
         self.placements = Placements()
         self.in_flight: dict[str, int] = dict.fromkeys(health.names(), 0)
-        self._books = {n: SlotBook(max(1, slots.get(n, 1))) for n in health.names()}
+        per_replica = replica_slots or {}
+        self._books = {
+            (n, i): SlotBook(max(1, per_replica.get((n, i), slots.get(n, 1))))
+            for n in health.names()
+            for i in range(len(health.replica_health(n)))
+        }
+        self.replica_in_flight: dict[tuple[str, int], int] = dict.fromkeys(self._books, 0)
+        # Per replica: requests served, output, drafted and accepted tokens (acceptance per replica, for telemetry).
+        self.replica_counts: dict[tuple[str, int], dict[str, int]] = {
+            k: {"requests": 0, "predicted_n": 0, "draft_n": 0, "draft_n_accepted": 0} for k in self._books
+        }
         self._rng = random.Random(seed)
         self.recent: deque[dict[str, Any]] = deque(maxlen=200)
         self.handoffs = {"ok": 0, "failed": 0}
@@ -86,20 +105,59 @@ class RouterState:
         self.chars_per_token = prefix.DEFAULT_CHARS_PER_TOKEN  # the latest measured rate, for first turns
         self.sessions_in_flight: dict[str, tuple[str, int]] = {}  # session -> (profile, requests being served)
         # What each slot served last, whichever session: a new session of the same agent shares its system prompt.
-        self.slot_prefixes: LRU[tuple[str, int | None], prefix.PrefixState] = LRU(4096)
+        self.slot_prefixes: LRU[tuple[str, int, int | None], prefix.PrefixState] = LRU(4096)
 
     def states(self) -> list[ProfileState]:
-        return [
-            ProfileState(
-                name=n,
-                down_reason=self.health.down_reason(n),
-                in_flight=self.in_flight.get(n, 0),
-                slots=self._books[n].slots,
-                handoff=self._can_save(n),
-                draft_model=uses_draft_model(self._spec_types.get(n)),
+        """Each profile as decide() sees it: its healthy replicas' slots together (a pool is one bigger profile)."""
+        out = []
+        for n in self.health.names():
+            replicas = self.replica_states(n)
+            healthy = [r for r in replicas if r.down_reason is None] or replicas
+            out.append(
+                ProfileState(
+                    name=n,
+                    down_reason=self.health.down_reason(n),
+                    in_flight=self.in_flight.get(n, 0),
+                    slots=sum(r.slots for r in healthy),
+                    handoff=self._can_save(n),
+                    draft_model=uses_draft_model(self._spec_types.get(n)),
+                )
             )
-            for n in self.health.names()
-        ]
+        return out
+
+    def replica_states(self, profile: str, count_sessions: bool = False) -> list[ReplicaState]:
+        """`sessions` (placed on each replica) is counted for a pool, or when asked: a scan of the placements."""
+        health = self.health.replica_health(profile)
+        count_sessions = count_sessions or len(health) > 1
+        states = []
+        for i, (url, down) in enumerate(health):
+            book = self._books.get((profile, i)) or SlotBook(1)
+            in_flight = self.replica_in_flight.get((profile, i), 0)
+            states.append(
+                ReplicaState(
+                    index=i,
+                    base_url=url,
+                    down_reason=down,
+                    slots=book.slots,
+                    # Requests without a named slot (one-slot servers, APIs that take no id_slot) occupy one too.
+                    busy_slots=min(book.slots, max(sum(1 for n in book.busy.values() if n > 0), in_flight)),
+                    in_flight=in_flight,
+                    sessions=self.placements.count_on(profile, i) if count_sessions else 0,
+                )
+            )
+        return states
+
+    def _held_on(self, profile: str, placement: Placement | None) -> int | None:
+        return placement.replica if placement is not None and placement.profile == profile else None
+
+    def _preview_replica(self, profile: str, placement: Placement | None) -> int:
+        """The replica a request would use before the overload check: its KV's, else the least loaded one."""
+        held = self._held_on(profile, placement)
+        replicas = self.replica_states(profile)
+        if held is not None and held < len(replicas) and replicas[held].down_reason is None:
+            return held
+        best = least_loaded(replicas)
+        return best.index if best is not None else 0
 
     def choose(
         self,
@@ -138,8 +196,9 @@ class RouterState:
         own = prefix.shared_tokens(state, pieces, cpt)
         shared_on = {}
         for name in self.health.names():
-            held = self.slot_prefixes.get((name, self._slot_key(name, session_id)))
-            mine = own if placement is not None and placement.profile == name else 0
+            replica = self._preview_replica(name, placement)
+            held = self.slot_prefixes.get((name, replica, self._slot_key(name, session_id, replica)))
+            mine = own if placement is not None and placement.profile == name and placement.replica == replica else 0
             shared_on[name] = max(mine, prefix.shared_tokens(held, pieces, cpt))
         request = replace(
             request,
@@ -162,35 +221,97 @@ class RouterState:
             side=est.side,
             line_moved=state is not None and est.line_moved,
         )
-        return decision, policy
+        return self._with_replica(decision, placement, policy, est.total_tokens), policy
 
-    def _slot_key(self, profile: str, session_id: str | None) -> int | None:
-        book = self._books[profile]
+    def _with_replica(
+        self, decision: Decision, placement: Placement | None, policy: Policy, total_tokens: int
+    ) -> Decision:
+        """The replica of the decided profile (`choose_replica`), folded into the decision: a session whose replica
+        is down re-prefills elsewhere; one moved off an overloaded replica takes its KV along when it can."""
+        profile = decision.profile
+        replicas = self.replica_states(profile)
+        held = self._held_on(profile, placement)
+        costs = None
+        if placement is not None and held is not None:
+            chosen = next((e for e in decision.estimates if e.profile == profile), None)
+            idle = least_loaded([r for r in replicas if r.index != held])
+            can_move = (
+                idle is not None
+                and policy.handoff.enabled
+                and placement.in_slot
+                # A busy slot cannot be saved (llama-server would save whatever it holds once the running request
+                # ends): under load the session's slot is usually serving another session, and a move re-prefills.
+                and not self.slot_busy(profile, placement.slot, mine=0, replica=held)
+                and self._can_move(profile, held, profile, idle.index)
+            )
+            costs = MoveCosts(
+                cached_tokens=placement.cached_tokens,
+                handoff_s=self.speeds.handoff_s(placement.cached_tokens) if can_move else None,
+                reprefill_s=self.speeds.prefill_s(profile, placement.cached_tokens),
+                # A request queued ahead is taken to last about as long as this one is estimated to.
+                wait_s=chosen.total_s if chosen is not None else self._turn_s(decision, placement),
+            )
+        choice: ReplicaChoice = choose_replica(profile, replicas, held, costs)
+        changes: dict[str, Any] = {"replica": choice.replica, "replica_kind": choice.kind}
+        if choice.reason:
+            changes["reason"] = f"{decision.reason}; {choice.reason}"
+        if choice.moved_from is not None and placement is not None:
+            changes["replica_moved_from"] = choice.moved_from
+            changes["handoff"] = choice.handoff
+            changes["handoff_tokens"] = placement.cached_tokens if choice.handoff else 0
+            if not choice.handoff:
+                changes["new_tokens"] = total_tokens  # its KV is out of reach: the whole prompt is prefilled
+        elif decision.handoff and placement is not None:
+            # Across profiles: the KV goes from its replica (if that one is up) to the chosen one, when they can.
+            source = self.health.replica_health(placement.profile)
+            source_up = placement.replica < len(source) and source[placement.replica][1] is None
+            changes["handoff"] = source_up and self._can_move(
+                placement.profile, placement.replica, profile, choice.replica
+            )
+            if not changes["handoff"]:
+                changes["handoff_tokens"] = 0
+        return replace(decision, **changes)
+
+    def _turn_s(self, decision: Decision, placement: Placement) -> float:
+        """This turn's estimated time where the session is (a decision without estimates: pinned, forced, only)."""
+        per_token = self.speeds.decode_s_per_token(decision.profile, decision.copy_share, decision.context_tokens)
+        prefill = self.speeds.prefill_s(decision.profile, decision.new_tokens or 0)
+        return prefill + max(1.0, placement.output_tokens) * per_token
+
+    def _can_move(self, from_profile: str, from_replica: int, to_profile: str, to_replica: int) -> bool:
+        """Whether a slot can go from one server to the other (the shell knows how: a shared slot directory, or a
+        transfer between hosts)."""
+        return self._can_save(from_profile) and self._can_save(to_profile)
+
+    def _slot_key(self, profile: str, session_id: str | None, replica: int = 0) -> int | None:
+        book = self._books[(profile, replica)]
         return book.by_session.get(session_id) if book.slots > 1 and session_id is not None else None
 
-    def slot_busy(self, profile: str, slot: int | None, mine: int) -> bool:
+    def slot_busy(self, profile: str, slot: int | None, mine: int, replica: int = 0) -> bool:
         """Whether requests other than `mine` (0 or 1: this request's own, counted already) occupy the slot."""
-        book = self._books[profile]
+        book = self._books[(profile, replica)]
         if book.slots > 1 and slot is not None:
             return book.busy.get(slot, 0) > mine
-        return self.in_flight.get(profile, 0) > mine
+        return self.replica_in_flight.get((profile, replica), 0) > mine
 
     def _can_save(self, profile: str) -> bool:
         """Whether the profile's KV can be saved and restored through slot files (the shell knows its servers)."""
         return False
 
-    def slot_for(self, profile: str, session_id: str | None) -> int | None:
+    def slot_for(self, profile: str, session_id: str | None, replica: int = 0) -> int | None:
         """The slot to name with `id_slot`, on profiles with several slots (None: let the server choose)."""
-        book = self._books[profile]
+        book = self._books[(profile, replica)]
         return book.pick(session_id) if book.slots > 1 else None
 
-    def started(self, profile: str, slot: int | None, session_id: str | None = None) -> None:
+    def started(self, profile: str, slot: int | None, session_id: str | None = None, replica: int = 0) -> None:
         self.in_flight[profile] = self.in_flight.get(profile, 0) + 1
+        key = (profile, replica)
+        self.replica_in_flight[key] = self.replica_in_flight.get(key, 0) + 1
         if session_id is not None:
             _, count = self.sessions_in_flight.get(session_id, (profile, 0))
             self.sessions_in_flight[session_id] = (profile, count + 1)
         if slot is not None:
-            book = self._books[profile]
+            book = self._books[key]
             book.busy[slot] = book.busy.get(slot, 0) + 1
 
     def finished(
@@ -203,25 +324,34 @@ class RouterState:
         body_bytes: int,
         ok: bool,
         reply: str = "",
+        replica: int = 0,
     ) -> bool:
         """Returns whether this request started its session's main line (the requests before it were side ones)."""
         self.in_flight[profile] = max(0, self.in_flight.get(profile, 0) - 1)
+        key = (profile, replica)
+        self.replica_in_flight[key] = max(0, self.replica_in_flight.get(key, 0) - 1)
         if session_id is not None and session_id in self.sessions_in_flight:
             where, count = self.sessions_in_flight.pop(session_id)
             if count > 1:
                 self.sessions_in_flight[session_id] = (where, count - 1)
-        book = self._books[profile]
+        book = self._books[key]
         if slot is not None:
             book.busy[slot] = max(0, book.busy.get(slot, 0) - 1)
             book.last_used[slot] = time.monotonic()
         if not ok or timings is None:
             return False
-        observe(self.speeds, self.placements, profile, slot, session_id, decision.copy_share, timings, body_bytes)
+        counts = self.replica_counts.setdefault(key, {})
+        counts["requests"] = counts.get("requests", 0) + 1
+        for field in ("predicted_n", "draft_n", "draft_n_accepted"):
+            counts[field] = counts.get(field, 0) + getattr(timings, field)
+        observe(
+            self.speeds, self.placements, profile, slot, session_id, decision.copy_share, timings, body_bytes, replica
+        )
         if not decision.pieces:
             return False
         own = self.prefixes.get(session_id)
         state = prefix.observe(own, decision.pieces, decision.has_tools, reply, timings, self.chars_per_token)
-        self.slot_prefixes.put((profile, slot if self._books[profile].slots > 1 else None), state)
+        self.slot_prefixes.put((profile, replica, slot if book.slots > 1 else None), state)
         if session_id is not None and not decision.side:
             # A side request leaves the main line's state: llama-server keeps the line's prompt in its RAM cache.
             self.prefixes.put(session_id, state)
@@ -243,6 +373,7 @@ class RouterState:
         return {
             "speeds": [asdict(s) for s in self.speeds.describe()],
             "in_flight": dict(self.in_flight),
+            "replicas": {n: [asdict(r) for r in self.replica_states(n, True)] for n in self.health.names()},
             "handoffs": dict(self.handoffs),
             "placements": [{"session_id": sid, **asdict(p)} for sid, p in self.placements.items()[-100:]],
             "policy": self.policies.describe("default", None),
