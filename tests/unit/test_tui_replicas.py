@@ -48,3 +48,14 @@ def test_a_pool_shows_one_line_per_replica_and_its_health() -> None:
             assert all(len(line.split("  down:")[0]) <= 76 for line in lines), lines
     board.apply("ProfileDown", {**down, "replica": 1, "profile_down": True, "at_unix": 103.0}, 103.0)
     assert not view.up
+
+
+def test_a_replicas_requests_are_counted_once_when_the_history_follows_the_snapshot() -> None:
+    # Seen on a live pool: the snapshot's per-replica count plus the same requests again from /adaptive/requests.
+    board = Dashboard()
+    replicas = [
+        {"replica": i, "base_url": f"http://h{i}:8080", "up": True, "slots": 2, "requests": 2} for i in range(2)
+    ]
+    board.apply("snapshot", {"profiles": [{"name": "iterative", "up": True, "replicas": replicas}]}, 100.0)
+    board.load_requests([_record(f"r{i}", i % 2) for i in range(4)])
+    assert [board.profiles["iterative"].replicas[i].requests for i in range(2)] == [2, 2]

@@ -37,7 +37,6 @@ def from_snapshot(replicas: dict[int, ReplicaView], listed: Any) -> None:
         view.up = bool(item.get("up", True))
         view.reason = item.get("reason") if isinstance(item.get("reason"), str) else None
         view.slots = item["slots"] if isinstance(item.get("slots"), int) else view.slots
-        view.requests = max(view.requests, int(item.get("requests") or 0))
 
 
 def index_of(payload: Mapping[str, Any]) -> int:
