@@ -160,6 +160,8 @@ def test_a_session_moves_to_the_idle_replica_with_its_kv_through_the_relays(rig:
     assert record["timings"]["prompt_n"] < 16, record["timings"]
     assert record["text"] == _direct(rig.servers[1], messages, 16)
     assert rig.left_over() == []  # the slot file is gone on both sides
+    priced = http_json(rig.proxy.base + "/adaptive/route")["kv_transfer"]
+    assert priced["bytes_per_token"] == round(handoff["bytes"] / handoff["tokens"], 1), priced  # the file's measure
     print(
         f"\nrelay move, tiny model: {handoff['tokens']} tokens, {handoff['bytes']} bytes "
         f"({handoff['bytes'] / handoff['tokens']:.0f} B/token): save {handoff['save_s'] * 1000:.1f} ms, transfer "

@@ -383,6 +383,11 @@ class RouterState:
             "in_flight": dict(self.in_flight),
             "replicas": {n: [asdict(r) for r in self.replica_states(n, True)] for n in self.health.names()},
             "handoffs": dict(self.handoffs),
+            # How a KV handoff between hosts is priced (the prior until a move has measured it).
+            "kv_transfer": {
+                "bytes_per_token": round(self.speeds.kv_bytes_per_token(), 1),
+                "bandwidth_mb_per_s": round(self.speeds.bandwidth_bytes_per_s() / 1e6, 2),
+            },
             "placements": [{"session_id": sid, **asdict(p)} for sid, p in self.placements.items()[-100:]],
             "policy": self.policies.describe("default", None),
             "policy_problems": [str(p) for p in self.policies.problems()],  # every file's, the last good in force
