@@ -27,6 +27,7 @@ from adaptive_spec.models import DEFAULT_MODEL, EMBEDDED, ensure_embedded, resol
 from adaptive_spec.pp_options import add_pp_arguments, pp_plan
 from adaptive_spec.proxy.app import ProxySettings
 from adaptive_spec.relay import command as relay_command
+from adaptive_spec.relay_options import add_relay_arguments, relay_plan
 from adaptive_spec.serve import LaunchPlan, ServePlan, SessionPlan, run, say
 from adaptive_spec.tui import command as tui_command
 
@@ -137,6 +138,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the --slot-save-path every attached profile shares: lets a moving session's KV cache be handed over",
     )
     add_pp_arguments(serve)
+    add_relay_arguments(serve)
     trace = serve.add_argument_group("trace")
     trace.add_argument("--trace", metavar="FILE.jsonl", help="write every request record to this JSONL file")
     trace.add_argument("--trace-content", action="store_true", help="also keep prompts and replies in the trace")
@@ -341,6 +343,7 @@ def _routing_options(args: argparse.Namespace) -> dict[str, Any]:
         "workspace_policies": not args.no_workspace_policies,
         "slot_dir": args.slot_dir,
         "remote_prefill": pp_plan(args),
+        "relays": relay_plan(args),
     }
 
 

@@ -38,6 +38,7 @@ from adaptive_spec.proxy.app import ProxySettings, build_app
 from adaptive_spec.proxy.bus import EventBus
 from adaptive_spec.proxy.policy_files import PolicyStore, config_dir
 from adaptive_spec.proxy.probe import probe, probe_spec_types
+from adaptive_spec.proxy.relay_mover import RelayMoverPlan, start_relay_mover
 from adaptive_spec.proxy.remote_prefill import REMOTE_PREFILL, RemotePrefillPlan, start_remote_prefill
 from adaptive_spec.proxy.routing import Router
 from adaptive_spec.proxy.session_service import SessionService
@@ -93,6 +94,7 @@ class ServePlan:
     verbose: bool = False  # let native libraries (llama.cpp loading the tokenizer) log to the terminal
     access: AccessPolicy = field(default_factory=AccessPolicy)
     remote_prefill: RemotePrefillPlan | None = None  # --pp-server
+    relays: RelayMoverPlan | None = None  # --relay SERVER_URL=RELAY_URL: KV moves between hosts
 
 
 async def _tokenizer(plan: ServePlan, session: aiohttp.ClientSession, default_url: str) -> Tokenizer | None:
@@ -265,10 +267,13 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
             publish=bus.publish,
             replica_slots={(i.name, i.replica): i.total_slots for i in infos},
         )
+        if plan.relays is not None:
+            router.mover = await start_relay_mover(plan.relays, client, table, router.mover, router.speeds, say)
         described = policies.describe("default", None)
         say(
             f"routing: policy from {', '.join(described['sources']) or 'built-in defaults'}; KV handoff "
             + ("on (slot files in " + str(slot_dir) + ")" if slot_dir else "off (no shared slot directory)")
+            + ("; between hosts through the kv-relays" if plan.relays is not None else "")
         )
         app = build_app(
             table,

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -146,3 +147,30 @@ def test_replicas_serving_different_models_are_refused(
     assert "the replicas of profile 'plain' serve different models" in done.stderr, done.stderr
     assert servers[0].url in done.stderr and servers[1].url in done.stderr
     assert "'other-model.gguf'" in done.stderr
+
+
+def test_a_replica_killed_between_requests_is_found_down_by_the_health_poll(
+    llama_server_binary: str, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    servers = [LlamaServer(llama_server_binary, tiny_gguf, *SERVER_ARGS, log_dir=tmp_path / "logs") for _ in range(2)]
+    env = {"ADAPTIVE_SPEC_STATE_DIR": str(tmp_path / "state"), "ADAPTIVE_SPEC_CONFIG_DIR": str(tmp_path / "config")}
+    proxy = ProxyProcess(*[a for s in servers for a in ("--profile", f"plain={s.url}")], "--tokenizer", "off", env=env)
+    try:
+        history = {sid: [{"role": "user", "content": f"Session {sid}: count to five."}] for sid in ("p0", "p1")}
+        assert [_turn(proxy, sid, history[sid])["replica"] for sid in ("p0", "p1")] == [0, 1]
+        os.kill(servers[1].pid, signal.SIGKILL)
+        # No request reaches the dead server: the poll (every few seconds) marks it down first.
+        deadline = time.monotonic() + 60
+        while (replica := http_json(proxy.base + "/adaptive/profiles")["profiles"][0]["replicas"][1])["up"]:
+            assert time.monotonic() < deadline, "the health poll did not mark the killed replica down"
+            time.sleep(0.2)
+        assert replica["reason"] == "health check: connection refused", replica
+        record = _turn(proxy, "p1", history["p1"])
+        assert record["http"] == 200 and record["replica"] == 0 and record["replica_moved_from"] == 1
+        assert "replica #1 is down (health check: connection refused); re-prefills" in record["reason"]
+        _, direct, _ = _post(servers[0].url + "/v1/chat/completions", _body(history["p1"]), {})
+        assert record["text"] == direct["choices"][0]["message"]["content"]
+    finally:
+        proxy.stop()
+        for server in servers:
+            server.stop()

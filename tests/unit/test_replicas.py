@@ -149,6 +149,9 @@ class _FakeMover:
         self.moves.append((source.label, from_slot, target.label, into_slot))
         return MoveTimes(4000, 0.05, 0.01)
 
+    def transfers(self, source: Upstream, target: Upstream) -> bool:
+        return False
+
     async def discard(self, name: str) -> None:
         return None
 

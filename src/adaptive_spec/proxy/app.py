@@ -20,6 +20,7 @@ from adaptive_spec.proxy.control import add_control_views
 from adaptive_spec.proxy.handler import proxy_view
 from adaptive_spec.proxy.lifecycle import RequestLifecycle
 from adaptive_spec.proxy.metrics import ProxyMetrics
+from adaptive_spec.proxy.pool_health import pool_health_poll
 from adaptive_spec.proxy.routing import Router
 from adaptive_spec.proxy.security import install_security
 from adaptive_spec.proxy.session_service import SessionService, run_worker
@@ -94,6 +95,7 @@ def build_app(
     app.cleanup_ctx.append(_session_worker)
     app.cleanup_ctx.append(_policy_refresher)
     app.cleanup_ctx.append(_replica_watch)
+    app.cleanup_ctx.append(pool_health_poll)
     app.on_shutdown.append(_close_feeds)
     app.on_shutdown.append(_drain)
     add_views(app, proxy_view)

@@ -32,6 +32,8 @@ class HandoffResult:
     save_s: float
     restore_s: float
     error: str | None = None
+    transfer_s: float = 0.0  # the slot file's trip between hosts (a relay mover)
+    bytes: int = 0
 
 
 class Router(RouterState):
@@ -69,6 +71,12 @@ class Router(RouterState):
         return (
             self.mover is not None and source is not None and target is not None and self.mover.can_move(source, target)
         )
+
+    def _transfers(self, from_profile: str, from_replica: int, to_profile: str, to_replica: int) -> bool:
+        source, target = self.table.get(from_profile, from_replica), self.table.get(to_profile, to_replica)
+        if self.mover is None or source is None or target is None:
+            return False
+        return self.mover.transfers(source, target)
 
     def slot_count(self, profile: str, replica: int = 0) -> int:
         return self._books[(profile, replica)].slots
@@ -118,8 +126,12 @@ class Router(RouterState):
             result = HandoffResult(False, placement.cached_tokens, 0.0, 0.0, str(exc) or type(exc).__name__)
         else:
             self.handoffs["ok"] += 1
-            result = HandoffResult(True, moved.n_saved, moved.save_s, moved.restore_s)
+            result = HandoffResult(
+                True, moved.n_saved, moved.save_s, moved.restore_s, transfer_s=moved.transfer_s, bytes=moved.bytes
+            )
             self.speeds.observe_handoff(moved.n_saved, moved.save_s, moved.restore_s)
+            if moved.bytes:
+                self.speeds.observe_transfer(moved.n_saved, moved.bytes, moved.transfer_s)
         finally:
             # The target slot was overwritten (or half so) whatever the outcome; the file goes now, and once more
             # later in case llama-server was still writing it when we gave up waiting (sweep_slot_files).

@@ -23,13 +23,19 @@ class SlotError(Exception):
 @dataclass(frozen=True, slots=True)
 class MoveTimes:
     n_saved: int
-    save_s: float  # save, and for a mover between hosts the transfer too
+    save_s: float
     restore_s: float
+    transfer_s: float = 0.0  # a mover between hosts: the file's trip from one host to the other
+    bytes: int = 0  # the slot file's size, when it crossed hosts (bytes per token, bandwidth: learned from it)
 
 
 class SlotMover(Protocol):
     def can_move(self, source: Upstream, target: Upstream) -> bool:
         """Whether a slot file saved by `source` can be restored by `target`."""
+        ...
+
+    def transfers(self, source: Upstream, target: Upstream) -> bool:
+        """Whether the file crosses hosts between these two (the cost model adds its transfer time)."""
         ...
 
     async def move(
@@ -61,6 +67,9 @@ class SharedDirMover:
     def can_move(self, source: Upstream, target: Upstream) -> bool:
         # A router-mode preset (`URL#MODEL`) takes no slot actions.
         return source.upstream_model is None and target.upstream_model is None
+
+    def transfers(self, source: Upstream, target: Upstream) -> bool:
+        return False
 
     async def move(
         self,

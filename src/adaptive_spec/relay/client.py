@@ -8,6 +8,7 @@ import hashlib
 import os
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -121,10 +122,40 @@ class RelayClient:
             await asyncio.to_thread(partial.unlink, True)
         return Downloaded(size, time.perf_counter() - t0, digest)
 
+    async def copy_to(
+        self, client: aiohttp.ClientSession, name: str, target: RelayClient, max_bytes: int, timeout_s: float
+    ) -> Downloaded:
+        """Stream this relay's slot file `name` into another relay (a PUT carrying this relay's sha256 of it and this
+        side's model hash: the target checks both, bounds the size, and keeps nothing partial); nothing is stored on
+        the caller's machine."""
+        t0 = time.perf_counter()
+        async with client.get(
+            f"{self.base_url}/relay/slots/{name}", headers=self._headers, timeout=_timeout(timeout_s)
+        ) as resp:
+            if resp.status != 200:
+                raise RelayError(
+                    f"download of {name} at {self.base_url}: HTTP {resp.status}: {_message(await resp.text())}"
+                )
+            expected = resp.headers.get(SHA256_HEADER, "").lower()
+            if not valid_sha256(expected):
+                raise RelayError(f"download of {name}: the relay sent no {SHA256_HEADER}")
+            if resp.content_length is not None and resp.content_length > max_bytes:
+                raise RelayError(f"the slot file {name} is larger than {max_bytes} bytes")
+            headers = {**target._headers, MODEL_HEADER: self.model_sha256, SHA256_HEADER: expected}
+            url = f"{target.base_url}/relay/slots/{name}"
+            async with client.put(url, data=_chunks(resp), headers=headers, timeout=_timeout(timeout_s)) as put:
+                answer = await target._json(put, f"upload of {name}")
+        return Downloaded(int(answer.get("bytes") or 0), time.perf_counter() - t0, expected)
+
     async def delete(self, client: aiohttp.ClientSession, name: str) -> bool:
         url = f"{self.base_url}/relay/slots/{name}"
         async with client.delete(url, headers=self._headers, timeout=_timeout(30)) as resp:
             return resp.status == 204
+
+
+async def _chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    async for chunk in resp.content.iter_chunked(_CHUNK):
+        yield chunk
 
 
 async def _write(resp: aiohttp.ClientResponse, partial: Path, max_bytes: int) -> tuple[int, str]:

@@ -246,7 +246,11 @@ class RouterState:
             )
             costs = MoveCosts(
                 cached_tokens=placement.cached_tokens,
-                handoff_s=self.speeds.handoff_s(placement.cached_tokens) if can_move else None,
+                handoff_s=(
+                    self.speeds.handoff_s(placement.cached_tokens, self._transfers(profile, held, profile, idle.index))
+                    if can_move and idle is not None
+                    else None
+                ),
                 reprefill_s=self.speeds.prefill_s(profile, placement.cached_tokens),
                 # A request queued ahead is taken to last about as long as this one is estimated to.
                 wait_s=chosen.total_s if chosen is not None else self._turn_s(decision, placement),
@@ -282,6 +286,10 @@ class RouterState:
         """Whether a slot can go from one server to the other (the shell knows how: a shared slot directory, or a
         transfer between hosts)."""
         return self._can_save(from_profile) and self._can_save(to_profile)
+
+    def _transfers(self, from_profile: str, from_replica: int, to_profile: str, to_replica: int) -> bool:
+        """Whether a slot file moved between these servers crosses hosts (priced with its transfer time)."""
+        return False
 
     def _slot_key(self, profile: str, session_id: str | None, replica: int = 0) -> int | None:
         book = self._books[(profile, replica)]
@@ -375,6 +383,11 @@ class RouterState:
             "in_flight": dict(self.in_flight),
             "replicas": {n: [asdict(r) for r in self.replica_states(n, True)] for n in self.health.names()},
             "handoffs": dict(self.handoffs),
+            # How a KV handoff between hosts is priced (the prior until a move has measured it).
+            "kv_transfer": {
+                "bytes_per_token": round(self.speeds.kv_bytes_per_token(), 1),
+                "bandwidth_mb_per_s": round(self.speeds.bandwidth_bytes_per_s() / 1e6, 2),
+            },
             "placements": [{"session_id": sid, **asdict(p)} for sid, p in self.placements.items()[-100:]],
             "policy": self.policies.describe("default", None),
             "policy_problems": [str(p) for p in self.policies.problems()],  # every file's, the last good in force

@@ -12,8 +12,9 @@ slowdown with context (both priors from the policy), and `g_p` the n-gram gain, 
 regression toward the prior `1 − 1/ngram_max_speedup`. The structure is the knowledge: an n-gram profile is never
 faster than plain decoding on output it cannot copy, however little it has been measured, so one-shot prompts are
 not sent to it on the strength of its edit-session numbers. Prefill speed (one figure: every profile serves the same
-model), slot save/restore cost and prompt bytes per token are running averages with priors. Old measurements fade
-(half-life in requests).
+model), slot save/restore cost and prompt bytes per token are running averages with priors. A KV handoff between
+hosts also pays the slot file's transfer: KV bytes per token (the last files' measure) × tokens ÷ bandwidth (learned
+from each move, its prior the start-up probe of the link). Old measurements fade (half-life in requests).
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ _MIN_DECODE_TOKENS = 32  # shorter responses measure per-request overheads, not 
 _MIN_GAIN_TOKENS = 64
 _MIN_PREFILL_TOKENS = 64
 _MAX_GAIN = 0.95
+# A slot file crossing hosts, until measured: a 27B-class model's f16 KV per token (as remote prefill assumes), over
+# ~1 Gbit/s unless the start-up probe of the relays' links said otherwise.
+_KV_BYTES_PER_TOKEN_PRIOR = 120_000.0
+_BANDWIDTH_PRIOR_BYTES_PER_S = 100e6
+_MIN_TRANSFER_BYTES = 65_536  # smaller files time the round trip, not the link
 
 
 def is_ngram(spec_types: tuple[str, ...] | None) -> bool:
@@ -106,6 +112,11 @@ class SpeedModel:
         self._bytes_per_token = _Average(estimator.prior_weight, self.forget)
         self._save_s_per_token = _Average(2.0, self.forget)
         self._restore_s = _Average(2.0, self.forget)
+        # Between hosts: KV bytes per token is a fact of the model and cache type (the files replace the prior);
+        # the link is averaged as seconds per byte, since time is what adds up.
+        self._kv_bytes_per_token = _Average(0.0, self.forget)
+        self._transfer_s_per_byte = _Average(2.0, self.forget)
+        self._link_bytes_per_s = _BANDWIDTH_PRIOR_BYTES_PER_S
 
     def set_policy(self, estimator: EstimatorPolicy, handoff: HandoffPolicy) -> None:
         """A reloaded policy changes the priors, their weight and the half-life; what was measured stays."""
@@ -113,7 +124,7 @@ class SpeedModel:
         self.forget = 0.5 ** (1.0 / estimator.half_life)
         for avg in (*self._own.values(), self._prefill, self._implied_ref, self._bytes_per_token):
             avg.weight, avg.forget = estimator.prior_weight, self.forget
-        for avg in (self._save_s_per_token, self._restore_s):
+        for avg in (self._save_s_per_token, self._restore_s, self._kv_bytes_per_token, self._transfer_s_per_byte):
             avg.forget = self.forget
 
     def set_kind(self, profile: str, spec_types: tuple[str, ...] | None) -> None:
@@ -163,9 +174,22 @@ class SpeedModel:
     def prefill_s(self, profile: str, tokens: float) -> float:
         return max(0.0, tokens) * self._prefill.value(1.0 / self.estimator.prefill_tps)
 
-    def handoff_s(self, tokens: float) -> float:
+    def handoff_s(self, tokens: float, across_hosts: bool = False) -> float:
+        """Slot save + restore; `across_hosts`: plus the slot file's transfer (`transfer_s`)."""
         save = self._save_s_per_token.value(self.handoff.save_s_per_1k / 1000.0) * tokens
-        return save + self._restore_s.value(self.handoff.restore_s)
+        moved = self.transfer_s(tokens) if across_hosts else 0.0
+        return save + moved + self._restore_s.value(self.handoff.restore_s)
+
+    def kv_bytes_per_token(self) -> float:
+        kv = self._kv_bytes_per_token
+        return kv.value(_KV_BYTES_PER_TOKEN_PRIOR) if kv.n > 0 else _KV_BYTES_PER_TOKEN_PRIOR
+
+    def bandwidth_bytes_per_s(self) -> float:
+        return 1.0 / self._transfer_s_per_byte.value(1.0 / self._link_bytes_per_s)
+
+    def transfer_s(self, tokens: float) -> float:
+        """A slot file of `tokens` between hosts: bytes per token × tokens ÷ bandwidth."""
+        return max(0.0, tokens) * self.kv_bytes_per_token() / self.bandwidth_bytes_per_s()
 
     def prompt_tokens(self, body_bytes: int) -> int:
         return int(body_bytes / self._bytes_per_token.value(self.estimator.chars_per_token))
@@ -199,6 +223,18 @@ class SpeedModel:
         if tokens > 0:
             self._save_s_per_token.add(save_s / tokens)
         self._restore_s.add(restore_s)
+
+    def observe_link(self, bytes_per_s: float) -> None:
+        """A probe of the link between hosts (at start-up): the bandwidth's prior until moves measure it."""
+        if bytes_per_s > 0:
+            self._link_bytes_per_s = bytes_per_s
+
+    def observe_transfer(self, tokens: int, file_bytes: int, seconds: float) -> None:
+        """A slot file that crossed hosts: its bytes per token, and the link's speed when the file is big enough."""
+        if tokens > 0 and file_bytes > 0:
+            self._kv_bytes_per_token.add(file_bytes / tokens)
+        if file_bytes >= _MIN_TRANSFER_BYTES and seconds > 0:
+            self._transfer_s_per_byte.add(seconds / file_bytes)
 
     def describe(self) -> list[ProfileSpeeds]:
         out = []
