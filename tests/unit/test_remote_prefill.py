@@ -104,6 +104,10 @@ def test_forced_goes_remote_whatever_the_estimate() -> None:
         ("a b", False),
         ("ü.bin", False),
         ("a\0b", False),
+        ("a.bin\n", False),  # `$` alone would let a final newline through
+        ("a.bin\r", False),
+        ("a\u0660.bin", False),  # a unicode digit
+        ("\uff41.bin", False),  # a fullwidth letter
     ],
 )
 def test_slot_file_names(name: str, ok: bool) -> None:

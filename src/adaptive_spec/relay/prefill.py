@@ -10,6 +10,7 @@ API); answer: the server's `timings`, `n_saved`, `n_written`, `save_ms`, the slo
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +22,7 @@ from aiohttp import web
 from adaptive_spec.core.slot_files import valid_slot_name
 from adaptive_spec.relay.service import SETTINGS, check_model, error
 
+log = logging.getLogger(__name__)
 PREFILL_PATHS = frozenset(
     {"/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions", "/completion"}
 )
@@ -37,8 +39,20 @@ class _Slots:
 
 
 _SLOTS = web.AppKey("relay_slots", _Slots)
-# Fields that would change what the slot holds or how the answer comes back.
-_DROPPED = ("stream", "stream_options", "n_probs", "logprobs", "top_logprobs", "timings_per_token")
+# Fields that would change what the slot holds or how the answer comes back; `n`/`n_cmpl` would spread the prompt
+# over other slots, behind the relay's back.
+_DROPPED = (
+    "stream",
+    "stream_options",
+    "n_probs",
+    "logprobs",
+    "top_logprobs",
+    "timings_per_token",
+    "n",
+    "n_cmpl",
+)
+# A prompt's JSON: a 128k-token conversation is a few MB; the body is held in memory while it is parsed.
+MAX_PREFILL_BODY_BYTES = 32 << 20
 
 
 class _ServerError(Exception):
@@ -79,10 +93,15 @@ async def prefill(request: web.Request) -> web.Response:
     refused = check_model(request)
     if refused is not None:
         return refused
+    raw = await _read_bounded(request, MAX_PREFILL_BODY_BYTES)
+    if raw is None:
+        return error(413, f"a prefill request is at most {MAX_PREFILL_BODY_BYTES} bytes", "too_large")
     try:
-        spec = orjson.loads(await request.read())
+        spec = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         return error(400, f"the body is not JSON: {exc}", "bad_json")
+    if not isinstance(spec, dict):
+        return error(400, "the body is a JSON object: path, body, filename", "bad_prefill")
     path, body, filename = spec.get("path"), spec.get("body"), spec.get("filename")
     if path not in PREFILL_PATHS or not isinstance(body, dict):
         return error(400, f"path must be one of {sorted(PREFILL_PATHS)} and body an object", "bad_prefill")
@@ -101,7 +120,8 @@ async def prefill(request: web.Request) -> web.Response:
         finally:
             queue.put_nowait(slot)
     except (aiohttp.ClientError, TimeoutError, ValueError, _ServerError) as exc:
-        return error(502, f"prefill on the relay's llama-server {url} failed: {exc or type(exc).__name__}", "server")
+        log.warning("kv-relay: prefill on %s failed: %s", url, exc)
+        return error(502, f"prefill on the relay's llama-server failed: {exc or type(exc).__name__}", "server")
     size = await asyncio.to_thread(_size, settings.slot_dir / filename)
     if size != saved.get("n_written"):
         return error(
@@ -120,6 +140,19 @@ async def prefill(request: web.Request) -> web.Response:
             "elapsed_ms": round((time.perf_counter() - t0) * 1000.0, 3),
         }
     )
+
+
+async def _read_bounded(request: web.Request, limit: int) -> bytes | None:
+    """The body, or None once it is past `limit`: read in pieces, so a liar's Content-Length costs nothing."""
+    if request.content_length is not None and request.content_length > limit:
+        return None
+    parts, size = [], 0
+    async for chunk in request.content.iter_chunked(1 << 20):
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def _size(path: Any) -> int:
