@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from adaptive_spec.core.routing.remote_prefill import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy, choose
 from adaptive_spec.core.slot_files import model_mismatch, valid_slot_name
+from adaptive_spec.proxy.remote_prefill import sweep_partial_downloads
+from adaptive_spec.relay.client import PARTIAL_PREFIX
 
 LOCAL_10_TPS = 0.1  # seconds per token: the public proposal's weak local box
 
@@ -119,3 +123,12 @@ def test_a_model_mismatch_names_both_hashes() -> None:
     assert model_mismatch(here, here, "x") is None
     message = model_mismatch(there, here, "--pp-server http://big:8095")
     assert message is not None and here in message and there in message and "--pp-server http://big:8095" in message
+
+
+def test_the_proxy_sweeps_its_own_partial_downloads_only(tmp_path: Path) -> None:
+    leftovers = [tmp_path / f"{PARTIAL_PREFIX}{n}" for n in ("a1", "b2")]
+    keep = [tmp_path / "as-pp-kept.bin", tmp_path / ".part-relay-upload", tmp_path / "mine.bin"]
+    for path in leftovers + keep:
+        path.write_bytes(b"x")
+    assert sweep_partial_downloads(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in keep)
