@@ -47,7 +47,8 @@ def test_the_model_route_tells_the_gguf_hash_and_every_route_wants_the_key(relay
     relay, _, model = relay
     status, _, body = relay.call("GET", "/relay/model")
     assert status == 200 and json.loads(body)["sha256"] == model and json.loads(body)["server"] is True
-    for method, path in [("GET", "/relay/model"), ("GET", "/relay/slots/a.bin"), ("DELETE", "/relay/slots/a.bin")]:
+    routes = [("GET", "/relay/model"), ("GET", "/relay/slots/as-a.bin"), ("DELETE", "/relay/slots/as-a.bin")]
+    for method, path in routes:
         status, _, body = relay.call(method, path, key=False)
         assert status == 401 and error_of(body)["code"] == "invalid_api_key"
         status, _, _ = relay.call(method, path, key=False, headers={"Authorization": "Bearer relay-test-kez"})
@@ -84,11 +85,11 @@ def test_names_outside_one_plain_file_are_refused(relay: Any, name: str) -> None
 
 def test_too_large_and_corrupt_uploads_leave_nothing_behind(relay: Any) -> None:
     relay, slots, model = relay
-    status, body = _put(relay, "big.bin", b"x" * (MAX_BYTES + 1), model)
+    status, body = _put(relay, "as-big.bin", b"x" * (MAX_BYTES + 1), model)
     assert status == 413 and error_of(body)["code"] == "too_large"
-    status, body = _put(relay, "bad.bin", b"some bytes", model, sha="0" * 64)
+    status, body = _put(relay, "as-bad.bin", b"some bytes", model, sha="0" * 64)
     assert status == 422 and error_of(body)["code"] == "checksum_mismatch"
-    status, body = _put(relay, "none.bin", b"some bytes", model, sha="not-a-hash")
+    status, body = _put(relay, "as-none.bin", b"some bytes", model, sha="not-a-hash")
     assert status == 400
     assert list(slots.iterdir()) == []  # no file, no hidden partial file
 
@@ -96,12 +97,12 @@ def test_too_large_and_corrupt_uploads_leave_nothing_behind(relay: Any) -> None:
 def test_another_models_kv_is_refused_with_both_hashes_named(relay: Any) -> None:
     relay, slots, model = relay
     other = hashlib.sha256(b"another gguf").hexdigest()
-    status, body = _put(relay, "foreign.bin", b"kv of another model", other)
+    status, body = _put(relay, "as-foreign.bin", b"kv of another model", other)
     message = error_of(body)["message"]
     assert status == 409 and model in message and other in message, message
-    status, _, body = relay.call("GET", "/relay/slots/anything.bin", headers={MODEL_HEADER: other})
+    status, _, body = relay.call("GET", "/relay/slots/as-anything.bin", headers={MODEL_HEADER: other})
     assert status == 409
-    assert relay.call("GET", "/relay/slots/anything.bin")[0] == 400  # no hash named at all
+    assert relay.call("GET", "/relay/slots/as-anything.bin")[0] == 400  # no hash named at all
     assert list(slots.iterdir()) == []
 
 
@@ -148,6 +149,20 @@ def test_links_fifos_and_folders_in_the_slot_dir_are_not_slot_files(relay: Any) 
         (slots / "as-fifo.bin").unlink()
         (slots / "as-dir.bin").rmdir()
     assert list(slots.iterdir()) == []
+
+
+def test_slot_files_adaptive_spec_did_not_name_are_neither_served_taken_nor_deleted(relay: Any) -> None:
+    relay, slots, model = relay
+    theirs = slots / "someones-chat.bin"  # saved by another user of the same llama-server: their prompt's tokens
+    theirs.write_bytes(b"their conversation")
+    try:
+        assert relay.call("GET", "/relay/slots/someones-chat.bin", headers={MODEL_HEADER: model})[0] == 400
+        assert relay.call("DELETE", "/relay/slots/someones-chat.bin")[0] == 400
+        status, body = _put(relay, "someones-chat.bin", b"overwritten", model)
+        assert status == 400 and error_of(body)["code"] == "bad_name"
+        assert theirs.read_bytes() == b"their conversation"
+    finally:
+        theirs.unlink()
 
 
 def test_a_name_ending_in_a_newline_is_refused(relay: Any) -> None:

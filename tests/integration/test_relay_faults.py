@@ -1,7 +1,7 @@
 """A malicious or broken kv-relay, which the real one cannot be made to be, faked in process: whatever it announces,
 sends or says, the proxy's remote prefill writes nothing outside its slot directory, keeps no partial file, fills
 no disk beyond the size the relay said it saved, gives up at its deadline and prefills here, with a short clean
-reason."""
+reason. And the real relay in front of a faked llama-server that loses a race the real one cannot be made to lose."""
 
 from __future__ import annotations
 
@@ -16,14 +16,18 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from adaptive_spec.core.access import AccessPolicy
 from adaptive_spec.core.events import Event, RemotePrefillDone
 from adaptive_spec.core.routing.decide import Decision
 from adaptive_spec.core.routing.remote_prefill import RemoteCosts, RemotePrefillPolicy
 from adaptive_spec.core.routing.router import FixedPolicy
+from adaptive_spec.core.slot_files import MODEL_HEADER
 from adaptive_spec.proxy.remote_prefill import RemotePrefill
 from adaptive_spec.proxy.routing import Router
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
 from adaptive_spec.relay.client import RelayClient
+from adaptive_spec.relay.prefill import ROUTES, client_ctx
+from adaptive_spec.relay.service import RelaySettings, build_relay_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 SAVED = 4096  # what the fake relay says its server wrote
@@ -156,3 +160,52 @@ async def test_a_relays_message_reaches_the_reason_line_short_and_without_contro
 
 def _names(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
+
+
+async def test_a_slot_that_changed_hands_before_the_save_is_not_served(
+    tmp_path: Path, session: aiohttp.ClientSession
+) -> None:
+    """A llama-server shared with other clients (a race a real one cannot be made to lose on demand): between the
+    relay's prefill and its save, another request took the slot, so the file holds someone else's conversation."""
+    slots = tmp_path / "slots"
+    slots.mkdir()
+
+    async def props(_: web.Request) -> web.Response:
+        return web.json_response({"total_slots": 1})
+
+    async def chat(_: web.Request) -> web.Response:
+        return web.json_response({"timings": {"prompt_n": 100, "cache_n": 0, "prompt_ms": 10.0}})
+
+    async def save(request: web.Request) -> web.Response:
+        name = (await request.json())["filename"]
+        (slots / name).write_bytes(b"k" * 999)
+        return web.json_response({"n_saved": 250, "n_written": 999, "timings": {"save_ms": 1.0}})
+
+    fake = web.Application()
+    fake.router.add_get("/props", props)
+    fake.router.add_post("/v1/chat/completions", chat)
+    fake.router.add_post("/slots/0", save)
+    server = TestServer(fake)
+    await server.start_server()
+    settings = RelaySettings(
+        slot_dir=slots,
+        model_name="m.gguf",
+        model_bytes=1,
+        model_sha256="a" * 64,
+        access=AccessPolicy(api_keys=("k",), allowed_hosts=("*",)),
+        server_url=str(server.make_url("")).rstrip("/"),
+    )
+    app = build_relay_app(settings, ROUTES)
+    app.cleanup_ctx.append(client_ctx)
+    relay = TestServer(app)
+    await relay.start_server()
+    try:
+        spec = {"path": "/v1/chat/completions", "body": {"messages": []}, "filename": "as-pp-race.bin"}
+        headers = {"Authorization": "Bearer k", MODEL_HEADER: "a" * 64}
+        async with session.post(relay.make_url("/relay/prefill"), json=spec, headers=headers) as resp:
+            status, body = resp.status, await resp.json()
+    finally:
+        await relay.close()
+        await server.close()
+    assert status == 502 and body["error"]["code"] == "slot_changed", body
+    assert _names(slots) == []

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from adaptive_spec.core.routing.remote_prefill import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy, choose
-from adaptive_spec.core.slot_files import model_mismatch, valid_slot_name
+from adaptive_spec.core.slot_files import model_mismatch, valid_relay_name, valid_slot_name
 from adaptive_spec.proxy.remote_prefill import sweep_partial_downloads
 from adaptive_spec.relay.client import PARTIAL_PREFIX
 
@@ -116,6 +116,21 @@ def test_forced_goes_remote_whatever_the_estimate() -> None:
 )
 def test_slot_file_names(name: str, ok: bool) -> None:
     assert valid_slot_name(name) is ok
+
+
+@pytest.mark.parametrize(
+    ("name", "ok"),
+    [
+        ("as-pp-0123-1.bin", True),
+        ("as-x", True),
+        ("chat.bin", False),
+        ("as-a/b", False),
+        ("as-..x", False),
+        ("AS-x", False),
+    ],
+)
+def test_a_relay_handles_only_the_names_adaptive_spec_gives(name: str, ok: bool) -> None:
+    assert valid_relay_name(name) is ok
 
 
 def test_a_model_mismatch_names_both_hashes() -> None:

@@ -21,6 +21,16 @@ def valid_slot_name(name: str) -> bool:
     return bool(_NAME.fullmatch(name)) and ".." not in name
 
 
+# adaptive-spec names every slot file it saves `as-…` (handoffs, remote prefill): a relay serves, takes and deletes
+# only those, so the slot files others keep in a shared --slot-save-path (which hold their prompts' tokens) stay theirs.
+RELAY_PREFIX = "as-"
+
+
+def valid_relay_name(name: str) -> bool:
+    """A slot file name a relay handles: a valid one starting with `as-`."""
+    return name.startswith(RELAY_PREFIX) and valid_slot_name(name)
+
+
 def valid_sha256(value: str | None) -> bool:
     return value is not None and bool(_SHA256.fullmatch(value))
 

@@ -13,14 +13,15 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from adaptive_spec.core.slot_files import valid_slot_name
-from adaptive_spec.relay.service import SETTINGS, check_model, error
+from adaptive_spec.core.slot_files import valid_relay_name
+from adaptive_spec.relay.service import NAME_RULE, SETTINGS, check_model, error
 
 log = logging.getLogger(__name__)
 PREFILL_PATHS = frozenset(
@@ -105,8 +106,8 @@ async def prefill(request: web.Request) -> web.Response:
     path, body, filename = spec.get("path"), spec.get("body"), spec.get("filename")
     if path not in PREFILL_PATHS or not isinstance(body, dict):
         return error(400, f"path must be one of {sorted(PREFILL_PATHS)} and body an object", "bad_prefill")
-    if not isinstance(filename, str) or not valid_slot_name(filename):
-        return error(400, "filename must be one plain file name: [A-Za-z0-9_.-]{1,128}", "bad_name")
+    if not isinstance(filename, str) or not valid_relay_name(filename):
+        return error(400, f"filename: {NAME_RULE}", "bad_name")
     client, url = request.app[_CLIENT], settings.server_url
     t0 = time.perf_counter()
     try:
@@ -122,14 +123,9 @@ async def prefill(request: web.Request) -> web.Response:
     except (aiohttp.ClientError, TimeoutError, ValueError, _ServerError) as exc:
         log.warning("kv-relay: prefill on %s failed: %s", url, exc)
         return error(502, f"prefill on the relay's llama-server failed: {exc or type(exc).__name__}", "server")
-    size = await asyncio.to_thread(_size, settings.slot_dir / filename)
-    if size != saved.get("n_written"):
-        return error(
-            502,
-            f"llama-server saved {saved.get('n_written')} bytes but {filename!r} in the relay's --slot-dir has {size}:"
-            " is llama-server's --slot-save-path the relay's --slot-dir?",
-            "slot_dir_mismatch",
-        )
+    problem = await asyncio.to_thread(_saved_problem, settings.slot_dir / filename, answer, saved)
+    if problem is not None:
+        return error(502, *problem)
     return web.json_response(
         {
             "slot": slot,
@@ -155,11 +151,30 @@ async def _read_bounded(request: web.Request, limit: int) -> bytes | None:
     return b"".join(parts)
 
 
-def _size(path: Any) -> int:
+def _saved_problem(path: Path, answer: dict[str, Any], saved: dict[str, Any]) -> tuple[str, str] | None:
+    """Why the saved file is not the prompt's slot, or None. It must be where llama-server said it wrote it, and
+    hold the prompt alone: more or fewer tokens mean another client of the server had the slot between the prefill
+    and the save, and its conversation is not the caller's to download (the file is deleted)."""
     try:
-        return int(path.stat().st_size)
+        size = path.stat().st_size
     except OSError:
-        return -1
+        size = -1
+    if size != saved.get("n_written"):
+        return (
+            f"llama-server saved {saved.get('n_written')} bytes but {path.name!r} in the relay's --slot-dir has"
+            f" {size}: is llama-server's --slot-save-path the relay's --slot-dir?",
+            "slot_dir_mismatch",
+        )
+    timings = answer.get("timings") or {}
+    prompt = int(timings.get("prompt_n") or 0) + int(timings.get("cache_n") or 0)
+    if saved.get("n_saved") != prompt:
+        path.unlink(missing_ok=True)
+        return (
+            f"the saved slot holds {saved.get('n_saved')} tokens, not the prompt's {prompt}: another request had"
+            " the slot (give the relay a llama-server of its own)",
+            "slot_changed",
+        )
+    return None
 
 
 async def client_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -32,7 +32,14 @@ import orjson
 from aiohttp import web
 
 from adaptive_spec.core.access import AccessPolicy, host_allowed, key_accepted, sent_keys
-from adaptive_spec.core.slot_files import MODEL_HEADER, SHA256_HEADER, model_mismatch, valid_sha256, valid_slot_name
+from adaptive_spec.core.slot_files import (
+    MODEL_HEADER,
+    RELAY_PREFIX,
+    SHA256_HEADER,
+    model_mismatch,
+    valid_relay_name,
+    valid_sha256,
+)
 
 log = logging.getLogger(__name__)
 _CHUNK = 1 << 20
@@ -56,6 +63,7 @@ class RelaySettings:
 
 
 SETTINGS = web.AppKey("relay_settings", RelaySettings)
+NAME_RULE = f"a slot file name is one plain file name starting {RELAY_PREFIX!r}: [A-Za-z0-9_.-]{{1,128}}"
 
 
 def error(status: int, message: str, code: str) -> web.Response:
@@ -101,9 +109,8 @@ def check_model(request: web.Request) -> web.Response | None:
 
 def _slot_path(request: web.Request) -> Path | web.Response:
     name = request.match_info["name"]
-    if not valid_slot_name(name):
-        message = "a slot file name is one plain file name: [A-Za-z0-9_.-]{1,128}, not starting with '.'"
-        return error(400, message, "bad_name")
+    if not valid_relay_name(name):
+        return error(400, NAME_RULE, "bad_name")
     return request.app[SETTINGS].slot_dir / name
 
 
