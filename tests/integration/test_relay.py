@@ -9,6 +9,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -217,3 +218,14 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "the condition never held"
         time.sleep(0.05)
+
+
+def test_concurrent_uploads_of_one_name_leave_one_of_them_whole(relay: Any) -> None:
+    relay, slots, model = relay
+    payloads = [bytes([n]) * 90_000 for n in range(6)]
+    with ThreadPoolExecutor(len(payloads)) as pool:
+        statuses = list(pool.map(lambda data: _put(relay, "as-same.bin", data, model)[0], payloads))
+    assert statuses == [201] * len(payloads)
+    assert (slots / "as-same.bin").read_bytes() in payloads  # the last rename wins; never a mix
+    assert relay.call("DELETE", "/relay/slots/as-same.bin")[0] == 204
+    assert list(slots.iterdir()) == []

@@ -109,9 +109,9 @@ class RemotePrefill:
         if not choice.remote:
             extended = decision.new_tokens >= self.costs.policy.min_tokens
             return (replace(decision, reason=f"{decision.reason}; {choice.reason}") if extended else decision), None
-        # Past the time a local prefill was estimated to take, the remote path cannot win any more: a slow or
-        # stalled relay costs the request at most that before it prefills here.
-        deadline_s = max(self.min_deadline_s, choice.local_s)
+        # Past twice the time a local prefill was estimated to take, the remote path has lost even if that estimate
+        # was off by half: a slow or stalled relay costs the request at most that before it prefills here.
+        deadline_s = max(self.min_deadline_s, 2.0 * choice.local_s)
         result = await self._run(client, router, upstream, slot or 0, request, session_id, deadline_s)
         router.publish(
             RemotePrefillDone(
@@ -175,7 +175,7 @@ class RemotePrefill:
             self.counts["failed"] += 1
             message = str(exc) or type(exc).__name__
             if isinstance(exc, TimeoutError):
-                message = f"gave up after {deadline_s:.0f} s, the local prefill's estimate"
+                message = f"gave up after {deadline_s:.0f} s, twice the local prefill's estimate"
             log.warning("remote prefill via %s failed: %s", self.relay.base_url, message)
             return RemotePrefillResult(False, 0, 0.0, 0.0, 0.0, 0.0, 0, message, fallback_reason(exc))
         finally:
