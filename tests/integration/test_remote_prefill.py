@@ -14,7 +14,7 @@ import pytest
 from adaptive_spec.relay.model_hash import file_sha256
 from adaptive_spec.relay.service import RATE_ENV
 from tests.support.relay import RelayProcess
-from tests.support.servers import LlamaServer, ProxyProcess, chat_record, http_json
+from tests.support.servers import LlamaServer, ProxyProcess, chat_record, http_json, http_text
 
 KEY = "pp-relay-key"
 # A slow local box: its prefill prior is 20 tokens/s (it has not measured a long prompt yet), the remote's 5,000.
@@ -92,6 +92,11 @@ def test_a_long_prompt_is_prefilled_remotely_and_decoded_here(rig: Rig) -> None:
     direct = _direct(rig.local, messages)
     assert direct["timings"]["cache_n"] == 0
     assert record["text"] == direct["choices"][0]["message"]["content"]
+    metrics = http_text(rig.proxy.base + "/metrics")  # fed by the RemotePrefillDone event on the bus
+    assert "adaptive_spec_remote_prefill_done_total 1.0" in metrics
+    assert "adaptive_spec_remote_prefill_chosen_total 1.0" in metrics
+    assert "adaptive_spec_remote_prefill_transfer_bytes_count 1.0" in metrics
+    assert KEY not in rig.proxy.log() and not any(KEY in line for line in rig.relay.lines)
 
 
 def test_on_the_real_model_the_greedy_text_equals_a_local_prefills(
@@ -122,6 +127,9 @@ def test_when_the_relay_is_gone_the_prompt_is_prefilled_here_with_the_same_text(
     assert "remote prefill failed" in record["reason"] and "prefilled here" in record["reason"], record["reason"]
     assert record["text"] == _direct(rig.local, messages)["choices"][0]["message"]["content"]
     assert list(rig.local_slots.iterdir()) == []
+    assert 'adaptive_spec_remote_prefill_fallbacks_total{reason="unreachable"} 1.0' in http_text(
+        rig.proxy.base + "/metrics"
+    )
 
 
 @pytest.fixture()

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -174,3 +175,47 @@ def test_a_trace_line_cut_off_by_a_full_disk_does_not_spoil_the_next(tmp_path: P
     lines = (tmp_path / "t.jsonl").read_bytes().split(b"\n")
     assert lines[0] == b'{"n":1}' and lines[1] == b'{"n":' and lines[2] == b'{"n":3}', lines
     assert trace.dropped == 0 and trace.dropped_total == 1
+
+
+def test_remote_prefills_are_counted_by_outcome_and_timed_by_step() -> None:
+    from adaptive_spec.core.events import RemotePrefillDone
+    from adaptive_spec.proxy.metrics import ProxyMetrics
+
+    metrics = ProxyMetrics(frozenset({"main"}))
+    common: dict[str, Any] = {"session_id": "s", "profile": "main", "relay": "http://pp:8095", "save_s": 0.02}
+    metrics.on_event(
+        RemotePrefillDone(
+            **common,
+            ok=True,
+            reason=None,
+            tokens=4000,
+            bytes=3 << 20,
+            remote_prefill_s=0.4,
+            transfer_s=2.0,
+            restore_s=0.1,
+            error=None,
+        )
+    )
+    for reason in ("timeout", "checksum", "timeout"):
+        metrics.on_event(
+            RemotePrefillDone(
+                **common,
+                ok=False,
+                reason=reason,
+                tokens=0,
+                bytes=0,
+                remote_prefill_s=0.0,
+                transfer_s=0.0,
+                restore_s=0.0,
+                error="x",
+            )
+        )
+    text = metrics.render().decode()
+    assert "adaptive_spec_remote_prefill_chosen_total 4.0" in text
+    assert "adaptive_spec_remote_prefill_done_total 1.0" in text
+    assert 'adaptive_spec_remote_prefill_fallbacks_total{reason="timeout"} 2.0' in text
+    assert 'adaptive_spec_remote_prefill_fallbacks_total{reason="checksum"} 1.0' in text
+    assert 'adaptive_spec_remote_prefill_seconds_bucket{le="2.5",step="transfer"} 1.0' in text
+    assert 'adaptive_spec_remote_prefill_seconds_bucket{le="1.0",step="transfer"} 0.0' in text
+    assert 'adaptive_spec_remote_prefill_transfer_bytes_bucket{le="4.194304e+06"} 1.0' in text
+    assert "adaptive_spec_remote_prefill_transfer_bytes_count 1.0" in text

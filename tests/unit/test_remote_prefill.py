@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from adaptive_spec.core.routing.remote_prefill import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy, choose
-from adaptive_spec.core.slot_files import model_mismatch, valid_slot_name
+from adaptive_spec.core.slot_files import model_mismatch, valid_relay_name, valid_slot_name
+from adaptive_spec.proxy.remote_prefill import sweep_partial_downloads
+from adaptive_spec.relay.client import PARTIAL_PREFIX
 
 LOCAL_10_TPS = 0.1  # seconds per token: the public proposal's weak local box
 
@@ -104,10 +108,29 @@ def test_forced_goes_remote_whatever_the_estimate() -> None:
         ("a b", False),
         ("ü.bin", False),
         ("a\0b", False),
+        ("a.bin\n", False),  # `$` alone would let a final newline through
+        ("a.bin\r", False),
+        ("a\u0660.bin", False),  # a unicode digit
+        ("\uff41.bin", False),  # a fullwidth letter
     ],
 )
 def test_slot_file_names(name: str, ok: bool) -> None:
     assert valid_slot_name(name) is ok
+
+
+@pytest.mark.parametrize(
+    ("name", "ok"),
+    [
+        ("as-pp-0123-1.bin", True),
+        ("as-x", True),
+        ("chat.bin", False),
+        ("as-a/b", False),
+        ("as-..x", False),
+        ("AS-x", False),
+    ],
+)
+def test_a_relay_handles_only_the_names_adaptive_spec_gives(name: str, ok: bool) -> None:
+    assert valid_relay_name(name) is ok
 
 
 def test_a_model_mismatch_names_both_hashes() -> None:
@@ -115,3 +138,12 @@ def test_a_model_mismatch_names_both_hashes() -> None:
     assert model_mismatch(here, here, "x") is None
     message = model_mismatch(there, here, "--pp-server http://big:8095")
     assert message is not None and here in message and there in message and "--pp-server http://big:8095" in message
+
+
+def test_the_proxy_sweeps_its_own_partial_downloads_only(tmp_path: Path) -> None:
+    leftovers = [tmp_path / f"{PARTIAL_PREFIX}{n}" for n in ("a1", "b2")]
+    keep = [tmp_path / "as-pp-kept.bin", tmp_path / ".part-relay-upload", tmp_path / "mine.bin"]
+    for path in leftovers + keep:
+        path.write_bytes(b"x")
+    assert sweep_partial_downloads(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in keep)

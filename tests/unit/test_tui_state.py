@@ -253,3 +253,47 @@ def test_speeds_fit_their_columns() -> None:
     assert num(8363.24) == "8,363"
     assert num(48.25) == "48.2"
     assert num(None) == "—"
+
+
+def test_a_remote_prefill_is_one_log_line_and_so_is_its_fallback() -> None:
+    from adaptive_spec.core.events import RemotePrefillDone
+
+    done = RemotePrefillDone(
+        session_id="s1",
+        profile="main",
+        relay="http://ppserver:8095",
+        ok=True,
+        reason=None,
+        tokens=3412,
+        bytes=41_000_000,
+        remote_prefill_s=0.5,
+        save_s=0.02,
+        transfer_s=0.25,
+        restore_s=0.03,
+        error=None,
+        at_unix=T0,
+    )
+    fell_back = RemotePrefillDone(
+        session_id="s2",
+        profile="main",
+        relay="http://ppserver:8095",
+        ok=False,
+        reason="checksum",
+        tokens=0,
+        bytes=0,
+        remote_prefill_s=0.0,
+        save_s=0.0,
+        transfer_s=0.0,
+        restore_s=0.0,
+        error="sha256 differs",
+        at_unix=T0,
+    )
+    board = Dashboard()
+    for event in (done, fell_back):
+        payload = event.to_json()
+        board.apply(payload.pop("type"), payload, T0)
+    assert [(line.kind, line.who) for line in board.log] == [("handoff", "s1"), ("handoff", "s2")]
+    assert board.log[0].text == (
+        "remote prefill: 3,412 tok, 41.0 MB back to main (prefill 500 ms · transfer 250 ms · restore 30 ms)"
+    )
+    assert board.log[1].text == "remote prefill failed (checksum: sha256 differs); prefilled here"

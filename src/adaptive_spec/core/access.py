@@ -8,7 +8,7 @@ import hmac
 import ipaddress
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import orjson
@@ -27,7 +27,7 @@ _DEFAULT_PORTS = {"http": "80", "https": "443"}
 class AccessPolicy:
     """What `serve` was told about access; the defaults are a loopback-only proxy without a key."""
 
-    api_keys: tuple[str, ...] = ()  # empty: no key is asked for
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no key is asked for; never in a repr
     allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS  # "name" (any port) or "name:port"; "*" turns the check off
     cors_origins: tuple[str, ...] = ()  # origins a browser page may call from; "*" any
     forward_api_key: bool = False  # send the client's key on to llama-server (attached servers with their own key)

@@ -2,7 +2,8 @@
 
 Every request publishes RequestStarted, then any number of DraftProgress, then exactly one of RequestFinished or
 RequestFailed. Profiles publish ProfileUp / ProfileDown; the router HandoffDone
-and PolicyChanged. A subscriber that falls behind gets EventsDropped.
+and PolicyChanged; remote prefill (`serve --pp-server`) RemotePrefillDone. A subscriber that falls behind gets
+EventsDropped.
 """
 
 from __future__ import annotations
@@ -106,6 +107,25 @@ class HandoffDone(_Event):
 
 
 @dataclass(frozen=True, slots=True)
+class RemotePrefillDone(_Event):
+    """A prompt was prefilled on `serve --pp-server` and its KV restored here, or that failed (`reason`: why, in
+    one word) and the local profile prefills it."""
+
+    session_id: str | None
+    profile: str
+    relay: str
+    ok: bool
+    reason: str | None
+    tokens: int
+    bytes: int
+    remote_prefill_s: float
+    save_s: float
+    transfer_s: float
+    restore_s: float
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class SessionPinned(_Event):
     """A session was pinned to a profile (its next turns go there, its KV follows), or, with None, unpinned."""
 
@@ -136,6 +156,7 @@ Event = (
     | ProfileUp
     | ProfileDown
     | HandoffDone
+    | RemotePrefillDone
     | SessionPinned
     | PolicyChanged
     | EventsDropped

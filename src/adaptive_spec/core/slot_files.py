@@ -17,11 +17,22 @@ MODEL_HEADER = "x-adaptive-spec-model-sha256"  # the sha256 of the GGUF the send
 
 def valid_slot_name(name: str) -> bool:
     """A plain file name llama-server and the relay may use: `[A-Za-z0-9_.-]{1,128}`, not starting with `.`."""
-    return bool(_NAME.match(name)) and ".." not in name
+    # fullmatch: `$` would also match before a final newline, letting `NAME%0A` through.
+    return bool(_NAME.fullmatch(name)) and ".." not in name
+
+
+# adaptive-spec names every slot file it saves `as-…` (handoffs, remote prefill): a relay serves, takes and deletes
+# only those, so the slot files others keep in a shared --slot-save-path (which hold their prompts' tokens) stay theirs.
+RELAY_PREFIX = "as-"
+
+
+def valid_relay_name(name: str) -> bool:
+    """A slot file name a relay handles: a valid one starting with `as-`."""
+    return name.startswith(RELAY_PREFIX) and valid_slot_name(name)
 
 
 def valid_sha256(value: str | None) -> bool:
-    return value is not None and bool(_SHA256.match(value))
+    return value is not None and bool(_SHA256.fullmatch(value))
 
 
 def model_mismatch(there: str, here: str, where: str) -> str | None:

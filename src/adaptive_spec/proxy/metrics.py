@@ -10,6 +10,7 @@ from adaptive_spec.core.events import (
     PolicyChanged,
     ProfileDown,
     ProfileUp,
+    RemotePrefillDone,
     RequestFailed,
     RequestFinished,
 )
@@ -19,6 +20,8 @@ _REPLICA = ("profile", "replica")
 MAX_PROJECT_LABELS = 100  # projects beyond this share the label "other": series are never freed
 _SPEED_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_PP_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 180, 600)
+_PP_BYTES_BUCKETS = tuple(float(1 << n) for n in range(20, 38, 2))  # 1 MiB .. 128 GiB
 
 
 class ProxyMetrics:
@@ -74,6 +77,7 @@ class ProxyMetrics:
         self.handoffs = Counter(
             "adaptive_spec_kv_handoffs", "KV slot handoffs (save + restore) by outcome", ["outcome"], registry=r
         )
+        self._remote_prefill_metrics()
         self.policy_changes = Counter("adaptive_spec_policy_changes", "Policy files reloaded or found bad", registry=r)
         self.profile_up = Gauge("adaptive_spec_profile_up", "1 when the profile is serving", ["profile"], registry=r)
         self._replica_metrics(r)
@@ -102,6 +106,50 @@ class ProxyMetrics:
             registry=r,
         )
 
+    def _remote_prefill_metrics(self) -> None:
+        r = self.registry
+        self.pp_chosen = Counter(
+            "adaptive_spec_remote_prefill_chosen", "Prompts the cost model sent to --pp-server", registry=r
+        )
+        self.pp_done = Counter(
+            "adaptive_spec_remote_prefill_done", "Remote prefills whose KV was restored here", registry=r
+        )
+        self.pp_fallbacks = Counter(
+            "adaptive_spec_remote_prefill_fallbacks",
+            "Remote prefills given up (prefilled here instead) by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.pp_bytes = Histogram(
+            "adaptive_spec_remote_prefill_transfer_bytes",
+            "Slot file bytes brought back",
+            buckets=_PP_BYTES_BUCKETS,
+            registry=r,
+        )
+        self.pp_seconds = Histogram(
+            "adaptive_spec_remote_prefill_seconds",
+            "Time of each remote prefill step (prefill, save, transfer, restore)",
+            ["step"],
+            buckets=_PP_SECONDS_BUCKETS,
+            registry=r,
+        )
+
+    def _remote_prefill(self, event: RemotePrefillDone) -> None:
+        self.pp_chosen.inc()
+        if not event.ok:
+            self.pp_fallbacks.labels(event.reason or "other").inc()
+            return
+        self.pp_done.inc()
+        self.pp_bytes.observe(event.bytes)
+        steps = {
+            "prefill": event.remote_prefill_s,
+            "save": event.save_s,
+            "transfer": event.transfer_s,
+            "restore": event.restore_s,
+        }
+        for step, seconds in steps.items():
+            self.pp_seconds.labels(step).observe(seconds)
+
     def on_event(self, event: Event) -> None:
         if isinstance(event, RequestFinished | RequestFailed):
             self._record(event.record, failed=isinstance(event, RequestFailed))
@@ -114,6 +162,8 @@ class ProxyMetrics:
             self.replica_up.labels(event.profile, str(event.replica)).set(0)
         elif isinstance(event, HandoffDone):
             self.handoffs.labels("ok" if event.ok else "failed").inc()
+        elif isinstance(event, RemotePrefillDone):
+            self._remote_prefill(event)
         elif isinstance(event, PolicyChanged):
             self.policy_changes.inc()
 

@@ -13,13 +13,14 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from adaptive_spec.core.events import RemotePrefillDone
 from adaptive_spec.core.routing.decide import Decision
 from adaptive_spec.core.routing.remote_prefill import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy, choose
 from adaptive_spec.core.slot_files import model_mismatch
@@ -27,7 +28,7 @@ from adaptive_spec.errors import ConfigError, ProfileMismatchError
 from adaptive_spec.proxy.routing import Router
 from adaptive_spec.proxy.slot_mover import SlotError, slot_action
 from adaptive_spec.proxy.upstreams import Upstream
-from adaptive_spec.relay.client import RelayClient, RelayError
+from adaptive_spec.relay.client import PARTIAL_PREFIX, RelayClient, RelayError
 from adaptive_spec.relay.model_hash import file_sha256
 
 log = logging.getLogger(__name__)
@@ -47,13 +48,22 @@ class RemotePrefillResult:
     restore_s: float
     bytes: int
     error: str | None = None
+    reason: str | None = None  # why it fell back, in one word (metrics label): timeout, relay, checksum, ...
 
 
 class RemotePrefill:
     """The proxy's remote prefill: one per proxy, set on the app by `serve` (`REMOTE_PREFILL`)."""
 
-    def __init__(self, relay: RelayClient, costs: RemoteCosts, slot_dir: Path, max_bytes: int = 64 << 30) -> None:
+    def __init__(
+        self,
+        relay: RelayClient,
+        costs: RemoteCosts,
+        slot_dir: Path,
+        max_bytes: int = 64 << 30,
+        min_deadline_s: float = 30.0,
+    ) -> None:
         self.relay, self.costs, self.slot_dir, self.max_bytes = relay, costs, slot_dir, max_bytes
+        self.min_deadline_s = min_deadline_s
         self.counts = {"ok": 0, "failed": 0}
         self._seq = 0
 
@@ -100,7 +110,26 @@ class RemotePrefill:
         if not choice.remote:
             extended = decision.new_tokens >= self.costs.policy.min_tokens
             return (replace(decision, reason=f"{decision.reason}; {choice.reason}") if extended else decision), None
-        result = await self._run(client, router, upstream, slot or 0, request, session_id)
+        # Past twice the time a local prefill was estimated to take, the remote path has lost even if that estimate
+        # was off by half: a slow or stalled relay costs the request at most that before it prefills here.
+        deadline_s = max(self.min_deadline_s, 2.0 * choice.local_s)
+        result = await self._run(client, router, upstream, slot or 0, request, session_id, deadline_s)
+        router.publish(
+            RemotePrefillDone(
+                session_id=session_id,
+                profile=upstream.name,
+                relay=self.relay.base_url,
+                ok=result.ok,
+                reason=result.reason,
+                tokens=result.tokens,
+                bytes=result.bytes,
+                remote_prefill_s=result.remote_prefill_s,
+                save_s=result.save_s,
+                transfer_s=result.transfer_s,
+                restore_s=result.restore_s,
+                error=result.error,
+            )
+        )
         note = choice.reason if result.ok else f"remote prefill failed ({result.error}): prefilled here"
         return replace(decision, reason=f"{decision.reason}; {note}"), result
 
@@ -112,8 +141,10 @@ class RemotePrefill:
         slot: int,
         request: tuple[str, dict[str, Any]],
         session_id: str | None,
+        deadline_s: float,
     ) -> RemotePrefillResult:
-        """Prefill and save there, download, restore here; whatever happens, the file goes on both sides."""
+        """Prefill and save there, download, restore here, all within `deadline_s`; whatever happens, the file goes
+        on both sides."""
         self._seq += 1
         tag = hashlib.sha256((session_id or "").encode()).hexdigest()[:20]
         name = f"{_FILE_PREFIX}{tag}-{self._seq}.bin"
@@ -121,25 +152,33 @@ class RemotePrefill:
         path, body = request
         t0 = time.perf_counter()
         try:
-            if router.slot_busy(upstream.name, slot, mine=1, replica=upstream.replica):
-                raise SlotError(f"{upstream.name} slot {slot} is busy with another request")
-            prefilled = await self.relay.prefill(client, path, body, name, timeout_s=3600.0)
-            t1 = time.perf_counter()
-            got = await self.relay.download(client, name, dest, self.max_bytes, timeout_s=3600.0)
-            if got.bytes != prefilled.n_written:
-                raise RelayError(f"downloaded {got.bytes} of the {prefilled.n_written} bytes saved")
-            t2 = time.perf_counter()
-            timeout = aiohttp.ClientTimeout(total=10.0 + prefilled.n_saved * 0.0005)
-            restored = await slot_action(client, upstream, slot, "restore", name, timeout)
-            t3 = time.perf_counter()
-            if int(restored.get("n_restored") or -1) != prefilled.n_saved:
-                raise SlotError(
-                    f"restore on {upstream.name} restored {restored.get('n_restored')} of {prefilled.n_saved} tokens"
-                )
+            async with asyncio.timeout(deadline_s):
+                if router.slot_busy(upstream.name, slot, mine=1, replica=upstream.replica):
+                    raise SlotError(f"{upstream.name} slot {slot} is busy with another request")
+                prefilled = await self.relay.prefill(client, path, body, name, timeout_s=deadline_s)
+                t1 = time.perf_counter()
+                if not 0 < prefilled.n_written <= self.max_bytes:
+                    raise RelayError(f"the relay saved {prefilled.n_written} bytes (at most {self.max_bytes})", "size")
+                # Exactly the size the relay said it saved: a relay that sends more is cut off there.
+                got = await self.relay.download(client, name, dest, prefilled.n_written, timeout_s=deadline_s)
+                if got.bytes != prefilled.n_written:
+                    raise RelayError(f"downloaded {got.bytes} of the {prefilled.n_written} bytes saved", "size")
+                t2 = time.perf_counter()
+                timeout = aiohttp.ClientTimeout(total=10.0 + prefilled.n_saved * 0.0005)
+                restored = await slot_action(client, upstream, slot, "restore", name, timeout)
+                t3 = time.perf_counter()
+                if int(restored.get("n_restored") or -1) != prefilled.n_saved:
+                    raise SlotError(
+                        f"restore on {upstream.name} restored {restored.get('n_restored')} of {prefilled.n_saved} "
+                        "tokens"
+                    )
         except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, OSError, RelayError, SlotError) as exc:
             self.counts["failed"] += 1
-            log.warning("remote prefill via %s failed: %s", self.relay.base_url, exc)
-            return RemotePrefillResult(False, 0, 0.0, 0.0, 0.0, 0.0, 0, str(exc) or type(exc).__name__)
+            message = str(exc) or type(exc).__name__
+            if isinstance(exc, TimeoutError):
+                message = f"gave up after {deadline_s:.0f} s, twice the local prefill's estimate"
+            log.warning("remote prefill via %s failed: %s", self.relay.base_url, message)
+            return RemotePrefillResult(False, 0, 0.0, 0.0, 0.0, 0.0, 0, message, fallback_reason(exc))
         finally:
             router.placements.displace(upstream.name, slot, keep=session_id, replica=upstream.replica)
             await asyncio.to_thread(dest.unlink, True)
@@ -175,6 +214,30 @@ class RemotePrefill:
             log.warning("could not delete %s at %s: %s", name, self.relay.base_url, exc)
 
 
+def fallback_reason(exc: BaseException) -> str:
+    """One word for why a remote prefill fell back: a metrics label, so a small fixed set."""
+    if isinstance(exc, TimeoutError):  # aiohttp's own timeouts are TimeoutErrors too
+        return "timeout"
+    if isinstance(exc, RelayError):
+        return exc.code
+    if isinstance(exc, SlotError):
+        return "local_slot"
+    if isinstance(exc, aiohttp.ClientError | ConnectionError):
+        return "unreachable"
+    if isinstance(exc, OSError):
+        return "local_disk"
+    return "bad_answer"
+
+
+def sweep_partial_downloads(slot_dir: Path) -> int:
+    """Downloads cut off by a crash leave hidden partial files in the local slot directory: gone at start."""
+    swept = 0
+    for leftover in slot_dir.glob(f"{PARTIAL_PREFIX}*"):
+        leftover.unlink(missing_ok=True)
+        swept += 1
+    return swept
+
+
 REMOTE_PREFILL = web.AppKey("remote_prefill", RemotePrefill)
 
 
@@ -183,7 +246,7 @@ class RemotePrefillPlan:
     """`serve --pp-server URL` (the kv-relay beside the remote llama-server) and how to price it."""
 
     relay_url: str
-    key: str
+    key: str = field(repr=False)  # never in a log line or a traceback's repr
     policy: RemotePrefillPolicy
     model_sha256: str | None = None  # this side's GGUF hash, when the proxy cannot read the file (attached profiles)
 
@@ -211,6 +274,9 @@ async def start_remote_prefill(
             )
         say(f"remote prefill: hashing {model_path} ...")
         sha = await asyncio.to_thread(file_sha256, Path(model_path))
+    swept = await asyncio.to_thread(sweep_partial_downloads, slot_dir)
+    if swept:
+        say(f"remote prefill: removed {swept} partial download(s) left in {slot_dir}")
     remote = RemotePrefill(RelayClient(plan.relay_url, plan.key, sha), RemoteCosts(plan.policy), slot_dir)
     say(await remote.connect(client))
     return remote

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,10 +20,18 @@ import orjson
 from adaptive_spec.core.slot_files import MODEL_HEADER, SHA256_HEADER, valid_sha256
 
 _CHUNK = 1 << 20
+_MAX_ANSWER_BYTES = 1 << 20  # a relay's JSON answers are small: a larger one is not read into memory
+_MAX_MESSAGE_CHARS = 300  # a relay's words go into reason lines, records and logs
+PARTIAL_PREFIX = ".part-dl-"  # hidden downloads in progress; what a crash leaves is swept at start
+STALL_S = 60.0  # a download that sends nothing for this long is given up
 
 
 class RelayError(Exception):
-    """The relay refused or failed; the message names what and where."""
+    """The relay refused or failed; the message names what and where, `code` says it in one word."""
+
+    def __init__(self, message: str, code: str = "relay") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,12 +59,12 @@ class RelayClient:
         self._headers = {"Authorization": f"Bearer {key}", MODEL_HEADER: model_sha256}
 
     async def _json(self, resp: aiohttp.ClientResponse, what: str) -> dict[str, Any]:
-        text = await resp.text()
+        text = await _bounded_text(resp)
         if resp.status >= 300:
             raise RelayError(f"{what} at {self.base_url}: HTTP {resp.status}: {_message(text)}")
         body = orjson.loads(text) if text else {}
         if not isinstance(body, dict):
-            raise RelayError(f"{what} at {self.base_url}: unexpected answer {text[:200]}")
+            raise RelayError(f"{what} at {self.base_url}: unexpected answer {_clean(text)}")
         return body
 
     async def model(self, client: aiohttp.ClientSession) -> tuple[dict[str, Any], float]:
@@ -75,6 +84,8 @@ class RelayClient:
             got = 0
             async for chunk in resp.content.iter_chunked(_CHUNK):
                 got += len(chunk)
+                if got >= n_bytes:
+                    break  # all that was asked for: a relay that sends on is not listened to
         return got / max(1e-6, time.perf_counter() - t0)
 
     async def prefill(
@@ -101,22 +112,33 @@ class RelayClient:
         self, client: aiohttp.ClientSession, name: str, dest: Path, max_bytes: int, timeout_s: float
     ) -> Downloaded:
         """Stream the relay's slot file `name` to `dest` (same directory partial file, renamed once its sha256
-        matches the relay's header); nothing is left at `dest` on failure."""
-        partial = dest.with_name(f".part-{uuid.uuid4().hex}")
+        matches the relay's header); nothing is left at `dest` on failure. `max_bytes`: the size the relay said it
+        saved, or the caller's bound: a relay that announces or sends more is cut off before the disk fills, one
+        that stops sending for `STALL_S` is given up."""
+        partial = dest.with_name(f"{PARTIAL_PREFIX}{uuid.uuid4().hex}")
         t0 = time.perf_counter()
         url = f"{self.base_url}/relay/slots/{name}"
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_read=STALL_S)
         try:
-            async with client.get(url, headers=self._headers, timeout=_timeout(timeout_s)) as resp:
+            async with client.get(url, headers=self._headers, timeout=timeout) as resp:
                 if resp.status != 200:
                     raise RelayError(
-                        f"download of {name} at {self.base_url}: HTTP {resp.status}: {_message(await resp.text())}"
+                        f"download of {name} at {self.base_url}: HTTP {resp.status}: "
+                        f"{_message(await _bounded_text(resp))}"
                     )
                 expected = resp.headers.get(SHA256_HEADER, "").lower()
                 if not valid_sha256(expected):
                     raise RelayError(f"download of {name}: the relay sent no {SHA256_HEADER}")
+                if resp.content_length is not None and resp.content_length > max_bytes:
+                    raise RelayError(
+                        f"download of {name}: {resp.content_length} bytes announced, at most {max_bytes}", "size"
+                    )
+                await asyncio.to_thread(_room_for, dest.parent, resp.content_length or max_bytes)
                 size, digest = await _write(resp, partial, max_bytes)
             if digest != expected:
-                raise RelayError(f"download of {name}: sha256 {digest} does not match the relay's {expected}")
+                raise RelayError(
+                    f"download of {name}: sha256 {digest} does not match the relay's {expected}", "checksum"
+                )
             await asyncio.to_thread(os.replace, partial, dest)
         finally:
             await asyncio.to_thread(partial.unlink, True)
@@ -134,7 +156,7 @@ class RelayClient:
         ) as resp:
             if resp.status != 200:
                 raise RelayError(
-                    f"download of {name} at {self.base_url}: HTTP {resp.status}: {_message(await resp.text())}"
+                    f"download of {name} at {self.base_url}: HTTP {resp.status}: {_message(await _bounded_text(resp))}"
                 )
             expected = resp.headers.get(SHA256_HEADER, "").lower()
             if not valid_sha256(expected):
@@ -165,12 +187,38 @@ async def _write(resp: aiohttp.ClientResponse, partial: Path, max_bytes: int) ->
         async for chunk in resp.content.iter_chunked(_CHUNK):
             size += len(chunk)
             if size > max_bytes:
-                raise RelayError(f"the slot file is larger than {max_bytes} bytes")
+                raise RelayError(f"the relay sent more than the {max_bytes} bytes expected", "size")
             digest.update(chunk)
             await asyncio.to_thread(fh.write, chunk)
     finally:
         fh.close()
     return size, digest.hexdigest()
+
+
+def _room_for(directory: Path, n_bytes: int) -> None:
+    """A slot file never takes the last of the disk: refused while at least as much again would stay free."""
+    free = shutil.disk_usage(directory).free
+    if n_bytes * 2 > free:
+        raise RelayError(
+            f"a slot file of {n_bytes} bytes would leave too little of the {free} bytes free here", "local_disk"
+        )
+
+
+async def _bounded_text(resp: aiohttp.ClientResponse) -> str:
+    """A relay's answer as text, at most `_MAX_ANSWER_BYTES` of it read (a larger one is cut, then fails to parse)."""
+    parts, size = [], 0
+    async for chunk in resp.content.iter_chunked(64 << 10):
+        parts.append(chunk[: _MAX_ANSWER_BYTES - size])
+        size += len(parts[-1])
+        if size >= _MAX_ANSWER_BYTES:
+            break
+    return b"".join(parts).decode("utf-8", "replace")
+
+
+def _clean(text: str) -> str:
+    """A relay's words, safe for one line of a record or a log: no control characters, no more than a line."""
+    flat = "".join(ch if ch.isprintable() else " " for ch in text)
+    return flat if len(flat) <= _MAX_MESSAGE_CHARS else flat[: _MAX_MESSAGE_CHARS - 1] + "…"
 
 
 def _timeout(total_s: float) -> aiohttp.ClientTimeout:
@@ -181,6 +229,6 @@ def _message(text: str) -> str:
     """The message of an OpenAI-shaped error body, else the text's start."""
     try:
         body = orjson.loads(text)
-        return str(body["error"]["message"])
+        return _clean(str(body["error"]["message"]))
     except (orjson.JSONDecodeError, KeyError, TypeError):
-        return text[:300]
+        return _clean(text)

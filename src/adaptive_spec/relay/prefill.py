@@ -10,17 +10,20 @@ API); answer: the server's `timings`, `n_saved`, `n_written`, `save_ms`, the slo
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from adaptive_spec.core.slot_files import valid_slot_name
-from adaptive_spec.relay.service import SETTINGS, check_model, error
+from adaptive_spec.core.slot_files import valid_relay_name
+from adaptive_spec.relay.service import NAME_RULE, SETTINGS, check_model, error
 
+log = logging.getLogger(__name__)
 PREFILL_PATHS = frozenset(
     {"/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions", "/completion"}
 )
@@ -37,8 +40,20 @@ class _Slots:
 
 
 _SLOTS = web.AppKey("relay_slots", _Slots)
-# Fields that would change what the slot holds or how the answer comes back.
-_DROPPED = ("stream", "stream_options", "n_probs", "logprobs", "top_logprobs", "timings_per_token")
+# Fields that would change what the slot holds or how the answer comes back; `n`/`n_cmpl` would spread the prompt
+# over other slots, behind the relay's back.
+_DROPPED = (
+    "stream",
+    "stream_options",
+    "n_probs",
+    "logprobs",
+    "top_logprobs",
+    "timings_per_token",
+    "n",
+    "n_cmpl",
+)
+# A prompt's JSON: a 128k-token conversation is a few MB; the body is held in memory while it is parsed.
+MAX_PREFILL_BODY_BYTES = 32 << 20
 
 
 class _ServerError(Exception):
@@ -79,15 +94,20 @@ async def prefill(request: web.Request) -> web.Response:
     refused = check_model(request)
     if refused is not None:
         return refused
+    raw = await _read_bounded(request, MAX_PREFILL_BODY_BYTES)
+    if raw is None:
+        return error(413, f"a prefill request is at most {MAX_PREFILL_BODY_BYTES} bytes", "too_large")
     try:
-        spec = orjson.loads(await request.read())
+        spec = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         return error(400, f"the body is not JSON: {exc}", "bad_json")
+    if not isinstance(spec, dict):
+        return error(400, "the body is a JSON object: path, body, filename", "bad_prefill")
     path, body, filename = spec.get("path"), spec.get("body"), spec.get("filename")
     if path not in PREFILL_PATHS or not isinstance(body, dict):
         return error(400, f"path must be one of {sorted(PREFILL_PATHS)} and body an object", "bad_prefill")
-    if not isinstance(filename, str) or not valid_slot_name(filename):
-        return error(400, "filename must be one plain file name: [A-Za-z0-9_.-]{1,128}", "bad_name")
+    if not isinstance(filename, str) or not valid_relay_name(filename):
+        return error(400, f"filename: {NAME_RULE}", "bad_name")
     client, url = request.app[_CLIENT], settings.server_url
     t0 = time.perf_counter()
     try:
@@ -101,15 +121,11 @@ async def prefill(request: web.Request) -> web.Response:
         finally:
             queue.put_nowait(slot)
     except (aiohttp.ClientError, TimeoutError, ValueError, _ServerError) as exc:
-        return error(502, f"prefill on the relay's llama-server {url} failed: {exc or type(exc).__name__}", "server")
-    size = await asyncio.to_thread(_size, settings.slot_dir / filename)
-    if size != saved.get("n_written"):
-        return error(
-            502,
-            f"llama-server saved {saved.get('n_written')} bytes but {filename!r} in the relay's --slot-dir has {size}:"
-            " is llama-server's --slot-save-path the relay's --slot-dir?",
-            "slot_dir_mismatch",
-        )
+        log.warning("kv-relay: prefill on %s failed: %s", url, exc)
+        return error(502, f"prefill on the relay's llama-server failed: {exc or type(exc).__name__}", "server")
+    problem = await asyncio.to_thread(_saved_problem, settings.slot_dir / filename, answer, saved)
+    if problem is not None:
+        return error(502, *problem)
     return web.json_response(
         {
             "slot": slot,
@@ -122,11 +138,43 @@ async def prefill(request: web.Request) -> web.Response:
     )
 
 
-def _size(path: Any) -> int:
+async def _read_bounded(request: web.Request, limit: int) -> bytes | None:
+    """The body, or None once it is past `limit`: read in pieces, so a liar's Content-Length costs nothing."""
+    if request.content_length is not None and request.content_length > limit:
+        return None
+    parts, size = [], 0
+    async for chunk in request.content.iter_chunked(1 << 20):
+        size += len(chunk)
+        if size > limit:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _saved_problem(path: Path, answer: dict[str, Any], saved: dict[str, Any]) -> tuple[str, str] | None:
+    """Why the saved file is not the prompt's slot, or None. It must be where llama-server said it wrote it, and
+    hold the prompt alone: more or fewer tokens mean another client of the server had the slot between the prefill
+    and the save, and its conversation is not the caller's to download (the file is deleted)."""
     try:
-        return int(path.stat().st_size)
+        size = path.stat().st_size
     except OSError:
-        return -1
+        size = -1
+    if size != saved.get("n_written"):
+        return (
+            f"llama-server saved {saved.get('n_written')} bytes but {path.name!r} in the relay's --slot-dir has"
+            f" {size}: is llama-server's --slot-save-path the relay's --slot-dir?",
+            "slot_dir_mismatch",
+        )
+    timings = answer.get("timings") or {}
+    prompt = int(timings.get("prompt_n") or 0) + int(timings.get("cache_n") or 0)
+    if saved.get("n_saved") != prompt:
+        path.unlink(missing_ok=True)
+        return (
+            f"the saved slot holds {saved.get('n_saved')} tokens, not the prompt's {prompt}: another request had"
+            " the slot (give the relay a llama-server of its own)",
+            "slot_changed",
+        )
+    return None
 
 
 async def client_ctx(app: web.Application) -> AsyncIterator[None]:

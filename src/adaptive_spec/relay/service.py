@@ -16,9 +16,11 @@ both hashes. Errors are OpenAI-shaped JSON.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import logging
 import os
+import stat
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -30,7 +32,14 @@ import orjson
 from aiohttp import web
 
 from adaptive_spec.core.access import AccessPolicy, host_allowed, key_accepted, sent_keys
-from adaptive_spec.core.slot_files import MODEL_HEADER, SHA256_HEADER, model_mismatch, valid_sha256, valid_slot_name
+from adaptive_spec.core.slot_files import (
+    MODEL_HEADER,
+    RELAY_PREFIX,
+    SHA256_HEADER,
+    model_mismatch,
+    valid_relay_name,
+    valid_sha256,
+)
 
 log = logging.getLogger(__name__)
 _CHUNK = 1 << 20
@@ -54,6 +63,7 @@ class RelaySettings:
 
 
 SETTINGS = web.AppKey("relay_settings", RelaySettings)
+NAME_RULE = f"a slot file name is one plain file name starting {RELAY_PREFIX!r}: [A-Za-z0-9_.-]{{1,128}}"
 
 
 def error(status: int, message: str, code: str) -> web.Response:
@@ -72,7 +82,19 @@ async def _gate(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error(403, "this Host is not one the relay answers to (kv-relay --allow-host)", "host_not_allowed")
     if not key_accepted(access, sent_keys(request.headers.get("Authorization"), request.headers.get("x-api-key"))):
         return error(401, "a valid key is required: Authorization: Bearer KEY", "invalid_api_key")
-    return await handler(request)
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        # aiohttp's own refusals (no such route, wrong method, body too large) in the same shape as ours.
+        return error(exc.status, exc.reason, f"http_{exc.status}")
+    except OSError as exc:
+        # Named in the relay's log, not to the caller: the message would carry the slot directory's path.
+        log.warning("kv-relay: %s %s failed: %s", request.method, request.path, exc)
+        if exc.errno == errno.ENOSPC:
+            return error(507, "the relay's slot directory is out of space", "no_space")
+        return error(500, f"the relay could not use its slot directory ({exc.strerror or type(exc).__name__})", "io")
 
 
 def check_model(request: web.Request) -> web.Response | None:
@@ -87,9 +109,8 @@ def check_model(request: web.Request) -> web.Response | None:
 
 def _slot_path(request: web.Request) -> Path | web.Response:
     name = request.match_info["name"]
-    if not valid_slot_name(name):
-        message = "a slot file name is one plain file name: [A-Za-z0-9_.-]{1,128}, not starting with '.'"
-        return error(400, message, "bad_name")
+    if not valid_relay_name(name):
+        return error(400, NAME_RULE, "bad_name")
     return request.app[SETTINGS].slot_dir / name
 
 
@@ -143,10 +164,9 @@ async def _download(request: web.Request) -> web.StreamResponse:
     refused = check_model(request)
     if refused is not None:
         return refused
-    try:
-        # Opened before hashing: a delete racing this download cannot leave the headers promising a missing file.
-        fh: BinaryIO = await asyncio.to_thread(path.open, "rb")
-    except FileNotFoundError:
+    # Opened before hashing: a delete racing this download cannot leave the headers promising a missing file.
+    fh = await asyncio.to_thread(_open_regular, path)
+    if fh is None:
         return error(404, f"no slot file {path.name!r}", "not_found")
     try:
         size, digest = await asyncio.to_thread(_size_and_sha256, fh)
@@ -212,11 +232,39 @@ async def _delete(request: web.Request) -> web.Response:
     path = _slot_path(request)
     if isinstance(path, web.Response):
         return path
+    if not await asyncio.to_thread(_deletable, path):
+        return error(404, f"no slot file {path.name!r}", "not_found")
     try:
         await asyncio.to_thread(path.unlink)
     except FileNotFoundError:
         return error(404, f"no slot file {path.name!r}", "not_found")
     return web.Response(status=204)
+
+
+def _deletable(path: Path) -> bool:
+    """A file or a symbolic link (the link goes, not what it points to); never a directory or a FIFO."""
+    try:
+        mode = path.lstat().st_mode
+    except OSError:
+        return False
+    return stat.S_ISREG(mode) or stat.S_ISLNK(mode)
+
+
+def _open_regular(path: Path) -> BinaryIO | None:
+    """The slot file opened for reading, or None when there is no regular file of that name. A symbolic link is
+    not followed (whoever can write in the slot directory could point one at any file the relay can read), and a
+    FIFO or device is neither waited on nor read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ELOOP, errno.EISDIR, errno.ENOTDIR, errno.ENXIO, errno.EACCES):
+            return None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 def _size_and_sha256(fh: BinaryIO) -> tuple[int, str]:
@@ -234,7 +282,8 @@ def sweep_partials(slot_dir: Path) -> None:
 
 
 def build_relay_app(settings: RelaySettings, extra_routes: list[Any] | None = None) -> web.Application:
-    app = web.Application(middlewares=[_gate], client_max_size=1 << 30)
+    # Slot files stream through request.content; nothing here reads a whole body through aiohttp's own limit.
+    app = web.Application(middlewares=[_gate], client_max_size=1 << 20)
     app[SETTINGS] = settings
     app.router.add_get("/relay/model", _model)
     app.router.add_get("/relay/probe", _probe)

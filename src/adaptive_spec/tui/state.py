@@ -321,6 +321,8 @@ class Dashboard:
             self._profile_health(kind, payload, at)
         elif kind == "HandoffDone":
             self._handoff(payload, at)
+        elif kind == "RemotePrefillDone":
+            self.note(at, "handoff", _short(payload.get("session_id") or None), remote_prefill_line(payload))
         elif kind == "SessionPinned":
             view = self._session(str(payload.get("session_id")), "default")
             view.pinned = payload.get("profile")
@@ -510,3 +512,15 @@ def _turn_row(record: Mapping[str, Any]) -> TurnRow:
         handoff_ms=handoff_ms,
         handoff_ok=bool(handoff.get("ok")) if handoff else False,
     )
+
+
+def remote_prefill_line(p: Mapping[str, Any]) -> str:
+    """One log line for a remote prefill (`serve --pp-server`): what came back and how long each step took."""
+    if not p.get("ok"):
+        return f"remote prefill failed ({p.get('reason')}: {p.get('error')}); prefilled here"
+    steps = " · ".join(
+        f"{name} {(_float(p.get(key)) or 0.0) * 1000:.0f} ms"
+        for name, key in (("prefill", "remote_prefill_s"), ("transfer", "transfer_s"), ("restore", "restore_s"))
+    )
+    megabytes = _int(p.get("bytes")) / 1e6
+    return f"remote prefill: {_int(p.get('tokens')):,} tok, {megabytes:,.1f} MB back to {p.get('profile')} ({steps})"
