@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from adaptive_spec.core.lru import LRU
 from adaptive_spec.core.records import Timings
-from adaptive_spec.core.sessions.grouping import context_messages, message_digest
+from adaptive_spec.core.sessions.grouping import context_texts, message_digest, message_key
 
 # Tokens a chat template adds around each piece (role markers, separators) and once per prompt (the generation
 # prompt, and the one token llama-server always re-evaluates): Qwen-style ChatML measured on llama-server.
@@ -41,6 +41,9 @@ class Piece:
     chars: int
     assistant: bool = False
     tools: bool = False
+    # `message_key` of the piece's role and text (0: none): a later request's piece with the same key and length
+    # takes this digest instead of hashing its text again. Process-local, so not part of a piece's identity.
+    key: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,15 +83,22 @@ def reply_digest(text: str) -> bytes:
     return message_digest("assistant", text)
 
 
-def prompt_pieces(body: Mapping[str, Any]) -> tuple[Piece, ...]:
+def prompt_pieces(body: Mapping[str, Any], known: Sequence[Piece] = ()) -> tuple[Piece, ...]:
     """The pieces of a generating request, in the order a chat template renders them (tools go into the system
-    block). A plain `prompt` (completions) is one piece."""
+    block). A plain `prompt` (completions) is one piece.
+
+    `known`: the session's previous pieces. A message whose role, text length and `message_key` match one of them
+    takes its digest: a turn hashes only its new messages (the key still reads each text once, ~10x faster).
+    """
     pieces: list[Piece] = []
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        pieces.append(Piece(_digest(b"prompt\0" + prompt.encode()), len(prompt)))
-    for digest, assistant, text in context_messages(body):
-        pieces.append(Piece(digest, len(text), assistant))
+        pieces.append(Piece(_digest(b"prompt\0" + prompt.encode("utf-8", "surrogatepass")), len(prompt)))
+    digests = {(p.key, p.chars): p.digest for p in known if p.key}
+    for role, assistant, text in context_texts(body):
+        key = message_key(role, text)
+        digest = digests.get((key, len(text))) or message_digest(role, text)
+        pieces.append(Piece(digest, len(text), assistant, key=key))
     tools = body.get("tools")
     if tools:
         # Chat templates put the tools at the end of the system block: after the system prompt, before the rest.
