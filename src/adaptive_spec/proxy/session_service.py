@@ -9,13 +9,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from adaptive_spec.core.events import Event, SessionUpdated
 from adaptive_spec.core.lru import LRU
 from adaptive_spec.core.output import OutputCollector
-from adaptive_spec.core.sessions.grouping import SessionAssignment, SessionRegistry, context_messages
+from adaptive_spec.core.sessions.grouping import SessionAssignment, SessionRegistry, context_messages, message_digest
 from adaptive_spec.core.sessions.project import resolve_project
 from adaptive_spec.core.sessions.statistics import ContextTracker, SessionSnapshot, TurnStats
 from adaptive_spec.proxy.tokenizers import Tokenizer
@@ -37,6 +37,7 @@ class _Work:
     at: float
     side: bool = False
     line_moved: bool = False
+    body_bytes: int = 0
 
 
 class SessionService:
@@ -45,19 +46,27 @@ class SessionService:
         tracker: ContextTracker,
         tokenizer: Tokenizer | None,
         key_projects: Mapping[str, str] | None = None,
-        queue_size: int = 256,
+        queue_size: int = 4096,
         publish: Callable[[Event], None] = lambda _event: None,
+        queue_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         self.registry = SessionRegistry()
         self.tracker = tracker
         self.tokenizer = tokenizer
         self._key_projects = dict(key_projects or {})
         self._projects: LRU[str, str] = LRU(10_000)  # session -> project
-        self._queue: asyncio.Queue[_Work] = asyncio.Queue(maxsize=queue_size)
+        # Updates waiting for the worker: at most one per session (and kind: main line or side), the newest. A newer
+        # turn's body holds the older one's history and reply, so it indexes all of it; only the older turn's own
+        # replay is skipped (counted as coalesced). Bounded by sessions waiting and by their bodies' bytes.
+        self._waiting: dict[tuple[str, bool], _Work] = {}
+        self._ready: asyncio.Queue[tuple[str, bool]] = asyncio.Queue()
+        self._waiting_bytes = 0
+        self.queue_size, self.queue_bytes = queue_size, queue_bytes
         self._lock = threading.Lock()  # the tracker is updated in a worker thread and read on the event loop
         self.dropped = 0
+        self.coalesced = 0
         self.processed = 0
-        self._pending: dict[str, int] = {}  # session -> queued updates not folded in yet
+        self._pending: dict[str, int] = {}  # session -> updates waiting or running
         self._settled: dict[str, asyncio.Event] = {}
         self.publish = publish
 
@@ -95,19 +104,30 @@ class SessionService:
         *,
         side: bool = False,
         line_moved: bool = False,
+        body_bytes: int = 0,
     ) -> None:
         """A response was served in full: remember it for the reply echo now; update statistics in the background."""
         text = out.text
-        self.registry.note_reply(assignment.session_id, text, out.tool_call_ids)
+        sid = assignment.session_id
+        self.registry.note_reply(sid, text, out.tool_call_ids)
         if self.tokenizer is None:
             return
-        try:
-            work = _Work(request_id, assignment.session_id, project, body, text, time.time(), side, line_moved)
-            self._queue.put_nowait(work)
-        except asyncio.QueueFull:
+        key = (sid, side)
+        older = self._waiting.get(key)
+        freed = older.body_bytes if older is not None else 0
+        if (older is None and len(self._waiting) >= self.queue_size) or (
+            self._waiting_bytes - freed + body_bytes > self.queue_bytes and self._waiting
+        ):
             self.dropped += 1
             return
-        sid = assignment.session_id
+        work = _Work(request_id, sid, project, body, text, time.time(), side, line_moved, body_bytes)
+        self._waiting_bytes += body_bytes - freed
+        if older is not None:
+            self.coalesced += 1
+            self._waiting[key] = replace(work, line_moved=line_moved or older.line_moved)
+            return
+        self._waiting[key] = work
+        self._ready.put_nowait(key)
         self._pending[sid] = self._pending.get(sid, 0) + 1
         self._settled.setdefault(sid, asyncio.Event()).clear()
 
@@ -148,10 +168,12 @@ class SessionService:
         sessions are dropped at least every `expire_every_s`, traffic or not."""
         while True:
             try:
-                work = await asyncio.wait_for(self._queue.get(), expire_every_s)
+                key = await asyncio.wait_for(self._ready.get(), expire_every_s)
             except TimeoutError:
                 self.expire()
                 continue
+            work = self._waiting.pop(key)
+            self._waiting_bytes -= work.body_bytes
             try:
                 await self._update(work)
                 self.processed += 1
@@ -159,8 +181,12 @@ class SessionService:
                 log.exception("session statistics update failed for %s", work.session_id)
             finally:
                 self._done(work.session_id)
-                self._queue.task_done()
+                self._ready.task_done()
             self.expire()
+
+    def update_counts(self) -> dict[str, int]:
+        """Statistics updates by outcome, for /metrics."""
+        return {"processed": self.processed, "coalesced": self.coalesced, "dropped": self.dropped}
 
     def expire(self) -> None:
         with self._lock:
@@ -172,20 +198,26 @@ class SessionService:
 
     async def drain(self) -> None:
         """Wait until every queued update is folded in (tests and shutdown)."""
-        await self._queue.join()
+        await self._ready.join()
 
     async def _update(self, work: _Work) -> None:
+        """Everything proportional to the history (digests, the plan, indexing, the replay) runs in a worker thread;
+        the event loop only hands the new texts to the tokenizer."""
         assert self.tokenizer is not None
-        messages = context_messages(work.body)
-        with self._lock:
-            plan = self.tracker.plan(work.session_id, [(digest, assistant) for digest, assistant, _ in messages])
+
+        def prepare() -> tuple[list[tuple[bytes, bool, str]], list[int]]:
+            messages = context_messages(work.body)
+            with self._lock:
+                return messages, self.tracker.plan(work.session_id, [(d, assistant) for d, assistant, _ in messages])
+
+        messages, plan = await asyncio.to_thread(prepare)
         texts = [messages[i][2] for i in plan] + [work.output_text]
         tokens = await self.tokenizer.encode(texts)
         all_digests = [digest for digest, _, _ in messages]
-        reply_digest = context_messages({"messages": [{"role": "assistant", "content": work.output_text}]})[0][0]
 
         def fold() -> tuple[TurnStats, SessionSnapshot | None]:
             # Indexing a long first turn takes tens of milliseconds of pure Python: off the event loop.
+            reply_digest = message_digest("assistant", work.output_text)
             with self._lock:
                 if work.line_moved:
                     self.tracker.demote(work.session_id)
@@ -212,6 +244,7 @@ class SessionService:
             "tokenizer": self.tokenizer.name if self.tokenizer is not None else None,
             "ngram": asdict(self.tracker.params),
             "updates_processed": self.processed,
+            "updates_coalesced": self.coalesced,
             "updates_dropped": self.dropped,
             "sessions": [asdict(s) for s in self.snapshots()],
         }
