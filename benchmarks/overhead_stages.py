@@ -10,11 +10,11 @@ is timed stage by stage, calling the same functions the request handler calls, i
 state each repetition. No instrumentation is compiled into the proxy: the stages are timed from here.
 
 Stages: parse (`parse_body`: orjson plus the shape checks), workspace (the project's path scan), group (session
-grouping and the project), pieces (the prompt's per-piece fingerprints), estimate (new prompt tokens against the
-session's prefix state), decide (the rest of `Router.choose`), upstream body (what is sent: the client's bytes, with
-`timings_per_token` added), chunk (relay + meter of one SSE chunk, in µs), finish (router learns + session
-bookkeeping + record + publish), worker loop / worker thread (the after-response statistics update: the part on the
-event loop and the part in its thread).
+grouping and the project), route (`Router.choose`, which includes: pieces, the prompt's per-piece fingerprints, and
+estimate, new prompt tokens against the session's prefix state; both also timed on their own), upstream body (what is
+sent: the client's bytes, with `timings_per_token` added), chunk (relay + meter of one SSE chunk, in µs), finish
+(router learns + session bookkeeping + record + publish), worker loop / worker thread (the after-response statistics
+update: the part on the event loop and the part in its thread).
 """
 
 from __future__ import annotations
@@ -59,14 +59,16 @@ STAGES = (
     "parse",
     "workspace",
     "group",
+    "route",
     "pieces",
     "estimate",
-    "decide",
     "upstream body",
     "finish",
     "worker loop",
     "worker thread",
 )
+# Parts of "route" (timed apart as well), and the work after the response: not in the request path's sum.
+_NOT_SUMMED = ("pieces", "estimate", "worker loop", "worker thread")
 _CHUNK = (
     b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":" token"}}],"created":1,"id":"chatcmpl-x",'
     b'"model":"m","system_fingerprint":"b1","object":"chat.completion.chunk","timings":{"cache_n":0,"prompt_n":10,'
@@ -76,7 +78,7 @@ _CHUNK = (
 
 
 # What the timed request is answered (its statistics update replays it through the counterfactual drafter).
-_REPLY = ("I read the file; the helpers compute values from their arguments. " * 8, [])
+_REPLY: tuple[str, list[str]] = ("I read the file; the helpers compute values from their arguments. " * 8, [])
 
 
 class _Clock:
@@ -145,23 +147,26 @@ async def _serve(
     req.assignment, req.project = c.time("group", lambda: service.assign(headers, parsed.body, None, req.workspace))
     sid = req.assignment.session_id
     state = router.prefixes.get(sid)
-    pieces = c.time("pieces", lambda: prefix.prompt_pieces(parsed.body))
+    pieces = c.time("pieces", lambda: _pieces(parsed.body, state))
     has_tools = bool(parsed.body.get("tools"))
     c.time("estimate", lambda: prefix.estimate(state, pieces, has_tools, router.chars_per_token))
     turns, share = service.copy_state(sid)
-    started = time.perf_counter_ns()
-    req.decision, _ = router.choose(
-        body=parsed.body,
-        body_bytes=len(raw),
-        session_id=sid,
-        session_turns=turns,
-        copy_share=share,
-        project=req.project,
-        workspace=req.workspace,
-        pinned=None,
+    # The router computes the pieces again: on a body of its own, or Python's cached string hashes would flatter it.
+    fresh = parse_body(req.routed.api, raw)
+    assert isinstance(fresh, ParsedRequest)
+    req.decision, _ = c.time(
+        "route",
+        lambda: router.choose(
+            body=fresh.body,
+            body_bytes=len(raw),
+            session_id=sid,
+            session_turns=turns,
+            copy_share=share,
+            project=req.project,
+            workspace=req.workspace,
+            pinned=None,
+        ),
     )
-    choose_ms = (time.perf_counter_ns() - started) / 1e6
-    c.ms["decide"] = c.ms.get("decide", 0.0) + max(0.0, choose_ms - c.ms["pieces"] - c.ms["estimate"])
     router.started("plain", None, sid)
     req.routed_started = True
     upstream = table.get("plain")
@@ -174,9 +179,18 @@ async def _serve(
     await _worker(c, service)
 
 
+def _pieces(body: dict[str, Any], state: prefix.PrefixState | None) -> tuple[prefix.Piece, ...]:
+    """As the router computes them: against the session's previous pieces (a full scan before that existed)."""
+    try:
+        return prefix.prompt_pieces(body, state.pieces if state is not None else ())
+    except TypeError:
+        return prefix.prompt_pieces(body)
+
+
 async def _worker(clock: _Clock, service: SessionService) -> None:
     """The after-response update of the request just finished: its time on the event loop and in its thread."""
-    work: _Work = service._queue.get_nowait()
+    key = service._ready.get_nowait()
+    work: _Work = service._waiting.pop(key)
     tokenizer = service.tokenizer
     assert isinstance(tokenizer, _SplitTokenizer)
     tokenizer.ms = 0.0
@@ -197,7 +211,7 @@ async def _worker(clock: _Clock, service: SessionService) -> None:
     finally:
         asyncio.to_thread = original
         service._done(work.session_id)
-        service._queue.task_done()
+        service._ready.task_done()
     total = (time.perf_counter_ns() - started) / 1e6
     off_loop = thread_ms + tokenizer.ms
     clock.ms["worker loop"] = clock.ms.get("worker loop", 0.0) + max(0.0, total - off_loop)
@@ -231,7 +245,7 @@ async def measure(agent: AgentRequest, tokens: int, reps: int, tokenizer: Tokeni
         per_rep.append(clock.ms)
     per_rep = per_rep[1:]  # the first warms caches (the tokenizer's, the allocator's)
     medians = {s: statistics.median(r.get(s, 0.0) for r in per_rep) for s in STAGES}
-    request_path = sum(v for k, v in medians.items() if k not in ("worker loop", "worker thread"))
+    request_path = sum(v for k, v in medians.items() if k not in _NOT_SUMMED)
     return {
         "agent": agent.agent,
         "history_tokens": tokens,
@@ -246,7 +260,7 @@ async def measure(agent: AgentRequest, tokens: int, reps: int, tokenizer: Tokeni
 
 def memory(agent: AgentRequest, tokens: int, tokenizer: Tokenizer) -> dict[str, Any]:
     """Bytes the proxy keeps for one session after a request of this history: prefix state, grouping, statistics."""
-    body, turns = grown(agent, tokens)
+    body, _ = grown(agent, tokens)
     raw = orjson.dumps(body)
 
     async def run() -> tuple[Any, ...]:
