@@ -134,13 +134,15 @@ def _served(text: str) -> Any:
 
 
 @pytest.mark.asyncio
-async def test_waiting_updates_of_a_session_are_coalesced_and_the_rest_bounded() -> None:
+@pytest.mark.parametrize("in_process", [False, True])
+async def test_waiting_updates_of_a_session_are_coalesced_and_the_rest_bounded(in_process: bool) -> None:
     from adaptive_spec.core.sessions.drafter import NgramParams
     from adaptive_spec.core.sessions.grouping import SessionAssignment
     from adaptive_spec.core.sessions.statistics import ContextTracker
     from adaptive_spec.proxy.session_service import SessionService
 
-    service = SessionService(ContextTracker(NgramParams()), _Tokens(), queue_size=2, queue_bytes=1000)
+    tracker = ContextTracker(NgramParams())
+    service = SessionService(tracker, _Tokens(), queue_size=2, queue_bytes=1000, worker_process=in_process)
     a, b, c = (SessionAssignment(s, "new") for s in "abc")
     turn1 = {"messages": [{"role": "user", "content": "one two three"}]}
     turn2 = {
@@ -157,6 +159,10 @@ async def test_waiting_updates_of_a_session_are_coalesced_and_the_rest_bounded()
     await service.drain()
     worker.cancel()
     assert service.update_counts()["processed"] == 2
-    snapshot = service.tracker.snapshot("a")
-    assert snapshot is not None and snapshot.turns == 1 and snapshot.indexed_tokens > 0
+    snapshots = {s.session_id: s for s in service.snapshots()}
+    assert snapshots.keys() == {"a", "b"}
+    # turn2 whole (3 messages, 6 tokens) and its reply (1), each followed by a separator
+    assert snapshots["a"].turns == 1 and snapshots["a"].indexed_tokens == 11
+    assert service.copy_state("a")[0] == 1
     assert await service.settled("a", 0.01)
+    assert (len(tracker.snapshots()) == 0) is in_process  # in a worker process, the proxy's own tracker stays empty
