@@ -49,9 +49,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent_bodies import grown, load
 
 ROOT = Path(__file__).resolve().parents[1]
-CHUNK = orjson.dumps(
-    {"choices": [{"index": 0, "delta": {"content": " token"}}], "object": "chat.completion.chunk", "id": "x" * 32}
-)
+# Chunk texts differ from one to the next: LiteLLM ends a stream that repeats a chunk ("the model is repeating").
+CHUNKS = [
+    orjson.dumps(
+        {"choices": [{"index": 0, "delta": {"content": f" t{i}"}}], "object": "chat.completion.chunk", "id": "x" * 32}
+    )
+    for i in range(1000)
+]
 PATH = "/v1/chat/completions"
 
 
@@ -64,8 +68,8 @@ def _upstream_main(port: int, chunks: int) -> None:
         pace = float(body.get("pace_ms") or 0) / 1000
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for _ in range(n):
-            await resp.write(b"data: " + CHUNK + b"\n\n")
+        for i in range(n):
+            await resp.write(b"data: " + CHUNKS[i % len(CHUNKS)] + b"\n\n")
             if pace:
                 await asyncio.sleep(pace)
         final = {"choices": [], "timings": {"prompt_n": 10, "predicted_n": n, "predicted_per_second": 1e4}}
@@ -153,11 +157,15 @@ async def _one(session: aiohttp.ClientSession, url: str, data: bytes, headers: d
     """Arrival times of the response's chunks, from the request's start (s); the last is the stream's end."""
     started = time.perf_counter()
     times: list[float] = []
+    text = b""
     async with session.post(url, data=data, headers=headers) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.text())[:300]}")
-        async for _ in resp.content.iter_any():
+        async for chunk in resp.content.iter_any():
             times.append(time.perf_counter() - started)
+            text = text[-64:] + chunk
+    if b"[DONE]" not in text:  # every target must relay the whole stream, or its times say nothing
+        raise RuntimeError(f"{url}: the stream ended before its end marker")
     return times
 
 
@@ -362,6 +370,7 @@ def main() -> int:
     parser.add_argument("--burn-ms", type=float, default=0, help="--gaps: pure-Python work in another process too")
     parser.add_argument("--out", default="benchmarks/results/overhead.json")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers it started (the `finally` below)
     if args.gaps and not args.fixtures:
         parser.error("--gaps needs --fixtures (the heavy session's body)")
     if args.litellm and not Path(args.litellm).exists():

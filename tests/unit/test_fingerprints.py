@@ -166,3 +166,15 @@ async def test_waiting_updates_of_a_session_are_coalesced_and_the_rest_bounded(i
     assert service.copy_state("a")[0] == 1
     assert await service.settled("a", 0.01)
     assert (len(tracker.snapshots()) == 0) is in_process  # in a worker process, the proxy's own tracker stays empty
+
+
+def test_session_updates_are_counted_in_metrics() -> None:
+    from adaptive_spec.proxy.metrics import ProxyMetrics
+
+    metrics = ProxyMetrics()
+    counts = {"processed": 5, "coalesced": 2, "dropped": 0}
+    metrics.watch_session_updates(lambda: counts)
+    counts["dropped"] = 3  # read at each scrape
+    text = metrics.render().decode()
+    assert 'adaptive_spec_session_updates_total{outcome="dropped"} 3.0' in text
+    assert 'adaptive_spec_session_updates_total{outcome="coalesced"} 2.0' in text
