@@ -149,7 +149,8 @@ def _payload(body: Body, i: int, stream: int, extra: dict[str, Any] | None = Non
     else:
         obj = {**body.body, "model": "fake", "stream": True}
         headers["x-session-id"] = f"bench-{body.name}-{stream}"
-    obj.pop("stream_options", None)
+    for key in ("stream_options", "max_tokens", "max_completion_tokens"):  # opencode asks for 32,000: the upstream's
+        obj.pop(key, None)  # chunk count stays the benchmark's
     return orjson.dumps({**obj, **(extra or {})}), headers
 
 
@@ -363,6 +364,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=0, help="rounds per level (default: 150 / 30 / 10)")
     parser.add_argument("--levels", default="1,8,32")
     parser.add_argument("--fixtures", default="", help="directory of recorded agent requests (real bodies)")
+    parser.add_argument("--bodies", default="", help="only these (tiny, opencode-7k, opencode-100k, a file stem)")
     parser.add_argument("--body-file", default="", help="a JSON chat request body to send as well")
     parser.add_argument("--litellm", default="", help="LiteLLM's proxy binary (`litellm`), in a venv of its own")
     parser.add_argument("--serve-arg", action="append", default=[], help="an extra `serve` argument (repeatable)")
@@ -397,23 +399,32 @@ def main() -> int:
             result["gaps"] = asyncio.run(_gaps(urls["adaptive-spec"], heavy, args.rounds or 20, args.burn_ms))
             print(json.dumps(result["gaps"], indent=2))
         else:
-            rows = []
+            rows: list[dict[str, Any]] = []
+            result["rows"] = rows
+            wanted = set(args.bodies.split(",")) if args.bodies else None
             for body in _bodies(args):
+                if wanted is not None and body.name not in wanted:
+                    continue
                 for conc in [int(x) for x in args.levels.split(",")]:
                     rounds = args.rounds or {1: 150, 8: 30}.get(conc, 10)
-                    rows += _rows(asyncio.run(_measure(targets, body, conc, rounds)), body.name, conc)
+                    level = _rows(asyncio.run(_measure(targets, body, conc, rounds)), body.name, conc)
+                    rows += level
+                    _print(level, args.chunks)  # as it goes: a long run shows what it has
+                    _write(Path(args.out), result)
             _print(rows, args.chunks)
-            result["rows"] = rows
     finally:
         _stop(children)
         for proc in procs:
             proc.terminate()
             proc.join(5)
-    out = Path(args.out)
+    _write(Path(args.out), result)
+    print(f"\nwritten to {args.out} (logs in {tmp})")
+    return 0
+
+
+def _write(out: Path, result: dict[str, Any]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(f"\nwritten to {out} (logs in {tmp})")
-    return 0
 
 
 if __name__ == "__main__":
