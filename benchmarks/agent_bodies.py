@@ -103,7 +103,7 @@ def add_turn(
         items.append({"role": "tool", "tool_call_id": call_id, "content": text})
         return "", [call_id]
     # A client without tools: a text reply, then the file pasted in the user's next message.
-    reply = f"Here is what {path} does, turn {turn}: it defines {text.count('def ')} small helpers."
+    reply = f"Here is what {path} does, turn {turn}: it defines {text.count('def ')} small functions."
     items.append({"role": "assistant", "content": reply})
     items.append({"role": "user", "content": f"Now read {path}:\n\n{text}"})
     return reply, []

@@ -78,7 +78,7 @@ _CHUNK = (
 
 
 # What the timed request is answered (its statistics update replays it through the counterfactual drafter).
-_REPLY: tuple[str, list[str]] = ("I read the file; the helpers compute values from their arguments. " * 8, [])
+_REPLY: tuple[str, list[str]] = ("I read the file; its functions compute values from their arguments. " * 8, [])
 
 
 class _Clock:
