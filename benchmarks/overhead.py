@@ -1,21 +1,42 @@
-"""Proxy overhead: the same fast upstream streamed directly and through adaptive-spec, side by side.
+"""Proxy overhead side by side, in one run: the same fast upstream streamed directly, through a minimal aiohttp
+forwarder (the Python floor), through adaptive-spec (the real `serve`, attached, sessions and routing on) and, when
+its binary is given, through LiteLLM's proxy.
 
-Run:  .venv/bin/python benchmarks/overhead.py [--chunks 200] [--out benchmarks/results/overhead.json]
+Run:  .venv/bin/python benchmarks/overhead.py [--fixtures DIR] [--body-file BODY.json] [--litellm PATH]
+      [--levels 1,8,32] [--chunks 200] [--rounds N] [--out benchmarks/results/overhead.json]
+      .venv/bin/python benchmarks/overhead.py --gaps --fixtures DIR   # inter-chunk gaps, with a heavy session
 
-The upstream and the proxy each run in their own process, the client in this one. Figures are medians and
-percentiles over interleaved rounds (direct, proxied, direct, ...), so machine noise hits both sides alike.
+Bodies: a tiny chat request (another session each time), and with `--fixtures` (the recorded agent requests, see
+`agent_bodies.py`) opencode's largest recorded request (~7k tokens, 10 tools) and the same grown to a 100k-token
+history; `--body-file` adds one of your own. A real body is sent by each concurrent stream under its own session id,
+the same body each round (a session's next turn, with nothing new in it). The upstream is llama-server shaped (SSE
+chunks, a final timings event, /props, /slots, /tokenize). Each target runs in its own process, the client in this
+one; rounds are interleaved (direct, floor, adaptive-spec, LiteLLM, then the reverse order), and the figures are
+medians, with each target's added time and its ratio to the floor's.
+
+`--gaps`: 8 concurrent streams whose chunks the upstream paces 2 ms apart, through adaptive-spec, in rounds that
+alternate between nothing else and a heavy session finishing alongside (a new session whose first request brings a
+100k-token history: its statistics update indexes all of it). Prints the inter-chunk gap p50/p99 of both.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import multiprocessing
 import os
+import signal
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Awaitable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,54 +44,298 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from adaptive_spec.proxy.app import ProxySettings, build_app
-from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
+from agent_bodies import grown, load
 
-CHUNK = orjson.dumps(
-    {"choices": [{"index": 0, "delta": {"content": " token"}}], "object": "chat.completion.chunk", "id": "x" * 32}
-)
+ROOT = Path(__file__).resolve().parents[1]
+# Chunk texts differ from one to the next: LiteLLM ends a stream that repeats a chunk ("the model is repeating").
+CHUNKS = [
+    orjson.dumps(
+        {"choices": [{"index": 0, "delta": {"content": f" t{i}"}}], "object": "chat.completion.chunk", "id": "x" * 32}
+    )
+    for i in range(1000)
+]
+PATH = "/v1/chat/completions"
 
 
 def _upstream_main(port: int, chunks: int) -> None:
-    async def handle(request: web.Request) -> web.StreamResponse:
-        await request.read()
+    """llama-server shaped: `max_tokens` chunks (default `chunks`), `pace_ms` between them (default none)."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        n = int(body.get("max_tokens") or chunks)
+        pace = float(body.get("pace_ms") or 0) / 1000
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for _ in range(chunks):
-            await resp.write(b"data: " + CHUNK + b"\n\n")
-        final = {"choices": [], "timings": {"prompt_n": 10, "predicted_n": chunks, "predicted_per_second": 1e4}}
+        for i in range(n):
+            await resp.write(b"data: " + CHUNKS[i % len(CHUNKS)] + b"\n\n")
+            if pace:
+                await asyncio.sleep(pace)
+        final = {"choices": [], "timings": {"prompt_n": 10, "predicted_n": n, "predicted_per_second": 1e4}}
         await resp.write(b"data: " + orjson.dumps(final) + b"\n\ndata: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", handle)
+    async def props(_: web.Request) -> web.Response:
+        settings = {"n_ctx": 262144}
+        return web.json_response({"model_path": "/nonexistent/fake.gguf", "total_slots": 4,
+                                  "default_generation_settings": settings})  # fmt: skip
+
+    async def slots(_: web.Request) -> web.Response:
+        slot = {"speculative": False, "is_processing": False, "params": {"speculative.types": "none"}}
+        return web.json_response([{"id": i, **slot} for i in range(4)])
+
+    async def tokenize(request: web.Request) -> web.Response:
+        text = str((await request.json()).get("content", ""))
+        return web.json_response({"tokens": [hash(w) % 150_000 for w in text.split()]})
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post(PATH, chat)
+    app.router.add_get("/props", props)
+    app.router.add_get("/slots", slots)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
-def _proxy_main(port: int, upstream_port: int) -> None:
-    table = UpstreamTable([Upstream("bench", f"http://127.0.0.1:{upstream_port}")])
-    app = build_app(table, ProxySettings(history_size=100))
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, handler_cancellation=True)
+def _floor_main(port: int, upstream_port: int) -> None:
+    """The Python floor: read, forward, relay; no parsing."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        client: aiohttp.ClientSession = request.app["client"]
+        url = f"http://127.0.0.1:{upstream_port}{request.path}"
+        async with client.post(url, data=body, headers={"Content-Type": "application/json"}) as upstream:
+            resp = web.StreamResponse(status=upstream.status, headers={"Content-Type": upstream.content_type})
+            await resp.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+
+    async def client_ctx(app: web.Application) -> Any:
+        app["client"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        yield
+        await app["client"].close()
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.cleanup_ctx.append(client_ctx)
+    app.router.add_post(PATH, handle)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
-async def _one(session: aiohttp.ClientSession, url: str) -> tuple[float, float, int]:
-    body = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}'
+@dataclass(frozen=True)
+class Body:
+    name: str
+    body: dict[str, Any] | None  # None: the tiny body, another session each request
+
+
+def _payload(body: Body, i: int, stream: int, extra: dict[str, Any] | None = None) -> tuple[bytes, dict[str, str]]:
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer sk-bench"}
+    if body.body is None:
+        messages = [
+            {"role": "system", "content": "You are a coding assistant."},
+            {"role": "user", "content": f"task {i:08d}: write hello world in C"},
+        ]
+        obj: dict[str, Any] = {"model": "fake", "stream": True, "temperature": 0, "messages": messages}
+    else:
+        obj = {**body.body, "model": "fake", "stream": True}
+        headers["x-session-id"] = f"bench-{body.name}-{stream}"
+    for key in ("stream_options", "max_tokens", "max_completion_tokens"):  # opencode asks for 32,000: the upstream's
+        obj.pop(key, None)  # chunk count stays the benchmark's
+    return orjson.dumps({**obj, **(extra or {})}), headers
+
+
+async def _one(session: aiohttp.ClientSession, url: str, data: bytes, headers: dict[str, str]) -> list[float]:
+    """Arrival times of the response's chunks, from the request's start (s); the last is the stream's end."""
     started = time.perf_counter()
-    first = 0.0
-    size = 0
-    async with session.post(url, data=body) as resp:
+    times: list[float] = []
+    text = b""
+    async with session.post(url, data=data, headers=headers) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.text())[:300]}")
         async for chunk in resp.content.iter_any():
-            if not first:
-                first = time.perf_counter() - started
-            size += len(chunk)
-    return first, time.perf_counter() - started, size
+            times.append(time.perf_counter() - started)
+            text = text[-64:] + chunk
+    if b"[DONE]" not in text:  # every target must relay the whole stream, or its times say nothing
+        raise RuntimeError(f"{url}: the stream ended before its end marker")
+    return times
 
 
-async def _round(session: aiohttp.ClientSession, url: str, concurrency: int) -> list[tuple[float, float, int]]:
-    return await asyncio.gather(*(_one(session, url) for _ in range(concurrency)))
+async def _measure(targets: dict[str, str], body: Body, conc: int, rounds: int) -> dict[str, list[tuple[float, float]]]:
+    out: dict[str, list[tuple[float, float]]] = {k: [] for k in targets}
+    n = 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def round_of(url: str) -> list[list[float]]:
+            nonlocal n
+            n += conc
+            payloads = [_payload(body, n + j, j) for j in range(conc)]
+            return await asyncio.gather(*(_one(session, url, d, h) for d, h in payloads))
+
+        for url in targets.values():  # warm-up: connections, and each session's first turn
+            for _ in range(3):
+                await round_of(url)
+        order = list(targets.items())
+        for r in range(rounds):
+            for name, url in order if r % 2 == 0 else order[::-1]:
+                out[name] += [(t[0], t[-1]) for t in await round_of(url)]
+    return out
+
+
+def _rows(res: dict[str, list[tuple[float, float]]], body: str, conc: int) -> list[dict[str, Any]]:
+    med = {
+        k: (statistics.median(r[0] for r in v) * 1000, statistics.median(r[1] for r in v) * 1000)
+        for k, v in res.items()
+    }
+    d_first, d_total = med["direct"]
+    f_first, f_total = med["floor"]
+    rows = []
+    for name, (first, total) in med.items():
+        added_first, added_total = first - d_first, total - d_total
+        rows.append(
+            {
+                "body": body,
+                "streams": conc,
+                "target": name,
+                "n": len(res[name]),
+                "ttfc_p50_ms": first,
+                "added_ttfc_p50_ms": added_first,
+                "added_ttfc_vs_floor": added_first / (f_first - d_first) if f_first > d_first else None,
+                "whole_p50_ms": total,
+                "added_whole_p50_ms": added_total,
+                "added_whole_vs_floor": added_total / (f_total - d_total) if f_total > d_total else None,
+            }
+        )
+    return rows
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def _wait(url: str, seconds: float = 180) -> None:
+    data, headers = _payload(Body("tiny", None), 0, 0)
+    deadline = time.monotonic() + seconds
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            try:
+                await _one(session, url, data, headers)
+                return
+            except (aiohttp.ClientError, RuntimeError):
+                await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} never answered")
+
+
+def _wait_port(port: int) -> None:
+    for _ in range(600):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"port {port} never opened")
+
+
+def _start_children(
+    args: argparse.Namespace, up: int, tmp: Path
+) -> tuple[dict[str, str], list[subprocess.Popen[bytes]]]:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    ports = {"adaptive-spec": _free_port(), "LiteLLM": _free_port()}
+    serve = [sys.executable, "-m", "adaptive_spec", "serve", "--port", str(ports["adaptive-spec"])]
+    serve += ["--profile", f"plain=http://127.0.0.1:{up}", *args.serve_arg]
+    children = [_spawn(serve, tmp / "adaptive-spec.log", env)]
+    urls = {"adaptive-spec": f"http://127.0.0.1:{ports['adaptive-spec']}{PATH}"}
+    if args.litellm:
+        config = tmp / "litellm.yaml"
+        config.write_text(
+            "model_list:\n  - model_name: fake\n    litellm_params:\n      model: openai/fake\n"
+            f"      api_base: http://127.0.0.1:{up}/v1\n      api_key: sk-bench\n"
+            "litellm_settings:\n  telemetry: false\n  drop_params: true\n"
+        )
+        ll_env = {**env, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "NO_DOCS": "True"}
+        ll_env["LITELLM_MASTER_KEY"] = "sk-bench"
+        command = [args.litellm, "--config", str(config), "--port", str(ports["LiteLLM"]), "--host", "127.0.0.1"]
+        children.append(_spawn([*command, "--num_workers", "1"], tmp / "litellm.log", ll_env))
+        urls["LiteLLM"] = f"http://127.0.0.1:{ports['LiteLLM']}{PATH}"
+    return urls, children
+
+
+def _spawn(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _stop(children: list[subprocess.Popen[bytes]]) -> None:
+    for child in children:
+        try:
+            os.killpg(child.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            continue
+    for child in children:
+        try:
+            child.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+
+
+def _bodies(args: argparse.Namespace) -> list[Body]:
+    bodies = [Body("tiny", None)]
+    if args.fixtures:
+        agents = load(Path(args.fixtures))
+        if "opencode" in agents:
+            bodies.append(Body("opencode-7k", agents["opencode"].body))
+            bodies.append(Body("opencode-100k", grown(agents["opencode"], 100_000)[0]))
+    if args.body_file:
+        bodies.append(Body(Path(args.body_file).stem, json.loads(Path(args.body_file).read_text())))
+    return bodies
+
+
+def _burn(ms: float) -> None:
+    """Pure-Python work for `ms` milliseconds (a stand-in for a statistics update in a process of its own)."""
+    end = time.perf_counter() + ms / 1000
+    n = 0
+    while time.perf_counter() < end:
+        n += 1
+
+
+async def _gaps(url: str, heavy: dict[str, Any], rounds: int, burn_ms: float, conc: int = 8) -> dict[str, Any]:
+    """Inter-chunk gaps of `conc` paced streams, in rounds alternating alone / with a heavy session finishing (and,
+    with `burn_ms`, as much pure-Python work in another process at the same time)."""
+    gaps: dict[str, list[float]] = {"alone": [], "with a heavy session": []}
+    stream = Body("tiny", None)
+    loop = asyncio.get_running_loop()
+    burner = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) if burn_ms else None
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for r in range(rounds + 2):
+            loaded = r % 2 == 1
+            payloads = [_payload(stream, r * 100 + j, j, {"max_tokens": 150, "pace_ms": 2}) for j in range(conc)]
+            tasks: list[Awaitable[Any]] = [_one(session, url, d, h) for d, h in payloads]
+            if loaded:  # a new session each round: its first request brings the whole history
+                data, headers = _payload(Body(f"heavy{r}", heavy), r, 0, {"max_tokens": 5})
+                tasks.append(_one(session, url, data, headers))
+                if burner is not None:
+                    tasks.append(loop.run_in_executor(burner, _burn, burn_ms))
+            results = await asyncio.gather(*tasks)
+            if r < 2:
+                continue  # warm-up
+            for times in results[:conc]:
+                gaps["with a heavy session" if loaded else "alone"] += [
+                    (b - a) * 1000 for a, b in itertools.pairwise(times)
+                ]
+    if burner is not None:
+        burner.shutdown()
+    return {k: {"p50_ms": _pct(v, 0.5), "p99_ms": _pct(v, 0.99), "n": len(v)} for k, v in gaps.items()}
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -78,107 +343,88 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def _measure(direct: str, proxied: str, concurrency: int, rounds: int, chunks: int) -> dict[str, Any]:
-    results: dict[str, list[tuple[float, float, int]]] = {"direct": [], "proxied": []}
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        for url in (direct, proxied):  # warm-up
-            await _round(session, url, concurrency)
-        for _ in range(rounds):
-            results["direct"] += await _round(session, direct, concurrency)
-            results["proxied"] += await _round(session, proxied, concurrency)
-    sizes = {r[2] for side in results.values() for r in side}
-    assert len(sizes) == 1, f"proxied and direct bodies differ in size: {sizes}"
-    ttfc = {k: [r[0] * 1000 for r in v] for k, v in results.items()}
-    total = {k: [r[1] * 1000 for r in v] for k, v in results.items()}
-    added_p50 = statistics.median(ttfc["proxied"]) - statistics.median(ttfc["direct"])
-    added_p99 = _pct(ttfc["proxied"], 0.99) - _pct(ttfc["direct"], 0.99)
-    # Each stream's extra wall time per chunk; with c streams sharing the proxy's one core this grows with c, so
-    # dividing by c as well gives the proxy's own cost per relayed chunk.
-    per_chunk_us = (statistics.median(total["proxied"]) - statistics.median(total["direct"])) * 1000 / chunks
-    return {
-        "concurrency": concurrency,
-        "streams": len(results["direct"]),
-        "ttfc_direct_p50_ms": statistics.median(ttfc["direct"]),
-        "ttfc_proxied_p50_ms": statistics.median(ttfc["proxied"]),
-        "added_ttfc_p50_ms": added_p50,
-        "added_ttfc_p99_ms": added_p99,
-        "total_direct_p50_ms": statistics.median(total["direct"]),
-        "total_proxied_p50_ms": statistics.median(total["proxied"]),
-        "per_chunk_overhead_us": per_chunk_us,
-        "proxy_cost_per_chunk_us": per_chunk_us / concurrency,
-    }
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-async def _wait_port(port: int) -> None:
-    for _ in range(200):
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            return
-        except OSError:
-            await asyncio.sleep(0.05)
-    raise RuntimeError(f"port {port} never opened")
+def _print(rows: list[dict[str, Any]], chunks: int) -> None:
+    print(f"\n{chunks} SSE chunks per stream, {os.cpu_count()} cores; medians over interleaved rounds")
+    print("| body | streams | target | n | added TTFC p50 ms | ×floor | added whole stream p50 ms | ×floor |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["target"] == "direct":
+            continue
+        ratio1 = f"{r['added_ttfc_vs_floor']:.2f}" if r["added_ttfc_vs_floor"] is not None else "-"
+        ratio2 = f"{r['added_whole_vs_floor']:.2f}" if r["added_whole_vs_floor"] is not None else "-"
+        print(
+            f"| {r['body']} | {r['streams']} | {r['target']} | {r['n']} | {r['added_ttfc_p50_ms']:.2f} | {ratio1} "
+            f"| {r['added_whole_p50_ms']:.2f} | {ratio2} |"
+        )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chunks", type=int, default=200, help="SSE chunks per streamed response")
-    parser.add_argument("--rounds", type=int, default=0, help="rounds per concurrency (default: sized per level)")
+    parser.add_argument("--rounds", type=int, default=0, help="rounds per level (default: 150 / 30 / 10)")
+    parser.add_argument("--levels", default="1,8,32")
+    parser.add_argument("--fixtures", default="", help="directory of recorded agent requests (real bodies)")
+    parser.add_argument("--bodies", default="", help="only these (tiny, opencode-7k, opencode-100k, a file stem)")
+    parser.add_argument("--body-file", default="", help="a JSON chat request body to send as well")
+    parser.add_argument("--litellm", default="", help="LiteLLM's proxy binary (`litellm`), in a venv of its own")
+    parser.add_argument("--serve-arg", action="append", default=[], help="an extra `serve` argument (repeatable)")
+    parser.add_argument("--gaps", action="store_true", help="inter-chunk gaps with and without a heavy session")
+    parser.add_argument("--burn-ms", type=float, default=0, help="--gaps: pure-Python work in another process too")
     parser.add_argument("--out", default="benchmarks/results/overhead.json")
     args = parser.parse_args()
-    up_port, proxy_port = _free_port(), _free_port()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers it started (the `finally` below)
+    if args.gaps and not args.fixtures:
+        parser.error("--gaps needs --fixtures (the heavy session's body)")
+    if args.litellm and not Path(args.litellm).exists():
+        parser.error(f"--litellm {args.litellm}: no such file")
     ctx = multiprocessing.get_context("spawn")
+    up, floor = _free_port(), _free_port()
     procs = [
-        ctx.Process(target=_upstream_main, args=(up_port, args.chunks), daemon=True),
-        ctx.Process(target=_proxy_main, args=(proxy_port, up_port), daemon=True),
+        ctx.Process(target=_upstream_main, args=(up, args.chunks), daemon=True),
+        ctx.Process(target=_floor_main, args=(floor, up), daemon=True),
     ]
     for proc in procs:
         proc.start()
+    tmp = Path(tempfile.mkdtemp(prefix="overhead-"))
+    children: list[subprocess.Popen[bytes]] = []
     try:
-        rows = asyncio.run(_run(up_port, proxy_port, args))
+        _wait_port(up)
+        urls, children = _start_children(args, up, tmp)
+        targets = {"direct": f"http://127.0.0.1:{up}{PATH}", "floor": f"http://127.0.0.1:{floor}{PATH}", **urls}
+        for url in targets.values():
+            asyncio.run(_wait(url))
+        result: dict[str, Any] = {"chunks": args.chunks, "cores": os.cpu_count()}
+        if args.gaps:
+            heavy = grown(load(Path(args.fixtures))["opencode"], 100_000)[0]
+            result["gaps"] = asyncio.run(_gaps(urls["adaptive-spec"], heavy, args.rounds or 20, args.burn_ms))
+            print(json.dumps(result["gaps"], indent=2))
+        else:
+            rows: list[dict[str, Any]] = []
+            result["rows"] = rows
+            wanted = set(args.bodies.split(",")) if args.bodies else None
+            for body in _bodies(args):
+                if wanted is not None and body.name not in wanted:
+                    continue
+                for conc in [int(x) for x in args.levels.split(",")]:
+                    rounds = args.rounds or {1: 150, 8: 30}.get(conc, 10)
+                    level = _rows(asyncio.run(_measure(targets, body, conc, rounds)), body.name, conc)
+                    rows += level
+                    _print(level, args.chunks)  # as it goes: a long run shows what it has
+                    _write(Path(args.out), result)
+            _print(rows, args.chunks)
     finally:
+        _stop(children)
         for proc in procs:
             proc.terminate()
             proc.join(5)
-    print(
-        f"\nproxy overhead, {args.chunks} SSE chunks per stream, {os.cpu_count()} cores (medians of interleaved rounds)"
-    )
-    print(
-        "| concurrent streams | streams | added TTFC p50 (ms) | added TTFC p99 (ms) "
-        "| added per chunk, per stream (µs) | proxy cost per relayed chunk (µs) |"
-    )
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['concurrency']} | {r['streams']} | {r['added_ttfc_p50_ms']:.3f} | {r['added_ttfc_p99_ms']:.3f} "
-            f"| {r['per_chunk_overhead_us']:.1f} | {r['proxy_cost_per_chunk_us']:.1f} |"
-        )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"chunks": args.chunks, "rows": rows}, indent=2))
-    print(f"\nwritten to {out}")
+    _write(Path(args.out), result)
+    print(f"\nwritten to {args.out} (logs in {tmp})")
     return 0
 
 
-async def _run(up_port: int, proxy_port: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    await _wait_port(up_port)
-    await _wait_port(proxy_port)
-    direct = f"http://127.0.0.1:{up_port}/v1/chat/completions"
-    proxied = f"http://127.0.0.1:{proxy_port}/v1/chat/completions"
-    rows = []
-    for concurrency in (1, 8, 32):
-        rounds = args.rounds or {1: 300, 8: 60, 32: 20}[concurrency]
-        rows.append(await _measure(direct, proxied, concurrency, rounds, args.chunks))
-    return rows
+def _write(out: Path, result: dict[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -247,7 +247,7 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
         tracker = ContextTracker(
             sp.ngram, max_sessions=sp.max_sessions, max_tokens=sp.max_tokens, idle_expiry_s=sp.idle_expiry_s
         )
-        sessions = SessionService(tracker, tokenizer, sp.key_projects, publish=bus.publish)
+        sessions = SessionService(tracker, tokenizer, sp.key_projects, publish=bus.publish, worker_process=True)
         say(f"sessions: tokens from {tokenizer.name if tokenizer else 'nowhere (statistics off)'}")
         trace = None
         if plan.trace_path is not None:

@@ -114,6 +114,15 @@ def parse_body(api: str, raw: bytes) -> ParsedRequest | RequestProblem:
     return ParsedRequest(obj, bool(obj.get("stream", False)), model if isinstance(model, str) else None)
 
 
+def with_fields(raw: bytes, fields: dict[str, Any]) -> bytes:
+    """A JSON object's bytes with `fields` it does not have added at its start, the client's bytes otherwise as they
+    came (no re-serialising of a long history). `raw` must parse as a JSON object without those keys."""
+    start = raw.index(b"{") + 1
+    added = b",".join(orjson.dumps(key) + b":" + orjson.dumps(value) for key, value in fields.items())
+    empty = raw[start:].lstrip(b" \t\r\n").startswith(b"}")
+    return raw[:start] + added + (b"" if empty else b",") + raw[start:]
+
+
 def _wrong_type(field: str, wanted: str, value: Any) -> RequestProblem:
     return RequestProblem(
         f"Invalid type for '{field}': expected {wanted}, but got {_json_type(value)}.", "invalid_type", field

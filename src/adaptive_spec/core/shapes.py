@@ -56,15 +56,14 @@ def _problem(param: str, message: str) -> RequestProblem:
 
 def _nesting(value: Any) -> RequestProblem | None:
     # Iterative: a body nested thousands deep must not exhaust the stack here, nor reach llama-server.
-    stack = [(value, 0)]
+    # Only containers are pushed: a leaf cannot nest, and a long history is mostly strings.
+    stack: list[tuple[dict[str, Any] | list[Any], int]] = [(value, 0)] if isinstance(value, dict | list) else []
     while stack:
         item, depth = stack.pop()
-        if depth > _MAX_NESTING:
+        if depth >= _MAX_NESTING and item:  # it holds a value nested deeper than the limit
             return RequestProblem(f"The request body is nested deeper than {_MAX_NESTING} levels.", "invalid_value")
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item)
+        values = item.values() if isinstance(item, dict) else item
+        stack.extend([(v, depth + 1) for v in values if isinstance(v, dict | list)])
     return None
 
 

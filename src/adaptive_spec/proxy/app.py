@@ -86,6 +86,8 @@ def build_app(
     app[RESTART] = restart
     app[LIFECYCLE] = RequestLifecycle(bus, app[HISTORY], router, sessions, trace, settings.progress_interval_s)
     bus.listen(app[METRICS].on_event)
+    if sessions is not None:
+        app[METRICS].watch_session_updates(sessions.update_counts)
     for name in upstreams.names():
         app[METRICS].profile_up.labels(name).set(0 if upstreams.down_reason(name) else 1)
         for u in upstreams.replicas(name):

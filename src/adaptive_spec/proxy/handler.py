@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from typing import Any
 from urllib.parse import quote
 
 import aiohttp
@@ -15,7 +16,7 @@ from aiohttp import web
 from adaptive_spec.core.access import with_model
 from adaptive_spec.core.headers import PROFILE_HEADER, REPLICA_HEADER, REQUEST_ID_HEADER, ROUTE_HEADER
 from adaptive_spec.core.output import LiveText
-from adaptive_spec.core.requests import GENERATING_APIS, RequestProblem, parse_body
+from adaptive_spec.core.requests import GENERATING_APIS, RequestProblem, parse_body, with_fields
 from adaptive_spec.core.sessions.clients import client_name
 from adaptive_spec.core.sessions.project import DEFAULT_PROJECT, workspace_path_from_request
 from adaptive_spec.core.timings import ResponseMeter, without_progress_timings
@@ -101,15 +102,15 @@ def _upstream_body(req: ProxyRequest, upstream: Upstream) -> tuple[bytes, bool]:
     if parsed is None:
         preset = upstream.upstream_model
         return (with_model(req.body, preset) if preset is not None and req.body else req.body), False
-    changes: dict[str, object] = {}
-    if upstream.upstream_model is not None and parsed.model != upstream.upstream_model:
-        changes["model"] = upstream.upstream_model
+    added: dict[str, Any] = {}
     strip = parsed.stream and req.routed.api in _PROGRESS_APIS and "timings_per_token" not in parsed.body
     if strip:
-        changes["timings_per_token"] = True
+        added["timings_per_token"] = True
     if req.slot is not None and "id_slot" not in parsed.body:
-        changes["id_slot"] = req.slot
-    return (orjson.dumps({**parsed.body, **changes}) if changes else req.body), strip
+        added["id_slot"] = req.slot
+    if upstream.upstream_model is not None and parsed.model != upstream.upstream_model:
+        return orjson.dumps({**parsed.body, **added, "model": upstream.upstream_model}), strip
+    return (with_fields(req.body, added) if added else req.body), strip
 
 
 def _extra_headers(req: ProxyRequest, chosen: Upstream) -> dict[str, str]:

@@ -156,6 +156,7 @@ class RequestLifecycle:
                 req.request_id,
                 side=decision is not None and decision.side,
                 line_moved=line_moved,
+                body_bytes=len(req.body),
             )
         record = _record(method, path, req, finished)
         self.history.add(record)

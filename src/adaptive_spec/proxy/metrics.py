@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from adaptive_spec.core.events import (
     Event,
@@ -215,8 +219,25 @@ class ProxyMetrics:
             return project
         return "other"
 
+    def watch_session_updates(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """Count the session statistics updates (processed, coalesced, dropped) from their owner, read at scrape."""
+        self.registry.register(_UpdateCounts(counts))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _UpdateCounts(Collector):
+    def __init__(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "adaptive_spec_session_updates", "Session statistics updates by outcome", labels=["outcome"]
+        )
+        for outcome, count in self._counts().items():
+            family.add_metric([outcome], count)
+        yield family
 
 
 def _error_kind(record: dict[str, object]) -> str:

@@ -1,23 +1,30 @@
 """Sessions for the proxy: grouping each request, and updating the repeated-context statistics after each
-response in one background worker (tokenizing off the request path, in arrival order)."""
+response in one background worker (tokenizing off the request path, in arrival order). The updates' own work (digests,
+indexing, the drafter's replay: pure Python that grows with the history) runs in a worker process that holds the
+tracker (`worker_process=True`, what `serve` uses), or in a thread: a thread holds the GIL while it works, and the
+streams' chunks wait for it (see docs/architecture.md, "Per-request cost")."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import multiprocessing
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from adaptive_spec.core.events import Event, SessionUpdated
 from adaptive_spec.core.lru import LRU
 from adaptive_spec.core.output import OutputCollector
-from adaptive_spec.core.sessions.grouping import SessionAssignment, SessionRegistry, context_messages
+from adaptive_spec.core.sessions import updates
+from adaptive_spec.core.sessions.grouping import SessionAssignment, SessionRegistry, context_texts
 from adaptive_spec.core.sessions.project import resolve_project
-from adaptive_spec.core.sessions.statistics import ContextTracker, SessionSnapshot, TurnStats
+from adaptive_spec.core.sessions.statistics import ContextTracker, SessionSnapshot
 from adaptive_spec.proxy.tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -37,6 +44,7 @@ class _Work:
     at: float
     side: bool = False
     line_moved: bool = False
+    body_bytes: int = 0
 
 
 class SessionService:
@@ -45,21 +53,35 @@ class SessionService:
         tracker: ContextTracker,
         tokenizer: Tokenizer | None,
         key_projects: Mapping[str, str] | None = None,
-        queue_size: int = 256,
+        queue_size: int = 4096,
         publish: Callable[[Event], None] = lambda _event: None,
+        queue_bytes: int = 64 * 1024 * 1024,
+        worker_process: bool = False,
     ) -> None:
         self.registry = SessionRegistry()
         self.tracker = tracker
         self.tokenizer = tokenizer
         self._key_projects = dict(key_projects or {})
         self._projects: LRU[str, str] = LRU(10_000)  # session -> project
-        self._queue: asyncio.Queue[_Work] = asyncio.Queue(maxsize=queue_size)
+        # Updates waiting for the worker: at most one per session (and kind: main line or side), the newest. A newer
+        # turn's body holds the older one's history and reply, so it indexes all of it; only the older turn's own
+        # replay is skipped (counted as coalesced). Bounded by sessions waiting and by their bodies' bytes.
+        self._waiting: dict[tuple[str, bool], _Work] = {}
+        self._ready: asyncio.Queue[tuple[str, bool]] = asyncio.Queue()
+        self._waiting_bytes = 0
+        self.queue_size, self.queue_bytes = queue_size, queue_bytes
         self._lock = threading.Lock()  # the tracker is updated in a worker thread and read on the event loop
         self.dropped = 0
+        self.coalesced = 0
         self.processed = 0
-        self._pending: dict[str, int] = {}  # session -> queued updates not folded in yet
+        self._pending: dict[str, int] = {}  # session -> updates waiting or running
         self._settled: dict[str, asyncio.Event] = {}
         self.publish = publish
+        # With a worker process, `tracker` is the empty template it starts from; the proxy reads the sessions'
+        # latest snapshots, which each update brings back.
+        self.worker_process = worker_process
+        self._pool: ProcessPoolExecutor | None = None
+        self._mirror: LRU[str, SessionSnapshot] = LRU(tracker.max_sessions)
 
     def assign(
         self,
@@ -95,19 +117,30 @@ class SessionService:
         *,
         side: bool = False,
         line_moved: bool = False,
+        body_bytes: int = 0,
     ) -> None:
         """A response was served in full: remember it for the reply echo now; update statistics in the background."""
         text = out.text
-        self.registry.note_reply(assignment.session_id, text, out.tool_call_ids)
+        sid = assignment.session_id
+        self.registry.note_reply(sid, text, out.tool_call_ids)
         if self.tokenizer is None:
             return
-        try:
-            work = _Work(request_id, assignment.session_id, project, body, text, time.time(), side, line_moved)
-            self._queue.put_nowait(work)
-        except asyncio.QueueFull:
+        key = (sid, side)
+        older = self._waiting.get(key)
+        freed = older.body_bytes if older is not None else 0
+        if (older is None and len(self._waiting) >= self.queue_size) or (
+            self._waiting_bytes - freed + body_bytes > self.queue_bytes and self._waiting
+        ):
             self.dropped += 1
             return
-        sid = assignment.session_id
+        work = _Work(request_id, sid, project, body, text, time.time(), side, line_moved, body_bytes)
+        self._waiting_bytes += body_bytes - freed
+        if older is not None:
+            self.coalesced += 1
+            self._waiting[key] = replace(work, line_moved=line_moved or older.line_moved)
+            return
+        self._waiting[key] = work
+        self._ready.put_nowait(key)
         self._pending[sid] = self._pending.get(sid, 0) + 1
         self._settled.setdefault(sid, asyncio.Event()).clear()
 
@@ -139,6 +172,9 @@ class SessionService:
 
     def copy_state(self, session_id: str) -> tuple[int, float | None]:
         """(turns with statistics, estimated n-gram accepted share EWMA) of a session, for routing."""
+        if self.worker_process:
+            snap = self._mirror.get(session_id)
+            return (snap.turns, snap.est_accepted_share_ewma) if snap is not None else (0, None)
         # No lock: a fold of a long turn holds it for tens of milliseconds and this runs on the event loop. Two
         # attribute reads of one session are atomic enough under the GIL; at worst they are one turn old.
         return self.tracker.copy_state(session_id)
@@ -146,56 +182,98 @@ class SessionService:
     async def run(self, expire_every_s: float = 60.0) -> None:
         """The worker: one update at a time, so a session's turns are folded in the order they were served; idle
         sessions are dropped at least every `expire_every_s`, traffic or not."""
-        while True:
-            try:
-                work = await asyncio.wait_for(self._queue.get(), expire_every_s)
-            except TimeoutError:
-                self.expire()
-                continue
-            try:
-                await self._update(work)
-                self.processed += 1
-            except Exception:
-                log.exception("session statistics update failed for %s", work.session_id)
-            finally:
-                self._done(work.session_id)
-                self._queue.task_done()
-            self.expire()
+        try:
+            while True:
+                try:
+                    key = await asyncio.wait_for(self._ready.get(), expire_every_s)
+                except TimeoutError:
+                    await self._expire_worker()
+                    continue
+                work = self._waiting.pop(key)
+                self._waiting_bytes -= work.body_bytes
+                try:
+                    await self._update(work)
+                    self.processed += 1
+                except Exception:
+                    log.exception("session statistics update failed for %s", work.session_id)
+                finally:
+                    self._done(work.session_id)
+                    self._ready.task_done()
+                await self._expire_worker()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = None
+
+    def update_counts(self) -> dict[str, int]:
+        """Statistics updates by outcome, for /metrics."""
+        return {"processed": self.processed, "coalesced": self.coalesced, "dropped": self.dropped}
 
     def expire(self) -> None:
+        if self.worker_process:  # the process expires its own sessions after each update
+            idle = self.tracker.idle_expiry_s
+            now = time.time()
+            for sid, snap in self._mirror.items():
+                if now - snap.last_seen > idle:
+                    self._mirror.pop(sid)
+            return
         with self._lock:
             self.tracker.expire(time.time())
 
+    async def _expire_worker(self) -> None:
+        if self.worker_process and self._pool is not None:
+            for sid in await self._in_process(updates.process_expire, time.time()):
+                self._mirror.pop(sid)
+        self.expire()
+
     def snapshots(self) -> list[SessionSnapshot]:
+        if self.worker_process:
+            return [snap for sid in reversed(self._mirror) if (snap := self._mirror.get(sid)) is not None]
         with self._lock:
             return self.tracker.snapshots()
 
     async def drain(self) -> None:
         """Wait until every queued update is folded in (tests and shutdown)."""
-        await self._queue.join()
+        await self._ready.join()
+
+    async def _in_process(self, func: Callable[..., Any], *args: Any) -> Any:
+        """`func(*args)` in the worker process (started on first use; started again if it died: its statistics are
+        lost, the proxy's requests are not)."""
+        if self._pool is None:
+            context = multiprocessing.get_context("spawn")  # never fork a process that runs threads
+            settings = updates.tracker_settings(self.tracker)
+            self._pool = ProcessPoolExecutor(1, context, initializer=updates.process_init, initargs=(settings,))
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, func, *args)
+        except BrokenProcessPool:
+            log.warning("the session statistics worker process died; starting another (statistics start over)")
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+            self._mirror = LRU(self.tracker.max_sessions)
+            raise
 
     async def _update(self, work: _Work) -> None:
+        """The history-sized work (digests, the plan, indexing, the replay) runs in the worker process or a thread;
+        the event loop picks the new texts and hands them to the tokenizer."""
         assert self.tokenizer is not None
-        messages = context_messages(work.body)
-        with self._lock:
-            plan = self.tracker.plan(work.session_id, [(digest, assistant) for digest, assistant, _ in messages])
-        texts = [messages[i][2] for i in plan] + [work.output_text]
-        tokens = await self.tokenizer.encode(texts)
-        all_digests = [digest for digest, _, _ in messages]
-        reply_digest = context_messages({"messages": [{"role": "assistant", "content": work.output_text}]})[0][0]
-
-        def fold() -> tuple[TurnStats, SessionSnapshot | None]:
-            # Indexing a long first turn takes tens of milliseconds of pure Python: off the event loop.
-            with self._lock:
-                if work.line_moved:
-                    self.tracker.demote(work.session_id)
-                self.tracker.on_prompt(work.session_id, work.project, all_digests, tokens[:-1], work.at)
-                turn = self.tracker.on_output(
-                    work.session_id, work.project, reply_digest, tokens[-1], work.at, side=work.side
-                )
-                return turn, self.tracker.snapshot(work.session_id)
-
-        turn, snap = await asyncio.to_thread(fold)
+        digests: list[bytes] | None = None
+        if self.worker_process:
+            plan = await self._in_process(updates.process_plan, work.session_id, work.body)
+        else:
+            plan, digests = await asyncio.to_thread(self._locked, updates.plan_update, work.session_id, work.body)
+        wanted = set(plan)
+        texts = [text for i, (_, _, text) in enumerate(context_texts(work.body)) if i in wanted]
+        tokens = await self.tokenizer.encode([*texts, work.output_text])
+        job = updates.FoldJob(
+            work.session_id, work.project, tokens[:-1], work.output_text, tokens[-1], work.at, work.side,
+            work.line_moved, digests,
+        )  # fmt: skip
+        if self.worker_process:
+            turn, snap = await self._in_process(updates.process_fold, job)
+            if snap is not None:
+                self._mirror.put(work.session_id, snap)
+        else:
+            turn, snap = await asyncio.to_thread(self._locked, updates.fold_update, job, digests or [])
         self.publish(
             SessionUpdated(
                 session_id=work.session_id,
@@ -206,12 +284,17 @@ class SessionService:
             )
         )
 
+    def _locked(self, func: Callable[..., Any], *args: Any) -> Any:
+        with self._lock:
+            return func(self.tracker, *args)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "note": ESTIMATE_NOTE,
             "tokenizer": self.tokenizer.name if self.tokenizer is not None else None,
             "ngram": asdict(self.tracker.params),
             "updates_processed": self.processed,
+            "updates_coalesced": self.coalesced,
             "updates_dropped": self.dropped,
             "sessions": [asdict(s) for s in self.snapshots()],
         }

@@ -133,6 +133,13 @@ class EndpointTokenizer:
         return list(await asyncio.gather(*(self._one(t) for t in texts)))
 
 
+_INLINE_HASH_CHARS = 64 * 1024
+
+
+def _content_keys(texts: Sequence[str]) -> list[bytes]:
+    return [hashlib.blake2b(t.encode("utf-8", "surrogatepass"), digest_size=16).digest() for t in texts]
+
+
 class CachingTokenizer:
     """Tokens by content hash, bounded by the total number of cached tokens (least recently used dropped)."""
 
@@ -143,7 +150,9 @@ class CachingTokenizer:
         self._cache: LRU[bytes, list[int]] = LRU(sys.maxsize, max_weight=max_tokens, weigh=len)
 
     async def encode(self, texts: Sequence[str]) -> list[list[int]]:
-        keys = [hashlib.blake2b(t.encode("utf-8", "surrogatepass"), digest_size=16).digest() for t in texts]
+        # A session's first turn can bring a whole long history: hashing it is kept off the event loop.
+        large = sum(len(t) for t in texts) > _INLINE_HASH_CHARS
+        keys = await asyncio.to_thread(_content_keys, texts) if large else _content_keys(texts)
         missing = {k: t for k, t in zip(keys, texts, strict=True) if k not in self._cache}
         fresh = dict(zip(missing, await self._inner.encode(list(missing.values())), strict=True)) if missing else {}
         out = [fresh[key] if key in fresh else self._cache.get(key) or [] for key in keys]

@@ -188,8 +188,8 @@ class RouterState:
             explore_draw=self._rng.random(),
         )
         has_tools = bool(body.get("tools"))
-        pieces = prefix.prompt_pieces(body)
         state = self.prefixes.get(session_id)
+        pieces = prefix.prompt_pieces(body, state.pieces if state is not None else ())  # only new messages hashed
         placement = self.placements.get(session_id)
         est = prefix.estimate(state, pieces, has_tools, self.chars_per_token)
         cpt = state.chars_per_token if state is not None else self.chars_per_token

@@ -18,6 +18,8 @@ from adaptive_spec.core.lru import LRU
 _MIN_ECHO_LINE = 24
 _MAX_LINES_PER_REPLY = 400
 _AMBIGUOUS = ""
+# What str.split() splits ASCII text on: deleting these bytes gives the same text as joining its split words.
+_ASCII_SPACE = b" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f"
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,19 +207,30 @@ def _tool_text(message: Mapping[str, Any]) -> str:
 
 def message_digest(role: str, text: str) -> bytes:
     """The digest `context_messages` gives a message of this role and text (whitespace does not count)."""
+    if text.isascii():  # most prompts: whitespace deleted in C, ~10x faster than splitting into words
+        data = role.encode("utf-8", "surrogatepass") + b"\0" + text.encode("ascii").translate(None, _ASCII_SPACE)
+        return hashlib.blake2b(data, digest_size=12).digest()
     return _digest(role + "\0" + "".join(text.split()))
+
+
+def message_key(role: str, text: str) -> int:
+    """A cheap fingerprint of a message, valid in this process only (Python's keyed string hash, ~10x cheaper than
+    `message_digest`): with the text's length, what tells that a message is the one a digest was made of."""
+    return hash((role, text))
+
+
+def context_texts(body: Mapping[str, Any]) -> Iterator[tuple[str, bool, str]]:
+    """A request's context as (role, written by the assistant, text), system prompt first."""
+    for key in ("instructions", "system"):  # Responses API and Anthropic keep the system prompt apart
+        text = message_text(body.get(key))
+        if text:
+            yield "system", False, text
+    for message in messages_of(body):
+        role = str(message.get("role") or message.get("type") or "")
+        text = "\n".join(t for t in (message_text(message.get("content")), _tool_text(message)) if t)
+        yield role, role in ("assistant", "function_call", "custom_tool_call"), text
 
 
 def context_messages(body: Mapping[str, Any]) -> list[tuple[bytes, bool, str]]:
     """A request's context as (digest, written by the assistant, text), system prompt first."""
-    out: list[tuple[bytes, bool, str]] = []
-    for key in ("instructions", "system"):  # Responses API and Anthropic keep the system prompt apart
-        text = message_text(body.get(key))
-        if text:
-            out.append((_digest("system\0" + "".join(text.split())), False, text))
-    for message in messages_of(body):
-        role = str(message.get("role") or message.get("type") or "")
-        text = "\n".join(t for t in (message_text(message.get("content")), _tool_text(message)) if t)
-        assistant = role in ("assistant", "function_call", "custom_tool_call")
-        out.append((message_digest(role, text), assistant, text))
-    return out
+    return [(message_digest(role, text), assistant, text) for role, assistant, text in context_texts(body)]

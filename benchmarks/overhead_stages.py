@@ -1,0 +1,333 @@
+"""The proxy's own work per request, stage by stage, with real agents' bodies grown to long histories.
+
+Run:  .venv/bin/python benchmarks/overhead_stages.py --fixtures DIR [--sizes 10000,50000,100000] [--reps 15]
+      [--out benchmarks/results/overhead_stages.json]
+
+DIR holds the recorded agent requests (`<agent>.jsonl`, see `agent_bodies.py` for how they are grown). For each agent
+and history size a session is replayed: the grown request is served (parsed, grouped, routed, finished with
+llama-server-shaped timings, its statistics folded in), then the next turn (the same history plus one small file read)
+is timed stage by stage, calling the same functions the request handler calls, in its order, on a fresh copy of that
+state each repetition. No instrumentation is compiled into the proxy: the stages are timed from here.
+
+Stages: parse (`parse_body`: orjson plus the shape checks), workspace (the project's path scan), group (session
+grouping and the project), route (`Router.choose`, which includes: pieces, the prompt's per-piece fingerprints, and
+estimate, new prompt tokens against the session's prefix state; both also timed on their own), upstream body (what is
+sent: the client's bytes, with `timings_per_token` added), chunk (relay + meter of one SSE chunk, in µs), finish
+(router learns + session bookkeeping + record + publish), worker loop / worker thread (the after-response statistics
+update: the part on the event loop and the part in its thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from agent_bodies import AgentRequest, grown, load, next_turn
+
+from adaptive_spec.core.history import RequestHistory
+from adaptive_spec.core.records import Timings
+from adaptive_spec.core.requests import ParsedRequest, parse_body, split_path
+from adaptive_spec.core.routing.router import FixedPolicy
+from adaptive_spec.core.sessions import prefix
+from adaptive_spec.core.sessions.drafter import NgramParams
+from adaptive_spec.core.sessions.project import workspace_path_from_request
+from adaptive_spec.core.sessions.statistics import ContextTracker
+from adaptive_spec.core.sse import SSEParser
+from adaptive_spec.core.timings import without_progress_timings
+from adaptive_spec.proxy import handler
+from adaptive_spec.proxy.bus import EventBus
+from adaptive_spec.proxy.lifecycle import ProxyRequest, RequestLifecycle
+from adaptive_spec.proxy.routing import Router
+from adaptive_spec.proxy.session_service import SessionService, _Work
+from adaptive_spec.proxy.tokenizers import CachingTokenizer, Tokenizer, tiktoken_o200k
+from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
+
+STAGES = (
+    "parse",
+    "workspace",
+    "group",
+    "route",
+    "pieces",
+    "estimate",
+    "upstream body",
+    "finish",
+    "worker loop",
+    "worker thread",
+)
+# Parts of "route" (timed apart as well), and the work after the response: not in the request path's sum.
+_NOT_SUMMED = ("pieces", "estimate", "worker loop", "worker thread")
+_CHUNK = (
+    b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":" token"}}],"created":1,"id":"chatcmpl-x",'
+    b'"model":"m","system_fingerprint":"b1","object":"chat.completion.chunk","timings":{"cache_n":0,"prompt_n":10,'
+    b'"prompt_ms":1.0,"prompt_per_token_ms":0.1,"prompt_per_second":1e4,"predicted_n":5,"predicted_ms":1.0,'
+    b'"predicted_per_token_ms":0.2,"predicted_per_second":5e3}}\n\n'
+)
+
+
+# What the timed request is answered (its statistics update replays it through the counterfactual drafter).
+_REPLY: tuple[str, list[str]] = ("I read the file; its functions compute values from their arguments. " * 8, [])
+
+
+class _Clock:
+    """Stage timings of one repetition, in ms."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = {}
+
+    def time(self, stage: str, call: Callable[[], Any]) -> Any:
+        started = time.perf_counter_ns()
+        out = call()
+        self.ms[stage] = self.ms.get(stage, 0.0) + (time.perf_counter_ns() - started) / 1e6
+        return out
+
+
+class _SplitTokenizer:
+    """Times the tokenizer's own thread apart from the loop (the caching layer hashes on the loop)."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self.name, self._inner, self.ms = inner.name, inner, 0.0
+
+    async def encode(self, texts: Any) -> list[list[int]]:
+        started = time.perf_counter_ns()
+        out = await self._inner.encode(texts)
+        self.ms += (time.perf_counter_ns() - started) / 1e6
+        return out
+
+
+def _world(tokenizer: Tokenizer) -> tuple[Router, SessionService, RequestLifecycle, UpstreamTable]:
+    table = UpstreamTable([Upstream("plain", "http://127.0.0.1:9")])
+    bus = EventBus()
+    router = Router(table, FixedPolicy(), {"plain": 1}, {"plain": None}, publish=bus.publish)
+    service = SessionService(ContextTracker(NgramParams()), tokenizer, publish=bus.publish)
+    lifecycle = RequestLifecycle(bus, RequestHistory(100), router, service, None, 0.25)
+    return router, service, lifecycle, table
+
+
+def _timings(tokens: int, cached: int) -> Timings:
+    return Timings(prompt_n=max(1, tokens - cached), cache_n=cached, predicted_n=40, predicted_per_second=50.0)
+
+
+def _request(agent: AgentRequest, raw: bytes) -> ProxyRequest:
+    req = ProxyRequest("r" * 16, split_path(agent.path), "plain", client=agent.agent)
+    req.body = raw
+    return req
+
+
+async def _serve(
+    clock: _Clock | None,
+    world: tuple[Router, SessionService, RequestLifecycle, UpstreamTable],
+    agent: AgentRequest,
+    raw: bytes,
+    served: tuple[str, list[str]],
+    prompt_tokens: int,
+    cached: int,
+) -> None:
+    """One request through the handler's steps (timed when `clock` is given), then its statistics update."""
+    router, service, lifecycle, table = world
+    c = clock or _Clock()
+    req = _request(agent, raw)
+    headers = {k.lower(): v for k, v in agent.headers.items()}
+    parsed = c.time("parse", lambda: parse_body(req.routed.api, raw))
+    assert isinstance(parsed, ParsedRequest)
+    req.parsed = parsed
+    req.workspace = c.time("workspace", lambda: workspace_path_from_request(headers, parsed.body))
+    req.assignment, req.project = c.time("group", lambda: service.assign(headers, parsed.body, None, req.workspace))
+    sid = req.assignment.session_id
+    state = router.prefixes.get(sid)
+    pieces = c.time("pieces", lambda: _pieces(parsed.body, state))
+    has_tools = bool(parsed.body.get("tools"))
+    c.time("estimate", lambda: prefix.estimate(state, pieces, has_tools, router.chars_per_token))
+    turns, share = service.copy_state(sid)
+    # The router computes the pieces again: on a body of its own, or Python's cached string hashes would flatter it.
+    fresh = parse_body(req.routed.api, raw)
+    assert isinstance(fresh, ParsedRequest)
+    req.decision, _ = c.time(
+        "route",
+        lambda: router.choose(
+            body=fresh.body,
+            body_bytes=len(raw),
+            session_id=sid,
+            session_turns=turns,
+            copy_share=share,
+            project=req.project,
+            workspace=req.workspace,
+            pinned=None,
+        ),
+    )
+    router.started("plain", None, sid)
+    req.routed_started = True
+    upstream = table.get("plain")
+    assert upstream is not None
+    c.time("upstream body", lambda: handler._upstream_body(req, upstream))
+    req.meter.output.add([served[0]], served[1])
+    req.meter._take({"timings": {"prompt_n": max(1, prompt_tokens - cached), "cache_n": cached, "predicted_n": 40}})
+    req.status, req.error = 200, None
+    c.time("finish", lambda: lifecycle.finish("POST", agent.path, req))
+    await _worker(c, service)
+
+
+def _pieces(body: dict[str, Any], state: prefix.PrefixState | None) -> tuple[prefix.Piece, ...]:
+    """As the router computes them: against the session's previous pieces (a full scan before that existed)."""
+    try:
+        return prefix.prompt_pieces(body, state.pieces if state is not None else ())
+    except TypeError:
+        return prefix.prompt_pieces(body)
+
+
+async def _worker(clock: _Clock, service: SessionService) -> None:
+    """The after-response update of the request just finished: its time on the event loop and in its thread."""
+    key = service._ready.get_nowait()
+    work: _Work = service._waiting.pop(key)
+    tokenizer = service.tokenizer
+    assert isinstance(tokenizer, _SplitTokenizer)
+    tokenizer.ms = 0.0
+    thread_ms = 0.0
+    original = asyncio.to_thread
+
+    async def timed_thread(func: Callable[..., Any], /, *args: Any) -> Any:
+        nonlocal thread_ms
+        started = time.perf_counter_ns()
+        out = await original(func, *args)
+        thread_ms += (time.perf_counter_ns() - started) / 1e6
+        return out
+
+    asyncio.to_thread = timed_thread  # type: ignore[assignment]
+    started = time.perf_counter_ns()
+    try:
+        await service._update(work)
+    finally:
+        asyncio.to_thread = original
+        service._done(work.session_id)
+        service._ready.task_done()
+    total = (time.perf_counter_ns() - started) / 1e6
+    off_loop = thread_ms + tokenizer.ms
+    clock.ms["worker loop"] = clock.ms.get("worker loop", 0.0) + max(0.0, total - off_loop)
+    clock.ms["worker thread"] = clock.ms.get("worker thread", 0.0) + off_loop
+
+
+def _chunk_us(rounds: int = 2000) -> float:
+    """Relay + meter of one SSE chunk as the handler does it for a client that did not ask for per-token timings."""
+    from adaptive_spec.core.timings import ResponseMeter
+
+    meter, parser = ResponseMeter(), SSEParser()
+    started = time.perf_counter_ns()
+    for i in range(rounds):
+        events = parser.feed(_CHUNK)
+        parsed = [meter.on_event(event, float(i)) for event in events]
+        without_progress_timings(events, parsed)
+    return (time.perf_counter_ns() - started) / 1e3 / rounds
+
+
+async def measure(agent: AgentRequest, tokens: int, reps: int, tokenizer: Tokenizer) -> dict[str, Any]:
+    body, turns = grown(agent, tokens)
+    following, served = next_turn(body, turns)
+    raw_prev, raw_next = orjson.dumps(body), orjson.dumps(following)
+    count = len(raw_prev) / 3.6
+    per_rep: list[dict[str, float]] = []
+    for _ in range(reps + 1):
+        world = _world(_SplitTokenizer(tokenizer))
+        await _serve(None, world, agent, raw_prev, served, round(count), 0)
+        clock = _Clock()
+        await _serve(clock, world, agent, raw_next, _REPLY, round(len(raw_next) / 3.6), round(count))
+        per_rep.append(clock.ms)
+    per_rep = per_rep[1:]  # the first warms caches (the tokenizer's, the allocator's)
+    medians = {s: statistics.median(r.get(s, 0.0) for r in per_rep) for s in STAGES}
+    request_path = sum(v for k, v in medians.items() if k not in _NOT_SUMMED)
+    return {
+        "agent": agent.agent,
+        "history_tokens": tokens,
+        "body_bytes": len(raw_next),
+        "messages": len(following.get("messages") or following.get("input") or []),
+        "stages_ms": medians,
+        "request_path_ms": request_path,
+        "request_path_without_parse_ms": request_path - medians["parse"],
+        "event_loop_ms": request_path + medians["worker loop"],
+    }
+
+
+def memory(agent: AgentRequest, tokens: int, tokenizer: Tokenizer) -> dict[str, Any]:
+    """Bytes the proxy keeps for one session after a request of this history: prefix state, grouping, statistics."""
+    body, _ = grown(agent, tokens)
+    raw = orjson.dumps(body)
+
+    async def run() -> tuple[Any, ...]:
+        world = _world(_SplitTokenizer(tokenizer))
+        tracemalloc.start()
+        await _serve(None, world, agent, raw, ("", []), round(len(raw) / 3.6), 0)
+        return world
+
+    world = asyncio.run(run())
+    used, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    snap = world[1].snapshots()
+    return {
+        "agent": agent.agent,
+        "history_tokens": tokens,
+        "traced_bytes": used,
+        "indexed_tokens": snap[0].indexed_tokens if snap else 0,
+        "ngram_index_bytes": snap[0].memory_bytes if snap else 0,
+    }
+
+
+def _print(rows: list[dict[str, Any]], chunk_us: float) -> None:
+    print(f"\nthe proxy's own work per request, medians in ms (one SSE chunk relayed + metered: {chunk_us:.1f} µs)")
+    print("| agent | history | body KB | " + " | ".join(STAGES) + " | request path | without parse |")
+    print("|---|---|---|" + "---|" * (len(STAGES) + 2))
+    for r in rows:
+        cells = " | ".join(f"{r['stages_ms'][s]:.3f}" for s in STAGES)
+        print(
+            f"| {r['agent']} | {r['history_tokens'] // 1000}k | {r['body_bytes'] / 1024:.0f} | {cells} "
+            f"| {r['request_path_ms']:.2f} | {r['request_path_without_parse_ms']:.2f} |"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fixtures", required=True, type=Path, help="directory of recorded agent requests")
+    parser.add_argument("--sizes", default="10000,50000,100000")
+    parser.add_argument("--agents", default="opencode,codex,llm,openai_sdk")
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results/overhead_stages.json")
+    args = parser.parse_args()
+    agents = load(args.fixtures)
+    if not agents:
+        parser.error(f"no recorded agent requests in {args.fixtures}")
+    tokenizer = CachingTokenizer(tiktoken_o200k())
+    sizes = [int(s) for s in args.sizes.split(",")]
+    chosen = [agents[a] for a in args.agents.split(",") if a in agents]
+    rows = [asyncio.run(measure(a, size, args.reps, tokenizer)) for size in sizes for a in chosen]
+    chunk_us = statistics.median(_chunk_us() for _ in range(5))
+    _print(rows, chunk_us)
+    mem = [] if args.no_memory else [memory(a, size, tokenizer) for size in sizes for a in chosen]
+    if mem:
+        print("\nmemory per session (tracemalloc over what the proxy keeps after one request of that history)")
+        print("| agent | history | traced KiB | indexed tokens | n-gram index KiB |")
+        print("|---|---|---|---|---|")
+        for m in mem:
+            print(
+                f"| {m['agent']} | {m['history_tokens'] // 1000}k | {m['traced_bytes'] / 1024:.0f} "
+                f"| {m['indexed_tokens']} | {m['ngram_index_bytes'] / 1024:.0f} |"
+            )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"chunk_us": chunk_us, "rows": rows, "memory": mem}, indent=2))
+    print(f"\nwritten to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
