@@ -52,17 +52,19 @@ def parse_timings(raw: Any) -> Timings | None:
 
 def find_timings(obj: Any) -> Timings | None:
     """The `timings` of a response body or stream event, wherever the API nests it."""
+    return parse_timings(_raw_timings(obj))
+
+
+def _raw_timings(obj: Any) -> dict[str, Any] | None:
     if not isinstance(obj, dict):
         return None
-    found = parse_timings(obj.get("timings"))
-    if found is not None:
+    found = obj.get("timings")
+    if isinstance(found, dict):
         return found
     for key in _CONTAINERS:
         inner = obj.get(key)
-        if isinstance(inner, dict):
-            found = parse_timings(inner.get("timings"))
-            if found is not None:
-                return found
+        if isinstance(inner, dict) and isinstance(inner.get("timings"), dict):
+            return inner["timings"]  # type: ignore[no-any-return]
     return None
 
 
@@ -135,6 +137,7 @@ class ResponseMeter:
 
     __slots__ = (
         "_pieces",
+        "_raw",
         "_timings",
         "_usage",
         "complete",
@@ -150,6 +153,9 @@ class ResponseMeter:
         self.live: LiveText | None = None  # set when the live feed carries the text (serve --feed-content)
         # True once the stream's own end marker arrived: a client may hang up right after it, and lose nothing.
         self.complete = False
+        # The latest event's raw `timings`, read into a Timings only when asked for (every chunk carries one when
+        # per-token timings are on: parsing each cost a fifth of the relay's per-chunk work).
+        self._raw: dict[str, Any] | None = None
         self._timings: Timings | None = None
         self._usage: dict[str, Any] = {}
         self.first_token_ms: float | None = None
@@ -182,7 +188,8 @@ class ResponseMeter:
             self._pieces += pieces
         self._take(obj)
         if self.live is not None:
-            self.live.add("".join(texts), self._timings.draft_n_accepted if self._timings is not None else None)
+            accepted = _int(self._raw.get("draft_n_accepted")) if self._raw is not None else None
+            self.live.add("".join(texts), accepted)
         if event.event == "error" or "error" in obj:
             self.error = _error_text(obj)
         return obj
@@ -199,9 +206,9 @@ class ResponseMeter:
             self.error = _error_text(obj)
 
     def _take(self, obj: Any) -> None:
-        found = find_timings(obj)
+        found = _raw_timings(obj)
         if found is not None:
-            self._timings = found
+            self._raw, self._timings = found, None
         usage = find_usage(obj)
         if usage:
             # Anthropic streams split usage between message_start and message_delta: merge them.
@@ -210,6 +217,8 @@ class ResponseMeter:
     @property
     def timings(self) -> Timings | None:
         """llama-server's own timings; else counts from `usage` (flagged `from_usage`); else None."""
+        if self._timings is None and self._raw is not None:
+            self._timings = parse_timings(self._raw)
         if self._timings is not None:
             return self._timings
         return timings_from_usage(self._usage) if self._usage else None
