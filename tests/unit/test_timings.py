@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 
+from adaptive_spec.core.output import event_output
 from adaptive_spec.core.records import Timings
 from adaptive_spec.core.sse import SSEEvent
-from adaptive_spec.core.timings import ResponseMeter, find_timings, generated_pieces
+from adaptive_spec.core.timings import ResponseMeter, chat_delta_text, find_timings, generated_pieces
 
 TIMINGS = {
     "cache_n": 12,
@@ -141,3 +144,27 @@ def test_progress_timings_are_stripped_except_on_the_final_chunk() -> None:
     assert b"timings" not in chunks[0] and b'"content":"a"' in chunks[0]
     assert b"timings" in chunks[1] and b"timings" in chunks[2]
     assert chunks[3] == b"data: [DONE]" and chunks[4] == b"event: named\ndata: not json"
+
+
+def test_the_chat_chunk_fast_path_reads_what_the_general_readers_read() -> None:
+    shapes: list[dict[str, Any]] = [
+        {"choices": [{"index": 0, "delta": {"content": " tok"}}]},
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}], "timings": {"predicted_n": 3}},
+        {"choices": [{"index": 0, "delta": {"content": None}}]},
+        {"choices": [{"index": 0, "delta": {"reasoning_content": "think", "content": ""}}]},
+        {"choices": [{"index": 0, "delta": {"tool_calls": [{"id": "c1", "function": {"arguments": "{}"}}]}}]},
+        {"choices": [{"index": 0, "delta": {"content": "a"}}, {"index": 1, "delta": {"content": "b"}}]},
+        {"choices": [{"index": 0, "text": "legacy"}]},
+        {"choices": []},
+        {"type": "response.output_text.delta", "delta": "hi"},
+    ]
+    fast = 0
+    for obj in shapes:
+        text = chat_delta_text(obj)
+        if text is None:
+            continue
+        fast += 1
+        texts, ids = event_output(obj)
+        assert ("".join(texts), ids, generated_pieces(obj)) == (text, [], int(bool(text))), obj
+    assert fast == 3  # the plain content chunks; reasoning, tool calls, several choices and other APIs go the long way

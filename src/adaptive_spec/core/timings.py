@@ -129,6 +129,26 @@ def generated_pieces(obj: Any) -> int:
     return int(_nonempty(obj.get("content")) and "stop" in obj)
 
 
+_PLAIN_DELTA_KEYS = frozenset(("content", "role"))
+
+
+def chat_delta_text(obj: dict[str, Any]) -> str | None:
+    """The text of a chat stream chunk with one choice whose delta holds a string `content` (and maybe `role`) and
+    nothing else; None for any other event. Most events of a chat stream are this shape: the relay reads them here
+    instead of through `event_output` and `generated_pieces`, which walk every shape."""
+    choices = obj.get("choices")
+    if type(choices) is not list or len(choices) != 1:
+        return None
+    choice = choices[0]
+    delta = choice.get("delta") if type(choice) is dict else None
+    if type(delta) is not dict:
+        return None
+    content = delta.get("content")
+    if type(content) is not str or not _PLAIN_DELTA_KEYS.issuperset(delta):
+        return None
+    return content
+
+
 class ResponseMeter:
     """Accumulates what one response tells about itself: token arrival times, timings, an upstream error.
 
@@ -177,9 +197,14 @@ class ResponseMeter:
             return None
         if not isinstance(obj, dict):
             return None
-        texts, ids = event_output(obj)
+        ids: list[str] = []
+        text = chat_delta_text(obj)
+        if text is not None:  # the commonest event, read in one step (the same result as the general readers)
+            texts, pieces = [text], int(bool(text))
+        else:
+            texts, ids = event_output(obj)
+            pieces = generated_pieces(obj)
         self.output.add(texts, ids)
-        pieces = generated_pieces(obj)
         if pieces:
             if self._pieces == 0:
                 self.first_token_ms = now_ms
