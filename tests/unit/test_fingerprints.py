@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import hashlib
 import random
@@ -178,3 +179,26 @@ def test_session_updates_are_counted_in_metrics() -> None:
     text = metrics.render().decode()
     assert 'adaptive_spec_session_updates_total{outcome="dropped"} 3.0' in text
     assert 'adaptive_spec_session_updates_total{outcome="coalesced"} 2.0' in text
+
+
+@pytest.mark.asyncio
+async def test_the_worker_process_starts_with_the_worker_not_with_the_first_update() -> None:
+    # Seen under serve: three quick turns of one session, the first update waiting for the process to spawn and the
+    # second coalesced into the third (2 turns shown for 3 requests).
+    from adaptive_spec.core.sessions.drafter import NgramParams
+    from adaptive_spec.core.sessions.statistics import ContextTracker
+    from adaptive_spec.proxy.session_service import SessionService
+
+    service = SessionService(ContextTracker(NgramParams()), _Tokens(), worker_process=True)
+    worker = asyncio.create_task(service.run())
+    try:
+        for _ in range(600):
+            if service._pool is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert service._pool is not None, "no worker process before any update"
+        assert service.update_counts() == {"processed": 0, "coalesced": 0, "dropped": 0}
+    finally:
+        worker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await worker

@@ -183,6 +183,11 @@ class SessionService:
         """The worker: one update at a time, so a session's turns are folded in the order they were served; idle
         sessions are dropped at least every `expire_every_s`, traffic or not."""
         try:
+            if self.worker_process:
+                # Start the process now, not on the first update: spawning it and importing takes a second or more,
+                # and the turns served meanwhile would wait (and coalesce) behind the first.
+                with contextlib.suppress(Exception):
+                    await self._in_process(updates.process_expire, time.time())
             while True:
                 try:
                     key = await asyncio.wait_for(self._ready.get(), expire_every_s)
