@@ -18,7 +18,7 @@ import aiohttp
 from adaptive_spec.core.routing.speeds import SpeedModel
 from adaptive_spec.core.slot_files import model_mismatch
 from adaptive_spec.errors import ConfigError, ProfileMismatchError
-from adaptive_spec.proxy.slot_mover import MoveTimes, SlotError, SlotMover, slot_action
+from adaptive_spec.proxy.slot_mover import MoveTimes, SlotError, SlotMover, restore_slot, save_slot
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
 from adaptive_spec.relay.client import RelayClient, RelayError
 
@@ -75,14 +75,8 @@ class RelayMover:
             raise SlotError(f"relay {here.base_url}: {problem}")
         self._pending[name] = (client, there, here)
         t0 = time.perf_counter()
-        saved = await slot_action(client, source, from_slot, "save", name, timeout)
+        n_saved, n_written = await save_slot(client, source, from_slot, name, timeout, min_tokens)
         t1 = time.perf_counter()
-        n_saved, n_written = int(saved.get("n_saved") or 0), saved.get("n_written")
-        if n_saved < min_tokens:
-            raise SlotError(
-                f"save on {source.label} slot {from_slot} wrote {n_saved} tokens, not the session's "
-                f"{min_tokens} or more (its slot was reused)"
-            )
         copied = 0
         if there.base_url != here.base_url:
             size = n_written if isinstance(n_written, int) else 0
@@ -95,10 +89,8 @@ class RelayMover:
                 raise SlotError(f"{here.base_url} received {got.bytes} of the {n_written} bytes {source.label} saved")
             copied = got.bytes
         t2 = time.perf_counter()
-        restored = await slot_action(client, target, into_slot, "restore", name, timeout)
+        await restore_slot(client, target, into_slot, name, timeout, n_saved)
         t3 = time.perf_counter()
-        if int(restored.get("n_restored") or -1) != n_saved:
-            raise SlotError(f"restore on {target.label} restored {restored.get('n_restored')} of {n_saved} tokens")
         return MoveTimes(n_saved, t1 - t0, t3 - t2, transfer_s=t2 - t1, bytes=copied)
 
     async def discard(self, name: str) -> None:

@@ -26,7 +26,7 @@ from adaptive_spec.core.routing.remote_prefill import RemoteCosts, RemoteMeasure
 from adaptive_spec.core.slot_files import model_mismatch
 from adaptive_spec.errors import ConfigError, ProfileMismatchError
 from adaptive_spec.proxy.routing import Router
-from adaptive_spec.proxy.slot_mover import SlotError, slot_action
+from adaptive_spec.proxy.slot_mover import SlotError, restore_slot
 from adaptive_spec.proxy.upstreams import Upstream
 from adaptive_spec.relay.client import PARTIAL_PREFIX, RelayClient, RelayError
 from adaptive_spec.relay.model_hash import file_sha256
@@ -165,13 +165,8 @@ class RemotePrefill:
                     raise RelayError(f"downloaded {got.bytes} of the {prefilled.n_written} bytes saved", "size")
                 t2 = time.perf_counter()
                 timeout = aiohttp.ClientTimeout(total=10.0 + prefilled.n_saved * 0.0005)
-                restored = await slot_action(client, upstream, slot, "restore", name, timeout)
+                await restore_slot(client, upstream, slot, name, timeout, prefilled.n_saved)
                 t3 = time.perf_counter()
-                if int(restored.get("n_restored") or -1) != prefilled.n_saved:
-                    raise SlotError(
-                        f"restore on {upstream.name} restored {restored.get('n_restored')} of {prefilled.n_saved} "
-                        "tokens"
-                    )
         except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, OSError, RelayError, SlotError) as exc:
             self.counts["failed"] += 1
             message = str(exc) or type(exc).__name__

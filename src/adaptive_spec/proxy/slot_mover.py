@@ -83,20 +83,11 @@ class SharedDirMover:
         min_tokens: int,
     ) -> MoveTimes:
         t0 = time.perf_counter()
-        saved = await slot_action(client, source, from_slot, "save", name, timeout)
+        n_saved, n_written = await save_slot(client, source, from_slot, name, timeout, min_tokens)
         t1 = time.perf_counter()
-        n_saved = int(saved.get("n_saved") or 0)
-        await self._check_file(source, name, saved.get("n_written"))
-        if n_saved < min_tokens:
-            raise SlotError(
-                f"save on {source.label} slot {from_slot} wrote {n_saved} tokens, not the session's "
-                f"{min_tokens} or more (its slot was reused)"
-            )
-        restored = await slot_action(client, target, into_slot, "restore", name, timeout)
-        t2 = time.perf_counter()
-        if int(restored.get("n_restored") or -1) != n_saved:
-            raise SlotError(f"restore on {target.label} restored {restored.get('n_restored')} of {n_saved} tokens")
-        return MoveTimes(n_saved, t1 - t0, t2 - t1)
+        await self._check_file(source, name, n_written)
+        await restore_slot(client, target, into_slot, name, timeout, n_saved)
+        return MoveTimes(n_saved, t1 - t0, time.perf_counter() - t1)
 
     async def discard(self, name: str) -> None:
         await asyncio.to_thread(_unlink, self.slot_dir / name)
@@ -111,6 +102,40 @@ class SharedDirMover:
             raise SlotError(
                 f"the slot file {source.label} saved has {size} of its {n_written} bytes (disk full?); not restoring it"
             )
+
+
+async def save_slot(
+    client: aiohttp.ClientSession,
+    source: Upstream,
+    slot: int,
+    name: str,
+    timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - one deadline per slot action
+    min_tokens: int,
+) -> tuple[int, object]:
+    """Save the slot into `name`: (tokens saved, bytes written as llama-server says). Fewer than `min_tokens` saved
+    means the slot was reused by another session: SlotError."""
+    saved = await slot_action(client, source, slot, "save", name, timeout)
+    n_saved = int(saved.get("n_saved") or 0)
+    if n_saved < min_tokens:
+        raise SlotError(
+            f"save on {source.label} slot {slot} wrote {n_saved} tokens, not the session's "
+            f"{min_tokens} or more (its slot was reused)"
+        )
+    return n_saved, saved.get("n_written")
+
+
+async def restore_slot(
+    client: aiohttp.ClientSession,
+    target: Upstream,
+    slot: int,
+    name: str,
+    timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - one deadline per slot action
+    n_saved: int,
+) -> None:
+    """Restore `name` into the slot; anything but all `n_saved` tokens restored is a SlotError."""
+    restored = await slot_action(client, target, slot, "restore", name, timeout)
+    if int(restored.get("n_restored") or -1) != n_saved:
+        raise SlotError(f"restore on {target.label} restored {restored.get('n_restored')} of {n_saved} tokens")
 
 
 async def slot_action(
