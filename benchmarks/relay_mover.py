@@ -10,36 +10,22 @@ process, as a user runs them. Figures are per run; bytes per token is the slot f
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from kv_bench import KEY, model, prompt, run_main, server_args
 from tests.support.relay import RelayProcess
 from tests.support.servers import LlamaServer, http_json
-from tests.support.tiny_gguf import write_tiny_gguf
 
 from adaptive_spec.launcher import find_llama_server
-from adaptive_spec.models import ensure_embedded
 from adaptive_spec.proxy.relay_mover import RelayMover
 from adaptive_spec.proxy.upstreams import Upstream
 from adaptive_spec.relay.client import RelayClient
 from adaptive_spec.relay.model_hash import file_sha256
-
-KEY = "bench-relay-key"
-
-
-def _prompt(run: int, chars: int) -> list[dict[str, str]]:
-    lines = [f"run {run}: a log to summarise"]
-    i = 0
-    while sum(len(x) + 1 for x in lines) < chars:
-        lines.append(f"line {i}: worker={i % 7} value={i * 7919 % 10007} status={'ok' if i % 5 else 'retry'}")
-        i += 1
-    return [{"role": "user", "content": "\n".join(lines) + "\nSummarise it in one line."}]
 
 
 async def _move(mover: RelayMover, a: Upstream, b: Upstream, name: str) -> dict[str, Any]:
@@ -60,7 +46,7 @@ async def _move(mover: RelayMover, a: Upstream, b: Upstream, name: str) -> dict[
 
 
 def _one(mover: RelayMover, servers: list[LlamaServer], run: int, chars: int) -> dict[str, Any]:
-    body: dict[str, Any] = {"messages": _prompt(run, chars), "temperature": 0, "max_tokens": 16, "id_slot": 0}
+    body: dict[str, Any] = {"messages": prompt(run, chars), "temperature": 0, "max_tokens": 16, "id_slot": 0}
     prefill = http_json(servers[0].url + "/v1/chat/completions", {**body, "max_tokens": 1}, timeout=3600)["timings"]
     a, b = (Upstream("bench", s.url, replica=i) for i, s in enumerate(servers))
     row = asyncio.run(_move(mover, a, b, f"as-bench-{run}.bin"))
@@ -76,9 +62,8 @@ def bench(models: list[str], tokens: list[int], home: Path) -> list[dict[str, An
     rows: list[dict[str, Any]] = []
     binary = find_llama_server(None)
     for model_name in models:
-        gguf = write_tiny_gguf(home / "tiny.gguf") if model_name == "tiny" else ensure_embedded("qwen2.5-coder-0.5b")
-        chars_per_token = 1.0 if model_name == "tiny" else 3.0  # the tiny model's vocabulary is mostly bytes
-        args = ("-c", str(min(32768, max(tokens) * 2 + 512)), "--parallel", "1", "--spec-type", "none")
+        gguf, chars_per_token = model(model_name, home)
+        args = server_args(tokens)
         servers: list[LlamaServer] = []
         relays: list[RelayProcess] = []
         try:
@@ -116,17 +101,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="tiny,qwen")
-    parser.add_argument("--tokens", default="1000,3500")  # the tiny model's context is 4,096
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/relay_mover.json"))
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = bench(args.models.split(","), [int(t) for t in args.tokens.split(",")], Path(tmp))
-    print(table(rows))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
-    print(f"written: {args.out}")
+    run_main(__doc__, "benchmarks/results/relay_mover.json", bench, table)
 
 
 if __name__ == "__main__":

@@ -11,41 +11,27 @@ run; bytes per token is the slot file's size over the tokens it holds.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from kv_bench import KEY, model, prompt, run_main, server_args
 from tests.support.relay import RelayProcess
 from tests.support.servers import LlamaServer, http_json
-from tests.support.tiny_gguf import write_tiny_gguf
 
 from adaptive_spec.launcher import find_llama_server
-from adaptive_spec.models import ensure_embedded
 from adaptive_spec.proxy.slot_mover import slot_action
 from adaptive_spec.proxy.upstreams import Upstream
 from adaptive_spec.relay.client import RelayClient
 from adaptive_spec.relay.model_hash import file_sha256
 
-KEY = "bench-relay-key"
-
-
-def _prompt(run: int, chars: int) -> list[dict[str, str]]:
-    lines = [f"run {run}: a log to summarise"]
-    i = 0
-    while sum(len(x) + 1 for x in lines) < chars:
-        lines.append(f"line {i}: worker={i % 7} value={i * 7919 % 10007} status={'ok' if i % 5 else 'retry'}")
-        i += 1
-    return [{"role": "user", "content": "\n".join(lines) + "\nSummarise it in one line."}]
-
 
 async def _one(relay: RelayClient, local: LlamaServer, local_slots: Path, run: int, chars: int) -> dict[str, Any]:
-    messages = _prompt(run, chars)
+    messages = prompt(run, chars)
     body: dict[str, Any] = {"messages": messages, "temperature": 0, "max_tokens": 16}
     name = f"as-pp-bench-{run}.bin"
     async with aiohttp.ClientSession() as client:
@@ -79,20 +65,15 @@ async def _one(relay: RelayClient, local: LlamaServer, local_slots: Path, run: i
     }
 
 
-def _model(name: str, home: Path) -> Path:
-    return write_tiny_gguf(home / "tiny.gguf") if name == "tiny" else ensure_embedded("qwen2.5-coder-0.5b")
-
-
 def bench(models: list[str], tokens: list[int], home: Path) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     binary = find_llama_server(None)
     for model_name in models:
-        gguf = _model(model_name, home)
-        chars_per_token = 1.0 if model_name == "tiny" else 3.0  # the tiny model's vocabulary is mostly bytes
+        gguf, chars_per_token = model(model_name, home)
         remote_slots, local_slots = home / model_name / "remote", home / model_name / "local"
         remote_slots.mkdir(parents=True)
         local_slots.mkdir()
-        args = ("-c", str(min(32768, max(tokens) * 2 + 512)), "--parallel", "1", "--spec-type", "none")
+        args = server_args(tokens)
         remote = LlamaServer(binary, gguf, *args, "--slot-save-path", str(remote_slots), log_dir=home / "logs")
         local = LlamaServer(binary, gguf, *args, "--slot-save-path", str(local_slots), log_dir=home / "logs")
         relay_proc = RelayProcess(remote_slots, gguf, KEY, server=remote.url)
@@ -127,17 +108,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="tiny,qwen")
-    parser.add_argument("--tokens", default="1000,3500")  # the tiny model's context is 4,096
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/remote_prefill.json"))
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = bench(args.models.split(","), [int(t) for t in args.tokens.split(",")], Path(tmp))
-    print(table(rows))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
-    print(f"written: {args.out}")
+    run_main(__doc__, "benchmarks/results/remote_prefill.json", bench, table)
 
 
 if __name__ == "__main__":
