@@ -197,8 +197,13 @@ def _system(pieces: Sequence[Piece], has_tools: bool) -> bytes | None:
     return first.digest if first is not None and not first.assistant else None
 
 
+def _markup(pieces: Sequence[Piece]) -> float:
+    """The template's tokens around the pieces' texts: each piece's markers, and its tool calls' or results'."""
+    return sum(PIECE_OVERHEAD_TOKENS + p.extra for p in pieces)
+
+
 def _tokens(pieces: Sequence[Piece], chars_per_token: float) -> float:
-    return sum(p.chars / chars_per_token + PIECE_OVERHEAD_TOKENS + p.extra for p in pieces)
+    return sum(p.chars for p in pieces) / chars_per_token + _markup(pieces)
 
 
 def _fixed(pieces: Sequence[Piece]) -> float:
@@ -280,7 +285,7 @@ def observe(
     `chars_per_token` is the rate a new session starts from (the proxy's latest)."""
     prompt_tokens = timings.prompt_n + timings.cache_n
     chars = sum(p.chars for p in pieces)
-    templated = prompt_tokens - _tokens(pieces, float("inf")) - _fixed(pieces)
+    templated = prompt_tokens - _markup(pieces) - _fixed(pieces)
     cpt = state.chars_per_token if state is not None else chars_per_token
     ratio = state.new_ratio if state is not None else 1.0
     if state is not None and timings.cache_n > 0 and not timings.from_usage:
