@@ -159,8 +159,14 @@ def _route_while_down(proxy: ProxyProcess, down: str, since: float) -> dict[str,
             continue
         with post(proxy, SHORT, {"x-session-id": f"while-down-{len(sent)}"}) as resp:
             resp.read()
-            sent.append(resp.headers["x-adaptive-spec-request-id"])
-            statuses[resp.status] += 1
+            request_id, status = resp.headers["x-adaptive-spec-request-id"], resp.status
+        if _is_up(proxy, down):
+            # It came back while this request was in flight: it may have been routed to it, rightly. Only requests
+            # whose whole flight saw the profile down count.
+            back_after_s = round(time.monotonic() - since, 2)
+            break
+        sent.append(request_id)
+        statuses[status] += 1
     records = [r for r in proxy.requests() if r["request_id"] in sent]
     return {
         "sent": len(sent),
