@@ -161,14 +161,20 @@ def test_a_responses_stream_gets_live_draft_progress(traced: tuple[ProxyProcess,
 
 
 def test_a_responses_stream_dropped_by_the_client_keeps_its_timings(traced: tuple[ProxyProcess, Path]) -> None:
+    """While a live view watches, the proxy asks for per-token timings: a stream the client drops still has them."""
     proxy, _ = traced
     body = {"input": "go", "max_output_tokens": 30000, "ignore_eos": True, "stream": True}
     req = urllib.request.Request(proxy.base + "/v1/responses", data=json.dumps(body).encode())
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        seen = b""
-        while seen.count(b"response.output_text.delta") < 20:
-            seen += resp.read1(65536)
-        request_id = resp.headers["x-adaptive-spec-request-id"]
+    feed = Feed(proxy.base + "/adaptive/events")
+    try:
+        wait_until(lambda: bool(feed.events), 10, "the snapshot")
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            seen = b""
+            while seen.count(b"response.output_text.delta") < 20:
+                seen += resp.read1(65536)
+            request_id = resp.headers["x-adaptive-spec-request-id"]
+    finally:
+        feed.close()
 
     def record() -> dict[str, Any] | None:
         records = json.loads(http_text(proxy.base + "/adaptive/requests"))["requests"]

@@ -65,6 +65,17 @@ class SSEParser:
         """True when a partial line or an undispatched event is held: the stream stopped mid-event."""
         return bool(self._buf) or self._has_data
 
+    def hand_over(self) -> bytes | None:
+        """Stop here: the bytes of the event held so far (its lines re-encoded, then the partial line), for another
+        reader to go on from; None (and nothing handed over) while a CR at a chunk's end leaves a line ending open."""
+        if self._pending_cr:
+            return None
+        head = b"event: " + self._event.encode() + b"\n" if self._event else b""
+        lines = b"".join(b"data: " + line.encode() + b"\n" for line in self._data) if self._has_data else b""
+        held = head + lines + self._buf
+        self._buf, self._event, self._data, self._has_data = b"", "", [], False
+        return held
+
     def _line(self, raw: bytes) -> SSEEvent | None:
         if not raw:
             if not self._has_data:

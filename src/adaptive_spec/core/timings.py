@@ -8,7 +8,7 @@ import orjson
 
 from adaptive_spec.core.output import LiveText, OutputCollector, body_output, event_output
 from adaptive_spec.core.records import Timings
-from adaptive_spec.core.sse import SSEEvent
+from adaptive_spec.core.sse import SSEEvent, SSEParser
 
 # Where each API puts the object that may carry `timings` / `usage`: the event itself, or a nested object.
 _CONTAINERS = ("response", "message")
@@ -152,27 +152,34 @@ def chat_delta_text(obj: dict[str, Any]) -> str | None:
 class ResponseMeter:
     """Accumulates what one response tells about itself: token arrival times, timings, an upstream error.
 
-    The caller passes a monotonic clock reading in milliseconds with each piece, so this stays free of I/O.
+    The caller passes a monotonic clock reading in milliseconds with each piece, so this stays free of I/O. Events
+    are read one by one (`on_event`) while their arrival times matter; after that a stream's bytes may be handed
+    over as they came (`keep`) and are read in one batch when the meter is asked for what they say (its output,
+    timings, error or end), so the relay does nothing per chunk but pass them on.
     """
 
     __slots__ = (
+        "_complete",
+        "_error",
+        "_kept",
+        "_kept_size",
+        "_output",
         "_pieces",
         "_raw",
+        "_sse",
+        "_tail",
         "_timings",
         "_usage",
-        "complete",
-        "error",
         "first_token_ms",
         "live",
-        "output",
         "second_token_ms",
     )
 
     def __init__(self) -> None:
-        self.output = OutputCollector()
+        self._output = OutputCollector()
         self.live: LiveText | None = None  # set when the live feed carries the text (serve --feed-content)
         # True once the stream's own end marker arrived: a client may hang up right after it, and lose nothing.
-        self.complete = False
+        self._complete = False
         # The latest event's raw `timings`, read into a Timings only when asked for (every chunk carries one when
         # per-token timings are on: parsing each cost a fifth of the relay's per-chunk work).
         self._raw: dict[str, Any] | None = None
@@ -180,15 +187,52 @@ class ResponseMeter:
         self._usage: dict[str, Any] = {}
         self.first_token_ms: float | None = None
         self.second_token_ms: float | None = None
-        self.error: str | None = None
+        self._error: str | None = None
         self._pieces = 0
+        self._kept: list[bytes] = []  # stream bytes handed over by `keep`, not read yet
+        self._kept_size = 0
+        self._tail = b""  # the kept bytes' last event, not complete yet
+        self._sse: SSEParser | None = None  # reads the kept bytes once they show CR line endings
+
+    # What the response said: reading any of these first reads the bytes kept so far.
+
+    @property
+    def output(self) -> OutputCollector:
+        self._digest()
+        return self._output
+
+    @property
+    def complete(self) -> bool:
+        self._digest()
+        return self._complete
+
+    @property
+    def error(self) -> str | None:
+        self._digest()
+        return self._error
+
+    @error.setter
+    def error(self, message: str | None) -> None:
+        self._digest()
+        self._error = message
+
+    @property
+    def pieces(self) -> int:
+        """Pieces of generated output read one by one so far (events kept as bytes are not counted)."""
+        return self._pieces
+
+    @property
+    def partial(self) -> bool:
+        """The kept bytes end in the middle of an event."""
+        self._digest()
+        return bool(self._tail.strip(b"\n")) or (self._sse is not None and self._sse.pending)
 
     def on_event(self, event: SSEEvent, now_ms: float) -> dict[str, Any] | None:
         """Take in one stream event; returns its parsed JSON object (None if it is not one), so a caller that
         re-encodes the stream need not parse it again."""
         data = event.data
         if data == "[DONE]" or event.event in _END_EVENTS:
-            self.complete = True
+            self._complete = True
         if not data or data == "[DONE]":
             return None
         try:
@@ -197,6 +241,24 @@ class ResponseMeter:
             return None
         if not isinstance(obj, dict):
             return None
+        pieces = self._absorb(obj, event.event == "error")
+        if pieces:
+            if self._pieces == 0:
+                self.first_token_ms = now_ms
+            if self._pieces <= 1 and self._pieces + pieces >= 2:
+                self.second_token_ms = now_ms
+            self._pieces += pieces
+        return obj
+
+    def keep(self, chunk: bytes) -> None:
+        """Stream bytes to read later, in one batch: the events that follow those given to `on_event`."""
+        self._kept.append(chunk)
+        self._kept_size += len(chunk)
+        if self._kept_size > _KEEP_LIMIT:  # a long answer is read a block at a time: memory stays bounded
+            self._digest()
+
+    def _absorb(self, obj: dict[str, Any], error_event: bool) -> int:
+        """One event's object into the output, timings, usage and error; returns its pieces of generated output."""
         ids: list[str] = []
         text = chat_delta_text(obj)
         if text is not None:  # the commonest event, read in one step (the same result as the general readers)
@@ -204,20 +266,62 @@ class ResponseMeter:
         else:
             texts, ids = event_output(obj)
             pieces = generated_pieces(obj)
-        self.output.add(texts, ids)
-        if pieces:
-            if self._pieces == 0:
-                self.first_token_ms = now_ms
-            if self._pieces <= 1 and self._pieces + pieces >= 2:
-                self.second_token_ms = now_ms
-            self._pieces += pieces
+        self._output.add(texts, ids)
         self._take(obj)
         if self.live is not None:
             accepted = _int(self._raw.get("draft_n_accepted")) if self._raw is not None else None
             self.live.add("".join(texts), accepted)
-        if event.event == "error" or "error" in obj:
-            self.error = _error_text(obj)
-        return obj
+        if error_event or "error" in obj:
+            self._error = _error_text(obj)
+        return pieces
+
+    def _digest(self) -> None:
+        """Read the kept bytes' complete events (a partial last one waits for the rest)."""
+        if not self._kept:
+            return
+        data = self._tail + b"".join(self._kept)
+        self._kept, self._kept_size = [], 0
+        if self._sse is not None or b"\r" in data:  # CR line endings: read as the spec says, from here on
+            self._tail = b""
+            self._sse = self._sse or SSEParser()
+            self._read_events(self._sse.feed(data))
+            return
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._tail = data
+            return
+        self._tail = data[end + 2 :]
+        block = data[:end]
+        found = _data_array(block)
+        values = _loads_bytes(found[0]) if found is not None else None
+        if found is None or type(values) is not list:  # not one JSON `data: ` line per event: read as the spec says
+            self._read_events(SSEParser().feed(block + b"\n\n"))
+            return
+        self._complete = self._complete or found[1]
+        texts: list[str] = []
+        for obj in values:
+            if type(obj) is not dict:
+                continue
+            text = chat_delta_text(obj)
+            if text is not None and "usage" not in obj and "error" not in obj:
+                if text:
+                    texts.append(text)
+                raw = obj.get("timings")
+                if type(raw) is dict:
+                    self._raw, self._timings = raw, None
+            else:  # any other event, in its place: read by the general readers
+                self._output.add(texts, [])
+                texts = []
+                self._absorb(obj, False)
+        self._output.add(texts, [])
+
+    def _read_events(self, events: list[SSEEvent]) -> None:
+        for event in events:
+            if event.data == "[DONE]" or event.event in _END_EVENTS:
+                self._complete = True
+            obj = _loads(event.data) if event.data and event.data != "[DONE]" else None
+            if isinstance(obj, dict):
+                self._absorb(obj, event.event == "error")
 
     def on_body(self, body: bytes) -> None:
         """A whole non-streamed response body."""
@@ -226,9 +330,9 @@ class ResponseMeter:
         except orjson.JSONDecodeError:
             return
         self._take(obj)
-        self.output.add(*body_output(obj))
+        self._output.add(*body_output(obj))
         if isinstance(obj, dict) and "error" in obj:
-            self.error = _error_text(obj)
+            self._error = _error_text(obj)
 
     def _take(self, obj: Any) -> None:
         found = _raw_timings(obj)
@@ -242,11 +346,38 @@ class ResponseMeter:
     @property
     def timings(self) -> Timings | None:
         """llama-server's own timings; else counts from `usage` (flagged `from_usage`); else None."""
+        self._digest()
         if self._timings is None and self._raw is not None:
             self._timings = parse_timings(self._raw)
         if self._timings is not None:
             return self._timings
         return timings_from_usage(self._usage) if self._usage else None
+
+
+# Kept stream bytes are read once they pass this size, so a long answer never holds more of them.
+_KEEP_LIMIT = 1024 * 1024
+
+
+def _data_array(block: bytes) -> tuple[bytes, bool] | None:
+    """A block of events that are one `data: ` line each (llama-server's), as one JSON array of their payloads (made
+    by replacing bytes, not by walking the events), and whether it ended in `[DONE]`; None for any other shape."""
+    if block.endswith(b"data: [DONE]"):
+        block, done = block[: -len(b"data: [DONE]")].rstrip(b"\n"), True
+    else:
+        done = False
+    if not block:
+        return b"[]", done
+    # Every line break is part of an event separator followed by `data: `: each event is one data line.
+    if block[:6] != b"data: " or b"\r" in block or block.count(b"\n") != 2 * block.count(b"\n\ndata: "):
+        return None
+    return b"[" + block[6:].replace(b"\n\ndata: ", b",") + b"]", done
+
+
+def _loads_bytes(data: bytes) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
 
 
 def _error_text(obj: dict[str, Any]) -> str:
@@ -265,7 +396,7 @@ def _loads(data: str) -> Any:
         return None
 
 
-def _is_final_chunk(obj: dict[str, Any]) -> bool:
+def is_final_chunk(obj: dict[str, Any]) -> bool:
     kind = obj.get("type")
     if isinstance(kind, str):  # a Responses-API event: its last one carries the timings
         return kind in _END_EVENTS
@@ -283,7 +414,7 @@ def without_progress_timings(events: list[SSEEvent], parsed: list[dict[str, Any]
         data = event.data
         if '"timings"' in data and data.startswith("{"):
             obj = parsed[i] if parsed is not None else _loads(data)
-            if isinstance(obj, dict) and "timings" in obj and not _is_final_chunk(obj):
+            if isinstance(obj, dict) and "timings" in obj and not is_final_chunk(obj):
                 del obj["timings"]
                 data = orjson.dumps(obj).decode()
         if event.event:

@@ -6,14 +6,13 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from adaptive_spec.core.headers import PROFILE_HEADER
-from adaptive_spec.core.sse import SSEEvent, SSEParser
+from adaptive_spec.core.stream_tap import StreamTap
 from adaptive_spec.core.timings import ResponseMeter
 from adaptive_spec.proxy.errors import as_anthropic, as_client_error, error_response, sse_error_event
 from adaptive_spec.proxy.security import hidden_headers
@@ -72,13 +71,13 @@ async def forward(
     started: float,
     extra_headers: dict[str, str],
     meter: ResponseMeter,
-    rewrite: Callable[[list[SSEEvent], list[dict[str, Any] | None]], bytes] | None = None,
+    strip: bool = False,
     progress: Callable[[], None] | None = None,
     shutting_down: Callable[[], bool] = lambda: False,
 ) -> tuple[web.StreamResponse, Outcome]:
-    """`rewrite`, when given, re-encodes each batch of stream events for the client (instead of the raw bytes);
-    `progress` is called after each relayed chunk; `shutting_down` says whether a cancellation is the shutdown's
-    (the client is told so) rather than the client's own disconnect."""
+    """`strip`: the client did not ask for the per-token timings the proxy asked for, so they are taken out of the
+    stream again; `progress` is called after each relayed chunk; `shutting_down` says whether a cancellation is the
+    shutdown's (the client is told so) rather than the client's own disconnect."""
     # Send the request upstream and relay the answer; upstream faults become errors, never exceptions.
     url = upstream.base_url + path_qs
     headers = upstream_headers(request.headers, hidden_headers(request))
@@ -104,7 +103,7 @@ async def forward(
             raise
         return _fail(503, SHUTDOWN_MESSAGE, SHUTDOWN_CODE, meter)
     try:
-        relay = _Relay(upstream, api, meter, started, rewrite, progress, shutting_down)
+        relay = _Relay(upstream, api, meter, started, strip, progress, shutting_down)
         resp, client_gone = await _relay(request, upstream_resp, relay, extra_headers)
     finally:
         # Closing (not releasing) drops the connection if the body was not read to the end, which tells
@@ -159,7 +158,7 @@ class _Relay:
     api: str
     meter: ResponseMeter
     started: float
-    rewrite: Callable[[list[SSEEvent], list[dict[str, Any] | None]], bytes] | None
+    strip: bool
     progress: Callable[[], None] | None
     shutting_down: Callable[[], bool]
 
@@ -216,17 +215,14 @@ async def _error_body(upstream_resp: aiohttp.ClientResponse, api: str) -> tuple[
 
 
 async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResponse, relay: _Relay) -> None:
-    parser = SSEParser()
-    meter, rewrite, progress = relay.meter, relay.rewrite, relay.progress
+    meter, progress = relay.meter, relay.progress
+    tap = StreamTap(meter, strip=relay.strip)
+    started, clock = relay.started, time.perf_counter
     try:
         async for chunk in upstream_resp.content.iter_any():
-            if rewrite is None:
-                await resp.write(chunk)  # the bytes as they came, before any parsing
-            now_ms = (time.perf_counter() - relay.started) * 1000.0
-            events = parser.feed(chunk)
-            parsed = [meter.on_event(event, now_ms) for event in events]
-            if rewrite is not None and events:
-                await resp.write(rewrite(events, parsed))  # reuses the meter's parse: one JSON decode per event
+            out = tap.feed(chunk, (clock() - started) * 1000.0)
+            if out:
+                await resp.write(out)
             if progress is not None:
                 progress()
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
@@ -242,8 +238,7 @@ async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResp
             raise
         await _end_stream_with_error(resp, relay.api, meter, SHUTDOWN_MESSAGE, SHUTDOWN_CODE)
         return
-    parser.close()
-    if parser.pending and meter.error is None:
+    if tap.close() and meter.error is None:
         message = f"{relay.where()} ended the stream in the middle of an event"
         await _end_stream_with_error(resp, relay.api, meter, message, "upstream_truncated")
         return

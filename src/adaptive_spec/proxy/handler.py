@@ -19,7 +19,7 @@ from adaptive_spec.core.output import LiveText
 from adaptive_spec.core.requests import GENERATING_APIS, RequestProblem, parse_body, with_fields
 from adaptive_spec.core.sessions.clients import client_name
 from adaptive_spec.core.sessions.project import DEFAULT_PROJECT, workspace_path_from_request
-from adaptive_spec.core.timings import ResponseMeter, without_progress_timings
+from adaptive_spec.core.timings import ResponseMeter
 from adaptive_spec.proxy.errors import error_response
 from adaptive_spec.proxy.forward import SHUTDOWN_MESSAGE, Outcome, forward
 from adaptive_spec.proxy.lifecycle import ProxyRequest
@@ -93,8 +93,9 @@ def _upstream_query(request: web.Request, upstream: Upstream, api: str) -> str:
     return f"?{qs}" if qs else ""
 
 
-def _upstream_body(req: ProxyRequest, upstream: Upstream) -> tuple[bytes, bool]:
-    """The bytes to send: the client's, unless a router preset must be named or per-token timings are wanted.
+def _upstream_body(req: ProxyRequest, upstream: Upstream, watched: bool) -> tuple[bytes, bool]:
+    """The bytes to send: the client's, unless a router preset must be named or per-token timings are wanted (for
+    the live draft progress, only while a live view is `watched`: otherwise the answer's bytes pass on untouched).
 
     Returns (body, strip): strip says the client did not ask for per-token timings, so they are removed again.
     """
@@ -103,7 +104,7 @@ def _upstream_body(req: ProxyRequest, upstream: Upstream) -> tuple[bytes, bool]:
         preset = upstream.upstream_model
         return (with_model(req.body, preset) if preset is not None and req.body else req.body), False
     added: dict[str, Any] = {}
-    strip = parsed.stream and req.routed.api in _PROGRESS_APIS and "timings_per_token" not in parsed.body
+    strip = watched and parsed.stream and req.routed.api in _PROGRESS_APIS and "timings_per_token" not in parsed.body
     if strip:
         added["timings_per_token"] = True
     if req.slot is not None and "id_slot" not in parsed.body:
@@ -290,7 +291,7 @@ async def _forward_once(
     timeout = aiohttp.ClientTimeout(
         total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
     )
-    body, strip = _upstream_body(req, chosen)
+    body, strip = _upstream_body(req, chosen, lifecycle.watched or settings.feed_content)
     if settings.feed_content and req.parsed is not None and req.parsed.stream and routed.api in _PROGRESS_APIS:
         req.meter.live = LiveText()
     return await forward(
@@ -304,7 +305,7 @@ async def _forward_once(
         started=req.started,
         meter=req.meter,
         extra_headers=_extra_headers(req, chosen),
-        rewrite=without_progress_timings if strip else None,
+        strip=strip,
         progress=lambda: lifecycle.progress(req),
         shutting_down=lambda: lifecycle.stopping,
     )

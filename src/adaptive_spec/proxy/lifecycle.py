@@ -107,13 +107,20 @@ class RequestLifecycle:
         self.in_flight[req.request_id] = started
         self.bus.publish(started)
 
+    @property
+    def watched(self) -> bool:
+        """A live view is subscribed to the events (only it shows the draft progress)."""
+        return self.bus.subscribers > 0
+
     def progress(self, req: ProxyRequest, *, last_one: bool = False) -> None:
         """After each relayed chunk: publish the running draft totals, at most once per interval (and, with live
         text on, once more at the end, so the feed carries the whole answer)."""
-        timings = req.meter.timings
         last_at, last = req.last_progress
         now = time.monotonic()
-        if timings is None or timings is last or (now - last_at < self.progress_interval_s and not last_one):
+        if not last_one and (now - last_at < self.progress_interval_s or not self.watched):
+            return  # before reading the timings: that reads the stream's bytes since the last time
+        timings = req.meter.timings
+        if timings is None or timings is last:
             return
         req.last_progress = (now, timings)
         self.bus.publish(
@@ -157,6 +164,7 @@ class RequestLifecycle:
                 side=decision is not None and decision.side,
                 line_moved=line_moved,
                 body_bytes=len(req.body),
+                raw_body=req.body,
             )
         record = _record(method, path, req, finished)
         self.history.add(record)
