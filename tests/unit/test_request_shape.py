@@ -68,6 +68,25 @@ def test_deep_nesting_is_refused_without_recursion() -> None:
     assert isinstance(result, RequestProblem)
 
 
+def test_nesting_is_refused_from_one_level_past_the_limit() -> None:
+    from adaptive_spec.core.shapes import _MAX_NESTING, check_shape
+
+    def body(levels: int) -> dict[str, object]:
+        value: object = "leaf"
+        for i in range(levels):  # dicts and lists in turn, inside a tool's parameters
+            value = {"k": value} if i % 2 else [value]
+        tool = {"type": "function", "function": {"name": "f", "parameters": value}}
+        return {"messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+
+    # The body itself, "tools", the tool, "function": four levels above the parameters.
+    fits = _MAX_NESTING - 4
+    assert check_shape("chat", body(fits)) is None
+    problem = check_shape("chat", body(fits + 1))
+    assert problem is not None and "nested deeper than" in problem.message
+    empty_at_limit = body(fits)
+    assert check_shape("chat", {**empty_at_limit, "extra": [[]] * 3}) is None
+
+
 @pytest.mark.parametrize(
     ("api", "body"),
     [
