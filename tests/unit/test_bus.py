@@ -219,3 +219,22 @@ def test_remote_prefills_are_counted_by_outcome_and_timed_by_step() -> None:
     assert 'adaptive_spec_remote_prefill_seconds_bucket{le="1.0",step="transfer"} 0.0' in text
     assert 'adaptive_spec_remote_prefill_transfer_bytes_bucket{le="4.194304e+06"} 1.0' in text
     assert "adaptive_spec_remote_prefill_transfer_bytes_count 1.0" in text
+
+
+def test_a_record_as_json_is_what_asdict_makes() -> None:
+    from dataclasses import asdict, replace
+
+    from adaptive_spec.core.records import Timings
+
+    for record in (
+        _record("r1"),
+        replace(
+            _record("r2"),
+            timings=Timings(prompt_n=5, cache_n=3, predicted_n=7, draft_n=4, draft_n_accepted=2),
+            handoff={"ok": True, "tokens": 12},
+            route="estimate",
+            replica_moved_from=1,
+        ),
+    ):
+        assert record.to_json() == asdict(record)
+        assert orjson.dumps(record.to_json()) == orjson.dumps(asdict(record))
