@@ -153,8 +153,10 @@ def prompt_pieces(body: Mapping[str, Any], known: Sequence[Piece] = ()) -> tuple
         # Chat templates put the tools at the end of the system block: after the system prompt, before the rest.
         raw = orjson.dumps(tools)
         at = 1 if _starts_with_system(body) and pieces else 0
-        blocks = _blocks("tools", raw.decode())
-        pieces.insert(at, Piece(_digest(b"tools\0" + raw), len(raw), tools=True, blocks=blocks))
+        digest = _digest(b"tools\0" + raw)
+        old = next((p for p in known if p.tools and p.digest == digest), None)  # the same tools as last turn
+        blocks = old.blocks if old is not None else _blocks("tools", raw.decode())
+        pieces.insert(at, Piece(digest, len(raw), tools=True, blocks=blocks))
     return tuple(pieces)
 
 
