@@ -202,3 +202,42 @@ async def test_the_worker_process_starts_with_the_worker_not_with_the_first_upda
         worker.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await worker
+
+
+@pytest.mark.asyncio
+async def test_the_worker_process_tokenizes_itself_and_gets_what_the_event_loop_got() -> None:
+    """With a tokenizer it can make again (here tiktoken's), the worker process is sent the client's bytes and
+    tokenizes them itself; its statistics are those of the update tokenized on the event loop."""
+    from adaptive_spec.core.sessions.drafter import NgramParams
+    from adaptive_spec.core.sessions.grouping import SessionAssignment
+    from adaptive_spec.core.sessions.statistics import ContextTracker
+    from adaptive_spec.proxy.session_service import SessionService
+    from adaptive_spec.proxy.tokenizers import CachingTokenizer, TokenizerSpec, tiktoken_o200k
+
+    tokenizer = CachingTokenizer(tiktoken_o200k())
+    assert tokenizer.spec == TokenizerSpec("tiktoken")
+    history = [{"role": "system", "content": "You edit code."}, {"role": "user", "content": "def f(x):\n  return x\n"}]
+    reply = "def f(x):\n    return x + 1\n"
+    turns = [
+        {"messages": history},
+        {"messages": [*history, {"role": "assistant", "content": reply}, {"role": "user", "content": "again"}]},
+    ]
+    results = {}
+    for worker_tokenizes in (False, True):
+        service = SessionService(ContextTracker(NgramParams()), tokenizer, worker_process=True)
+        if not worker_tokenizes:
+            service._spec = None  # the event loop tokenizes, the worker process plans and folds
+        worker = asyncio.create_task(service.run())
+        try:
+            for body in turns:
+                raw = orjson.dumps(body)
+                service.finished(SessionAssignment("s", "new"), "p", body, _served(reply), raw_body=raw)
+                await service.drain()
+        finally:
+            worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await worker
+        (snap,) = service.snapshots()
+        results[worker_tokenizes] = (snap.turns, snap.indexed_tokens, snap.est_accepted_share_ewma)
+    assert results[True] == results[False]
+    assert results[True][0] == 2 and results[True][1] > 20

@@ -24,8 +24,9 @@ from adaptive_spec.core.output import OutputCollector
 from adaptive_spec.core.sessions import updates
 from adaptive_spec.core.sessions.grouping import SessionAssignment, SessionRegistry, context_texts
 from adaptive_spec.core.sessions.project import resolve_project
-from adaptive_spec.core.sessions.statistics import ContextTracker, SessionSnapshot
-from adaptive_spec.proxy.tokenizers import Tokenizer
+from adaptive_spec.core.sessions.statistics import ContextTracker, SessionSnapshot, TurnStats
+from adaptive_spec.proxy import session_worker
+from adaptive_spec.proxy.tokenizers import Tokenizer, tokenizer_spec
 
 log = logging.getLogger(__name__)
 ESTIMATE_NOTE = (
@@ -45,6 +46,7 @@ class _Work:
     side: bool = False
     line_moved: bool = False
     body_bytes: int = 0
+    raw: bytes = b""  # the client's bytes of `body` (what the worker process is sent, rather than `body` pickled)
 
 
 class SessionService:
@@ -82,6 +84,8 @@ class SessionService:
         self.worker_process = worker_process
         self._pool: ProcessPoolExecutor | None = None
         self._mirror: LRU[str, SessionSnapshot] = LRU(tracker.max_sessions)
+        # The worker process tokenizes too when the tokenizer can be made again there (one round trip an update).
+        self._spec = tokenizer_spec(tokenizer) if worker_process else None
 
     def assign(
         self,
@@ -118,8 +122,10 @@ class SessionService:
         side: bool = False,
         line_moved: bool = False,
         body_bytes: int = 0,
+        raw_body: bytes = b"",
     ) -> None:
-        """A response was served in full: remember it for the reply echo now; update statistics in the background."""
+        """A response was served in full: remember it for the reply echo now; update statistics in the background.
+        `raw_body`: the client's bytes of `body`, when at hand."""
         text = out.text
         sid = assignment.session_id
         self.registry.note_reply(sid, text, out.tool_call_ids)
@@ -133,7 +139,7 @@ class SessionService:
         ):
             self.dropped += 1
             return
-        work = _Work(request_id, sid, project, body, text, time.time(), side, line_moved, body_bytes)
+        work = _Work(request_id, sid, project, body, text, time.time(), side, line_moved, body_bytes, raw_body)
         self._waiting_bytes += body_bytes - freed
         if older is not None:
             self.coalesced += 1
@@ -204,7 +210,7 @@ class SessionService:
                 finally:
                     self._done(work.session_id)
                     self._ready.task_done()
-                await self._expire_worker()
+                self.expire()  # the worker process expired its own sessions with the update
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=False, cancel_futures=True)
@@ -247,7 +253,12 @@ class SessionService:
         if self._pool is None:
             context = multiprocessing.get_context("spawn")  # never fork a process that runs threads
             settings = updates.tracker_settings(self.tracker)
-            self._pool = ProcessPoolExecutor(1, context, initializer=updates.process_init, initargs=(settings,))
+            if self._spec is not None:
+                init: Callable[..., None] = session_worker.init
+                initargs: tuple[Any, ...] = (settings, self._spec)
+            else:
+                init, initargs = updates.process_init, (settings,)
+            self._pool = ProcessPoolExecutor(1, context, initializer=init, initargs=initargs)
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, func, *args)
         except BrokenProcessPool:
@@ -259,8 +270,16 @@ class SessionService:
 
     async def _update(self, work: _Work) -> None:
         """The history-sized work (digests, the plan, indexing, the replay) runs in the worker process or a thread;
-        the event loop picks the new texts and hands them to the tokenizer."""
+        the tokenizing too in the worker process when its tokenizer can be made there (else the event loop picks
+        the new texts and hands them to the proxy's tokenizer)."""
         assert self.tokenizer is not None
+        if self._spec is not None and work.raw:
+            result: tuple[TurnStats, SessionSnapshot | None, list[str]] = await self._in_process(
+                session_worker.update, work.session_id, work.project, work.raw, work.output_text, work.at,
+                work.side, work.line_moved, time.time(),
+            )  # fmt: skip
+            self._after_update(work, *result)
+            return
         digests: list[bytes] | None = None
         if self.worker_process:
             plan = await self._in_process(updates.process_plan, work.session_id, work.body)
@@ -273,12 +292,19 @@ class SessionService:
             work.session_id, work.project, tokens[:-1], work.output_text, tokens[-1], work.at, work.side,
             work.line_moved, digests,
         )  # fmt: skip
+        gone: list[str] = []
         if self.worker_process:
-            turn, snap = await self._in_process(updates.process_fold, job)
-            if snap is not None:
-                self._mirror.put(work.session_id, snap)
+            turn, snap, gone = await self._in_process(updates.process_fold_expire, job, time.time())
         else:
             turn, snap = await asyncio.to_thread(self._locked, updates.fold_update, job, digests or [])
+        self._after_update(work, turn, snap, gone)
+
+    def _after_update(self, work: _Work, turn: TurnStats, snap: SessionSnapshot | None, gone: list[str]) -> None:
+        if self.worker_process:
+            for sid in gone:
+                self._mirror.pop(sid)
+            if snap is not None:
+                self._mirror.put(work.session_id, snap)
         self.publish(
             SessionUpdated(
                 session_id=work.session_id,

@@ -16,11 +16,14 @@ import gzip
 import hashlib
 import importlib.util
 import sys
+import urllib.request
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
+import orjson
 
 from adaptive_spec.core.lru import LRU
 
@@ -32,6 +35,22 @@ class Tokenizer(Protocol):
     name: str
 
     async def encode(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerSpec:
+    """How to make a tokenizer again in another process (the session statistics worker): `kind` is gguf (`source`
+    the model path), endpoint (`source` the server's base URL) or tiktoken."""
+
+    kind: str
+    source: str = ""
+    verbose: bool = False
+
+
+def tokenizer_spec(tokenizer: object) -> TokenizerSpec | None:
+    """The spec a tokenizer was made from; None for one that cannot be made elsewhere."""
+    spec = getattr(tokenizer, "spec", None)
+    return spec if isinstance(spec, TokenizerSpec) else None
 
 
 def _chunks(text: str) -> list[str]:
@@ -51,15 +70,16 @@ def _chunks(text: str) -> list[str]:
 class _ThreadTokenizer:
     """A synchronous encoder run off the event loop."""
 
-    def __init__(self, name: str, encode_one: Callable[[str], list[int]]) -> None:
+    def __init__(self, name: str, encode_one: Callable[[str], list[int]], spec: TokenizerSpec | None = None) -> None:
         self.name = name
+        self.spec = spec
         self._encode_one = encode_one
 
-    def _encode_all(self, texts: Sequence[str]) -> list[list[int]]:
+    def encode_sync(self, texts: Sequence[str]) -> list[list[int]]:
         return [[t for piece in _chunks(text) for t in self._encode_one(piece)] for text in texts]
 
     async def encode(self, texts: Sequence[str]) -> list[list[int]]:
-        return await asyncio.to_thread(self._encode_all, texts)
+        return await asyncio.to_thread(self.encode_sync, texts)
 
 
 _QUIET_LOG: Any = None  # the no-op llama.cpp log callback; held here, as ctypes callbacks must outlive their use
@@ -88,7 +108,7 @@ def llama_vocab_tokenizer(model_path: str, verbose: bool = False) -> Tokenizer |
     def encode_one(text: str) -> list[int]:
         return list(vocab.tokenize(text.encode("utf-8", "replace"), add_bos=False, special=False))
 
-    return _ThreadTokenizer(f"gguf:{Path(model_path).name}", encode_one)
+    return _ThreadTokenizer(f"gguf:{Path(model_path).name}", encode_one, TokenizerSpec("gguf", model_path, verbose))
 
 
 def tiktoken_o200k() -> Tokenizer:
@@ -111,7 +131,9 @@ def tiktoken_o200k() -> Tokenizer:
     encoding = tiktoken.Encoding(
         spec["name"], pat_str=spec["pat_str"], mergeable_ranks=ranks, special_tokens=spec["special_tokens"]
     )
-    return _ThreadTokenizer("tiktoken:o200k_base", lambda text: encoding.encode_ordinary(text))
+    return _ThreadTokenizer(
+        "tiktoken:o200k_base", lambda text: encoding.encode_ordinary(text), TokenizerSpec("tiktoken")
+    )
 
 
 class EndpointTokenizer:
@@ -119,6 +141,7 @@ class EndpointTokenizer:
 
     def __init__(self, session: aiohttp.ClientSession, base_url: str) -> None:
         self.name = f"endpoint:{base_url}/tokenize"
+        self.spec = TokenizerSpec("endpoint", base_url)
         self._session, self._url = session, base_url + "/tokenize"
 
     async def _one(self, text: str) -> list[int]:
@@ -140,22 +163,73 @@ def _content_keys(texts: Sequence[str]) -> list[bytes]:
     return [hashlib.blake2b(t.encode("utf-8", "surrogatepass"), digest_size=16).digest() for t in texts]
 
 
-class CachingTokenizer:
+class _TokenCache:
     """Tokens by content hash, bounded by the total number of cached tokens (least recently used dropped)."""
+
+    def __init__(self, max_tokens: int) -> None:
+        # Bounded by tokens held, not entries; the newest entry stays even when it alone is over the bound.
+        self._cache: LRU[bytes, list[int]] = LRU(sys.maxsize, max_weight=max_tokens, weigh=len)
+
+    def missing(self, keys: Sequence[bytes], texts: Sequence[str]) -> dict[bytes, str]:
+        return {k: t for k, t in zip(keys, texts, strict=True) if k not in self._cache}
+
+    def answer(self, keys: Sequence[bytes], fresh: dict[bytes, list[int]]) -> list[list[int]]:
+        out = [fresh[key] if key in fresh else self._cache.get(key) or [] for key in keys]
+        for key, tokens in zip(keys, out, strict=True):  # read all first: a put may drop an older key of this batch
+            self._cache.put(key, tokens)
+        return out
+
+
+class CachingTokenizer:
+    """A tokenizer with a content-hash cache (`_TokenCache`)."""
 
     def __init__(self, inner: Tokenizer, max_tokens: int = 4_000_000) -> None:
         self.name = inner.name
+        self.spec = tokenizer_spec(inner)
         self._inner = inner
-        # Bounded by tokens held, not entries; the newest entry stays even when it alone is over the bound.
-        self._cache: LRU[bytes, list[int]] = LRU(sys.maxsize, max_weight=max_tokens, weigh=len)
+        self._cache = _TokenCache(max_tokens)
 
     async def encode(self, texts: Sequence[str]) -> list[list[int]]:
         # A session's first turn can bring a whole long history: hashing it is kept off the event loop.
         large = sum(len(t) for t in texts) > _INLINE_HASH_CHARS
         keys = await asyncio.to_thread(_content_keys, texts) if large else _content_keys(texts)
-        missing = {k: t for k, t in zip(keys, texts, strict=True) if k not in self._cache}
+        missing = self._cache.missing(keys, texts)
         fresh = dict(zip(missing, await self._inner.encode(list(missing.values())), strict=True)) if missing else {}
-        out = [fresh[key] if key in fresh else self._cache.get(key) or [] for key in keys]
-        for key, tokens in zip(keys, out, strict=True):  # read all first: a put may drop an older key of this batch
-            self._cache.put(key, tokens)
-        return out
+        return self._cache.answer(keys, fresh)
+
+
+class SyncTokenizer:
+    """A tokenizer made again from its spec, for a process without an event loop (the session statistics worker):
+    the same encoders (`/tokenize` through urllib), the same content-hash cache."""
+
+    def __init__(self, spec: TokenizerSpec, max_tokens: int = 4_000_000) -> None:
+        self.spec = spec
+        self._cache = _TokenCache(max_tokens)
+        self._encode: Callable[[Sequence[str]], list[list[int]]]
+        if spec.kind == "gguf":
+            made = llama_vocab_tokenizer(spec.source, spec.verbose)
+            if not isinstance(made, _ThreadTokenizer):
+                raise ValueError(f"cannot load the tokenizer of {spec.source}: llama-cpp-python is not installed")
+            self._encode = made.encode_sync
+        elif spec.kind == "tiktoken":
+            made = tiktoken_o200k()
+            assert isinstance(made, _ThreadTokenizer)
+            self._encode = made.encode_sync
+        elif spec.kind == "endpoint":
+            url = spec.source + "/tokenize"
+            self._encode = lambda texts: [_post_tokenize(url, text) for text in texts]
+        else:
+            raise ValueError(f"unknown tokenizer kind {spec.kind!r}")
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        keys = _content_keys(texts)
+        missing = self._cache.missing(keys, texts)
+        fresh = dict(zip(missing, self._encode(list(missing.values())), strict=True)) if missing else {}
+        return self._cache.answer(keys, fresh)
+
+
+def _post_tokenize(url: str, text: str) -> list[int]:
+    body = orjson.dumps({"content": text, "add_special": False})
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        return [int(t) for t in orjson.loads(resp.read())["tokens"]]

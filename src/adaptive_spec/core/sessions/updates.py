@@ -67,6 +67,11 @@ def process_init(settings: dict[str, Any]) -> None:
     _TRACKER[:] = [ContextTracker(settings.pop("params"), **settings)]
 
 
+def process_tracker() -> ContextTracker:
+    """The worker process's tracker (`process_init` made it)."""
+    return _TRACKER[0]
+
+
 def process_plan(session_id: str, body: Mapping[str, Any]) -> list[int]:
     plan, digests = plan_update(_TRACKER[0], session_id, body)
     _PLANNED.clear()  # one update at a time: an unfinished one's digests are stale
@@ -77,6 +82,12 @@ def process_plan(session_id: str, body: Mapping[str, Any]) -> list[int]:
 def process_fold(job: FoldJob) -> tuple[TurnStats, SessionSnapshot | None]:
     digests = job.digests if job.digests is not None else _PLANNED.pop(job.session_id, [])
     return fold_update(_TRACKER[0], job, digests)
+
+
+def process_fold_expire(job: FoldJob, now: float) -> tuple[TurnStats, SessionSnapshot | None, list[str]]:
+    """`process_fold`, then `process_expire`: one round trip per update."""
+    turn, snap = process_fold(job)
+    return turn, snap, process_expire(now)
 
 
 def process_expire(now: float) -> list[str]:
