@@ -4,13 +4,17 @@ its binary is given, through LiteLLM's proxy.
 
 Run:  .venv/bin/python benchmarks/overhead.py [--fixtures DIR] [--body-file BODY.json] [--litellm PATH]
       [--levels 1,8,32] [--chunks 200] [--rounds N] [--out benchmarks/results/overhead.json]
+      [--watched] [--other-src NAME=SRC]
       .venv/bin/python benchmarks/overhead.py --gaps --fixtures DIR   # inter-chunk gaps, with a heavy session
 
 Bodies: a tiny chat request (another session each time), and with `--fixtures` (the recorded agent requests, see
 `agent_bodies.py`) opencode's largest recorded request (~7k tokens, 10 tools) and the same grown to a 100k-token
 history; `--body-file` adds one of your own. A real body is sent by each concurrent stream under its own session id,
-the same body each round (a session's next turn, with nothing new in it). The upstream is llama-server shaped (SSE
-chunks, a final timings event, /props, /slots, /tokenize). Each target runs in its own process, the client in this
+the same body each round (a session's next turn, with nothing new in it). The upstream is llama-server shaped (its
+chat chunks field for field, per-token `timings` when asked, a final timings chunk, /props, /slots, /tokenize).
+`--watched` adds a second adaptive-spec with a live view attached to its event feed (as the TUI is: the proxy then
+asks for per-token timings and cuts them out again); `--other-src` another version of it, e.g. an earlier commit's
+`src/` from `git worktree add`, measured in the same rounds. Each target runs in its own process, the client in this
 one; rounds are interleaved (direct, floor, adaptive-spec, LiteLLM, then the reverse order), and the figures are
 medians, with each target's added time and its ratio to the floor's.
 
@@ -49,13 +53,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent_bodies import grown, load
 
 ROOT = Path(__file__).resolve().parents[1]
-# Chunk texts differ from one to the next: LiteLLM ends a stream that repeats a chunk ("the model is repeating").
-CHUNKS = [
-    orjson.dumps(
-        {"choices": [{"index": 0, "delta": {"content": f" t{i}"}}], "object": "chat.completion.chunk", "id": "x" * 32}
-    )
-    for i in range(1000)
-]
+# llama-server's chat chunk, field for field (b11434). Texts differ from one chunk to the next: LiteLLM ends a stream
+# that repeats a chunk ("the model is repeating").
+_HEAD = {"created": 1796032146, "id": "chatcmpl-9QEQ6deoo8RcQjGdZJzpQMOo943h0b8E", "model": "qwen2.5-coder-0.5b",
+         "system_fingerprint": "b11434", "object": "chat.completion.chunk"}  # fmt: skip
+
+
+def _chunk(i: int, timings: bool) -> bytes:
+    """Chunk i, with llama-server's per-token `timings` (drafting on) when the request asked for them."""
+    obj: dict[str, Any] = {"choices": [{"finish_reason": None, "index": 0, "delta": {"content": f" t{i}"}}], **_HEAD}
+    if timings:
+        obj["timings"] = _timings(i + 1)
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _timings(n: int) -> dict[str, Any]:
+    return {"cache_n": 6912, "prompt_n": 21, "prompt_ms": 35.121, "prompt_per_token_ms": 1.6724,
+            "prompt_per_second": 597.932, "predicted_n": n, "predicted_ms": 5.31 * n,
+            "predicted_per_token_ms": 5.31, "predicted_per_second": 188.323, "draft_n": 2 * n,
+            "draft_n_accepted": n - n // 4}  # fmt: skip
+
+
+CHUNKS = {timings: [_chunk(i, timings) for i in range(1000)] for timings in (False, True)}
 PATH = "/v1/chat/completions"
 
 
@@ -68,11 +87,14 @@ def _upstream_main(port: int, chunks: int) -> None:
         pace = float(body.get("pace_ms") or 0) / 1000
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        role = {"choices": [{"finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}]}
+        await resp.write(b"data: " + orjson.dumps({**role, **_HEAD}) + b"\n\n")
+        sent = CHUNKS[bool(body.get("timings_per_token"))]
         for i in range(n):
-            await resp.write(b"data: " + CHUNKS[i % len(CHUNKS)] + b"\n\n")
+            await resp.write(sent[i % len(sent)])
             if pace:
                 await asyncio.sleep(pace)
-        final = {"choices": [], "timings": {"prompt_n": 10, "predicted_n": n, "predicted_per_second": 1e4}}
+        final = {"choices": [{"finish_reason": "length", "index": 0, "delta": {}}], **_HEAD, "timings": _timings(n)}
         await resp.write(b"data: " + orjson.dumps(final) + b"\n\ndata: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -256,6 +278,18 @@ def _start_children(
     serve += ["--profile", f"plain=http://127.0.0.1:{up}", *args.serve_arg]
     children = [_spawn(serve, tmp / "adaptive-spec.log", env)]
     urls = {"adaptive-spec": f"http://127.0.0.1:{ports['adaptive-spec']}{PATH}"}
+    for spec in args.other_src:  # another version of adaptive-spec, from its own source tree, in the same run
+        name, _, src = spec.partition("=")
+        port = _free_port()
+        serve[serve.index("--port") + 1] = str(port)
+        other_env = {**env, "PYTHONPATH": f"{Path(src).resolve()}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        children.append(_spawn(serve, tmp / f"{name}.log", other_env))
+        urls[name] = f"http://127.0.0.1:{port}{PATH}"
+    if args.watched:  # a second one with a live view attached (see _watch): per-token timings asked and cut again
+        port = _free_port()
+        serve[serve.index("--port") + 1] = str(port)
+        children.append(_spawn(serve, tmp / "adaptive-spec-watched.log", env))
+        urls["adaptive-spec watched"] = f"http://127.0.0.1:{port}{PATH}"
     if args.litellm:
         config = tmp / "litellm.yaml"
         config.write_text(
@@ -269,6 +303,13 @@ def _start_children(
         children.append(_spawn([*command, "--num_workers", "1"], tmp / "litellm.log", ll_env))
         urls["LiteLLM"] = f"http://127.0.0.1:{ports['LiteLLM']}{PATH}"
     return urls, children
+
+
+def _watch(url: str, log: Path) -> subprocess.Popen[bytes]:
+    """What a TUI does: read the proxy's live event feed for the whole run (curl in a process of its own, so reading
+    it costs the measuring client nothing)."""
+    feed = url.replace(PATH, "/adaptive/events")
+    return _spawn(["curl", "-sN", "-o", "/dev/null", feed], log, dict(os.environ))
 
 
 def _spawn(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -368,6 +409,9 @@ def main() -> int:
     parser.add_argument("--body-file", default="", help="a JSON chat request body to send as well")
     parser.add_argument("--litellm", default="", help="LiteLLM's proxy binary (`litellm`), in a venv of its own")
     parser.add_argument("--serve-arg", action="append", default=[], help="an extra `serve` argument (repeatable)")
+    other = "also `serve` from another source tree (its src/ directory), e.g. an earlier commit's"
+    parser.add_argument("--other-src", action="append", default=[], metavar="NAME=SRC", help=other)
+    parser.add_argument("--watched", action="store_true", help="also adaptive-spec with a live view attached")
     parser.add_argument("--gaps", action="store_true", help="inter-chunk gaps with and without a heavy session")
     parser.add_argument("--burn-ms", type=float, default=0, help="--gaps: pure-Python work in another process too")
     parser.add_argument("--out", default="benchmarks/results/overhead.json")
@@ -393,6 +437,8 @@ def main() -> int:
         targets = {"direct": f"http://127.0.0.1:{up}{PATH}", "floor": f"http://127.0.0.1:{floor}{PATH}", **urls}
         for url in targets.values():
             asyncio.run(_wait(url))
+        if "adaptive-spec watched" in targets:
+            children.append(_watch(targets["adaptive-spec watched"], tmp / "feed.log"))
         result: dict[str, Any] = {"chunks": args.chunks, "cores": os.cpu_count()}
         if args.gaps:
             heavy = grown(load(Path(args.fixtures))["opencode"], 100_000)[0]
