@@ -374,9 +374,14 @@ async def _gaps(url: str, heavy: dict[str, Any], rounds: int, burn_ms: float, co
                 gaps["with a heavy session" if loaded else "alone"] += [
                     (b - a) * 1000 for a, b in itertools.pairwise(times)
                 ]
+        async with session.get(url.replace(PATH, "/metrics")) as resp:  # the heavy sessions' updates did happen
+            updates = [line for line in (await resp.text()).splitlines() if "session_updates_total{" in line]
     if burner is not None:
         burner.shutdown()
-    return {k: {"p50_ms": _pct(v, 0.5), "p99_ms": _pct(v, 0.99), "n": len(v)} for k, v in gaps.items()}
+    out: dict[str, Any] = {k: {"p50_ms": _pct(v, 0.5), "p99_ms": _pct(v, 0.99), "n": len(v)} for k, v in gaps.items()}
+    out["p99_ratio"] = out["with a heavy session"]["p99_ms"] / out["alone"]["p99_ms"]
+    out["session_updates"] = updates
+    return out
 
 
 def _pct(values: list[float], q: float) -> float:
