@@ -193,10 +193,10 @@ async def test_the_worker_process_starts_with_the_worker_not_with_the_first_upda
     worker = asyncio.create_task(service.run())
     try:
         for _ in range(600):
-            if service._pool is not None:
+            if service._process is not None:
                 break
             await asyncio.sleep(0.05)
-        assert service._pool is not None, "no worker process before any update"
+        assert service._process is not None, "no worker process before any update"
         assert service.update_counts() == {"processed": 0, "coalesced": 0, "dropped": 0}
     finally:
         worker.cancel()

@@ -9,12 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -27,6 +24,7 @@ from adaptive_spec.core.sessions.project import resolve_project
 from adaptive_spec.core.sessions.statistics import ContextTracker, SessionSnapshot, TurnStats
 from adaptive_spec.proxy import session_worker
 from adaptive_spec.proxy.tokenizers import Tokenizer, tokenizer_spec
+from adaptive_spec.proxy.worker_process import WorkerDied, WorkerFailed, WorkerProcess
 
 log = logging.getLogger(__name__)
 ESTIMATE_NOTE = (
@@ -82,7 +80,7 @@ class SessionService:
         # With a worker process, `tracker` is the empty template it starts from; the proxy reads the sessions'
         # latest snapshots, which each update brings back.
         self.worker_process = worker_process
-        self._pool: ProcessPoolExecutor | None = None
+        self._process: WorkerProcess | None = None
         self._mirror: LRU[str, SessionSnapshot] = LRU(tracker.max_sessions)
         # The worker process tokenizes too when the tokenizer can be made again there (one round trip an update).
         self._spec = tokenizer_spec(tokenizer) if worker_process else None
@@ -212,9 +210,9 @@ class SessionService:
                     self._ready.task_done()
                 self.expire()  # the worker process expired its own sessions with the update
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = None
+            if self._process is not None:
+                self._process.close()
+                self._process = None
 
     def update_counts(self) -> dict[str, int]:
         """Statistics updates by outcome, for /metrics."""
@@ -232,7 +230,7 @@ class SessionService:
             self.tracker.expire(time.time())
 
     async def _expire_worker(self) -> None:
-        if self.worker_process and self._pool is not None:
+        if self.worker_process and self._process is not None:
             for sid in await self._in_process(updates.process_expire, time.time()):
                 self._mirror.pop(sid)
         self.expire()
@@ -249,22 +247,26 @@ class SessionService:
 
     async def _in_process(self, func: Callable[..., Any], *args: Any) -> Any:
         """`func(*args)` in the worker process (started on first use; started again if it died: its statistics are
-        lost, the proxy's requests are not)."""
-        if self._pool is None:
-            context = multiprocessing.get_context("spawn")  # never fork a process that runs threads
+        lost, the proxy's requests are not). A worker that cannot make the tokenizer again goes on without it: the
+        event loop tokenizes."""
+        if self._process is None:
             settings = updates.tracker_settings(self.tracker)
             if self._spec is not None:
-                init: Callable[..., None] = session_worker.init
-                initargs: tuple[Any, ...] = (settings, self._spec)
+                self._process = WorkerProcess(session_worker.init, (settings, self._spec))
             else:
-                init, initargs = updates.process_init, (settings,)
-            self._pool = ProcessPoolExecutor(1, context, initializer=init, initargs=initargs)
+                self._process = WorkerProcess(updates.process_init, (settings,))
+        process = self._process
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, func, *args)
-        except BrokenProcessPool:
+            return await process.call(func, *args)
+        except WorkerFailed as exc:
+            if not process.closed:
+                raise  # the function failed; the process lives on
+            log.warning("the session statistics worker could not start (%s); tokenizing on the event loop", exc)
+            self._process, self._spec = None, None
+            raise
+        except WorkerDied:
             log.warning("the session statistics worker process died; starting another (statistics start over)")
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+            self._process = None
             self._mirror = LRU(self.tracker.max_sessions)
             raise
 

@@ -1,0 +1,126 @@
+"""One child process that runs functions one call at a time, spoken to over a pipe that the event loop watches.
+
+No thread in the proxy's process takes part. A `ProcessPoolExecutor` has a manager thread and a queue feeder thread:
+each call woke them, they took the GIL from the event loop (pickling the call, clearing the wake-up pipe), and a
+submit waited ~1.5 ms for it under load. Here the event loop pickles the call (the client's bytes and a few values:
+a copy, not a walk of a parsed history), writes it to the pipe while the child, idle, reads it, and is woken by the
+pipe when the answer is there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import signal
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+
+class WorkerDied(Exception):
+    """The child process is gone (killed, crashed): the call's work is lost."""
+
+
+class WorkerFailed(Exception):
+    """The function raised in the child process: its exception, as text."""
+
+
+def _child_main(conn: Connection, initializer: Callable[..., None] | None, initargs: tuple[Any, ...]) -> None:
+    # Ctrl-C reaches the whole process group: the proxy stops its worker itself (it closes the pipe).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        if initializer is not None:
+            initializer(*initargs)
+    except Exception as exc:
+        conn.send((False, f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send((True, "ready"))  # nothing is sent to it before: a call would fill the pipe while it starts
+    while True:
+        try:
+            func, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            answer: tuple[bool, Any] = (True, func(*args))
+        except Exception as exc:
+            answer = (False, f"{type(exc).__name__}: {exc}")
+        try:
+            conn.send(answer)
+        except (BrokenPipeError, OSError):
+            return
+
+
+class WorkerProcess:
+    """Started at construction (spawned: never fork a process that runs threads); `call` one at a time."""
+
+    def __init__(self, initializer: Callable[..., None] | None = None, initargs: tuple[Any, ...] = ()) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=_child_main, args=(child, initializer, initargs), daemon=True, name="adaptive-spec-worker"
+        )
+        self._process.start()
+        child.close()
+        self._lock = asyncio.Lock()
+        self._ready = False
+        self.closed = False
+
+    async def call(self, func: Callable[..., Any], *args: Any) -> Any:
+        """`func(*args)` in the child; its exception comes back as WorkerFailed (an initializer's, on the first
+        call). A call cancelled while the child works closes the worker (its answer would be taken for the next)."""
+        async with self._lock:
+            if self.closed:
+                raise WorkerDied("the worker process was stopped")
+            if not self._ready:
+                await self._answer()
+                self._ready = True
+            try:
+                self._conn.send((func, args))
+            except (BrokenPipeError, OSError) as exc:
+                self.close()
+                raise WorkerDied(f"the worker process is gone ({exc})") from exc
+            return await self._answer()
+
+    async def _answer(self) -> Any:
+        """The child's next message, read when the pipe says it is there."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[tuple[bool, Any]] = loop.create_future()
+        fd = self._conn.fileno()
+
+        def readable() -> None:
+            loop.remove_reader(fd)
+            if answer.done():
+                return
+            try:
+                answer.set_result(self._conn.recv())
+            except (EOFError, OSError) as exc:
+                answer.set_exception(WorkerDied(f"the worker process is gone ({exc or type(exc).__name__})"))
+
+        loop.add_reader(fd, readable)
+        try:
+            ok, value = await answer
+        except (asyncio.CancelledError, WorkerDied):
+            self.close()
+            raise
+        finally:
+            if not self.closed:
+                loop.remove_reader(fd)
+        if not ok:
+            if not self._ready:  # its initializer failed: the child has exited
+                self.close()
+            raise WorkerFailed(value)
+        return value
+
+    def close(self) -> None:
+        """Stop the child: the pipe closes (it exits on EOF), and it is terminated if it is still busy."""
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(OSError, ValueError, RuntimeError):  # RuntimeError: no event loop running
+            asyncio.get_running_loop().remove_reader(self._conn.fileno())
+        self._conn.close()
+        self._process.join(0.5)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join(2)
