@@ -306,14 +306,16 @@ class ResponseMeter:
             if text is not None and "usage" not in obj and "error" not in obj:
                 if text:
                     texts.append(text)
-                raw = obj.get("timings")
-                if type(raw) is dict:
-                    self._raw, self._timings = raw, None
             else:  # any other event, in its place: read by the general readers
                 self._output.add(texts, [])
                 texts = []
                 self._absorb(obj, False)
         self._output.add(texts, [])
+        for obj in reversed(values):  # the block's last timings are the ones that count
+            found = _raw_timings(obj)
+            if found is not None:
+                self._raw, self._timings = found, None
+                break
 
     def _read_events(self, events: list[SSEEvent]) -> None:
         for event in events:
