@@ -16,7 +16,8 @@ chat chunks field for field, per-token `timings` when asked, a final timings chu
 asks for per-token timings and cuts them out again); `--other-src` another version of it, e.g. an earlier commit's
 `src/` from `git worktree add`, measured in the same rounds. Each target runs in its own process, the client in this
 one; rounds are interleaved (direct, floor, adaptive-spec, LiteLLM, then the reverse order), and the figures are
-medians, with each target's added time and its ratio to the floor's.
+medians, with each target's added time and its ratio to the floor's, and its CPU time per request (its process and
+children's, from /proc: the work that queues under concurrency on a machine of few cores).
 
 `--gaps`: 8 concurrent streams whose chunks the upstream paces 2 ms apart, through adaptive-spec, in rounds that
 alternate between nothing else and a heavy session finishing alongside (a new session whose first request brings a
@@ -192,8 +193,32 @@ async def _one(session: aiohttp.ClientSession, url: str, data: bytes, headers: d
     return times
 
 
+# Each target's process (its children included: adaptive-spec's statistics worker, LiteLLM's workers), for its CPU time.
+PIDS: dict[str, int] = {}
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) of a process and of its live descendants, from /proc (Linux; 0 elsewhere)."""
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK)
+    own, children, todo = stats.get(pid, (0, 0.0))[1], 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        found = [child for child, (parent, _) in stats.items() if parent == current]
+        children += sum(stats[child][1] for child in found)
+        todo += found
+    return own, children
+
+
 async def _measure(targets: dict[str, str], body: Body, conc: int, rounds: int) -> dict[str, list[tuple[float, float]]]:
     out: dict[str, list[tuple[float, float]]] = {k: [] for k in targets}
+    cpu = {name: _cpu_s(pid) for name, pid in PIDS.items() if name in targets}
     n = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
 
@@ -210,7 +235,15 @@ async def _measure(targets: dict[str, str], body: Body, conc: int, rounds: int) 
         for r in range(rounds):
             for name, url in order if r % 2 == 0 else order[::-1]:
                 out[name] += [(t[0], t[-1]) for t in await round_of(url)]
+    requests = (rounds + 3) * conc
+    for name, (own, children) in cpu.items():
+        now = _cpu_s(PIDS[name])
+        CPU_MS[name] = ((now[0] - own) * 1000 / requests, (now[1] - children) * 1000 / requests)
     return out
+
+
+# The last level's CPU milliseconds per request, by target: its own process's, its children's.
+CPU_MS: dict[str, tuple[float, float]] = {}
 
 
 def _rows(res: dict[str, list[tuple[float, float]]], body: str, conc: int) -> list[dict[str, Any]]:
@@ -235,6 +268,8 @@ def _rows(res: dict[str, list[tuple[float, float]]], body: str, conc: int) -> li
                 "whole_p50_ms": total,
                 "added_whole_p50_ms": added_total,
                 "added_whole_vs_floor": added_total / (f_total - d_total) if f_total > d_total else None,
+                "cpu_ms_per_request": CPU_MS[name][0] if name in CPU_MS else None,
+                "children_cpu_ms_per_request": CPU_MS[name][1] if name in CPU_MS else None,
             }
         )
     return rows
@@ -278,6 +313,7 @@ def _start_children(
     serve += ["--profile", f"plain=http://127.0.0.1:{up}", *args.serve_arg]
     children = [_spawn(serve, tmp / "adaptive-spec.log", env)]
     urls = {"adaptive-spec": f"http://127.0.0.1:{ports['adaptive-spec']}{PATH}"}
+    PIDS["adaptive-spec"] = children[-1].pid
     for spec in args.other_src:  # another version of adaptive-spec, from its own source tree, in the same run
         name, _, src = spec.partition("=")
         port = _free_port()
@@ -285,11 +321,13 @@ def _start_children(
         other_env = {**env, "PYTHONPATH": f"{Path(src).resolve()}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         children.append(_spawn(serve, tmp / f"{name}.log", other_env))
         urls[name] = f"http://127.0.0.1:{port}{PATH}"
+        PIDS[name] = children[-1].pid
     if args.watched:  # a second one with a live view attached (see _watch): per-token timings asked and cut again
         port = _free_port()
         serve[serve.index("--port") + 1] = str(port)
         children.append(_spawn(serve, tmp / "adaptive-spec-watched.log", env))
         urls["adaptive-spec watched"] = f"http://127.0.0.1:{port}{PATH}"
+        PIDS["adaptive-spec watched"] = children[-1].pid
     if args.litellm:
         config = tmp / "litellm.yaml"
         config.write_text(
@@ -301,6 +339,7 @@ def _start_children(
         ll_env["LITELLM_MASTER_KEY"] = "sk-bench"
         command = [args.litellm, "--config", str(config), "--port", str(ports["LiteLLM"]), "--host", "127.0.0.1"]
         children.append(_spawn([*command, "--num_workers", "1"], tmp / "litellm.log", ll_env))
+        PIDS["LiteLLM"] = children[-1].pid
         urls["LiteLLM"] = f"http://127.0.0.1:{ports['LiteLLM']}{PATH}"
     return urls, children
 
@@ -391,16 +430,20 @@ def _pct(values: list[float], q: float) -> float:
 
 def _print(rows: list[dict[str, Any]], chunks: int) -> None:
     print(f"\n{chunks} SSE chunks per stream, {os.cpu_count()} cores; medians over interleaved rounds")
-    print("| body | streams | target | n | added TTFC p50 ms | ×floor | added whole stream p50 ms | ×floor |")
-    print("|---|---|---|---|---|---|---|---|")
+    head = "| body | streams | target | n | added TTFC p50 ms | ×floor | added whole stream p50 ms | ×floor |"
+    print(head + " CPU ms/request: process + children |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["target"] == "direct":
             continue
         ratio1 = f"{r['added_ttfc_vs_floor']:.2f}" if r["added_ttfc_vs_floor"] is not None else "-"
         ratio2 = f"{r['added_whole_vs_floor']:.2f}" if r["added_whole_vs_floor"] is not None else "-"
+        cpu = "-"
+        if r.get("cpu_ms_per_request") is not None:
+            cpu = f"{r['cpu_ms_per_request']:.2f} + {r['children_cpu_ms_per_request']:.2f}"
         print(
             f"| {r['body']} | {r['streams']} | {r['target']} | {r['n']} | {r['added_ttfc_p50_ms']:.2f} | {ratio1} "
-            f"| {r['added_whole_p50_ms']:.2f} | {ratio2} |"
+            f"| {r['added_whole_p50_ms']:.2f} | {ratio2} | {cpu} |"
         )
 
 
@@ -434,6 +477,7 @@ def main() -> int:
     ]
     for proc in procs:
         proc.start()
+    PIDS["floor"] = procs[1].pid or 0
     tmp = Path(tempfile.mkdtemp(prefix="overhead-"))
     children: list[subprocess.Popen[bytes]] = []
     try:
