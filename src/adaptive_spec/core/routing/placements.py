@@ -32,6 +32,8 @@ class Placements:
     def __init__(self, max_sessions: int = 4096, alpha: float = 0.5) -> None:
         self._by_session: LRU[str, Placement] = LRU(max_sessions)
         self.max_sessions, self.alpha = max_sessions, alpha
+        # The sessions marked in each slot, so that a request displaces them without a scan of every session.
+        self._in_slot: dict[tuple[str, int, int | None], set[str]] = {}
 
     def get(self, session_id: str | None) -> Placement | None:
         return self._by_session.get(session_id) if session_id is not None else None
@@ -48,14 +50,24 @@ class Placements:
         old = self._by_session.get(session_id)
         turns = old.turns_here + 1 if old is not None and old.profile == profile else 1
         out = float(output_tokens) if old is None else self.alpha * output_tokens + (1 - self.alpha) * old.output_tokens
-        self._by_session.put(session_id, Placement(profile, slot, cached_tokens, turns, out, replica=replica))
+        if old is not None and old.in_slot:
+            self._in_slot.get((old.profile, old.replica, old.slot), set()).discard(session_id)
+        dropped = self._by_session.put(session_id, Placement(profile, slot, cached_tokens, turns, out, replica=replica))
+        self._in_slot.setdefault((profile, replica, slot), set()).add(session_id)
+        for sid, gone in dropped:
+            self._in_slot.get((gone.profile, gone.replica, gone.slot), set()).discard(sid)
 
     def displace(self, profile: str, slot: int | None, keep: str | None, replica: int = 0) -> None:
         """`keep` now occupies this slot (served there, or restored into it; None: nobody, it was erased): the other
         sessions it held are out of the slot (their prompts may live on in the profile's RAM cache, so their cached
         figures stay)."""
-        for sid, p in list(self._by_session.items()):
-            if sid != keep and p.in_slot and p.profile == profile and p.slot == slot and p.replica == replica:
+        held = self._in_slot.get((profile, replica, slot))
+        if not held:
+            return
+        for sid in [sid for sid in held if sid != keep]:
+            held.discard(sid)
+            p = self._by_session.get(sid)
+            if p is not None and p.in_slot and p.profile == profile and p.slot == slot and p.replica == replica:
                 self._by_session.replace(sid, replace(p, in_slot=False))
 
     def __len__(self) -> int:
