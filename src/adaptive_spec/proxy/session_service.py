@@ -27,6 +27,7 @@ from adaptive_spec.proxy.tokenizers import Tokenizer, tokenizer_spec
 from adaptive_spec.proxy.worker_process import WorkerDied, WorkerFailed, WorkerProcess
 
 log = logging.getLogger(__name__)
+_MIRROR_EXPIRY_EVERY_S = 5.0  # idle sessions' snapshots are dropped at most this often (their expiry is minutes)
 ESTIMATE_NOTE = (
     "est_* figures are estimates: a replay of each response through a simulated ngram-mod drafter over the "
     "session's context, whichever profile served it"
@@ -82,6 +83,7 @@ class SessionService:
         self.worker_process = worker_process
         self._process: WorkerProcess | None = None
         self._mirror: LRU[str, SessionSnapshot] = LRU(tracker.max_sessions)
+        self._mirror_expired_at = 0.0
         # The worker process tokenizes too when the tokenizer can be made again there (one round trip an update).
         self._spec = tokenizer_spec(tokenizer) if worker_process else None
 
@@ -222,6 +224,9 @@ class SessionService:
         if self.worker_process:  # the process expires its own sessions after each update
             idle = self.tracker.idle_expiry_s
             now = time.time()
+            if now - self._mirror_expired_at < _MIRROR_EXPIRY_EVERY_S:
+                return  # a look at every session, after every update, was a scan per request
+            self._mirror_expired_at = now
             for sid, snap in self._mirror.items():
                 if now - snap.last_seen > idle:
                     self._mirror.pop(sid)
