@@ -312,9 +312,9 @@ class ResponseMeter:
                 self._absorb(obj, False)
         self._output.add(texts, [])
         for obj in reversed(values):  # the block's last timings are the ones that count
-            found = _raw_timings(obj)
-            if found is not None:
-                self._raw, self._timings = found, None
+            last = _raw_timings(obj)
+            if last is not None:
+                self._raw, self._timings = last, None
                 break
 
     def _read_events(self, events: list[SSEEvent]) -> None:
