@@ -1,6 +1,7 @@
 """Proxy overhead side by side, in one run: the same fast upstream streamed directly, through a minimal aiohttp
-forwarder (the Python floor), through adaptive-spec (the real `serve`, attached, sessions and routing on) and, when
-its binary is given, through LiteLLM's proxy.
+forwarder (the Python floor), through the same forwarder that also parses the body once and reads the answer's
+text once after its end (floor+read: the least any proxy that routes on what it sees must do), through adaptive-spec
+(the real `serve`, attached, sessions and routing on) and, when its binary is given, through LiteLLM's proxy.
 
 Run:  .venv/bin/python benchmarks/overhead.py [--fixtures DIR] [--body-file BODY.json] [--litellm PATH]
       [--levels 1,8,32] [--chunks 200] [--rounds N] [--out benchmarks/results/overhead.json]
@@ -129,20 +130,30 @@ def _upstream_main(port: int, chunks: int) -> None:
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
-def _floor_main(port: int, upstream_port: int) -> None:
-    """The Python floor: read, forward, relay; no parsing."""
+def _floor_main(port: int, upstream_port: int, read: bool = False) -> None:
+    """The Python floor: read, forward, relay; no parsing. `read`: the floor of any proxy that routes on what it
+    sees ("floor+read"): the body parsed once, and the answer's text read once, in one batch, after its end."""
 
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.read()
+        if read:
+            orjson.loads(body)
         client: aiohttp.ClientSession = request.app["client"]
         url = f"http://127.0.0.1:{upstream_port}{request.path}"
+        kept: list[bytes] = []
         async with client.post(url, data=body, headers={"Content-Type": "application/json"}) as upstream:
             resp = web.StreamResponse(status=upstream.status, headers={"Content-Type": upstream.content_type})
             await resp.prepare(request)
             async for chunk in upstream.content.iter_any():
                 await resp.write(chunk)
+                if read:
+                    kept.append(chunk)
             await resp.write_eof()
-            return resp
+        if read:  # the events' payloads as one JSON array: one decode, then each text delta
+            events = b"".join(kept).strip().removesuffix(b"data: [DONE]").strip()
+            array = orjson.loads(b"[" + events[6:].replace(b"\n\ndata: ", b",") + b"]")
+            "".join(e["choices"][0]["delta"].get("content") or "" for e in array if e.get("choices"))
+        return resp
 
     async def client_ctx(app: web.Application) -> Any:
         app["client"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -253,6 +264,7 @@ def _rows(res: dict[str, list[tuple[float, float]]], body: str, conc: int) -> li
     }
     d_first, d_total = med["direct"]
     f_first, f_total = med["floor"]
+    r_first, r_total = med.get("floor+read", (0.0, 0.0))
     rows = []
     for name, (first, total) in med.items():
         added_first, added_total = first - d_first, total - d_total
@@ -268,6 +280,8 @@ def _rows(res: dict[str, list[tuple[float, float]]], body: str, conc: int) -> li
                 "whole_p50_ms": total,
                 "added_whole_p50_ms": added_total,
                 "added_whole_vs_floor": added_total / (f_total - d_total) if f_total > d_total else None,
+                "added_ttfc_vs_floor_read": added_first / (r_first - d_first) if r_first > d_first else None,
+                "added_whole_vs_floor_read": added_total / (r_total - d_total) if r_total > d_total else None,
                 "cpu_ms_per_request": CPU_MS[name][0] if name in CPU_MS else None,
                 "children_cpu_ms_per_request": CPU_MS[name][1] if name in CPU_MS else None,
             }
@@ -430,20 +444,26 @@ def _pct(values: list[float], q: float) -> float:
 
 def _print(rows: list[dict[str, Any]], chunks: int) -> None:
     print(f"\n{chunks} SSE chunks per stream, {os.cpu_count()} cores; medians over interleaved rounds")
-    head = "| body | streams | target | n | added TTFC p50 ms | ×floor | added whole stream p50 ms | ×floor |"
-    print(head + " CPU ms/request: process + children |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| body | streams | target | n | added TTFC p50 ms | ×floor | ×floor+read | added whole stream p50 ms | ×floor "
+        "| ×floor+read | CPU ms/request: process + children |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def ratio(value: float | None) -> str:
+        return f"{value:.2f}" if value is not None else "-"
+
     for r in rows:
         if r["target"] == "direct":
             continue
-        ratio1 = f"{r['added_ttfc_vs_floor']:.2f}" if r["added_ttfc_vs_floor"] is not None else "-"
-        ratio2 = f"{r['added_whole_vs_floor']:.2f}" if r["added_whole_vs_floor"] is not None else "-"
         cpu = "-"
         if r.get("cpu_ms_per_request") is not None:
             cpu = f"{r['cpu_ms_per_request']:.2f} + {r['children_cpu_ms_per_request']:.2f}"
         print(
-            f"| {r['body']} | {r['streams']} | {r['target']} | {r['n']} | {r['added_ttfc_p50_ms']:.2f} | {ratio1} "
-            f"| {r['added_whole_p50_ms']:.2f} | {ratio2} | {cpu} |"
+            f"| {r['body']} | {r['streams']} | {r['target']} | {r['n']} | {r['added_ttfc_p50_ms']:.2f} "
+            f"| {ratio(r['added_ttfc_vs_floor'])} | {ratio(r['added_ttfc_vs_floor_read'])} "
+            f"| {r['added_whole_p50_ms']:.2f} | {ratio(r['added_whole_vs_floor'])} "
+            f"| {ratio(r['added_whole_vs_floor_read'])} | {cpu} |"
         )
 
 
@@ -470,20 +490,22 @@ def main() -> int:
     if args.litellm and not Path(args.litellm).exists():
         parser.error(f"--litellm {args.litellm}: no such file")
     ctx = multiprocessing.get_context("spawn")
-    up, floor = _free_port(), _free_port()
+    up, floor, floor_read = _free_port(), _free_port(), _free_port()
     procs = [
         ctx.Process(target=_upstream_main, args=(up, args.chunks), daemon=True),
         ctx.Process(target=_floor_main, args=(floor, up), daemon=True),
+        ctx.Process(target=_floor_main, args=(floor_read, up, True), daemon=True),
     ]
     for proc in procs:
         proc.start()
-    PIDS["floor"] = procs[1].pid or 0
+    PIDS["floor"], PIDS["floor+read"] = procs[1].pid or 0, procs[2].pid or 0
     tmp = Path(tempfile.mkdtemp(prefix="overhead-"))
     children: list[subprocess.Popen[bytes]] = []
     try:
         _wait_port(up)
         urls, children = _start_children(args, up, tmp)
-        targets = {"direct": f"http://127.0.0.1:{up}{PATH}", "floor": f"http://127.0.0.1:{floor}{PATH}", **urls}
+        targets = {"direct": f"http://127.0.0.1:{up}{PATH}", "floor": f"http://127.0.0.1:{floor}{PATH}"}
+        targets |= {"floor+read": f"http://127.0.0.1:{floor_read}{PATH}", **urls}
         for url in targets.values():
             asyncio.run(_wait(url))
         if "adaptive-spec watched" in targets:
