@@ -12,18 +12,22 @@ from typing import Any
 
 import orjson
 
+from adaptive_spec.core.lru import LRU
 from adaptive_spec.core.sessions import updates
-from adaptive_spec.core.sessions.grouping import context_texts
+from adaptive_spec.core.sessions.grouping import KnownDigests, context_texts
 from adaptive_spec.core.sessions.statistics import SessionSnapshot, TurnStats
 from adaptive_spec.proxy.tokenizers import SyncTokenizer, TokenizerSpec
 
 _TOKENIZER: list[SyncTokenizer] = []
+# Each session's last turn's message digests, by role, length and keyed hash: a turn digests only its new messages.
+_KNOWN: LRU[str, KnownDigests] = LRU(4096)
 
 
 def init(settings: dict[str, Any], spec: TokenizerSpec) -> None:
     """The process's initializer: an empty tracker like the proxy's, and the proxy's tokenizer made again."""
     updates.process_init(settings)
     _TOKENIZER[:] = [SyncTokenizer(spec)]
+    _KNOWN.max_items = updates.process_tracker().max_sessions
 
 
 def update(
@@ -39,10 +43,19 @@ def update(
     """One served request folded into its session's statistics; then the sessions idle since before `now` go."""
     tracker = updates.process_tracker()
     body = orjson.loads(raw_body)
-    plan, digests = updates.plan_update(tracker, session_id, body)
+    known = _KNOWN.get(session_id)
+    if known is None:
+        known = KnownDigests()
+        _KNOWN.put(session_id, known)
+    _KNOWN.touch(session_id)
+    plan, digests = updates.plan_update(tracker, session_id, body, known)
+    known.turn()
     wanted = set(plan)
     texts = [text for i, (_, _, text) in enumerate(context_texts(body)) if i in wanted]
     tokens = _TOKENIZER[0].encode([*texts, output_text])
     job = updates.FoldJob(session_id, project, tokens[:-1], output_text, tokens[-1], at, side, line_moved, digests)
     turn, snap = updates.fold_update(tracker, job, digests)
-    return turn, snap, tracker.expire(now)
+    gone = tracker.expire(now)
+    for sid in gone:
+        _KNOWN.pop(sid)
+    return turn, snap, gone

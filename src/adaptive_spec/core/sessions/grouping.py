@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,6 +231,31 @@ def context_texts(body: Mapping[str, Any]) -> Iterator[tuple[str, bool, str]]:
         yield role, role in ("assistant", "function_call", "custom_tool_call"), text
 
 
-def context_messages(body: Mapping[str, Any]) -> list[tuple[bytes, bool, str]]:
-    """A request's context as (digest, written by the assistant, text), system prompt first."""
-    return [(message_digest(role, text), assistant, text) for role, assistant, text in context_texts(body)]
+def context_messages(
+    body: Mapping[str, Any], digest: Callable[[str, str], bytes] | None = None
+) -> list[tuple[bytes, bool, str]]:
+    """A request's context as (digest, written by the assistant, text), system prompt first. `digest`: a stand-in
+    for `message_digest` that gives the same digests (one that remembers a session's, see `KnownDigests`)."""
+    digest = digest or message_digest
+    return [(digest(role, text), assistant, text) for role, assistant, text in context_texts(body)]
+
+
+class KnownDigests:
+    """`message_digest` for one session's turns, remembering the last turn's: a message whose role, length and
+    `message_key` equal one seen then takes its digest (the key reads the text once, ~4x cheaper than the digest),
+    so a turn digests only its new messages. Call `turn()` after each request to forget what it did not carry."""
+
+    __slots__ = ("_now", "_then")
+
+    def __init__(self) -> None:
+        self._then: dict[tuple[str, int, int], bytes] = {}
+        self._now: dict[tuple[str, int, int], bytes] = {}
+
+    def __call__(self, role: str, text: str) -> bytes:
+        key = (role, len(text), message_key(role, text))
+        found = self._then.get(key) or self._now.get(key) or message_digest(role, text)
+        self._now[key] = found
+        return found
+
+    def turn(self) -> None:
+        self._then, self._now = self._now, {}

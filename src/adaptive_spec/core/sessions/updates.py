@@ -6,7 +6,7 @@ holds the tracker (the `process_*` functions, called through a one-process pool)
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,9 +27,14 @@ class FoldJob:
     digests: Sequence[bytes] | None = None  # every message's digest; None: those the plan of this session kept
 
 
-def plan_update(tracker: ContextTracker, session_id: str, body: Mapping[str, Any]) -> tuple[list[int], list[bytes]]:
-    """(indices of the messages to tokenize and index, every message's digest)."""
-    messages = context_messages(body)
+def plan_update(
+    tracker: ContextTracker,
+    session_id: str,
+    body: Mapping[str, Any],
+    digest: Callable[[str, str], bytes] | None = None,
+) -> tuple[list[int], list[bytes]]:
+    """(indices of the messages to tokenize and index, every message's digest); `digest` as `context_messages`."""
+    messages = context_messages(body, digest)
     plan = tracker.plan(session_id, [(digest, assistant) for digest, assistant, _ in messages])
     return plan, [digest for digest, _, _ in messages]
 
