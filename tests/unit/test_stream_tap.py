@@ -171,3 +171,33 @@ def test_live_text_and_crlf_streams() -> None:
     _, want = _eager(crlf, False)
     got_bytes, (got, _) = _tapped(crlf, list(range(64, len(crlf), 64)), False)
     assert got_bytes == crlf and got.output.text == want.output.text and got.timings == want.timings
+
+
+def test_odd_streams_after_the_switch_read_and_strip_as_event_by_event() -> None:
+    """Found in review: a CRLF stream while stripping (was held back whole and called truncated), a comment line after
+    the end marker (was called an event cut off), an event whose data spans lines (kept its timings), and a data line
+    holding two JSON objects (was read as two events)."""
+    base = _stream(12)
+    tail_objs = [_chunk({"content": " late"}, 13)]
+    two_lines = b"data: " + orjson.dumps(tail_objs[0])[:40] + b"\ndata: " + orjson.dumps(tail_objs[0])[40:] + b"\n\n"
+    doubled = b"data: " + orjson.dumps(_chunk({"content": "X"}, 14)) + b"," + orjson.dumps(_chunk({"content": "Y"}, 15))
+    streams = {
+        "crlf": base.replace(b"\n", b"\r\n"),
+        "comment after [DONE]": base + b": keep-alive\n",
+        "data over two lines": base.replace(b"data: [DONE]\n\n", two_lines + b"data: [DONE]\n\n"),
+        "two objects in one data line": base.replace(b"data: [DONE]\n\n", doubled + b"\n\ndata: [DONE]\n\n"),
+    }
+    for name, stream in streams.items():
+        for strip in (True, False):
+            want_bytes, want = _eager(stream, strip)
+            for cuts in ([], list(range(60, len(stream), 60)), [len(stream) - 3]):
+                meter = ResponseMeter()
+                tap = StreamTap(meter, strip=strip)
+                out = bytearray()
+                for k, (a, b) in enumerate(itertools.pairwise([0, *cuts, len(stream)])):
+                    out += tap.feed(stream[a:b], float(k))
+                assert not tap.close(), (name, strip, cuts)
+                if not (strip and name.startswith("two objects")):  # not JSON: passed on either way, cut or not
+                    assert bytes(out) == want_bytes, (name, strip, cuts)
+                assert meter.output.text == want.output.text and meter.timings == want.timings, (name, strip)
+                assert meter.complete and meter.error is None

@@ -96,3 +96,12 @@ class SSEParser:
         elif name == "event":
             self._event = value
         return None
+
+
+def ends_mid_event(data: bytes) -> bool:
+    """Whether a stream whose last bytes are `data` (starting at an event's start) stopped in the middle of an event:
+    as the parser would tell at its end (a trailing comment or `id:` line without its blank line is not)."""
+    parser = SSEParser()
+    parser.feed(data)
+    parser.close()
+    return parser.pending

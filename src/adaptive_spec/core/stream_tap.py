@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from adaptive_spec.core.sse import SSEEvent, SSEParser
+from adaptive_spec.core.sse import SSEEvent, SSEParser, ends_mid_event
 from adaptive_spec.core.timings import ResponseMeter, is_final_chunk, without_progress_timings
 
 _TIMINGS_KEY = b',"timings":{'
@@ -36,7 +36,18 @@ def cut_progress_timings(event: bytes, end: int | None = None) -> bytes | None:
 class StreamTap:
     """Feed each chunk of an SSE answer as it arrives; write what it returns to the client."""
 
-    __slots__ = ("_batched", "_can_batch", "_carry", "_cuttable", "_end", "_meter", "_parser", "_strip")
+    __slots__ = (
+        "_batched",
+        "_can_batch",
+        "_carry",
+        "_cr",
+        "_cuttable",
+        "_end",
+        "_meter",
+        "_parser",
+        "_reencode",
+        "_strip",
+    )
 
     def __init__(self, meter: ResponseMeter, *, strip: bool) -> None:
         """`strip`: remove the per-token timings the proxy asked for on the client's behalf."""
@@ -46,6 +57,8 @@ class StreamTap:
         self._batched = False
         self._parser = SSEParser()
         self._carry = b""  # batched and stripping: the start of an event whose end has not come yet
+        self._cr = False  # a CR was seen: events are not cut from bytes split at blank lines
+        self._reencode: SSEParser | None = None  # batched, stripping, and a CR came: re-encode from here on
         self._end = b""  # the last two bytes fed
         # Stripping: whether cutting bytes gave what re-encoding gives, for every event checked so far.
         self._cuttable: bool | None = None
@@ -57,6 +70,7 @@ class StreamTap:
     def feed(self, chunk: bytes, now_ms: float) -> bytes:
         """The bytes to send on for `chunk` (b"" while an event is incomplete and timings may have to be cut)."""
         self._end = (self._end + chunk)[-2:]
+        self._cr = self._cr or b"\r" in chunk
         if self._batched:
             self._meter.keep(chunk)
             return self._cut(chunk) if self._strip else chunk
@@ -90,7 +104,7 @@ class StreamTap:
     def _switch(self) -> bool:
         """Whether the rest is read in a batch: from the second piece of output on, once the timings to strip (if
         any) were seen to be cut right. The event being read is handed over to the meter with the rest."""
-        if self._meter.pieces < 2 or (self._strip and self._cuttable is not True):
+        if self._meter.pieces < 2 or (self._strip and (self._cuttable is not True or self._cr)):
             return False
         held = self._parser.hand_over()
         if held is None:
@@ -106,8 +120,11 @@ class StreamTap:
         if not self._batched:
             self._parser.close()
             return self._parser.pending
+        if self._reencode is not None:
+            self._reencode.close()
+            return self._reencode.pending
         if self._carry:
-            return True
+            return ends_mid_event(self._carry)
         # A stream that ends in a blank line ends on an event's end (read no further to know it).
         return self._end != b"\n\n" and self._meter.partial
 
@@ -121,8 +138,13 @@ class StreamTap:
 
     def _cut(self, chunk: bytes) -> bytes:
         data = self._carry + chunk if self._carry else chunk
+        if self._reencode is not None or self._cr:  # CR line endings after all: parse and re-encode from here on
+            self._carry = b""
+            self._reencode = self._reencode or SSEParser()
+            parsed = self._reencode.feed(data)
+            return without_progress_timings(parsed) if parsed else b""
         last = data.find(b"\n\n")
-        if last == len(data) - 2:  # one event, whole: the commonest chunk
+        if last == len(data) - 2 and data.find(b"\n", 0, last) < 0:  # one one-line event, whole: the commonest
             self._carry = b""
             cut = cut_progress_timings(data, len(data) - 2)
             return data if cut is None else cut + b"\n\n"
@@ -133,9 +155,13 @@ class StreamTap:
         self._carry = data[end:]
         if _TIMINGS_KEY not in data:
             return data[:end]
-        events = data[: end - 2].split(b"\n\n")
-        for k, event in enumerate(events):
-            cut = cut_progress_timings(event)
+        pieces = data[: end - 2].split(b"\n\n")
+        for k, piece in enumerate(pieces):
+            if b"\n" in piece:  # several lines (an event name, data split over lines): re-encoded, as the spec reads it
+                if b'"timings"' in piece:
+                    pieces[k] = without_progress_timings(SSEParser().feed(piece + b"\n\n"))[:-2]
+                continue
+            cut = cut_progress_timings(piece)
             if cut is not None:
-                events[k] = cut
-        return b"\n\n".join(events) + b"\n\n"
+                pieces[k] = cut
+        return b"\n\n".join(pieces) + b"\n\n"

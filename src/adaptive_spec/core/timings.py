@@ -8,7 +8,7 @@ import orjson
 
 from adaptive_spec.core.output import LiveText, OutputCollector, body_output, event_output
 from adaptive_spec.core.records import Timings
-from adaptive_spec.core.sse import SSEEvent, SSEParser
+from adaptive_spec.core.sse import SSEEvent, SSEParser, ends_mid_event
 
 # Where each API puts the object that may carry `timings` / `usage`: the event itself, or a nested object.
 _CONTAINERS = ("response", "message")
@@ -225,7 +225,9 @@ class ResponseMeter:
     def partial(self) -> bool:
         """The kept bytes end in the middle of an event."""
         self._digest()
-        return bool(self._tail.strip(b"\n")) or (self._sse is not None and self._sse.pending)
+        if self._sse is not None:
+            return self._sse.pending
+        return bool(self._tail) and ends_mid_event(self._tail)
 
     def on_event(self, event: SSEEvent, now_ms: float) -> dict[str, Any] | None:
         """Take in one stream event; returns its parsed JSON object (None if it is not one), so a caller that
@@ -294,7 +296,7 @@ class ResponseMeter:
         block = data[:end]
         found = _data_array(block)
         values = _loads_bytes(found[0]) if found is not None else None
-        if found is None or type(values) is not list:  # not one JSON `data: ` line per event: read as the spec says
+        if found is None or type(values) is not list or len(values) != found[2]:  # not one JSON value a `data: ` line
             self._read_events(SSEParser().feed(block + b"\n\n"))
             return
         self._complete = self._complete or found[1]
@@ -360,19 +362,21 @@ class ResponseMeter:
 _KEEP_LIMIT = 1024 * 1024
 
 
-def _data_array(block: bytes) -> tuple[bytes, bool] | None:
+def _data_array(block: bytes) -> tuple[bytes, bool, int] | None:
     """A block of events that are one `data: ` line each (llama-server's), as one JSON array of their payloads (made
-    by replacing bytes, not by walking the events), and whether it ended in `[DONE]`; None for any other shape."""
+    by replacing bytes, not by walking the events), whether it ended in `[DONE]`, and how many payloads it joined
+    (an array of another length means a payload was not one JSON value); None for any other shape."""
     if block.endswith(b"data: [DONE]"):
         block, done = block[: -len(b"data: [DONE]")].rstrip(b"\n"), True
     else:
         done = False
     if not block:
-        return b"[]", done
+        return b"[]", done, 0
     # Every line break is part of an event separator followed by `data: `: each event is one data line.
-    if block[:6] != b"data: " or b"\r" in block or block.count(b"\n") != 2 * block.count(b"\n\ndata: "):
+    separators = block.count(b"\n\ndata: ")
+    if block[:6] != b"data: " or b"\r" in block or block.count(b"\n") != 2 * separators:
         return None
-    return b"[" + block[6:].replace(b"\n\ndata: ", b",") + b"]", done
+    return b"[" + block[6:].replace(b"\n\ndata: ", b",") + b"]", done, separators + 1
 
 
 def _loads_bytes(data: bytes) -> Any:

@@ -231,5 +231,9 @@ class SyncTokenizer:
 def _post_tokenize(url: str, text: str) -> list[int]:
     body = orjson.dumps({"content": text, "add_special": False})
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as resp:
+    with _DIRECT.open(request, timeout=60) as resp:
         return [int(t) for t in orjson.loads(resp.read())["tokens"]]
+
+
+# Straight to the profile, as the proxy's own client goes (it does not read http_proxy and the like either).
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))

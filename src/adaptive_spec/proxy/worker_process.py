@@ -95,7 +95,9 @@ class WorkerProcess:
             try:
                 answer.set_result(self._conn.recv())
             except (EOFError, OSError) as exc:
-                answer.set_exception(WorkerDied(f"the worker process is gone ({exc or type(exc).__name__})"))
+                answer.set_exception(WorkerDied(f"the worker process is gone ({exc!r})"))
+            except Exception as exc:  # an answer that cannot be read: the pipe is out of step from here on
+                answer.set_exception(WorkerDied(f"the worker process's answer could not be read ({exc!r})"))
 
         loop.add_reader(fd, readable)
         try:
@@ -113,14 +115,13 @@ class WorkerProcess:
         return value
 
     def close(self) -> None:
-        """Stop the child: the pipe closes (it exits on EOF), and it is terminated if it is still busy."""
+        """Stop the child without waiting for it: the pipe closes (an idle child exits on EOF) and a busy one is
+        terminated. Nothing blocks the event loop here; multiprocessing reaps the process."""
         if self.closed:
             return
         self.closed = True
         with contextlib.suppress(OSError, ValueError, RuntimeError):  # RuntimeError: no event loop running
             asyncio.get_running_loop().remove_reader(self._conn.fileno())
         self._conn.close()
-        self._process.join(0.5)
         if self._process.is_alive():
             self._process.terminate()
-            self._process.join(2)
