@@ -69,8 +69,9 @@ class StreamTap:
 
     def feed(self, chunk: bytes, now_ms: float) -> bytes:
         """The bytes to send on for `chunk` (b"" while an event is incomplete and timings may have to be cut)."""
-        self._end = (self._end + chunk)[-2:]
-        self._cr = self._cr or b"\r" in chunk
+        self._end = chunk[-2:] if len(chunk) >= 2 else (self._end + chunk)[-2:]
+        if self._strip and not self._cr:  # only cutting needs to know (the meter reads CR streams on its own)
+            self._cr = b"\r" in chunk
         if self._batched:
             self._meter.keep(chunk)
             return self._cut(chunk) if self._strip else chunk

@@ -291,7 +291,8 @@ async def _forward_once(
     timeout = aiohttp.ClientTimeout(
         total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
     )
-    body, strip = _upstream_body(req, chosen, lifecycle.watched or settings.feed_content)
+    watched = lifecycle.watched or settings.feed_content
+    body, strip = _upstream_body(req, chosen, watched)
     if settings.feed_content and req.parsed is not None and req.parsed.stream and routed.api in _PROGRESS_APIS:
         req.meter.live = LiveText()
     return await forward(
@@ -306,6 +307,7 @@ async def _forward_once(
         meter=req.meter,
         extra_headers=_extra_headers(req, chosen),
         strip=strip,
-        progress=lambda: lifecycle.progress(req),
+        # Nothing to publish per chunk when nobody watched at the start (no per-token timings were asked for).
+        progress=(lambda: lifecycle.progress(req)) if watched else None,
         shutting_down=lambda: lifecycle.stopping,
     )
