@@ -12,7 +12,9 @@ Bodies: a tiny chat request (another session each time), and with `--fixtures` (
 `agent_bodies.py`) opencode's largest recorded request (~7k tokens, 10 tools) and the same grown to a 100k-token
 history; `--body-file` adds one of your own. A real body is sent by each concurrent stream under its own session id,
 the same body each round (a session's next turn, with nothing new in it). The upstream is llama-server shaped (its
-chat chunks field for field, per-token `timings` when asked, a final timings chunk, /props, /slots, /tokenize).
+chat chunks field for field, per-token `timings` when asked, a final timings chunk, /props, /slots, /tokenize); its
+/props names the embedded model's GGUF, so adaptive-spec tokenizes with that vocabulary as `serve` does by default
+(`--tokenizer endpoint`: through the upstream's /tokenize instead, one HTTP call per new text).
 `--watched` adds a second adaptive-spec with a live view attached to its event feed (as the TUI is: the proxy then
 asks for per-token timings and cuts them out again); `--other-src` another version of it, e.g. an earlier commit's
 `src/` from `git worktree add`, measured in the same rounds. Each target runs in its own process, the client in this
@@ -54,6 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from agent_bodies import grown, load
 
+from adaptive_spec.core.timings import ResponseMeter
+
 ROOT = Path(__file__).resolve().parents[1]
 # llama-server's chat chunk, field for field (b11434). Texts differ from one chunk to the next: LiteLLM ends a stream
 # that repeats a chunk ("the model is repeating").
@@ -80,8 +84,10 @@ CHUNKS = {timings: [_chunk(i, timings) for i in range(1000)] for timings in (Fal
 PATH = "/v1/chat/completions"
 
 
-def _upstream_main(port: int, chunks: int) -> None:
-    """llama-server shaped: `max_tokens` chunks (default `chunks`), `pace_ms` between them (default none)."""
+def _upstream_main(port: int, chunks: int, model_path: str = "/nonexistent/fake.gguf") -> None:
+    """llama-server shaped: `max_tokens` chunks (default `chunks`), `pace_ms` between them (default none). /props
+    names `model_path`: a GGUF on this machine lets the proxy tokenize with its vocabulary, as `serve` does when it
+    starts llama-server itself; a path that is not there leaves it llama-server's /tokenize."""
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
@@ -103,7 +109,7 @@ def _upstream_main(port: int, chunks: int) -> None:
 
     async def props(_: web.Request) -> web.Response:
         settings = {"n_ctx": 262144}
-        return web.json_response({"model_path": "/nonexistent/fake.gguf", "total_slots": 4,
+        return web.json_response({"model_path": model_path, "total_slots": 4,
                                   "default_generation_settings": settings})  # fmt: skip
 
     async def slots(_: web.Request) -> web.Response:
@@ -149,10 +155,11 @@ def _floor_main(port: int, upstream_port: int, read: bool = False) -> None:
                 if read:
                     kept.append(chunk)
             await resp.write_eof()
-        if read:  # the events' payloads as one JSON array: one decode, then each text delta
-            events = b"".join(kept).strip().removesuffix(b"data: [DONE]").strip()
-            array = orjson.loads(b"[" + events[6:].replace(b"\n\ndata: ", b",") + b"]")
-            "".join(e["choices"][0]["delta"].get("content") or "" for e in array if e.get("choices"))
+        if read:  # the answer's text, read in one batch as adaptive-spec's relay reads it
+            meter = ResponseMeter()
+            for chunk in kept:
+                meter.keep(chunk)
+            _ = meter.output.text
         return resp
 
     async def client_ctx(app: web.Application) -> Any:
@@ -482,6 +489,8 @@ def main() -> int:
     parser.add_argument("--watched", action="store_true", help="also adaptive-spec with a live view attached")
     parser.add_argument("--gaps", action="store_true", help="inter-chunk gaps with and without a heavy session")
     parser.add_argument("--burn-ms", type=float, default=0, help="--gaps: pure-Python work in another process too")
+    tokenizer = "the proxy's tokenizer: the embedded GGUF's vocabulary (as `serve` on it), or the upstream's /tokenize"
+    parser.add_argument("--tokenizer", choices=("gguf", "endpoint"), default="gguf", help=tokenizer)
     parser.add_argument("--out", default="benchmarks/results/overhead.json")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers it started (the `finally` below)
@@ -492,7 +501,7 @@ def main() -> int:
     ctx = multiprocessing.get_context("spawn")
     up, floor, floor_read = _free_port(), _free_port(), _free_port()
     procs = [
-        ctx.Process(target=_upstream_main, args=(up, args.chunks), daemon=True),
+        ctx.Process(target=_upstream_main, args=(up, args.chunks, _model_path(args)), daemon=True),
         ctx.Process(target=_floor_main, args=(floor, up), daemon=True),
         ctx.Process(target=_floor_main, args=(floor_read, up, True), daemon=True),
     ]
@@ -510,7 +519,7 @@ def main() -> int:
             asyncio.run(_wait(url))
         if "adaptive-spec watched" in targets:
             children.append(_watch(targets["adaptive-spec watched"], tmp / "feed.log"))
-        result: dict[str, Any] = {"chunks": args.chunks, "cores": os.cpu_count()}
+        result: dict[str, Any] = {"chunks": args.chunks, "cores": os.cpu_count(), "tokenizer": args.tokenizer}
         if args.gaps:
             heavy = grown(load(Path(args.fixtures))["opencode"], 100_000)[0]
             result["gaps"] = asyncio.run(_gaps(urls["adaptive-spec"], heavy, args.rounds or 20, args.burn_ms))
@@ -537,6 +546,15 @@ def main() -> int:
     _write(Path(args.out), result)
     print(f"\nwritten to {args.out} (logs in {tmp})")
     return 0
+
+
+def _model_path(args: argparse.Namespace) -> str:
+    """The GGUF the fake upstream names in /props: the embedded default model with `--tokenizer gguf`."""
+    if args.tokenizer == "endpoint":
+        return "/nonexistent/fake.gguf"
+    from adaptive_spec.models import DEFAULT_MODEL, ensure_embedded
+
+    return str(ensure_embedded(DEFAULT_MODEL))
 
 
 def _write(out: Path, result: dict[str, Any]) -> None:

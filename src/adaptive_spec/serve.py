@@ -15,6 +15,7 @@ from collections.abc import Coroutine
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import platformdirs
@@ -97,12 +98,17 @@ class ServePlan:
     relays: RelayMoverPlan | None = None  # --relay SERVER_URL=RELAY_URL: KV moves between hosts
 
 
-async def _tokenizer(plan: ServePlan, session: aiohttp.ClientSession, default_url: str) -> Tokenizer | None:
-    """The token source for session statistics: the GGUF's own, the profile's /tokenize, or tiktoken."""
+async def _tokenizer(
+    plan: ServePlan, session: aiohttp.ClientSession, default_url: str, attached_model: str = ""
+) -> Tokenizer | None:
+    """The token source for session statistics: the GGUF's own, the profile's /tokenize, or tiktoken.
+    `attached_model`: the model file an attached default profile's /props names."""
     choice = plan.sessions.tokenizer
     if choice == "off":
         return None
     model_path = plan.launch.settings.model.path if plan.launch is not None else None
+    if model_path is None and await asyncio.to_thread(_local_model, default_url, attached_model):
+        model_path = attached_model  # a llama-server on this machine: its own file, read here (no HTTP per text)
     if choice in ("auto", "gguf") and model_path:
         found = await asyncio.to_thread(llama_vocab_tokenizer, model_path, plan.verbose)
         if found is not None:
@@ -119,6 +125,19 @@ async def _tokenizer(plan: ServePlan, session: aiohttp.ClientSession, default_ur
                 raise LaunchError(f"--tokenizer endpoint: {default_url}/tokenize failed: {exc}") from exc
             say(f"{default_url}/tokenize failed ({exc}); counting tokens with tiktoken o200k_base instead")
     return CachingTokenizer(await asyncio.to_thread(tiktoken_o200k))
+
+
+def _local_model(base_url: str, model_path: str) -> bool:
+    """An attached profile's model file is this machine's: the server listens on a loopback address and the file
+    (absolute, a GGUF by its magic) is here. A server elsewhere may name a path that means another file here."""
+    host = urlsplit(base_url).hostname or ""
+    if host not in ("localhost", "127.0.0.1", "::1") or not model_path or not os.path.isabs(model_path):
+        return False
+    try:
+        with open(model_path, "rb") as fh:
+            return fh.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def state_dir() -> Path:
@@ -242,7 +261,8 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
             raise ProfileMismatchError(mismatch)
         default = table.get(table.default)
         assert default is not None
-        tokenizer = await _tokenizer(plan, client, default.base_url)
+        attached = next((i.model_path for i in infos if i.name == table.default and i.replica == 0), "")
+        tokenizer = await _tokenizer(plan, client, default.base_url, attached)
         sp = plan.sessions
         tracker = ContextTracker(
             sp.ngram, max_sessions=sp.max_sessions, max_tokens=sp.max_tokens, idle_expiry_s=sp.idle_expiry_s

@@ -39,7 +39,8 @@ def test_a_client_without_ids_is_one_session_with_statistics(proxy: ProxyProcess
     assert {sid for sid, _ in ids} == {ids[0][0]}
     assert [source for _, source in ids[1:]] == ["echo:reply", "echo:reply"]
     report = _sessions(proxy)
-    assert report["tokenizer"].startswith("endpoint:") and "estimate" in report["note"]
+    # The attached llama-server runs on this machine: its own GGUF's vocabulary is read here (no HTTP per text).
+    assert report["tokenizer"] == "gguf:tiny-random-llama.gguf" and "estimate" in report["note"]
     session = next(s for s in report["sessions"] if s["session_id"] == ids[0][0])
     assert session["turns"] == 3 and session["project"] == "echo"
     turns = session["last_turns"]
@@ -48,6 +49,21 @@ def test_a_client_without_ids_is_one_session_with_statistics(proxy: ProxyProcess
     # Turn 1 indexes the system prompt and the first message; later turns only their one new user message.
     assert turns[0]["new_prompt_tokens"] > turns[1]["new_prompt_tokens"] > 0
     assert session["est_accepted_share_ewma"] is not None
+
+
+def test_the_profiles_tokenize_endpoint_when_asked(tiny_server: LlamaServer) -> None:
+    proc = ProxyProcess("--profile", f"plain={tiny_server.url}", "--tokenizer", "endpoint")
+    try:
+        client = openai.OpenAI(base_url=proc.base + "/v1", api_key="x", max_retries=0, timeout=60)
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "count to five"}], max_tokens=20, temperature=0
+        )
+        report = _sessions(proc)
+        assert report["tokenizer"] == f"endpoint:{tiny_server.url}/tokenize"
+        (session,) = report["sessions"]
+        assert session["turns"] == 1 and session["last_turns"][0]["output_tokens"] > 0
+    finally:
+        proc.stop()
 
 
 def test_explicit_session_headers_win(proxy: ProxyProcess) -> None:

@@ -201,3 +201,39 @@ def test_odd_streams_after_the_switch_read_and_strip_as_event_by_event() -> None
                     assert bytes(out) == want_bytes, (name, strip, cuts)
                 assert meter.output.text == want.output.text and meter.timings == want.timings, (name, strip)
                 assert meter.complete and meter.error is None
+
+
+def test_plain_text_chunks_read_in_one_pass_agree_with_reading_each_event() -> None:
+    """Plain text chunks are read by one regular expression and one decode of their strings: texts that look like the
+    chunk's own syntax, escapes, a key's name as the whole text, and other events among them (a tool call, an error,
+    `[DONE]` in the middle, a line that is not JSON, a number) read as reading each event does."""
+    texts = ['"}}],"created":1,', "\\", '\\"', "usage", "\u00e9\u4e2d\U0001f600", "\\u00e9", "", "\n\n", "data: x", "}"]
+    objs: list[dict[str, Any] | bytes] = [_chunk({"role": "assistant", "content": None}, None)]
+    for i, text in enumerate(texts * 3):
+        objs.append(_chunk({"content": text}, i + 1 if i % 2 else None))
+        if i == 7:
+            objs.append(_chunk({"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "f"}}]}, None))
+        if i == 12:
+            objs += [b"[DONE]", b"not json", b"5", b'{"error": {"message": "late"}}']
+    objs.append(_chunk({}, 99, "stop"))
+    stream = b"".join(b"data: " + (o if isinstance(o, bytes) else orjson.dumps(o)) + b"\n\n" for o in objs)
+    want = ResponseMeter()
+    for k, event in enumerate(SSEParser().feed(stream)):
+        want.on_event(event, float(k))
+    for cuts in ([], list(range(50, len(stream), 50)), [len(stream) // 2]):
+        meter = ResponseMeter()
+        for a, b in itertools.pairwise([0, *cuts, len(stream)]):
+            meter.keep(stream[a:b])
+        assert meter.output.text == want.output.text == "".join(texts * 3)
+        assert meter.output.tool_call_ids == ["call_1"]
+        assert meter.timings == want.timings and meter.timings is not None and meter.timings.predicted_n == 99
+        assert meter.error == want.error == "late" and meter.complete
+
+
+def test_llama_servers_plain_chunks_take_the_one_pass_read() -> None:
+    stream = _stream(30, per_token=True, tool_at=-1)
+    body = stream[: stream.rindex(b"\n\ndata: [DONE]")]
+    meter = ResponseMeter()
+    assert meter._read_plain(body, body.count(b"\n\ndata: ") + 1)
+    _, want = _eager(stream, strip=False)
+    assert meter.output.text == want.output.text and meter.timings == want.timings

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -293,13 +294,69 @@ class ResponseMeter:
             self._tail = data
             return
         self._tail = data[end + 2 :]
-        block = data[:end]
-        found = _data_array(block)
-        values = _loads_bytes(found[0]) if found is not None else None
-        if found is None or type(values) is not list or len(values) != found[2]:  # not one JSON value a `data: ` line
-            self._read_events(SSEParser().feed(block + b"\n\n"))
+        lines = _data_lines(data[:end])
+        if lines is None:  # not one `data: ` line an event: read as the spec says
+            self._read_events(SSEParser().feed(data[: end + 2]))
             return
-        self._complete = self._complete or found[1]
+        body, done, count = lines
+        self._complete = self._complete or done
+        if not self._read_plain(body, count):
+            self._read_values(body, count)
+
+    def _read_plain(self, body: bytes, count: int) -> bool:
+        """The block's events by one regular expression: llama-server's plain text chunks (one choice, a delta with
+        only `content`, no finish) give their text strings, decoded all at once; any other event is parsed and read
+        by the general readers, in its place. False (nothing read) when the block is not that shape."""
+        rows = _PLAIN_OR_OTHER.findall(body)
+        if len(rows) != count:
+            return False
+        # A plain chunk that says more than its text is read by the general readers. A stream's plain chunks mostly
+        # end alike (the same id, model and creation time): each distinct ending is looked at once.
+        rests = {rest for _, rest, _ in rows}
+        if any(_NOT_PLAIN_KEYS.search(rest) for rest in rests):
+            return False
+        strings = [content for content, rest, _ in rows if rest]
+        if strings:
+            decoded = _loads_bytes(b'["' + b'","'.join(strings) + b'"]')
+            if type(decoded) is not list or len(decoded) != len(strings):
+                return False
+        else:
+            decoded = []
+        texts: list[str] = []
+        next_text = iter(decoded).__next__
+        last_timings = -1  # the block's last timings are the ones that count: a plain chunk's, or another's
+        for i, (_, rest, other) in enumerate(rows):
+            if rest:
+                text = next_text()
+                if text:
+                    texts.append(text)
+                continue
+            self._output.add(texts, [])
+            texts = []
+            if other == b"[DONE]":
+                self._complete = True
+                continue
+            obj = _loads_bytes(other)
+            if type(obj) is dict:
+                self._absorb(obj, False)
+                if _raw_timings(obj) is not None:
+                    last_timings = i
+        self._output.add(texts, [])
+        for i in range(len(rows) - 1, last_timings, -1) if any(b'"timings"' in rest for rest in rests) else ():
+            content, rest, _ = rows[i]
+            if rest and b'"timings"' in rest:
+                found = _raw_timings(_loads_bytes(_PLAIN_HEAD + content + b'"}}],' + rest))
+                if found is not None:
+                    self._raw, self._timings = found, None
+                break
+        return True
+
+    def _read_values(self, body: bytes, count: int) -> None:
+        """The block's events as one JSON array of their payloads (one decode), each read in its place."""
+        values = _loads_bytes(b"[" + body[6:].replace(b"\n\ndata: ", b",") + b"]") if body else []
+        if type(values) is not list or len(values) != count:  # not one JSON value a `data: ` line
+            self._read_events(SSEParser().feed(body + b"\n\n"))
+            return
         texts: list[str] = []
         for obj in values:
             if type(obj) is not dict:
@@ -362,21 +419,32 @@ class ResponseMeter:
 _KEEP_LIMIT = 1024 * 1024
 
 
-def _data_array(block: bytes) -> tuple[bytes, bool, int] | None:
-    """A block of events that are one `data: ` line each (llama-server's), as one JSON array of their payloads (made
-    by replacing bytes, not by walking the events), whether it ended in `[DONE]`, and how many payloads it joined
-    (an array of another length means a payload was not one JSON value); None for any other shape."""
+def _data_lines(block: bytes) -> tuple[bytes, bool, int] | None:
+    """A block of events that are one `data: ` line each (llama-server's): the block without its `[DONE]`, whether
+    it ended in one, and how many events are left; None for any other shape."""
     if block.endswith(b"data: [DONE]"):
         block, done = block[: -len(b"data: [DONE]")].rstrip(b"\n"), True
     else:
         done = False
     if not block:
-        return b"[]", done, 0
+        return b"", done, 0
     # Every line break is part of an event separator followed by `data: `: each event is one data line.
     separators = block.count(b"\n\ndata: ")
     if block[:6] != b"data: " or b"\r" in block or block.count(b"\n") != 2 * separators:
         return None
-    return b"[" + block[6:].replace(b"\n\ndata: ", b",") + b"]", done, separators + 1
+    return block, done, separators + 1
+
+
+# llama-server's chat chunk of plain text, up to its content string (its other fields follow the choices).
+_PLAIN_HEAD = b'{"choices":[{"finish_reason":null,"index":0,"delta":{"content":"'
+# Each event of a block of one-line events, in order: (content string as JSON, rest, b"") for a plain text chunk
+# (the content string's escapes are whole: it ends at the first unescaped quote); (b"", b"", payload) for any other.
+_PLAIN_OR_OTHER = re.compile(
+    rb"data: (?:" + re.escape(_PLAIN_HEAD) + rb'([^"\\\n]*+(?:\\.[^"\\\n]*+)*+)"\}\}\],([^\n]*\})|([^\n]*+))(?:\n\n|\Z)'
+)
+# Keys a plain chunk may not carry after its choices: each is read by the general readers (in a string value these
+# bytes cannot occur unescaped, so finding them errs only towards the general readers).
+_NOT_PLAIN_KEYS = re.compile(rb'"(?:usage|error|response|message|choices)"')
 
 
 def _loads_bytes(data: bytes) -> Any:
