@@ -283,3 +283,13 @@ def test_the_example_project_policy_is_valid() -> None:
     example = Path(__file__).parents[2] / "examples" / "project-policy.toml"
     policy = load_policy([(str(example), example.read_text())], known_profiles=["oneshot", "iterative"])
     assert (policy.route.hysteresis, policy.route.min_dwell_turns, policy.first_turn.min_lines) == (0.10, 1, 10)
+
+
+def test_a_system_prompt_sent_again_names_its_own_workspace() -> None:
+    """The scan of a text is remembered by its length and hash: texts of one length with other paths stay apart."""
+    prompts = [f"You are a coding agent.\nWorking directory: /home/me/proj{i}\nBe brief." for i in range(3)]
+    for _ in range(2):
+        for i, prompt in enumerate(prompts):
+            body = {"messages": [{"role": "system", "content": prompt}, {"role": "user", "content": "hi"}]}
+            assert workspace_path_from_request({}, body) == f"/home/me/proj{i}"
+    assert workspace_path_from_request({}, {"messages": [{"role": "system", "content": "no path here"}]}) is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
@@ -35,6 +36,7 @@ class ProxyMetrics:
         """Declares every metric (a list of declarations, hence its length)."""
         self.known_profiles = known_profiles
         self._projects: set[str] = set()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -173,41 +175,51 @@ class ProxyMetrics:
 
     def _record(self, record: dict[str, object], *, failed: bool) -> None:
         labels = (self._profile_label(str(record["profile"])), self._project_label(str(record["project"])))
-        self.requests.labels(*labels, str(record["api"]), "failed" if failed else "finished").inc()
+        self._child(self.requests, *labels, str(record["api"]), "failed" if failed else "finished").inc()
         if failed:
-            self.errors.labels(*labels, _error_kind(record)).inc()
+            self._child(self.errors, *labels, _error_kind(record)).inc()
         self._replica_record(record, labels[0], failed=failed)
         route = record.get("route")
         if isinstance(route, str):
-            self.decisions.labels(labels[0], route).inc()
+            self._child(self.decisions, labels[0], route).inc()
             moved = record.get("moved_from")
             if isinstance(moved, str):
-                self.moves.labels(self._profile_label(moved), labels[0]).inc()
+                self._child(self.moves, self._profile_label(moved), labels[0]).inc()
         timings = record.get("timings")
         if isinstance(timings, dict):
-            self.prompt_tokens.labels(*labels).inc(int(timings.get("prompt_n", 0)))
-            self.cached_tokens.labels(*labels).inc(int(timings.get("cache_n", 0)))
-            self.predicted_tokens.labels(*labels).inc(int(timings.get("predicted_n", 0)))
-            self.draft_tokens.labels(*labels).inc(int(timings.get("draft_n", 0)))
-            self.accepted_tokens.labels(*labels).inc(int(timings.get("draft_n_accepted", 0)))
+            self._child(self.prompt_tokens, *labels).inc(int(timings.get("prompt_n", 0)))
+            self._child(self.cached_tokens, *labels).inc(int(timings.get("cache_n", 0)))
+            self._child(self.predicted_tokens, *labels).inc(int(timings.get("predicted_n", 0)))
+            self._child(self.draft_tokens, *labels).inc(int(timings.get("draft_n", 0)))
+            self._child(self.accepted_tokens, *labels).inc(int(timings.get("draft_n_accepted", 0)))
             speed = float(timings.get("predicted_per_second", 0.0))
             if speed > 0 and int(timings.get("predicted_n", 0)) > 1:
-                self.decode_speed.labels(*labels).observe(speed)
+                self._child(self.decode_speed, *labels).observe(speed)
         ttft = record.get("ttft_ms")
         if isinstance(ttft, int | float):
-            self.ttft.labels(*labels).observe(ttft / 1000.0)
+            self._child(self.ttft, *labels).observe(ttft / 1000.0)
 
     def _replica_record(self, record: dict[str, object], profile: str, *, failed: bool) -> None:
         replica = str(record.get("replica") or 0)
-        self.replica_requests.labels(profile, replica, "failed" if failed else "finished").inc()
+        self._child(self.replica_requests, profile, replica, "failed" if failed else "finished").inc()
         moved = record.get("replica_moved_from")
         if isinstance(moved, int):
-            self.replica_moves.labels(profile, str(moved), replica).inc()
+            self._child(self.replica_moves, profile, str(moved), replica).inc()
         timings = record.get("timings")
         if isinstance(timings, dict):
-            self.replica_predicted.labels(profile, replica).inc(int(timings.get("predicted_n", 0)))
-            self.replica_drafted.labels(profile, replica).inc(int(timings.get("draft_n", 0)))
-            self.replica_accepted.labels(profile, replica).inc(int(timings.get("draft_n_accepted", 0)))
+            self._child(self.replica_predicted, profile, replica).inc(int(timings.get("predicted_n", 0)))
+            self._child(self.replica_drafted, profile, replica).inc(int(timings.get("draft_n", 0)))
+            self._child(self.replica_accepted, profile, replica).inc(int(timings.get("draft_n_accepted", 0)))
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, remembered: every request's end counts into a dozen labelled series, and
+        prometheus_client's lookup takes a lock and builds its key each time. Label values are bounded (profiles,
+        projects up to MAX_PROJECT_LABELS, APIs, outcomes, replicas), so is this."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def _profile_label(self, profile: str) -> str:
         # A pin naming no profile (answered 400) must not mint a new series per made-up name.

@@ -58,11 +58,32 @@ def workspace_path_from_request(headers: Mapping[str, str], body: Mapping[str, A
         if isinstance(workspaces, dict) and workspaces:
             return _clean_path(str(next(iter(workspaces))))
     for text in _prompt_texts(body):
-        for pattern in (_CWD_TAG, _WORKDIR_LINE):
-            found = pattern.search(text[:_SCAN_CHARS])
-            if found:
-                return _clean_path(found.group(1))
+        found = _scanned(text)
+        if found:
+            return found
     return None
+
+
+def _scanned(text: str) -> str | None:
+    """The workspace path a text names, if any; remembered by the text's length and hash, as an agent sends the same
+    system prompt every turn (the hash is kept by the string: the request's message keys reuse it)."""
+    key = (len(text), hash(text))
+    if key in _SCANS:
+        return _SCANS[key]
+    found = None
+    for pattern in (_CWD_TAG, _WORKDIR_LINE):
+        match = pattern.search(text[:_SCAN_CHARS])
+        if match:
+            found = _clean_path(match.group(1))
+            break
+    if len(_SCANS) >= _MAX_SCANS:
+        del _SCANS[next(iter(_SCANS))]  # the oldest
+    _SCANS[key] = found
+    return found
+
+
+_SCANS: dict[tuple[int, int], str | None] = {}
+_MAX_SCANS = 1024
 
 
 def workspace_from_request(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
