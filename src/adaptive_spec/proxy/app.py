@@ -137,10 +137,11 @@ async def _session_worker(app: web.Application) -> AsyncIterator[None]:
     service = app[SESSIONS]
     task = asyncio.create_task(run_worker(service)) if service is not None else None
     yield
-    if task is not None:
+    # Cancelled again until it ends: a cancel that lands as the worker takes an update must not leave the shutdown
+    # waiting on it.
+    while task is not None and not task.done():
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await asyncio.wait({task}, timeout=1.0)
     trace = app[TRACE]
     if trace is not None:
         trace.close()

@@ -167,7 +167,8 @@ class SessionService:
         if event is None:
             return True
         try:
-            await asyncio.wait_for(event.wait(), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: on Python 3.11 it can lose a cancel
+                await event.wait()
         except TimeoutError:
             return False
         return True
@@ -196,7 +197,10 @@ class SessionService:
                     await self._in_process(updates.process_expire, time.time())
             while True:
                 try:
-                    key = await asyncio.wait_for(self._ready.get(), expire_every_s)
+                    # Not asyncio.wait_for: on Python 3.11 it returns the item when the get completes in the same
+                    # loop turn as a cancel, and the cancel is lost (the shutdown then waits on this task forever).
+                    async with asyncio.timeout(expire_every_s):
+                        key = await self._ready.get()
                 except TimeoutError:
                     await self._expire_worker()
                     continue

@@ -221,7 +221,8 @@ async def _events_view(request: web.Request) -> web.StreamResponse:
         await resp.write(_sse("snapshot", snapshot))
         while True:
             try:
-                batch = await asyncio.wait_for(sub.next_batch(), _HEARTBEAT_S)
+                async with asyncio.timeout(_HEARTBEAT_S):  # not wait_for: on Python 3.11 it can lose a cancel
+                    batch = await sub.next_batch()
             except TimeoutError:
                 await resp.write(b": keep-alive\n\n")
                 continue

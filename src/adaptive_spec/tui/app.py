@@ -271,7 +271,8 @@ class DashboardApp(App[None]):
         self.notify("stopping adaptive-spec serve and its llama-servers…")
         child.terminate()
         try:
-            await asyncio.wait_for(child.wait(), 30)
+            async with asyncio.timeout(30):
+                await child.wait()
         except TimeoutError:
             child.kill()
             await child.wait()
