@@ -17,10 +17,12 @@ chat chunks field for field, per-token `timings` when asked, a final timings chu
 (`--tokenizer endpoint`: through the upstream's /tokenize instead, one HTTP call per new text).
 `--watched` adds a second adaptive-spec with a live view attached to its event feed (as the TUI is: the proxy then
 asks for per-token timings and cuts them out again); `--other-src` another version of it, e.g. an earlier commit's
-`src/` from `git worktree add`, measured in the same rounds. Each target runs in its own process, the client in this
-one; rounds are interleaved (direct, floor, adaptive-spec, LiteLLM, then the reverse order), and the figures are
-medians, with each target's added time and its ratio to the floor's, and its CPU time per request (its process and
-children's, from /proc: the work that queues under concurrency on a machine of few cores).
+`src/` from `git worktree add`, measured in the same rounds; `--variant NAME=ARGS` the same version with more
+`serve` arguments (`--variant "no statistics=--tokenizer off"`: what the statistics worker costs the streams).
+Each target runs in its own process, the client in this one; rounds are interleaved (direct, floor, adaptive-spec,
+LiteLLM, then the reverse order), and the figures are medians, with each target's added time and its ratio to the
+floor's, and its CPU time per request (its process and children's, from /proc: the work that queues under
+concurrency on a machine of few cores).
 
 `--gaps`: 8 concurrent streams whose chunks the upstream paces 2 ms apart, through adaptive-spec, in rounds that
 alternate between nothing else and a heavy session finishing alongside (a new session whose first request brings a
@@ -343,6 +345,14 @@ def _start_children(
         children.append(_spawn(serve, tmp / f"{name}.log", other_env))
         urls[name] = f"http://127.0.0.1:{port}{PATH}"
         PIDS[name] = children[-1].pid
+    for spec in args.variant:  # the same version with other `serve` arguments: what a part of it costs
+        name, _, extra = spec.partition("=")
+        port = _free_port()
+        variant = [*serve, *extra.split()]
+        variant[variant.index("--port") + 1] = str(port)
+        children.append(_spawn(variant, tmp / f"{name}.log", env))
+        urls[name] = f"http://127.0.0.1:{port}{PATH}"
+        PIDS[name] = children[-1].pid
     if args.watched:  # a second one with a live view attached (see _watch): per-token timings asked and cut again
         port = _free_port()
         serve[serve.index("--port") + 1] = str(port)
@@ -486,6 +496,8 @@ def main() -> int:
     parser.add_argument("--serve-arg", action="append", default=[], help="an extra `serve` argument (repeatable)")
     other = "also `serve` from another source tree (its src/ directory), e.g. an earlier commit's"
     parser.add_argument("--other-src", action="append", default=[], metavar="NAME=SRC", help=other)
+    variant = "adaptive-spec again with more `serve` arguments, e.g. 'no statistics=--tokenizer off' (repeatable)"
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS", help=variant)
     parser.add_argument("--watched", action="store_true", help="also adaptive-spec with a live view attached")
     parser.add_argument("--gaps", action="store_true", help="inter-chunk gaps with and without a heavy session")
     parser.add_argument("--burn-ms", type=float, default=0, help="--gaps: pure-Python work in another process too")

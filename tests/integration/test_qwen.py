@@ -192,7 +192,18 @@ def test_gguf_tokenizer_matches_the_servers_tokenize(embedded: ProxyProcess, qwe
     if tokenizer is None:
         pytest.fail("llama-cpp-python is not installed (it is in the test extra)")
     texts = [SOURCE, "naïve café 🙂 — «quotes»\n\tTabs", "x" * 40_000 + "\nend"]
+    # What agents send: tool calls in Qwen's own tags, JSON, shell output, contractions, digits, CRLF, other scripts.
+    # (Not a control token's text: the server's /tokenize parses it as the token, the statistics read it as text.)
+    texts += [
+        '<tool_call>\n{"name": "read", "arguments": {"path": "src/app.py"}}\n</tool_call> done',
+        "$ ls -la\r\ntotal 48\r\ndrwxr-xr-x  2 me me 4096 Nov 30 12:00 .\r\n\r\n   It's 3.14159, isn't it? I'LL see",
+        "日本語のテキスト、中文文本\uff0c한국어 텍스트 — ελληνικά, русский; emoji 👩‍💻🚀 and user text",
+        "\n".join(f"    def method_{i}(self, x: int) -> int:\n        return x * {i}  # {i:08x}" for i in range(60)),
+    ]
     ours = asyncio.run(tokenizer.encode(texts))
+    # The Qwen vocabulary is run by tiktoken's BPE (its tokens and ranks, Qwen2's pre-tokenizer), ~10x faster than
+    # llama.cpp's own: it must split every text as the server does.
+    assert getattr(tokenizer, "engine", "") == "tiktoken"
     for text, tokens in zip(texts, ours, strict=True):
         theirs = http_json(embedded.base + "/tokenize", {"content": text, "add_special": False})["tokens"]
         if len(text) <= 16_000:

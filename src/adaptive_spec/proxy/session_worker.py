@@ -27,6 +27,7 @@ def init(settings: dict[str, Any], spec: TokenizerSpec) -> None:
     """The process's initializer: an empty tracker like the proxy's, and the proxy's tokenizer made again."""
     updates.process_init(settings)
     _TOKENIZER[:] = [SyncTokenizer(spec)]
+    _TOKENIZER[0].encode(["ready"])  # a GGUF's faster encoder is made on first use: here, before the first turn
     _KNOWN.max_items = updates.process_tracker().max_sessions
 
 

