@@ -113,3 +113,43 @@ def test_a_main_line_that_starts_late_demotes_what_came_before() -> None:
     assert tracker.copy_state("s") == (0, None)
     snap = tracker.snapshot("s")
     assert snap is not None and all(t.side for t in snap.last_turns)
+
+
+def test_the_replay_and_the_index_agree_with_the_first_implementation_token_for_token() -> None:
+    """The drafter runs one local loop per token (a method call per token was most of a statistics update): on
+    random sessions — messages that copy earlier spans, separators, answers that repeat the context, tables trimmed
+    as they fill — every count, every draft estimate and the table itself equal the first implementation's."""
+    import random
+
+    from tests.support.drafter_reference import RefNgramIndex, ref_estimate_drafts
+
+    seen_drafts = seen_accepted = 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        params = rng.choice([NgramParams(), NgramParams(n_match=3, n_min=2, n_max=6), NgramParams(4, 1, 12)])
+        max_tokens = rng.choice([64, 500, 100_000])
+        fast, ref = NgramIndex(params.n_match, max_tokens), RefNgramIndex(params.n_match, max_tokens)
+        history: list[int] = [rng.randrange(50) for _ in range(30)]
+        for _ in range(rng.randint(1, 8)):
+            prompt = [rng.randrange(50) for _ in range(rng.randint(0, 80))]
+            if history and rng.random() < 0.7:  # a message that quotes an earlier span
+                start = rng.randrange(len(history))
+                prompt += history[start : start + rng.randint(5, 120)]
+            assert fast.extend(prompt) == ref.extend(prompt)
+            assert fast.extend((SEPARATOR,)) == ref.extend((SEPARATOR,))
+            answer = history[-rng.randint(0, 100) :] + [rng.randrange(50) for _ in range(rng.randint(0, 60))]
+            if rng.random() < 0.2:
+                rng.shuffle(answer)
+            estimate = estimate_drafts(fast, answer, params)
+            assert estimate == ref_estimate_drafts(ref, answer, params), seed
+            seen_drafts += estimate.drafts
+            seen_accepted += estimate.accepted
+            assert fast.extend((SEPARATOR,)) == ref.extend((SEPARATOR,))
+            history += prompt + answer
+            assert fast._table == ref._table and fast._recent == ref._recent and fast.indexed == ref.indexed
+            assert (fast.window.hash, fast.window.run, fast.window.tokens) == (
+                ref.window.hash,
+                ref.window.run,
+                ref.window.tokens,
+            )
+    assert seen_drafts > 50 and seen_accepted > 500  # the replays drafted, and drafts were accepted

@@ -115,19 +115,30 @@ class NgramIndex:
 
     def extend(self, new: Iterable[int]) -> int:
         """Append tokens, indexing each n-gram; returns how many of them the table predicted before the append."""
-        window, table, recent = self._window, self._table, self._recent
+        tokens = new if isinstance(new, list) else list(new)
+        window, table = self._window, self._table
+        n, top = self.n, window.top
+        key, run = window.hash, window.run
+        # The tokens since the last separator, grown as it goes: the one a step rolls out of the window is `seen[-n]`
+        # (one local loop per token: a method call per token made this most of a statistics update).
+        seen = window.tokens
         predicted = 0
-        count = 0
-        for token in new:
-            if window.full and token != SEPARATOR:
-                key = window.hash
+        for token in tokens:
+            if token == SEPARATOR:
+                key, run, seen = 0, 0, []
+                continue
+            if run >= n:
                 if table.get(key) == token:
                     predicted += 1
                 table[key] = token
-            window.push(token)
-            recent.append(token)
-            count += 1
-        self.indexed += count
+                key = ((key - seen[-n] * top) * _BASE + token) % _MOD
+            else:
+                key = (key * _BASE + token) % _MOD
+            seen.append(token)
+            run += 1
+        window.hash, window.run, window.tokens = key, run, seen[-n:]
+        self._recent.extend(tokens)
+        self.indexed += len(tokens)
         if self.indexed > self.max_tokens:
             self._trim()
         return predicted
@@ -142,8 +153,13 @@ class NgramIndex:
         """ngram-mod's draft after `window` (the stream's last n tokens); empty when shorter than `n_min`."""
         if not window.full:
             return []
-        get, top = self._table.get, window.top
-        key, w = window.hash, list(window.tokens)
+        out = self.draft_after(window.hash, window.tokens, n_max)
+        return out if len(out) >= n_min else []
+
+    def draft_after(self, key: int, last: Sequence[int], n_max: int) -> list[int]:
+        """The chain of up to `n_max` lookups from `key`, the hash of `last` (the stream's last n tokens)."""
+        get, top = self._table.get, self._window.top
+        w = list(last)
         out: list[int] = []
         for j in range(n_max):
             token = get(key)
@@ -152,7 +168,7 @@ class NgramIndex:
             out.append(token)
             key = ((key - w[j] * top) * _BASE + token) % _MOD
             w.append(token)
-        return out if len(out) >= n_min else []
+        return out
 
     def memory_bytes(self) -> int:
         """Rough resident size: ~64 bytes a table entry, ~16 a token (131,072 distinct tokens: 10.3 MiB measured)."""
@@ -162,30 +178,43 @@ class NgramIndex:
 def estimate_drafts(index: NgramIndex, output: Sequence[int], params: NgramParams) -> DraftEstimate:
     """Replay `output` as if an ngram-mod drafter had run while it was generated; `index` grows as it goes."""
     drafted = accepted = drafts = runs = 0
-    pending: list[int] = []  # generated tokens not yet in the table (ngram-mod adds them 32 at a time)
-    window = index.window.copy()  # the stream's tail, including pending tokens
+    n, n_max, n_min = index.n, params.n_max, params.n_min
+    tail = index.window  # the stream's tail before the output; the replay's own window runs on from it
+    top, key, run = tail.top, tail.hash, tail.run
+    seen = list(tail.tokens)  # grown with the output: the token a step rolls out of the window is `seen[-n]`
+    added = 0  # output[:added] is in the table (ngram-mod adds generated tokens 32 at a time)
+    table = index._table
     i, m = 0, len(output)
     while i < m:
-        draft = index.draft(window, params.n_max, params.n_min)
         step = 1
-        if draft:
-            hit = 0
-            for want, got in zip(draft, output[i:], strict=False):
-                if want != got:
-                    break
-                hit += 1
-            drafts += 1
-            drafted += len(draft)
-            accepted += hit
-            runs += hit > 0
-            step = hit + 1
-        for token in output[i : i + step]:
-            window.push(token)
-            pending.append(token)
-        i += step
-        if len(pending) >= _ADD_CHUNK:
-            index.extend(pending)
-            pending = []
-    if pending:
-        index.extend(pending)
+        if run >= n and key in table:  # most positions draft nothing: one lookup
+            draft = index.draft_after(key, seen[-n:], n_max)
+            if len(draft) >= n_min:
+                hit = 0
+                for want, got in zip(draft, output[i:], strict=False):
+                    if want != got:
+                        break
+                    hit += 1
+                drafts += 1
+                drafted += len(draft)
+                accepted += hit
+                runs += hit > 0
+                step = hit + 1
+        if step == 1:
+            token = output[i]
+            key = ((key - seen[-n] * top) * _BASE + token) % _MOD if run >= n else (key * _BASE + token) % _MOD
+            seen.append(token)
+            run += 1
+            i += 1
+        else:
+            for token in output[i : i + step]:
+                key = ((key - seen[-n] * top) * _BASE + token) % _MOD if run >= n else (key * _BASE + token) % _MOD
+                seen.append(token)
+                run += 1
+            i = min(i + step, m)
+        if i - added >= _ADD_CHUNK:
+            index.extend(list(output[added:i]))
+            added, table = i, index._table  # a trim makes a new table
+    if added < m:
+        index.extend(list(output[added:]))
     return DraftEstimate(m, drafted, accepted, drafts, runs)

@@ -143,6 +143,9 @@ def prompt_pieces(body: Mapping[str, Any], known: Sequence[Piece] = ()) -> tuple
     for (role, assistant, text), extra in zip(texts, extras, strict=True):
         key = message_key(role, text)
         old = known_by.get((key, len(text)))
+        if old is not None and old.assistant == assistant and old.extra == extra and not old.tools:
+            pieces.append(old)  # the same message as last turn: its piece as it was
+            continue
         if old is not None:
             digest, blocks = old.digest, old.blocks
         else:
@@ -153,10 +156,12 @@ def prompt_pieces(body: Mapping[str, Any], known: Sequence[Piece] = ()) -> tuple
         # Chat templates put the tools at the end of the system block: after the system prompt, before the rest.
         raw = orjson.dumps(tools)
         at = 1 if _starts_with_system(body) and pieces else 0
-        digest = _digest(b"tools\0" + raw)
-        old = next((p for p in known if p.tools and p.digest == digest), None)  # the same tools as last turn
-        blocks = old.blocks if old is not None else _blocks("tools", raw.decode())
-        pieces.insert(at, Piece(digest, len(raw), tools=True, blocks=blocks))
+        key = hash(raw)  # with the length, tells the tools of last turn without hashing them again
+        old = next((p for p in known if p.tools and p.key == key and p.chars == len(raw)), None)
+        piece = old or Piece(
+            _digest(b"tools\0" + raw), len(raw), tools=True, blocks=_blocks("tools", raw.decode()), key=key
+        )
+        pieces.insert(at, piece)
     return tuple(pieces)
 
 
