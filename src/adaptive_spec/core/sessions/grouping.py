@@ -226,9 +226,18 @@ def context_texts(body: Mapping[str, Any]) -> Iterator[tuple[str, bool, str]]:
         if text:
             yield "system", False, text
     for message in messages_of(body):
-        role = str(message.get("role") or message.get("type") or "")
-        text = "\n".join(t for t in (message_text(message.get("content")), _tool_text(message)) if t)
-        yield role, role in ("assistant", "function_call", "custom_tool_call"), text
+        role = message.get("role") or message.get("type") or ""
+        if type(role) is not str:
+            role = str(role)
+        content = message.get("content")
+        text = content if type(content) is str else message_text(content)
+        if "tool_calls" in message or "arguments" in message or "output" in message:  # its calls' text joins it
+            tools = _tool_text(message)
+            text = (text + "\n" + tools if text else tools) if tools else text
+        yield role, role in _ASSISTANT_ROLES, text
+
+
+_ASSISTANT_ROLES = frozenset(("assistant", "function_call", "custom_tool_call"))
 
 
 def context_messages(
