@@ -317,6 +317,15 @@ async def _wait(url: str, seconds: float = 180) -> None:
     raise RuntimeError(f"{url} never answered")
 
 
+async def _settled(url: str) -> None:
+    """Until the proxy has folded every answer it served into the session statistics: its worker process is up
+    (importing, loading the GGUF's vocabulary and making its tokenizer take seconds of CPU, not to be counted in the
+    first level's figures)."""
+    base = url.removesuffix(PATH)
+    async with aiohttp.ClientSession() as session, session.get(f"{base}/adaptive/sessions?drain=1") as resp:
+        await resp.read()
+
+
 def _wait_port(port: int) -> None:
     for _ in range(600):
         try:
@@ -529,6 +538,9 @@ def main() -> int:
         targets |= {"floor+read": f"http://127.0.0.1:{floor_read}{PATH}", **urls}
         for url in targets.values():
             asyncio.run(_wait(url))
+        for name, url in targets.items():  # each adaptive-spec's statistics worker started (its tokenizer made)
+            if name not in ("direct", "floor", "floor+read", "LiteLLM"):
+                asyncio.run(_settled(url))
         if "adaptive-spec watched" in targets:
             children.append(_watch(targets["adaptive-spec watched"], tmp / "feed.log"))
         result: dict[str, Any] = {"chunks": args.chunks, "cores": os.cpu_count(), "tokenizer": args.tokenizer}
