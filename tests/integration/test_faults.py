@@ -59,6 +59,11 @@ class FakeUpstream:
                 await asyncio.sleep(30)
             elif fault == "malformed":
                 await resp.write(b'data: {not json}\n\n: comment\ndata: {"choices": [{"delta": {"content": "x')
+            elif fault == "truncated-late":  # after the relay passes chunks on as they come: cut mid-event
+                for _ in range(5):
+                    await asyncio.sleep(0.01)
+                    await resp.write(CHUNK)
+                await resp.write(b'data: {"choices": [{"delta": {"content": "x')
             elif fault == "done":
                 await resp.write(b"data: [DONE]\n\n")
             elif fault == "endless":
@@ -157,6 +162,17 @@ async def test_malformed_and_truncated_sse(rig: tuple[FakeUpstream, TestServer, 
     assert status == 200
     assert b"data: {not json}" in body  # passed through untouched
     assert (await _error_event(body))["code"] == "upstream_truncated"
+
+
+async def test_a_stream_cut_mid_event_late_in_the_answer_is_told(rig: tuple[FakeUpstream, TestServer, str]) -> None:
+    """Cut after the relay began to pass chunks on without reading them: still an error event, and a failed record."""
+    _, proxy, _ = rig
+    status, body = await asyncio.wait_for(_post(proxy, {"x-fault": "truncated-late"}), 10)
+    assert status == 200
+    assert body.count(CHUNK) == 7  # every whole event went out as it came
+    assert (await _error_event(body))["code"] == "upstream_truncated"
+    record = _last_record(proxy)
+    assert record.outcome == "failed" and "middle of an event" in (record.error or "")
 
 
 async def test_unreachable_profile_is_502_naming_it(rig: tuple[FakeUpstream, TestServer, str]) -> None:

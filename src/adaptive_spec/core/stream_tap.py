@@ -67,6 +67,18 @@ class StreamTap:
     def batched(self) -> bool:
         return self._batched
 
+    @property
+    def passes_through(self) -> bool:
+        """From here on each chunk is sent as it came and kept for the meter: the relay may do that itself, then
+        tell `passed` which bytes went by last."""
+        return self._batched and not self._strip
+
+    def passed(self, last: tuple[bytes, bytes]) -> None:
+        """The relay passed chunks on by itself (`passes_through`); `last`: the two it passed last (b"" if fewer)."""
+        for chunk in last:
+            if chunk:
+                self._end = chunk[-2:] if len(chunk) >= 2 else (self._end + chunk)[-2:]
+
     def feed(self, chunk: bytes, now_ms: float) -> bytes:
         """The bytes to send on for `chunk` (b"" while an event is incomplete and timings may have to be cut)."""
         self._end = chunk[-2:] if len(chunk) >= 2 else (self._end + chunk)[-2:]

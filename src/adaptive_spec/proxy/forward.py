@@ -219,12 +219,22 @@ async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResp
     tap = StreamTap(meter, strip=relay.strip)
     started, clock = relay.started, time.perf_counter
     try:
-        async for chunk in upstream_resp.content.iter_any():
+        chunks = upstream_resp.content.iter_any()
+        async for chunk in chunks:
             out = tap.feed(chunk, (clock() - started) * 1000.0)
             if out:
                 await resp.write(out)
             if progress is not None:
                 progress()
+            elif tap.passes_through:
+                break
+        if tap.passes_through and progress is None:  # the rest as it comes, kept for the meter: no work per chunk
+            keep, write, last = relay.meter.keep, resp.write, (b"", b"")
+            async for chunk in chunks:
+                keep(chunk)
+                last = (last[1], chunk)
+                await write(chunk)
+            tap.passed(last)
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
         message = f"{relay.where()} closed the stream before it ended: {exc}"
         await _end_stream_with_error(resp, relay.api, meter, message, "upstream_disconnected")
