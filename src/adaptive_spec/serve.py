@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -47,6 +48,7 @@ from adaptive_spec.proxy.state import LIFECYCLE
 from adaptive_spec.proxy.tokenizers import (
     CachingTokenizer,
     EndpointTokenizer,
+    GgufTokenizer,
     Tokenizer,
     llama_vocab_tokenizer,
     tiktoken_o200k,
@@ -107,8 +109,10 @@ async def _tokenizer(
     if choice == "off":
         return None
     model_path = plan.launch.settings.model.path if plan.launch is not None else None
-    if model_path is None and await asyncio.to_thread(_local_model, default_url, attached_model):
-        model_path = attached_model  # a llama-server on this machine: its own file, read here (no HTTP per text)
+    if model_path is None and choice in ("auto", "gguf"):
+        attached = await _attached_tokenizer(session, default_url, attached_model, plan.verbose)
+        if attached is not None:
+            return attached
     if choice in ("auto", "gguf") and model_path:
         found = await asyncio.to_thread(llama_vocab_tokenizer, model_path, plan.verbose)
         if found is not None:
@@ -127,16 +131,45 @@ async def _tokenizer(
     return CachingTokenizer(await asyncio.to_thread(tiktoken_o200k))
 
 
+async def _attached_tokenizer(
+    session: aiohttp.ClientSession, base_url: str, model_path: str, verbose: bool = False
+) -> Tokenizer | None:
+    """The GGUF an attached llama-server on this machine names, read here, when it tokenizes a probe text exactly
+    as the server's own /tokenize does (a loopback port may lead to a container or a tunnel whose path means another
+    file here, and a newer server may read its file differently): else None, and the caller asks the server."""
+    if not await asyncio.to_thread(_local_model, base_url, model_path):
+        return None
+    try:
+        local = await asyncio.to_thread(llama_vocab_tokenizer, model_path, verbose)
+        if not isinstance(local, GgufTokenizer):
+            return None
+        mine = [await asyncio.to_thread(local.llama_encode, _VOCAB_PROBE)]  # llama.cpp's own, as the server's
+        theirs = await EndpointTokenizer(session, base_url).encode([_VOCAB_PROBE])
+    except Exception as exc:  # a file llama-cpp-python cannot read, a server that does not answer: ask the server
+        say(f"sessions: not reading {model_path} here ({exc}); asking the profile's /tokenize")
+        return None
+    if mine != theirs:
+        say(f"sessions: {model_path} here does not tokenize as the profile does; asking the profile's /tokenize")
+        return None
+    return CachingTokenizer(local)
+
+
+# Code, prose, digits and another script: what two vocabularies that differ would split differently.
+_VOCAB_PROBE = "def main(argv):\n    return 42  # It's done: 3.14 ms, \u00e9t\u00e9, \u4e2d\u6587, \U0001f600\n"
+
+
 def _local_model(base_url: str, model_path: str) -> bool:
-    """An attached profile's model file is this machine's: the server listens on a loopback address and the file
-    (absolute, a GGUF by its magic) is here. A server elsewhere may name a path that means another file here."""
+    """An attached profile's model file may be this machine's: the server listens on a loopback address and the file
+    (absolute, a regular file, a GGUF by its magic) is here."""
     host = urlsplit(base_url).hostname or ""
     if host not in ("localhost", "127.0.0.1", "::1") or not model_path or not os.path.isabs(model_path):
         return False
     try:
+        if not stat.S_ISREG(os.stat(model_path).st_mode):  # not a pipe or a device, whose read would wait
+            return False
         with open(model_path, "rb") as fh:
             return fh.read(4) == b"GGUF"
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL or a lone surrogate in the path
         return False
 
 

@@ -204,6 +204,15 @@ def test_gguf_tokenizer_matches_the_servers_tokenize(embedded: ProxyProcess, qwe
     # The Qwen vocabulary is run by tiktoken's BPE (its tokens and ranks, Qwen2's pre-tokenizer), ~10x faster than
     # llama.cpp's own: it must split every text as the server does.
     assert getattr(tokenizer, "engine", "") == "tiktoken"
+    # Against llama.cpp's own over the whole of Unicode (every 61st code point, and letters Unicode 16 added, which
+    # tiktoken's regex knows and llama.cpp's tables do not): each in a word, after a digit, before a contraction.
+    from adaptive_spec.proxy.tokenizers import GgufTokenizer
+
+    assert isinstance(tokenizer, GgufTokenizer)
+    codes = [c for c in range(0, 0x110000, 61) if not 0xD800 <= c < 0xE000] + [0x1C89, 0x13460, 0x1CCF0, 0x16100]
+    for k in range(0, len(codes), 40):
+        text = "".join(f"x{chr(c)} {chr(c)}1{chr(c)}'s{chr(c)}\n" for c in codes[k : k + 40])
+        assert tokenizer.encode_sync([text]) == [tokenizer.llama_encode(text)], [hex(c) for c in codes[k : k + 40]]
     for text, tokens in zip(texts, ours, strict=True):
         theirs = http_json(embedded.base + "/tokenize", {"content": text, "add_special": False})["tokens"]
         if len(text) <= 16_000:

@@ -162,9 +162,9 @@ async def test_waiting_updates_of_a_session_are_coalesced_and_the_rest_bounded(i
     assert service.update_counts()["processed"] == 2
     snapshots = {s.session_id: s for s in service.snapshots()}
     assert snapshots.keys() == {"a", "b"}
-    # turn2 whole (3 messages, 6 tokens) and its reply (1), each followed by a separator
-    assert snapshots["a"].turns == 1 and snapshots["a"].indexed_tokens == 11
-    assert service.copy_state("a")[0] == 1
+    # turn2 whole (3 messages, 6 tokens) and its reply (1), each followed by a separator; both turns count
+    assert snapshots["a"].turns == 2 and snapshots["a"].indexed_tokens == 11
+    assert service.copy_state("a")[0] == 2
     assert await service.settled("a", 0.01)
     assert (len(tracker.snapshots()) == 0) is in_process  # in a worker process, the proxy's own tracker stays empty
 

@@ -237,3 +237,20 @@ def test_llama_servers_plain_chunks_take_the_one_pass_read() -> None:
     assert meter._read_plain(body, body.count(b"\n\ndata: ") + 1)
     _, want = _eager(stream, strip=False)
     assert meter.output.text == want.output.text and meter.timings == want.timings
+
+
+def test_plain_chunks_that_are_not_json_or_name_timings_without_them_read_as_each_event_does() -> None:
+    """Found in review: a last chunk whose bytes said `"timings"` without a timings object hid the earlier chunk's;
+    a chunk whose ending was not JSON had its text counted."""
+    head = b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"'
+    streams = [
+        head + b'a"}}],"id":"x","timings":{"predicted_n":5}}\n\n' + head + b'b"}}],"id":"x","timings":null}\n\n',
+        head + b'a"}}],"id":"x","timings":{"predicted_n":5}}\n\n' + head + b'b"}}],"model":"timings"}\n\n',
+        head + b'a"}}],"id":"x"}\n\n' + head + b'b"}}],"id":"x",}\n\n' + head + b'c"}}],"id":"x"}\n\n',
+    ]
+    for stream in streams:
+        kept, each = ResponseMeter(), ResponseMeter()
+        kept.keep(stream)
+        for event in SSEParser().feed(stream):
+            each.on_event(event, 0.0)
+        assert (kept.output.text, kept.timings) == (each.output.text, each.timings), stream

@@ -315,6 +315,11 @@ class ResponseMeter:
         rests = {rest for _, rest, _ in rows}
         if any(_NOT_PLAIN_KEYS.search(rest) for rest in rests):
             return False
+        # Each distinct ending must end a JSON object (an event that is not JSON says nothing): decoded once each.
+        ends = [b'{"_":0,' + rest for rest in rests if rest]
+        checked = _loads_bytes(b"[" + b",".join(ends) + b"]") if ends else []
+        if type(checked) is not list or len(checked) != len(ends):
+            return False
         strings = [content for content, rest, _ in rows if rest]
         if strings:
             decoded = _loads_bytes(b'["' + b'","'.join(strings) + b'"]')
@@ -346,9 +351,9 @@ class ResponseMeter:
             content, rest, _ = rows[i]
             if rest and b'"timings"' in rest:
                 found = _raw_timings(_loads_bytes(_PLAIN_HEAD + content + b'"}}],' + rest))
-                if found is not None:
+                if found is not None:  # else the bytes named timings without holding them: look further back
                     self._raw, self._timings = found, None
-                break
+                    break
         return True
 
     def _read_values(self, body: bytes, count: int) -> None:

@@ -142,6 +142,8 @@ async def _session_worker(app: web.Application) -> AsyncIterator[None]:
     while task is not None and not task.done():
         task.cancel()
         await asyncio.wait({task}, timeout=1.0)
+    if task is not None and not task.cancelled() and task.exception() is not None:
+        log.error("the session statistics worker had failed", exc_info=task.exception())
     trace = app[TRACE]
     if trace is not None:
         trace.close()

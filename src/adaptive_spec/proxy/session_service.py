@@ -46,6 +46,7 @@ class _Work:
     line_moved: bool = False
     body_bytes: int = 0
     raw: bytes = b""  # the client's bytes of `body` (what the worker process is sent, rather than `body` pickled)
+    turns: int = 1  # the session's turns it stands for (the later of two waiting updates replaces the earlier)
 
 
 class SessionService:
@@ -143,7 +144,7 @@ class SessionService:
         self._waiting_bytes += body_bytes - freed
         if older is not None:
             self.coalesced += 1
-            self._waiting[key] = replace(work, line_moved=line_moved or older.line_moved)
+            self._waiting[key] = replace(work, line_moved=line_moved or older.line_moved, turns=older.turns + 1)
             return
         self._waiting[key] = work
         self._ready.put_nowait(key)
@@ -287,7 +288,7 @@ class SessionService:
         if self._spec is not None and work.raw:
             result: tuple[TurnStats, SessionSnapshot | None, list[str]] = await self._in_process(
                 session_worker.update, work.session_id, work.project, work.raw, work.output_text, work.at,
-                work.side, work.line_moved, time.time(),
+                work.side, work.line_moved, time.time(), work.turns,
             )  # fmt: skip
             self._after_update(work, *result)
             return
@@ -301,7 +302,7 @@ class SessionService:
         tokens = await self.tokenizer.encode([*texts, work.output_text])
         job = updates.FoldJob(
             work.session_id, work.project, tokens[:-1], work.output_text, tokens[-1], work.at, work.side,
-            work.line_moved, digests,
+            work.line_moved, digests, work.turns,
         )  # fmt: skip
         gone: list[str] = []
         if self.worker_process:

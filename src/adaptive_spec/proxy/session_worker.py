@@ -27,7 +27,8 @@ def init(settings: dict[str, Any], spec: TokenizerSpec) -> None:
     """The process's initializer: an empty tracker like the proxy's, and the proxy's tokenizer made again."""
     updates.process_init(settings)
     _TOKENIZER[:] = [SyncTokenizer(spec)]
-    _TOKENIZER[0].encode(["ready"])  # a GGUF's faster encoder is made on first use: here, before the first turn
+    if spec.kind == "gguf":  # its faster encoder is made on first use: here, before the first turn
+        _TOKENIZER[0].encode(["ready"])
     _KNOWN.max_items = updates.process_tracker().max_sessions
 
 
@@ -40,6 +41,7 @@ def update(
     side: bool,
     line_moved: bool,
     now: float,
+    turns: int = 1,
 ) -> tuple[TurnStats, SessionSnapshot | None, list[str]]:
     """One served request folded into its session's statistics; then the sessions idle since before `now` go."""
     tracker = updates.process_tracker()
@@ -54,7 +56,9 @@ def update(
     wanted = set(plan)
     texts = [text for i, (_, _, text) in enumerate(context_texts(body)) if i in wanted]
     tokens = _TOKENIZER[0].encode([*texts, output_text])
-    job = updates.FoldJob(session_id, project, tokens[:-1], output_text, tokens[-1], at, side, line_moved, digests)
+    job = updates.FoldJob(
+        session_id, project, tokens[:-1], output_text, tokens[-1], at, side, line_moved, digests, turns
+    )
     turn, snap = updates.fold_update(tracker, job, digests)
     gone = tracker.expire(now)
     for sid in gone:

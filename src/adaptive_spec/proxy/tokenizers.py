@@ -16,8 +16,10 @@ import base64
 import gzip
 import hashlib
 import importlib.util
+import re
 import sys
 import threading
+import unicodedata
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -106,10 +108,10 @@ def llama_vocab_tokenizer(model_path: str, verbose: bool = False) -> Tokenizer |
     if not verbose:
         _quiet_llama_cpp(llama_cpp)
     vocab: Any = llama_cpp.Llama(model_path=model_path, vocab_only=True, verbose=verbose)
-    return _GgufTokenizer(llama_cpp, vocab, model_path, verbose)
+    return GgufTokenizer(llama_cpp, vocab, model_path, verbose)
 
 
-class _GgufTokenizer(_ThreadTokenizer):
+class GgufTokenizer(_ThreadTokenizer):
     """The GGUF's vocabulary: llama.cpp's tokenizer, or tiktoken's BPE over the same tokens where that is known to
     split alike (`_tiktoken_bpe`), chosen on first use (making the BPE takes about a second)."""
 
@@ -121,14 +123,14 @@ class _GgufTokenizer(_ThreadTokenizer):
         self._lock = threading.Lock()
         self.engine = ""  # "tiktoken" or "llama.cpp" once chosen
 
-    def _llama_encode(self, text: str) -> list[int]:
+    def llama_encode(self, text: str) -> list[int]:
         return list(self._vocab.tokenize(text.encode("utf-8", "replace"), add_bos=False, special=False))
 
     def _encode_first(self, text: str) -> list[int]:
         with self._lock:
             if not self.engine:
-                bpe = _tiktoken_bpe(self._llama_cpp, self._vocab, self._llama_encode)
-                self._encode_one = bpe or self._llama_encode
+                bpe = _tiktoken_bpe(self._llama_cpp, self._vocab, self.llama_encode)
+                self._encode_one = bpe or self.llama_encode
                 self.engine = "tiktoken" if bpe is not None else "llama.cpp"
         return self._encode_one(text)
 
@@ -155,6 +157,24 @@ def _gpt2_byte_decoder() -> dict[str, int]:
     for n, b in enumerate(b for b in range(256) if b not in chars):
         chars[b] = chr(256 + n)
     return {c: b for b, c in chars.items()}
+
+
+def _unassigned_code_points() -> re.Pattern[str]:
+    """Code points this Python's Unicode database has not assigned. tiktoken's regex engine knows newer Unicode than
+    llama.cpp's tables: the letters and digits added since (Unicode 16's, ~4,400 of them) are split into other pieces
+    by the two, so a text holding one is left to llama.cpp (found by comparing every code point)."""
+    ranges: list[str] = []
+    start = None
+    for code in range(0x110000):
+        free = unicodedata.category(chr(code)) == "Cn"  # (surrogates are Cs)
+        if free and start is None:
+            start = code
+        elif not free and start is not None:
+            ranges.append(f"\\U{start:08x}-\\U{code - 1:08x}")
+            start = None
+    if start is not None:
+        ranges.append(f"\\U{start:08x}-\\U0010ffff")
+    return re.compile("[" + "".join(ranges) + "]")
 
 
 def _tiktoken_bpe(
@@ -187,7 +207,11 @@ def _tiktoken_bpe(
             return None
         encoding = tiktoken.Encoding("gguf-bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
 
+        unassigned = _unassigned_code_points()
+
         def encode(text: str) -> list[int]:
+            if not text.isascii() and unassigned.search(text):  # letters tiktoken knows and llama.cpp does not
+                return reference(text)
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError:  # a lone surrogate: replaced as llama.cpp's caller replaces it

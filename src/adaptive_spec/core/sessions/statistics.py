@@ -132,7 +132,14 @@ class ContextTracker:
         return new_tokens, share
 
     def on_output(
-        self, session_id: str, project: str, reply_digest: bytes, output: Sequence[int], now: float, side: bool = False
+        self,
+        session_id: str,
+        project: str,
+        reply_digest: bytes,
+        output: Sequence[int],
+        now: float,
+        side: bool = False,
+        turns: int = 1,
     ) -> TurnStats:
         """Replay a response through the counterfactual drafter and fold it into the session's statistics (a side
         request's only into its recent history: it is not a turn and moves no average)."""
@@ -140,7 +147,7 @@ class ContextTracker:
         estimate: DraftEstimate = estimate_drafts(session.index, output, self.params)
         session.index.extend((SEPARATOR,))
         session.seen_messages.add(reply_digest)  # the next request carries this reply back: it is not new
-        session.turns += 0 if side else 1
+        session.turns += 0 if side else turns  # turns whose updates waited together count, folded as one
         new_tokens, repeat = session.pending_prompt
         session.pending_prompt = (0, 0.0)
         turn = TurnStats(

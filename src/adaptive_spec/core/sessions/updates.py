@@ -25,6 +25,7 @@ class FoldJob:
     side: bool = False
     line_moved: bool = False
     digests: Sequence[bytes] | None = None  # every message's digest; None: those the plan of this session kept
+    turns: int = 1  # the session's turns this update stands for (updates that waited together are folded as one)
 
 
 def plan_update(
@@ -46,7 +47,9 @@ def fold_update(
         tracker.demote(job.session_id)
     tracker.on_prompt(job.session_id, job.project, digests, job.new_tokens, job.at)
     reply = message_digest("assistant", job.output_text)
-    turn = tracker.on_output(job.session_id, job.project, reply, job.output_tokens, job.at, side=job.side)
+    turn = tracker.on_output(
+        job.session_id, job.project, reply, job.output_tokens, job.at, side=job.side, turns=job.turns
+    )
     return turn, tracker.snapshot(job.session_id)
 
 
