@@ -35,6 +35,7 @@ def test_a_client_without_ids_is_one_session_with_statistics(proxy: ProxyProcess
         history.append({"role": "assistant", "content": reply})
         record = proxy.requests()[-1]
         ids.append((record["session_id"], record["session_source"]))
+        _sessions(proxy)  # each turn folded before the next, as an agent's tool call gives it time to be
     assert ids[0][1] == "new"
     assert {sid for sid, _ in ids} == {ids[0][0]}
     assert [source for _, source in ids[1:]] == ["echo:reply", "echo:reply"]
