@@ -66,3 +66,38 @@ async def test_a_child_that_dies_or_cannot_start_is_told_apart() -> None:
     assert broken.closed
     with pytest.raises(WorkerDied):
         await broken.call(_pid)
+
+
+def _nice() -> int:
+    return os.nice(0)
+
+
+def _slow_add(k: int, blob: bytes) -> tuple[int, int]:
+    import time
+
+    time.sleep(0.3)
+    return _add(k, blob)
+
+
+@pytest.mark.asyncio
+async def test_the_child_runs_at_a_lower_priority_and_a_large_call_does_not_block_the_loop() -> None:
+    """A call larger than the pipe holds is written as the child reads it: while the child is busy and not reading
+    (here still in a slow call), the event loop goes on (a blocking write would stall every stream for that long)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    worker = WorkerProcess(_init, (0,), niceness=5)
+    try:
+        assert await worker.call(_nice) == os.nice(0) + 5
+        first = asyncio.ensure_future(worker.call(_slow_add, 1, b""))  # the child is busy for 0.3 s
+        await asyncio.sleep(0.05)
+        big = os.urandom(4 * 1024 * 1024)
+        sending = asyncio.ensure_future(worker._send_large(ForkingPickler.dumps((_add, (2, big)))))
+        ticks = 0
+        while not sending.done():
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert ticks >= 10  # the loop ran while the child was not reading (a blocking write: none)
+        assert await first == (1, 0)
+        assert await worker._answer() == (3, len(big))  # the large call, read whole by the child
+    finally:
+        worker.close()

@@ -36,6 +36,8 @@ _PROGRESS_APIS = frozenset({"chat", "completions", "responses"})
 _SLOT_APIS = frozenset({"chat", "completions"})
 # How long a request waits for its session's previous turn to be folded into the statistics it is routed on.
 _SETTLE_S = 0.3
+# A body from this size on (a ~40k-token history) is parsed, grouped and routed in turns with the other streams' chunks.
+_LARGE_BODY = 128 * 1024
 
 
 class BodyTooLarge(Exception):
@@ -138,11 +140,16 @@ async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | web.Re
             req.status, req.error = 400, result.message
             return error_response(400, result.message, code=result.code, param=result.param)
         req.parsed = result
+        large = len(req.body) >= _LARGE_BODY
+        if large:  # a long history's parse took a millisecond: other streams' chunks go out before it is grouped
+            await asyncio.sleep(0)
         service = request.app[SESSIONS]
         headers = {k.lower(): v for k, v in request.headers.items()}
         req.workspace = workspace_path_from_request(headers, result.body)  # scanned once: project and policy
         if service is not None:
             req.assignment, req.project = service.assign(headers, result.body, req.routed.project, req.workspace)
+        if large:  # ... and before it is routed
+            await asyncio.sleep(0)
         pinned = choose_upstream(request, request.app[UPSTREAMS]) if request.headers.get(PROFILE_HEADER) else None
         if isinstance(pinned, web.Response):
             req.status, req.error = pinned.status, (pinned.text or "")[:300]

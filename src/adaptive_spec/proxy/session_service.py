@@ -34,6 +34,11 @@ ESTIMATE_NOTE = (
 )
 
 
+# The statistics worker runs at a lower CPU priority than the proxy (nice 10: about a tenth of a core's share when
+# the proxy, the client or llama-server want the cores; all of a free one): its updates may wait, the streams not.
+WORKER_NICENESS = 10
+
+
 @dataclass(frozen=True, slots=True)
 class _Work:
     request_id: str
@@ -262,9 +267,9 @@ class SessionService:
         if self._process is None:
             settings = updates.tracker_settings(self.tracker)
             if self._spec is not None:
-                self._process = WorkerProcess(session_worker.init, (settings, self._spec))
+                self._process = WorkerProcess(session_worker.init, (settings, self._spec), niceness=WORKER_NICENESS)
             else:
-                self._process = WorkerProcess(updates.process_init, (settings,))
+                self._process = WorkerProcess(updates.process_init, (settings,), niceness=WORKER_NICENESS)
         process = self._process
         try:
             return await process.call(func, *args)

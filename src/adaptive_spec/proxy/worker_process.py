@@ -12,10 +12,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import os
 import signal
+import struct
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
+
+# A call's pickled size up to which it is written from the event loop: a Unix socket pair holds ~200 KB, so a write
+# this small does not wait for the child to read (a 100k-token history is ~350 KB: a blocked write waits for a child
+# that runs at a lower priority).
+_INLINE_SEND = 64 * 1024
 
 
 class WorkerDied(Exception):
@@ -26,9 +34,14 @@ class WorkerFailed(Exception):
     """The function raised in the child process: its exception, as text."""
 
 
-def _child_main(conn: Connection, initializer: Callable[..., None] | None, initargs: tuple[Any, ...]) -> None:
+def _child_main(
+    conn: Connection, initializer: Callable[..., None] | None, initargs: tuple[Any, ...], niceness: int = 0
+) -> None:
     # Ctrl-C reaches the whole process group: the proxy stops its worker itself (it closes the pipe).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if niceness and hasattr(os, "nice"):
+        with contextlib.suppress(OSError):
+            os.nice(niceness)
     try:
         if initializer is not None:
             initializer(*initargs)
@@ -54,11 +67,15 @@ def _child_main(conn: Connection, initializer: Callable[..., None] | None, inita
 class WorkerProcess:
     """Started at construction (spawned: never fork a process that runs threads); `call` one at a time."""
 
-    def __init__(self, initializer: Callable[..., None] | None = None, initargs: tuple[Any, ...] = ()) -> None:
+    def __init__(
+        self, initializer: Callable[..., None] | None = None, initargs: tuple[Any, ...] = (), niceness: int = 0
+    ) -> None:
+        """`niceness`: how much lower than the proxy's the child's CPU priority is (background work yields the
+        cores to the streams when they are busy; on a free core it runs as fast as ever)."""
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._process = context.Process(
-            target=_child_main, args=(child, initializer, initargs), daemon=True, name="adaptive-spec-worker"
+            target=_child_main, args=(child, initializer, initargs, niceness), daemon=True, name="adaptive-spec-worker"
         )
         self._process.start()
         child.close()
@@ -75,12 +92,42 @@ class WorkerProcess:
             if not self._ready:
                 await self._answer()
                 self._ready = True
+            payload = ForkingPickler.dumps((func, args))
             try:
-                self._conn.send((func, args))
+                if len(payload) <= _INLINE_SEND:
+                    self._conn.send_bytes(payload)
+                else:  # more than the pipe may hold: written as the child reads it, the event loop free meanwhile
+                    await self._send_large(payload)
             except (BrokenPipeError, OSError) as exc:
                 self.close()
                 raise WorkerDied(f"the worker process is gone ({exc})") from exc
+            except asyncio.CancelledError:
+                self.close()  # part of the call may be in the pipe: the child cannot be spoken to any more
+                raise
             return await self._answer()
+
+    async def _send_large(self, payload: bytes | memoryview) -> None:
+        """`Connection.send_bytes`'s frame (a 4-byte big-endian length, then the bytes), written without blocking:
+        the pipe's end is non-blocking meanwhile and the loop waits until it can take more."""
+        if len(payload) >= 0x7FFFFFFF:
+            raise ValueError("a worker call of 2 GiB or more")
+        loop, fd = asyncio.get_running_loop(), self._conn.fileno()
+        data = memoryview(struct.pack("!i", len(payload)) + bytes(payload))
+        os.set_blocking(fd, False)
+        try:
+            while data:
+                try:
+                    data = data[os.write(fd, data) :]
+                except BlockingIOError:
+                    writable: asyncio.Future[None] = loop.create_future()
+                    loop.add_writer(fd, _set_once, writable)
+                    try:
+                        await writable
+                    finally:
+                        loop.remove_writer(fd)
+        finally:
+            if not self.closed:
+                os.set_blocking(fd, True)
 
     async def _answer(self) -> Any:
         """The child's next message, read when the pipe says it is there."""
@@ -125,3 +172,8 @@ class WorkerProcess:
         self._conn.close()
         if self._process.is_alive():
             self._process.terminate()
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
