@@ -51,7 +51,7 @@ _BASE = 1_000_003
 
 
 class _Window:
-    """The rolling hash of the last `n` tokens since the last separator."""
+    """The rolling hash of the last `n` tokens since the last separator (advanced by `NgramIndex.extend`)."""
 
     __slots__ = ("hash", "n", "run", "tokens", "top")
 
@@ -65,29 +65,6 @@ class _Window:
     @property
     def full(self) -> bool:
         return self.run >= self.n
-
-    def push(self, token: int) -> None:
-        if token == SEPARATOR:
-            self.hash, self.run, self.tokens = 0, 0, []
-            return
-        if self.run >= self.n:
-            self.hash = ((self.hash - self.tokens[0] * self.top) * _BASE + token) % _MOD
-            del self.tokens[0]
-        else:
-            self.hash = (self.hash * _BASE + token) % _MOD
-        self.tokens.append(token)
-        self.run += 1
-
-    def copy(self) -> _Window:
-        other = _Window.__new__(_Window)
-        other.n, other.top, other.hash, other.run, other.tokens = (
-            self.n,
-            self.top,
-            self.hash,
-            self.run,
-            list(self.tokens),
-        )
-        return other
 
 
 class NgramIndex:
@@ -109,9 +86,6 @@ class NgramIndex:
     @property
     def window(self) -> _Window:
         return self._window
-
-    def lookup(self, key: int) -> int | None:
-        return self._table.get(key)
 
     def extend(self, new: Iterable[int]) -> int:
         """Append tokens, indexing each n-gram; returns how many of them the table predicted before the append."""
