@@ -8,6 +8,7 @@ holding the previous session's last request (of the same agent: its system promp
 would on a server that serves several sessions. Every request is sent as recorded except: not streamed, greedy, at most
 `--max-tokens` generated (the server's own reply stands in for the stub's, as the proxy would have served it; the next
 recorded request then carries the stub's reply, so the cache breaks there as it would for a client that rewrote it).
+The server runs the chat template `serve` launches the embedded model with (`--gguf-template`: the GGUF's own).
 
 Before: the router's estimate until now (body bytes / learned bytes per token, minus the session's cached tokens when
 its KV lives there). After: `core/sessions/prefix.py` (pieces compared with what the session's slot holds,
@@ -36,7 +37,7 @@ from adaptive_spec.core.routing.policy import Policy
 from adaptive_spec.core.routing.speeds import SpeedModel
 from adaptive_spec.core.sessions import prefix
 from adaptive_spec.core.timings import find_timings, find_usage, timings_from_usage
-from adaptive_spec.models import ensure_embedded
+from adaptive_spec.models import embedded_chat_template, ensure_embedded
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FIXTURES = ROOT.parent / "shared" / "fixtures" / "agent-traffic"
@@ -135,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         help="re-estimate over the llama-server counts an earlier run measured (its --out file), without a server",
     )
     parser.add_argument("--only", default="", help="replay only the sessions whose name contains this")
+    parser.add_argument(
+        "--gguf-template",
+        action="store_true",
+        help="the GGUF's own chat template instead of the one `serve` launches the embedded model with",
+    )
     args = parser.parse_args(argv)
     found = [(name, records) for name, records in sessions(args.fixtures) if args.only in name]
     if not found:
@@ -145,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     binary = args.llama_server or _llama_server()
     model = ensure_embedded("qwen2.5-coder-0.5b")
     log_dir = Path(tempfile.mkdtemp(prefix="estimates-"))
+    shipped = embedded_chat_template("embedded:qwen2.5-coder-0.5b")
+    template = () if args.gguf_template or shipped is None else ("--chat-template-file", shipped)
     server = LlamaServer(
         binary,
         model,
@@ -159,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         "0",
         "--slot-save-path",
         str(log_dir),
+        *template,
         log_dir=log_dir,
     )
     before, after = Before(), After()

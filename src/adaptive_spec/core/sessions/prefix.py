@@ -28,14 +28,16 @@ from adaptive_spec.core.sessions.grouping import context_texts, message_digest, 
 # prompt, and the one token llama-server always re-evaluates): Qwen-style ChatML measured on llama-server.
 PIECE_OVERHEAD_TOKENS = 5.0
 PROMPT_OVERHEAD_TOKENS = 4.0
-# The preamble a template writes once when tools are present ("# Tools ... <tools></tools> ... <tool_call>"): 85
-# tokens in Qwen's, measured on llama-server; it would otherwise read as a very low characters-per-token rate.
-TOOLS_OVERHEAD_TOKENS = 85.0
+# The preamble a template writes once when tools are present ("# Tools ... <tools></tools> ... ```json"): 86 tokens
+# in the template shipped for the embedded Qwen models (templates/qwen2.5-coder-tools.jinja; 85 in Qwen's own, which
+# says <tool_call>), measured on llama-server; it would otherwise read as a very low characters-per-token rate.
+TOOLS_OVERHEAD_TOKENS = 86.0
 DEFAULT_CHARS_PER_TOKEN = 3.5
-# What a template writes around each tool call (`<tool_call>{"name": …, "arguments": …}</tool_call>`) and each tool
-# result (`<tool_response>…</tool_response>`) beyond a message's markers: Qwen's, measured on llama-server with
-# opencode's and Codex CLI's recorded turns (40-45 tokens per call and result).
-TOOL_CALL_TOKENS = 25.0
+# What a template writes around each tool call (a fenced json block `{"name": …, "arguments": …}` in the shipped
+# template, one token more than Qwen's own `<tool_call>…</tool_call>`) and each tool result
+# (`<tool_response>…</tool_response>`) beyond a message's markers: measured on llama-server with opencode's and
+# Codex CLI's recorded turns (40-45 tokens per call and result).
+TOOL_CALL_TOKENS = 26.0
 TOOL_RESULT_TOKENS = 15.0
 # A request's characters-per-token sample counts in full from this many characters on, and in proportion below
 # (a 21-character prompt under a default system prompt says nothing about the rate of a 30,000-character one).

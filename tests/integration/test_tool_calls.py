@@ -1,0 +1,202 @@
+"""Tool calls on the embedded model through the shipped chat template, on a REAL llama-server with the real 0.5B:
+the template is the GGUF's own but for its tool-call shape, llama-server parses the model's fenced ```json calls
+into schema-valid `tool_calls`, and what is not a call stays text."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from adaptive_spec.models import embedded_chat_template
+from tests.support.json_schema import schema_errors
+from tests.support.servers import LlamaServer, ProxyProcess, http_json
+
+TEMPLATE = embedded_chat_template("embedded:qwen2.5-coder-0.5b")
+FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "agent-traffic"
+
+
+def _tool(name: str, description: str, **properties: str) -> dict[str, Any]:
+    schema = {"type": "object", "properties": {k: {"type": "string"} for k in properties}, "required": list(properties)}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": schema}}
+
+
+TOOLS = [
+    _tool("read_file", "Read a file from disk", path=""),
+    _tool("write_file", "Write a file to disk", path="", content=""),
+]
+SYSTEM = {"role": "system", "content": "You are a coding assistant. Use the tools to work on files."}
+# What the shipped template changes in the GGUF's own, and nothing else (its first lines are a comment saying why).
+CHANGES = [
+    (
+        'within a ```json fenced block:\\n```json\\n{\\"name\\": <function-name>, \\"arguments\\": '
+        "<args-json-object>}\\n```<|im_end|>",
+        'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": '
+        "<args-json-object>}\\n</tool_call><|im_end|>",
+    ),
+    ('\'\\n```json\\n{"name": "\'', '\'\\n<tool_call>\\n{"name": "\''),
+    ("'}\\n```'", "'}\\n</tool_call>'"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(
+    qwen_gguf: Path, llama_server_binary: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LlamaServer]:
+    assert TEMPLATE is not None
+    args = ("-c", "8192", "--parallel", "1", "--chat-template-file", TEMPLATE)
+    server = LlamaServer(llama_server_binary, qwen_gguf, *args, log_dir=tmp_path_factory.mktemp("logs"))
+    yield server
+    server.stop()
+
+
+def _chat(url: str, messages: list[Any], stream: bool, **extra: Any) -> tuple[str | None, str, list[tuple[str, str]]]:
+    """(finish_reason, content, [(tool name, arguments)]) of one greedy request, streamed or not."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="sk-none", max_retries=0, timeout=600)
+    kwargs = {"model": "m", "messages": messages, "temperature": 0, "seed": 1, "max_tokens": 200, **extra}
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls = [
+            (c.function.name, c.function.arguments) for c in choice.message.tool_calls or () if c.type == "function"
+        ]
+        return choice.finish_reason, choice.message.content or "", calls
+    finish, text, parts = None, "", dict[int, tuple[str, str]]()
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            text += c.delta.content or ""
+            for delta in c.delta.tool_calls or ():
+                name, args = parts.get(delta.index, ("", ""))
+                function = delta.function
+                parts[delta.index] = (
+                    name + (function.name or "" if function else ""),
+                    args + (function.arguments or "" if function else ""),
+                )
+    return finish, text, [parts[i] for i in sorted(parts)]
+
+
+def _valid(calls: list[tuple[str, str]], tools: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """The calls, each naming one of `tools` with arguments its schema accepts."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    out = []
+    for name, arguments in calls:
+        assert name in schemas, f"{name!r} is not one of the tools {sorted(schemas)}"
+        args = json.loads(arguments)
+        assert schema_errors(schemas[name], args) == [], (name, args)
+        out.append((name, args))
+    return out
+
+
+def test_the_template_is_the_ggufs_own_but_for_the_tool_call_shape(qwen_gguf: Path) -> None:
+    import gguf
+
+    field = gguf.GGUFReader(str(qwen_gguf)).fields["tokenizer.chat_template"]
+    own = bytes(field.parts[field.data[0]]).decode()
+    assert TEMPLATE is not None
+    shipped = Path(TEMPLATE).read_text()
+    assert shipped.startswith("{#-")
+    body = shipped.split("-#}\n", 1)[1]
+    assert "<tool_call>" not in body
+    for ours, theirs in CHANGES:
+        assert body.count(ours) == 1, ours
+        body = body.replace(ours, theirs)
+    assert body == own
+
+
+def test_the_server_runs_the_shipped_template(server: LlamaServer) -> None:
+    props = http_json(server.url + "/props")
+    assert props["chat_template_caps"]["supports_tool_calls"] is True
+    assert props["chat_template"].strip() == Path(str(TEMPLATE)).read_text().strip()  # it drops the last newline
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_file_task_returns_schema_valid_tool_calls(server: LlamaServer, choice: str, stream: bool) -> None:
+    ask = "Show me what is in hello.py." if choice == "auto" else "Create hello.py that prints hello."
+    finish, _text, calls = _chat(
+        server.url, [SYSTEM, {"role": "user", "content": ask}], stream, tools=TOOLS, tool_choice=choice
+    )
+    assert finish == "tool_calls"
+    (name, args), *_ = _valid(calls, TOOLS)
+    assert name == ("read_file" if choice == "auto" else "write_file")
+    assert args["path"].startswith("hello")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_plain_question_stays_text(server: LlamaServer, stream: bool) -> None:
+    ask = {"role": "user", "content": "What does the acronym HTTP stand for?"}
+    finish, text, calls = _chat(server.url, [SYSTEM, ask], stream, tools=TOOLS)
+    assert (finish, calls) == ("stop", [])
+    assert "Hypertext Transfer Protocol" in text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_python_block_is_not_a_tool_call(server: LlamaServer, stream: bool) -> None:
+    ask = "How do I reverse a string in Python? Answer with a short python code block, do not use any tool."
+    finish, text, calls = _chat(server.url, [{"role": "user", "content": ask}], stream, tools=TOOLS)
+    assert (finish, calls) == ("stop", [])
+    # Not checked: the closing fence. llama-server b11434 holds back a reply's trailing "```" as the possible start
+    # of a call's "```json" and never gives it back (common/peg-parser.cpp: the `until` parser stops at a partial
+    # delimiter even on complete input; the chat parser parses even a finished reply leniently), so a reply that ends
+    # with its code block loses its last "```" (known, not fixed yet).
+    assert text.startswith("```python\n") and "[::-1]" in text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_tool_result_is_followed_by_the_next_call(server: LlamaServer, stream: bool) -> None:
+    messages = [
+        SYSTEM,
+        {"role": "user", "content": "Add a docstring to greet() in hello.py."},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "hello.py"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "def greet(name):\n    return f'hello {name}'\n"},
+    ]
+    finish, _text, calls = _chat(server.url, messages, stream, tools=TOOLS)
+    assert finish == "tool_calls"
+    (name, args), *_ = _valid(calls, TOOLS)
+    assert (name, args["path"]) == ("write_file", "hello.py")
+
+
+def _opencode_turn() -> dict[str, Any]:
+    """opencode's first tool turn as recorded (its own system prompt and ten tools), read where it lies: the
+    recordings are opencode's text and stay out of this repository."""
+    path = FIXTURES / "opencode.jsonl"
+    if not path.is_file():
+        pytest.skip(f"no recorded agent traffic at {path}")
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if record["truth"]["kind"] == "main" and record["body"].get("tools"):
+            return dict(record)
+    pytest.skip("no opencode tool turn in the recordings")
+
+
+@pytest.mark.timeout(1200)  # ~7k tokens of system prompt and tools to prefill at -t 1
+def test_an_opencode_request_through_the_proxy_returns_a_schema_valid_call(
+    qwen_gguf: Path, llama_server_binary: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    record = _opencode_turn()
+    body = {**record["body"], "temperature": 0, "seed": 1, "max_tokens": 300}
+    state = tmp_path_factory.mktemp("state")
+    proxy = ProxyProcess("--threads", "1", "--ctx-size", "16384", env={"ADAPTIVE_SPEC_STATE_DIR": str(state)})
+    try:
+        session = {"x-session-id": record["headers"]["x-session-id"]}
+        extra = {k: v for k, v in body.items() if k not in ("model", "messages", "max_tokens", "temperature", "seed")}
+        extra.pop("stream", None)
+        extra.pop("stream_options", None)
+        finish, _text, calls = _chat(proxy.base, body["messages"], True, extra_headers=session, **extra)
+        assert finish == "tool_calls" and calls
+        valid = _valid(calls, body["tools"])
+        print(f"\nopencode's first tool turn through the proxy: {valid}")
+        served = proxy.requests()[-1]
+        assert served["outcome"] == "finished"
+    finally:
+        proxy.stop()
