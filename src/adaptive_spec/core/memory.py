@@ -1,0 +1,175 @@
+"""What a setup of llama-servers will hold in memory, said before it is launched: each server's model file, drafter
+file and KV cache at the context asked for (from the GGUF's own dimensions), and, given a device report, whether
+it fits and what would. Pure: the GGUF is read and the device asked elsewhere.
+
+On a GPU every llama-server process holds its own copy of the weights (CUDA does not share a mapped file between
+processes), so a second profile process doubles them; on a CPU the mapped file's pages are shared."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MIB = 1024 * 1024
+# Bytes per cached element by --cache-type-k/-v (llama.cpp's block sizes: q8_0 is 34 bytes per 32, q4_0 18 per 32).
+KV_TYPE_BYTES = {
+    "f32": 4.0,
+    "f16": 2.0,
+    "bf16": 2.0,
+    "q8_0": 34 / 32,
+    "q5_1": 24 / 32,
+    "q5_0": 22 / 32,
+    "q4_1": 20 / 32,
+}
+KV_TYPE_BYTES["q4_0"] = 18 / 32
+# llama.cpp's own --fit-target default: what it leaves free on each device.
+DEFAULT_MARGIN_MIB = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDims:
+    """What sizes a model's cache: from its GGUF metadata."""
+
+    name: str
+    file_bytes: int
+    kv_layers: int  # layers with an attention KV cache (a hybrid's recurrent layers have none)
+    kv_heads: int
+    key_length: int
+    value_length: int
+    recurrent_layers: int = 0
+    recurrent_state_elems: int = 0  # f32 elements of one recurrent layer's state, per sequence
+    max_context: int = 0  # the model's trained context (0: unknown)
+
+    def kv_bytes_per_token(self, kv_type: str = "f16") -> float:
+        per_elem = KV_TYPE_BYTES.get(kv_type, 2.0)
+        return self.kv_layers * self.kv_heads * (self.key_length + self.value_length) * per_elem
+
+    def recurrent_bytes_per_slot(self) -> int:
+        return self.recurrent_layers * self.recurrent_state_elems * 4
+
+
+@dataclass(frozen=True, slots=True)
+class ServerPlan:
+    """One llama-server as it will be launched: its models and cache."""
+
+    name: str
+    model: ModelDims
+    ctx_size: int  # -c: the KV cache's tokens, shared by the slots (each slot gets ctx_size / slots)
+    slots: int = 1
+    drafter: ModelDims | None = None  # a separate draft GGUF (-md), with a cache of its own at the same context
+    kv_type: str = "f16"
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    name: str
+    model_bytes: int
+    drafter_bytes: int
+    kv_bytes: int
+    recurrent_bytes: int
+    kv_bytes_per_token: float
+
+    @property
+    def total_bytes(self) -> int:
+        return self.model_bytes + self.drafter_bytes + self.kv_bytes + self.recurrent_bytes
+
+
+def footprint(plan: ServerPlan) -> Footprint:
+    per_token = plan.model.kv_bytes_per_token(plan.kv_type)
+    recurrent = plan.model.recurrent_bytes_per_slot() * plan.slots
+    drafter_bytes = 0
+    if plan.drafter is not None:
+        per_token += plan.drafter.kv_bytes_per_token(plan.kv_type)
+        recurrent += plan.drafter.recurrent_bytes_per_slot() * plan.slots
+        drafter_bytes = plan.drafter.file_bytes
+    return Footprint(
+        plan.name,
+        plan.model.file_bytes,
+        drafter_bytes,
+        round(per_token * plan.ctx_size),
+        recurrent,
+        per_token,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceReport:
+    """A GPU as its driver reports it (nvidia-smi), or as the user states it."""
+
+    name: str
+    total_bytes: int
+    free_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    fits: bool
+    need_bytes: int
+    free_bytes: int
+    text: str
+
+
+def _mib(n: float) -> str:
+    return f"{n / MIB:,.0f} MiB"
+
+
+def largest_context(plans: Sequence[ServerPlan], free_bytes: int, margin_bytes: int) -> int:
+    """The largest -c every server could be given (the same for each) and still fit in `free_bytes`; 0 if none."""
+    if not plans:
+        return 0
+    fixed = sum(footprint(p).total_bytes - footprint(p).kv_bytes for p in plans)
+    per_token = sum(footprint(p).kv_bytes_per_token for p in plans)
+    room = free_bytes - margin_bytes - fixed
+    if room <= 0 or per_token <= 0:
+        return 0
+    return int(room // per_token)
+
+
+def verdict(plans: Sequence[ServerPlan], device: DeviceReport, margin_mib: int = DEFAULT_MARGIN_MIB) -> Verdict:
+    """Whether these servers fit the device, and if not, what would: one server instead of several, a smaller context.
+    llama-server does not fail when they do not: it offloads fewer layers to the GPU, which is slower."""
+    margin = margin_mib * MIB
+    need = sum(footprint(p).total_bytes for p in plans)
+    if need + margin <= device.free_bytes:
+        return Verdict(
+            True, need, device.free_bytes, f"fits {device.name}: needs {_mib(need)} of {_mib(device.free_bytes)} free"
+        )
+    options = []
+    if len(plans) > 1 and footprint(plans[0]).total_bytes + margin <= device.free_bytes:
+        options.append("one server for every profile (a llama-server with per-request speculation)")
+    ctx = largest_context(plans, device.free_bytes, margin)
+    slots = plans[0].slots if plans else 1
+    if ctx >= 512 * slots:
+        options.append(f"-c {ctx // 256 * 256} (the largest context that fits, for every server)")
+    text = (
+        f"does not fit {device.name}: needs {_mib(need)} + {margin_mib} MiB margin, {_mib(device.free_bytes)} free; "
+        "llama-server will offload fewer layers to the GPU (slower)"
+    )
+    if options:
+        text += "; would fit: " + " or ".join(options)
+    return Verdict(False, need, device.free_bytes, text)
+
+
+def describe(plans: Sequence[ServerPlan], shared_file_pages: bool) -> list[str]:
+    """One line per server and a total: what start-up prints before launching."""
+    lines = []
+    for p in plans:
+        f = footprint(p)
+        parts = [f"model {_mib(f.model_bytes)}"]
+        if f.drafter_bytes:
+            parts.append(f"drafter {_mib(f.drafter_bytes)}")
+        parts.append(
+            f"KV {_mib(f.kv_bytes)} ({p.ctx_size} tokens × {f.kv_bytes_per_token / 1024:.1f} KiB, {p.kv_type}"
+            + (f", {p.slots} slots of {p.ctx_size // p.slots}" if p.slots > 1 else "")
+            + ")"
+        )
+        if f.recurrent_bytes:
+            parts.append(f"recurrent state {_mib(f.recurrent_bytes)}")
+        lines.append(f"  {p.name}: " + ", ".join(parts) + f" = {_mib(f.total_bytes)}")
+    total = sum(footprint(p).total_bytes for p in plans)
+    note = ""
+    if len(plans) > 1 and shared_file_pages:
+        shared = sum(footprint(p).model_bytes + footprint(p).drafter_bytes for p in plans[1:])
+        note = f" (on this CPU the model files' pages are shared between processes: {_mib(total - shared)} resident)"
+    lines.append(f"  total for {len(plans)} server{'s' if len(plans) > 1 else ''}: {_mib(total)}{note}")
+    return lines

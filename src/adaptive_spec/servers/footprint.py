@@ -1,0 +1,94 @@
+"""The memory a launch will hold, said before it is spent: the GGUFs' dimensions read here, the GPU asked through
+`nvidia-smi` (or stated by the user), the sums and the verdict from `core.memory`."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from adaptive_spec.core.memory import MIB, DeviceReport, ServerPlan, describe, verdict
+from adaptive_spec.core.profiles import ProfileSpec, ServerSettings
+from adaptive_spec.errors import ModelError
+from adaptive_spec.servers.gguf_info import model_dims
+
+Query = Callable[[], str | None]
+
+
+def nvidia_smi() -> str | None:
+    """`nvidia-smi`'s name, total and free memory (MiB) of the first GPU, or None where there is none."""
+    binary = shutil.which("nvidia-smi")
+    if binary is None:
+        return None
+    try:
+        done = subprocess.run(
+            [binary, "--query-gpu=name,memory.total,memory.free", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.splitlines()[0] if done.stdout.strip() else None
+
+
+def device_report(stated_mib: int | None = None, query: Query = nvidia_smi) -> DeviceReport | None:
+    """The device to fit: one the user states (`--device-memory MIB`), else the first NVIDIA GPU, else None."""
+    if stated_mib is not None:
+        return DeviceReport(f"a {stated_mib:,} MiB device (--device-memory)", stated_mib * MIB, stated_mib * MIB)
+    line = query()
+    if line is None:
+        return None
+    try:
+        name, total, free = (part.strip() for part in line.split(","))
+        return DeviceReport(name, int(float(total)) * MIB, int(float(free)) * MIB)
+    except ValueError:
+        return None
+
+
+def _kv_type(extra_args: Sequence[str]) -> str:
+    args = list(extra_args)
+    for flag in ("-ctk", "--cache-type-k"):
+        if flag in args[:-1]:
+            return args[args.index(flag) + 1]
+    return "f16"
+
+
+def server_plans(specs: Sequence[ProfileSpec], settings: ServerSettings) -> list[ServerPlan] | None:
+    """Each server to launch as `core.memory` sizes it; None when a model is not a local file (`hf:`: llama-server
+    downloads it) or its header cannot be read."""
+    if settings.model.path is None:
+        return None
+    try:
+        model = model_dims(Path(settings.model.path))
+        drafter = model_dims(Path(settings.draft.path)) if settings.draft and settings.draft.path else None
+    except ModelError:
+        return None
+    kv_type = _kv_type(settings.extra_args)
+    return [
+        ServerPlan(
+            spec.name,
+            model,
+            settings.ctx_size,
+            slots=settings.parallel,
+            drafter=drafter if spec.uses_draft_file else None,
+            kv_type=kv_type,
+        )
+        for spec in specs
+    ]
+
+
+def launch_lines(
+    specs: Sequence[ProfileSpec], settings: ServerSettings, device: DeviceReport | None, design: str
+) -> list[str]:
+    """`memory:` and a line per server, the total, and the verdict where there is a device to fit."""
+    plans = server_plans(specs, settings)
+    if plans is None:
+        return ["memory: not estimated (the model is not a local GGUF here)"]
+    lines = [f"memory ({design}; weights and KV cache, before compute buffers):"]
+    lines += describe(plans, shared_file_pages=device is None)
+    if device is not None:
+        lines.append("  " + verdict(plans, device).text)
+    return lines

@@ -1,0 +1,39 @@
+"""The memory estimate against llama-server's own figures: the KV cache it allocates (its `llama_kv_cache: size =`
+line) equals what core/memory.py computes from the GGUF's header, for a dense and a hybrid tiny model; the hybrid's
+recurrent state is close to its `llama_memory_recurrent: size =` line."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from adaptive_spec.core.memory import MIB, ServerPlan, footprint
+from adaptive_spec.servers.gguf_info import model_dims
+from tests.support.servers import LlamaServer
+from tests.support.tiny_drafters import write_tiny_mtp_target
+
+
+def _logged_mib(log: str, what: str) -> float:
+    found = re.search(rf"{what}: size =\s+([0-9.]+) MiB", log)
+    assert found, f"no '{what}: size =' line in the log"
+    return float(found.group(1))
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_the_kv_estimate_equals_what_llama_server_allocates(
+    kind: str, llama_server_binary: str, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    model = tiny_gguf if kind == "dense" else write_tiny_mtp_target(tmp_path / "tiny-random-qwen35-mtp.gguf")
+    server = LlamaServer(llama_server_binary, model, "-c", "8192", "--parallel", "2", "-v", log_dir=tmp_path / "logs")
+    try:
+        log = server.log_path.read_text()
+    finally:
+        server.stop()
+    estimate = footprint(ServerPlan("s", model_dims(model), 8192, slots=2))
+    assert _logged_mib(log, "llama_kv_cache") == pytest.approx(estimate.kv_bytes / MIB, abs=0.005)
+    if kind == "hybrid":
+        logged = _logged_mib(log, "llama_memory_recurrent")
+        assert estimate.recurrent_bytes > 0
+        assert logged / 2 <= estimate.recurrent_bytes / MIB <= logged * 2
