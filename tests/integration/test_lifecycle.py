@@ -44,6 +44,7 @@ def llama_children(proxy: ProxyProcess) -> dict[int, str]:
 def _launch(tiny_gguf: Path, state: Path, port: int | None = None, *extra: str) -> ProxyProcess:
     return ProxyProcess(
         *extra,
+        "--server-per-profile",  # one process per profile: what these tests crash, restart and count
         "--model",
         str(tiny_gguf),
         "--threads",

@@ -37,7 +37,9 @@ def routed(
     policy = home / "policy.toml"
     policy.write_text(POLICY)
     env = {"ADAPTIVE_SPEC_STATE_DIR": str(home / "state"), "ADAPTIVE_SPEC_CONFIG_DIR": str(home / "config")}
-    proxy = ProxyProcess("--threads", "1", "--ctx-size", "8192", "--policy", str(policy), env=env)
+    # One process per profile: the moves below hand the KV over between two servers.
+    args = ("--threads", "1", "--ctx-size", "8192", "--server-per-profile", "--policy", str(policy))
+    proxy = ProxyProcess(*args, env=env)
     yield proxy, policy, home
     proxy.stop()
 

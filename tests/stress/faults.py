@@ -54,6 +54,7 @@ def launched(workdir: Path, *extra: str) -> ProxyProcess:
         "1",
         "--ctx-size",
         "8192",
+        "--server-per-profile",  # the faults hit one profile's own process and a KV handoff between two
         *extra,
         env={"ADAPTIVE_SPEC_STATE_DIR": str(workdir / "state"), "ADAPTIVE_SPEC_CONFIG_DIR": str(workdir / "config")},
     )

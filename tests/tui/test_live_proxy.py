@@ -24,7 +24,8 @@ PASTED = "Here is a.py:\n```python\n" + "\n".join(f"value_{i} = {i} * {i}" for i
 
 def _serve(tiny_gguf: Path, home: Path, port: int | None = None, *extra: str) -> ProxyProcess:
     env = {"ADAPTIVE_SPEC_STATE_DIR": str(home / "state"), "ADAPTIVE_SPEC_CONFIG_DIR": str(home / "config")}
-    args = ("--model", str(tiny_gguf), "--threads", "1", "--ctx-size", "4096", *extra)
+    # One process per profile: the pinned move below hands the KV over between two servers.
+    args = ("--model", str(tiny_gguf), "--threads", "1", "--ctx-size", "4096", "--server-per-profile", *extra)
     return ProxyProcess(*args, env=env, port=port)
 
 

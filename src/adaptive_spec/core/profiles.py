@@ -7,12 +7,15 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from urllib.parse import urlsplit
 
+from adaptive_spec.core.speculation import PerRequestSupport, Speculation
 from adaptive_spec.errors import ConfigError
 
 DRAFT_TYPES = {"dflash": "draft-dflash", "mtp": "draft-mtp", "eagle3": "draft-eagle3", "simple": "draft-simple"}
 # Drafters that read a separate draft GGUF (-md); MTP drafts with the target model's own heads.
 _NEEDS_DRAFT_FILE = frozenset({"draft-dflash", "draft-eagle3", "draft-simple", "draft-dspark"})
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+# llama-server's options that choose a chat template: the user's own one wins over a shipped template.
+_TEMPLATE_OPTIONS = frozenset({"--chat-template", "--chat-template-file"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +89,7 @@ class ServerSettings:
     threads: int = 1
     parallel: int = 1
     extra_args: tuple[str, ...] = ()
+    chat_template_file: str | None = None  # a shipped template for the model, unless extra_args name their own
 
 
 def server_argv(
@@ -106,6 +110,8 @@ def server_argv(
             argv += ["-fa", "on"]
     if "ngram-mod" in spec.spec_types:
         argv += spec.ngram_mod.args()
+    if settings.chat_template_file and not any(a.partition("=")[0] in _TEMPLATE_OPTIONS for a in settings.extra_args):
+        argv += ["--chat-template-file", settings.chat_template_file]
     argv += list(settings.extra_args)
     return argv
 
@@ -131,11 +137,14 @@ def default_profiles(draft_type: str | None, ngram_mod: NgramModParams) -> tuple
 
 @dataclass(frozen=True, slots=True)
 class AttachedProfile:
-    """A profile the user runs: `NAME=URL`, or `NAME=URL#MODEL` for a router-mode server's preset."""
+    """A profile the user runs: `NAME=URL`, or `NAME=URL#MODEL` for a router-mode server's preset; either may end in
+    `;types=T1,T2` and/or `;n_max=N`, the per-request speculation settings its requests carry to a server that takes
+    them (profiles naming one such server are settings of it; without a suffix a profile names nothing)."""
 
     name: str
     base_url: str
     upstream_model: str | None = None
+    speculation: Speculation = field(default_factory=Speculation)
 
     @classmethod
     def parse(cls, text: str) -> AttachedProfile:
@@ -143,11 +152,13 @@ class AttachedProfile:
         if not sep or not name or not rest:
             raise ConfigError(f"--profile {text!r}: expected NAME=URL or NAME=URL#MODEL")
         check_profile_name(name)
+        rest, semi, settings = rest.partition(";")
         url, _, model = rest.partition("#")
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ConfigError(f"--profile {text!r}: {url!r} is not an http(s) URL")
-        return cls(name, url.rstrip("/"), model or None)
+        speculation = Speculation.parse(settings, f"--profile {text!r}") if semi else Speculation()
+        return cls(name, url.rstrip("/"), model or None, speculation)
 
 
 def check_profile_name(name: str) -> None:
@@ -169,6 +180,9 @@ class ProfileInfo:
     spec_types: tuple[str, ...] | None  # None until a slot has served a request
     speculative: bool | None
     replica: int = 0  # its place in the profile's pool (`--profile NAME=URL` given more than once)
+    per_request: PerRequestSupport | None = None  # the server takes speculation settings per request (None: stock)
+    speculation: Speculation = field(default_factory=Speculation)  # the settings this profile's requests carry
+    server: str | None = None  # a server it shares with other profiles (None: a server of its own)
 
     @property
     def label(self) -> str:

@@ -53,6 +53,9 @@ class RequestRecord:
     side: bool = False  # a side request of its session (a title, a commit message): not one of its turns
     replica: int = 0  # which server of the profile's pool served it (0 for a profile of one server)
     replica_moved_from: int | None = None  # the session's KV lived on this other server of the same pool
+    # The per-request speculation it ran with: {"types", "n_max", "set_by": profile|client|profile+client}; None:
+    # nothing named, the server's own (a stock server, or a profile that names nothing).
+    speculation: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """As `asdict` makes it, field by field (asdict's deep copy of every value cost a tenth of a request's own

@@ -19,6 +19,7 @@ from adaptive_spec.core.output import LiveText
 from adaptive_spec.core.requests import GENERATING_APIS, RequestProblem, parse_body, with_fields
 from adaptive_spec.core.sessions.clients import client_name
 from adaptive_spec.core.sessions.project import DEFAULT_PROJECT, workspace_path_from_request
+from adaptive_spec.core.speculation import merge_fields, sent_settings
 from adaptive_spec.core.timings import ResponseMeter
 from adaptive_spec.proxy.errors import error_response
 from adaptive_spec.proxy.forward import SHUTDOWN_MESSAGE, Outcome, forward
@@ -34,6 +35,9 @@ log = logging.getLogger(__name__)
 _PROGRESS_APIS = frozenset({"chat", "completions", "responses"})
 # APIs whose body llama-server passes `id_slot` on from (its Anthropic and Responses conversions rebuild the body).
 _SLOT_APIS = frozenset({"chat", "completions"})
+# APIs whose body a patched llama-server reads `speculative.*` from: a profile's per-request settings go there (its
+# Anthropic and Responses conversions carry them on).
+SPECULATION_APIS = frozenset({"chat", "completions", "completion", "responses", "messages"})
 # How long a request waits for its session's previous turn to be folded into the statistics it is routed on.
 _SETTLE_S = 0.3
 # A body from this size on (a ~40k-token history) is parsed, grouped and routed in turns with the other streams' chunks.
@@ -106,6 +110,9 @@ def _upstream_body(req: ProxyRequest, upstream: Upstream, watched: bool) -> tupl
         preset = upstream.upstream_model
         return (with_model(req.body, preset) if preset is not None and req.body else req.body), False
     added: dict[str, Any] = {}
+    if req.routed.api in SPECULATION_APIS:
+        added, _ = merge_fields(parsed.body, upstream.speculation)
+        req.speculation = sent_settings(parsed.body, added)
     strip = watched and parsed.stream and req.routed.api in _PROGRESS_APIS and "timings_per_token" not in parsed.body
     if strip:
         added["timings_per_token"] = True

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from adaptive_spec.core.events import DraftProgress, RequestFailed, RequestFinished, RequestStarted
 from adaptive_spec.core.history import RequestHistory
@@ -53,6 +54,7 @@ class ProxyRequest:
     client: str | None = None  # the agent, from its User-Agent
     replica: int = 0  # which server of the profile's pool it was sent to
     pool_size: int = 1  # how many servers that profile has
+    speculation: dict[str, Any] | None = None  # the per-request speculation fields it was sent with
 
 
 class RequestLifecycle:
@@ -225,4 +227,5 @@ def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> Reques
         side=decision.side if decision else False,
         replica=req.replica,
         replica_moved_from=decision.replica_moved_from if decision else None,
+        speculation=req.speculation,
     )

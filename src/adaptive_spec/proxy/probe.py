@@ -1,4 +1,5 @@
-"""Asking a running profile what it serves: model, context, slots and speculation types (/props, /slots)."""
+"""Asking a running profile what it serves: model, context, slots and speculation types (/props, /slots), and
+whether its server takes speculation settings per request (/props `speculative_per_request`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from urllib.parse import quote
 import aiohttp
 
 from adaptive_spec.core.profiles import ProfileInfo
+from adaptive_spec.core.speculation import PerRequestSupport
 from adaptive_spec.errors import LaunchError
 from adaptive_spec.proxy.upstreams import Upstream
 
@@ -49,6 +51,9 @@ async def probe(session: aiohttp.ClientSession, upstream: Upstream) -> ProfileIn
     settings = props.get("default_generation_settings")
     n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
     spec_types, speculative = _spec_types(slots)
+    per_request = PerRequestSupport.from_props(props)
+    if per_request is not None:  # its configured types are in /props: what this profile's requests may draft with
+        spec_types = upstream.speculation.drafting_types(per_request.types)
     return ProfileInfo(
         name=upstream.name,
         base_url=base,
@@ -60,6 +65,8 @@ async def probe(session: aiohttp.ClientSession, upstream: Upstream) -> ProfileIn
         spec_types=spec_types,
         speculative=speculative,
         replica=upstream.replica,
+        per_request=per_request,
+        speculation=upstream.speculation,
     )
 
 

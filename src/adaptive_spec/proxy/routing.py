@@ -50,8 +50,9 @@ class Router(RouterState):
         seed: int | None = None,
         replica_slots: Mapping[tuple[str, int], int] | None = None,
         mover: SlotMover | None = None,
+        servers: Mapping[tuple[str, int], str] | None = None,
     ) -> None:
-        super().__init__(table, policies, slots, spec_types, seed, replica_slots)
+        super().__init__(table, policies, slots, spec_types, seed, replica_slots, servers)
         self.table, self.slot_dir, self.publish = table, slot_dir, publish
         # The seam for moving slots between hosts: a mover given here replaces the shared directory's.
         self.mover: SlotMover | None = mover or (SharedDirMover(slot_dir) if slot_dir is not None else None)
@@ -82,10 +83,12 @@ class Router(RouterState):
         return self._books[(profile, replica)].slots
 
     def slots_erased(self, profile: str, replica: int = 0) -> None:
-        """The replica's slots were emptied: no session's KV cache is there any more (its RAM cache may remain)."""
+        """The replica's slots were emptied: no session's KV cache is there any more (its RAM cache may remain), nor
+        on the other profiles of its server."""
+        home = self.home(profile, replica)
         for _, placement in self.placements.items():
-            if placement.profile == profile and placement.replica == replica:
-                self.placements.displace(profile, placement.slot, keep=None, replica=replica)
+            if self.home(placement.profile, placement.replica) == home:
+                self.placements.displace(placement.profile, placement.slot, keep=None, replica=placement.replica)
 
     # --- KV handoff -------------------------------------------------------------------------------------------
 

@@ -4,9 +4,10 @@ them serving the same model and setup) with each replica's health as the launche
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from adaptive_spec.core.events import Event, ProfileDown, ProfileUp
+from adaptive_spec.core.speculation import Speculation
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,6 +16,8 @@ class Upstream:
     base_url: str
     upstream_model: str | None = None  # router-mode preset chosen by the request's `model`
     replica: int = 0  # its place in the profile's pool (0 for a profile of one server)
+    # Sent in each generating request's body to a server that takes speculation settings per request.
+    speculation: Speculation = field(default_factory=Speculation)
 
     @property
     def label(self) -> str:
@@ -37,7 +40,7 @@ class UpstreamTable:
         self._pools: dict[str, list[Upstream]] = {}
         for u in upstreams:
             pool = self._pools.setdefault(u.name, [])
-            pool.append(Upstream(u.name, u.base_url, u.upstream_model, len(pool)))
+            pool.append(replace(u, replica=len(pool)))
         self.default = default or upstreams[0].name
         if self.default not in self._pools:
             raise ValueError(f"default profile {self.default!r} is not one of {self.names()}")

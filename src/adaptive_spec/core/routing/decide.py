@@ -6,13 +6,14 @@ health and load, the learned speeds and the policy in force, and returns a Decis
 Cost of serving the request on profile p:
 
     prompt tokens p must process / prefill speed of p   (all of them when the session's KV lives elsewhere,
-                                                         only the new ones when it lives on p)
+                                                         only the new ones when it lives on p's server)
   + slot save + restore                                  (when the KV is handed over instead of re-prefilled)
   + expected output tokens × seconds/token of p given the session's copyability and context
 
 A session stays where its KV lives unless another profile is estimated faster by more than the hysteresis, and not
-before it has dwelt `min_dwell_turns` there. A pin or a forced profile overrides the estimate; a profile that is
-down or overloaded is passed over and the decision says why.
+before it has dwelt `min_dwell_turns` there. Profiles that are per-request settings of one llama-server share its
+slots: a switch between them keeps the KV, costs nothing to move and needs no dwell ("same server"). A pin or a
+forced profile overrides the estimate; a profile that is down or overloaded is passed over and the decision says why.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class SessionState:
     copy_share: float | None  # estimated accepted share of n-gram drafts (EWMA over recent turns); None = no history
     placement: Placement | None
     in_flight_on: str | None = None  # a request of this session is being served there (its KV is not placed yet)
+    # Other profiles on the server that holds its KV (per-request settings of one llama-server): a switch to one
+    # keeps the slot and its cache, nothing is saved or restored.
+    same_server: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +120,7 @@ def _estimate(
     prefill_tokens = prompt_tokens - held_here
     if placement is not None and placement.cached_tokens > 0:
         reuse = _reuse(placement, request, prompt_tokens)
-        if placement.profile == p.name:
+        if placement.profile == p.name or p.name in session.same_server:
             prefill_tokens = prompt_tokens - max(reuse, held_here)
         elif _can_hand_off(placement, p, policy, profiles, reuse):
             # Priced by the prefix the new prompt shares with the saved slot, and only when restoring that prefix is
@@ -206,6 +210,8 @@ def decide(
             and _estimate(by_name[name], request, session, copy_share, prompt_tokens, speeds, policy, by_name).handoff_s
             > 0
         )
+        if moved is not None and name in session.same_server and "same server" not in reason:
+            reason += f"; same server as {moved}: keeps its KV cache, no handoff"
         return Decision(
             profile=name,
             kind=kind,
@@ -275,7 +281,7 @@ def decide(
 
     if placement is not None and here is None:  # its KV lives on a profile that is down or overloaded
         why = passed_over(placement.profile) or f"{placement.profile} is not allowed by the policy"
-        reason = f"{best.profile}: {why}; {_move_text(best, placement, session.in_flight_on)}"
+        reason = f"{best.profile}: {why}; {_move_text(best, session)}"
         return decision(best.profile, "fallback", reason, estimates)
     ideal = min(everywhere.values(), key=lambda e: e.total_s) if everywhere else best
     if placement is None and ideal.profile != best.profile:  # the estimated best is down or overloaded
@@ -286,7 +292,9 @@ def decide(
     if here is not None and best.profile != here.profile:
         assert placement is not None
         gain = 1.0 - best.total_s / here.total_s if here.total_s > 0 else 0.0
-        if placement.turns_here < policy.route.min_dwell_turns and placement.cached_tokens > 0:
+        # The dwell spares a session paying for moves back and forth; a move on its own server costs nothing.
+        free = best.profile in session.same_server
+        if placement.turns_here < policy.route.min_dwell_turns and placement.cached_tokens > 0 and not free:
             reason = (
                 f"{here.profile}: stays (turn {placement.turns_here} of a {policy.route.min_dwell_turns}-turn dwell); "
                 f"{best.profile} est {gain:.0%} faster; copyable {copy_share:.0%} ({copy_src})"
@@ -308,7 +316,8 @@ def decide(
     return decision(chosen.profile, kind, reason, estimates)
 
 
-def _move_text(chosen: Estimate, placement: Placement | None, in_flight_on: str | None = None) -> str:
+def _move_text(chosen: Estimate, session: SessionState) -> str:
+    placement, in_flight_on = session.placement, session.in_flight_on
     if placement is None and in_flight_on is not None:  # not new: its first request has not finished yet
         return (
             f"its earlier request is still in flight on {in_flight_on}; prefills "
@@ -318,6 +327,11 @@ def _move_text(chosen: Estimate, placement: Placement | None, in_flight_on: str 
         return f"new session, prefills {_fmt_tokens(chosen.prefill_tokens)} tok ≈ {chosen.prefill_s:.2f} s"
     if placement.profile == chosen.profile:
         return f"stays on its KV cache ({_fmt_tokens(chosen.prefill_tokens)} new tok ≈ {chosen.prefill_s:.2f} s)"
+    if chosen.profile in session.same_server:
+        return (
+            f"same server as {placement.profile}: keeps its KV cache, no handoff "
+            f"({_fmt_tokens(chosen.prefill_tokens)} new tok ≈ {chosen.prefill_s:.2f} s)"
+        )
     if chosen.handoff_s > 0:
         return (
             f"hands its KV over from {placement.profile} ({_fmt_tokens(placement.cached_tokens)} tok ≈ "
@@ -342,7 +356,7 @@ def _reason(
     )
     if vs:
         head += f" vs {vs}"
-    tail = _move_text(chosen, placement, session.in_flight_on)
+    tail = _move_text(chosen, session)
     if placement is not None and placement.profile != chosen.profile and others:
         stay = next((e for e in others if e.profile == placement.profile), None)
         if stay is not None:

@@ -4,6 +4,7 @@ shell and the simulator both call `observe()`, so the simulator learns exactly a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from adaptive_spec.core.lru import LRU
@@ -29,11 +30,20 @@ class Placement:
 class Placements:
     """Where each session's KV cache lives (bounded: least recently used sessions are forgotten)."""
 
-    def __init__(self, max_sessions: int = 4096, alpha: float = 0.5) -> None:
+    def __init__(
+        self,
+        max_sessions: int = 4096,
+        alpha: float = 0.5,
+        home: Callable[[str, int], tuple[str, int]] = lambda profile, replica: (profile, replica),
+    ) -> None:
+        """`home`: the server a (profile, replica) runs on, as a key; profiles on one server share its slots."""
         self._by_session: LRU[str, Placement] = LRU(max_sessions)
-        self.max_sessions, self.alpha = max_sessions, alpha
-        # The sessions marked in each slot, so that a request displaces them without a scan of every session.
-        self._in_slot: dict[tuple[str, int, int | None], set[str]] = {}
+        self.max_sessions, self.alpha, self._home = max_sessions, alpha, home
+        # The sessions marked in each slot of each server, so that a request displaces them without a scan.
+        self._in_slot: dict[tuple[tuple[str, int], int | None], set[str]] = {}
+
+    def _slot(self, profile: str, replica: int, slot: int | None) -> tuple[tuple[str, int], int | None]:
+        return self._home(profile, replica), slot
 
     def get(self, session_id: str | None) -> Placement | None:
         return self._by_session.get(session_id) if session_id is not None else None
@@ -51,31 +61,33 @@ class Placements:
         turns = old.turns_here + 1 if old is not None and old.profile == profile else 1
         out = float(output_tokens) if old is None else self.alpha * output_tokens + (1 - self.alpha) * old.output_tokens
         if old is not None and old.in_slot:
-            self._in_slot.get((old.profile, old.replica, old.slot), set()).discard(session_id)
+            self._in_slot.get(self._slot(old.profile, old.replica, old.slot), set()).discard(session_id)
         dropped = self._by_session.put(session_id, Placement(profile, slot, cached_tokens, turns, out, replica=replica))
-        self._in_slot.setdefault((profile, replica, slot), set()).add(session_id)
+        self._in_slot.setdefault(self._slot(profile, replica, slot), set()).add(session_id)
         for sid, gone in dropped:
-            self._in_slot.get((gone.profile, gone.replica, gone.slot), set()).discard(sid)
+            self._in_slot.get(self._slot(gone.profile, gone.replica, gone.slot), set()).discard(sid)
 
     def displace(self, profile: str, slot: int | None, keep: str | None, replica: int = 0) -> None:
         """`keep` now occupies this slot (served there, or restored into it; None: nobody, it was erased): the other
         sessions it held are out of the slot (their prompts may live on in the profile's RAM cache, so their cached
         figures stay)."""
-        held = self._in_slot.get((profile, replica, slot))
+        where = self._slot(profile, replica, slot)
+        held = self._in_slot.get(where)
         if not held:
             return
         for sid in [sid for sid in held if sid != keep]:
             held.discard(sid)
             p = self._by_session.get(sid)
-            if p is not None and p.in_slot and p.profile == profile and p.slot == slot and p.replica == replica:
+            if p is not None and p.in_slot and self._slot(p.profile, p.replica, p.slot) == where:
                 self._by_session.replace(sid, replace(p, in_slot=False))
 
     def __len__(self) -> int:
         return len(self._by_session)
 
     def count_on(self, profile: str, replica: int) -> int:
-        """Sessions whose KV cache lives on this replica (a tie-break for new sessions: spread them)."""
-        return sum(1 for _, p in self._by_session.items() if p.profile == profile and p.replica == replica)
+        """Sessions whose KV cache lives on this replica's server (a tie-break for new sessions: spread them)."""
+        home = self._home(profile, replica)
+        return sum(1 for _, p in self._by_session.items() if self._home(p.profile, p.replica) == home)
 
     def items(self) -> list[tuple[str, Placement]]:
         return self._by_session.items()

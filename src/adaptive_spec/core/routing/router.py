@@ -78,21 +78,28 @@ class RouterState:
         spec_types: Mapping[str, tuple[str, ...] | None],
         seed: int | None = None,
         replica_slots: Mapping[tuple[str, int], int] | None = None,
+        servers: Mapping[tuple[str, int], str] | None = None,
     ) -> None:
-        """`slots`: each profile's slots per server; `replica_slots` overrides it for a (profile, replica)."""
+        """`slots`: each profile's slots per server; `replica_slots` overrides it for a (profile, replica).
+        `servers`: the server a (profile, replica) shares with others (profiles as per-request settings of one
+        llama-server): those share its slots, its load and its sessions' KV; one not named has a server of its own."""
         self.health, self.policies = health, policies
         self._spec_types = dict(spec_types)
         base = policies.policy_for("default", None)
         self.speeds = SpeedModel(base.estimator, base.handoff, {n: spec_types.get(n) for n in health.names()})
-        self.placements = Placements()
         self.in_flight: dict[str, int] = dict.fromkeys(health.names(), 0)
-        per_replica = replica_slots or {}
-        self._books = {
-            (n, i): SlotBook(max(1, per_replica.get((n, i), slots.get(n, 1))))
-            for n in health.names()
-            for i in range(len(health.replica_health(n)))
-        }
-        self.replica_in_flight: dict[tuple[str, int], int] = dict.fromkeys(self._books, 0)
+        per_replica, shared = replica_slots or {}, servers or {}
+        first: dict[str, tuple[str, int]] = {}
+        # Each (profile, replica) → the first (profile, replica) of its server: the key of the server's own state.
+        self._home: dict[tuple[str, int], tuple[str, int]] = {}
+        for n in health.names():
+            for i in range(len(health.replica_health(n))):
+                server = shared.get((n, i))
+                self._home[(n, i)] = first.setdefault(server, (n, i)) if server is not None else (n, i)
+        self.placements = Placements(home=self.home)
+        books = {h: SlotBook(max(1, per_replica.get(h, slots.get(h[0], 1)))) for h in set(self._home.values())}
+        self._books = {key: books[home] for key, home in self._home.items()}  # one book per server
+        self.replica_in_flight: dict[tuple[str, int], int] = dict.fromkeys(books, 0)  # per server (its home key)
         # Per replica: requests served, output, drafted and accepted tokens (acceptance per replica, for telemetry).
         self.replica_counts: dict[tuple[str, int], dict[str, int]] = {
             k: {"requests": 0, "predicted_n": 0, "draft_n": 0, "draft_n_accepted": 0} for k in self._books
@@ -107,6 +114,17 @@ class RouterState:
         # What each slot served last, whichever session: a new session of the same agent shares its system prompt.
         self.slot_prefixes: LRU[tuple[str, int, int | None], prefix.PrefixState] = LRU(4096)
 
+    def home(self, profile: str, replica: int = 0) -> tuple[str, int]:
+        """The key of the server that (profile, replica) runs on: itself, or the first profile of a shared server."""
+        return self._home.get((profile, replica), (profile, replica))
+
+    def same_server(self, profile: str, replica: int, other: str) -> int | None:
+        """The replica of profile `other` that runs on the same server as (profile, replica), or None."""
+        if other == profile:
+            return replica
+        home = self.home(profile, replica)
+        return next((i for i in range(len(self.health.replica_health(other))) if self.home(other, i) == home), None)
+
     def states(self) -> list[ProfileState]:
         """Each profile as decide() sees it: its healthy replicas' slots together (a pool is one bigger profile)."""
         out = []
@@ -117,7 +135,8 @@ class RouterState:
                 ProfileState(
                     name=n,
                     down_reason=self.health.down_reason(n),
-                    in_flight=self.in_flight.get(n, 0),
+                    # Its servers' load: on a server shared with other profiles, theirs counts too.
+                    in_flight=sum(r.in_flight for r in replicas),
                     slots=sum(r.slots for r in healthy),
                     handoff=self._can_save(n),
                     draft_model=uses_draft_model(self._spec_types.get(n)),
@@ -132,7 +151,7 @@ class RouterState:
         states = []
         for i, (url, down) in enumerate(health):
             book = self._books.get((profile, i)) or SlotBook(1)
-            in_flight = self.replica_in_flight.get((profile, i), 0)
+            in_flight = self.replica_in_flight.get(self.home(profile, i), 0)
             states.append(
                 ReplicaState(
                     index=i,
@@ -148,7 +167,8 @@ class RouterState:
         return states
 
     def _held_on(self, profile: str, placement: Placement | None) -> int | None:
-        return placement.replica if placement is not None and placement.profile == profile else None
+        """The replica of `profile` whose server holds the session's KV (its own profile's, or one sharing it)."""
+        return self.same_server(placement.profile, placement.replica, profile) if placement is not None else None
 
     def _preview_replica(self, profile: str, placement: Placement | None) -> int:
         """The replica a request would use before the overload check: its KV's, else the least loaded one."""
@@ -197,8 +217,8 @@ class RouterState:
         shared_on = {}
         for name in self.health.names():
             replica = self._preview_replica(name, placement)
-            held = self.slot_prefixes.get((name, replica, self._slot_key(name, session_id, replica)))
-            mine = own if placement is not None and placement.profile == name and placement.replica == replica else 0
+            held = self.slot_prefixes.get((*self.home(name, replica), self._slot_key(name, session_id, replica)))
+            mine = own if self._held_on(name, placement) == replica else 0
             shared_on[name] = max(mine, prefix.shared_tokens(held, pieces, cpt))
         request = replace(
             request,
@@ -207,12 +227,22 @@ class RouterState:
             shared_on=shared_on,
         )
         busy = self.sessions_in_flight.get(session_id) if session_id is not None else None
+        same = frozenset(
+            n
+            for n in self.health.names()
+            if placement is not None and n != placement.profile and self._held_on(n, placement) is not None
+        )
         session = SessionState(
-            session_id, session_turns, copy_share, placement, in_flight_on=busy[0] if busy is not None else None
+            session_id,
+            session_turns,
+            copy_share,
+            placement,
+            in_flight_on=busy[0] if busy is not None else None,
+            same_server=same,
         )
         decision = decide(request, session, self.states(), self.speeds, policy)
         chosen = next((e for e in decision.estimates if e.profile == decision.profile), None)
-        here = placement is None or placement.profile == decision.profile
+        here = placement is None or placement.profile == decision.profile or decision.profile in same
         decision = replace(
             decision,
             pieces=pieces,
@@ -300,7 +330,7 @@ class RouterState:
         book = self._books[(profile, replica)]
         if book.slots > 1 and slot is not None:
             return book.busy.get(slot, 0) > mine
-        return self.replica_in_flight.get((profile, replica), 0) > mine
+        return self.replica_in_flight.get(self.home(profile, replica), 0) > mine
 
     def _can_save(self, profile: str) -> bool:
         """Whether the profile's KV can be saved and restored through slot files (the shell knows its servers)."""
@@ -314,7 +344,8 @@ class RouterState:
     def started(self, profile: str, slot: int | None, session_id: str | None = None, replica: int = 0) -> None:
         self.in_flight[profile] = self.in_flight.get(profile, 0) + 1
         key = (profile, replica)
-        self.replica_in_flight[key] = self.replica_in_flight.get(key, 0) + 1
+        home = self.home(profile, replica)
+        self.replica_in_flight[home] = self.replica_in_flight.get(home, 0) + 1
         if session_id is not None:
             _, count = self.sessions_in_flight.get(session_id, (profile, 0))
             self.sessions_in_flight[session_id] = (profile, count + 1)
@@ -336,8 +367,8 @@ class RouterState:
     ) -> bool:
         """Returns whether this request started its session's main line (the requests before it were side ones)."""
         self.in_flight[profile] = max(0, self.in_flight.get(profile, 0) - 1)
-        key = (profile, replica)
-        self.replica_in_flight[key] = max(0, self.replica_in_flight.get(key, 0) - 1)
+        key, home = (profile, replica), self.home(profile, replica)
+        self.replica_in_flight[home] = max(0, self.replica_in_flight.get(home, 0) - 1)
         if session_id is not None and session_id in self.sessions_in_flight:
             where, count = self.sessions_in_flight.pop(session_id)
             if count > 1:
@@ -359,7 +390,7 @@ class RouterState:
             return False
         own = self.prefixes.get(session_id)
         state = prefix.observe(own, decision.pieces, decision.has_tools, reply, timings, self.chars_per_token)
-        self.slot_prefixes.put((profile, replica, slot if book.slots > 1 else None), state)
+        self.slot_prefixes.put((*home, slot if book.slots > 1 else None), state)
         if session_id is not None and not decision.side:
             # A side request leaves the main line's state: llama-server keeps the line's prompt in its RAM cache.
             self.prefixes.put(session_id, state)
