@@ -1,9 +1,9 @@
 """Real agents end to end through `adaptive-spec serve` on the embedded Qwen2.5-Coder-0.5B (opt-in).
 
-The 0.5B model never emits a tool call (it answers a tools request with a fenced JSON block as text), so opencode and
-Codex CLI cannot edit files with it: their tests check what the model can do — every request answered, one proxy
-session per conversation with its side requests in it, the project from the route, decisions and draft counts in
-the records and the trace. aider's whole-file edit format needs no tool calls: its file must change.
+The 0.5B writes tool calls through the shipped chat template (templates/qwen2.5-coder-tools.jinja: its fenced ```json
+calls become real `tool_calls`), but whether opencode and Codex CLI finish an edit with it is not yet checked here:
+their tests check what is known to hold — every request answered, one proxy session per conversation with its side
+requests in it, the project from the route, decisions and draft counts in the records and the trace. aider's whole-file edit format needs no tool calls: its file must change.
 """
 
 from __future__ import annotations

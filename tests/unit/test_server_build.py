@@ -3,6 +3,7 @@ apply to the pinned llama.cpp source."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +21,7 @@ def _patch(name: str, body: bytes = b"") -> build.Patch:
 
 def test_every_shipped_patch_is_read_in_order_and_named_in_the_readme() -> None:
     patches = build.shipped_patches()
-    assert [p.name[:4] for p in patches] == ["0001", "0002", "0003"]
+    assert [p.name[:4] for p in patches] == ["0001", "0002", "0003", "0004"]
     readme = (build.PATCH_DIR / "README.md").read_text()
     for p in patches:
         assert f"`{p.name}`" in readme, f"{p.name} is not explained in patches/README.md"
@@ -148,3 +149,14 @@ def test_a_patch_that_no_longer_applies_fails_naming_itself() -> None:
     assert broken != first.data
     with pytest.raises(BuildError, match=first.name):
         check_patches(_pinned_sdist(), [build.Patch(first.name, "x", broken), *rest])
+
+
+def test_a_new_build_removes_the_ones_it_supersedes_and_keeps_other_cmake_arguments(tmp_path: Path) -> None:
+    patches = [_patch("0001-a.patch")]
+    cuda = _manifest(patches, key="cuda")  # CMAKE_ARGS -DGGML_CUDA=on
+    old_cpu = dataclasses.replace(cuda, key="old-cpu", cmake_args=())
+    new_cpu = dataclasses.replace(old_cpu, key="new-cpu", patch_sha256=("changed",))
+    for m in (old_cpu, cuda, new_cpu):
+        _install(tmp_path, m)
+    assert build.prune_superseded(tmp_path, new_cpu) == ["old-cpu"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["cuda", "new-cpu"]

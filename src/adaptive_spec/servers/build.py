@@ -297,12 +297,28 @@ def _build_locked(
         shutil.rmtree(folder, ignore_errors=True)
         staged.rename(folder)
         (root / "current").write_text(key + "\n")
+        prune_superseded(root, manifest)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     found = find_built(root, patches)
     if found is None:
         raise BuildError(f"the build in {folder} has no runnable llama-server")
     return found
+
+
+def prune_superseded(root: Path, kept: Manifest) -> list[str]:
+    """Remove the builds a new one supersedes: the same CMake arguments, older patches or recipe (a CUDA build beside
+    a CPU one stays). Returns the keys removed."""
+    removed = []
+    for manifest_path in root.glob("*/build.json"):
+        try:
+            other = Manifest.from_json(manifest_path.read_text())
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if other.key != kept.key and other.cmake_args == kept.cmake_args:
+            shutil.rmtree(manifest_path.parent, ignore_errors=True)
+            removed.append(other.key)
+    return removed
 
 
 def _collect(bin_dir: Path, dest: Path) -> None:
