@@ -285,7 +285,7 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
                 if launched is None:
                     return
                 if len(first) < len(launch.specs) and launched.design == STOCK:  # the others' servers were added
-                    for line in launch_lines(launch.specs, launch.settings, device, launched.design):
+                    for line in launch_lines(launch.specs, launch.settings, device, "a stock llama-server"):
                         say(line)
             except LaunchError:
                 keep_logs = True  # the error names a log file: it must still be there to be read
