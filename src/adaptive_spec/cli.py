@@ -98,7 +98,12 @@ def _parser() -> argparse.ArgumentParser:
         help="fit the launch to a device of this many MiB (default: the first NVIDIA GPU that nvidia-smi reports; "
         "none: only the memory is stated)",
     )
-    launch.add_argument("--ctx-size", type=int, default=32768, help="context per slot")
+    launch.add_argument(
+        "--ctx-size",
+        type=int,
+        default=32768,
+        help="each server's context, llama-server's -c (default: %(default)s; --parallel N slots get 1/N each)",
+    )
     launch.add_argument(
         "--threads",
         type=int,
