@@ -1,9 +1,11 @@
 """Real agents end to end through `adaptive-spec serve` on the embedded Qwen2.5-Coder-0.5B (opt-in).
 
 The 0.5B writes tool calls through the shipped chat template (templates/qwen2.5-coder-tools.jinja: its fenced ```json
-calls become real `tool_calls`), but whether opencode and Codex CLI finish an edit with it is not yet checked here:
-their tests check what is known to hold — every request answered, one proxy session per conversation with its side
-requests in it, the project from the route, decisions and draft counts in the records and the trace. aider's whole-file edit format needs no tool calls: its file must change.
+calls become real `tool_calls`), but opencode and Codex CLI do not finish an edit with it: measured (examples/README.md,
+"What agents do on the embedded model, measured"), both repeat one identical call until they are stopped, so no test
+here asserts an edit by them. Their tests check what is known to hold — every request answered, one proxy session per
+conversation with its side requests in it, the project from the route, decisions and draft counts in the records and
+the trace. aider's whole-file edit format needs no tool calls: its file must change.
 """
 
 from __future__ import annotations
