@@ -240,3 +240,26 @@ def test_the_hybrid_target_keeps_its_prefix_across_a_switch(
         assert second["handoff"] is None and second["timings"]["cache_n"] > context // 2, second["timings"]
     finally:
         proxy.stop()
+
+
+def test_erasing_a_profile_waits_for_every_request_on_its_server(one: ProxyProcess) -> None:
+    """oneshot and iterative are one server: erasing oneshot while an iterative request runs would empty that
+    request's slot under it, so it is refused (409) until the server is idle."""
+    erase = urllib.request.Request(
+        one.base + "/adaptive/profiles/oneshot/erase", data=b"{}", headers={"Content-Type": "application/json"}
+    )
+    body = {"messages": REPEATS, "max_tokens": 4000, "temperature": 0, "stream": True}
+    req = urllib.request.Request(
+        one.base + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "x-adaptive-spec-profile": "iterative"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as stream:
+        stream.readline()  # the request is being served
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(erase, timeout=30)
+        assert refused.value.code == 409
+        assert json.loads(refused.value.read())["error"]["code"] == "profile_busy"
+        stream.read()
+    with urllib.request.urlopen(erase, timeout=30) as done:
+        assert json.loads(done.read())["erased"] == "oneshot"

@@ -30,11 +30,13 @@ async def _erase_view(request: web.Request) -> web.Response:
     if upstream is None:
         known = ", ".join(table.names())
         return error_response(404, f"unknown profile {name!r}; known profiles: {known}", code="unknown_profile")
-    if router.in_flight.get(name):
-        # llama-server would wait for the running request and then erase what it left: refuse instead.
+    # Its servers' requests, whichever profile they came for (profiles that are settings of one server share it):
+    # llama-server would wait for a running request and then erase what it left: refuse instead.
+    busy = sum(router.replica_in_flight.get(router.home(name, r.replica), 0) for r in table.replicas(name))
+    if busy:
         return error_response(
             409,
-            f"profile {name!r} is serving {router.in_flight[name]} request(s); erase it when idle",
+            f"profile {name!r}'s server is serving {busy} request(s); erase it when idle",
             code="profile_busy",
         )
     started = time.monotonic()
