@@ -9,8 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import platformdirs
-
+from adaptive_spec.core.dirs import cache_dir
 from adaptive_spec.errors import ModelError
 
 _CHUNK_BYTES = 8 * 1024 * 1024
@@ -55,11 +54,6 @@ EMBEDDED: dict[str, EmbeddedModel] = {
     )
 }
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
-
-
-def cache_dir() -> Path:
-    override = os.environ.get("ADAPTIVE_SPEC_CACHE_DIR")
-    return Path(override) if override else Path(platformdirs.user_cache_dir("adaptive-spec"))
 
 
 def _part_files(model: EmbeddedModel) -> list[Path]:

