@@ -144,27 +144,23 @@ def one_server(specs: Sequence[ProfileSpec]) -> SharedPlan | None:
     return None
 
 
-def merge_fields(body: Mapping[str, Any], settings: Speculation) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """The fields to add to a request body for `settings`, and the `speculative.*` keys the client set itself. A
-    client's own field wins over the profile's (it asked for that setting by name; dropping it would be silent), and
-    the request's record says so."""
-    own = tuple(k for k in body if isinstance(k, str) and k.startswith("speculative."))
-    return {k: v for k, v in settings.body_fields().items() if k not in own}, own
-
-
-def sent_settings(body: Mapping[str, Any], added: Mapping[str, Any]) -> dict[str, Any] | None:
-    """What a request ran with, for its record: the `speculative.*` fields the server got (the profile's, the
-    client's) and who set them. None: nothing named (the server's own behaviour)."""
+def merge_fields(body: Mapping[str, Any], settings: Speculation) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The fields to add to a request body for `settings`, and what the request then runs with, for its record (None:
+    nothing named, the server's own behaviour). A client's own `speculative.*` field wins over the profile's (it asked
+    for that setting by name; dropping it would be silent), and the record says who set what. One look at the body's
+    top-level keys."""
     client = {k: v for k, v in body.items() if isinstance(k, str) and k.startswith("speculative.")}
+    added = {k: v for k, v in settings.body_fields().items() if k not in client}
     fields = {**added, **client}
     if not fields:
-        return None
+        return added, None
     types = fields.get(TYPES_FIELD)
-    return {
+    record = {
         "types": types if isinstance(types, list | str) else None,
         "n_max": fields.get(N_MAX_FIELD),
         "set_by": "client" if client and not added else "profile+client" if client else "profile",
     }
+    return added, record
 
 
 def shared_servers(infos: Sequence[ProfileInfo]) -> dict[tuple[str, int], str]:

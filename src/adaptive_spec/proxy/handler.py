@@ -19,7 +19,7 @@ from adaptive_spec.core.output import LiveText
 from adaptive_spec.core.requests import GENERATING_APIS, RequestProblem, parse_body, with_fields
 from adaptive_spec.core.sessions.clients import client_name
 from adaptive_spec.core.sessions.project import DEFAULT_PROJECT, workspace_path_from_request
-from adaptive_spec.core.speculation import merge_fields, sent_settings
+from adaptive_spec.core.speculation import merge_fields
 from adaptive_spec.core.timings import ResponseMeter
 from adaptive_spec.proxy.errors import error_response
 from adaptive_spec.proxy.forward import SHUTDOWN_MESSAGE, Outcome, forward
@@ -111,8 +111,7 @@ def _upstream_body(req: ProxyRequest, upstream: Upstream, watched: bool) -> tupl
         return (with_model(req.body, preset) if preset is not None and req.body else req.body), False
     added: dict[str, Any] = {}
     if req.routed.api in SPECULATION_APIS:
-        added, _ = merge_fields(parsed.body, upstream.speculation)
-        req.speculation = sent_settings(parsed.body, added)
+        added, req.speculation = merge_fields(parsed.body, upstream.speculation)
     strip = watched and parsed.stream and req.routed.api in _PROGRESS_APIS and "timings_per_token" not in parsed.body
     if strip:
         added["timings_per_token"] = True
