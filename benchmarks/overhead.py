@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from agent_bodies import grown, load
 
-from adaptive_spec.core.timings import ResponseMeter
+from adaptive_spec.streams.timings import ResponseMeter
 
 ROOT = Path(__file__).resolve().parents[1]
 # llama-server's chat chunk, field for field (b11434). Texts differ from one chunk to the next: LiteLLM ends a stream
@@ -576,7 +576,7 @@ def _model_path(args: argparse.Namespace) -> str:
     """The GGUF the fake upstream names in /props: the embedded default model with `--tokenizer gguf`."""
     if args.tokenizer == "endpoint":
         return "/nonexistent/fake.gguf"
-    from adaptive_spec.models import DEFAULT_MODEL, ensure_embedded
+    from adaptive_spec.servers.models import DEFAULT_MODEL, ensure_embedded
 
     return str(ensure_embedded(DEFAULT_MODEL))
 

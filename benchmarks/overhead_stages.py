@@ -37,21 +37,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from agent_bodies import AgentRequest, grown, load, next_turn
 
-from adaptive_spec.core.history import RequestHistory
-from adaptive_spec.core.records import Timings
-from adaptive_spec.core.requests import ParsedRequest, parse_body, split_path
-from adaptive_spec.core.routing.router import FixedPolicy
-from adaptive_spec.core.sessions import prefix
-from adaptive_spec.core.sessions.drafter import NgramParams
-from adaptive_spec.core.sessions.project import workspace_path_from_request
-from adaptive_spec.core.sessions.statistics import ContextTracker
-from adaptive_spec.proxy import handler
-from adaptive_spec.proxy.bus import EventBus
-from adaptive_spec.proxy.lifecycle import ProxyRequest, RequestLifecycle
-from adaptive_spec.proxy.routing import Router
-from adaptive_spec.proxy.session_service import SessionService, _Work
-from adaptive_spec.proxy.tokenizers import CachingTokenizer, Tokenizer, tiktoken_o200k
-from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
+from adaptive_spec.kv.handoff import Router
+from adaptive_spec.requests import handler
+from adaptive_spec.requests.lifecycle import ProxyRequest, RequestLifecycle
+from adaptive_spec.requests.parse import ParsedRequest, parse_body, split_path
+from adaptive_spec.routing.router import FixedPolicy
+from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+from adaptive_spec.sessions import prefix
+from adaptive_spec.sessions.drafter import NgramParams
+from adaptive_spec.sessions.project import workspace_path_from_request
+from adaptive_spec.sessions.service import SessionService, _Work
+from adaptive_spec.sessions.statistics import ContextTracker
+from adaptive_spec.sessions.tokenizers import CachingTokenizer, Tokenizer, tiktoken_o200k
+from adaptive_spec.telemetry.bus import EventBus
+from adaptive_spec.telemetry.history import RequestHistory
+from adaptive_spec.telemetry.records import Timings
 
 STAGES = (
     "parse",
@@ -220,8 +220,8 @@ def _chunk_us(watched: bool, events: int = 200, rounds: int = 20) -> float:
     """Relay + meter of one SSE chunk as the handler does it, the meter's batch read at the end included: per chunk,
     over a stream of `events` chunks. Watched (a live view attached): llama-server's chunks carry per-token timings,
     cut out again for a client that did not ask; else they pass as they came."""
-    from adaptive_spec.core.stream_tap import StreamTap
-    from adaptive_spec.core.timings import ResponseMeter
+    from adaptive_spec.streams.tap import StreamTap
+    from adaptive_spec.streams.timings import ResponseMeter
 
     chunk = _CHUNK if watched else _CHUNK[: _CHUNK.index(b',"timings"')] + b"}\n\n"
     best = float("inf")

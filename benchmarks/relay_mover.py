@@ -21,11 +21,11 @@ from kv_bench import KEY, model, prompt, run_main, server_args
 from tests.support.relay import RelayProcess
 from tests.support.servers import LlamaServer, http_json
 
-from adaptive_spec.launcher import find_llama_server
-from adaptive_spec.proxy.relay_mover import RelayMover
-from adaptive_spec.proxy.upstreams import Upstream
-from adaptive_spec.relay.client import RelayClient
-from adaptive_spec.relay.model_hash import file_sha256
+from adaptive_spec.kv.relay.client import RelayClient
+from adaptive_spec.kv.relay.model_hash import file_sha256
+from adaptive_spec.kv.relay_mover import RelayMover
+from adaptive_spec.servers.launcher import find_llama_server
+from adaptive_spec.servers.upstreams import Upstream
 
 
 async def _move(mover: RelayMover, a: Upstream, b: Upstream, name: str) -> dict[str, Any]:

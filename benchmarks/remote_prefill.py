@@ -23,11 +23,11 @@ from kv_bench import KEY, model, prompt, run_main, server_args
 from tests.support.relay import RelayProcess
 from tests.support.servers import LlamaServer, http_json
 
-from adaptive_spec.launcher import find_llama_server
-from adaptive_spec.proxy.slot_mover import slot_action
-from adaptive_spec.proxy.upstreams import Upstream
-from adaptive_spec.relay.client import RelayClient
-from adaptive_spec.relay.model_hash import file_sha256
+from adaptive_spec.kv.relay.client import RelayClient
+from adaptive_spec.kv.relay.model_hash import file_sha256
+from adaptive_spec.kv.slot_mover import slot_action
+from adaptive_spec.servers.launcher import find_llama_server
+from adaptive_spec.servers.upstreams import Upstream
 
 
 async def _one(relay: RelayClient, local: LlamaServer, local_slots: Path, run: int, chars: int) -> dict[str, Any]:

@@ -24,9 +24,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from adaptive_spec.core.sessions.drafter import NgramParams
-from adaptive_spec.core.sessions.statistics import ContextTracker
-from adaptive_spec.proxy.tokenizers import CachingTokenizer, tiktoken_o200k
+from adaptive_spec.sessions.drafter import NgramParams
+from adaptive_spec.sessions.statistics import ContextTracker
+from adaptive_spec.sessions.tokenizers import CachingTokenizer, tiktoken_o200k
 
 VOCAB = 150_000
 

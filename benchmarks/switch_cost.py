@@ -36,7 +36,7 @@ from typing import Any
 import aiohttp
 
 from adaptive_spec.bench.stream import stream_chat
-from adaptive_spec.core.headers import PROFILE_HEADER, SESSION_ID_HEADER
+from adaptive_spec.common.headers import PROFILE_HEADER, SESSION_ID_HEADER
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' own proxy starter and tiny models
 from tests.support.servers import ProxyProcess

@@ -31,7 +31,7 @@ def _missing(what: str) -> None:
 
 @pytest.fixture(scope="session")
 def llama_server_binary() -> str:
-    from adaptive_spec.launcher import find_llama_server
+    from adaptive_spec.servers.launcher import find_llama_server
 
     try:
         return find_llama_server(None)
@@ -47,7 +47,7 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def qwen_gguf() -> Path:
-    from adaptive_spec.models import ensure_embedded
+    from adaptive_spec.servers.models import ensure_embedded
 
     try:
         return ensure_embedded("qwen2.5-coder-0.5b")

@@ -1,5 +1,5 @@
 import sys
 
-from adaptive_spec.cli import main
+from adaptive_spec.cli.main import main
 
 sys.exit(main())

@@ -16,9 +16,9 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from adaptive_spec.proxy.app import ProxySettings, build_app
-from adaptive_spec.proxy.state import HISTORY, LIFECYCLE, UPSTREAMS
-from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
+from adaptive_spec.requests.app_keys import HISTORY, LIFECYCLE, UPSTREAMS
+from adaptive_spec.server.app import ProxySettings, build_app
+from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")

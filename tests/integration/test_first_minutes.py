@@ -110,7 +110,7 @@ def test_a_clean_start_has_no_native_log_lines(started: tuple[ProxyProcess, Path
 @pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "verbose"])
 def test_loading_the_gguf_tokenizer_logs_only_when_verbose(tiny_gguf: Path, verbose: bool) -> None:
     code = (
-        "import sys; from adaptive_spec.proxy.tokenizers import llama_vocab_tokenizer; "
+        "import sys; from adaptive_spec.sessions.tokenizers import llama_vocab_tokenizer; "
         f"assert llama_vocab_tokenizer(sys.argv[1], {verbose}) is not None"
     )
     done = subprocess.run(

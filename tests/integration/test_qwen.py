@@ -186,7 +186,7 @@ def test_counterfactual_estimate_tracks_measured_acceptance(embedded: ProxyProce
 def test_gguf_tokenizer_matches_the_servers_tokenize(embedded: ProxyProcess, qwen_gguf: Path) -> None:
     import asyncio
 
-    from adaptive_spec.proxy.tokenizers import llama_vocab_tokenizer
+    from adaptive_spec.sessions.tokenizers import llama_vocab_tokenizer
 
     tokenizer = llama_vocab_tokenizer(str(qwen_gguf))
     if tokenizer is None:
@@ -206,7 +206,7 @@ def test_gguf_tokenizer_matches_the_servers_tokenize(embedded: ProxyProcess, qwe
     assert getattr(tokenizer, "engine", "") == "tiktoken"
     # Against llama.cpp's own over the whole of Unicode (every 61st code point, and letters Unicode 16 added, which
     # tiktoken's regex knows and llama.cpp's tables do not): each in a word, after a digit, before a contraction.
-    from adaptive_spec.proxy.tokenizers import GgufTokenizer
+    from adaptive_spec.sessions.tokenizers import GgufTokenizer
 
     assert isinstance(tokenizer, GgufTokenizer)
     codes = [c for c in range(0, 0x110000, 61) if not 0xD800 <= c < 0xE000] + [0x1C89, 0x13460, 0x1CCF0, 0x16100]

@@ -16,18 +16,18 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from adaptive_spec.core.access import AccessPolicy
-from adaptive_spec.core.events import Event, RemotePrefillDone
-from adaptive_spec.core.routing.decide import Decision
-from adaptive_spec.core.routing.remote_prefill import RemoteCosts, RemotePrefillPolicy
-from adaptive_spec.core.routing.router import FixedPolicy
-from adaptive_spec.core.slot_files import MODEL_HEADER
-from adaptive_spec.proxy.remote_prefill import RemotePrefill
-from adaptive_spec.proxy.routing import Router
-from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
-from adaptive_spec.relay.client import RelayClient
-from adaptive_spec.relay.prefill import ROUTES, client_ctx
-from adaptive_spec.relay.service import RelaySettings, build_relay_app
+from adaptive_spec.access.policy import AccessPolicy
+from adaptive_spec.kv.handoff import Router
+from adaptive_spec.kv.prefill_costs import RemoteCosts, RemotePrefillPolicy
+from adaptive_spec.kv.relay.client import RelayClient
+from adaptive_spec.kv.relay.prefill import ROUTES, client_ctx
+from adaptive_spec.kv.relay.service import RelaySettings, build_relay_app
+from adaptive_spec.kv.remote_prefill import RemotePrefill
+from adaptive_spec.kv.slot_files import MODEL_HEADER
+from adaptive_spec.routing.decide import Decision
+from adaptive_spec.routing.router import FixedPolicy
+from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+from adaptive_spec.telemetry.events import Event, RemotePrefillDone
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 SAVED = 4096  # what the fake relay says its server wrote

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from adaptive_spec.relay.model_hash import file_sha256
-from adaptive_spec.relay.service import RATE_ENV
+from adaptive_spec.kv.relay.model_hash import file_sha256
+from adaptive_spec.kv.relay.service import RATE_ENV
 from tests.support.relay import RelayProcess
 from tests.support.servers import LlamaServer, ProxyProcess, chat_record, http_json, http_text
 

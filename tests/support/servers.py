@@ -17,7 +17,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from adaptive_spec.launcher import ServerProcess
+from adaptive_spec.servers.launcher import ServerProcess
 
 
 def free_port() -> int:

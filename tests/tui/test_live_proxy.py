@@ -15,7 +15,7 @@ import pytest
 
 from adaptive_spec.tui.app import make_app
 from adaptive_spec.tui.feed import FeedItem
-from adaptive_spec.tui.state import Dashboard
+from adaptive_spec.tui.model import Dashboard
 from tests.support.servers import ProxyProcess, chat_record, free_port, http_text
 from tests.tui.waiting import turns, until
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_spec.access_options import KEY_ENV, access_policy, add_access_arguments, describe_access
+from adaptive_spec.access.options import KEY_ENV, access_policy, add_access_arguments, describe_access
 from adaptive_spec.errors import ConfigError
 
 

@@ -13,8 +13,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from adaptive_spec import serve
-from adaptive_spec.proxy.tokenizers import GgufTokenizer, llama_vocab_tokenizer
+from adaptive_spec.server import serve
+from adaptive_spec.sessions.tokenizers import GgufTokenizer, llama_vocab_tokenizer
 from tests.support.servers import free_port
 from tests.support.tiny_gguf import write_tiny_gguf
 

@@ -7,10 +7,10 @@ from typing import Any
 import orjson
 import pytest
 
-from adaptive_spec.core.events import EventsDropped, ProfileDown, ProfileUp
-from adaptive_spec.core.records import RequestRecord
-from adaptive_spec.proxy.bus import EventBus
-from adaptive_spec.proxy.trace import TraceWriter
+from adaptive_spec.telemetry.bus import EventBus
+from adaptive_spec.telemetry.events import EventsDropped, ProfileDown, ProfileUp
+from adaptive_spec.telemetry.records import RequestRecord
+from adaptive_spec.telemetry.trace import TraceWriter
 
 
 @pytest.mark.asyncio(loop_scope="function")
@@ -93,8 +93,8 @@ def test_trace_survives_its_file_being_moved_away(tmp_path: Path) -> None:
 
 
 def test_metric_labels_stay_bounded() -> None:
-    from adaptive_spec.core.events import RequestFailed, RequestFinished
-    from adaptive_spec.proxy.metrics import MAX_PROJECT_LABELS, ProxyMetrics
+    from adaptive_spec.telemetry.events import RequestFailed, RequestFinished
+    from adaptive_spec.telemetry.metrics import MAX_PROJECT_LABELS, ProxyMetrics
 
     metrics = ProxyMetrics(frozenset({"oneshot"}))
     record = {"profile": "made-up", "project": "p", "api": "chat", "status": 400, "timings": None, "ttft_ms": None}
@@ -107,7 +107,7 @@ def test_metric_labels_stay_bounded() -> None:
 
 
 def test_history_limit_zero_is_empty() -> None:
-    from adaptive_spec.core.history import RequestHistory
+    from adaptive_spec.telemetry.history import RequestHistory
 
     history = RequestHistory(5)
     records = [_record(str(i)) for i in range(3)]
@@ -178,8 +178,8 @@ def test_a_trace_line_cut_off_by_a_full_disk_does_not_spoil_the_next(tmp_path: P
 
 
 def test_remote_prefills_are_counted_by_outcome_and_timed_by_step() -> None:
-    from adaptive_spec.core.events import RemotePrefillDone
-    from adaptive_spec.proxy.metrics import ProxyMetrics
+    from adaptive_spec.telemetry.events import RemotePrefillDone
+    from adaptive_spec.telemetry.metrics import ProxyMetrics
 
     metrics = ProxyMetrics(frozenset({"main"}))
     common: dict[str, Any] = {"session_id": "s", "profile": "main", "relay": "http://pp:8095", "save_s": 0.02}
@@ -224,7 +224,7 @@ def test_remote_prefills_are_counted_by_outcome_and_timed_by_step() -> None:
 def test_a_record_as_json_is_what_asdict_makes() -> None:
     from dataclasses import asdict, replace
 
-    from adaptive_spec.core.records import Timings
+    from adaptive_spec.telemetry.records import Timings
 
     for record in (
         _record("r1"),

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_spec.core.profiles import ModelSource, ProfileSpec, ServerSettings, server_argv
-from adaptive_spec.models import EMBEDDED, embedded_chat_template
+from adaptive_spec.servers.models import EMBEDDED, embedded_chat_template
+from adaptive_spec.servers.profiles import ModelSource, ProfileSpec, ServerSettings, server_argv
 
 
 def _argv(extra: tuple[str, ...], template: str | None = "/t/tools.jinja") -> list[str]:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from adaptive_spec import cli
+from adaptive_spec.cli import main as cli
 
 
 def _commands() -> dict[tuple[str, ...], argparse.ArgumentParser]:

@@ -12,10 +12,10 @@ from typing import Any
 import orjson
 import pytest
 
-from adaptive_spec.core.records import Timings
-from adaptive_spec.core.requests import with_fields
-from adaptive_spec.core.sessions import prefix
-from adaptive_spec.core.sessions.grouping import context_messages, message_digest
+from adaptive_spec.requests.parse import with_fields
+from adaptive_spec.sessions import prefix
+from adaptive_spec.sessions.grouping import context_messages, message_digest
+from adaptive_spec.telemetry.records import Timings
 
 _ALPHABET = 'ab cd\tef\ngh\r\x0b\x0c\x1c\x1d\x1e\x1f{}"é\u00a0\u2003\u3000漢 \x85'
 
@@ -127,7 +127,7 @@ class _Tokens:
 
 
 def _served(text: str) -> Any:
-    from adaptive_spec.core.output import OutputCollector
+    from adaptive_spec.streams.output import OutputCollector
 
     out = OutputCollector()
     out.add([text], [])
@@ -137,10 +137,10 @@ def _served(text: str) -> Any:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("in_process", [False, True])
 async def test_waiting_updates_of_a_session_are_coalesced_and_the_rest_bounded(in_process: bool) -> None:
-    from adaptive_spec.core.sessions.drafter import NgramParams
-    from adaptive_spec.core.sessions.grouping import SessionAssignment
-    from adaptive_spec.core.sessions.statistics import ContextTracker
-    from adaptive_spec.proxy.session_service import SessionService
+    from adaptive_spec.sessions.drafter import NgramParams
+    from adaptive_spec.sessions.grouping import SessionAssignment
+    from adaptive_spec.sessions.service import SessionService
+    from adaptive_spec.sessions.statistics import ContextTracker
 
     tracker = ContextTracker(NgramParams())
     service = SessionService(tracker, _Tokens(), queue_size=2, queue_bytes=1000, worker_process=in_process)
@@ -170,7 +170,7 @@ async def test_waiting_updates_of_a_session_are_coalesced_and_the_rest_bounded(i
 
 
 def test_session_updates_are_counted_in_metrics() -> None:
-    from adaptive_spec.proxy.metrics import ProxyMetrics
+    from adaptive_spec.telemetry.metrics import ProxyMetrics
 
     metrics = ProxyMetrics()
     counts = {"processed": 5, "coalesced": 2, "dropped": 0}
@@ -185,9 +185,9 @@ def test_session_updates_are_counted_in_metrics() -> None:
 async def test_the_worker_process_starts_with_the_worker_not_with_the_first_update() -> None:
     # Seen under serve: three quick turns of one session, the first update waiting for the process to spawn and the
     # second coalesced into the third (2 turns shown for 3 requests).
-    from adaptive_spec.core.sessions.drafter import NgramParams
-    from adaptive_spec.core.sessions.statistics import ContextTracker
-    from adaptive_spec.proxy.session_service import SessionService
+    from adaptive_spec.sessions.drafter import NgramParams
+    from adaptive_spec.sessions.service import SessionService
+    from adaptive_spec.sessions.statistics import ContextTracker
 
     service = SessionService(ContextTracker(NgramParams()), _Tokens(), worker_process=True)
     worker = asyncio.create_task(service.run())
@@ -208,11 +208,11 @@ async def test_the_worker_process_starts_with_the_worker_not_with_the_first_upda
 async def test_the_worker_process_tokenizes_itself_and_gets_what_the_event_loop_got() -> None:
     """With a tokenizer it can make again (here tiktoken's), the worker process is sent the client's bytes and
     tokenizes them itself; its statistics are those of the update tokenized on the event loop."""
-    from adaptive_spec.core.sessions.drafter import NgramParams
-    from adaptive_spec.core.sessions.grouping import SessionAssignment
-    from adaptive_spec.core.sessions.statistics import ContextTracker
-    from adaptive_spec.proxy.session_service import SessionService
-    from adaptive_spec.proxy.tokenizers import CachingTokenizer, TokenizerSpec, tiktoken_o200k
+    from adaptive_spec.sessions.drafter import NgramParams
+    from adaptive_spec.sessions.grouping import SessionAssignment
+    from adaptive_spec.sessions.service import SessionService
+    from adaptive_spec.sessions.statistics import ContextTracker
+    from adaptive_spec.sessions.tokenizers import CachingTokenizer, TokenizerSpec, tiktoken_o200k
 
     tokenizer = CachingTokenizer(tiktoken_o200k())
     assert tokenizer.spec == TokenizerSpec("tiktoken")
@@ -244,7 +244,7 @@ async def test_the_worker_process_tokenizes_itself_and_gets_what_the_event_loop_
 
 
 def test_known_digests_give_message_digest_and_digest_only_new_messages(monkeypatch: pytest.MonkeyPatch) -> None:
-    from adaptive_spec.core.sessions import grouping
+    from adaptive_spec.sessions import grouping
 
     computed: list[str] = []
     real = grouping.message_digest

@@ -50,7 +50,7 @@ def test_the_plan_builds_with_cuda_serves_the_drafter_pair_and_benches_three_wor
 
 def test_the_serve_and_bench_commands_parse_with_this_cli() -> None:
     # The printed commands are the CLI's own: its parser accepts them (the drafter type, the server arguments).
-    from adaptive_spec.cli import _parser as build_parser
+    from adaptive_spec.cli.main import _parser as build_parser
 
     gpu = _module()
     steps = gpu.plan("py", 8089, Path("out"), 1)

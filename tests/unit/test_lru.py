@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from adaptive_spec.core.lru import LRU
+from adaptive_spec.common.lru import LRU
 
 
 def test_the_least_recently_put_or_touched_goes_first() -> None:

@@ -1,4 +1,4 @@
-"""core/memory.py: a setup's memory from the GGUF's dimensions, and the verdict against a device report."""
+"""servers/memory.py: a setup's memory from the GGUF's dimensions, and the verdict against a device report."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_spec.core.memory import (
+from adaptive_spec.errors import ModelError
+from adaptive_spec.servers.gguf_info import model_dims
+from adaptive_spec.servers.memory import (
     MIB,
     DeviceReport,
     ModelDims,
@@ -16,8 +18,6 @@ from adaptive_spec.core.memory import (
     largest_context,
     verdict,
 )
-from adaptive_spec.errors import ModelError
-from adaptive_spec.servers.gguf_info import model_dims
 
 # Qwen2.5-Coder-0.5B's own header: 24 layers, 2 KV heads of 64.
 QWEN_05B = ModelDims("q05", 491_400_064, kv_layers=24, kv_heads=2, key_length=64, value_length=64)
@@ -95,8 +95,8 @@ def test_the_device_report_comes_from_the_user_or_nvidia_smi_or_nowhere() -> Non
 
 
 def test_launch_lines_size_each_server_from_its_files(tiny_gguf: Path) -> None:
-    from adaptive_spec.core.profiles import ModelSource, ProfileSpec, ServerSettings
     from adaptive_spec.servers.footprint import launch_lines
+    from adaptive_spec.servers.profiles import ModelSource, ProfileSpec, ServerSettings
 
     settings = ServerSettings(ModelSource(path=str(tiny_gguf)), ctx_size=4096, extra_args=("-ctk", "q8_0"))
     specs = [ProfileSpec("oneshot", ("none",)), ProfileSpec("iterative", ("ngram-mod",))]

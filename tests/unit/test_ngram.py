@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import random
 
-from adaptive_spec.core.sessions.drafter import SEPARATOR, NgramIndex, NgramParams, estimate_drafts
-from adaptive_spec.core.sessions.statistics import ContextTracker
+from adaptive_spec.sessions.drafter import SEPARATOR, NgramIndex, NgramParams, estimate_drafts
+from adaptive_spec.sessions.statistics import ContextTracker
 
 PARAMS = NgramParams(n_match=4, n_min=3, n_max=8)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from adaptive_spec.core.routing.placements import Placement, Placements
+from adaptive_spec.routing.placements import Placement, Placements
 
 
 class _Scan:

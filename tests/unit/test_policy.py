@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from adaptive_spec.core.routing.policy import (
+from adaptive_spec.errors import ConfigError
+from adaptive_spec.routing.policy import (
     TABLES,
     EstimatorPolicy,
     FirstTurnPolicy,
@@ -23,8 +24,7 @@ from adaptive_spec.core.routing.policy import (
     policy_to_toml,
     policy_to_toml_dict,
 )
-from adaptive_spec.errors import ConfigError
-from adaptive_spec.proxy.policy_files import default_policy_text
+from adaptive_spec.routing.policy_files import default_policy_text
 
 REPO_POLICIES = Path(__file__).resolve().parents[2] / "policies"
 

@@ -11,8 +11,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from adaptive_spec.proxy import pool_health
-from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
+from adaptive_spec.servers import pool_health
+from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from tests.support.servers import free_port
 
 

@@ -1,4 +1,4 @@
-"""The new-prompt-token estimate from what a session's slot holds (core/sessions/prefix.py)."""
+"""The new-prompt-token estimate from what a session's slot holds (sessions/prefix.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 import orjson
 import pytest
 
-from adaptive_spec.core.records import Timings
-from adaptive_spec.core.sessions import prefix
+from adaptive_spec.sessions import prefix
+from adaptive_spec.telemetry.records import Timings
 
 SYSTEM = {"role": "system", "content": "You are a coding assistant. " * 40}
 TOOLS = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]

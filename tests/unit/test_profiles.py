@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from adaptive_spec.core.profiles import (
+from adaptive_spec.errors import ConfigError
+from adaptive_spec.servers.profiles import (
     AttachedProfile,
     ModelSource,
     NgramModParams,
@@ -12,7 +13,6 @@ from adaptive_spec.core.profiles import (
     model_mismatch,
     server_argv,
 )
-from adaptive_spec.errors import ConfigError
 
 
 def _argv(draft_type: str | None, draft: ModelSource | None = None) -> tuple[list[str], list[str]]:

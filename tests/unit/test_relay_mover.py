@@ -10,17 +10,17 @@ from typing import Any
 import aiohttp
 import pytest
 
-from adaptive_spec.core.records import Timings
-from adaptive_spec.core.routing.policy import Policy
-from adaptive_spec.core.routing.router import FixedPolicy
-from adaptive_spec.core.routing.speeds import SpeedModel
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.proxy.relay_mover import PairMover, RelayMover
-from adaptive_spec.proxy.routing import Router
-from adaptive_spec.proxy.slot_mover import MoveTimes, SharedDirMover
-from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
-from adaptive_spec.relay.client import RelayClient
-from adaptive_spec.relay_options import KEY_ENV, relay_plan
+from adaptive_spec.kv.handoff import Router
+from adaptive_spec.kv.relay.client import RelayClient
+from adaptive_spec.kv.relay_mover import PairMover, RelayMover
+from adaptive_spec.kv.relay_options import KEY_ENV, relay_plan
+from adaptive_spec.kv.slot_mover import MoveTimes, SharedDirMover
+from adaptive_spec.routing.policy import Policy
+from adaptive_spec.routing.router import FixedPolicy
+from adaptive_spec.routing.speeds import SpeedModel
+from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+from adaptive_spec.telemetry.records import Timings
 
 SHA = "a" * 64
 

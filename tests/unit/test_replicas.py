@@ -10,16 +10,16 @@ from typing import Any
 import aiohttp
 import pytest
 
-from adaptive_spec.cli import attached_profiles
-from adaptive_spec.core.events import Event, ProfileDown, ProfileUp
-from adaptive_spec.core.profiles import ProfileInfo, replica_mismatch
-from adaptive_spec.core.records import Timings
-from adaptive_spec.core.routing.replicas import MoveCosts, ReplicaState, choose_replica
-from adaptive_spec.core.routing.router import FixedPolicy
+from adaptive_spec.cli.main import attached_profiles
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.proxy.routing import Router
-from adaptive_spec.proxy.slot_mover import MoveTimes
-from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
+from adaptive_spec.kv.handoff import Router
+from adaptive_spec.kv.slot_mover import MoveTimes
+from adaptive_spec.routing.replicas import MoveCosts, ReplicaState, choose_replica
+from adaptive_spec.routing.router import FixedPolicy
+from adaptive_spec.servers.profiles import ProfileInfo, replica_mismatch
+from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+from adaptive_spec.telemetry.events import Event, ProfileDown, ProfileUp
+from adaptive_spec.telemetry.records import Timings
 
 
 def r(index: int, **kw: Any) -> ReplicaState:

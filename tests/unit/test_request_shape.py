@@ -7,8 +7,8 @@ from typing import Any
 import orjson
 import pytest
 
-from adaptive_spec.core.paths import decide_path
-from adaptive_spec.core.requests import ParsedRequest, RequestProblem, RoutedPath, parse_body
+from adaptive_spec.requests.parse import ParsedRequest, RequestProblem, RoutedPath, parse_body
+from adaptive_spec.requests.paths import decide_path
 
 
 def _problem(api: str, body: dict[str, Any]) -> RequestProblem:
@@ -69,7 +69,7 @@ def test_deep_nesting_is_refused_without_recursion() -> None:
 
 
 def test_nesting_is_refused_from_one_level_past_the_limit() -> None:
-    from adaptive_spec.core.shapes import _MAX_NESTING, check_shape
+    from adaptive_spec.requests.shapes import _MAX_NESTING, check_shape
 
     def body(levels: int) -> dict[str, object]:
         value: object = "leaf"

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from adaptive_spec.core.requests import ParsedRequest, RequestProblem, parse_body, split_path
+from adaptive_spec.requests.parse import ParsedRequest, RequestProblem, parse_body, split_path
 
 
 @pytest.mark.parametrize(

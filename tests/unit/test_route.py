@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from adaptive_spec.core.records import Timings
-from adaptive_spec.core.routing.copy_hint import looks_copy_heavy
-from adaptive_spec.core.routing.decide import ProfileState, RequestState, SessionState, decide
-from adaptive_spec.core.routing.placements import Placement, Placements
-from adaptive_spec.core.routing.policy import FirstTurnPolicy, HandoffPolicy, Policy, RoutePolicy
-from adaptive_spec.core.routing.speeds import SpeedModel
+from adaptive_spec.routing.copy_hint import looks_copy_heavy
+from adaptive_spec.routing.decide import ProfileState, RequestState, SessionState, decide
+from adaptive_spec.routing.placements import Placement, Placements
+from adaptive_spec.routing.policy import FirstTurnPolicy, HandoffPolicy, Policy, RoutePolicy
+from adaptive_spec.routing.speeds import SpeedModel
+from adaptive_spec.telemetry.records import Timings
 
 KINDS = {"oneshot": ("none",), "iterative": ("ngram-mod",)}
 BYTES_PER_TOKEN = 3.5

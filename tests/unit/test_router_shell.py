@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from adaptive_spec.core.records import Timings
-from adaptive_spec.core.routing.decide import Decision
-from adaptive_spec.core.routing.router import FixedPolicy
-from adaptive_spec.proxy.routing import Router
-from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
+from adaptive_spec.kv.handoff import Router
+from adaptive_spec.routing.decide import Decision
+from adaptive_spec.routing.router import FixedPolicy
+from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+from adaptive_spec.telemetry.records import Timings
 
 
 def router(slots: int = 2, slot_dir: Path | None = None) -> Router:

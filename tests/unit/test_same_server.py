@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_spec.core.records import Timings
-from adaptive_spec.core.routing.decide import Decision, ProfileState, RequestState, SessionState, decide
-from adaptive_spec.core.routing.placements import Placement
-from adaptive_spec.core.routing.policy import Policy
-from adaptive_spec.core.routing.router import FixedPolicy
-from adaptive_spec.core.routing.speeds import SpeedModel
-from adaptive_spec.core.speculation import Speculation
-from adaptive_spec.proxy.routing import Router
-from adaptive_spec.proxy.upstreams import Upstream, UpstreamTable
+from adaptive_spec.kv.handoff import Router
+from adaptive_spec.routing.decide import Decision, ProfileState, RequestState, SessionState, decide
+from adaptive_spec.routing.placements import Placement
+from adaptive_spec.routing.policy import Policy
+from adaptive_spec.routing.router import FixedPolicy
+from adaptive_spec.routing.speeds import SpeedModel
+from adaptive_spec.servers.speculation import Speculation
+from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+from adaptive_spec.telemetry.records import Timings
 
 KINDS = {"oneshot": ("none",), "iterative": ("ngram-mod",)}
 URL = "http://127.0.0.1:9"

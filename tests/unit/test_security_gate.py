@@ -6,11 +6,11 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from adaptive_spec.core.access import KEY_HEADERS, AccessPolicy
-from adaptive_spec.core.paths import decide_path
-from adaptive_spec.core.requests import RoutedPath
-from adaptive_spec.proxy.forward import upstream_headers
-from adaptive_spec.proxy.security import ACCESS, _refusal, hidden_headers, routed_path
+from adaptive_spec.access.policy import KEY_HEADERS, AccessPolicy
+from adaptive_spec.requests.forward import upstream_headers
+from adaptive_spec.requests.gate import ACCESS, _refusal, hidden_headers, routed_path
+from adaptive_spec.requests.parse import RoutedPath
+from adaptive_spec.requests.paths import decide_path
 
 
 def _request(policy: AccessPolicy, headers: dict[str, str]) -> web.Request:

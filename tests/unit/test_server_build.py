@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from adaptive_spec.cli.build_server import check_patches
 from adaptive_spec.errors import BuildError
 from adaptive_spec.servers import build
-from adaptive_spec.servers.command import check_patches
 
 
 def _patch(name: str, body: bytes = b"") -> build.Patch:

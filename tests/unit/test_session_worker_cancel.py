@@ -4,9 +4,9 @@
 import asyncio
 import contextlib
 
-from adaptive_spec.core.sessions.drafter import NgramParams
-from adaptive_spec.core.sessions.statistics import ContextTracker
-from adaptive_spec.proxy.session_service import SessionService, _Work, run_worker
+from adaptive_spec.sessions.drafter import NgramParams
+from adaptive_spec.sessions.service import SessionService, _Work, run_worker
+from adaptive_spec.sessions.statistics import ContextTracker
 
 
 def test_worker_stops_when_cancelled_as_it_takes_an_update() -> None:

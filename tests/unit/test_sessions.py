@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from adaptive_spec.core.output import body_output
-from adaptive_spec.core.sessions.grouping import SessionRegistry
-from adaptive_spec.core.sessions.project import resolve_project
+from adaptive_spec.sessions.grouping import SessionRegistry
+from adaptive_spec.sessions.project import resolve_project
+from adaptive_spec.streams.output import body_output
 
 FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "agent-traffic"
 

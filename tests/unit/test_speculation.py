@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 
-from adaptive_spec.core.profiles import AttachedProfile, NgramModParams, ProfileInfo, ProfileSpec, default_profiles
-from adaptive_spec.core.speculation import (
+from adaptive_spec.errors import ConfigError
+from adaptive_spec.servers.profile_servers import ONE_SERVER, first_servers, startup_lines
+from adaptive_spec.servers.profiles import AttachedProfile, NgramModParams, ProfileInfo, ProfileSpec, default_profiles
+from adaptive_spec.servers.speculation import (
     PerRequestSupport,
     Speculation,
     merge_fields,
@@ -19,8 +21,6 @@ from adaptive_spec.core.speculation import (
     shared_servers,
     speculation_problem,
 )
-from adaptive_spec.errors import ConfigError
-from adaptive_spec.profile_servers import ONE_SERVER, first_servers, startup_lines
 
 DATA = Path(__file__).parent / "data"
 NGRAM = NgramModParams(24, 48, 64)

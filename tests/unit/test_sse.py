@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from adaptive_spec.core.sse import SSEEvent, SSEParser
+from adaptive_spec.streams.sse import SSEEvent, SSEParser
 
 STREAM = (
     b": comment line\n"

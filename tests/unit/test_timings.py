@@ -4,10 +4,10 @@ from typing import Any
 
 import orjson
 
-from adaptive_spec.core.output import event_output
-from adaptive_spec.core.records import Timings
-from adaptive_spec.core.sse import SSEEvent
-from adaptive_spec.core.timings import ResponseMeter, chat_delta_text, find_timings, generated_pieces
+from adaptive_spec.streams.output import event_output
+from adaptive_spec.streams.sse import SSEEvent
+from adaptive_spec.streams.timings import ResponseMeter, chat_delta_text, find_timings, generated_pieces
+from adaptive_spec.telemetry.records import Timings
 
 TIMINGS = {
     "cache_n": 12,
@@ -130,7 +130,7 @@ def test_meter_knows_when_the_stream_has_ended() -> None:
 
 
 def test_progress_timings_are_stripped_except_on_the_final_chunk() -> None:
-    from adaptive_spec.core.timings import without_progress_timings
+    from adaptive_spec.streams.timings import without_progress_timings
 
     events = [
         _event({"choices": [{"delta": {"content": "a"}, "finish_reason": None}], "timings": TIMINGS}),

@@ -3,7 +3,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from adaptive_spec.proxy.tokenizers import CachingTokenizer, _chunks, tiktoken_o200k
+from adaptive_spec.sessions.tokenizers import CachingTokenizer, _chunks, tiktoken_o200k
 
 
 def test_tiktoken_o200k_loads_offline_and_encodes_like_tiktoken() -> None:

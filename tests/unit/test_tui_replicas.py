@@ -4,7 +4,7 @@ while one of them serves, and every line readable at 80 columns."""
 from __future__ import annotations
 
 from adaptive_spec.tui import render
-from adaptive_spec.tui.state import Dashboard
+from adaptive_spec.tui.model import Dashboard
 
 
 def _record(rid: str, replica: int) -> dict[str, object]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from adaptive_spec.tui.model import Dashboard, client_of
 from adaptive_spec.tui.render import spark
-from adaptive_spec.tui.state import Dashboard, client_of
 
 T0 = 1_800_000_000.0
 
@@ -256,7 +256,7 @@ def test_speeds_fit_their_columns() -> None:
 
 
 def test_a_remote_prefill_is_one_log_line_and_so_is_its_fallback() -> None:
-    from adaptive_spec.core.events import RemotePrefillDone
+    from adaptive_spec.telemetry.events import RemotePrefillDone
 
     done = RemotePrefillDone(
         session_id="s1",

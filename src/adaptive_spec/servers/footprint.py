@@ -8,10 +8,10 @@ import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from adaptive_spec.core.memory import MIB, DeviceReport, ServerPlan, describe, verdict
-from adaptive_spec.core.profiles import ProfileSpec, ServerSettings
 from adaptive_spec.errors import ModelError
 from adaptive_spec.servers.gguf_info import model_dims
+from adaptive_spec.servers.memory import MIB, DeviceReport, ServerPlan, describe, verdict
+from adaptive_spec.servers.profiles import ProfileSpec, ServerSettings
 
 Query = Callable[[], str | None]
 

@@ -30,8 +30,8 @@ from textual.widgets.data_table import CellDoesNotExist, RowDoesNotExist
 
 from adaptive_spec.tui import render
 from adaptive_spec.tui.feed import ControlError, FeedItem, ProxyClient
+from adaptive_spec.tui.model import Dashboard, LogLine
 from adaptive_spec.tui.screens import ConfirmScreen, DetailScreen, HelpScreen, PickScreen
-from adaptive_spec.tui.state import Dashboard, LogLine
 
 NARROW_COLUMNS = 110
 CHART_MIN_POINTS = 120  # the chart spans at least two minutes

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from adaptive_spec.core.sse import SSEParser
+from adaptive_spec.streams.sse import SSEParser
 
 RETRY_S = 2.0
 

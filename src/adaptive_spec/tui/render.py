@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 from rich.text import Text
 
-from adaptive_spec.tui.replicas import ReplicaView
-from adaptive_spec.tui.state import Dashboard, LiveRequest, LogLine, ProfileView, SessionView, TurnRow
+from adaptive_spec.tui.model import Dashboard, LiveRequest, LogLine, ProfileView, SessionView, TurnRow
+from adaptive_spec.tui.pools import ReplicaView
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 DASH = "—"

@@ -14,7 +14,7 @@ from textual.widgets import DataTable, Footer, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
 from adaptive_spec.tui import render
-from adaptive_spec.tui.state import Dashboard
+from adaptive_spec.tui.model import Dashboard
 
 if TYPE_CHECKING:
     from adaptive_spec.tui.app import DashboardApp

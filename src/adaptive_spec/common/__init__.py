@@ -1,0 +1,1 @@
+"""Small pure helpers every feature uses: a bounded LRU map, the cache directory, the proxy's own header names."""

@@ -1,1 +1,0 @@
-"""The pure core: parsing, records and decisions. No HTTP, no terminals, no processes."""

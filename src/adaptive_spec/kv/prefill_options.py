@@ -1,0 +1,61 @@
+"""`serve`'s remote prefill options (`--pp-server` and how it is priced)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from adaptive_spec.errors import ConfigError
+from adaptive_spec.kv.prefill_costs import RemotePrefillPolicy
+from adaptive_spec.kv.remote_prefill import RemotePrefillPlan
+from adaptive_spec.kv.slot_files import valid_sha256
+
+KEY_ENV = "ADAPTIVE_SPEC_PP_KEY"
+
+
+def add_pp_arguments(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("remote prefill (README: Remote prefill)")
+    group.add_argument("--pp-server", metavar="URL", help="the kv-relay beside a bigger machine's llama-server")
+    group.add_argument("--pp-key-file", type=Path, metavar="FILE", help=f"the relay's key (also: ${KEY_ENV})")
+    group.add_argument("--pp-model-sha256", metavar="HEX", help="this side's GGUF sha256 when the proxy cannot read it")
+    defaults = RemotePrefillPolicy()
+    group.add_argument(
+        "--pp-min-tokens", type=int, default=defaults.min_tokens, help="fewer new prompt tokens stay here (%(default)s)"
+    )
+    group.add_argument(
+        "--pp-prefill-tps",
+        type=float,
+        default=defaults.remote_prefill_tps,
+        help="the remote's prefill speed until measured (tokens/s, %(default)s)",
+    )
+    group.add_argument(
+        "--pp-margin", type=float, default=defaults.margin, help="remote must be this much faster (%(default)s)"
+    )
+    group.add_argument("--pp-always", action="store_true", help="prefill remotely whenever possible (testing)")
+
+
+def pp_plan(args: argparse.Namespace) -> RemotePrefillPlan | None:
+    if not args.pp_server:
+        return None
+    key = os.environ.get(KEY_ENV, "").strip()
+    if args.pp_key_file:
+        try:
+            lines = args.pp_key_file.read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise ConfigError(f"--pp-key-file {args.pp_key_file}: {exc.strerror or exc}") from exc
+        key = lines[0].strip() if lines else ""
+    if not key:
+        raise ConfigError(f"--pp-server needs the relay's key: --pp-key-file FILE or ${KEY_ENV}")
+    sha = args.pp_model_sha256.lower() if args.pp_model_sha256 else None
+    if sha is not None and not valid_sha256(sha):
+        raise ConfigError("--pp-model-sha256: 64 hex digits (sha256sum of the GGUF)")
+    if args.pp_min_tokens < 0 or args.pp_prefill_tps <= 0 or args.pp_margin < 0:
+        raise ConfigError("--pp-min-tokens >= 0, --pp-prefill-tps > 0 and --pp-margin >= 0")
+    policy = RemotePrefillPolicy(
+        min_tokens=args.pp_min_tokens,
+        margin=args.pp_margin,
+        force=args.pp_always,
+        remote_prefill_tps=args.pp_prefill_tps,
+    )
+    return RemotePrefillPlan(args.pp_server.rstrip("/"), key, policy, sha)

@@ -1,0 +1,189 @@
+"""Moving a session's KV slot between llama-servers on different hosts, each with a kv-relay beside it
+(`serve --relay SERVER_URL=RELAY_URL`): save on the source into its own slot directory, stream the file from the
+source's relay into the target's (sha256-checked there, size-bounded), restore on the target, delete it on both sides.
+
+`PairMover` picks per pair of servers: those without a relay move through the proxy's shared slot directory (the
+same host, or a shared filesystem), those with one through their relays; a pair of one of each cannot hand over (the
+session re-prefills)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+
+from adaptive_spec.errors import ConfigError, ProfileMismatchError
+from adaptive_spec.kv.relay.client import RelayClient, RelayError
+from adaptive_spec.kv.slot_files import model_mismatch
+from adaptive_spec.kv.slot_mover import MoveTimes, SlotError, SlotMover, restore_slot, save_slot
+from adaptive_spec.routing.speeds import SpeedModel
+from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+
+log = logging.getLogger(__name__)
+_PROBE_BYTES = 256 << 10
+_MIN_TRANSFER_BYTES_PER_S = 5e6  # the transfer's deadline assumes at least this (a slower link fails the move)
+
+
+@dataclass(frozen=True, slots=True)
+class RelayMoverPlan:
+    """`serve --relay SERVER_URL=RELAY_URL` (repeatable) and the relays' key."""
+
+    relays: tuple[tuple[str, str], ...]  # (llama-server base URL, its kv-relay's URL)
+    key: str
+    max_bytes: int = 64 << 30
+
+
+class RelayMover:
+    """Slot files between servers that each have a relay beside them (a relay serves its server's slot directory)."""
+
+    def __init__(self, relays: Mapping[str, RelayClient], max_bytes: int = 64 << 30) -> None:
+        self.relays, self.max_bytes = dict(relays), max_bytes
+        # A move's file is deleted where it went, on discard: the session it was for, and both relays.
+        self._pending: dict[str, tuple[aiohttp.ClientSession, RelayClient, RelayClient]] = {}
+
+    def relay_of(self, upstream: Upstream) -> RelayClient | None:
+        # A router-mode preset (`URL#MODEL`) takes no slot actions.
+        return None if upstream.upstream_model is not None else self.relays.get(upstream.base_url)
+
+    def can_move(self, source: Upstream, target: Upstream) -> bool:
+        return self.relay_of(source) is not None and self.relay_of(target) is not None
+
+    def transfers(self, source: Upstream, target: Upstream) -> bool:
+        there, here = self.relay_of(source), self.relay_of(target)
+        # Two servers behind one relay share its slot directory: nothing crosses hosts.
+        return there is not None and here is not None and there.base_url != here.base_url
+
+    async def move(
+        self,
+        client: aiohttp.ClientSession,
+        source: Upstream,
+        from_slot: int,
+        target: Upstream,
+        into_slot: int,
+        name: str,
+        timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - one deadline per slot action
+        min_tokens: int,
+    ) -> MoveTimes:
+        there, here = self.relay_of(source), self.relay_of(target)
+        if there is None or here is None:
+            raise SlotError(f"{source.label} and {target.label} do not both have a kv-relay (serve --relay)")
+        problem = model_mismatch(there.model_sha256, here.model_sha256, f"the relay {there.base_url}")
+        if problem:
+            raise SlotError(f"relay {here.base_url}: {problem}")
+        self._pending[name] = (client, there, here)
+        t0 = time.perf_counter()
+        n_saved, n_written = await save_slot(client, source, from_slot, name, timeout, min_tokens)
+        t1 = time.perf_counter()
+        copied = 0
+        if there.base_url != here.base_url:
+            size = n_written if isinstance(n_written, int) else 0
+            deadline_s = (timeout.total or 10.0) + size / _MIN_TRANSFER_BYTES_PER_S
+            try:
+                got = await there.copy_to(client, name, here, self.max_bytes, deadline_s)
+            except RelayError as exc:
+                raise SlotError(str(exc)) from exc
+            if isinstance(n_written, int) and got.bytes != n_written:
+                raise SlotError(f"{here.base_url} received {got.bytes} of the {n_written} bytes {source.label} saved")
+            copied = got.bytes
+        t2 = time.perf_counter()
+        await restore_slot(client, target, into_slot, name, timeout, n_saved)
+        t3 = time.perf_counter()
+        return MoveTimes(n_saved, t1 - t0, t3 - t2, transfer_s=t2 - t1, bytes=copied)
+
+    async def discard(self, name: str) -> None:
+        pending = self._pending.pop(name, None)
+        if pending is None:
+            return
+        client, there, here = pending
+        for relay in {there.base_url: there, here.base_url: here}.values():
+            try:
+                await relay.delete(client, name)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                log.warning("could not delete %s at %s: %s", name, relay.base_url, exc or type(exc).__name__)
+
+
+class PairMover:
+    """Picks the way per pair of servers: both with relays → the relays; neither → the shared slot directory."""
+
+    def __init__(self, relays: RelayMover, shared: SlotMover | None) -> None:
+        self.relays, self.shared = relays, shared
+
+    def _pick(self, source: Upstream, target: Upstream) -> SlotMover | None:
+        if self.relays.can_move(source, target):
+            return self.relays
+        local = source.base_url not in self.relays.relays and target.base_url not in self.relays.relays
+        if local and self.shared is not None and self.shared.can_move(source, target):
+            return self.shared
+        return None
+
+    def can_move(self, source: Upstream, target: Upstream) -> bool:
+        return self._pick(source, target) is not None
+
+    def transfers(self, source: Upstream, target: Upstream) -> bool:
+        mover = self._pick(source, target)
+        return mover is not None and mover.transfers(source, target)
+
+    async def move(
+        self,
+        client: aiohttp.ClientSession,
+        source: Upstream,
+        from_slot: int,
+        target: Upstream,
+        into_slot: int,
+        name: str,
+        timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - one deadline per slot action
+        min_tokens: int,
+    ) -> MoveTimes:
+        mover = self._pick(source, target)
+        if mover is None:
+            raise SlotError(f"no way to move a slot file from {source.label} to {target.label}")
+        return await mover.move(client, source, from_slot, target, into_slot, name, timeout, min_tokens)
+
+    async def discard(self, name: str) -> None:
+        await self.relays.discard(name)
+        if self.shared is not None:
+            await self.shared.discard(name)
+
+
+async def start_relay_mover(
+    plan: RelayMoverPlan,
+    client: aiohttp.ClientSession,
+    table: UpstreamTable,
+    shared: SlotMover | None,
+    speeds: SpeedModel,
+    say: Callable[[str], None],
+) -> PairMover:
+    """At start: every relay names a server the proxy serves, answers with the key, and runs the same GGUF as the
+    others (else refuse, naming both relays and hashes); its link is probed, the slowest one priced until moves
+    measure it."""
+    servers = {u.base_url for u in table.all()}
+    found: list[tuple[str, str, str, str, float, float]] = []  # server, relay, sha256, model, round trip, bytes/s
+    for server, relay_url in plan.relays:
+        if server not in servers:
+            raise ConfigError(f"--relay {server}={relay_url}: no --profile serves at {server}")
+        probe = RelayClient(relay_url, plan.key, "")
+        try:
+            model, round_trip_s = await probe.model(client)
+            bandwidth = await probe.probe(client, _PROBE_BYTES)
+        except (aiohttp.ClientError, TimeoutError, RelayError, ValueError) as exc:
+            raise ProfileMismatchError(f"--relay {server}={relay_url}: {exc or type(exc).__name__}") from exc
+        found.append((server, relay_url, str(model.get("sha256")), str(model.get("model")), round_trip_s, bandwidth))
+    first = found[0]
+    for other in found[1:]:
+        if other[2] != first[2]:
+            raise ProfileMismatchError(
+                f"the kv-relays serve different models: {first[1]} (beside {first[0]}) runs sha256 {first[2]}, "
+                f"{other[1]} (beside {other[0]}) runs sha256 {other[2]}; a KV cache moves only between servers "
+                "running the same GGUF"
+            )
+    slowest = min(found, key=lambda f: f[5])
+    speeds.observe_link(slowest[5])
+    relays = {server: RelayClient(url, plan.key, sha) for server, url, sha, *_ in found}
+    say(
+        f"KV moves between hosts: {len(found)} relays, one model ({first[3]}, sha256 {first[2][:12]}…); slowest link "
+        f"{slowest[1]}: {slowest[4] * 1000:.0f} ms, {slowest[5] / 1e6:.1f} MB/s"
+    )
+    return PairMover(RelayMover(relays, plan.max_bytes), shared)

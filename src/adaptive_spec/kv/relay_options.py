@@ -1,0 +1,59 @@
+"""`serve`'s options for moving KV between hosts: the kv-relay beside each attached server, and their key."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from adaptive_spec.errors import ConfigError
+from adaptive_spec.kv.relay_mover import RelayMoverPlan
+
+KEY_ENV = "ADAPTIVE_SPEC_RELAY_KEY"  # the variable kv-relay itself reads
+
+
+def add_relay_arguments(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("KV moves between hosts (README: Replica pools)")
+    group.add_argument(
+        "--relay",
+        action="append",
+        default=[],
+        metavar="SERVER_URL=RELAY_URL",
+        help="the kv-relay beside an attached llama-server (repeatable): sessions moving between servers with relays "
+        "take their KV along",
+    )
+    group.add_argument("--relay-key-file", type=Path, metavar="FILE", help=f"the relays' key (also: ${KEY_ENV})")
+
+
+def _url(text: str, whole: str) -> str:
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"--relay {whole!r}: {text!r} is not an http(s) URL")
+    return text.rstrip("/")
+
+
+def relay_plan(args: argparse.Namespace) -> RelayMoverPlan | None:
+    if not args.relay:
+        return None
+    if not args.profile:
+        raise ConfigError("--relay is for attached profiles (--profile NAME=URL)")
+    pairs: dict[str, str] = {}
+    for item in args.relay:
+        server, sep, relay = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--relay {item!r}: expected SERVER_URL=RELAY_URL")
+        server, relay = _url(server, item), _url(relay, item)
+        if server in pairs:
+            raise ConfigError(f"--relay: {server} is given twice")
+        pairs[server] = relay
+    key = os.environ.get(KEY_ENV, "").strip()
+    if args.relay_key_file:
+        try:
+            lines = args.relay_key_file.read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise ConfigError(f"--relay-key-file {args.relay_key_file}: {exc.strerror or exc}") from exc
+        key = lines[0].strip() if lines else ""
+    if not key:
+        raise ConfigError(f"--relay needs the relays' key: --relay-key-file FILE or ${KEY_ENV}")
+    return RelayMoverPlan(tuple(pairs.items()), key)

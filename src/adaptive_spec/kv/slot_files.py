@@ -1,0 +1,46 @@
+"""Slot files that cross machines: which names a relay accepts, and the refusal when two servers' models differ.
+
+Pure rules shared by the relay service (`kv/relay/service.py`) and its client in the proxy."""
+
+from __future__ import annotations
+
+import re
+
+# One plain file name inside the slot directory: no separators, no `..`, no hidden files (the relay's own partial
+# uploads are hidden, so they can never be named from outside).
+_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+SHA256_HEADER = "x-adaptive-spec-sha256"  # the sha256 of the slot file a body carries (upload or download)
+MODEL_HEADER = "x-adaptive-spec-model-sha256"  # the sha256 of the GGUF the sender's llama-server runs
+
+
+def valid_slot_name(name: str) -> bool:
+    """A plain file name llama-server and the relay may use: `[A-Za-z0-9_.-]{1,128}`, not starting with `.`."""
+    # fullmatch: `$` would also match before a final newline, letting `NAME%0A` through.
+    return bool(_NAME.fullmatch(name)) and ".." not in name
+
+
+# adaptive-spec names every slot file it saves `as-…` (handoffs, remote prefill): a relay serves, takes and deletes
+# only those, so the slot files others keep in a shared --slot-save-path (which hold their prompts' tokens) stay theirs.
+RELAY_PREFIX = "as-"
+
+
+def valid_relay_name(name: str) -> bool:
+    """A slot file name a relay handles: a valid one starting with `as-`."""
+    return name.startswith(RELAY_PREFIX) and valid_slot_name(name)
+
+
+def valid_sha256(value: str | None) -> bool:
+    return value is not None and bool(_SHA256.fullmatch(value))
+
+
+def model_mismatch(there: str, here: str, where: str) -> str | None:
+    """Why a slot file may not move between `where` (running the GGUF of sha256 `there`) and the side that reads the
+    message (`here`), or None: a KV cache is only valid for the exact same model file (weights and quantization)."""
+    if there == here:
+        return None
+    return (
+        f"the model files differ: this side runs sha256 {here}, {where} runs sha256 {there}; "
+        "a KV cache moves only between servers running the same GGUF"
+    )

@@ -1,0 +1,292 @@
+"""Forwarding one request to a profile and relaying its response chunk by chunk while metering it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from adaptive_spec.common.headers import PROFILE_HEADER
+from adaptive_spec.requests.error_responses import as_anthropic, as_client_error, error_response, sse_error_event
+from adaptive_spec.requests.gate import hidden_headers
+from adaptive_spec.servers.upstreams import Upstream
+from adaptive_spec.streams.tap import StreamTap
+from adaptive_spec.streams.timings import ResponseMeter
+
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# Dropped from requests: llama-server must send identity-encoded bytes, so the SSE stays parseable in flight.
+_DROP_REQUEST = _HOP_BY_HOP | {"host", "content-length", "accept-encoding", PROFILE_HEADER}
+_DROP_RESPONSE = _HOP_BY_HOP | {"content-length", "server", "date"}
+# Non-streamed bodies up to this size are parsed for their timings; larger ones just pass through.
+_METER_BODY_LIMIT = 8 * 1024 * 1024
+_ANTHROPIC_APIS = frozenset({"messages", "count_tokens"})
+_CHECKED_APIS = _ANTHROPIC_APIS | {"chat", "completions", "responses", "completion"}
+_ERROR_BODY_LIMIT = 64 * 1024
+SHUTDOWN_MESSAGE = "adaptive-spec is shutting down: the request ran past the shutdown grace and was ended"
+SHUTDOWN_CODE = "proxy_shutting_down"
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a forwarded request ended, for its record."""
+
+    status: int
+    error: str | None
+    meter: ResponseMeter
+    client_gone: bool = False  # the client hung up while the answer was being written to it
+    unreachable: bool = False  # the server refused the connection: the request never reached it
+
+
+def upstream_headers(headers: CIMultiDictProxy[str], hidden: tuple[str, ...] = ()) -> CIMultiDict[str]:
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _DROP_REQUEST and k.lower() not in hidden)
+
+
+async def forward(
+    request: web.Request,
+    sessions: tuple[aiohttp.ClientSession, aiohttp.ClientSession],
+    upstream: Upstream,
+    *,
+    path_qs: str,
+    body: bytes,
+    api: str,
+    timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - aiohttp's per-phase timeouts, not one deadline
+    started: float,
+    extra_headers: dict[str, str],
+    meter: ResponseMeter,
+    strip: bool = False,
+    progress: Callable[[], None] | None = None,
+    shutting_down: Callable[[], bool] = lambda: False,
+) -> tuple[web.StreamResponse, Outcome]:
+    """`strip`: the client did not ask for the per-token timings the proxy asked for, so they are taken out of the
+    stream again; `progress` is called after each relayed chunk; `shutting_down` says whether a cancellation is the
+    shutdown's (the client is told so) rather than the client's own disconnect."""
+    # Send the request upstream and relay the answer; upstream faults become errors, never exceptions.
+    url = upstream.base_url + path_qs
+    headers = upstream_headers(request.headers, hidden_headers(request))
+    try:
+        upstream_resp = await _send(sessions, request.method, url, body, headers, timeout)
+    except aiohttp.ClientConnectorError as exc:
+        message = f"profile {upstream.name!r} at {upstream.base_url} is unreachable: {exc.os_error or exc}"
+        return _fail(502, message, "upstream_unreachable", meter, unreachable=True)
+    except aiohttp.ConnectionTimeoutError:
+        message = (
+            f"profile {upstream.name!r} at {upstream.base_url} did not accept a connection within "
+            f"{timeout.sock_connect} s"
+        )
+        return _fail(504, message, "upstream_timeout", meter)
+    except TimeoutError:
+        message = f"profile {upstream.name!r} at {upstream.base_url} did not answer within {timeout.sock_read} s"
+        return _fail(504, message, "upstream_timeout", meter)
+    except aiohttp.ClientError as exc:
+        message = f"profile {upstream.name!r} at {upstream.base_url} failed before answering: {exc}"
+        return _fail(502, message, "upstream_error", meter)
+    except asyncio.CancelledError:
+        if not _shutdown_cancel(shutting_down):
+            raise
+        return _fail(503, SHUTDOWN_MESSAGE, SHUTDOWN_CODE, meter)
+    try:
+        relay = _Relay(upstream, api, meter, started, strip, progress, shutting_down)
+        resp, client_gone = await _relay(request, upstream_resp, relay, extra_headers)
+    finally:
+        # Closing (not releasing) drops the connection if the body was not read to the end, which tells
+        # llama-server to stop generating and free the slot.
+        upstream_resp.close()
+    return resp, Outcome(resp.status, meter.error, meter, client_gone)
+
+
+async def _send(
+    sessions: tuple[aiohttp.ClientSession, aiohttp.ClientSession],
+    method: str,
+    url: str,
+    body: bytes,
+    headers: CIMultiDict[str],
+    timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - aiohttp's per-phase timeouts
+) -> aiohttp.ClientResponse:
+    """One request on the first (pooling) session; sent again once, on the second session's new connection, if the
+    server dropped the connection before answering: a pooled keep-alive connection the server had just closed
+    ("server disconnected", "can not write request body"), which the request never reached. A refused connection is
+    not retried: the profile is down."""
+    pooled, fresh = sessions
+    try:
+        return await pooled.request(method, url, data=body or None, headers=headers, timeout=timeout)
+    except aiohttp.ClientConnectorError:
+        raise
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+        return await fresh.request(method, url, data=body or None, headers=headers, timeout=timeout)
+
+
+def _shutdown_cancel(shutting_down: Callable[[], bool]) -> bool:
+    """Whether the cancellation being handled is the shutdown ending this request; if so it is taken back, so the
+    client can still be told."""
+    task = asyncio.current_task()
+    if not shutting_down() or task is None:
+        return False
+    task.uncancel()
+    return True
+
+
+def _fail(
+    status: int, message: str, code: str, meter: ResponseMeter, *, unreachable: bool = False
+) -> tuple[web.StreamResponse, Outcome]:
+    meter.error = message
+    return error_response(status, message, code=code), Outcome(status, message, meter, unreachable=unreachable)
+
+
+@dataclass(frozen=True, slots=True)
+class _Relay:
+    """How to relay one response: to whom it belongs, and what to do with each piece."""
+
+    upstream: Upstream
+    api: str
+    meter: ResponseMeter
+    started: float
+    strip: bool
+    progress: Callable[[], None] | None
+    shutting_down: Callable[[], bool]
+
+    def where(self) -> str:
+        return f"profile {self.upstream.name!r} at {self.upstream.base_url}"
+
+
+async def _relay(
+    request: web.Request, upstream_resp: aiohttp.ClientResponse, relay: _Relay, extra_headers: dict[str, str]
+) -> tuple[web.StreamResponse, bool]:
+    """The response relayed, and whether the client hung up while it was written (a write to a closing transport
+    raises ConnectionResetError before aiohttp gets to cancel the handler: a disconnect, not a fault)."""
+    resp = web.StreamResponse(status=upstream_resp.status, reason=upstream_resp.reason)
+    for key, value in upstream_resp.headers.items():
+        if key.lower() not in _DROP_RESPONSE:
+            resp.headers.add(key, value)
+    resp.headers.update(extra_headers)
+    is_sse = upstream_resp.content_type == "text/event-stream"
+    if upstream_resp.content_length is not None and not is_sse:
+        resp.content_length = upstream_resp.content_length
+    error = await _error_body(upstream_resp, relay.api) if not is_sse else None
+    try:
+        if error is not None:  # read whole already: answered in one piece
+            status, body = error
+            resp.set_status(status)
+            resp.content_length = len(body)
+            await resp.prepare(request)
+            await resp.write(body)
+            await resp.write_eof()
+            return resp, False
+        await resp.prepare(request)
+        if is_sse:
+            await _relay_sse(resp, upstream_resp, relay)
+        else:
+            await _relay_body(request, resp, upstream_resp, relay.upstream, relay.meter)
+    except ConnectionResetError:
+        return resp, True
+    return resp, False
+
+
+async def _error_body(upstream_resp: aiohttp.ClientResponse, api: str) -> tuple[int, bytes] | None:
+    """A profile's error for a generating request, as the client should get it: llama-server answers 500 for some
+    bodies it cannot parse (the client's mistake: 400), and /v1/messages errors in OpenAI's shape (Anthropic
+    clients parse their own). None: relay the answer as it is."""
+    length = upstream_resp.content_length
+    if api not in _CHECKED_APIS or upstream_resp.status < 400 or length is None or length > _ERROR_BODY_LIMIT:
+        return None
+    try:
+        body = await upstream_resp.content.readexactly(length)
+    except (aiohttp.ClientError, asyncio.IncompleteReadError, TimeoutError):
+        return None
+    status, body = as_client_error(upstream_resp.status, body)
+    return status, (as_anthropic(status, body) or body) if api in _ANTHROPIC_APIS else body
+
+
+async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResponse, relay: _Relay) -> None:
+    meter, progress = relay.meter, relay.progress
+    tap = StreamTap(meter, strip=relay.strip)
+    started, clock = relay.started, time.perf_counter
+    try:
+        chunks = upstream_resp.content.iter_any()
+        async for chunk in chunks:
+            out = tap.feed(chunk, (clock() - started) * 1000.0)
+            if out:
+                await resp.write(out)
+            if progress is not None:
+                progress()
+            elif tap.passes_through:
+                break
+        if tap.passes_through and progress is None:  # the rest as it comes, kept for the meter: no work per chunk
+            keep, write, last = relay.meter.keep, resp.write, (b"", b"")
+            async for chunk in chunks:
+                keep(chunk)
+                last = (last[1], chunk)
+                await write(chunk)
+            tap.passed(last)
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        message = f"{relay.where()} closed the stream before it ended: {exc}"
+        await _end_stream_with_error(resp, relay.api, meter, message, "upstream_disconnected")
+        return
+    except TimeoutError:
+        message = f"{relay.where()} stopped sending (read timeout)"
+        await _end_stream_with_error(resp, relay.api, meter, message, "upstream_timeout")
+        return
+    except asyncio.CancelledError:
+        if not _shutdown_cancel(relay.shutting_down):
+            raise
+        await _end_stream_with_error(resp, relay.api, meter, SHUTDOWN_MESSAGE, SHUTDOWN_CODE)
+        return
+    if tap.close() and meter.error is None:
+        message = f"{relay.where()} ended the stream in the middle of an event"
+        await _end_stream_with_error(resp, relay.api, meter, message, "upstream_truncated")
+        return
+    await resp.write_eof()
+
+
+async def _end_stream_with_error(
+    resp: web.StreamResponse, api: str, meter: ResponseMeter, message: str, code: str
+) -> None:
+    meter.error = message
+    # The partial event (if any) is cut off by a blank line first, so the error is an event of its own.
+    await resp.write(b"\n\n" + sse_error_event(api, message, code=code))
+    await resp.write_eof()
+
+
+async def _relay_body(
+    request: web.Request,
+    resp: web.StreamResponse,
+    upstream_resp: aiohttp.ClientResponse,
+    upstream: Upstream,
+    meter: ResponseMeter,
+) -> None:
+    keep = upstream_resp.content_type == "application/json"
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in upstream_resp.content.iter_any():
+            await resp.write(chunk)
+            if keep:
+                size += len(chunk)
+                keep = size <= _METER_BODY_LIMIT
+                parts.append(chunk)
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, TimeoutError) as exc:
+        meter.error = f"profile {upstream.name!r} at {upstream.base_url} broke off the response: {exc!r}"
+        # Headers (with a length) are out: closing the connection is how the client learns the body is short.
+        if request.transport is not None:
+            request.transport.close()
+        return
+    if keep:
+        meter.on_body(b"".join(parts))
+    await resp.write_eof()

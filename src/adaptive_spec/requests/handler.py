@@ -1,0 +1,326 @@
+"""The request handler: read and check the body, find the session, route it (and hand its KV over when it moves),
+forward it upstream; the request's lifecycle (`requests/lifecycle.py`) records how it ended."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from adaptive_spec.access.policy import with_model
+from adaptive_spec.common.headers import PROFILE_HEADER, REPLICA_HEADER, REQUEST_ID_HEADER, ROUTE_HEADER
+from adaptive_spec.kv.remote_prefill import REMOTE_PREFILL
+from adaptive_spec.requests.app_keys import CLIENT, FRESH_CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
+from adaptive_spec.requests.error_responses import error_response
+from adaptive_spec.requests.forward import SHUTDOWN_MESSAGE, Outcome, forward
+from adaptive_spec.requests.gate import routed_path
+from adaptive_spec.requests.lifecycle import ProxyRequest
+from adaptive_spec.requests.parse import GENERATING_APIS, RequestProblem, parse_body, with_fields
+from adaptive_spec.servers.speculation import merge_fields
+from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+from adaptive_spec.sessions.clients import client_name
+from adaptive_spec.sessions.project import DEFAULT_PROJECT, workspace_path_from_request
+from adaptive_spec.streams.output import LiveText
+from adaptive_spec.streams.timings import ResponseMeter
+
+log = logging.getLogger(__name__)
+# APIs whose streams llama-server can annotate with per-token timings (for the live draft progress). Its Anthropic
+# stream (/v1/messages) carries no timings at all, asked or not (llama-server b11434): only usage at the end.
+_PROGRESS_APIS = frozenset({"chat", "completions", "responses"})
+# APIs whose body llama-server passes `id_slot` on from (its Anthropic and Responses conversions rebuild the body).
+_SLOT_APIS = frozenset({"chat", "completions"})
+# APIs whose body a patched llama-server reads `speculative.*` from: a profile's per-request settings go there (its
+# Anthropic and Responses conversions carry them on).
+SPECULATION_APIS = frozenset({"chat", "completions", "completion", "responses", "messages"})
+# How long a request waits for its session's previous turn to be folded into the statistics it is routed on.
+_SETTLE_S = 0.3
+# A body from this size on (a ~40k-token history) is parsed, grouped and routed in turns with the other streams' chunks.
+_LARGE_BODY = 128 * 1024
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise BodyTooLarge
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def choose_upstream(
+    request: web.Request, table: UpstreamTable, name: str | None = None, replica: int | None = None
+) -> Upstream | web.Response:
+    """The upstream of profile `name` (default: the one the header pins, else the default), or the error to answer.
+    `replica`: which server of its pool (None: the first one up)."""
+    name = name or request.headers.get(PROFILE_HEADER) or table.default
+    if replica is None:
+        up = [u for u in table.replicas(name) if table.replica_down_reason(name, u.replica) is None]
+        replica = up[0].replica if up else 0
+    upstream = table.get(name, replica)
+    if upstream is None:
+        known = ", ".join(table.names())
+        return error_response(
+            400,
+            f"unknown profile {name!r} in {PROFILE_HEADER}; known profiles: {known}",
+            code="unknown_profile",
+            param=PROFILE_HEADER,
+        )
+    reason = table.replica_down_reason(name, replica)
+    if reason is not None:
+        return error_response(
+            503, f"profile {name!r} at {upstream.base_url} is down: {reason}", code="profile_unavailable"
+        )
+    return upstream
+
+
+def _upstream_query(request: web.Request, upstream: Upstream, api: str) -> str:
+    """Router-mode servers take the preset as `?model=` on GET endpoints such as /props and /slots: always the
+    profile's own (a client's `model` would make the router load another model)."""
+    qs = request.rel_url.raw_query_string  # as sent: decoding it could turn an encoded '&' into a separator
+    preset = upstream.upstream_model
+    if preset is not None:
+        kept = [p for p in qs.split("&") if p and p.split("=", 1)[0] != "model"]
+        add = ["model=" + quote(preset, safe="")] if request.method == "GET" and api == "other" else []
+        qs = "&".join(kept + add)
+    return f"?{qs}" if qs else ""
+
+
+def _upstream_body(req: ProxyRequest, upstream: Upstream, watched: bool) -> tuple[bytes, bool]:
+    """The bytes to send: the client's, unless a router preset must be named or per-token timings are wanted (for
+    the live draft progress, only while a live view is `watched`: otherwise the answer's bytes pass on untouched).
+
+    Returns (body, strip): strip says the client did not ask for per-token timings, so they are removed again.
+    """
+    parsed = req.parsed
+    if parsed is None:
+        preset = upstream.upstream_model
+        return (with_model(req.body, preset) if preset is not None and req.body else req.body), False
+    added: dict[str, Any] = {}
+    if req.routed.api in SPECULATION_APIS:
+        added, req.speculation = merge_fields(parsed.body, upstream.speculation)
+    strip = watched and parsed.stream and req.routed.api in _PROGRESS_APIS and "timings_per_token" not in parsed.body
+    if strip:
+        added["timings_per_token"] = True
+    if req.slot is not None and "id_slot" not in parsed.body:
+        added["id_slot"] = req.slot
+    if upstream.upstream_model is not None and parsed.model != upstream.upstream_model:
+        return orjson.dumps({**parsed.body, **added, "model": upstream.upstream_model}), strip
+    return (with_fields(req.body, added) if added else req.body), strip
+
+
+def _extra_headers(req: ProxyRequest, chosen: Upstream) -> dict[str, str]:
+    """Sent upstream and back to the client: which request this is, the profile that served it, and why."""
+    headers = {REQUEST_ID_HEADER: req.request_id, PROFILE_HEADER: chosen.name}
+    if req.decision is not None:
+        headers[ROUTE_HEADER] = req.decision.kind
+    if req.pool_size > 1:
+        headers[REPLICA_HEADER] = str(chosen.replica)
+    return headers
+
+
+async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | web.Response:
+    """Read and check the body, find the session, choose the profile: an upstream, or an error to answer with."""
+    settings = request.app[SETTINGS]
+    try:
+        req.body = await read_body(request, settings.max_body_bytes)
+    except BodyTooLarge:
+        req.status, req.error = 413, f"request body is larger than the limit of {settings.max_body_bytes} bytes"
+        return error_response(413, req.error, code="request_too_large")
+    if request.method == "POST" and req.routed.api in GENERATING_APIS:
+        result = parse_body(req.routed.api, req.body)
+        if isinstance(result, RequestProblem):
+            req.status, req.error = 400, result.message
+            return error_response(400, result.message, code=result.code, param=result.param)
+        req.parsed = result
+        large = len(req.body) >= _LARGE_BODY
+        if large:  # a long history's parse took a millisecond: other streams' chunks go out before it is grouped
+            await asyncio.sleep(0)
+        service = request.app[SESSIONS]
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        req.workspace = workspace_path_from_request(headers, result.body)  # scanned once: project and policy
+        if service is not None:
+            req.assignment, req.project = service.assign(headers, result.body, req.routed.project, req.workspace)
+        if large:  # ... and before it is routed
+            await asyncio.sleep(0)
+        pinned = choose_upstream(request, request.app[UPSTREAMS]) if request.headers.get(PROFILE_HEADER) else None
+        if isinstance(pinned, web.Response):
+            req.status, req.error = pinned.status, (pinned.text or "")[:300]
+            return pinned
+        return await _route(request, req)
+    chosen = choose_upstream(request, request.app[UPSTREAMS])
+    if isinstance(chosen, web.Response):
+        req.status, req.error = chosen.status, (chosen.text or "")[:300]
+    else:
+        req.replica, req.pool_size = chosen.replica, len(request.app[UPSTREAMS].replicas(chosen.name))
+    return chosen
+
+
+async def _failover(request: web.Request, req: ProxyRequest, failed: Upstream) -> Upstream | None:
+    """`failed`, a replica of a pool, refused the connection (the request never reached it): mark it down (the
+    health watch brings it back) and route the request again among the replicas still up. A session whose KV lived
+    there is re-placed and re-prefills. None: no other replica is up, the refusal stands."""
+    table = request.app[UPSTREAMS]
+    if req.pool_size <= 1 or not any(
+        table.replica_down_reason(failed.name, u.replica) is None and u.replica != failed.replica
+        for u in table.replicas(failed.name)
+    ):
+        return None
+    table.mark_down(failed.name, "refused connections", failed.replica, watch=True)
+    log.warning("request %s: %s refused the connection; trying another replica", req.request_id, failed.label)
+    req.meter = ResponseMeter()
+    req.status, req.error = 500, None
+    if req.decision is None or not req.routed_started:
+        chosen = choose_upstream(request, table, failed.name)
+        return chosen if isinstance(chosen, Upstream) else None
+    session_id = req.assignment.session_id if req.assignment is not None else None
+    # Its load comes off the refused replica; nothing was served, nothing is learned.
+    request.app[ROUTER].finished(
+        req.decision, req.profile, req.slot, session_id, None, len(req.body), False, replica=failed.replica
+    )
+    req.routed_started, req.slot, req.handoff = False, None, None
+    routed = await _route(request, req)
+    return routed if isinstance(routed, Upstream) else None
+
+
+async def _route(request: web.Request, req: ProxyRequest) -> Upstream | web.Response:
+    """A generating request: decide its profile, and hand the session's KV over when it moves."""
+    app, parsed = request.app, req.parsed
+    assert parsed is not None
+    router, service, assignment = app[ROUTER], app[SESSIONS], req.assignment
+    session_id = assignment.session_id if assignment is not None else None
+    turns, copy_share = 0, None
+    if service is not None and session_id is not None:
+        await service.settled(session_id, _SETTLE_S)
+        turns, copy_share = service.copy_state(session_id)
+    req.decision, _ = router.choose(
+        body=parsed.body,
+        body_bytes=len(req.body),
+        session_id=session_id,
+        session_turns=turns,
+        copy_share=copy_share,
+        project=req.project,
+        workspace=req.workspace,
+        pinned=request.headers.get(PROFILE_HEADER),
+    )
+    req.profile = req.decision.profile
+    chosen = choose_upstream(request, app[UPSTREAMS], req.profile, req.decision.replica)
+    if isinstance(chosen, web.Response):
+        req.status, req.error = chosen.status, (chosen.text or "")[:300]
+        return chosen
+    req.replica, req.pool_size = chosen.replica, len(app[UPSTREAMS].replicas(chosen.name))
+    client_slot = parsed.body.get("id_slot")
+    if isinstance(client_slot, int) and not isinstance(client_slot, bool) and client_slot >= 0:
+        req.slot = client_slot  # the client chose; the router follows it
+    elif req.routed.api in _SLOT_APIS:
+        req.slot = router.slot_for(chosen.name, session_id, chosen.replica)
+    router.started(chosen.name, req.slot, session_id, chosen.replica)
+    req.routed_started = True
+    if req.decision.handoff and session_id is not None:
+        req.handoff = await router.hand_off(app[CLIENT], req.decision, session_id, req.slot)
+    remote = app.get(REMOTE_PREFILL)
+    if remote is not None and req.routed.api in _SLOT_APIS:
+        request_spec = (req.routed.upstream_path, parsed.body)
+        req.decision, req.remote_prefill = await remote.maybe(
+            app[CLIENT], router, req.decision, chosen, req.slot, request_spec, session_id
+        )
+    return chosen
+
+
+def _client_gone(req: ProxyRequest, *, stopping: bool) -> None:
+    """The client went away (or, while the proxy stops, its handler was ended). One that hangs up right after the
+    stream's end marker got the whole answer."""
+    if req.meter.complete and req.meter.error is None:
+        req.status, req.error = 200, None
+        log.debug("request %s: the client hung up after the end of the answer", req.request_id)
+    elif stopping:
+        req.status, req.error = 503, SHUTDOWN_MESSAGE
+    else:
+        req.status, req.error = 499, "the client disconnected"
+        log.info("request %s: the client disconnected before the end of the answer", req.request_id)
+
+
+async def proxy_view(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    routed = routed_path(request)  # decided on the raw target by the security gate
+    req = ProxyRequest(
+        uuid.uuid4().hex[:16],
+        routed,
+        request.headers.get(PROFILE_HEADER) or app[UPSTREAMS].default,
+        project=routed.project or DEFAULT_PROJECT,
+        client=client_name(request.headers.get("User-Agent")),
+    )
+    lifecycle = app[LIFECYCLE]
+    task = asyncio.current_task()
+    if task is not None:
+        lifecycle.handlers[req.request_id] = task
+    try:
+        chosen = await _prepare(request, req)
+        if isinstance(chosen, web.Response):
+            chosen.headers[REQUEST_ID_HEADER] = req.request_id  # every answer names its record
+            return chosen
+        lifecycle.announce(req)
+        resp, outcome = await _forward_once(request, req, chosen)
+        while outcome.unreachable and not resp.prepared and (other := await _failover(request, req, chosen)):
+            chosen = other
+            resp, outcome = await _forward_once(request, req, chosen)
+        req.status, req.error = outcome.status, outcome.error
+        if not resp.prepared:
+            resp.headers[REQUEST_ID_HEADER] = req.request_id
+        if outcome.client_gone:
+            _client_gone(req, stopping=lifecycle.stopping)
+        return resp
+    except (ConnectionResetError, asyncio.CancelledError):
+        # aiohttp cancels the handler when the client goes away; forward() has closed the upstream connection.
+        # A client that hangs up right after the stream's end marker got the whole answer.
+        _client_gone(req, stopping=lifecycle.stopping)
+        raise
+    except Exception as exc:
+        req.status, req.error = 500, f"internal error: {exc!r}"
+        raise
+    finally:
+        lifecycle.handlers.pop(req.request_id, None)
+        lifecycle.finish(request.method, request.path, req)
+
+
+async def _forward_once(
+    request: web.Request, req: ProxyRequest, chosen: Upstream
+) -> tuple[web.StreamResponse, Outcome]:
+    app, routed, lifecycle = request.app, req.routed, request.app[LIFECYCLE]
+    settings = app[SETTINGS]
+    timeout = aiohttp.ClientTimeout(
+        total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
+    )
+    watched = lifecycle.watched or settings.feed_content
+    body, strip = _upstream_body(req, chosen, watched)
+    if settings.feed_content and req.parsed is not None and req.parsed.stream and routed.api in _PROGRESS_APIS:
+        req.meter.live = LiveText()
+    return await forward(
+        request,
+        (app[CLIENT], app[FRESH_CLIENT]),
+        chosen,
+        path_qs=routed.upstream_path + _upstream_query(request, chosen, routed.api),
+        body=body,
+        api=routed.api,
+        timeout=timeout,
+        started=req.started,
+        meter=req.meter,
+        extra_headers=_extra_headers(req, chosen),
+        strip=strip,
+        # Nothing to publish per chunk when nobody watched at the start (no per-token timings were asked for).
+        progress=(lambda: lifecycle.progress(req)) if watched else None,
+        shutting_down=lambda: lifecycle.stopping,
+    )

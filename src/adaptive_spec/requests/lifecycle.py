@@ -1,0 +1,231 @@
+"""The request lifecycle: one request's own state while the proxy handles it, its announcement, its live draft
+progress and its end. The one owner of "every request ends with exactly one record and one finished-or-failed event"
+(and the router's load coming down, the session learning from it, the trace line)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from adaptive_spec.kv.handoff import HandoffResult, Router
+from adaptive_spec.kv.remote_prefill import RemotePrefillResult
+from adaptive_spec.requests.parse import GENERATING_APIS, ParsedRequest, RoutedPath
+from adaptive_spec.routing.decide import Decision
+from adaptive_spec.sessions.grouping import SessionAssignment
+from adaptive_spec.sessions.project import DEFAULT_PROJECT
+from adaptive_spec.sessions.service import SessionService
+from adaptive_spec.streams.timings import ResponseMeter
+from adaptive_spec.telemetry.bus import EventBus
+from adaptive_spec.telemetry.events import DraftProgress, RequestFailed, RequestFinished, RequestStarted
+from adaptive_spec.telemetry.history import RequestHistory
+from adaptive_spec.telemetry.records import RequestRecord, Timings
+from adaptive_spec.telemetry.trace import TraceWriter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ProxyRequest:
+    """One request's own state while it is handled (never shared between tasks)."""
+
+    request_id: str
+    routed: RoutedPath
+    profile: str
+    started: float = field(default_factory=time.perf_counter)
+    started_unix: float = field(default_factory=time.time)
+    body: bytes = b""
+    parsed: ParsedRequest | None = None
+    assignment: SessionAssignment | None = None
+    project: str = DEFAULT_PROJECT
+    status: int = 500
+    error: str | None = "the proxy stopped before the request was answered"
+    announced: bool = False
+    meter: ResponseMeter = field(default_factory=ResponseMeter)
+    last_progress: tuple[float, Timings | None] = (0.0, None)
+    workspace: str | None = None  # the workspace path the agent reveals, if any
+    decision: Decision | None = None
+    slot: int | None = None  # the slot named with id_slot (profiles with several slots)
+    handoff: HandoffResult | None = None
+    remote_prefill: RemotePrefillResult | None = None  # the prompt was prefilled on --pp-server first
+    routed_started: bool = False  # counted in the router's in-flight load
+    client: str | None = None  # the agent, from its User-Agent
+    replica: int = 0  # which server of the profile's pool it was sent to
+    pool_size: int = 1  # how many servers that profile has
+    speculation: dict[str, Any] | None = None  # the per-request speculation fields it was sent with
+
+
+class RequestLifecycle:
+    """Announces, follows and ends requests, publishing on the bus it is given."""
+
+    def __init__(
+        self,
+        bus: EventBus,
+        history: RequestHistory,
+        router: Router,
+        sessions: SessionService | None,
+        trace: TraceWriter | None,
+        progress_interval_s: float,
+    ) -> None:
+        self.bus, self.history, self.router, self.sessions, self.trace = bus, history, router, sessions, trace
+        self.progress_interval_s = progress_interval_s
+        self.in_flight: dict[str, RequestStarted] = {}  # announced, not ended: the feed's snapshot lists them
+        self.handlers: dict[str, asyncio.Task[object]] = {}  # every request being handled, for the shutdown
+        self.stopping = False  # the shutdown grace is over: requests still running are being ended
+
+    async def drain(self, grace_s: float) -> int:
+        """On shutdown: let requests in flight run for up to `grace_s`, then end the rest (each answers 503, or ends
+        its stream with a final error event: see `forward`). Returns how many were ended."""
+        if self.handlers:
+            await asyncio.wait(set(self.handlers.values()), timeout=grace_s)
+        self.stopping = True
+        left = list(self.handlers.values())
+        for task in left:
+            task.cancel("adaptive-spec is shutting down")
+        return len(left)
+
+    def announce(self, req: ProxyRequest) -> None:
+        """RequestStarted, once: when the request is forwarded, or at its end if it never was."""
+        if req.announced:
+            return
+        req.announced = True
+        assignment, decision = req.assignment, req.decision
+        started = RequestStarted(
+            request_id=req.request_id,
+            api=req.routed.api,
+            project=req.project,
+            profile=req.profile,
+            session_id=assignment.session_id if assignment else None,
+            session_source=assignment.source if assignment else None,
+            stream=req.parsed.stream if req.parsed else False,
+            route=decision.kind if decision else None,
+            reason=decision.reason if decision else None,
+            moved_from=decision.moved_from if decision else None,
+            client=req.client,
+            replica=req.replica,
+        )
+        self.in_flight[req.request_id] = started
+        self.bus.publish(started)
+
+    @property
+    def watched(self) -> bool:
+        """A live view is subscribed to the events (only it shows the draft progress)."""
+        return self.bus.subscribers > 0
+
+    def progress(self, req: ProxyRequest, *, last_one: bool = False) -> None:
+        """After each relayed chunk: publish the running draft totals, at most once per interval (and, with live
+        text on, once more at the end, so the feed carries the whole answer)."""
+        last_at, last = req.last_progress
+        now = time.monotonic()
+        if not last_one and (now - last_at < self.progress_interval_s or not self.watched):
+            return  # before reading the timings: that reads the stream's bytes since the last time
+        timings = req.meter.timings
+        if timings is None or timings is last:
+            return
+        req.last_progress = (now, timings)
+        self.bus.publish(
+            DraftProgress(
+                request_id=req.request_id,
+                profile=req.profile,
+                predicted_n=timings.predicted_n,
+                draft_n=timings.draft_n,
+                draft_n_accepted=timings.draft_n_accepted,
+                predicted_per_second=timings.predicted_per_second,
+                text=req.meter.live.take() if req.meter.live is not None else None,
+            )
+        )
+
+    def finish(self, method: str, path: str, req: ProxyRequest) -> None:
+        """The request's end, however it went: the profile's load comes down first, a session learns from a request
+        served in full, then exactly one record goes to the history, the bus and the trace."""
+        finished = req.error is None and req.status < 400
+        assignment, decision, meter = req.assignment, req.decision, req.meter
+        session_id = assignment.session_id if assignment else None
+        line_moved = False
+        if req.routed_started and decision is not None:  # first: the profile's load must come down whatever happens
+            line_moved = self.router.finished(
+                decision,
+                req.profile,
+                req.slot,
+                session_id,
+                meter.timings,
+                len(req.body),
+                finished,
+                meter.output.text,
+                replica=req.replica,
+            )
+        if finished and self.sessions is not None and assignment is not None and req.parsed is not None:
+            self.sessions.finished(
+                assignment,
+                req.project,
+                req.parsed.body,
+                meter.output,
+                req.request_id,
+                side=decision is not None and decision.side,
+                line_moved=line_moved,
+                body_bytes=len(req.body),
+                raw_body=req.body,
+            )
+        record = _record(method, path, req, finished)
+        self.history.add(record)
+        if decision is not None:
+            self.router.remember(
+                {
+                    "request_id": req.request_id,
+                    "session_id": session_id,
+                    "profile": req.profile,
+                    "replica": req.replica,
+                    "route": decision.kind,
+                    "reason": decision.reason,
+                    "status": req.status,
+                }
+            )
+        as_json = record.to_json()
+        self.announce(req)
+        if req.meter.live is not None:
+            self.progress(req, last_one=True)
+        self.in_flight.pop(req.request_id, None)
+        self.bus.publish(RequestFinished(record=as_json) if finished else RequestFailed(record=as_json))
+        trace = self.trace
+        if trace is not None and req.routed.api in GENERATING_APIS:
+            try:
+                trace.request(as_json, req.body, meter.output.text if trace.content else None)
+            except (OSError, ValueError):
+                log.exception("could not write the trace line for request %s", req.request_id)
+
+
+def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> RequestRecord:
+    assignment, decision, meter = req.assignment, req.decision, req.meter
+    return RequestRecord(
+        request_id=req.request_id,
+        started_at_unix=req.started_unix,
+        method=method,
+        path=path,
+        api=req.routed.api,
+        project=req.project,
+        session_id=assignment.session_id if assignment else None,
+        session_source=assignment.source if assignment else None,
+        subagent=assignment.subagent if assignment else False,
+        profile=req.profile,
+        stream=req.parsed.stream if req.parsed is not None else False,
+        status=req.status,
+        outcome="finished" if finished else "failed",
+        error=req.error,
+        timings=meter.timings,
+        ttft_ms=meter.first_token_ms,
+        ttst_ms=meter.second_token_ms,
+        total_ms=(time.perf_counter() - req.started) * 1000.0,
+        route=decision.kind if decision else None,
+        reason=decision.reason if decision else None,
+        moved_from=decision.moved_from if decision else None,
+        handoff=asdict(req.handoff) if req.handoff is not None else None,
+        remote_prefill=asdict(req.remote_prefill) if req.remote_prefill is not None else None,
+        client=req.client,
+        new_tokens_est=decision.new_tokens if decision else None,
+        side=decision.side if decision else False,
+        replica=req.replica,
+        replica_moved_from=decision.replica_moved_from if decision else None,
+        speculation=req.speculation,
+    )

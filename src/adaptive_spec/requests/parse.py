@@ -1,0 +1,143 @@
+"""What the proxy needs to know about a client request: which API, which project, and whether it is well formed."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+_PROJECT_PREFIX = re.compile(r"^/p/([A-Za-z0-9][A-Za-z0-9._-]{0,127})(/.*)?$")
+
+# Path (after any /p/<project> prefix) → API name. llama-server serves each with and without the /v1 prefix.
+_APIS = {
+    "/v1/chat/completions": "chat",
+    "/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/completions": "completions",
+    "/v1/responses": "responses",
+    "/responses": "responses",
+    "/v1/messages": "messages",
+    "/v1/messages/count_tokens": "count_tokens",
+    "/v1/models": "models",
+    "/models": "models",
+    "/completion": "completion",
+}
+GENERATING_APIS = frozenset({"chat", "completions", "responses", "messages", "completion"})
+
+# The request field each API cannot do without, and the JSON types it may take.
+_REQUIRED: dict[str, tuple[str, tuple[type, ...]]] = {
+    "chat": ("messages", (list,)),
+    "completions": ("prompt", (str, list)),
+    "responses": ("input", (str, list)),
+    "messages": ("messages", (list,)),
+    "completion": ("prompt", (str, list)),
+}
+_OPTIONAL_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "model": ((str,), "a string"),
+    "stream": ((bool,), "a boolean"),
+    "max_tokens": ((int,), "an integer"),
+    "max_completion_tokens": ((int,), "an integer"),
+    "max_output_tokens": ((int,), "an integer"),
+    "n_predict": ((int,), "an integer"),
+    "n": ((int,), "an integer"),
+    "temperature": ((int, float), "a number"),
+    "top_p": ((int, float), "a number"),
+    "stream_options": ((dict,), "an object"),
+}
+_TYPE_NAMES: dict[type, str] = {list: "an array", str: "a string", dict: "an object"}
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedPath:
+    """A request path split into its project (from a `/p/<project>` prefix, else None) and the upstream path."""
+
+    project: str | None
+    upstream_path: str
+    api: str
+
+
+def split_path(path: str) -> RoutedPath:
+    project: str | None = None
+    match = _PROJECT_PREFIX.match(path)
+    if match:
+        project = match.group(1)
+        path = match.group(2) or "/"
+    return RoutedPath(project, path, _APIS.get(path.rstrip("/") or "/", "other"))
+
+
+@dataclass(frozen=True, slots=True)
+class RequestProblem:
+    """Why a request body was refused; the proxy shell turns it into an OpenAI-shaped 400."""
+
+    message: str
+    code: str
+    param: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    body: dict[str, Any]
+    stream: bool
+    model: str | None
+
+
+def parse_body(api: str, raw: bytes) -> ParsedRequest | RequestProblem:
+    """Parse a JSON request body once and check the fields the proxy and llama-server rely on."""
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return RequestProblem(f"The request body is not valid JSON: {exc}", "invalid_json")
+    if not isinstance(obj, dict):
+        return RequestProblem(f"The request body must be a JSON object, not {_json_type(obj)}.", "invalid_type")
+    required = _REQUIRED.get(api)
+    if required is not None:
+        field, types = required
+        if field not in obj:
+            return RequestProblem(f"'{field}' is a required property.", "missing_required_parameter", field)
+        if not isinstance(obj[field], types):
+            wanted = " or ".join(_TYPE_NAMES[t] for t in types)
+            return _wrong_type(field, wanted, obj[field])
+    for field, (types, wanted) in _OPTIONAL_TYPES.items():
+        value = obj.get(field)
+        if value is None:
+            continue
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+            return _wrong_type(field, wanted, value)
+    from adaptive_spec.requests.shapes import check_shape  # builds on this module's types: imported when first used
+
+    problem = check_shape(api, obj)
+    if problem is not None:
+        return problem
+    model = obj.get("model")
+    return ParsedRequest(obj, bool(obj.get("stream", False)), model if isinstance(model, str) else None)
+
+
+def with_fields(raw: bytes, fields: dict[str, Any]) -> bytes:
+    """A JSON object's bytes with `fields` it does not have added at its start, the client's bytes otherwise as they
+    came (no re-serialising of a long history). `raw` must parse as a JSON object without those keys."""
+    start = raw.index(b"{") + 1
+    added = b",".join(orjson.dumps(key) + b":" + orjson.dumps(value) for key, value in fields.items())
+    empty = raw[start:].lstrip(b" \t\r\n").startswith(b"}")
+    return raw[:start] + added + (b"" if empty else b",") + raw[start:]
+
+
+def _wrong_type(field: str, wanted: str, value: Any) -> RequestProblem:
+    return RequestProblem(
+        f"Invalid type for '{field}': expected {wanted}, but got {_json_type(value)}.", "invalid_type", field
+    )
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"

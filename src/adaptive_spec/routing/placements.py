@@ -1,0 +1,134 @@
+"""Placements: where each session's KV cache lives (profile, slot, cached tokens), which slot of a several-slot
+profile a session holds, and `observe()`, the one step that learns from a request served in full. The proxy's router
+shell and the simulator both call `observe()`, so the simulator learns exactly as the proxy does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from adaptive_spec.common.lru import LRU
+from adaptive_spec.routing.speeds import SpeedModel
+from adaptive_spec.telemetry.records import Timings
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a session's KV cache lives: the profile (and slot) that served its last turn."""
+
+    profile: str
+    slot: int | None
+    cached_tokens: int  # prompt + output of the last turn, cached in that slot
+    turns_here: int  # consecutive turns served on this profile
+    output_tokens: float  # average output tokens per turn (EWMA)
+    # Whether the slot still holds this session. Another session served there since displaced it: the profile may
+    # still have the prompt in its RAM cache, but a slot save would capture the other session's KV.
+    in_slot: bool = True
+    replica: int = 0  # which replica of the profile (a pool of llama-servers) holds it
+
+
+class Placements:
+    """Where each session's KV cache lives (bounded: least recently used sessions are forgotten)."""
+
+    def __init__(
+        self,
+        max_sessions: int = 4096,
+        alpha: float = 0.5,
+        home: Callable[[str, int], tuple[str, int]] = lambda profile, replica: (profile, replica),
+    ) -> None:
+        """`home`: the server a (profile, replica) runs on, as a key; profiles on one server share its slots."""
+        self._by_session: LRU[str, Placement] = LRU(max_sessions)
+        self.max_sessions, self.alpha, self._home = max_sessions, alpha, home
+        # The sessions marked in each slot of each server, so that a request displaces them without a scan.
+        self._in_slot: dict[tuple[tuple[str, int], int | None], set[str]] = {}
+
+    def _slot(self, profile: str, replica: int, slot: int | None) -> tuple[tuple[str, int], int | None]:
+        return self._home(profile, replica), slot
+
+    def get(self, session_id: str | None) -> Placement | None:
+        return self._by_session.get(session_id) if session_id is not None else None
+
+    def served(
+        self,
+        session_id: str,
+        profile: str,
+        slot: int | None,
+        cached_tokens: int,
+        output_tokens: int,
+        replica: int = 0,
+    ) -> None:
+        old = self._by_session.get(session_id)
+        turns = old.turns_here + 1 if old is not None and old.profile == profile else 1
+        out = float(output_tokens) if old is None else self.alpha * output_tokens + (1 - self.alpha) * old.output_tokens
+        if old is not None and old.in_slot:
+            self._in_slot.get(self._slot(old.profile, old.replica, old.slot), set()).discard(session_id)
+        dropped = self._by_session.put(session_id, Placement(profile, slot, cached_tokens, turns, out, replica=replica))
+        self._in_slot.setdefault(self._slot(profile, replica, slot), set()).add(session_id)
+        for sid, gone in dropped:
+            self._in_slot.get(self._slot(gone.profile, gone.replica, gone.slot), set()).discard(sid)
+
+    def displace(self, profile: str, slot: int | None, keep: str | None, replica: int = 0) -> None:
+        """`keep` now occupies this slot (served there, or restored into it; None: nobody, it was erased): the other
+        sessions it held are out of the slot (their prompts may live on in the profile's RAM cache, so their cached
+        figures stay)."""
+        where = self._slot(profile, replica, slot)
+        held = self._in_slot.get(where)
+        if not held:
+            return
+        for sid in [sid for sid in held if sid != keep]:
+            held.discard(sid)
+            p = self._by_session.get(sid)
+            if p is not None and p.in_slot and self._slot(p.profile, p.replica, p.slot) == where:
+                self._by_session.replace(sid, replace(p, in_slot=False))
+
+    def __len__(self) -> int:
+        return len(self._by_session)
+
+    def count_on(self, profile: str, replica: int) -> int:
+        """Sessions whose KV cache lives on this replica's server (a tie-break for new sessions: spread them)."""
+        home = self._home(profile, replica)
+        return sum(1 for _, p in self._by_session.items() if self._home(p.profile, p.replica) == home)
+
+    def items(self) -> list[tuple[str, Placement]]:
+        return self._by_session.items()
+
+
+@dataclass
+class SlotBook:
+    """Which slot of a several-slot profile each session uses, and which slots are busy."""
+
+    slots: int
+    by_session: LRU[str, int] = field(default_factory=lambda: LRU(10_000))  # session -> its slot
+    busy: dict[int, int] = field(default_factory=dict)
+    last_used: dict[int, float] = field(default_factory=dict)
+
+    def pick(self, session_id: str | None) -> int:
+        mine = self.by_session.get(session_id) if session_id is not None else None
+        if mine is not None and not self.busy.get(mine):
+            return mine
+        free = [s for s in range(self.slots) if not self.busy.get(s)] or list(range(self.slots))
+        slot = min(free, key=lambda s: self.last_used.get(s, 0.0))
+        if session_id is not None:
+            self.by_session.put(session_id, slot)
+        return slot
+
+
+def observe(
+    speeds: SpeedModel,
+    placements: Placements,
+    profile: str,
+    slot: int | None,
+    session_id: str | None,
+    copy_share: float,
+    timings: Timings,
+    body_bytes: int,
+    replica: int = 0,
+) -> None:
+    """Learn from a request served in full on `profile` (its `replica`): its speeds, and that the session's KV now
+    lives in `slot` there (whichever session held that slot before is out of it). Speeds are learned per profile:
+    the replicas of a pool run the same model and setup."""
+    speeds.observe(profile, copy_share, timings, body_bytes)
+    if session_id is not None:
+        placements.displace(profile, slot, keep=session_id, replica=replica)
+        cached = timings.cache_n + timings.prompt_n + timings.predicted_n
+        placements.served(session_id, profile, slot, cached, timings.predicted_n, replica)

@@ -1,0 +1,252 @@
+"""Per-profile speeds learned online from llama-server's timings, starting from priors.
+
+Decode time per output token is modelled from the session's copyability `x` (the share of output an n-gram drafter
+would produce from context) and the context length `k` (in thousands of tokens):
+
+    profile without n-gram drafting:  seconds/token = b_p · (1 + c·k)
+    n-gram profile:                   seconds/token = b · (1 + c·k) · (1 + o) · (1 − g_p·x)
+
+`b_p` is each plain profile's measured speed; `b` the reference: what the plain profiles measured (before they have
+data, what the n-gram profiles' measurements imply). `o` is the n-gram overhead on output it cannot copy, `c` the
+slowdown with context (both priors from the policy), and `g_p` the n-gram gain, learned per profile by ridge
+regression toward the prior `1 − 1/ngram_max_speedup`. The structure is the knowledge: an n-gram profile is never
+faster than plain decoding on output it cannot copy, however little it has been measured, so one-shot prompts are
+not sent to it on the strength of its edit-session numbers. Prefill speed (one figure: every profile serves the same
+model), slot save/restore cost and prompt bytes per token are running averages with priors. A KV handoff between
+hosts also pays the slot file's transfer: KV bytes per token (the last files' measure) × tokens ÷ bandwidth (learned
+from each move, its prior the start-up probe of the link). Old measurements fade (half-life in requests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from adaptive_spec.routing.policy import EstimatorPolicy, HandoffPolicy
+from adaptive_spec.telemetry.records import Timings
+
+_MIN_DECODE_TOKENS = 32  # shorter responses measure per-request overheads, not decode speed
+# An n-gram drafter only drafts runs of n_min tokens (48 by default): a shorter answer says nothing of its gain.
+_MIN_GAIN_TOKENS = 64
+_MIN_PREFILL_TOKENS = 64
+_MAX_GAIN = 0.95
+# A slot file crossing hosts, until measured: a 27B-class model's f16 KV per token (as remote prefill assumes), over
+# ~1 Gbit/s unless the start-up probe of the relays' links said otherwise.
+_KV_BYTES_PER_TOKEN_PRIOR = 120_000.0
+_BANDWIDTH_PRIOR_BYTES_PER_S = 100e6
+_MIN_TRANSFER_BYTES = 65_536  # smaller files time the round trip, not the link
+
+
+def is_ngram(spec_types: tuple[str, ...] | None) -> bool:
+    """Whether a profile drafts from n-grams of its context (ngram-mod, ngram-map-*, ngram-simple, ...)."""
+    return bool(spec_types) and any(t.startswith("ngram") for t in spec_types or ())
+
+
+class _Average:
+    """A running mean with a prior worth `weight` observations and exponential forgetting."""
+
+    __slots__ = ("forget", "n", "total", "weight")
+
+    def __init__(self, weight: float, forget: float) -> None:
+        self.weight, self.forget = weight, forget
+        self.total = 0.0
+        self.n = 0.0
+
+    def add(self, value: float) -> None:
+        self.total = self.total * self.forget + value
+        self.n = self.n * self.forget + 1.0
+
+    def value(self, prior: float) -> float:
+        return (prior * self.weight + self.total) / (self.weight + self.n)
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileSpeeds:
+    """What the model believes of one profile, for display."""
+
+    profile: str
+    ngram: bool
+    measured: float  # measured requests, after forgetting
+    decode_tps_plain_text: float  # at copyability 0, 4,000 tokens of context
+    decode_tps_copyable: float  # at copyability 0.8, 4,000 tokens of context
+    prefill_tps: float
+
+
+class _Gain:
+    """Ridge regression of (1 − r) on x through the origin, r = measured / predicted-without-gain."""
+
+    __slots__ = ("n", "sxr", "sxx")
+
+    def __init__(self) -> None:
+        self.sxr = 0.0
+        self.sxx = 0.0
+        self.n = 0.0
+
+    def add(self, x: float, r: float, forget: float) -> None:
+        self.sxr = self.sxr * forget + x * (1.0 - r)
+        self.sxx = self.sxx * forget + x * x
+        self.n = self.n * forget + 1.0
+
+    def value(self, prior: float, weight: float) -> float:
+        return min(_MAX_GAIN, max(0.0, (self.sxr + weight * prior) / (self.sxx + weight)))
+
+
+class SpeedModel:
+    def __init__(
+        self,
+        estimator: EstimatorPolicy,
+        handoff: HandoffPolicy,
+        kinds: Mapping[str, tuple[str, ...] | None],
+    ) -> None:
+        self.estimator, self.handoff = estimator, handoff
+        self.forget = 0.5 ** (1.0 / estimator.half_life)
+        self._ngram: dict[str, bool] = {}
+        self._own: dict[str, _Average] = {}  # plain profiles: seconds/token at no context
+        self._gain: dict[str, _Gain] = {}  # n-gram profiles
+        # Prefill speed is one figure for all profiles: they serve the same model (the proxy refuses otherwise), and
+        # two servers' noise must not make one look faster at reading prompts.
+        self._prefill = _Average(estimator.prior_weight, self.forget)
+        for name, types in kinds.items():
+            self.set_kind(name, types)
+        self._implied_ref = _Average(estimator.prior_weight, self.forget)  # what n-gram measurements imply
+        self._bytes_per_token = _Average(estimator.prior_weight, self.forget)
+        self._save_s_per_token = _Average(2.0, self.forget)
+        self._restore_s = _Average(2.0, self.forget)
+        # Between hosts: KV bytes per token is a fact of the model and cache type (the files replace the prior);
+        # the link is averaged as seconds per byte, since time is what adds up.
+        self._kv_bytes_per_token = _Average(0.0, self.forget)
+        self._transfer_s_per_byte = _Average(2.0, self.forget)
+        self._link_bytes_per_s = _BANDWIDTH_PRIOR_BYTES_PER_S
+
+    def set_policy(self, estimator: EstimatorPolicy, handoff: HandoffPolicy) -> None:
+        """A reloaded policy changes the priors, their weight and the half-life; what was measured stays."""
+        self.estimator, self.handoff = estimator, handoff
+        self.forget = 0.5 ** (1.0 / estimator.half_life)
+        for avg in (*self._own.values(), self._prefill, self._implied_ref, self._bytes_per_token):
+            avg.weight, avg.forget = estimator.prior_weight, self.forget
+        for avg in (self._save_s_per_token, self._restore_s, self._kv_bytes_per_token, self._transfer_s_per_byte):
+            avg.forget = self.forget
+
+    def set_kind(self, profile: str, spec_types: tuple[str, ...] | None) -> None:
+        """A profile's spec types (an attached profile's become known after its first request, from /slots)."""
+        self._ngram[profile] = is_ngram(spec_types)
+        self._own.setdefault(profile, _Average(self.estimator.prior_weight, self.forget))
+        self._gain.setdefault(profile, _Gain())
+
+    def is_ngram(self, profile: str) -> bool:
+        return self._ngram.get(profile, False)
+
+    # --- the model --------------------------------------------------------------------------------------------
+
+    def _context_factor(self, context_tokens: float) -> float:
+        return 1.0 + self.estimator.context_slowdown_per_1k * max(0.0, context_tokens) / 1000.0
+
+    def reference_s_per_token(self) -> float:
+        """Decoding without n-gram drafting at no context: the plain profiles' measurements, else what the
+        n-gram profiles' measurements imply, else the prior."""
+        prior = self._implied_ref.value(1.0 / self.estimator.decode_tps)
+        measured = [a for name, a in self._own.items() if a.n > 0.5 and not self._ngram.get(name, False)]
+        if not measured:
+            return prior
+        return sum(a.value(prior) * a.n for a in measured) / sum(a.n for a in measured)
+
+    def gain(self, profile: str) -> float:
+        prior = 1.0 - 1.0 / self.estimator.ngram_max_speedup
+        g = self._gain.get(profile)
+        return g.value(prior, self.estimator.prior_weight) if g is not None else prior
+
+    def _ngram_shape(self, profile: str, x: float) -> float:
+        return (1.0 + self.estimator.ngram_overhead) * (1.0 - self.gain(profile) * x)
+
+    def decode_s_per_token(self, profile: str, copy_share: float, context_tokens: float) -> float:
+        ctx = self._context_factor(context_tokens)
+        if self.is_ngram(profile):
+            return self.reference_s_per_token() * ctx * self._ngram_shape(profile, copy_share)
+        own = self._own.get(profile)
+        if own is not None and own.n > 0.5:
+            return own.value(self._implied_ref.value(1.0 / self.estimator.decode_tps)) * ctx
+        return self.reference_s_per_token() * ctx
+
+    def plain_s_per_token(self, context_tokens: float) -> float:
+        """Decoding without n-gram drafting: the yardstick the decisions' `×` figures are quoted against."""
+        return self.reference_s_per_token() * self._context_factor(context_tokens)
+
+    def prefill_s(self, profile: str, tokens: float) -> float:
+        return max(0.0, tokens) * self._prefill.value(1.0 / self.estimator.prefill_tps)
+
+    def handoff_s(self, tokens: float, across_hosts: bool = False) -> float:
+        """Slot save + restore; `across_hosts`: plus the slot file's transfer (`transfer_s`)."""
+        save = self._save_s_per_token.value(self.handoff.save_s_per_1k / 1000.0) * tokens
+        moved = self.transfer_s(tokens) if across_hosts else 0.0
+        return save + moved + self._restore_s.value(self.handoff.restore_s)
+
+    def kv_bytes_per_token(self) -> float:
+        kv = self._kv_bytes_per_token
+        return kv.value(_KV_BYTES_PER_TOKEN_PRIOR) if kv.n > 0 else _KV_BYTES_PER_TOKEN_PRIOR
+
+    def bandwidth_bytes_per_s(self) -> float:
+        return 1.0 / self._transfer_s_per_byte.value(1.0 / self._link_bytes_per_s)
+
+    def transfer_s(self, tokens: float) -> float:
+        """A slot file of `tokens` between hosts: bytes per token × tokens ÷ bandwidth."""
+        return max(0.0, tokens) * self.kv_bytes_per_token() / self.bandwidth_bytes_per_s()
+
+    def prompt_tokens(self, body_bytes: int) -> int:
+        return int(body_bytes / self._bytes_per_token.value(self.estimator.chars_per_token))
+
+    # --- learning ---------------------------------------------------------------------------------------------
+
+    def observe(self, profile: str, copy_share: float, timings: Timings, body_bytes: int) -> None:
+        """Fold in one finished request's timings (measured by llama-server)."""
+        if timings.from_usage:
+            return
+        context = timings.prompt_n + timings.cache_n
+        if context > 0 and body_bytes > 0:
+            self._bytes_per_token.add(body_bytes / context)
+        if timings.prompt_n >= _MIN_PREFILL_TOKENS and timings.prompt_ms > 0:
+            self._prefill.add(timings.prompt_ms / 1000.0 / timings.prompt_n)
+        if timings.predicted_n < _MIN_DECODE_TOKENS or timings.predicted_ms <= 0:
+            return
+        y = timings.predicted_ms / 1000.0 / timings.predicted_n
+        at_no_context = y / self._context_factor(context + timings.predicted_n / 2)
+        if not self.is_ngram(profile):
+            self._own.setdefault(profile, _Average(self.estimator.prior_weight, self.forget)).add(at_no_context)
+            return
+        if timings.predicted_n < _MIN_GAIN_TOKENS:
+            return
+        x = min(1.0, max(0.0, copy_share))
+        r = at_no_context / ((1.0 + self.estimator.ngram_overhead) * self.reference_s_per_token())
+        self._gain.setdefault(profile, _Gain()).add(x, r, self.forget)
+        self._implied_ref.add(at_no_context / self._ngram_shape(profile, x))
+
+    def observe_handoff(self, tokens: int, save_s: float, restore_s: float) -> None:
+        if tokens > 0:
+            self._save_s_per_token.add(save_s / tokens)
+        self._restore_s.add(restore_s)
+
+    def observe_link(self, bytes_per_s: float) -> None:
+        """A probe of the link between hosts (at start-up): the bandwidth's prior until moves measure it."""
+        if bytes_per_s > 0:
+            self._link_bytes_per_s = bytes_per_s
+
+    def observe_transfer(self, tokens: int, file_bytes: int, seconds: float) -> None:
+        """A slot file that crossed hosts: its bytes per token, and the link's speed when the file is big enough."""
+        if tokens > 0 and file_bytes > 0:
+            self._kv_bytes_per_token.add(file_bytes / tokens)
+        if file_bytes >= _MIN_TRANSFER_BYTES and seconds > 0:
+            self._transfer_s_per_byte.add(seconds / file_bytes)
+
+    def describe(self) -> list[ProfileSpeeds]:
+        out = []
+        for name in self._ngram:
+            out.append(
+                ProfileSpeeds(
+                    profile=name,
+                    ngram=self.is_ngram(name),
+                    measured=round(self._gain[name].n if self.is_ngram(name) else self._own[name].n, 2),
+                    decode_tps_plain_text=round(1.0 / self.decode_s_per_token(name, 0.0, 4000), 2),
+                    decode_tps_copyable=round(1.0 / self.decode_s_per_token(name, 0.8, 4000), 2),
+                    prefill_tps=round(1.0 / max(1e-9, self.prefill_s(name, 1.0)), 1),
+                )
+            )
+        return out

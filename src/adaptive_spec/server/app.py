@@ -1,0 +1,203 @@
+"""The aiohttp application: the factory that wires the shared services together, and the cleanup contexts of its
+background work (the upstream client session, the sessions worker, the policy refresher)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from adaptive_spec.access.policy import AccessPolicy
+from adaptive_spec.kv.handoff import Router
+from adaptive_spec.requests.app_keys import (
+    BUS,
+    CLIENT,
+    FRESH_CLIENT,
+    HISTORY,
+    LIFECYCLE,
+    METRICS,
+    PROFILES,
+    RESTART,
+    ROUTER,
+    SESSIONS,
+    SETTINGS,
+    TRACE,
+    UPSTREAMS,
+    ProxySettings,
+)
+from adaptive_spec.requests.gate import install_security
+from adaptive_spec.requests.handler import proxy_view
+from adaptive_spec.requests.lifecycle import RequestLifecycle
+from adaptive_spec.routing.router import FixedPolicy
+from adaptive_spec.server.control import add_control_views
+from adaptive_spec.server.views import add_views
+from adaptive_spec.servers.pool_health import pool_health_poll
+from adaptive_spec.servers.profiles import ProfileInfo
+from adaptive_spec.servers.upstreams import UpstreamTable
+from adaptive_spec.sessions.service import SessionService, run_worker
+from adaptive_spec.telemetry.bus import EventBus
+from adaptive_spec.telemetry.history import RequestHistory
+from adaptive_spec.telemetry.metrics import ProxyMetrics
+from adaptive_spec.telemetry.trace import TraceWriter
+
+__all__ = ["ProxySettings", "build_app"]
+log = logging.getLogger(__name__)
+_POLICY_REFRESH_S = 2.0
+_REPLICA_WATCH_S = 1.0
+
+
+def build_app(
+    upstreams: UpstreamTable,
+    settings: ProxySettings,
+    sessions: SessionService | None = None,
+    *,
+    bus: EventBus | None = None,
+    trace: TraceWriter | None = None,
+    profiles: list[ProfileInfo] | None = None,
+    router: Router | None = None,
+    restart: Callable[[str], Awaitable[None]] | None = None,
+    access: AccessPolicy | None = None,
+) -> web.Application:
+    """The proxy. `upstreams`, `sessions` and `router` publish on `bus`: build them with its `publish` (a router
+    made here does)."""
+    # The body limit is enforced by read_body (to answer in the OpenAI error shape), not by aiohttp.
+    app = web.Application(client_max_size=settings.max_body_bytes + 1)
+    install_security(app, access or AccessPolicy())  # every route, later ones included
+    app[UPSTREAMS], app[SETTINGS], app[SESSIONS], app[TRACE] = upstreams, settings, sessions, trace
+    app[HISTORY] = RequestHistory(settings.history_size)
+    app[BUS] = bus = bus or EventBus()
+    app[METRICS] = ProxyMetrics(frozenset(upstreams.names()))
+    app[PROFILES] = profiles or []
+    if router is None:
+        infos = {i.name: i for i in app[PROFILES] if i.replica == 0}
+        router = Router(
+            upstreams,
+            FixedPolicy(),
+            {n: i.total_slots for n, i in infos.items()},
+            {n: i.spec_types for n, i in infos.items()},
+            publish=bus.publish,
+            replica_slots={(i.name, i.replica): i.total_slots for i in app[PROFILES]},
+        )
+    app[ROUTER] = router
+    app[RESTART] = restart
+    app[LIFECYCLE] = RequestLifecycle(bus, app[HISTORY], router, sessions, trace, settings.progress_interval_s)
+    bus.listen(app[METRICS].on_event)
+    if sessions is not None:
+        app[METRICS].watch_session_updates(sessions.update_counts)
+    for name in upstreams.names():
+        app[METRICS].profile_up.labels(name).set(0 if upstreams.down_reason(name) else 1)
+        for u in upstreams.replicas(name):
+            down = upstreams.replica_down_reason(name, u.replica)
+            app[METRICS].replica_up.labels(name, str(u.replica)).set(0 if down else 1)
+    app.cleanup_ctx.append(_client_session)
+    app.cleanup_ctx.append(_session_worker)
+    app.cleanup_ctx.append(_policy_refresher)
+    app.cleanup_ctx.append(_replica_watch)
+    app.cleanup_ctx.append(_pool_health)
+    app.on_shutdown.append(_close_feeds)
+    app.on_shutdown.append(_drain)
+    add_views(app, proxy_view)
+    add_control_views(app)
+    app.router.add_route("*", "/{tail:.*}", proxy_view)
+    return app
+
+
+async def _close_feeds(app: web.Application) -> None:
+    app[BUS].close_all()  # event feeds end before the server stops waiting for its handlers
+
+
+async def _drain(app: web.Application) -> None:
+    ended = await app[LIFECYCLE].drain(app[SETTINGS].shutdown_grace_s)
+    if ended:
+        log.warning(
+            "ended %d requests still running after the %.0f s shutdown grace", ended, app[SETTINGS].shutdown_grace_s
+        )
+
+
+async def _client_session(app: web.Application) -> AsyncIterator[None]:
+    # No connection limit (each request holds one for its whole stream) and no decompression (bytes pass as sent).
+    # Idle connections are dropped after 2 s, before llama-server's own keep-alive timeout (5 s) closes them under us.
+    connector = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=2.0)
+    # A request the pool sent on a connection the server had closed is sent again on a new one: under load a server
+    # can close several idle connections at once, and another pooled one may be just as dead.
+    fresh = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with (
+        aiohttp.ClientSession(connector=connector, auto_decompress=False) as session,
+        aiohttp.ClientSession(connector=fresh, auto_decompress=False) as fresh_session,
+    ):
+        app[CLIENT], app[FRESH_CLIENT] = session, fresh_session
+        yield
+
+
+async def _session_worker(app: web.Application) -> AsyncIterator[None]:
+    service = app[SESSIONS]
+    task = asyncio.create_task(run_worker(service)) if service is not None else None
+    yield
+    # Cancelled again until it ends: a cancel that lands as the worker takes an update must not leave the shutdown
+    # waiting on it.
+    while task is not None and not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=1.0)
+    if task is not None and not task.cancelled() and task.exception() is not None:
+        log.error("the session statistics worker had failed", exc_info=task.exception())
+    trace = app[TRACE]
+    if trace is not None:
+        trace.close()
+
+
+async def _policy_refresher(app: web.Application) -> AsyncIterator[None]:
+    """Reload changed policy files every 2 s (a bad file keeps the last good policy; the router says so)."""
+
+    async def loop() -> None:
+        while True:
+            await asyncio.sleep(_POLICY_REFRESH_S)
+            try:
+                app[ROUTER].announce(await asyncio.to_thread(app[ROUTER].refresh_policies))
+                await asyncio.to_thread(app[ROUTER].sweep_slot_files)
+            except Exception:
+                log.exception("policy refresh failed")
+
+    task = asyncio.create_task(loop())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _pool_health(app: web.Application) -> AsyncIterator[None]:
+    async with pool_health_poll(app[UPSTREAMS], app[FRESH_CLIENT]):
+        yield
+
+
+async def _replica_watch(app: web.Application) -> AsyncIterator[None]:
+    """Ask each replica the proxy marked down itself (it refused a connection; nobody else supervises it) for its
+    /health every second, and mark it up when it answers 200: its sessions were re-placed, new ones may go there."""
+
+    async def loop() -> None:
+        table = app[UPSTREAMS]
+        while True:
+            await asyncio.sleep(_REPLICA_WATCH_S)
+            for name, replica in sorted(table.watched):
+                upstream = table.get(name, replica)
+                if upstream is None:
+                    continue
+                try:
+                    async with app[FRESH_CLIENT].get(
+                        f"{upstream.base_url}/health", timeout=aiohttp.ClientTimeout(total=2.0)
+                    ) as resp:
+                        healthy = resp.status == 200
+                except (aiohttp.ClientError, TimeoutError):
+                    healthy = False
+                if healthy:
+                    log.warning("%s at %s answers again; it takes sessions again", upstream.label, upstream.base_url)
+                    table.mark_up(name, replica)
+
+    task = asyncio.create_task(loop())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

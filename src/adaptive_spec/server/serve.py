@@ -1,0 +1,408 @@
+"""`adaptive-spec serve`: launch or attach profiles, check they serve one model, run the proxy until stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import stat
+import sys
+import tempfile
+import time
+from collections.abc import Coroutine
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import platformdirs
+from aiohttp import web
+
+from adaptive_spec.access.options import describe_access
+from adaptive_spec.access.policy import AccessPolicy
+from adaptive_spec.errors import ConfigError, LaunchError, ProfileMismatchError
+from adaptive_spec.kv.handoff import Router
+from adaptive_spec.kv.relay_mover import RelayMoverPlan, start_relay_mover
+from adaptive_spec.kv.remote_prefill import REMOTE_PREFILL, RemotePrefillPlan, start_remote_prefill
+from adaptive_spec.requests.app_keys import LIFECYCLE
+from adaptive_spec.routing.policy_files import PolicyStore, config_dir
+from adaptive_spec.server.app import ProxySettings, build_app
+from adaptive_spec.servers.footprint import device_report, launch_lines
+from adaptive_spec.servers.launcher import Launcher
+from adaptive_spec.servers.profile_servers import (
+    STOCK,
+    Launched,
+    first_servers,
+    health_hooks,
+    planned_design,
+    probe_profiles,
+    restarter,
+    settle,
+    startup_lines,
+)
+from adaptive_spec.servers.profiles import (
+    AttachedProfile,
+    ProfileSpec,
+    ServerSettings,
+    model_mismatch,
+    replica_mismatch,
+)
+from adaptive_spec.servers.speculation import speculation_problem
+from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+from adaptive_spec.sessions.drafter import NgramParams
+from adaptive_spec.sessions.service import SessionService
+from adaptive_spec.sessions.statistics import ContextTracker
+from adaptive_spec.sessions.tokenizers import (
+    CachingTokenizer,
+    EndpointTokenizer,
+    GgufTokenizer,
+    Tokenizer,
+    llama_vocab_tokenizer,
+    tiktoken_o200k,
+)
+from adaptive_spec.telemetry.bus import EventBus
+from adaptive_spec.telemetry.trace import TraceWriter
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    binary: str
+    specs: list[ProfileSpec]
+    settings: ServerSettings
+    start_timeout_s: float = 600.0  # each profile's time to become healthy
+    device_memory_mib: int | None = None  # fit the launch to a device of this size instead of asking nvidia-smi
+    one_server: bool = True  # the profiles as per-request settings of one llama-server, when it takes them
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    tokenizer: str = "auto"  # auto | gguf | endpoint | tiktoken | off
+    ngram: NgramParams = field(default_factory=NgramParams)
+    key_projects: dict[str, str] = field(default_factory=dict)
+    max_sessions: int = 64
+    max_tokens: int = 131_072
+    idle_expiry_s: float = 3600.0
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    host: str
+    port: int
+    proxy: ProxySettings
+    default_profile: str | None
+    launch: LaunchPlan | None = None
+    attach: list[AttachedProfile] = field(default_factory=list)
+    sessions: SessionPlan = field(default_factory=SessionPlan)
+    trace_path: Path | None = None
+    trace_content: bool = False
+    trace_max_bytes: int = 64 * 1024 * 1024
+    policy_file: Path | None = None  # None: the shipped policies/default.toml
+    workspace_policies: bool = True  # read .adaptive-spec.toml in the workspace an agent reveals
+    slot_dir: Path | None = None  # attached profiles' shared --slot-save-path (launched ones get their own)
+    verbose: bool = False  # let native libraries (llama.cpp loading the tokenizer) log to the terminal
+    access: AccessPolicy = field(default_factory=AccessPolicy)
+    remote_prefill: RemotePrefillPlan | None = None  # --pp-server
+    relays: RelayMoverPlan | None = None  # --relay SERVER_URL=RELAY_URL: KV moves between hosts
+
+
+async def _tokenizer(
+    plan: ServePlan, session: aiohttp.ClientSession, default_url: str, attached_model: str = ""
+) -> Tokenizer | None:
+    """The token source for session statistics: the GGUF's own, the profile's /tokenize, or tiktoken.
+    `attached_model`: the model file an attached default profile's /props names."""
+    choice = plan.sessions.tokenizer
+    if choice == "off":
+        return None
+    model_path = plan.launch.settings.model.path if plan.launch is not None else None
+    if model_path is None and choice in ("auto", "gguf"):
+        attached = await _attached_tokenizer(session, default_url, attached_model, plan.verbose)
+        if attached is not None:
+            return attached
+    if choice in ("auto", "gguf") and model_path:
+        found = await asyncio.to_thread(llama_vocab_tokenizer, model_path, plan.verbose)
+        if found is not None:
+            return CachingTokenizer(found)
+        if choice == "gguf":
+            raise ConfigError("--tokenizer gguf needs llama-cpp-python: pip install 'adaptive-spec[gguf-tokenizer]'")
+    if choice in ("auto", "endpoint"):
+        endpoint = EndpointTokenizer(session, default_url)
+        try:
+            await endpoint.encode(["probe"])
+            return CachingTokenizer(endpoint)
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
+            if choice == "endpoint":
+                raise LaunchError(f"--tokenizer endpoint: {default_url}/tokenize failed: {exc}") from exc
+            say(f"{default_url}/tokenize failed ({exc}); counting tokens with tiktoken o200k_base instead")
+    return CachingTokenizer(await asyncio.to_thread(tiktoken_o200k))
+
+
+async def _attached_tokenizer(
+    session: aiohttp.ClientSession, base_url: str, model_path: str, verbose: bool = False
+) -> Tokenizer | None:
+    """The GGUF an attached llama-server on this machine names, read here, when it tokenizes a probe text exactly
+    as the server's own /tokenize does (a loopback port may lead to a container or a tunnel whose path means another
+    file here, and a newer server may read its file differently): else None, and the caller asks the server."""
+    if not await asyncio.to_thread(_local_model, base_url, model_path):
+        return None
+    try:
+        local = await asyncio.to_thread(llama_vocab_tokenizer, model_path, verbose)
+        if not isinstance(local, GgufTokenizer):
+            return None
+        mine = [await asyncio.to_thread(local.llama_encode, _VOCAB_PROBE)]  # llama.cpp's own, as the server's
+        theirs = await EndpointTokenizer(session, base_url).encode([_VOCAB_PROBE])
+    except Exception as exc:  # a file llama-cpp-python cannot read, a server that does not answer: ask the server
+        say(f"sessions: not reading {model_path} here ({exc}); asking the profile's /tokenize")
+        return None
+    if mine != theirs:
+        say(f"sessions: {model_path} here does not tokenize as the profile does; asking the profile's /tokenize")
+        return None
+    return CachingTokenizer(local)
+
+
+# Code, prose, digits and another script: what two vocabularies that differ would split differently.
+_VOCAB_PROBE = "def main(argv):\n    return 42  # It's done: 3.14 ms, \u00e9t\u00e9, \u4e2d\u6587, \U0001f600\n"
+
+
+def _local_model(base_url: str, model_path: str) -> bool:
+    """An attached profile's model file may be this machine's: the server listens on a loopback address and the file
+    (absolute, a regular file, a GGUF by its magic) is here."""
+    host = urlsplit(base_url).hostname or ""
+    if host not in ("localhost", "127.0.0.1", "::1") or not model_path or not os.path.isabs(model_path):
+        return False
+    try:
+        if not stat.S_ISREG(os.stat(model_path).st_mode):  # not a pipe or a device, whose read would wait
+            return False
+        with open(model_path, "rb") as fh:
+            return fh.read(4) == b"GGUF"
+    except (OSError, ValueError):  # ValueError: a NUL or a lone surrogate in the path
+        return False
+
+
+def state_dir() -> Path:
+    override = os.environ.get("ADAPTIVE_SPEC_STATE_DIR")
+    return Path(override) if override else Path(platformdirs.user_state_dir("adaptive-spec"))
+
+
+def listen(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets for every address `host` names, as aiohttp's TCPSite would bind, but taken before any
+    llama-server starts: a port in use fails at once, and nothing can take it while the profiles load."""
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host!r}: {exc.strerror}") from exc
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(addresses):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart is not blocked by TIME_WAIT
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(128)  # connections made while the profiles load wait in the backlog
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        raise LaunchError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc} (is adaptive-spec already running? "
+            "choose another --port)"
+        ) from exc
+    return sockets
+
+
+def base_url(host: str, sock: socket.socket) -> str:
+    """The root URL clients reach the proxy at; the real port, so `--port 0` prints the one it got."""
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{sock.getsockname()[1]}"
+
+
+def _examples_dir() -> Path | None:
+    """The copy-paste agent setups, when running from a source checkout (they are not installed with the package)."""
+    found = Path(__file__).resolve().parents[3] / "examples"
+    return found if (found / "README.md").is_file() else None
+
+
+def announce(root: str, default_profile: str) -> None:
+    """What a person does next: the base URL for their agent (on stdout, for scripts), how to watch, where the agent
+    setups are."""
+    say(f"adaptive-spec is serving; default profile {default_profile!r}. Point your editor at:")
+    print(f"OPENAI_BASE_URL={root}/v1", flush=True)
+    examples = _examples_dir()
+    say(f"watch it:     adaptive-spec tui --url {root}")
+    say(
+        f"agent setups: {examples or 'examples/ in the adaptive-spec source'} (opencode, Codex CLI, aider, Continue, "
+        "openai SDK); Ctrl-C stops adaptive-spec"
+    )
+
+
+async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
+    launcher: Launcher | None = None
+    launched: Launched | None = None
+    run_dir: Path | None = None
+    runner: web.AppRunner | None = None
+    keep_logs = False
+    sockets = listen(plan.host, plan.port)
+    client = aiohttp.ClientSession()
+    try:
+        names = list(dict.fromkeys(a.name for a in plan.attach)) + (
+            [s.name for s in plan.launch.specs] if plan.launch else []
+        )
+        if plan.default_profile is not None and plan.default_profile not in names:
+            raise ConfigError(f"--default-profile {plan.default_profile!r} is not one of {', '.join(names)}")
+        # A bad policy file stops us before any server starts.
+        policies = PolicyStore(
+            plan.policy_file, names, config_dir(), read_workspace_files=plan.workspace_policies, log=say
+        )
+        upstreams = [Upstream(a.name, a.base_url, a.upstream_model, speculation=a.speculation) for a in plan.attach]
+        if plan.launch is not None:
+            state_dir().mkdir(parents=True, exist_ok=True)
+            run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=state_dir()))
+            launch = plan.launch
+            first = first_servers(launch.specs, launch.one_server)
+            device = device_report(launch.device_memory_mib)
+            for line in launch_lines(first, launch.settings, device, planned_design(first, launch.specs)):
+                say(line)
+            launcher = Launcher(
+                launch.binary,
+                first,
+                launch.settings,
+                run_dir=run_dir,
+                say=say,
+                health_timeout_s=launch.start_timeout_s,
+            )
+            try:
+                if not await _until_stopped(launcher.start(), stop):
+                    return
+                launched = await settle(launcher, launch.specs, client, lambda work: _until_stopped(work, stop))
+                if launched is None:
+                    return
+                if len(first) < len(launch.specs) and launched.design == STOCK:  # the others' servers were added
+                    for line in launch_lines(launch.specs, launch.settings, device, "a stock llama-server"):
+                        say(line)
+            except LaunchError:
+                keep_logs = True  # the error names a log file: it must still be there to be read
+                raise
+            upstreams = launched.upstreams
+        bus = EventBus()  # every service below publishes on it: handed to each constructor
+        table = UpstreamTable(upstreams, plan.default_profile, publish=bus.publish)
+        if launcher is not None and launched is not None:
+            launcher.set_health_hooks(*health_hooks(launched, table))
+        upstreams = table.all()  # each replica numbered within its profile's pool
+        infos, servers = await probe_profiles(client, upstreams, plan.launch.specs if plan.launch else None)
+        for line in startup_lines(infos, servers, launched.design if launched is not None else None):
+            say(line)
+        mismatch = replica_mismatch(infos) or model_mismatch(infos) or speculation_problem(infos)
+        if mismatch:
+            raise ProfileMismatchError(mismatch)
+        default = table.get(table.default)
+        assert default is not None
+        attached = next((i.model_path for i in infos if i.name == table.default and i.replica == 0), "")
+        tokenizer = await _tokenizer(plan, client, default.base_url, attached)
+        sp = plan.sessions
+        tracker = ContextTracker(
+            sp.ngram, max_sessions=sp.max_sessions, max_tokens=sp.max_tokens, idle_expiry_s=sp.idle_expiry_s
+        )
+        sessions = SessionService(tracker, tokenizer, sp.key_projects, publish=bus.publish, worker_process=True)
+        say(f"sessions: tokens from {tokenizer.name if tokenizer else 'nowhere (statistics off)'}")
+        trace = None
+        if plan.trace_path is not None:
+            try:
+                trace = TraceWriter(plan.trace_path, max_bytes=plan.trace_max_bytes, content=plan.trace_content)
+            except OSError as exc:
+                raise ConfigError(f"--trace {plan.trace_path}: {exc.strerror or exc}") from exc
+            trace.write({"kind": "profiles", "at_unix": time.time(), "profiles": [asdict(i) for i in infos]})
+            say(f"trace: {plan.trace_path}" + (" (with prompts and replies)" if plan.trace_content else ""))
+        slot_dir = run_dir / "slots" if run_dir is not None else plan.slot_dir
+        router = Router(
+            table,
+            policies,
+            {i.name: i.total_slots for i in infos if i.replica == 0},
+            {i.name: i.spec_types for i in infos if i.replica == 0},
+            slot_dir=slot_dir,
+            publish=bus.publish,
+            replica_slots={(i.name, i.replica): i.total_slots for i in infos},
+            servers=servers,
+        )
+        if plan.relays is not None:
+            router.mover = await start_relay_mover(plan.relays, client, table, router.mover, router.speeds, say)
+        described = policies.describe("default", None)
+        say(
+            f"routing: policy from {', '.join(described['sources']) or 'built-in defaults'}; KV handoff "
+            + ("on (slot files in " + str(slot_dir) + ")" if slot_dir else "off (no shared slot directory)")
+            + ("; between hosts through the kv-relays" if plan.relays is not None else "")
+        )
+        app = build_app(
+            table,
+            plan.proxy,
+            sessions,
+            bus=bus,
+            trace=trace,
+            profiles=infos,
+            router=router,
+            restart=restarter(launched, launcher) if launcher is not None and launched is not None else None,
+            access=plan.access,
+        )
+        if plan.remote_prefill is not None:
+            model_path = plan.launch.settings.model.path if plan.launch is not None else infos[0].model_path
+            app[REMOTE_PREFILL] = await start_remote_prefill(plan.remote_prefill, client, model_path, slot_dir, say)
+        say(describe_access(plan.access))
+        # The shutdown grace is the app's own (it tells each request it ends); aiohttp then waits for them briefly.
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+        await runner.setup()
+        for sock in sockets:
+            await web.SockSite(runner, sock).start()
+        announce(base_url(plan.host, sockets[0]), table.default)
+        await stop.wait()
+        running = len(app[LIFECYCLE].handlers)
+        say(
+            f"stopping; {running} requests in flight get up to {plan.proxy.shutdown_grace_s:g} s"
+            if running
+            else "stopping"
+        )
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        for sock in sockets:
+            sock.close()
+        await client.close()
+        if launcher is not None:
+            await launcher.stop()
+        if run_dir is not None and keep_logs:
+            shutil.rmtree(run_dir / "slots", ignore_errors=True)
+            say(f"the profiles' logs are kept in {run_dir / 'logs'}")
+        elif run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def _until_stopped(work: Coroutine[Any, Any, None], stop: asyncio.Event) -> bool:
+    """Await `work` unless a stop signal comes first (then cancel it). True when the work finished."""
+    task = asyncio.ensure_future(work)
+    stopper = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if task in done:
+        task.result()
+        return True
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return False
+
+
+def run(plan: ServePlan) -> None:
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await _run(plan, stop)
+
+    asyncio.run(main())

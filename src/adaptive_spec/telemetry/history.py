@@ -1,0 +1,24 @@
+"""A bounded, in-memory history of request records (the newest kept, the oldest dropped)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from adaptive_spec.telemetry.records import RequestRecord
+
+
+class RequestHistory:
+    def __init__(self, max_records: int) -> None:
+        self._records: deque[RequestRecord] = deque(maxlen=max(1, max_records))
+        self.total = 0
+
+    def add(self, record: RequestRecord) -> None:
+        self._records.append(record)
+        self.total += 1
+
+    def latest(self, limit: int | None = None) -> list[RequestRecord]:
+        """Oldest first, at most `limit` of the newest."""
+        records = list(self._records)
+        if limit is None or limit < 0:
+            return records
+        return records[-limit:] if limit else []
