@@ -15,7 +15,7 @@ import pytest
 
 from adaptive_spec.tui.app import make_app
 from tests.support.servers import ProxyProcess
-from tests.tui.waiting import turns, until
+from tests.support.waiting import turns, until
 
 FILE = "\n".join(f"def item_{i}(price: float) -> float:\n    return price * {i} + {i % 7}\n" for i in range(24))
 EDIT = f"Here is prices.py:\n```python\n{FILE}```\nRename `price` to `amount` everywhere. Output the whole file."

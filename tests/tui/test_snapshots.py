@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from textual.pilot import Pilot
 from textual.widgets import DataTable
 
 from adaptive_spec.tui.app import DashboardApp, make_app
+from tests.support.waiting import until, within
 
 FEED = Path(__file__).parent / "data" / "feed.jsonl"
 
@@ -39,18 +40,21 @@ def _app() -> DashboardApp:
     return app
 
 
-async def _settle(pilot: Any) -> None:
+async def _settle(pilot: Pilot[None]) -> None:
     app = pilot.app
-    while not any(line.who == "replay" for line in app.dashboard.log):
-        await pilot.pause(0.05)
+    assert isinstance(app, DashboardApp)
+
+    def pause() -> Awaitable[None]:
+        return pilot.pause(0.05)
+
+    await until(lambda: any(line.who == "replay" for line in app.dashboard.log), "the end of the replay", step=pause)
     table = app.query_one("#sessions", DataTable)
     table.move_cursor(row=0)  # the detail opens on the most recent session, whatever row was first seen
     table.show_cursor = False  # where the cursor sat while events streamed in is timing, not layout
     for _ in range(2):  # two whole frames after the last event
         app.dirty = True
-        while app.dirty:
-            await pilot.pause(0.05)
-    await pilot.wait_for_scheduled_animations()
+        await until(lambda: not app.dirty, "a frame after the last event", step=pause)
+    await within(pilot.wait_for_scheduled_animations(), "the scheduled animations")
     await pilot.pause(0.2)
 
 
@@ -63,7 +67,7 @@ def test_dashboard_narrow(snap_compare: Callable[..., bool]) -> None:
 
 
 def test_session_detail(snap_compare: Callable[..., bool]) -> None:
-    async def open_detail(pilot: Any) -> None:
+    async def open_detail(pilot: Pilot[None]) -> None:
         await _settle(pilot)
         await pilot.press("enter")
         await pilot.pause(0.3)

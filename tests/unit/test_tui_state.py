@@ -4,10 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from adaptive_spec.tui.model import Dashboard, client_of
+from adaptive_spec.telemetry.events import decode_event
+from adaptive_spec.tui.model import Dashboard
 from adaptive_spec.tui.render import spark
+from adaptive_spec.tui.sessions import client_of
 
 T0 = 1_800_000_000.0
+
+
+def _feed(board: Dashboard, kind: str, payload: dict[str, Any], now: float) -> None:
+    """A feed message as the app folds it in: decoded into its event type, then applied."""
+    event = decode_event(kind, payload)
+    assert event is not None, kind
+    board.apply(event, now)
 
 
 def _snapshot() -> dict[str, Any]:
@@ -75,12 +84,13 @@ def _started(rid: str, sid: str | None = "s1", profile: str = "iterative", at: f
 
 def test_a_request_folds_into_profile_session_and_log() -> None:
     board = Dashboard()
-    board.apply("snapshot", _snapshot(), T0)
-    board.apply("RequestStarted", _started("r1"), T0)
+    board.load_snapshot(_snapshot(), T0)
+    _feed(board, "RequestStarted", _started("r1"), T0)
     assert board.profiles["iterative"].busy == 1
     assert board.sessions["s1"].in_flight == "r1"
     assert board.sessions["s1"].client == "opencode"
-    board.apply(
+    _feed(
+        board,
         "DraftProgress",
         {
             "request_id": "r1",
@@ -94,7 +104,7 @@ def test_a_request_folds_into_profile_session_and_log() -> None:
     )
     rate, accept = board.profiles["iterative"].live(T0 + 0.6)
     assert (rate, accept) == (40.0, 0.75)
-    board.apply("RequestFinished", {"record": _record("r1"), "at_unix": T0 + 0.9}, T0 + 0.9)
+    _feed(board, "RequestFinished", {"record": _record("r1"), "at_unix": T0 + 0.9}, T0 + 0.9)
     view = board.profiles["iterative"]
     assert view.busy == 0
     # the finish adds the tokens no progress event announced: 60 more output, 30 more accepted
@@ -109,10 +119,11 @@ def test_a_request_folds_into_profile_session_and_log() -> None:
 
 def test_the_window_forgets_after_one_second_and_the_chart_samples_each_second() -> None:
     board = Dashboard()
-    board.apply("snapshot", _snapshot(), T0)
+    board.load_snapshot(_snapshot(), T0)
     board.tick(T0)
-    board.apply("RequestStarted", _started("r1"), T0)
-    board.apply(
+    _feed(board, "RequestStarted", _started("r1"), T0)
+    _feed(
+        board,
         "DraftProgress",
         {"request_id": "r1", "predicted_n": 50, "draft_n": 0, "draft_n_accepted": 25, "at_unix": T0 + 0.2},
         T0 + 0.2,
@@ -126,10 +137,10 @@ def test_the_window_forgets_after_one_second_and_the_chart_samples_each_second()
 
 def test_history_and_feed_never_count_a_request_twice() -> None:
     board = Dashboard()
-    board.apply("snapshot", _snapshot(), T0)
-    board.apply("RequestFinished", {"record": _record("r1")}, T0)
+    board.load_snapshot(_snapshot(), T0)
+    _feed(board, "RequestFinished", {"record": _record("r1")}, T0)
     assert board.load_requests([_record("r1"), _record("r2", drafted=10, accepted=5)]) == 1
-    board.apply("RequestFinished", {"record": _record("r2")}, T0)
+    _feed(board, "RequestFinished", {"record": _record("r2")}, T0)
     assert board.requests_total == 2
     assert board.sessions["s1"].draft_n_accepted == 65
     assert len(board.sessions["s1"].turns) == 2
@@ -137,10 +148,11 @@ def test_history_and_feed_never_count_a_request_twice() -> None:
 
 def test_failures_moves_handoffs_and_estimates() -> None:
     board = Dashboard()
-    board.apply("snapshot", _snapshot(), T0)
-    board.apply("RequestFailed", {"record": _record("r1", outcome="failed", out=0, drafted=0, accepted=0)}, T0)
-    board.apply("RequestFinished", {"record": _record("r2", moved_from="oneshot")}, T0)
-    board.apply(
+    board.load_snapshot(_snapshot(), T0)
+    _feed(board, "RequestFailed", {"record": _record("r1", outcome="failed", out=0, drafted=0, accepted=0)}, T0)
+    _feed(board, "RequestFinished", {"record": _record("r2", moved_from="oneshot")}, T0)
+    _feed(
+        board,
         "HandoffDone",
         {
             "session_id": "s1",
@@ -154,7 +166,8 @@ def test_failures_moves_handoffs_and_estimates() -> None:
         },
         T0,
     )
-    board.apply(
+    _feed(
+        board,
         "SessionUpdated",
         {
             "session_id": "s1",
@@ -179,29 +192,30 @@ def test_failures_moves_handoffs_and_estimates() -> None:
 
 def test_profile_health_and_dropped_events_are_shown() -> None:
     board = Dashboard()
-    board.apply("snapshot", _snapshot(), T0)
-    board.apply("ProfileDown", {"profile": "oneshot", "base_url": "http://a", "reason": "exited"}, T0)
+    board.load_snapshot(_snapshot(), T0)
+    _feed(board, "ProfileDown", {"profile": "oneshot", "base_url": "http://a", "reason": "exited"}, T0)
     assert not board.profiles["oneshot"].up and board.profiles["oneshot"].reason == "exited"
-    board.apply("ProfileUp", {"profile": "oneshot", "base_url": "http://a"}, T0)
+    _feed(board, "ProfileUp", {"profile": "oneshot", "base_url": "http://a"}, T0)
     assert board.profiles["oneshot"].up
-    board.apply("EventsDropped", {"count": 7}, T0)
+    _feed(board, "EventsDropped", {"count": 7}, T0)
     assert board.dropped_events == 7
     assert "7 events dropped" in board.log[-1].text
 
 
 def test_queue_and_slots() -> None:
     board = Dashboard()
-    board.apply("snapshot", _snapshot(), T0)
+    board.load_snapshot(_snapshot(), T0)
     for i in range(3):
-        board.apply("RequestStarted", _started(f"r{i}", sid=f"s{i}"), T0)
+        _feed(board, "RequestStarted", _started(f"r{i}", sid=f"s{i}"), T0)
     view = board.profiles["iterative"]
     assert (view.busy, view.queued) == (1, 2)
 
 
 def test_live_text_is_kept_with_its_draft_marks_and_bounded() -> None:
     board = Dashboard()
-    board.apply("RequestStarted", _started("r1"), T0)
-    board.apply(
+    _feed(board, "RequestStarted", _started("r1"), T0)
+    _feed(
+        board,
         "DraftProgress",
         {
             "request_id": "r1",
@@ -214,7 +228,8 @@ def test_live_text_is_kept_with_its_draft_marks_and_bounded() -> None:
     live = board.live["r1"]
     assert board.live_text
     assert list(live.text) == [("def ", True), ("f", True), ("(", False)]
-    board.apply(
+    _feed(
+        board,
         "DraftProgress",
         {"request_id": "r1", "predicted_n": 4, "draft_n_accepted": 2, "text": [["x" * 5000, False]]},
         T0,
@@ -291,7 +306,7 @@ def test_a_remote_prefill_is_one_log_line_and_so_is_its_fallback() -> None:
     board = Dashboard()
     for event in (done, fell_back):
         payload = event.to_json()
-        board.apply(payload.pop("type"), payload, T0)
+        _feed(board, payload.pop("type"), payload, T0)
     assert [(line.kind, line.who) for line in board.log] == [("handoff", "s1"), ("handoff", "s2")]
     assert board.log[0].text == (
         "remote prefill: 3,412 tok, 41.0 MB back to main (prefill 500 ms · transfer 250 ms · restore 30 ms)"

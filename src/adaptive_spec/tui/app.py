@@ -1,4 +1,5 @@
-"""The Textual app: the dashboard screen, the feed worker that folds events into the state, and the keys.
+"""The Textual app: the dashboard screen's layout, the feed worker that folds each item into the picture, the
+frame timer that redraws it, and what the keys do.
 
 Events are folded into `Dashboard` as they arrive (cheap); the screen is redrawn from it by a timer at a bounded
 rate, so a burst of events never queues up redraws: newer state simply replaces what the last frame showed.
@@ -6,90 +7,38 @@ rate, so a burst of events never queues up redraws: newer state simply replaces 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
 import orjson
-from rich.markup import escape
 from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
-from textual.binding import Binding, BindingType
-from textual.containers import Horizontal, Vertical
+from textual.binding import BindingType
 from textual.css.query import NoMatches
 from textual.events import Resize
 from textual.screen import Screen
-from textual.widget import Widget
-from textual.widgets import DataTable, Footer, Input, Label, Sparkline, Static
-from textual.widgets.data_table import CellDoesNotExist, RowDoesNotExist
+from textual.widgets import DataTable, Footer, Input, Static
 
-from adaptive_spec.tui import render
+from adaptive_spec.telemetry.events import EventsDropped, decode_event
+from adaptive_spec.tui import keys, panels, render
+from adaptive_spec.tui.child import ServeChild
 from adaptive_spec.tui.feed import ControlError, FeedItem, ProxyClient
-from adaptive_spec.tui.model import Dashboard, LogLine
+from adaptive_spec.tui.model import Dashboard
 from adaptive_spec.tui.screens import ConfirmScreen, DetailScreen, HelpScreen, PickScreen
+from adaptive_spec.tui.sessions import SORTS, shown
 
 NARROW_COLUMNS = 110
-CHART_MIN_POINTS = 120  # the chart spans at least two minutes
-SORTS = ("last active", "turns", "accepted", "tok/s", "profile")
-
-NO_PROXY = """\
-[b]No adaptive-spec proxy answers at {url}[/b]
-
-{error}
-
-Start one in another terminal:   [b]adaptive-spec serve[/b]
-or serve and watch in this one:  [b]adaptive-spec serve --tui[/b]
-Pointing at another address?     [b]adaptive-spec tui --url http://HOST:PORT[/b] (and --api-key if it needs one)
-
-Retrying every few seconds…"""
-
-REFUSED = """\
-[b]The adaptive-spec proxy at {url} refused this view[/b]
-
-{error}
-
-It needs its API key: [b]adaptive-spec tui --api-key KEY[/b] (or set $ADAPTIVE_SPEC_API_KEY), and a host name it
-allows (serve --allow-host). Retrying every few seconds…"""
-
-STARTING = """\
-[b]Starting adaptive-spec serve at {url}[/b] (loading the model can take a minute)
-
-{error}"""
-
-
-class LogView(Widget):
-    """The newest log lines that fit, newest last (drawn at paint time, when the height is known)."""
-
-    def __init__(self, lines: Callable[[], Iterable[LogLine]], id: str) -> None:
-        super().__init__(id=id)
-        self._lines = lines
-
-    def render(self) -> Text:
-        rows = max(1, self.content_size.height)
-        lines = list(self._lines())[-rows:]
-        return Text("\n", no_wrap=True, overflow="ellipsis").join(render.log_line(line) for line in lines)
 
 
 class DashboardApp(App[None]):
     CSS_PATH = "app.tcss"
     TITLE = "adaptive-spec"
     ENABLE_COMMAND_PALETTE = False  # every action has its own key, shown in the footer
-    BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("p", "pin", "pin"),
-        Binding("a", "auto", "auto"),
-        Binding("r", "restart", "restart profile"),
-        Binding("space", "pause", "pause"),
-        Binding("slash", "filter", "filter"),
-        Binding("s", "sort", "sort"),
-        Binding("question_mark", "help", "help"),
-        Binding("q", "quit", "quit"),
-        Binding("escape", "clear_filter", show=False),
-    ]
+    BINDINGS: ClassVar[list[BindingType]] = keys.DASHBOARD
 
     def __init__(
         self,
@@ -122,12 +71,9 @@ class DashboardApp(App[None]):
         self.events_seen = 0
         self.sort = 0
         self.filter_text = ""
-        self._chart_profiles: tuple[str, ...] = ()
         self._narrow = False
-        self._table_shape: tuple[bool, int] | None = None
-        self._table_rows: list[tuple[str, tuple[str | Text, ...]]] = []
         self.child_argv: list[str] | None = None  # `serve --tui`: the proxy this app starts and stops
-        self.child: asyncio.subprocess.Process | None = None
+        self.child: ServeChild | None = None
         self.child_exit_code: int | None = None
 
     @property
@@ -138,18 +84,18 @@ class DashboardApp(App[None]):
     # ---- layout ----------------------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield Static(id="status")
-        yield Static(id="banner")
+        yield panels.Banner(id="banner")
         profiles = Static(id="profiles")
         profiles.border_title = "profiles"
         yield profiles
-        chart = Vertical(id="chart")
+        chart = panels.ChartPanel(id="chart")
         chart.border_title = "acceptance │ decode tok/s, one point a second"
         yield chart
-        sessions: DataTable[str | Text] = DataTable(id="sessions", cursor_type="row", zebra_stripes=True)
+        sessions = panels.SessionTable(id="sessions")
         sessions.border_title = "sessions"
         yield sessions
         yield Input(placeholder="filter sessions: session, client, project or profile (esc clears)", id="filter")
-        log = LogView(lambda: self.dashboard.log, id="log")
+        log = panels.LogView(lambda: self.dashboard.log, id="log")
         log.border_title = "log"
         yield log
         yield Footer()
@@ -208,16 +154,20 @@ class DashboardApp(App[None]):
             self.dashboard.load_route(item.payload)
         elif item.kind == "replay-ended":
             self.dashboard.note(now, "note", "replay", "end of the recording")
+        elif item.kind == "snapshot":
+            self.dashboard.load_snapshot(item.payload, now)
         else:
-            self.dashboard.apply(item.kind, item.payload, now)
-            if item.kind == "EventsDropped":
+            event = decode_event(item.kind, item.payload)  # None: a kind this version does not know (a newer proxy's)
+            if event is not None:
+                self.dashboard.apply(event, now)
+            if isinstance(event, EventsDropped):
                 self._resync()
 
     def _connected(self, now: float, *, replay: bool) -> None:
         keep = self.dashboard
         self.dashboard = Dashboard()  # a fresh snapshot and history follow: rebuild from them
         for name, old in keep.profiles.items():  # but keep what the charts and log already showed
-            self.dashboard._profile(name).chart.extend(old.chart)
+            self.dashboard.profile(name).chart.extend(old.chart)
         self.dashboard.log.extend(keep.log)
         self.dashboard.note(now, "note", "feed", f"connected to {self.label}")
         self.connected, self.ever_connected = True, True
@@ -245,38 +195,21 @@ class DashboardApp(App[None]):
     @work(exclusive=True, group="child")
     async def _run_child(self) -> None:
         assert self.child_argv is not None
-        self.child = await asyncio.create_subprocess_exec(
-            *self.child_argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,  # keys reach the TUI, not serve
-        )
-        assert self.child.stdout is not None
-        async for raw in self.child.stdout:
-            line = raw.decode("utf-8", "replace").rstrip()
-            if line:
-                self.dashboard.note(self.clock(), "serve", "serve", line)
-                self.last_error = line
-                self.dirty = True
+        self.child = ServeChild(self.child_argv)
+        async for line in self.child.lines():
+            self.dashboard.note(self.clock(), "serve", "serve", line)
+            self.last_error = line
+            self.dirty = True
         self.child_exit_code = await self.child.wait()
         self.dashboard.note(self.clock(), "fail", "serve", f"serve exited with code {self.child_exit_code}")
         self.last_error = f"serve exited with code {self.child_exit_code}: {self.last_error}"
         self.dirty = True
 
     async def stop_child(self) -> None:
-        child = self.child
-        if child is None or child.returncode is not None:
+        if self.child is None or not self.child.running:
             return
         self.notify("stopping adaptive-spec serve and its llama-servers…")
-        child.terminate()
-        try:
-            async with asyncio.timeout(30):
-                await child.wait()
-        except TimeoutError:
-            child.kill()
-            await child.wait()
-        self.child_exit_code = child.returncode
+        self.child_exit_code = await self.child.stop()
 
     async def on_unmount(self) -> None:
         if self.client is not None:
@@ -314,110 +247,37 @@ class DashboardApp(App[None]):
                 now=now,
             )
         )
-        banner = self._main.query_one("#banner", Static)
-        banner.set_class(not self.connected and not self.ever_connected, "-active")
-        if not self.connected and not self.ever_connected:
-            template = STARTING if self.child_argv and self.child_exit_code is None else NO_PROXY
-            if self.last_error.startswith(("401", "403")):
-                template = REFUSED
-            banner.update(Text.from_markup(template.format(url=self.label, error=escape(self.last_error or "…"))))
+        self._main.query_one("#banner", panels.Banner).show(
+            waiting=not self.connected and not self.ever_connected,
+            url=self.label,
+            error=self.last_error,
+            starting=bool(self.child_argv) and self.child_exit_code is None,
+        )
         lines = Text("\n").join(render.profile_lines(v, now, narrow=self._narrow) for v in board.profiles.values())
         self._main.query_one("#profiles", Static).update(lines if board.profiles else Text("waiting for the proxy…"))
-        self._draw_chart(now)
+        if not self._main.query_one("#chart", panels.ChartPanel).draw(board.profiles, now, narrow=self._narrow):
+            self.dirty = True
         self._draw_sessions()
-        self._draw_log()
+        self._main.query_one("#log", panels.LogView).refresh()
         if isinstance(self.screen, DetailScreen):
             self.screen.refresh_view()
 
-    def _draw_chart(self, now: float) -> None:
-        chart = self._main.query_one("#chart", Vertical)
-        names = tuple(self.dashboard.profiles)
-        if names != self._chart_profiles:
-            self._chart_profiles = names
-            chart.remove_children()
-            for i, _name in enumerate(names):
-                chart.mount(
-                    Horizontal(
-                        Label(id=f"chart-label-{i}", classes="chart-label"),
-                        Sparkline([], id=f"chart-accept-{i}", summary_function=max),
-                        Label(id=f"chart-speed-label-{i}", classes="chart-value speed"),
-                        Sparkline([], id=f"chart-speed-{i}", summary_function=max, classes="speed"),
-                        classes="chart-row",
-                    )
-                )
-            return  # the rows are mounted after this frame: fill them in the next
-        for i, view in enumerate(self.dashboard.profiles.values()):
-            try:
-                label = self._main.query_one(f"#chart-label-{i}", Label)
-            except NoMatches:  # mounting not finished yet: the next frame draws it
-                self.dirty = True
-                return
-            points = list(view.chart)
-            rate, accept = view.live(now)
-            word = "" if self._narrow else " accept"
-            shown = render.pct(accept) if view.drafts else "—"
-            label.update(Text.assemble((f"{view.name:<11.11}", "bold"), f"{word} {shown:>4} "))
-            pad = [0.0] * max(0, CHART_MIN_POINTS - len(points))  # early on, time still flows at a readable pace
-            self._main.query_one(f"#chart-accept-{i}", Sparkline).data = pad + [p.acceptance or 0.0 for p in points]
-            self._main.query_one(f"#chart-speed-label-{i}", Label).update(f"{rate:6.1f} tok/s ")
-            self._main.query_one(f"#chart-speed-{i}", Sparkline).data = pad + [p.tokens_per_s for p in points]
-
-    def visible_sessions(self) -> list[Any]:
-        views = list(self.dashboard.sessions.values())
-        needle = self.filter_text.lower()
-        if needle:
-            views = [v for v in views if needle in f"{v.session_id} {v.client} {v.project} {v.profile or ''}".lower()]
-        key = SORTS[self.sort]
-        if key == "turns":
-            views.sort(key=lambda v: len(v.turns), reverse=True)
-        elif key == "accepted":
-            views.sort(key=lambda v: v.accepted_share or -1.0, reverse=True)
-        elif key == "tok/s":
-            views.sort(key=lambda v: (v.last_turn.tokens_per_s or 0.0) if v.last_turn else 0.0, reverse=True)
-        elif key == "profile":
-            views.sort(key=lambda v: v.profile or "")
-        else:
-            views.sort(key=lambda v: v.last_active, reverse=True)
-        return views
-
     def _draw_sessions(self) -> None:
-        table = self._main.query_one("#sessions", DataTable)
-        shape = (self._narrow, table.size.width)
-        if self._table_shape != shape:
-            self._table_shape, self._table_rows = shape, []
-            table.clear(columns=True)
-            for label, width in render.session_columns(self._narrow, table.size.width):
-                table.add_column(label, width=width)
-        selected = self.selected_session()
-        views = self.visible_sessions()
-        rows = [(view.session_id, render.session_cells(view, narrow=self._narrow)) for view in views]
-        if rows != self._table_rows:  # rebuilding the table is most of a frame's cost: only when a row changed
-            self._table_rows = rows
-            table.clear()
-            for key, cells in rows:
-                table.add_row(*cells, key=key)
+        views = shown(self.dashboard.sessions.values(), self.filter_text, SORTS[self.sort])
         live = sum(1 for v in views if v.in_flight)
         filt = f" · filter '{self.filter_text}'" if self.filter_text else ""
-        table.border_title = f"sessions ({len(views)}, {live} active) · sort: {SORTS[self.sort]}{filt}"
-        if selected is not None and selected in self.dashboard.sessions:
-            with contextlib.suppress(RowDoesNotExist):  # filtered out: the cursor stays where it was
-                table.move_cursor(row=table.get_row_index(selected))
-
-    def _draw_log(self) -> None:
-        self._main.query_one("#log", LogView).refresh()
+        self._main.query_one("#sessions", panels.SessionTable).draw(
+            views,
+            narrow=self._narrow,
+            keep=self.screen.session_id if isinstance(self.screen, DetailScreen) else None,
+            title=f"sessions ({len(views)}, {live} active) · sort: {SORTS[self.sort]}{filt}",
+        )
 
     # ---- keys ------------------------------------------------------------------------------------------------
     def selected_session(self) -> str | None:
         if isinstance(self.screen, DetailScreen):
             return self.screen.session_id
-        table = self._main.query_one("#sessions", DataTable)
-        if not table.row_count:
-            return None
-        try:
-            key = table.coordinate_to_cell_key(table.cursor_coordinate).row_key
-        except CellDoesNotExist:
-            return None
-        return str(key.value) if key.value is not None else None
+        return self._main.query_one("#sessions", panels.SessionTable).selected()
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         if event.data_table.id == "sessions" and event.row_key.value is not None:

@@ -7,8 +7,11 @@ from collections.abc import Sequence
 
 from rich.text import Text
 
-from adaptive_spec.tui.model import Dashboard, LiveRequest, LogLine, ProfileView, SessionView, TurnRow
+from adaptive_spec.tui.log_lines import LogLine
+from adaptive_spec.tui.model import Dashboard
 from adaptive_spec.tui.pools import ReplicaView
+from adaptive_spec.tui.profiles import ProfileView
+from adaptive_spec.tui.sessions import LiveRequest, SessionView, TurnRow
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 DASH = "—"
@@ -69,10 +72,10 @@ def profile_line(view: ProfileView, now: float, *, narrow: bool) -> Text:
     line.append(f" {rate:6.1f} tok/s" if not narrow else f" {rate:5.1f} t/s")
     if view.drafts and narrow:
         line.append(f" acc {pct(accept):>4}", style="green" if accept else "")
-        line.append(f" / {pct(view.acceptance_total):>4}")
+        line.append(f" / {pct(view.acceptance):>4}")
     elif view.drafts:
         line.append(f"  accept {pct(accept):>4} (1 s)", style="green" if accept else "")
-        line.append(f"  {pct(view.acceptance_total):>4} since start")
+        line.append(f"  {pct(view.acceptance):>4} since start")
     else:
         line.append("  no drafting", style="dim")
     if not view.up and view.reason:
