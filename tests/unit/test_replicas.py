@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from adaptive_spec.cli.main import attached_profiles
+from adaptive_spec.cli.serve import attached_profiles
 from adaptive_spec.errors import ConfigError
 from adaptive_spec.kv.handoff import Router
 from adaptive_spec.kv.slot_mover import MoveTimes

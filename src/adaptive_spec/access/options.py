@@ -1,22 +1,25 @@
-"""`serve`'s access options: the API key (flag, environment, file), Host names, CORS origins, and the refusal to
-listen beyond loopback without a key."""
+"""`serve`'s access options: the API key (flag, file or environment), Host names, CORS origins, and the refusal to
+listen beyond loopback without a key; kv-relay checks its Host names the same way."""
 
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 
+from adaptive_spec.access.keys import KeyOption
 from adaptive_spec.access.policy import ANY, AccessPolicy, hosts_for_bind, is_loopback, split_host
 from adaptive_spec.errors import ConfigError
 
-KEY_ENV = "ADAPTIVE_SPEC_API_KEY"
+KEY_ENV = "ADAPTIVE_SPEC_API_KEY"  # `tui` and `bench` send the key from it too
+API_KEY = KeyOption(KEY_ENV, flag="--api-key", file_flag="--api-key-file")
 
 
 def add_access_arguments(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group("access (README: Running it safely)")
-    group.add_argument("--api-key", metavar="KEY", help=f"require this key on every route (also: ${KEY_ENV})")
-    group.add_argument("--api-key-file", type=Path, metavar="FILE", help="read the key from the file's first line")
+    API_KEY.add_arguments(
+        group,
+        flag_help=f"require this key on every route (also: ${KEY_ENV})",
+        file_help="read the key from the file's first line",
+    )
     group.add_argument("--forward-api-key", action="store_true", help="also send the client's key on to llama-server")
     group.add_argument(
         "--allow-host",
@@ -43,29 +46,18 @@ def add_access_arguments(serve: argparse.ArgumentParser) -> None:
     )
 
 
-def api_key(args: argparse.Namespace) -> str | None:
-    """The key serve requires: from --api-key, --api-key-file or the environment (None: no key)."""
-    if args.api_key and args.api_key_file:
-        raise ConfigError("--api-key and --api-key-file: give one of them")
-    if args.api_key_file:
-        try:
-            lines = args.api_key_file.read_text(encoding="utf-8").splitlines()
-        except OSError as exc:
-            raise ConfigError(f"--api-key-file {args.api_key_file}: {exc.strerror or exc}") from exc
-        key = lines[0].strip() if lines else ""
-        if not key:
-            raise ConfigError(f"--api-key-file {args.api_key_file}: the first line is empty")
-        return key
-    key = args.api_key or os.environ.get(KEY_ENV, "").strip()
-    return key or None
+def allowed_hosts(bind_host: str, allow_host: list[str]) -> tuple[str, ...]:
+    """The Host names a server bound to `bind_host` answers to, each `--allow-host` checked (serve and kv-relay)."""
+    for host in allow_host:
+        if host != ANY and split_host(host) is None:
+            raise ConfigError(f"--allow-host {host!r}: expected NAME or NAME:PORT (IPv6 in brackets), or '*'")
+    return hosts_for_bind(bind_host, tuple(allow_host))
 
 
 def access_policy(args: argparse.Namespace, project_keys: list[str]) -> AccessPolicy:
     """The policy for `serve`; refuses to listen beyond loopback without a key unless insisted on."""
-    key = api_key(args)
-    for host in args.allow_host:
-        if host != ANY and split_host(host) is None:
-            raise ConfigError(f"--allow-host {host!r}: expected NAME or NAME:PORT (IPv6 in brackets), or '*'")
+    key = API_KEY.read(args)
+    hosts = allowed_hosts(args.host, args.allow_host)
     if key is None and not is_loopback(args.host) and not args.insecure_no_key:
         raise ConfigError(
             f"--host {args.host} lets other machines reach the proxy, and no API key is set: anyone who can reach "
@@ -77,7 +69,7 @@ def access_policy(args: argparse.Namespace, project_keys: list[str]) -> AccessPo
     keys = (key, *project_keys) if key is not None else ()
     return AccessPolicy(
         api_keys=tuple(dict.fromkeys(keys)),
-        allowed_hosts=hosts_for_bind(args.host, tuple(args.allow_host)),
+        allowed_hosts=hosts,
         cors_origins=tuple(args.cors_origin),
         forward_api_key=args.forward_api_key,
         allow_profile_control=args.allow_profile_control,

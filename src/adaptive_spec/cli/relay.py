@@ -11,13 +11,17 @@ from pathlib import Path
 
 from aiohttp import web
 
-from adaptive_spec.access.policy import ANY, AccessPolicy, hosts_for_bind, split_host
+from adaptive_spec.access.keys import KeyOption
+from adaptive_spec.access.options import allowed_hosts
+from adaptive_spec.access.policy import AccessPolicy
+from adaptive_spec.cli.text import add_command
 from adaptive_spec.errors import ConfigError
 from adaptive_spec.kv.relay.model_hash import file_sha256
 from adaptive_spec.kv.relay.prefill import ROUTES, client_ctx
 from adaptive_spec.kv.relay.service import RATE_ENV, RelaySettings, build_relay_app, sweep_partials
+from adaptive_spec.kv.relay_options import KEY_ENV
 
-KEY_ENV = "ADAPTIVE_SPEC_RELAY_KEY"
+RELAY_KEY = KeyOption(KEY_ENV, flag="--key", file_flag="--key-file")
 EPILOG = """\
 examples:
   on the big machine, beside `llama-server -m model.gguf --port 8080 --slot-save-path /srv/slots`:
@@ -29,22 +33,23 @@ examples:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    relay = sub.add_parser(
+    relay = add_command(
+        sub,
         "kv-relay",
-        help="serve a llama-server's slot files to other machines (remote prefill, KV moves across hosts)",
-        description=(
-            "Runs beside a llama-server: serves and receives its slot files (key required, streamed, sha256-checked,\n"
-            "size-bounded, only inside --slot-dir), reports the sha256 of the GGUF it runs, and with --server\n"
-            "prefills prompts there for a proxy's `serve --pp-server`."
-        ),
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "serve a llama-server's slot files to other machines (remote prefill, KV moves across hosts)",
+        "Runs beside a llama-server: serves and receives its slot files (key required, streamed, sha256-checked,\n"
+        "size-bounded, only inside --slot-dir), reports the sha256 of the GGUF it runs, and with --server\n"
+        "prefills prompts there for a proxy's `serve --pp-server`.",
+        EPILOG,
     )
     relay.add_argument("--slot-dir", type=Path, required=True, help="the llama-server's --slot-save-path")
     relay.add_argument("--model", type=Path, required=True, help="the GGUF the llama-server runs (its sha256 is told)")
     relay.add_argument("--server", metavar="URL", help="the llama-server (for POST /relay/prefill)")
-    relay.add_argument("--key", help=f"the key callers must send (also: ${KEY_ENV})")
-    relay.add_argument("--key-file", type=Path, help="read the key from the file's first line")
+    RELAY_KEY.add_arguments(
+        relay,
+        flag_help=f"the key callers must send (also: ${KEY_ENV})",
+        file_help="read the key from the file's first line",
+    )
     relay.add_argument("--host", default="127.0.0.1", help="address to serve on (default: %(default)s)")
     relay.add_argument("--port", type=int, default=8095, help="port to serve on (default: %(default)s)")
     relay.add_argument(
@@ -57,24 +62,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _key(args: argparse.Namespace) -> str:
-    if args.key and args.key_file:
-        raise ConfigError("--key and --key-file: give one of them")
-    key = args.key or os.environ.get(KEY_ENV, "").strip()
-    if args.key_file:
-        try:
-            lines = args.key_file.read_text(encoding="utf-8").splitlines()
-        except OSError as exc:
-            raise ConfigError(f"--key-file {args.key_file}: {exc.strerror or exc}") from exc
-        key = lines[0].strip() if lines else ""
-    if not key:
+    key = RELAY_KEY.read(args)
+    if key is None:
         raise ConfigError(f"kv-relay needs a key: --key-file FILE, ${KEY_ENV} or --key KEY (it serves KV caches)")
-    return str(key)
+    return key
 
 
 def settings_from(args: argparse.Namespace) -> RelaySettings:
-    for host in args.allow_host:
-        if host != ANY and split_host(host) is None:
-            raise ConfigError(f"--allow-host {host!r}: expected NAME or NAME:PORT (IPv6 in brackets), or '*'")
+    hosts = allowed_hosts(args.host, args.allow_host)
     if not args.slot_dir.is_dir():
         raise ConfigError(f"--slot-dir {args.slot_dir}: not a directory")
     try:
@@ -88,7 +83,7 @@ def settings_from(args: argparse.Namespace) -> RelaySettings:
         model_name=args.model.name,
         model_bytes=size,
         model_sha256=file_sha256(args.model),
-        access=AccessPolicy(api_keys=(_key(args),), allowed_hosts=hosts_for_bind(args.host, tuple(args.allow_host))),
+        access=AccessPolicy(api_keys=(_key(args),), allowed_hosts=hosts),
         server_url=args.server.rstrip("/") if args.server else None,
         max_bytes=args.max_bytes,
         prefill_timeout_s=args.prefill_timeout,

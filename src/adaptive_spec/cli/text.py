@@ -1,6 +1,23 @@
-"""What `adaptive-spec --help` and each command's `--help` tell a user: what the command does for them, and examples."""
+"""What `adaptive-spec --help` and each command's `--help` tell a user: what the command does for them, and examples;
+and `add_command`, the one way a command is declared with them."""
 
 from __future__ import annotations
+
+import argparse
+
+
+def add_command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, summary: str, description: str, examples: str
+) -> argparse.ArgumentParser:
+    """A command: its line in the parent's help, what it does for the user, and its examples, kept in their columns."""
+    return sub.add_parser(
+        name,
+        help=summary,
+        description=description,
+        epilog=examples,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
 
 MAIN = """\
 An OpenAI-compatible proxy in front of llama.cpp's llama-server. It runs one model under several speculative-decoding

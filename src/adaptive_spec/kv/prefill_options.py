@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 
+from adaptive_spec.access.keys import KeyOption
 from adaptive_spec.errors import ConfigError
 from adaptive_spec.kv.prefill_costs import RemotePrefillPolicy
 from adaptive_spec.kv.remote_prefill import RemotePrefillPlan
 from adaptive_spec.kv.slot_files import valid_sha256
 
 KEY_ENV = "ADAPTIVE_SPEC_PP_KEY"
+PP_KEY = KeyOption(KEY_ENV, file_flag="--pp-key-file")
 
 
 def add_pp_arguments(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group("remote prefill (README: Remote prefill)")
     group.add_argument("--pp-server", metavar="URL", help="the kv-relay beside a bigger machine's llama-server")
-    group.add_argument("--pp-key-file", type=Path, metavar="FILE", help=f"the relay's key (also: ${KEY_ENV})")
+    PP_KEY.add_arguments(group, file_help=f"the relay's key (also: ${KEY_ENV})")
     group.add_argument("--pp-model-sha256", metavar="HEX", help="this side's GGUF sha256 when the proxy cannot read it")
     defaults = RemotePrefillPolicy()
     group.add_argument(
@@ -38,14 +38,8 @@ def add_pp_arguments(serve: argparse.ArgumentParser) -> None:
 def pp_plan(args: argparse.Namespace) -> RemotePrefillPlan | None:
     if not args.pp_server:
         return None
-    key = os.environ.get(KEY_ENV, "").strip()
-    if args.pp_key_file:
-        try:
-            lines = args.pp_key_file.read_text(encoding="utf-8").splitlines()
-        except OSError as exc:
-            raise ConfigError(f"--pp-key-file {args.pp_key_file}: {exc.strerror or exc}") from exc
-        key = lines[0].strip() if lines else ""
-    if not key:
+    key = PP_KEY.read(args)
+    if key is None:
         raise ConfigError(f"--pp-server needs the relay's key: --pp-key-file FILE or ${KEY_ENV}")
     sha = args.pp_model_sha256.lower() if args.pp_model_sha256 else None
     if sha is not None and not valid_sha256(sha):

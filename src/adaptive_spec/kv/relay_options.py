@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 from urllib.parse import urlsplit
 
+from adaptive_spec.access.keys import KeyOption
 from adaptive_spec.errors import ConfigError
 from adaptive_spec.kv.relay_mover import RelayMoverPlan
 
 KEY_ENV = "ADAPTIVE_SPEC_RELAY_KEY"  # the variable kv-relay itself reads
+RELAY_KEY = KeyOption(KEY_ENV, file_flag="--relay-key-file")
 
 
 def add_relay_arguments(serve: argparse.ArgumentParser) -> None:
@@ -23,7 +23,7 @@ def add_relay_arguments(serve: argparse.ArgumentParser) -> None:
         help="the kv-relay beside an attached llama-server (repeatable): sessions moving between servers with relays "
         "take their KV along",
     )
-    group.add_argument("--relay-key-file", type=Path, metavar="FILE", help=f"the relays' key (also: ${KEY_ENV})")
+    RELAY_KEY.add_arguments(group, file_help=f"the relays' key (also: ${KEY_ENV})")
 
 
 def _url(text: str, whole: str) -> str:
@@ -47,13 +47,7 @@ def relay_plan(args: argparse.Namespace) -> RelayMoverPlan | None:
         if server in pairs:
             raise ConfigError(f"--relay: {server} is given twice")
         pairs[server] = relay
-    key = os.environ.get(KEY_ENV, "").strip()
-    if args.relay_key_file:
-        try:
-            lines = args.relay_key_file.read_text(encoding="utf-8").splitlines()
-        except OSError as exc:
-            raise ConfigError(f"--relay-key-file {args.relay_key_file}: {exc.strerror or exc}") from exc
-        key = lines[0].strip() if lines else ""
-    if not key:
+    key = RELAY_KEY.read(args)
+    if key is None:
         raise ConfigError(f"--relay needs the relays' key: --relay-key-file FILE or ${KEY_ENV}")
     return RelayMoverPlan(tuple(pairs.items()), key)
