@@ -10,7 +10,7 @@ is timed stage by stage, calling the same functions the request handler calls, i
 state each repetition. No instrumentation is compiled into the proxy: the stages are timed from here.
 
 Stages: parse (`parse_body`: orjson plus the shape checks), workspace (the project's path scan), group (session
-grouping and the project), route (`Router.choose`, which includes: pieces, the prompt's per-piece fingerprints, and
+grouping and the project), route (`Router.route`, which includes: pieces, the prompt's per-piece fingerprints, and
 estimate, new prompt tokens against the session's prefix state; both also timed on their own), upstream body (what is
 sent: the client's bytes, with `timings_per_token` added), chunk (relay + meter of one SSE chunk, in µs), finish
 (router learns + session bookkeeping + record + publish), worker loop / worker thread (the after-response statistics
@@ -37,11 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from agent_bodies import AgentRequest, grown, load, next_turn
 
-from adaptive_spec.kv.handoff import Router
 from adaptive_spec.requests import handler
 from adaptive_spec.requests.lifecycle import ProxyRequest, RequestLifecycle
 from adaptive_spec.requests.parse import ParsedRequest, parse_body, split_path
-from adaptive_spec.routing.router import FixedPolicy
+from adaptive_spec.routing.api import FixedPolicy, Route, RouteRequest
+from adaptive_spec.routing.router import Router
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.sessions import prefix
 from adaptive_spec.sessions.drafter import NgramParams
@@ -108,7 +108,7 @@ class _SplitTokenizer:
 def _world(tokenizer: Tokenizer) -> tuple[Router, SessionService, RequestLifecycle, UpstreamTable]:
     table = UpstreamTable([Upstream("plain", "http://127.0.0.1:9")])
     bus = EventBus()
-    router = Router(table, FixedPolicy(), {"plain": 1}, {"plain": None}, publish=bus.publish)
+    router = Router(table, FixedPolicy(), {"plain": 1}, {"plain": None})
     service = SessionService(ContextTracker(NgramParams()), tokenizer, publish=bus.publish)
     lifecycle = RequestLifecycle(bus, RequestHistory(100), router, service, None, 0.25)
     return router, service, lifecycle, table
@@ -152,9 +152,9 @@ async def _serve(
     # The router computes the pieces again: on a body of its own, or Python's cached string hashes would flatter it.
     fresh = parse_body(req.routed.api, raw)
     assert isinstance(fresh, ParsedRequest)
-    req.decision, _ = c.time(
-        "route",
-        lambda: router.choose(
+    started = time.perf_counter_ns()
+    routed = await router.route(
+        RouteRequest(
             body=fresh.body,
             body_bytes=len(raw),
             session_id=sid,
@@ -163,10 +163,12 @@ async def _serve(
             project=req.project,
             workspace=req.workspace,
             pinned=None,
-        ),
+            takes_slot=True,
+        )
     )
-    router.started("plain", None, sid)
-    req.routed_started = True
+    c.ms["route"] = c.ms.get("route", 0.0) + (time.perf_counter_ns() - started) / 1e6
+    assert isinstance(routed, Route)
+    req.route = routed
     upstream = table.get("plain")
     assert upstream is not None
     c.time("upstream body", lambda: handler._upstream_body(req, upstream, False))

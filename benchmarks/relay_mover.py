@@ -24,6 +24,7 @@ from tests.support.servers import LlamaServer, http_json
 from adaptive_spec.kv.relay.client import RelayClient
 from adaptive_spec.kv.relay.model_hash import file_sha256
 from adaptive_spec.kv.relay_mover import RelayMover
+from adaptive_spec.kv.slots import MoveRequest
 from adaptive_spec.servers.launcher import find_llama_server
 from adaptive_spec.servers.upstreams import Upstream
 
@@ -31,7 +32,7 @@ from adaptive_spec.servers.upstreams import Upstream
 async def _move(mover: RelayMover, a: Upstream, b: Upstream, name: str) -> dict[str, Any]:
     async with aiohttp.ClientSession() as client:
         try:
-            moved = await mover.move(client, a, 0, b, 0, name, aiohttp.ClientTimeout(total=600), 1)
+            moved = await mover.move(client, MoveRequest(a, 0, b, 0, name, timeout_s=600.0, min_tokens=1))
         finally:
             await mover.discard(name)
     return {

@@ -25,7 +25,7 @@ from tests.support.servers import LlamaServer, http_json
 
 from adaptive_spec.kv.relay.client import RelayClient
 from adaptive_spec.kv.relay.model_hash import file_sha256
-from adaptive_spec.kv.slot_mover import slot_action
+from adaptive_spec.kv.slots import slot_action
 from adaptive_spec.servers.launcher import find_llama_server
 from adaptive_spec.servers.upstreams import Upstream
 

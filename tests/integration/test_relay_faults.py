@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -17,17 +18,19 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from adaptive_spec.access.policy import AccessPolicy
-from adaptive_spec.kv.handoff import Router
+from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.kv.prefill_costs import RemoteCosts, RemotePrefillPolicy
 from adaptive_spec.kv.relay.client import RelayClient
 from adaptive_spec.kv.relay.prefill import ROUTES, client_ctx
 from adaptive_spec.kv.relay.service import RelaySettings, build_relay_app
 from adaptive_spec.kv.remote_prefill import RemotePrefill
 from adaptive_spec.kv.slot_files import MODEL_HEADER
+from adaptive_spec.routing.api import FixedPolicy
 from adaptive_spec.routing.decide import Decision
-from adaptive_spec.routing.router import FixedPolicy
+from adaptive_spec.routing.router import Router
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.telemetry.events import Event, RemotePrefillDone
+from tests.support.routing import request, routed
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 SAVED = 4096  # what the fake relay says its server wrote
@@ -99,23 +102,18 @@ async def _attempt(
     slot_dir = home / "slots"
     slot_dir.mkdir()
     events: list[Event] = []
-    upstream = Upstream("main", "http://127.0.0.1:9")
-    router = Router(
-        UpstreamTable([upstream]),
-        FixedPolicy(),
-        {"main": 1},
-        {"main": ("none",)},
-        slot_dir=slot_dir,
-        publish=events.append,
-    )
     costs = RemoteCosts(RemotePrefillPolicy(force=True))
     remote = RemotePrefill(RelayClient(str(server.make_url("")), "k", "a" * 64), costs, slot_dir, min_deadline_s=2.0)
+    table = UpstreamTable([Upstream("main", "http://127.0.0.1:9")])
+    effects = KvEffects(table, lambda: client, events.append, slot_dir, remote=remote)
+    router = Router(table, FixedPolicy(), {"main": 1}, {"main": ("none",)}, effects)
     # Few tokens: the local prefill's estimate is short, so the deadline is the 2 s floor.
-    decision = Decision("main", "only", "one profile", 0.0, 50, new_tokens=50)
+    ask = replace(request({"messages": [{"role": "user", "content": "hi"}]}, "s"), prefill_path="/v1/x")
     try:
-        decided, result = await remote.maybe(client, router, decision, upstream, 0, ("/v1/x", {}), "s")
+        route = await routed(router, ask)
     finally:
         await server.close()
+    decided, result = route.decision, route.remote_prefill
     assert result is not None and not result.ok
     assert "prefilled here" in decided.reason
     assert _names(home) == ["slots"] and _names(slot_dir) == []

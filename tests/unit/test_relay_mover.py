@@ -4,23 +4,24 @@ from moves), the replica choice it changes, which way `PairMover` takes per pair
 from __future__ import annotations
 
 import argparse
+import asyncio
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
 
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.kv.handoff import Router
 from adaptive_spec.kv.relay.client import RelayClient
 from adaptive_spec.kv.relay_mover import PairMover, RelayMover
 from adaptive_spec.kv.relay_options import KEY_ENV, relay_plan
-from adaptive_spec.kv.slot_mover import MoveTimes, SharedDirMover
+from adaptive_spec.kv.slots import MoveRequest, MoveTimes, SharedDirMover
+from adaptive_spec.routing.api import RouteRequest
 from adaptive_spec.routing.policy import Policy
-from adaptive_spec.routing.router import FixedPolicy
+from adaptive_spec.routing.router import Router
 from adaptive_spec.routing.speeds import SpeedModel
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.telemetry.records import Timings
+from tests.support.routing import make_router, request, routed, serve
 
 SHA = "a" * 64
 
@@ -35,25 +36,25 @@ def test_a_move_between_hosts_pays_bytes_per_token_times_tokens_over_the_bandwid
     same_host = model.handoff_s(10_000)
     # Priors: 120 kB a token over 100 MB/s, so 10,000 tokens are 12 s on the wire.
     assert model.handoff_s(10_000, across_hosts=True) == pytest.approx(same_host + 12.0)
-    model.observe_link(1e9)  # the start-up probe: 1 GB/s replaces the bandwidth prior
-    assert model.transfer_s(10_000) == pytest.approx(1.2)
-    model.observe_transfer(1000, 528_000, 0.00528)  # one file: 528 bytes a token, at 100 MB/s
-    assert model.kv_bytes_per_token() == pytest.approx(528.0)
+    model.link.observe_link(1e9)  # the start-up probe: 1 GB/s replaces the bandwidth prior
+    assert model.link.transfer_s(10_000) == pytest.approx(1.2)
+    model.link.observe_transfer(1000, 528_000, 0.00528)  # one file: 528 bytes a token, at 100 MB/s
+    assert model.link.bytes_per_token() == pytest.approx(528.0)
     # The link: the probe's prior (worth two moves) and the one move, averaged as seconds per byte.
     expected_s_per_byte = (2 * 1e-9 + 0.00528 / 528_000) / 3
-    assert model.transfer_s(10_000) == pytest.approx(10_000 * 528 * expected_s_per_byte)
+    assert model.link.transfer_s(10_000) == pytest.approx(10_000 * 528 * expected_s_per_byte)
     for _ in range(40):
-        model.observe_transfer(1000, 528_000, 0.00528)
-    assert model.bandwidth_bytes_per_s() == pytest.approx(100e6, rel=0.1)  # the prior, faded
+        model.link.observe_transfer(1000, 528_000, 0.00528)
+    assert model.link.bandwidth_bytes_per_s() == pytest.approx(100e6, rel=0.1)  # the prior, faded
     assert model.handoff_s(10_000, across_hosts=True) > model.handoff_s(10_000)
 
 
 def test_small_files_teach_bytes_per_token_but_not_the_link() -> None:
     model = _speeds()
-    model.observe_link(50e6)
-    model.observe_transfer(100, 52_800, 5.0)  # 52 kB in 5 s: a round trip's worth, not the link's speed
-    assert model.kv_bytes_per_token() == pytest.approx(528.0)
-    assert model.bandwidth_bytes_per_s() == pytest.approx(50e6)
+    model.link.observe_link(50e6)
+    model.link.observe_transfer(100, 52_800, 5.0)  # 52 kB in 5 s: a round trip's worth, not the link's speed
+    assert model.link.bytes_per_token() == pytest.approx(528.0)
+    assert model.link.bandwidth_bytes_per_s() == pytest.approx(50e6)
 
 
 class _Mover:
@@ -68,71 +69,51 @@ class _Mover:
     def transfers(self, source: Upstream, target: Upstream) -> bool:
         return self.crosses
 
-    async def move(
-        self,
-        client: aiohttp.ClientSession,
-        source: Upstream,
-        from_slot: int,
-        target: Upstream,
-        into_slot: int,
-        name: str,
-        timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109
-        min_tokens: int,
-    ) -> MoveTimes:
+    async def move(self, client: aiohttp.ClientSession, move: MoveRequest) -> MoveTimes:
         return MoveTimes(4000, 0.01, 0.01, transfer_s=0.5, bytes=50_000_000)
 
     async def discard(self, name: str) -> None:
         return None
 
 
-def _overloaded(mover: _Mover) -> Router:
+async def _overloaded(mover: _Mover, client: aiohttp.ClientSession | None = None) -> Router:
     """Session `s` (4,000 tokens) in slot 1 of replica 0, whose other slot is busy with two more queued; replica 1
     idle."""
     table = UpstreamTable([Upstream("plain", "http://a:1"), Upstream("plain", "http://b:1")])
-    router = Router(table, FixedPolicy(), {"plain": 2}, {"plain": ("none",)}, mover=mover)
-    router.started("plain", 1, "s", 0)
+    router = make_router(table, {"plain": 2}, {"plain": ("none",)}, mover=mover, client=client)
     timings = Timings(prompt_n=3990, predicted_n=10, predicted_ms=100.0, prompt_ms=1000.0)
-    router.finished(router.choose(**_request(1))[0], "plain", 1, "s", timings, 400, True, replica=0)
+    assert (await serve(router, _request(1, client_slot=1), timings)).replica == 0
     for other in ("x", "y", "z"):
-        router.started("plain", 0, other, 0)
+        router.load.started("plain", 0, other, 0)
     return router
 
 
 def test_the_transfer_is_priced_in_the_choice_to_move_a_session_off_an_overloaded_replica() -> None:
-    near = _overloaded(_Mover(transfers=False))
-    moved = near.choose(**_request())[0]
+    near = asyncio.run(_overloaded(_Mover(transfers=False)))
+    moved = near.choose(_request())[0]
     assert (moved.replica, moved.replica_kind, moved.handoff) == (1, "rebalanced", True), moved.reason
-    far = _overloaded(_Mover(transfers=True))
-    far.speeds.observe_link(10_000.0)  # 10 kB/s: 4,000 tokens × 120 kB a token would take 13 hours
-    stays = far.choose(**_request())[0]
+    far = asyncio.run(_overloaded(_Mover(transfers=True)))
+    far.speeds.link.observe_link(10_000.0)  # 10 kB/s: 4,000 tokens × 120 kB a token would take 13 hours
+    stays = far.choose(_request())[0]
     assert (stays.replica, stays.replica_kind, stays.handoff) == (0, "stay", False), stays.reason
     assert "stays though overloaded" in stays.reason and "hands its KV over ≈ 48" in stays.reason
 
 
 @pytest.mark.asyncio(loop_scope="function")
 async def test_a_move_between_hosts_teaches_the_transfer_terms() -> None:
-    router = _overloaded(_Mover(transfers=True))
-    router.speeds.observe_link(1e11)  # 4,000 tokens at the prior 120 kB a token: 5 ms
-    decision = router.choose(**_request())[0]
-    assert decision.handoff, decision.reason
-    router.started("plain", 0, "s", 1)
     async with aiohttp.ClientSession() as client:
-        result = await router.hand_off(client, decision, "s", 0)
-    assert result.ok and result.transfer_s == 0.5 and result.bytes == 50_000_000
-    assert router.speeds.kv_bytes_per_token() == pytest.approx(50_000_000 / 4000)
+        router = await _overloaded(_Mover(transfers=True), client)
+        router.speeds.link.observe_link(1e11)  # 4,000 tokens at the prior 120 kB a token: 5 ms
+        moved = await routed(router, _request(client_slot=0))
+    assert moved.decision.handoff, moved.decision.reason
+    result = moved.handoff
+    assert result is not None and result.ok and result.transfer_s == 0.5 and result.bytes == 50_000_000
+    assert router.speeds.link.bytes_per_token() == pytest.approx(50_000_000 / 4000)
 
 
-def _request(turns: int = 2) -> dict[str, Any]:
-    return dict(
-        body={"messages": [{"role": "user", "content": "x" * 400}]},
-        body_bytes=400,
-        session_id="s",
-        session_turns=turns,
-        copy_share=0.0,
-        project="default",
-        workspace=None,
-        pinned=None,
-    )
+def _request(turns: int = 2, client_slot: int | None = None) -> RouteRequest:
+    body = {"messages": [{"role": "user", "content": "x" * 400}]}
+    return request(body, "s", turns=turns, copy_share=0.0, body_bytes=400, client_slot=client_slot)
 
 
 def test_the_pair_mover_picks_the_relays_or_the_shared_directory_per_pair(tmp_path: Path) -> None:

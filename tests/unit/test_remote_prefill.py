@@ -69,10 +69,10 @@ def test_measurements_replace_the_priors() -> None:
         restore_s=0.05,
     )
     costs.observe(slow_link)
-    assert costs.bytes_per_token() == pytest.approx(12_300, rel=0.1)  # a fact of the model: one file tells it
+    assert costs.link.bytes_per_token() == pytest.approx(12_300, rel=0.1)  # a fact of the model: one file tells it
     for _ in range(19):
         costs.observe(slow_link)
-    assert costs.bandwidth() == pytest.approx(1e6, rel=0.2)
+    assert costs.link.bandwidth_bytes_per_s() == pytest.approx(1e6, rel=0.2)
     assert 6_000 < 1 / costs.s_per_token() < 10_000  # from the 2,000 prior toward the measured 10,000
     assert not choose(50_000, 50_000, 1 / 100, costs).remote  # 615 s of transfer vs 500 s here
 
@@ -80,7 +80,7 @@ def test_measurements_replace_the_priors() -> None:
 def test_a_probe_of_the_link_counts_before_any_transfer() -> None:
     costs = _costs()
     costs.observe_link(0.002, 100_000.0)
-    assert costs.bandwidth() < 1e6
+    assert costs.link.bandwidth_bytes_per_s() < 1e6
 
 
 def test_forced_goes_remote_whatever_the_estimate() -> None:

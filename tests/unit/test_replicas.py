@@ -12,14 +12,15 @@ import pytest
 
 from adaptive_spec.cli.serve import attached_profiles
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.kv.handoff import Router
-from adaptive_spec.kv.slot_mover import MoveTimes
+from adaptive_spec.kv.slots import MoveRequest, MoveTimes
+from adaptive_spec.routing.api import Completion, RouteRequest
 from adaptive_spec.routing.replicas import MoveCosts, ReplicaState, choose_replica
-from adaptive_spec.routing.router import FixedPolicy
+from adaptive_spec.routing.router import Router
 from adaptive_spec.servers.profiles import ProfileInfo, replica_mismatch
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.telemetry.events import Event, ProfileDown, ProfileUp
 from adaptive_spec.telemetry.records import Timings
+from tests.support.routing import make_router, request, routed, served
 
 
 def r(index: int, **kw: Any) -> ReplicaState:
@@ -135,18 +136,8 @@ class _FakeMover:
     def can_move(self, source: Upstream, target: Upstream) -> bool:
         return True
 
-    async def move(
-        self,
-        client: aiohttp.ClientSession,
-        source: Upstream,
-        from_slot: int,
-        target: Upstream,
-        into_slot: int,
-        name: str,
-        timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109
-        min_tokens: int,
-    ) -> MoveTimes:
-        self.moves.append((source.label, from_slot, target.label, into_slot))
+    async def move(self, client: aiohttp.ClientSession, move: MoveRequest) -> MoveTimes:
+        self.moves.append((move.source.label, move.from_slot, move.target.label, move.into_slot))
         return MoveTimes(4000, 0.05, 0.01)
 
     def transfers(self, source: Upstream, target: Upstream) -> bool:
@@ -156,38 +147,29 @@ class _FakeMover:
         return None
 
 
-def _choose(router: Router, sid: str) -> Any:
-    decision, _ = router.choose(
-        body={"messages": [{"role": "user", "content": "x" * 400}]},
-        body_bytes=400,
-        session_id=sid,
-        session_turns=1,
-        copy_share=0.0,
-        project="default",
-        workspace=None,
-        pinned=None,
-    )
-    return decision
+def _ask(sid: str, client_slot: int | None = None) -> RouteRequest:
+    body = {"messages": [{"role": "user", "content": "x" * 400}]}
+    return request(body, sid, turns=1, copy_share=0.0, body_bytes=400, client_slot=client_slot)
 
 
-def _pool_router(mover: _FakeMover, slots: int) -> Router:
+def _pool_router(mover: _FakeMover, slots: int, client: aiohttp.ClientSession | None = None) -> Router:
     table = UpstreamTable([Upstream("plain", "http://a:1"), Upstream("plain", "http://b:1")])
-    return Router(table, FixedPolicy(), {"plain": slots}, {"plain": ("none",)}, mover=mover)
+    return make_router(table, {"plain": slots}, {"plain": ("none",)}, mover=mover, client=client)
 
 
-def _served(router: Router, sid: str, replica: int, slot: int | None, output: int = 10) -> None:
-    decision = _choose(router, sid)
-    router.started("plain", slot, sid, replica)
+def _served(router: Router, sid: str, slot: int | None, output: int = 10) -> None:
+    """The session's turn, served on the first replica (both idle: the least loaded is the first)."""
     timings = Timings(prompt_n=4000 - output, predicted_n=output, predicted_ms=10.0 * output, prompt_ms=1000.0)
-    router.finished(decision, "plain", slot, sid, timings, 400, True, replica=replica)
+    done = served(router, _ask(sid, slot), timings)
+    assert done.replica == 0
 
 
 def test_a_session_queued_behind_others_moves_to_an_idle_replica_and_re_prefills() -> None:
     router = _pool_router(_FakeMover(), slots=1)
-    _served(router, "s", 0, None, output=1000)  # long answers: a turn queued ahead takes longer than a re-prefill
+    _served(router, "s", None, output=1000)  # long answers: a turn queued ahead takes longer than a re-prefill
     for other in ("x", "y"):  # replica 0's only slot busy with another session, one more queued behind it
-        router.started("plain", None, other, 0)
-    decision = _choose(router, "s")
+        router.load.started("plain", None, other, 0)
+    decision, _ = router.choose(_ask("s"))
     assert (decision.replica, decision.replica_kind, decision.replica_moved_from) == (1, "rebalanced", 0)
     assert not decision.handoff, decision.reason  # its slot is busy: nothing to save, it re-prefills
     assert "#0 overloaded (1 queued" in decision.reason and "re-prefills" in decision.reason
@@ -197,17 +179,18 @@ def test_a_session_queued_behind_others_moves_to_an_idle_replica_and_re_prefills
 @pytest.mark.asyncio(loop_scope="function")
 async def test_a_kv_handoff_between_replicas_goes_through_the_slot_mover() -> None:
     mover = _FakeMover()
-    router = _pool_router(mover, slots=2)
-    _served(router, "s", 0, 1)
-    for other in ("x", "y", "z"):  # the other slot busy, two queued for it; the session's own slot 1 is idle
-        router.started("plain", 0, other, 0)
-    decision = _choose(router, "s")
+    async with aiohttp.ClientSession() as client:
+        router = _pool_router(mover, slots=2, client=client)
+        timings = Timings(prompt_n=3990, predicted_n=10, predicted_ms=100.0, prompt_ms=1000.0)
+        first = await routed(router, _ask("s", 1))
+        router.complete(first, Completion(True, timings))
+        for other in ("x", "y", "z"):  # the other slot busy, two queued for it; the session's own slot 1 is idle
+            router.load.started("plain", 0, other, 0)
+        moved = await routed(router, _ask("s", 0))
+    decision = moved.decision
     assert (decision.replica, decision.replica_kind, decision.handoff) == (1, "rebalanced", True), decision.reason
     assert decision.handoff_tokens == 4000 and "hands its KV over (4,000 tok" in decision.reason
-    router.started("plain", 0, "s", 1)
-    async with aiohttp.ClientSession() as client:
-        result = await router.hand_off(client, decision, "s", 0)
-    assert result.ok and mover.moves == [("plain", 1, "plain#1", 0)]
+    assert moved.handoff is not None and moved.handoff.ok and mover.moves == [("plain", 1, "plain#1", 0)]
     placement = router.placements.get("s")
     assert placement is not None and placement.in_slot
 
@@ -216,20 +199,12 @@ def test_a_session_leaving_a_replica_that_is_down_re_prefills_on_the_new_profile
     table = UpstreamTable(
         [Upstream("oneshot", "http://a:1"), Upstream("oneshot", "http://b:1"), Upstream("iterative", "http://a:2")]
     )
-    router = Router(table, FixedPolicy(), {"oneshot": 1, "iterative": 1}, {"oneshot": ("none",)}, slot_dir=tmp_path)
+    router = make_router(table, {"oneshot": 1, "iterative": 1}, {"oneshot": ("none",)}, slot_dir=tmp_path)
     router.placements.served("s", "oneshot", None, 4000, 10, replica=1)
-    moving = dict(
-        body={"messages": [{"role": "user", "content": "word " * 8000}]},  # more than the 4,000 tokens its KV holds
-        body_bytes=40_000,
-        session_id="s",
-        session_turns=3,
-        copy_share=0.0,
-        project="default",
-        workspace=None,
-        pinned="iterative",
-    )
-    up, _ = router.choose(**moving)  # type: ignore[arg-type]
+    body = {"messages": [{"role": "user", "content": "word " * 8000}]}  # more than the 4,000 tokens its KV holds
+    moving = request(body, "s", pinned="iterative", turns=3, copy_share=0.0, body_bytes=40_000)
+    up, _ = router.choose(moving)
     assert up.handoff and up.moved_from == "oneshot", up.reason
     table.mark_down("oneshot", "refused connections", 1)
-    down, _ = router.choose(**moving)  # type: ignore[arg-type]
+    down, _ = router.choose(moving)
     assert down.moved_from == "oneshot" and not down.handoff and down.handoff_tokens == 0

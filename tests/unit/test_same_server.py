@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_spec.kv.handoff import Router
 from adaptive_spec.routing.decide import Decision, ProfileState, RequestState, SessionState, decide
 from adaptive_spec.routing.placements import Placement
 from adaptive_spec.routing.policy import Policy
-from adaptive_spec.routing.router import FixedPolicy
+from adaptive_spec.routing.router import Router
 from adaptive_spec.routing.speeds import SpeedModel
 from adaptive_spec.servers.speculation import Speculation
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.telemetry.records import Timings
+from tests.support.routing import make_router, request, served
 
 KINDS = {"oneshot": ("none",), "iterative": ("ngram-mod",)}
 URL = "http://127.0.0.1:9"
@@ -65,48 +65,38 @@ def test_a_pinned_switch_on_one_server_says_so() -> None:
 
 def _router(tmp_path: Path, slots: int = 1, servers: dict[tuple[str, int], str] | None = SHARED) -> Router:
     table = UpstreamTable([Upstream("oneshot", URL, speculation=Speculation(types=())), Upstream("iterative", URL)])
-    return Router(table, FixedPolicy(), dict.fromkeys(KINDS, slots), KINDS, slot_dir=tmp_path, servers=servers)
+    return make_router(table, dict.fromkeys(KINDS, slots), KINDS, slot_dir=tmp_path, servers=servers)
 
 
-def _served(r: Router, profile: str, session: str, slot: int | None = None) -> Decision:
-    decision, _ = r.choose(
-        body={"messages": [{"role": "user", "content": f"{session} " * 50}]},
-        body_bytes=300,
-        session_id=session,
-        session_turns=0,
-        copy_share=None,
-        project="default",
-        workspace=None,
-        pinned=profile,
-    )
-    r.started(profile, slot, session)
-    r.finished(decision, profile, slot, session, Timings(prompt_n=2000, predicted_n=100, predicted_ms=500.0), 300, True)
-    return decision
+def _served(r: Router, profile: str, session: str) -> Decision:
+    body = {"messages": [{"role": "user", "content": f"{session} " * 50}]}
+    timings = Timings(prompt_n=2000, predicted_n=100, predicted_ms=500.0)
+    return served(r, request(body, session, pinned=profile, body_bytes=300), timings).decision
 
 
 def test_profiles_on_one_server_share_its_slots_and_load(tmp_path: Path) -> None:
     r = _router(tmp_path, slots=2)
-    a = r.slot_for("oneshot", "a")
-    r.started("oneshot", a, "a")
-    b = r.slot_for("iterative", "b")
+    a = r.load.slot_for("oneshot", "a")
+    r.load.started("oneshot", a, "a")
+    b = r.load.slot_for("iterative", "b")
     assert b != a  # a's slot is busy serving oneshot: iterative's request on the same server gets the other one
-    assert r.slot_busy("iterative", a, mine=0)
+    assert r.load.slot_busy("iterative", a, mine=0)
     assert {s.name: s.in_flight for s in r.states()} == {"oneshot": 1, "iterative": 1}  # the server's load, both
     one = _router(tmp_path, slots=1)
-    one.started("oneshot", None, "a")
-    assert one.slot_busy("iterative", None, mine=0)  # the server's only slot
+    one.load.started("oneshot", None, "a")
+    assert one.load.slot_busy("iterative", None, mine=0)  # the server's only slot
     apart = _router(tmp_path, slots=1, servers=None)
-    apart.started("oneshot", None, "a")
-    assert not apart.slot_busy("iterative", None, mine=0)
+    apart.load.started("oneshot", None, "a")
+    assert not apart.load.slot_busy("iterative", None, mine=0)
 
 
 def test_a_session_keeps_its_slot_across_a_switch_and_nothing_moves(tmp_path: Path) -> None:
     r = _router(tmp_path, slots=2)
-    first = _served(r, "oneshot", "a", r.slot_for("oneshot", "a"))
+    first = _served(r, "oneshot", "a")
     placement = r.placements.get("a")
     assert first.moved_from is None and placement is not None and placement.in_slot
-    assert r.slot_for("iterative", "a") == placement.slot  # its slot, under the other profile
-    second = _served(r, "iterative", "a", placement.slot)
+    assert r.load.slot_for("iterative", "a") == placement.slot  # its slot, under the other profile
+    second = _served(r, "iterative", "a")
     assert (second.moved_from, second.handoff, second.replica_kind) == ("oneshot", False, "only")
     assert "same server" in second.reason
     moved = r.placements.get("a")

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from adaptive_spec.common.means import RunningMean
+from adaptive_spec.kv.costs import LinkCosts
+
 
 @dataclass(frozen=True, slots=True)
 class RemotePrefillPolicy:
@@ -29,24 +32,6 @@ class RemotePrefillPolicy:
     restore_s_per_1k: float = 0.02
     prior_weight: float = 2.0
     half_life: float = 20.0  # in remote prefills
-
-
-class _Mean:
-    """A running mean with a prior worth `weight` observations and exponential forgetting."""
-
-    __slots__ = ("forget", "n", "total", "weight")
-
-    def __init__(self, weight: float, forget: float) -> None:
-        self.weight, self.forget, self.total, self.n = weight, forget, 0.0, 0.0
-
-    def add(self, value: float) -> None:
-        self.total = self.total * self.forget + value
-        self.n = self.n * self.forget + 1.0
-
-    def value(self, prior: float) -> float:
-        if self.weight + self.n <= 0:
-            return prior
-        return (prior * self.weight + self.total) / (self.weight + self.n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,51 +64,45 @@ class RemoteCosts:
         self.policy = policy
         forget = 0.5 ** (1.0 / policy.half_life)
         w = policy.prior_weight
-        self._prefill, self._rtt, self._bandwidth = _Mean(w, forget), _Mean(w, forget), _Mean(w, forget)
-        # Bytes per token is a fact of the model and its cache type, not a noisy figure: one file replaces the prior.
-        self._bytes, self._save, self._restore = _Mean(0.0, forget), _Mean(w, forget), _Mean(w, forget)
+        self._prefill, self._rtt = RunningMean(w, forget), RunningMean(w, forget)
+        self._save, self._restore = RunningMean(w, forget), RunningMean(w, forget)
+        self.link = LinkCosts(forget, policy.bytes_per_token, policy.bandwidth_bytes_per_s)  # kv/costs.py
 
     def observe_link(self, round_trip_s: float | None, bandwidth_bytes_per_s: float | None) -> None:
         """A probe of the link (at start-up): its round trip and a timed download."""
         if round_trip_s is not None and round_trip_s >= 0:
             self._rtt.add(round_trip_s)
-        if bandwidth_bytes_per_s is not None and bandwidth_bytes_per_s > 0:
-            self._bandwidth.add(1.0 / bandwidth_bytes_per_s)  # averaged as seconds per byte: time is what adds up
+        self.link.observe_link(bandwidth_bytes_per_s)
 
     def observe(self, m: RemoteMeasurement) -> None:
         if m.prompt_n >= 64 and m.prefill_s > 0:
             self._prefill.add(m.prefill_s / m.prompt_n)
         self._rtt.add(max(0.0, m.round_trip_s))
         if m.tokens > 0:
-            self._bytes.add(m.file_bytes / m.tokens)
             self._save.add(m.save_s / m.tokens)
             self._restore.add(m.restore_s / m.tokens)
-        if m.file_bytes >= 65_536 and m.transfer_s > 0:
-            self._bandwidth.add(m.transfer_s / m.file_bytes)
+        self.link.observe_transfer(m.tokens, m.file_bytes, m.transfer_s)
 
     def s_per_token(self) -> float:
         return self._prefill.value(1.0 / self.policy.remote_prefill_tps)
-
-    def bytes_per_token(self) -> float:
-        return self._bytes.value(self.policy.bytes_per_token)
-
-    def bandwidth(self) -> float:
-        return 1.0 / self._bandwidth.value(1.0 / self.policy.bandwidth_bytes_per_s)
-
-    def transfer_s(self, tokens: int) -> float:
-        return tokens * self.bytes_per_token() / self.bandwidth()
 
     def remote_s(self, tokens: int) -> float:
         p = self.policy
         save = self._save.value(p.save_s_per_1k / 1000.0) * tokens
         restore = self._restore.value(p.restore_s_per_1k / 1000.0) * tokens
-        return self._rtt.value(p.round_trip_s) + tokens * self.s_per_token() + save + self.transfer_s(tokens) + restore
+        return (
+            self._rtt.value(p.round_trip_s)
+            + tokens * self.s_per_token()
+            + save
+            + self.link.transfer_s(tokens)
+            + restore
+        )
 
     def describe(self) -> dict[str, float]:
         return {
             "remote_prefill_tps": round(1.0 / self.s_per_token(), 1),
-            "bandwidth_mb_per_s": round(self.bandwidth() / 1e6, 2),
-            "bytes_per_token": round(self.bytes_per_token(), 1),
+            "bandwidth_mb_per_s": round(self.link.bandwidth_bytes_per_s() / 1e6, 2),
+            "bytes_per_token": round(self.link.bytes_per_token(), 1),
             "round_trip_ms": round(self._rtt.value(self.policy.round_trip_s) * 1000.0, 1),
         }
 
@@ -133,7 +112,7 @@ def choose(new_tokens: int, prompt_tokens: int, local_s_per_token: float, costs:
     p = costs.policy
     local_s = new_tokens * local_s_per_token
     tokens = max(prompt_tokens, new_tokens)
-    remote_s, transfer_s = costs.remote_s(tokens), costs.transfer_s(tokens)
+    remote_s, transfer_s = costs.remote_s(tokens), costs.link.transfer_s(tokens)
     figures = f"local {local_s:,.1f} s vs remote {remote_s:,.1f} s (of which transfer {transfer_s:,.1f} s)"
     if new_tokens < p.min_tokens and not p.force:
         return RemotePrefillChoice(False, local_s, remote_s, transfer_s, f"prefill here: {new_tokens:,} new tokens")

@@ -18,8 +18,7 @@ import aiohttp
 from adaptive_spec.errors import ConfigError, ProfileMismatchError
 from adaptive_spec.kv.relay.client import RelayClient, RelayError
 from adaptive_spec.kv.slot_files import model_mismatch
-from adaptive_spec.kv.slot_mover import MoveTimes, SlotError, SlotMover, restore_slot, save_slot
-from adaptive_spec.routing.speeds import SpeedModel
+from adaptive_spec.kv.slots import MoveRequest, MoveTimes, SlotError, SlotMover, restore_slot, save_slot
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 
 log = logging.getLogger(__name__)
@@ -56,17 +55,8 @@ class RelayMover:
         # Two servers behind one relay share its slot directory: nothing crosses hosts.
         return there is not None and here is not None and there.base_url != here.base_url
 
-    async def move(
-        self,
-        client: aiohttp.ClientSession,
-        source: Upstream,
-        from_slot: int,
-        target: Upstream,
-        into_slot: int,
-        name: str,
-        timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - one deadline per slot action
-        min_tokens: int,
-    ) -> MoveTimes:
+    async def move(self, client: aiohttp.ClientSession, move: MoveRequest) -> MoveTimes:
+        source, target, name = move.source, move.target, move.name
         there, here = self.relay_of(source), self.relay_of(target)
         if there is None or here is None:
             raise SlotError(f"{source.label} and {target.label} do not both have a kv-relay (serve --relay)")
@@ -75,12 +65,12 @@ class RelayMover:
             raise SlotError(f"relay {here.base_url}: {problem}")
         self._pending[name] = (client, there, here)
         t0 = time.perf_counter()
-        n_saved, n_written = await save_slot(client, source, from_slot, name, timeout, min_tokens)
+        n_saved, n_written = await save_slot(client, source, move.from_slot, name, move.timeout, move.min_tokens)
         t1 = time.perf_counter()
         copied = 0
         if there.base_url != here.base_url:
             size = n_written if isinstance(n_written, int) else 0
-            deadline_s = (timeout.total or 10.0) + size / _MIN_TRANSFER_BYTES_PER_S
+            deadline_s = move.timeout_s + size / _MIN_TRANSFER_BYTES_PER_S
             try:
                 got = await there.copy_to(client, name, here, self.max_bytes, deadline_s)
             except RelayError as exc:
@@ -89,7 +79,7 @@ class RelayMover:
                 raise SlotError(f"{here.base_url} received {got.bytes} of the {n_written} bytes {source.label} saved")
             copied = got.bytes
         t2 = time.perf_counter()
-        await restore_slot(client, target, into_slot, name, timeout, n_saved)
+        await restore_slot(client, target, move.into_slot, name, move.timeout, n_saved)
         t3 = time.perf_counter()
         return MoveTimes(n_saved, t1 - t0, t3 - t2, transfer_s=t2 - t1, bytes=copied)
 
@@ -126,21 +116,11 @@ class PairMover:
         mover = self._pick(source, target)
         return mover is not None and mover.transfers(source, target)
 
-    async def move(
-        self,
-        client: aiohttp.ClientSession,
-        source: Upstream,
-        from_slot: int,
-        target: Upstream,
-        into_slot: int,
-        name: str,
-        timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - one deadline per slot action
-        min_tokens: int,
-    ) -> MoveTimes:
-        mover = self._pick(source, target)
+    async def move(self, client: aiohttp.ClientSession, move: MoveRequest) -> MoveTimes:
+        mover = self._pick(move.source, move.target)
         if mover is None:
-            raise SlotError(f"no way to move a slot file from {source.label} to {target.label}")
-        return await mover.move(client, source, from_slot, target, into_slot, name, timeout, min_tokens)
+            raise SlotError(f"no way to move a slot file from {move.source.label} to {move.target.label}")
+        return await mover.move(client, move)
 
     async def discard(self, name: str) -> None:
         await self.relays.discard(name)
@@ -153,12 +133,11 @@ async def start_relay_mover(
     client: aiohttp.ClientSession,
     table: UpstreamTable,
     shared: SlotMover | None,
-    speeds: SpeedModel,
     say: Callable[[str], None],
-) -> PairMover:
+) -> tuple[PairMover, float]:
     """At start: every relay names a server the proxy serves, answers with the key, and runs the same GGUF as the
-    others (else refuse, naming both relays and hashes); its link is probed, the slowest one priced until moves
-    measure it."""
+    others (else refuse, naming both relays and hashes); its link is probed. Returns the mover and the slowest
+    link's bandwidth (bytes/s: the handoff's price until moves measure it)."""
     servers = {u.base_url for u in table.all()}
     found: list[tuple[str, str, str, str, float, float]] = []  # server, relay, sha256, model, round trip, bytes/s
     for server, relay_url in plan.relays:
@@ -180,10 +159,9 @@ async def start_relay_mover(
                 "running the same GGUF"
             )
     slowest = min(found, key=lambda f: f[5])
-    speeds.observe_link(slowest[5])
     relays = {server: RelayClient(url, plan.key, sha) for server, url, sha, *_ in found}
     say(
         f"KV moves between hosts: {len(found)} relays, one model ({first[3]}, sha256 {first[2][:12]}…); slowest link "
         f"{slowest[1]}: {slowest[4] * 1000:.0f} ms, {slowest[5] / 1e6:.1f} MB/s"
     )
-    return PairMover(RelayMover(relays, plan.max_bytes), shared)
+    return PairMover(RelayMover(relays, plan.max_bytes), shared), slowest[5]

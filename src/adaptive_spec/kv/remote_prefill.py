@@ -9,11 +9,10 @@ local profile prefills the prompt itself (correct, only slower), and the reason 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,34 +20,16 @@ import aiohttp
 from aiohttp import web
 
 from adaptive_spec.errors import ConfigError, ProfileMismatchError
-from adaptive_spec.kv.handoff import Router
+from adaptive_spec.kv.moves import PrefillAnswer, PrefillAsk, RemotePrefillResult
 from adaptive_spec.kv.prefill_costs import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy, choose
 from adaptive_spec.kv.relay.client import PARTIAL_PREFIX, RelayClient, RelayError
 from adaptive_spec.kv.relay.model_hash import file_sha256
-from adaptive_spec.kv.slot_files import model_mismatch
-from adaptive_spec.kv.slot_mover import SlotError, restore_slot
-from adaptive_spec.routing.decide import Decision
+from adaptive_spec.kv.slot_files import model_mismatch, slot_file_name
+from adaptive_spec.kv.slots import SlotError, restore_slot
 from adaptive_spec.servers.upstreams import Upstream
-from adaptive_spec.telemetry.events import RemotePrefillDone
 
 log = logging.getLogger(__name__)
 _PROBE_BYTES = 256 << 10
-_FILE_PREFIX = "as-pp-"  # the router's sweep of left-over slot files (as-*.bin) takes these too
-
-
-@dataclass(frozen=True, slots=True)
-class RemotePrefillResult:
-    """What a remote prefill did, for the request's record."""
-
-    ok: bool
-    tokens: int  # tokens the restored slot holds
-    remote_prefill_s: float
-    save_s: float
-    transfer_s: float
-    restore_s: float
-    bytes: int
-    error: str | None = None
-    reason: str | None = None  # why it fell back, in one word (metrics label): timeout, relay, checksum, ...
 
 
 class RemotePrefill:
@@ -89,73 +70,33 @@ class RemotePrefill:
             f"{self.relay.model_sha256[:12]}…); link {round_trip_s * 1000:.0f} ms, {bandwidth / 1e6:.1f} MB/s"
         )
 
-    async def maybe(
-        self,
-        client: aiohttp.ClientSession,
-        router: Router,
-        decision: Decision,
-        upstream: Upstream,
-        slot: int | None,
-        request: tuple[str, dict[str, Any]],
-        session_id: str | None,
-    ) -> tuple[Decision, RemotePrefillResult | None]:
-        """Prefill `request` (upstream path, body) remotely when the cost model says so; the decision comes back with
-        its reason extended."""
-        if decision.new_tokens is None or decision.handoff or not router.can_save(upstream.name):
-            return decision, None
-        if slot is None and router.slot_count(upstream.name, upstream.replica) > 1:
-            return decision, None
-        local = router.speeds.prefill_s(upstream.name, 1.0)
-        choice = choose(decision.new_tokens, decision.context_tokens, local, self.costs)
+    async def maybe(self, client: aiohttp.ClientSession, ask: PrefillAsk, upstream: Upstream) -> PrefillAnswer:
+        """Prefill the request remotely when the cost model says so; the answer's note extends the reason line."""
+        choice = choose(ask.new_tokens, ask.context_tokens, ask.local_s_per_token, self.costs)
         if not choice.remote:
-            extended = decision.new_tokens >= self.costs.policy.min_tokens
-            return (replace(decision, reason=f"{decision.reason}; {choice.reason}") if extended else decision), None
+            return PrefillAnswer(choice.reason if ask.new_tokens >= self.costs.policy.min_tokens else "", None)
         # Past twice the time a local prefill was estimated to take, the remote path has lost even if that estimate
         # was off by half: a slow or stalled relay costs the request at most that before it prefills here.
         deadline_s = max(self.min_deadline_s, 2.0 * choice.local_s)
-        result = await self._run(client, router, upstream, slot or 0, request, session_id, deadline_s)
-        router.publish(
-            RemotePrefillDone(
-                session_id=session_id,
-                profile=upstream.name,
-                relay=self.relay.base_url,
-                ok=result.ok,
-                reason=result.reason,
-                tokens=result.tokens,
-                bytes=result.bytes,
-                remote_prefill_s=result.remote_prefill_s,
-                save_s=result.save_s,
-                transfer_s=result.transfer_s,
-                restore_s=result.restore_s,
-                error=result.error,
-            )
-        )
+        result = await self._run(client, ask, upstream, deadline_s)
         note = choice.reason if result.ok else f"remote prefill failed ({result.error}): prefilled here"
-        return replace(decision, reason=f"{decision.reason}; {note}"), result
+        return PrefillAnswer(note, result)
 
     async def _run(
-        self,
-        client: aiohttp.ClientSession,
-        router: Router,
-        upstream: Upstream,
-        slot: int,
-        request: tuple[str, dict[str, Any]],
-        session_id: str | None,
-        deadline_s: float,
+        self, client: aiohttp.ClientSession, ask: PrefillAsk, upstream: Upstream, deadline_s: float
     ) -> RemotePrefillResult:
         """Prefill and save there, download, restore here, all within `deadline_s`; whatever happens, the file goes
         on both sides."""
         self._seq += 1
-        tag = hashlib.sha256((session_id or "").encode()).hexdigest()[:20]
-        name = f"{_FILE_PREFIX}{tag}-{self._seq}.bin"
+        name = slot_file_name(ask.session_id, self._seq, "pp")
         dest = self.slot_dir / name
-        path, body = request
+        slot = ask.at.slot or 0
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(deadline_s):
-                if router.slot_busy(upstream.name, slot, mine=1, replica=upstream.replica):
-                    raise SlotError(f"{upstream.name} slot {slot} is busy with another request")
-                prefilled = await self.relay.prefill(client, path, body, name, timeout_s=deadline_s)
+                if ask.slot_busy:
+                    raise SlotError(f"{ask.at.profile} slot {slot} is busy with another request")
+                prefilled = await self.relay.prefill(client, ask.path, ask.body, name, timeout_s=deadline_s)
                 t1 = time.perf_counter()
                 if not 0 < prefilled.n_written <= self.max_bytes:
                     raise RelayError(f"the relay saved {prefilled.n_written} bytes (at most {self.max_bytes})", "size")
@@ -175,7 +116,6 @@ class RemotePrefill:
             log.warning("remote prefill via %s failed: %s", self.relay.base_url, message)
             return RemotePrefillResult(False, 0, 0.0, 0.0, 0.0, 0.0, 0, message, fallback_reason(exc))
         finally:
-            router.placements.displace(upstream.name, slot, keep=session_id, replica=upstream.replica)
             await asyncio.to_thread(dest.unlink, True)
             await self._delete_there(client, name)  # also after a failed call: the save may have happened
         self.counts["ok"] += 1

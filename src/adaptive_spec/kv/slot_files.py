@@ -4,6 +4,7 @@ Pure rules shared by the relay service (`kv/relay/service.py`) and its client in
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 # One plain file name inside the slot directory: no separators, no `..`, no hidden files (the relay's own partial
@@ -22,13 +23,20 @@ def valid_slot_name(name: str) -> bool:
 
 
 # adaptive-spec names every slot file it saves `as-…` (handoffs, remote prefill): a relay serves, takes and deletes
-# only those, so the slot files others keep in a shared --slot-save-path (which hold their prompts' tokens) stay theirs.
-RELAY_PREFIX = "as-"
+# only those, so the slot files others keep in a shared --slot-save-path (which hold their prompts' tokens) stay theirs;
+# the proxy's sweep of left-overs takes only those too.
+SLOT_FILE_PREFIX = "as-"
+
+
+def slot_file_name(session_id: str | None, seq: int, kind: str = "") -> str:
+    """`as-[kind-]<20 hex of the session's sha256>-<seq>.bin`: one name per move, nothing of the session readable."""
+    tag = hashlib.sha256((session_id or "").encode()).hexdigest()[:20]
+    return f"{SLOT_FILE_PREFIX}{kind + '-' if kind else ''}{tag}-{seq}.bin"
 
 
 def valid_relay_name(name: str) -> bool:
     """A slot file name a relay handles: a valid one starting with `as-`."""
-    return name.startswith(RELAY_PREFIX) and valid_slot_name(name)
+    return name.startswith(SLOT_FILE_PREFIX) and valid_slot_name(name)
 
 
 def valid_sha256(value: str | None) -> bool:

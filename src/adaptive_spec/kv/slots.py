@@ -1,7 +1,10 @@
-"""Moving a session's KV slot from one llama-server to another: save it on the source, get the file to the target,
-restore it there. `SlotMover` is the seam: `SharedDirMover` is the case where both servers write slot files into one
-directory (the same host, or a shared filesystem); a mover between hosts (a relay beside each server that streams
-the file across) implements the same protocol and is priced by the same cost model (`SpeedModel.handoff_s`)."""
+"""llama-server's slot API, and moving a session's KV slot from one llama-server to another through it.
+
+`slot_action` is the one client of `POST /slots/{id}?action=save|restore|erase` (handoffs, remote prefill, the erase
+endpoint and the kv-relay's prefill all go through it). A move saves the slot on the source, gets the file to the
+target and restores it there: `SlotMover` is the seam, `SharedDirMover` the case where both servers write slot
+files into one directory (the same host, or a shared filesystem); the mover between hosts (`kv/relay_mover.py`, a
+relay beside each server) implements the same protocol and is priced by the same cost model (`kv/costs.py`)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import quote
 
 import aiohttp
 
@@ -17,7 +21,30 @@ from adaptive_spec.servers.upstreams import Upstream
 
 
 class SlotError(Exception):
-    """A slot action failed; the request is forwarded anyway and re-prefills."""
+    """A slot action failed; the request is forwarded anyway and re-prefills. `status`: llama-server's HTTP status
+    when it answered with an error."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class MoveRequest:
+    """One slot file's move: saved from `from_slot` of `source` as `name`, restored into `into_slot` of `target`.
+    A save that wrote fewer than `min_tokens` tokens captured another session's KV, and is not restored."""
+
+    source: Upstream
+    from_slot: int
+    target: Upstream
+    into_slot: int
+    name: str
+    timeout_s: float  # each slot action's deadline
+    min_tokens: int
+
+    @property
+    def timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.timeout_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,19 +65,8 @@ class SlotMover(Protocol):
         """Whether the file crosses hosts between these two (the cost model adds its transfer time)."""
         ...
 
-    async def move(
-        self,
-        client: aiohttp.ClientSession,
-        source: Upstream,
-        from_slot: int,
-        target: Upstream,
-        into_slot: int,
-        name: str,
-        timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - one deadline per slot action
-        min_tokens: int,
-    ) -> MoveTimes:
-        """Save, transfer, restore; raises SlotError (or aiohttp's errors) on any failure. `min_tokens`: a save that
-        wrote fewer tokens than this captured another session's KV, and is not restored."""
+    async def move(self, client: aiohttp.ClientSession, move: MoveRequest) -> MoveTimes:
+        """Save, transfer, restore; raises SlotError (or aiohttp's errors) on any failure."""
         ...
 
     async def discard(self, name: str) -> None:
@@ -71,22 +87,14 @@ class SharedDirMover:
     def transfers(self, source: Upstream, target: Upstream) -> bool:
         return False
 
-    async def move(
-        self,
-        client: aiohttp.ClientSession,
-        source: Upstream,
-        from_slot: int,
-        target: Upstream,
-        into_slot: int,
-        name: str,
-        timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - one deadline per slot action
-        min_tokens: int,
-    ) -> MoveTimes:
+    async def move(self, client: aiohttp.ClientSession, move: MoveRequest) -> MoveTimes:
         t0 = time.perf_counter()
-        n_saved, n_written = await save_slot(client, source, from_slot, name, timeout, min_tokens)
+        n_saved, n_written = await save_slot(
+            client, move.source, move.from_slot, move.name, move.timeout, move.min_tokens
+        )
         t1 = time.perf_counter()
-        await self._check_file(source, name, n_written)
-        await restore_slot(client, target, into_slot, name, timeout, n_saved)
+        await self._check_file(move.source, move.name, n_written)
+        await restore_slot(client, move.target, move.into_slot, move.name, move.timeout, n_saved)
         return MoveTimes(n_saved, t1 - t0, time.perf_counter() - t1)
 
     async def discard(self, name: str) -> None:
@@ -143,18 +151,21 @@ async def slot_action(
     upstream: Upstream,
     slot: int,
     action: str,
-    filename: str,
+    filename: str | None,
     timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - one deadline per slot action
 ) -> dict[str, Any]:
-    url = f"{upstream.base_url}/slots/{slot}?action={action}"
-    async with client.post(url, json={"filename": filename}, timeout=timeout) as resp:
+    """`POST /slots/{slot}?action=…` (a router-mode preset named as `model=`): llama-server's answer, or SlotError."""
+    model = f"&model={quote(upstream.upstream_model, safe='')}" if upstream.upstream_model else ""
+    url = f"{upstream.base_url}/slots/{slot}?action={action}{model}"
+    body = {"filename": filename} if filename is not None else None
+    async with client.post(url, json=body, timeout=timeout) as resp:
         if resp.status != 200:
             text = (await resp.text())[:300]
-            raise SlotError(f"{action} on {upstream.label} slot {slot}: HTTP {resp.status} {text}")
-        body = await resp.json(content_type=None)
-    if not isinstance(body, dict):
-        raise SlotError(f"{action} on {upstream.label} slot {slot}: unexpected answer {str(body)[:200]}")
-    return body
+            raise SlotError(f"{action} on {upstream.label} slot {slot}: HTTP {resp.status} {text}", resp.status)
+        answer = await resp.json(content_type=None)
+    if not isinstance(answer, dict):
+        raise SlotError(f"{action} on {upstream.label} slot {slot}: unexpected answer {str(answer)[:200]}")
+    return answer
 
 
 def _size(path: Path) -> int:

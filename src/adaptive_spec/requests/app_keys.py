@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from adaptive_spec.kv.handoff import Router
+from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.requests.lifecycle import RequestLifecycle
+from adaptive_spec.routing.router import Router
 from adaptive_spec.servers.profiles import ProfileInfo
 from adaptive_spec.servers.upstreams import UpstreamTable
 from adaptive_spec.sessions.service import SessionService
@@ -43,3 +44,4 @@ PROFILES: web.AppKey[list[ProfileInfo]] = web.AppKey("profiles")
 ROUTER = web.AppKey("router", Router)
 RESTART: web.AppKey[Callable[[str], Awaitable[None]] | None] = web.AppKey("restart")  # launched profiles only
 LIFECYCLE = web.AppKey("lifecycle", RequestLifecycle)
+KV = web.AppKey("kv", KvEffects)  # the router's effects: slot moves, remote prefill, the sweep of slot files

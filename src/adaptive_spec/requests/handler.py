@@ -15,13 +15,13 @@ from aiohttp import web
 
 from adaptive_spec.access.policy import with_model
 from adaptive_spec.common.headers import PROFILE_HEADER, REPLICA_HEADER, REQUEST_ID_HEADER, ROUTE_HEADER
-from adaptive_spec.kv.remote_prefill import REMOTE_PREFILL
 from adaptive_spec.requests.app_keys import CLIENT, FRESH_CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
 from adaptive_spec.requests.error_responses import error_response
 from adaptive_spec.requests.forward import SHUTDOWN_MESSAGE, Outcome, forward
 from adaptive_spec.requests.gate import routed_path
 from adaptive_spec.requests.lifecycle import ProxyRequest
 from adaptive_spec.requests.parse import GENERATING_APIS, RequestProblem, parse_body, with_fields
+from adaptive_spec.routing.api import Completion, Refusal, RouteRequest
 from adaptive_spec.servers.speculation import merge_fields
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.sessions.clients import client_name
@@ -183,60 +183,55 @@ async def _failover(request: web.Request, req: ProxyRequest, failed: Upstream) -
     log.warning("request %s: %s refused the connection; trying another replica", req.request_id, failed.label)
     req.meter = ResponseMeter()
     req.status, req.error = 500, None
-    if req.decision is None or not req.routed_started:
+    if req.route is None:
         chosen = choose_upstream(request, table, failed.name)
         return chosen if isinstance(chosen, Upstream) else None
-    session_id = req.assignment.session_id if req.assignment is not None else None
     # Its load comes off the refused replica; nothing was served, nothing is learned.
-    request.app[ROUTER].finished(
-        req.decision, req.profile, req.slot, session_id, None, len(req.body), False, replica=failed.replica
-    )
-    req.routed_started, req.slot, req.handoff = False, None, None
+    request.app[ROUTER].complete(req.route, Completion(ok=False))
+    req.route = None
     routed = await _route(request, req)
     return routed if isinstance(routed, Upstream) else None
 
 
 async def _route(request: web.Request, req: ProxyRequest) -> Upstream | web.Response:
-    """A generating request: decide its profile, and hand the session's KV over when it moves."""
+    """A generating request: the router decides its profile, replica and slot, and moves the session's KV for it."""
     app, parsed = request.app, req.parsed
     assert parsed is not None
-    router, service, assignment = app[ROUTER], app[SESSIONS], req.assignment
+    service, assignment = app[SESSIONS], req.assignment
     session_id = assignment.session_id if assignment is not None else None
     turns, copy_share = 0, None
     if service is not None and session_id is not None:
         await service.settled(session_id, _SETTLE_S)
         turns, copy_share = service.copy_state(session_id)
-    req.decision, _ = router.choose(
-        body=parsed.body,
-        body_bytes=len(req.body),
-        session_id=session_id,
-        session_turns=turns,
-        copy_share=copy_share,
-        project=req.project,
-        workspace=req.workspace,
-        pinned=request.headers.get(PROFILE_HEADER),
-    )
-    req.profile = req.decision.profile
-    chosen = choose_upstream(request, app[UPSTREAMS], req.profile, req.decision.replica)
-    if isinstance(chosen, web.Response):
-        req.status, req.error = chosen.status, (chosen.text or "")[:300]
-        return chosen
-    req.replica, req.pool_size = chosen.replica, len(app[UPSTREAMS].replicas(chosen.name))
     client_slot = parsed.body.get("id_slot")
-    if isinstance(client_slot, int) and not isinstance(client_slot, bool) and client_slot >= 0:
-        req.slot = client_slot  # the client chose; the router follows it
-    elif req.routed.api in _SLOT_APIS:
-        req.slot = router.slot_for(chosen.name, session_id, chosen.replica)
-    router.started(chosen.name, req.slot, session_id, chosen.replica)
-    req.routed_started = True
-    if req.decision.handoff and session_id is not None:
-        req.handoff = await router.hand_off(app[CLIENT], req.decision, session_id, req.slot)
-    remote = app.get(REMOTE_PREFILL)
-    if remote is not None and req.routed.api in _SLOT_APIS:
-        request_spec = (req.routed.upstream_path, parsed.body)
-        req.decision, req.remote_prefill = await remote.maybe(
-            app[CLIENT], router, req.decision, chosen, req.slot, request_spec, session_id
+    takes_slot = req.routed.api in _SLOT_APIS
+    routed = await app[ROUTER].route(
+        RouteRequest(
+            body=parsed.body,
+            body_bytes=len(req.body),
+            session_id=session_id,
+            session_turns=turns,
+            copy_share=copy_share,
+            project=req.project,
+            workspace=req.workspace,
+            pinned=request.headers.get(PROFILE_HEADER),
+            takes_slot=takes_slot,
+            client_slot=(
+                client_slot
+                if isinstance(client_slot, int) and not isinstance(client_slot, bool) and client_slot >= 0
+                else None
+            ),
+            prefill_path=req.routed.upstream_path if takes_slot else None,
         )
+    )
+    if isinstance(routed, Refusal):
+        req.refusal, req.profile = routed, routed.decision.profile if routed.decision else req.profile
+        req.status, req.error = routed.status, routed.message
+        return error_response(routed.status, routed.message, code=routed.code)
+    req.route, req.profile = routed, routed.profile
+    chosen = app[UPSTREAMS].get(routed.profile, routed.replica)
+    assert chosen is not None  # the router routes to the table's own profiles and replicas
+    req.replica, req.pool_size = chosen.replica, len(app[UPSTREAMS].replicas(chosen.name))
     return chosen
 
 

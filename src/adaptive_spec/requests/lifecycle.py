@@ -10,10 +10,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from adaptive_spec.kv.handoff import HandoffResult, Router
-from adaptive_spec.kv.remote_prefill import RemotePrefillResult
 from adaptive_spec.requests.parse import GENERATING_APIS, ParsedRequest, RoutedPath
+from adaptive_spec.routing.api import Completion, Refusal, Route
 from adaptive_spec.routing.decide import Decision
+from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.grouping import SessionAssignment
 from adaptive_spec.sessions.project import DEFAULT_PROJECT
 from adaptive_spec.sessions.service import SessionService
@@ -46,15 +46,23 @@ class ProxyRequest:
     meter: ResponseMeter = field(default_factory=ResponseMeter)
     last_progress: tuple[float, Timings | None] = (0.0, None)
     workspace: str | None = None  # the workspace path the agent reveals, if any
-    decision: Decision | None = None
-    slot: int | None = None  # the slot named with id_slot (profiles with several slots)
-    handoff: HandoffResult | None = None
-    remote_prefill: RemotePrefillResult | None = None  # the prompt was prefilled on --pp-server first
-    routed_started: bool = False  # counted in the router's in-flight load
+    route: Route | None = None  # routed: counted in the router's load until it is completed
+    refusal: Refusal | None = None  # the router could not route it
     client: str | None = None  # the agent, from its User-Agent
     replica: int = 0  # which server of the profile's pool it was sent to
     pool_size: int = 1  # how many servers that profile has
     speculation: dict[str, Any] | None = None  # the per-request speculation fields it was sent with
+
+    @property
+    def decision(self) -> Decision | None:
+        if self.route is not None:
+            return self.route.decision
+        return self.refusal.decision if self.refusal is not None else None
+
+    @property
+    def slot(self) -> int | None:
+        """The slot named with id_slot (profiles with several slots)."""
+        return self.route.slot if self.route is not None else None
 
 
 class RequestLifecycle:
@@ -142,20 +150,9 @@ class RequestLifecycle:
         served in full, then exactly one record goes to the history, the bus and the trace."""
         finished = req.error is None and req.status < 400
         assignment, decision, meter = req.assignment, req.decision, req.meter
-        session_id = assignment.session_id if assignment else None
         line_moved = False
-        if req.routed_started and decision is not None:  # first: the profile's load must come down whatever happens
-            line_moved = self.router.finished(
-                decision,
-                req.profile,
-                req.slot,
-                session_id,
-                meter.timings,
-                len(req.body),
-                finished,
-                meter.output.text,
-                replica=req.replica,
-            )
+        if req.route is not None:  # first: the profile's load must come down whatever happens
+            line_moved = self.router.complete(req.route, Completion(finished, meter.timings, meter.output.text))
         if finished and self.sessions is not None and assignment is not None and req.parsed is not None:
             self.sessions.finished(
                 assignment,
@@ -170,18 +167,6 @@ class RequestLifecycle:
             )
         record = _record(method, path, req, finished)
         self.history.add(record)
-        if decision is not None:
-            self.router.remember(
-                {
-                    "request_id": req.request_id,
-                    "session_id": session_id,
-                    "profile": req.profile,
-                    "replica": req.replica,
-                    "route": decision.kind,
-                    "reason": decision.reason,
-                    "status": req.status,
-                }
-            )
         as_json = record.to_json()
         self.announce(req)
         if req.meter.live is not None:
@@ -197,7 +182,7 @@ class RequestLifecycle:
 
 
 def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> RequestRecord:
-    assignment, decision, meter = req.assignment, req.decision, req.meter
+    assignment, decision, meter, route = req.assignment, req.decision, req.meter, req.route
     return RequestRecord(
         request_id=req.request_id,
         started_at_unix=req.started_unix,
@@ -220,8 +205,8 @@ def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> Reques
         route=decision.kind if decision else None,
         reason=decision.reason if decision else None,
         moved_from=decision.moved_from if decision else None,
-        handoff=asdict(req.handoff) if req.handoff is not None else None,
-        remote_prefill=asdict(req.remote_prefill) if req.remote_prefill is not None else None,
+        handoff=asdict(route.handoff) if route is not None and route.handoff is not None else None,
+        remote_prefill=asdict(route.remote_prefill) if route is not None and route.remote_prefill is not None else None,
         client=req.client,
         new_tokens_est=decision.new_tokens if decision else None,
         side=decision.side if decision else False,

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from adaptive_spec.routing.placements import Placement
 from adaptive_spec.routing.policy import Policy
 from adaptive_spec.routing.speeds import SpeedModel
-from adaptive_spec.sessions.prefix import Piece
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +86,6 @@ class Decision:
     handoff: bool = False  # save the slot on moved_from and restore it on `profile` before forwarding
     handoff_tokens: int = 0
     estimates: tuple[Estimate, ...] = ()
-    # The prompt as the session's prefix state saw it (set by the router), so the request's end can update it.
-    pieces: tuple[Piece, ...] = ()
-    has_tools: bool = False
     new_tokens: int | None = None  # estimated tokens the profile's KV does not hold (None: no estimate)
     side: bool = False  # a side request of its session (title, commit message): not a turn of its main line
     line_moved: bool = False  # this request starts the session's main line: the requests before it were side ones

@@ -1,129 +1,101 @@
-"""The router's state, pure: the learned speeds, where sessions' KV caches live (profile, replica, slot), the load
-of each replica, the recent decisions. `choose()` runs `decide()` for the profile, then `choose_replica()` for the
-replica of it; `started()` and `finished()` keep the load and learn from each served request (through
-`observe()`). The proxy's shell (`kv/handoff.py`) adds the I/O: slot save/restore, the slot-file sweep, policy
-reload."""
+"""The router: which profile, replica and slot serve a request, and the KV moves that go with it. The shell drives
+it through two calls: `route()` (what to do with this request: profile, replica, slot, a KV handoff or a remote
+prefill, the reason) and `complete()` (what happened: the load comes down, it learns from llama-server's timings).
+The moves are asked of its injected `Effects` (`routing/api.py`); everything else is pure state: the learned speeds,
+where sessions' KV caches live, each server's slots and load (`routing/load.py`), the pins. `choose()` is the
+decision alone (`decide()` for the profile, then `choose_replica()` for its replica), without side effects."""
 
 from __future__ import annotations
 
 import random
-import time
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import asdict, replace
-from typing import Any, Protocol
+from typing import Any
 
 from adaptive_spec.common.lru import LRU
+from adaptive_spec.kv.moves import HandoffResult, PrefillAsk, SlotAt, SlotMove
+from adaptive_spec.routing.api import (
+    Completion,
+    Effects,
+    NoEffects,
+    PolicySource,
+    ProfileHealth,
+    Refusal,
+    Route,
+    RouteRequest,
+)
 from adaptive_spec.routing.copy_hint import pasted_file_chars
 from adaptive_spec.routing.decide import Decision, ProfileState, RequestState, SessionState, decide
-from adaptive_spec.routing.placements import Placement, Placements, SlotBook, observe
+from adaptive_spec.routing.load import ServerLoad
+from adaptive_spec.routing.placements import Placement, observe
 from adaptive_spec.routing.policy import Policy
 from adaptive_spec.routing.replicas import MoveCosts, ReplicaChoice, ReplicaState, choose_replica, least_loaded
 from adaptive_spec.routing.speeds import SpeedModel
 from adaptive_spec.servers.profiles import uses_draft_model
 from adaptive_spec.sessions import prefix
-from adaptive_spec.telemetry.records import Timings
+from adaptive_spec.telemetry.events import HandoffDone, PolicyChanged
 
 MAX_PINS = 4096
 
 
-class ProfileHealth(Protocol):
-    """The profiles by name and whether each is down (the proxy's upstream table): a profile is down when all its
-    replicas are."""
-
-    def names(self) -> list[str]: ...
-
-    def down_reason(self, name: str) -> str | None: ...
-
-    def replica_health(self, name: str) -> list[tuple[str, str | None]]:
-        """Each replica's base URL and down reason (None: up), in replica order."""
-        ...
-
-
-class PolicySource(Protocol):
-    def policy_for(self, project: str, workspace: str | None) -> Policy: ...
-
-    def refresh(self) -> list[str]: ...
-
-    def describe(self, project: str, workspace: str | None) -> dict[str, Any]: ...
-
-    def problems(self) -> list[Any]: ...
-
-
-class FixedPolicy:
-    """One policy for every project (tests, and a proxy started without policy files)."""
-
-    def __init__(self, policy: Policy | None = None) -> None:
-        self.policy = policy or Policy()
-
-    def policy_for(self, project: str, workspace: str | None) -> Policy:
-        return self.policy
-
-    def refresh(self) -> list[str]:
-        return []
-
-    def describe(self, project: str, workspace: str | None) -> dict[str, Any]:
-        return {"sources": list(self.policy.sources), "problems": [], "policy": asdict(self.policy)}
-
-    def problems(self) -> list[Any]:
-        return []
-
-
-class RouterState:
+class Router:
     def __init__(
         self,
         health: ProfileHealth,
         policies: PolicySource,
         slots: Mapping[str, int],
         spec_types: Mapping[str, tuple[str, ...] | None],
+        effects: Effects | None = None,
         seed: int | None = None,
         replica_slots: Mapping[tuple[str, int], int] | None = None,
         servers: Mapping[tuple[str, int], str] | None = None,
     ) -> None:
         """`slots`: each profile's slots per server; `replica_slots` overrides it for a (profile, replica).
         `servers`: the server a (profile, replica) shares with others (profiles as per-request settings of one
-        llama-server): those share its slots, its load and its sessions' KV; one not named has a server of its own."""
+        llama-server): those share its slots, its load and its sessions' KV; one not named has a server of its own.
+        `effects`: how KV moves are performed (none by default: nothing is ever handed over)."""
         self.health, self.policies = health, policies
+        self.effects: Effects = effects or NoEffects()
         self._spec_types = dict(spec_types)
         base = policies.policy_for("default", None)
         self.speeds = SpeedModel(base.estimator, base.handoff, {n: spec_types.get(n) for n in health.names()})
-        self.in_flight: dict[str, int] = dict.fromkeys(health.names(), 0)
-        per_replica, shared = replica_slots or {}, servers or {}
-        first: dict[str, tuple[str, int]] = {}
-        # Each (profile, replica) → the first (profile, replica) of its server: the key of the server's own state.
-        self._home: dict[tuple[str, int], tuple[str, int]] = {}
-        for n in health.names():
-            for i in range(len(health.replica_health(n))):
-                server = shared.get((n, i))
-                self._home[(n, i)] = first.setdefault(server, (n, i)) if server is not None else (n, i)
-        self.placements = Placements(home=self.home)
-        books = {h: SlotBook(max(1, per_replica.get(h, slots.get(h[0], 1)))) for h in set(self._home.values())}
-        self._books = {key: books[home] for key, home in self._home.items()}  # one book per server
-        self.replica_in_flight: dict[tuple[str, int], int] = dict.fromkeys(books, 0)  # per server (its home key)
-        # Per replica: requests served, output, drafted and accepted tokens (acceptance per replica, for telemetry).
-        self.replica_counts: dict[tuple[str, int], dict[str, int]] = {
-            k: {"requests": 0, "predicted_n": 0, "draft_n": 0, "draft_n_accepted": 0} for k in self._books
-        }
+        self.load = ServerLoad(health, slots, replica_slots, servers)
+        self.placements_ = None
+        from adaptive_spec.routing.placements import Placements
+
+        self.placements = Placements(home=self.load.home)
         self._rng = random.Random(seed)
-        self.recent: deque[dict[str, Any]] = deque(maxlen=200)
         self.handoffs = {"ok": 0, "failed": 0}
         self.pins: LRU[str, str] = LRU(MAX_PINS)  # session -> profile, until unpinned (sticky, unlike the header)
         self.prefixes = prefix.PrefixTable()  # what each session's slot holds: its new-token estimates
         self.chars_per_token = prefix.DEFAULT_CHARS_PER_TOKEN  # the latest measured rate, for first turns
-        self.sessions_in_flight: dict[str, tuple[str, int]] = {}  # session -> (profile, requests being served)
         # What each slot served last, whichever session: a new session of the same agent shares its system prompt.
         self.slot_prefixes: LRU[tuple[str, int, int | None], prefix.PrefixState] = LRU(4096)
 
-    def home(self, profile: str, replica: int = 0) -> tuple[str, int]:
-        """The key of the server that (profile, replica) runs on: itself, or the first profile of a shared server."""
-        return self._home.get((profile, replica), (profile, replica))
+    # --- what the views and the control endpoints read ------------------------------------------------------
 
-    def same_server(self, profile: str, replica: int, other: str) -> int | None:
-        """The replica of profile `other` that runs on the same server as (profile, replica), or None."""
-        if other == profile:
-            return replica
+    def home(self, profile: str, replica: int = 0) -> tuple[str, int]:
+        return self.load.home(profile, replica)
+
+    def slot_count(self, profile: str, replica: int = 0) -> int:
+        return self.load.slot_count(profile, replica)
+
+    def server_busy(self, profile: str, replica: int = 0) -> int:
+        return self.load.server_busy(profile, replica)
+
+    def replica_states(self, profile: str, count_sessions: bool = False) -> list[ReplicaState]:
+        return self.load.replica_states(profile, self.placements, count_sessions)
+
+    def replica_counts(self, profile: str, replica: int) -> dict[str, int]:
+        return dict(self.load.replica_counts.get((profile, replica), {}))
+
+    def slots_erased(self, profile: str, replica: int = 0) -> None:
+        """The replica's slots were emptied: no session's KV cache is there any more (its RAM cache may remain), nor
+        on the other profiles of its server."""
         home = self.home(profile, replica)
-        return next((i for i in range(len(self.health.replica_health(other))) if self.home(other, i) == home), None)
+        for _, placement in self.placements.items():
+            if self.home(placement.profile, placement.replica) == home:
+                self.placements.displace(placement.profile, placement.slot, keep=None, replica=placement.replica)
 
     def states(self) -> list[ProfileState]:
         """Each profile as decide() sees it: its healthy replicas' slots together (a pool is one bigger profile)."""
@@ -144,31 +116,9 @@ class RouterState:
             )
         return out
 
-    def replica_states(self, profile: str, count_sessions: bool = False) -> list[ReplicaState]:
-        """`sessions` (placed on each replica) is counted for a pool, or when asked: a scan of the placements."""
-        health = self.health.replica_health(profile)
-        count_sessions = count_sessions or len(health) > 1
-        states = []
-        for i, (url, down) in enumerate(health):
-            book = self._books.get((profile, i)) or SlotBook(1)
-            in_flight = self.replica_in_flight.get(self.home(profile, i), 0)
-            states.append(
-                ReplicaState(
-                    index=i,
-                    base_url=url,
-                    down_reason=down,
-                    slots=book.slots,
-                    # Requests without a named slot (one-slot servers, APIs that take no id_slot) occupy one too.
-                    busy_slots=min(book.slots, max(sum(1 for n in book.busy.values() if n > 0), in_flight)),
-                    in_flight=in_flight,
-                    sessions=self.placements.count_on(profile, i) if count_sessions else 0,
-                )
-            )
-        return states
-
     def _held_on(self, profile: str, placement: Placement | None) -> int | None:
         """The replica of `profile` whose server holds the session's KV (its own profile's, or one sharing it)."""
-        return self.same_server(placement.profile, placement.replica, profile) if placement is not None else None
+        return self.load.same_server(placement.profile, placement.replica, profile) if placement is not None else None
 
     def _preview_replica(self, profile: str, placement: Placement | None) -> int:
         """The replica a request would use before the overload check: its KV's, else the least loaded one."""
@@ -179,26 +129,23 @@ class RouterState:
         best = least_loaded(replicas)
         return best.index if best is not None else 0
 
-    def choose(
-        self,
-        *,
-        body: Mapping[str, Any],
-        body_bytes: int,
-        session_id: str | None,
-        session_turns: int,
-        copy_share: float | None,
-        project: str,
-        workspace: str | None,
-        pinned: str | None,
-    ) -> tuple[Decision, Policy]:
-        """`pinned` is the request header's profile; without one, the session's pin (if any) applies."""
-        policy = self.policies.policy_for(project, workspace)
+    # --- the decision -----------------------------------------------------------------------------------------
+
+    def choose(self, request: RouteRequest) -> tuple[Decision, Policy]:
+        """The decision alone, without side effects: what `route()` would decide now."""
+        decision, policy, _, _ = self._plan(request)
+        return decision, policy
+
+    def _plan(self, request: RouteRequest) -> tuple[Decision, Policy, tuple[prefix.Piece, ...], bool]:
+        """The decision, and the prompt's pieces as the session's prefix state sees them."""
+        body, body_bytes, session_id, pinned = request.body, request.body_bytes, request.session_id, request.pinned
+        policy = self.policies.policy_for(request.project, request.workspace)
         pinned_by = "the request header"
         if pinned is None and session_id is not None and (pin := self.pins.get(session_id)) is not None:
             pinned, pinned_by = pin, "the session's pin"
         pasted = pasted_file_chars(body, policy.first_turn)
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or body.get("max_output_tokens")
-        request = RequestState(
+        state_of_request = RequestState(
             body_bytes=body_bytes,
             max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
             copy_hint=pasted > 0,
@@ -217,16 +164,16 @@ class RouterState:
         shared_on = {}
         for name in self.health.names():
             replica = self._preview_replica(name, placement)
-            held = self.slot_prefixes.get((*self.home(name, replica), self._slot_key(name, session_id, replica)))
+            held = self.slot_prefixes.get((*self.home(name, replica), self.load.slot_key(name, session_id, replica)))
             mine = own if self._held_on(name, placement) == replica else 0
             shared_on[name] = max(mine, prefix.shared_tokens(held, pieces, cpt))
-        request = replace(
-            request,
+        state_of_request = replace(
+            state_of_request,
             prompt_tokens=est.total_tokens,
             shared_tokens=own if state is not None and placement is not None else None,
             shared_on=shared_on,
         )
-        busy = self.sessions_in_flight.get(session_id) if session_id is not None else None
+        busy = self.load.sessions_in_flight.get(session_id) if session_id is not None else None
         same = frozenset(
             n
             for n in self.health.names()
@@ -234,24 +181,22 @@ class RouterState:
         )
         session = SessionState(
             session_id,
-            session_turns,
-            copy_share,
+            request.session_turns,
+            request.copy_share,
             placement,
             in_flight_on=busy[0] if busy is not None else None,
             same_server=same,
         )
-        decision = decide(request, session, self.states(), self.speeds, policy)
+        decision = decide(state_of_request, session, self.states(), self.speeds, policy)
         chosen = next((e for e in decision.estimates if e.profile == decision.profile), None)
         here = placement is None or placement.profile == decision.profile or decision.profile in same
         decision = replace(
             decision,
-            pieces=pieces,
-            has_tools=has_tools,
             new_tokens=chosen.prefill_tokens if chosen is not None else (est.new_tokens if here else est.total_tokens),
             side=est.side,
             line_moved=state is not None and est.line_moved,
         )
-        return self._with_replica(decision, placement, policy, est.total_tokens), policy
+        return self._with_replica(decision, placement, policy, est.total_tokens), policy, pieces, has_tools
 
     def _with_replica(
         self, decision: Decision, placement: Placement | None, policy: Policy, total_tokens: int
@@ -271,7 +216,7 @@ class RouterState:
                 and placement.in_slot
                 # A busy slot cannot be saved (llama-server would save whatever it holds once the running request
                 # ends): under load the session's slot is usually serving another session, and a move re-prefills.
-                and not self.slot_busy(profile, placement.slot, mine=0, replica=held)
+                and not self.load.slot_busy(profile, placement.slot, mine=0, replica=held)
                 and self._can_move(profile, held, profile, idle.index)
             )
             costs = MoveCosts(
@@ -313,90 +258,154 @@ class RouterState:
         return prefill + max(1.0, placement.output_tokens) * per_token
 
     def _can_move(self, from_profile: str, from_replica: int, to_profile: str, to_replica: int) -> bool:
-        """Whether a slot can go from one server to the other (the shell knows how: a shared slot directory, or a
+        """Whether a slot can go from one server to the other (the effects know how: a shared slot directory, or a
         transfer between hosts)."""
-        return self._can_save(from_profile) and self._can_save(to_profile)
+        return self.effects.can_move(SlotAt(from_profile, from_replica, None), SlotAt(to_profile, to_replica, None))
 
     def _transfers(self, from_profile: str, from_replica: int, to_profile: str, to_replica: int) -> bool:
         """Whether a slot file moved between these servers crosses hosts (priced with its transfer time)."""
-        return False
-
-    def _slot_key(self, profile: str, session_id: str | None, replica: int = 0) -> int | None:
-        book = self._books[(profile, replica)]
-        return book.by_session.get(session_id) if book.slots > 1 and session_id is not None else None
-
-    def slot_busy(self, profile: str, slot: int | None, mine: int, replica: int = 0) -> bool:
-        """Whether requests other than `mine` (0 or 1: this request's own, counted already) occupy the slot."""
-        book = self._books[(profile, replica)]
-        if book.slots > 1 and slot is not None:
-            return book.busy.get(slot, 0) > mine
-        return self.replica_in_flight.get(self.home(profile, replica), 0) > mine
+        return self.effects.transfers(SlotAt(from_profile, from_replica, None), SlotAt(to_profile, to_replica, None))
 
     def _can_save(self, profile: str) -> bool:
-        """Whether the profile's KV can be saved and restored through slot files (the shell knows its servers)."""
-        return False
+        """Whether the profile's KV can be saved and restored through slot files at all."""
+        return self._can_move(profile, 0, profile, 0)
 
-    def slot_for(self, profile: str, session_id: str | None, replica: int = 0) -> int | None:
-        """The slot to name with `id_slot`, on profiles with several slots (None: let the server choose)."""
-        book = self._books[(profile, replica)]
-        return book.pick(session_id) if book.slots > 1 else None
+    # --- the two calls ----------------------------------------------------------------------------------------
 
-    def started(self, profile: str, slot: int | None, session_id: str | None = None, replica: int = 0) -> None:
-        self.in_flight[profile] = self.in_flight.get(profile, 0) + 1
-        key = (profile, replica)
-        home = self.home(profile, replica)
-        self.replica_in_flight[home] = self.replica_in_flight.get(home, 0) + 1
-        if session_id is not None:
-            _, count = self.sessions_in_flight.get(session_id, (profile, 0))
-            self.sessions_in_flight[session_id] = (profile, count + 1)
-        if slot is not None:
-            book = self._books[key]
-            book.busy[slot] = book.busy.get(slot, 0) + 1
+    async def route(self, request: RouteRequest) -> Route | Refusal:
+        """Decide the request's profile, replica and slot, count it in their load, and move the session's KV for it:
+        a handoff when it moves, else a remote prefill when that is faster. Every route is completed once."""
+        decision, _, pieces, has_tools = self._plan(request)
+        profile, replica = decision.profile, decision.replica
+        health = self.health.replica_health(profile)
+        if replica < len(health) and health[replica][1] is not None:
+            url, reason = health[replica]
+            return Refusal(503, f"profile {profile!r} at {url} is down: {reason}", "profile_unavailable", decision)
+        if request.client_slot is not None:
+            slot: int | None = request.client_slot  # the client chose; the router follows it
+        else:
+            slot = self.load.slot_for(profile, request.session_id, replica) if request.takes_slot else None
+        self.load.started(profile, slot, request.session_id, replica)
+        route = Route(decision, slot, request.session_id, request.body_bytes, pieces=pieces, has_tools=has_tools)
+        if decision.handoff and request.session_id is not None:
+            return replace(route, handoff=await self._hand_off(decision, request.session_id, slot))
+        if request.prefill_path is not None:
+            return await self._prefill_elsewhere(route, request)
+        return route
 
-    def finished(
-        self,
-        decision: Decision,
-        profile: str,
-        slot: int | None,
-        session_id: str | None,
-        timings: Timings | None,
-        body_bytes: int,
-        ok: bool,
-        reply: str = "",
-        replica: int = 0,
-    ) -> bool:
-        """Returns whether this request started its session's main line (the requests before it were side ones)."""
-        self.in_flight[profile] = max(0, self.in_flight.get(profile, 0) - 1)
-        key, home = (profile, replica), self.home(profile, replica)
-        self.replica_in_flight[home] = max(0, self.replica_in_flight.get(home, 0) - 1)
-        if session_id is not None and session_id in self.sessions_in_flight:
-            where, count = self.sessions_in_flight.pop(session_id)
-            if count > 1:
-                self.sessions_in_flight[session_id] = (where, count - 1)
-        book = self._books[key]
-        if slot is not None:
-            book.busy[slot] = max(0, book.busy.get(slot, 0) - 1)
-            book.last_used[slot] = time.monotonic()
-        if not ok or timings is None:
+    def complete(self, route: Route, done: Completion) -> bool:
+        """The routed request ended: its load comes down; served in full, the speeds, the session's placement and
+        its prefix state learn from llama-server's timings. Returns whether this request started its session's main
+        line (the requests before it were side ones)."""
+        decision, slot, session_id = route.decision, route.slot, route.session_id
+        profile, replica = decision.profile, decision.replica
+        self.load.ended(profile, slot, session_id, replica)
+        timings = done.timings
+        if not done.ok or timings is None:
             return False
-        counts = self.replica_counts.setdefault(key, {})
-        counts["requests"] = counts.get("requests", 0) + 1
-        for field in ("predicted_n", "draft_n", "draft_n_accepted"):
-            counts[field] = counts.get(field, 0) + getattr(timings, field)
+        self.load.count(profile, replica, timings)
         observe(
-            self.speeds, self.placements, profile, slot, session_id, decision.copy_share, timings, body_bytes, replica
+            self.speeds,
+            self.placements,
+            profile,
+            slot,
+            session_id,
+            decision.copy_share,
+            timings,
+            route.body_bytes,
+            replica,
         )
-        if not decision.pieces:
+        if not route.pieces:
             return False
         own = self.prefixes.get(session_id)
-        state = prefix.observe(own, decision.pieces, decision.has_tools, reply, timings, self.chars_per_token)
-        self.slot_prefixes.put((*home, slot if book.slots > 1 else None), state)
+        state = prefix.observe(own, route.pieces, route.has_tools, done.reply, timings, self.chars_per_token)
+        several = self.load.slot_count(profile, replica) > 1
+        self.slot_prefixes.put((*self.home(profile, replica), slot if several else None), state)
         if session_id is not None and not decision.side:
             # A side request leaves the main line's state: llama-server keeps the line's prompt in its RAM cache.
             self.prefixes.put(session_id, state)
             self.chars_per_token = state.chars_per_token
         # Known only now when the earlier request was still in flight at this one's start (opencode's title).
         return decision.line_moved or (own is not None and own.line is not None and state.line != own.line)
+
+    # --- KV moves ---------------------------------------------------------------------------------------------
+
+    async def _hand_off(self, decision: Decision, session_id: str, to_slot: int | None) -> HandoffResult | None:
+        """Save the session's slot on the server it leaves and restore it on the one it goes to. A failure means the
+        new server re-prefills, which is always correct (llama-server reuses only the prefix of the restored cache
+        that matches the prompt); every way out ends in the same bookkeeping and the same event."""
+        placement = self.placements.get(session_id)
+        if placement is None:
+            return None
+        source = SlotAt(placement.profile, placement.replica, placement.slot)
+        target = SlotAt(decision.profile, decision.replica, to_slot)
+        # llama-server does not refuse a slot action on a busy slot: it waits for the running request, then acts on
+        # whatever that slot holds by then. So only idle slots are touched (this request is not sent yet).
+        problem = None
+        if to_slot is None and self.load.slot_count(target.profile, target.replica) > 1:
+            problem = f"{target.label} has several slots and this request names none"
+        elif self.load.slot_busy(source.profile, source.slot, mine=0, replica=source.replica):
+            problem = f"{source.label} slot {source.slot or 0} is busy with another request"
+        elif self.load.slot_busy(target.profile, to_slot, mine=1, replica=target.replica):
+            problem = f"{target.label} slot {to_slot or 0} is busy with another request"
+        if problem is not None and problem.endswith("names none"):
+            return HandoffResult(False, 0, 0.0, 0.0, problem)
+        if problem is not None:
+            result = HandoffResult(False, placement.cached_tokens, 0.0, 0.0, problem)
+        else:
+            result = await self.effects.move_slot(SlotMove(session_id, source, target, placement.cached_tokens))
+        self.handoffs["ok" if result.ok else "failed"] += 1
+        if result.ok:
+            self.speeds.observe_handoff(result.tokens, result.save_s, result.restore_s)
+            if result.bytes:
+                self.speeds.link.observe_transfer(result.tokens, result.bytes, result.transfer_s)
+        # The target slot was overwritten (or half so) whatever the outcome.
+        self.placements.displace(decision.profile, to_slot, keep=session_id, replica=decision.replica)
+        self.effects.publish(
+            HandoffDone(
+                session_id=session_id,
+                from_profile=source.profile,
+                to_profile=target.profile,
+                ok=result.ok,
+                tokens=result.tokens,
+                save_s=round(result.save_s, 4),
+                restore_s=round(result.restore_s, 4),
+                error=result.error,
+                from_replica=source.replica,
+                to_replica=target.replica,
+            )
+        )
+        return result
+
+    async def _prefill_elsewhere(self, route: Route, request: RouteRequest) -> Route:
+        """Ask the effects for a remote prefill of a prompt this server would prefill itself; the route comes back
+        with its reason extended."""
+        decision, slot = route.decision, route.slot
+        profile, replica = decision.profile, decision.replica
+        if decision.new_tokens is None or decision.handoff or not self._can_save(profile):
+            return route
+        if slot is None and self.load.slot_count(profile, replica) > 1:
+            return route
+        ask = PrefillAsk(
+            at=SlotAt(profile, replica, slot),
+            session_id=route.session_id,
+            path=request.prefill_path or "",
+            body=dict(request.body),
+            new_tokens=decision.new_tokens,
+            context_tokens=decision.context_tokens,
+            local_s_per_token=self.speeds.prefill_s(profile, 1.0),
+            slot_busy=self.load.slot_busy(profile, slot, mine=1, replica=replica),
+        )
+        answer = await self.effects.prefill_elsewhere(ask)
+        if answer is None:
+            return route
+        if answer.result is not None:  # the slot was overwritten (or half so) whatever the outcome
+            self.placements.displace(profile, slot, keep=route.session_id, replica=replica)
+        if answer.note:
+            decision = replace(decision, reason=f"{decision.reason}; {answer.note}")
+        return replace(route, decision=decision, remote_prefill=answer.result)
+
+    # --- pins, policy files, the state as JSON ----------------------------------------------------------------
 
     def pin(self, session_id: str, profile: str | None) -> None:
         """Keep the session's requests on `profile` (its KV follows on the next turn); None: automatic again."""
@@ -405,23 +414,31 @@ class RouterState:
         else:
             self.pins.put(session_id, profile)
 
-    def remember(self, record: dict[str, Any]) -> None:
-        self.recent.append(record)
+    def refresh_policies(self) -> list[str]:
+        """Re-read changed policy files (file I/O: call it off the event loop); returns what changed (the store has
+        already said it on the console). The speed model's priors follow the base policy (a project's own file
+        changes its routing, not the shared measurements)."""
+        messages = self.policies.refresh()
+        if messages:
+            base = self.policies.policy_for("default", None)
+            self.speeds.set_policy(base.estimator, base.handoff)
+        return messages
+
+    def announce(self, messages: list[str]) -> None:
+        """Publish policy changes on the live feed (on the event loop: the bus is not thread-safe)."""
+        for message in messages:
+            self.effects.publish(PolicyChanged(message=message))
 
     def to_json(self) -> dict[str, Any]:
         return {
             "speeds": [asdict(s) for s in self.speeds.describe()],
-            "in_flight": dict(self.in_flight),
+            "in_flight": dict(self.load.in_flight),
             "replicas": {n: [asdict(r) for r in self.replica_states(n, True)] for n in self.health.names()},
             "handoffs": dict(self.handoffs),
             # How a KV handoff between hosts is priced (the prior until a move has measured it).
-            "kv_transfer": {
-                "bytes_per_token": round(self.speeds.kv_bytes_per_token(), 1),
-                "bandwidth_mb_per_s": round(self.speeds.bandwidth_bytes_per_s() / 1e6, 2),
-            },
+            "kv_transfer": self.speeds.link.describe(),
             "placements": [{"session_id": sid, **asdict(p)} for sid, p in self.placements.items()[-100:]],
             "policy": self.policies.describe("default", None),
             "policy_problems": [str(p) for p in self.policies.problems()],  # every file's, the last good in force
-            "recent_decisions": list(self.recent)[-50:],
             "pins": dict(self.pins.items()),
         }

@@ -13,8 +13,8 @@ regression toward the prior `1 − 1/ngram_max_speedup`. The structure is the kn
 faster than plain decoding on output it cannot copy, however little it has been measured, so one-shot prompts are
 not sent to it on the strength of its edit-session numbers. Prefill speed (one figure: every profile serves the same
 model), slot save/restore cost and prompt bytes per token are running averages with priors. A KV handoff between
-hosts also pays the slot file's transfer: KV bytes per token (the last files' measure) × tokens ÷ bandwidth (learned
-from each move, its prior the start-up probe of the link). Old measurements fade (half-life in requests).
+hosts also pays the slot file's transfer, priced by `kv/costs.py` (`self.link`). Old measurements fade (half-life in
+requests).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from adaptive_spec.common.means import RunningMean
+from adaptive_spec.kv.costs import LinkCosts
 from adaptive_spec.routing.policy import EstimatorPolicy, HandoffPolicy
 from adaptive_spec.telemetry.records import Timings
 
@@ -30,34 +32,11 @@ _MIN_DECODE_TOKENS = 32  # shorter responses measure per-request overheads, not 
 _MIN_GAIN_TOKENS = 64
 _MIN_PREFILL_TOKENS = 64
 _MAX_GAIN = 0.95
-# A slot file crossing hosts, until measured: a 27B-class model's f16 KV per token (as remote prefill assumes), over
-# ~1 Gbit/s unless the start-up probe of the relays' links said otherwise.
-_KV_BYTES_PER_TOKEN_PRIOR = 120_000.0
-_BANDWIDTH_PRIOR_BYTES_PER_S = 100e6
-_MIN_TRANSFER_BYTES = 65_536  # smaller files time the round trip, not the link
 
 
 def is_ngram(spec_types: tuple[str, ...] | None) -> bool:
     """Whether a profile drafts from n-grams of its context (ngram-mod, ngram-map-*, ngram-simple, ...)."""
     return bool(spec_types) and any(t.startswith("ngram") for t in spec_types or ())
-
-
-class _Average:
-    """A running mean with a prior worth `weight` observations and exponential forgetting."""
-
-    __slots__ = ("forget", "n", "total", "weight")
-
-    def __init__(self, weight: float, forget: float) -> None:
-        self.weight, self.forget = weight, forget
-        self.total = 0.0
-        self.n = 0.0
-
-    def add(self, value: float) -> None:
-        self.total = self.total * self.forget + value
-        self.n = self.n * self.forget + 1.0
-
-    def value(self, prior: float) -> float:
-        return (prior * self.weight + self.total) / (self.weight + self.n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,22 +80,18 @@ class SpeedModel:
         self.estimator, self.handoff = estimator, handoff
         self.forget = 0.5 ** (1.0 / estimator.half_life)
         self._ngram: dict[str, bool] = {}
-        self._own: dict[str, _Average] = {}  # plain profiles: seconds/token at no context
+        self._own: dict[str, RunningMean] = {}  # plain profiles: seconds/token at no context
         self._gain: dict[str, _Gain] = {}  # n-gram profiles
         # Prefill speed is one figure for all profiles: they serve the same model (the proxy refuses otherwise), and
         # two servers' noise must not make one look faster at reading prompts.
-        self._prefill = _Average(estimator.prior_weight, self.forget)
+        self._prefill = RunningMean(estimator.prior_weight, self.forget)
         for name, types in kinds.items():
             self.set_kind(name, types)
-        self._implied_ref = _Average(estimator.prior_weight, self.forget)  # what n-gram measurements imply
-        self._bytes_per_token = _Average(estimator.prior_weight, self.forget)
-        self._save_s_per_token = _Average(2.0, self.forget)
-        self._restore_s = _Average(2.0, self.forget)
-        # Between hosts: KV bytes per token is a fact of the model and cache type (the files replace the prior);
-        # the link is averaged as seconds per byte, since time is what adds up.
-        self._kv_bytes_per_token = _Average(0.0, self.forget)
-        self._transfer_s_per_byte = _Average(2.0, self.forget)
-        self._link_bytes_per_s = _BANDWIDTH_PRIOR_BYTES_PER_S
+        self._implied_ref = RunningMean(estimator.prior_weight, self.forget)  # what n-gram measurements imply
+        self._bytes_per_token = RunningMean(estimator.prior_weight, self.forget)
+        self._save_s_per_token = RunningMean(2.0, self.forget)
+        self._restore_s = RunningMean(2.0, self.forget)
+        self.link = LinkCosts(self.forget)  # a handoff between hosts: the relays' link (kv/costs.py)
 
     def set_policy(self, estimator: EstimatorPolicy, handoff: HandoffPolicy) -> None:
         """A reloaded policy changes the priors, their weight and the half-life; what was measured stays."""
@@ -124,13 +99,14 @@ class SpeedModel:
         self.forget = 0.5 ** (1.0 / estimator.half_life)
         for avg in (*self._own.values(), self._prefill, self._implied_ref, self._bytes_per_token):
             avg.weight, avg.forget = estimator.prior_weight, self.forget
-        for avg in (self._save_s_per_token, self._restore_s, self._kv_bytes_per_token, self._transfer_s_per_byte):
+        for avg in (self._save_s_per_token, self._restore_s):
             avg.forget = self.forget
+        self.link.set_forget(self.forget)
 
     def set_kind(self, profile: str, spec_types: tuple[str, ...] | None) -> None:
         """A profile's spec types (an attached profile's become known after its first request, from /slots)."""
         self._ngram[profile] = is_ngram(spec_types)
-        self._own.setdefault(profile, _Average(self.estimator.prior_weight, self.forget))
+        self._own.setdefault(profile, RunningMean(self.estimator.prior_weight, self.forget))
         self._gain.setdefault(profile, _Gain())
 
     def is_ngram(self, profile: str) -> bool:
@@ -177,19 +153,8 @@ class SpeedModel:
     def handoff_s(self, tokens: float, across_hosts: bool = False) -> float:
         """Slot save + restore; `across_hosts`: plus the slot file's transfer (`transfer_s`)."""
         save = self._save_s_per_token.value(self.handoff.save_s_per_1k / 1000.0) * tokens
-        moved = self.transfer_s(tokens) if across_hosts else 0.0
+        moved = self.link.transfer_s(tokens) if across_hosts else 0.0
         return save + moved + self._restore_s.value(self.handoff.restore_s)
-
-    def kv_bytes_per_token(self) -> float:
-        kv = self._kv_bytes_per_token
-        return kv.value(_KV_BYTES_PER_TOKEN_PRIOR) if kv.n > 0 else _KV_BYTES_PER_TOKEN_PRIOR
-
-    def bandwidth_bytes_per_s(self) -> float:
-        return 1.0 / self._transfer_s_per_byte.value(1.0 / self._link_bytes_per_s)
-
-    def transfer_s(self, tokens: float) -> float:
-        """A slot file of `tokens` between hosts: bytes per token × tokens ÷ bandwidth."""
-        return max(0.0, tokens) * self.kv_bytes_per_token() / self.bandwidth_bytes_per_s()
 
     def prompt_tokens(self, body_bytes: int) -> int:
         return int(body_bytes / self._bytes_per_token.value(self.estimator.chars_per_token))
@@ -210,7 +175,7 @@ class SpeedModel:
         y = timings.predicted_ms / 1000.0 / timings.predicted_n
         at_no_context = y / self._context_factor(context + timings.predicted_n / 2)
         if not self.is_ngram(profile):
-            self._own.setdefault(profile, _Average(self.estimator.prior_weight, self.forget)).add(at_no_context)
+            self._own.setdefault(profile, RunningMean(self.estimator.prior_weight, self.forget)).add(at_no_context)
             return
         if timings.predicted_n < _MIN_GAIN_TOKENS:
             return
@@ -223,18 +188,6 @@ class SpeedModel:
         if tokens > 0:
             self._save_s_per_token.add(save_s / tokens)
         self._restore_s.add(restore_s)
-
-    def observe_link(self, bytes_per_s: float) -> None:
-        """A probe of the link between hosts (at start-up): the bandwidth's prior until moves measure it."""
-        if bytes_per_s > 0:
-            self._link_bytes_per_s = bytes_per_s
-
-    def observe_transfer(self, tokens: int, file_bytes: int, seconds: float) -> None:
-        """A slot file that crossed hosts: its bytes per token, and the link's speed when the file is big enough."""
-        if tokens > 0 and file_bytes > 0:
-            self._kv_bytes_per_token.add(file_bytes / tokens)
-        if file_bytes >= _MIN_TRANSFER_BYTES and seconds > 0:
-            self._transfer_s_per_byte.add(seconds / file_bytes)
 
     def describe(self) -> list[ProfileSpeeds]:
         out = []

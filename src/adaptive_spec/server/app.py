@@ -6,18 +6,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
 from adaptive_spec.access.policy import AccessPolicy
-from adaptive_spec.kv.handoff import Router
+from adaptive_spec.kv.effects import KvEffects
+from adaptive_spec.kv.remote_prefill import REMOTE_PREFILL, RemotePrefill
+from adaptive_spec.kv.slots import SlotMover
 from adaptive_spec.requests.app_keys import (
     BUS,
     CLIENT,
     FRESH_CLIENT,
     HISTORY,
+    KV,
     LIFECYCLE,
     METRICS,
     PROFILES,
@@ -32,7 +37,8 @@ from adaptive_spec.requests.app_keys import (
 from adaptive_spec.requests.gate import install_security
 from adaptive_spec.requests.handler import proxy_view
 from adaptive_spec.requests.lifecycle import RequestLifecycle
-from adaptive_spec.routing.router import FixedPolicy
+from adaptive_spec.routing.api import FixedPolicy, PolicySource
+from adaptive_spec.routing.router import Router
 from adaptive_spec.server.control import add_control_views
 from adaptive_spec.server.views import add_views
 from adaptive_spec.servers.pool_health import pool_health_poll
@@ -44,10 +50,20 @@ from adaptive_spec.telemetry.history import RequestHistory
 from adaptive_spec.telemetry.metrics import ProxyMetrics
 from adaptive_spec.telemetry.trace import TraceWriter
 
-__all__ = ["ProxySettings", "build_app"]
+__all__ = ["KvSetup", "ProxySettings", "build_app"]
 log = logging.getLogger(__name__)
 _POLICY_REFRESH_S = 2.0
 _REPLICA_WATCH_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class KvSetup:
+    """How the proxy moves KV caches: the shared slot directory, a mover between hosts, remote prefill."""
+
+    slot_dir: Path | None = None
+    mover: SlotMover | None = None  # None: the shared slot directory's, when there is one
+    remote: RemotePrefill | None = None
+    link_bytes_per_s: float | None = None  # the start-up probe of the relays' slowest link
 
 
 def build_app(
@@ -58,12 +74,14 @@ def build_app(
     bus: EventBus | None = None,
     trace: TraceWriter | None = None,
     profiles: list[ProfileInfo] | None = None,
-    router: Router | None = None,
+    policies: PolicySource | None = None,
+    servers: Mapping[tuple[str, int], str] | None = None,
+    kv: KvSetup | None = None,
     restart: Callable[[str], Awaitable[None]] | None = None,
     access: AccessPolicy | None = None,
 ) -> web.Application:
-    """The proxy. `upstreams`, `sessions` and `router` publish on `bus`: build them with its `publish` (a router
-    made here does)."""
+    """The proxy. `upstreams` and `sessions` publish on `bus`: build them with its `publish` (the router made here
+    does). `servers`: which profiles share a llama-server (routing/router.py)."""
     # The body limit is enforced by read_body (to answer in the OpenAI error shape), not by aiohttp.
     app = web.Application(client_max_size=settings.max_body_bytes + 1)
     install_security(app, access or AccessPolicy())  # every route, later ones included
@@ -72,17 +90,22 @@ def build_app(
     app[BUS] = bus = bus or EventBus()
     app[METRICS] = ProxyMetrics(frozenset(upstreams.names()))
     app[PROFILES] = profiles or []
-    if router is None:
-        infos = {i.name: i for i in app[PROFILES] if i.replica == 0}
-        router = Router(
-            upstreams,
-            FixedPolicy(),
-            {n: i.total_slots for n, i in infos.items()},
-            {n: i.spec_types for n, i in infos.items()},
-            publish=bus.publish,
-            replica_slots={(i.name, i.replica): i.total_slots for i in app[PROFILES]},
-        )
-    app[ROUTER] = router
+    kv = kv or KvSetup()
+    effects = KvEffects(upstreams, lambda: app[CLIENT], bus.publish, kv.slot_dir, kv.mover, kv.remote)
+    infos = {i.name: i for i in app[PROFILES] if i.replica == 0}
+    app[ROUTER] = router = Router(
+        upstreams,
+        policies or FixedPolicy(),
+        {n: i.total_slots for n, i in infos.items()},
+        {n: i.spec_types for n, i in infos.items()},
+        effects,
+        replica_slots={(i.name, i.replica): i.total_slots for i in app[PROFILES]},
+        servers=servers,
+    )
+    router.speeds.link.observe_link(kv.link_bytes_per_s)
+    app[KV] = effects
+    if kv.remote is not None:
+        app[REMOTE_PREFILL] = kv.remote
     app[RESTART] = restart
     app[LIFECYCLE] = RequestLifecycle(bus, app[HISTORY], router, sessions, trace, settings.progress_interval_s)
     bus.listen(app[METRICS].on_event)
@@ -157,7 +180,7 @@ async def _policy_refresher(app: web.Application) -> AsyncIterator[None]:
             await asyncio.sleep(_POLICY_REFRESH_S)
             try:
                 app[ROUTER].announce(await asyncio.to_thread(app[ROUTER].refresh_policies))
-                await asyncio.to_thread(app[ROUTER].sweep_slot_files)
+                await asyncio.to_thread(app[KV].sweep)
             except Exception:
                 log.exception("policy refresh failed")
 

@@ -6,12 +6,12 @@ proxy)."""
 from __future__ import annotations
 
 import time
-from urllib.parse import quote
 
 import aiohttp
 import orjson
 from aiohttp import web
 
+from adaptive_spec.kv.slots import SlotError, slot_action
 from adaptive_spec.requests.app_keys import CLIENT, ROUTER, UPSTREAMS
 from adaptive_spec.requests.error_responses import error_response
 from adaptive_spec.servers.upstreams import Upstream
@@ -32,7 +32,7 @@ async def _erase_view(request: web.Request) -> web.Response:
         return error_response(404, f"unknown profile {name!r}; known profiles: {known}", code="unknown_profile")
     # Its servers' requests, whichever profile they came for (profiles that are settings of one server share it):
     # llama-server would wait for a running request and then erase what it left: refuse instead.
-    busy = sum(router.replica_in_flight.get(router.home(name, r.replica), 0) for r in table.replicas(name))
+    busy = sum(router.server_busy(name, r.replica) for r in table.replicas(name))
     if busy:
         return error_response(
             409,
@@ -57,23 +57,14 @@ async def _erase_view(request: web.Request) -> web.Response:
 async def _erase_replica(request: web.Request, upstream: Upstream) -> web.Response | None:
     """Erase each slot of one server; the error to answer, or None."""
     router, name = request.app[ROUTER], upstream.label
-    model = f"&model={quote(upstream.upstream_model, safe='')}" if upstream.upstream_model else ""
     timeout = aiohttp.ClientTimeout(total=_ERASE_TIMEOUT_S)
     try:
         for slot in range(router.slot_count(upstream.name, upstream.replica)):
-            url = f"{upstream.base_url}/slots/{slot}?action=erase{model}"
-            async with request.app[CLIENT].post(url, timeout=timeout) as resp:
-                if resp.status != 200:
-                    text = (await resp.text())[:300]
-                    return error_response(
-                        502,
-                        f"erasing slot {slot} of profile {name!r} at {upstream.base_url} "
-                        f"failed: HTTP {resp.status} {text}",
-                        code="erase_failed",
-                    )
-    except (aiohttp.ClientError, TimeoutError) as exc:
+            await slot_action(request.app[CLIENT], upstream, slot, "erase", None, timeout)
+    except (aiohttp.ClientError, TimeoutError, SlotError) as exc:
+        problem = str(exc) if isinstance(exc, SlotError) else repr(exc)
         return error_response(
-            502, f"erasing profile {name!r} at {upstream.base_url} failed: {exc!r}", code="erase_failed"
+            502, f"erasing profile {name!r} at {upstream.base_url} failed: {problem}", code="erase_failed"
         )
     finally:
         # Whatever was reached is empty now; a half-erased server holds nothing reliable.

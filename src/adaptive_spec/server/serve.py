@@ -12,7 +12,7 @@ import stat
 import sys
 import tempfile
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,12 +25,12 @@ from aiohttp import web
 from adaptive_spec.access.options import describe_access
 from adaptive_spec.access.policy import AccessPolicy
 from adaptive_spec.errors import ConfigError, LaunchError, ProfileMismatchError
-from adaptive_spec.kv.handoff import Router
 from adaptive_spec.kv.relay_mover import RelayMoverPlan, start_relay_mover
-from adaptive_spec.kv.remote_prefill import REMOTE_PREFILL, RemotePrefillPlan, start_remote_prefill
+from adaptive_spec.kv.remote_prefill import RemotePrefillPlan, start_remote_prefill
+from adaptive_spec.kv.slots import SharedDirMover, SlotMover
 from adaptive_spec.requests.app_keys import LIFECYCLE
 from adaptive_spec.routing.policy_files import PolicyStore, config_dir
-from adaptive_spec.server.app import ProxySettings, build_app
+from adaptive_spec.server.app import KvSetup, ProxySettings, build_app
 from adaptive_spec.servers.footprint import device_report, launch_lines
 from adaptive_spec.servers.launcher import Launcher
 from adaptive_spec.servers.profile_servers import (
@@ -46,6 +46,7 @@ from adaptive_spec.servers.profile_servers import (
 )
 from adaptive_spec.servers.profiles import (
     AttachedProfile,
+    ProfileInfo,
     ProfileSpec,
     ServerSettings,
     model_mismatch,
@@ -321,18 +322,7 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
             trace.write({"kind": "profiles", "at_unix": time.time(), "profiles": [asdict(i) for i in infos]})
             say(f"trace: {plan.trace_path}" + (" (with prompts and replies)" if plan.trace_content else ""))
         slot_dir = run_dir / "slots" if run_dir is not None else plan.slot_dir
-        router = Router(
-            table,
-            policies,
-            {i.name: i.total_slots for i in infos if i.replica == 0},
-            {i.name: i.spec_types for i in infos if i.replica == 0},
-            slot_dir=slot_dir,
-            publish=bus.publish,
-            replica_slots={(i.name, i.replica): i.total_slots for i in infos},
-            servers=servers,
-        )
-        if plan.relays is not None:
-            router.mover = await start_relay_mover(plan.relays, client, table, router.mover, router.speeds, say)
+        kv = await _kv_setup(plan, client, table, infos, slot_dir, say)
         described = policies.describe("default", None)
         say(
             f"routing: policy from {', '.join(described['sources']) or 'built-in defaults'}; KV handoff "
@@ -346,13 +336,12 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
             bus=bus,
             trace=trace,
             profiles=infos,
-            router=router,
+            policies=policies,
+            servers=servers,
+            kv=kv,
             restart=restarter(launched, launcher) if launcher is not None and launched is not None else None,
             access=plan.access,
         )
-        if plan.remote_prefill is not None:
-            model_path = plan.launch.settings.model.path if plan.launch is not None else infos[0].model_path
-            app[REMOTE_PREFILL] = await start_remote_prefill(plan.remote_prefill, client, model_path, slot_dir, say)
         say(describe_access(plan.access))
         # The shutdown grace is the app's own (it tells each request it ends); aiohttp then waits for them briefly.
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
@@ -380,6 +369,26 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
             say(f"the profiles' logs are kept in {run_dir / 'logs'}")
         elif run_dir is not None:
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def _kv_setup(
+    plan: ServePlan,
+    client: aiohttp.ClientSession,
+    table: UpstreamTable,
+    infos: list[ProfileInfo],
+    slot_dir: Path | None,
+    say: Callable[[str], None],
+) -> KvSetup:
+    """The KV movers: the shared slot directory, the relays between hosts (checked and probed), remote prefill."""
+    mover: SlotMover | None = SharedDirMover(slot_dir) if slot_dir is not None else None
+    link = None
+    if plan.relays is not None:
+        mover, link = await start_relay_mover(plan.relays, client, table, mover, say)
+    remote = None
+    if plan.remote_prefill is not None:
+        model_path = plan.launch.settings.model.path if plan.launch is not None else infos[0].model_path
+        remote = await start_remote_prefill(plan.remote_prefill, client, model_path, slot_dir, say)
+    return KvSetup(slot_dir, mover, remote, link)
 
 
 async def _until_stopped(work: Coroutine[Any, Any, None], stop: asyncio.Event) -> bool:

@@ -74,7 +74,7 @@ def _replicas(app: web.Application, name: str) -> list[dict[str, Any]]:
     router = app[ROUTER]
     out = []
     for r in router.replica_states(name, count_sessions=True):
-        counts = router.replica_counts.get((name, r.index), {})
+        counts = router.replica_counts(name, r.index)
         drafted = counts.get("draft_n", 0)
         info = infos.get((name, r.index))
         out.append(
@@ -187,6 +187,19 @@ async def _route_view(request: web.Request) -> web.Response:
     """The router's state: learned speeds, where sessions' KV caches live, the policy, recent decisions; and remote
     prefill's learned terms and counts, with --pp-server."""
     body = request.app[ROUTER].to_json()
+    routed = [r for r in request.app[HISTORY].latest(None) if r.route is not None][-50:]
+    body["recent_decisions"] = [
+        {
+            "request_id": r.request_id,
+            "session_id": r.session_id,
+            "profile": r.profile,
+            "replica": r.replica,
+            "route": r.route,
+            "reason": r.reason,
+            "status": r.status,
+        }
+        for r in routed
+    ]
     remote = request.app.get(REMOTE_PREFILL)
     if remote is not None:
         body["remote_prefill"] = remote.to_json()

@@ -22,6 +22,8 @@ from aiohttp import web
 
 from adaptive_spec.kv.relay.service import NAME_RULE, SETTINGS, check_model, error
 from adaptive_spec.kv.slot_files import valid_relay_name
+from adaptive_spec.kv.slots import SlotError, slot_action
+from adaptive_spec.servers.upstreams import Upstream
 
 log = logging.getLogger(__name__)
 PREFILL_PATHS = frozenset(
@@ -54,6 +56,9 @@ _DROPPED = (
 )
 # A prompt's JSON: a 128k-token conversation is a few MB; the body is held in memory while it is parsed.
 MAX_PREFILL_BODY_BYTES = 32 << 20
+
+
+_SAVE_TIMEOUT = aiohttp.ClientTimeout(total=600.0)
 
 
 class _ServerError(Exception):
@@ -117,10 +122,10 @@ async def prefill(request: web.Request) -> web.Response:
             sent = {k: v for k, v in body.items() if k not in _DROPPED}
             sent |= {"n_predict": 1, "stream": False, "id_slot": slot, "cache_prompt": True}
             answer = await _post(client, url + path, sent, settings.prefill_timeout_s)
-            saved = await _post(client, f"{url}/slots/{slot}?action=save", {"filename": filename}, 600.0)
+            saved = await slot_action(client, Upstream("llama-server", url), slot, "save", filename, _SAVE_TIMEOUT)
         finally:
             queue.put_nowait(slot)
-    except (aiohttp.ClientError, TimeoutError, ValueError, _ServerError) as exc:
+    except (aiohttp.ClientError, TimeoutError, ValueError, _ServerError, SlotError) as exc:
         log.warning("kv-relay: prefill on %s failed: %s", url, exc)
         return error(502, f"prefill on the relay's llama-server failed: {exc or type(exc).__name__}", "server")
     problem = await asyncio.to_thread(_saved_problem, settings.slot_dir / filename, answer, saved)

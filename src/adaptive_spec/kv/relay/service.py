@@ -34,8 +34,8 @@ from aiohttp import web
 from adaptive_spec.access.policy import AccessPolicy, host_allowed, key_accepted, sent_keys
 from adaptive_spec.kv.slot_files import (
     MODEL_HEADER,
-    RELAY_PREFIX,
     SHA256_HEADER,
+    SLOT_FILE_PREFIX,
     model_mismatch,
     valid_relay_name,
     valid_sha256,
@@ -63,7 +63,7 @@ class RelaySettings:
 
 
 SETTINGS = web.AppKey("relay_settings", RelaySettings)
-NAME_RULE = f"a slot file name is one plain file name starting {RELAY_PREFIX!r}: [A-Za-z0-9_.-]{{1,128}}"
+NAME_RULE = f"a slot file name is one plain file name starting {SLOT_FILE_PREFIX!r}: [A-Za-z0-9_.-]{{1,128}}"
 
 
 def error(status: int, message: str, code: str) -> web.Response:

@@ -1,0 +1,119 @@
+"""The router's effects on the KV layer: what `routing/router.py` calls back through (its `Effects` protocol) when it
+decides a handoff or a remote prefill. This module resolves profiles to servers, runs the movers and remote prefill,
+and never raises into a request: any failure comes back as a result that says so (the request then re-prefills,
+which is always correct). It also sweeps slot files left behind."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+
+from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, SlotAt, SlotMove
+from adaptive_spec.kv.remote_prefill import RemotePrefill
+from adaptive_spec.kv.slot_files import SLOT_FILE_PREFIX, slot_file_name
+from adaptive_spec.kv.slots import MoveRequest, SharedDirMover, SlotError, SlotMover
+from adaptive_spec.servers.upstreams import UpstreamTable
+from adaptive_spec.telemetry.events import Event, RemotePrefillDone
+
+log = logging.getLogger(__name__)
+_STALE_SLOT_FILE_S = 300.0
+
+
+class KvEffects:
+    """Slot moves through `mover` (the shared slot directory's by default), remote prefill through `remote`."""
+
+    def __init__(
+        self,
+        table: UpstreamTable,
+        client: Callable[[], aiohttp.ClientSession],
+        publish: Callable[[Event], None] = lambda _e: None,
+        slot_dir: Path | None = None,
+        mover: SlotMover | None = None,
+        remote: RemotePrefill | None = None,
+    ) -> None:
+        self.table, self._client, self._publish, self.slot_dir = table, client, publish, slot_dir
+        self.mover: SlotMover | None = mover or (SharedDirMover(slot_dir) if slot_dir is not None else None)
+        self.remote = remote
+        self._seq = 0
+
+    def publish(self, event: Event) -> None:
+        self._publish(event)
+
+    def can_move(self, source: SlotAt, target: SlotAt) -> bool:
+        """Whether a slot file saved by one server can be restored by the other (a router-mode preset, `URL#MODEL`,
+        takes no slot actions)."""
+        there, here = self.table.get(source.profile, source.replica), self.table.get(target.profile, target.replica)
+        return self.mover is not None and there is not None and here is not None and self.mover.can_move(there, here)
+
+    def transfers(self, source: SlotAt, target: SlotAt) -> bool:
+        """Whether that file crosses hosts (the cost model adds its transfer)."""
+        there, here = self.table.get(source.profile, source.replica), self.table.get(target.profile, target.replica)
+        return self.mover is not None and there is not None and here is not None and self.mover.transfers(there, here)
+
+    async def move_slot(self, move: SlotMove) -> HandoffResult:
+        """Save, transfer, restore; the file goes whatever the outcome."""
+        there = self.table.get(move.source.profile, move.source.replica)
+        here = self.table.get(move.target.profile, move.target.replica)
+        if there is None or here is None or self.mover is None:
+            return HandoffResult(False, 0, 0.0, 0.0, "nothing to hand over")
+        self._seq += 1
+        name = slot_file_name(move.session_id, self._seq)
+        request = MoveRequest(
+            there, move.source.slot or 0, here, move.target.slot or 0, name, move.timeout_s, move.min_tokens
+        )
+        try:
+            moved = await self.mover.move(self._client(), request)
+        except (aiohttp.ClientError, TimeoutError, ValueError, TypeError, SlotError) as exc:
+            return HandoffResult(False, move.cached_tokens, 0.0, 0.0, str(exc) or type(exc).__name__)
+        finally:
+            # The target slot was overwritten (or half so) whatever the outcome; the file goes now, and once more
+            # later in case llama-server was still writing it when we gave up waiting (`sweep`).
+            await self.mover.discard(name)
+        return HandoffResult(
+            True, moved.n_saved, moved.save_s, moved.restore_s, transfer_s=moved.transfer_s, bytes=moved.bytes
+        )
+
+    async def prefill_elsewhere(self, ask: PrefillAsk) -> PrefillAnswer | None:
+        """Remote prefill when the proxy has one (`serve --pp-server`) and its cost model says so; None: no remote."""
+        upstream = self.table.get(ask.at.profile, ask.at.replica)
+        if self.remote is None or upstream is None:
+            return None
+        answer = await self.remote.maybe(self._client(), ask, upstream)
+        result = answer.result
+        if result is not None:
+            self._publish(
+                RemotePrefillDone(
+                    session_id=ask.session_id,
+                    profile=ask.at.profile,
+                    relay=self.remote.relay.base_url,
+                    ok=result.ok,
+                    reason=result.reason,
+                    tokens=result.tokens,
+                    bytes=result.bytes,
+                    remote_prefill_s=result.remote_prefill_s,
+                    save_s=result.save_s,
+                    transfer_s=result.transfer_s,
+                    restore_s=result.restore_s,
+                    error=result.error,
+                )
+            )
+        return answer
+
+    def sweep(self) -> int:
+        """Delete slot files of moves given up while llama-server still wrote them (file I/O: off the event loop).
+        Returns how many went."""
+        if self.slot_dir is None:
+            return 0
+        now, gone = time.time(), 0
+        for path in self.slot_dir.glob(f"{SLOT_FILE_PREFIX}*.bin"):
+            try:
+                if now - path.stat().st_mtime > _STALE_SLOT_FILE_S:
+                    path.unlink()
+                    gone += 1
+            except OSError:
+                continue
+        return gone

@@ -1,0 +1,159 @@
+"""The router's API as the shell sees it: what a request asks (`RouteRequest`), what the router answers (`Route`, or
+a `Refusal`), what the shell reports at the end (`Completion`), and what the router needs from outside, injected as
+protocols: the profiles' health, the policy files, and its `Effects` — the KV moves it asks for (llama-swap's
+scheduler "calls back through Effects", its syscall table). Values and protocols only."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, RemotePrefillResult, SlotAt, SlotMove
+from adaptive_spec.routing.decide import Decision
+from adaptive_spec.routing.policy import Policy
+from adaptive_spec.sessions.prefix import Piece
+from adaptive_spec.telemetry.events import Event
+from adaptive_spec.telemetry.records import Timings
+
+
+class ProfileHealth(Protocol):
+    """The profiles by name and whether each is down (the proxy's upstream table): a profile is down when all its
+    replicas are."""
+
+    def names(self) -> list[str]: ...
+
+    def down_reason(self, name: str) -> str | None: ...
+
+    def replica_health(self, name: str) -> list[tuple[str, str | None]]:
+        """Each replica's base URL and down reason (None: up), in replica order."""
+        ...
+
+
+class PolicySource(Protocol):
+    def policy_for(self, project: str, workspace: str | None) -> Policy: ...
+
+    def refresh(self) -> list[str]: ...
+
+    def describe(self, project: str, workspace: str | None) -> dict[str, Any]: ...
+
+    def problems(self) -> list[Any]: ...
+
+
+class FixedPolicy:
+    """One policy for every project (tests, and a proxy started without policy files)."""
+
+    def __init__(self, policy: Policy | None = None) -> None:
+        self.policy = policy or Policy()
+
+    def policy_for(self, project: str, workspace: str | None) -> Policy:
+        return self.policy
+
+    def refresh(self) -> list[str]:
+        return []
+
+    def describe(self, project: str, workspace: str | None) -> dict[str, Any]:
+        return {"sources": list(self.policy.sources), "problems": [], "policy": asdict(self.policy)}
+
+    def problems(self) -> list[Any]:
+        return []
+
+
+class Effects(Protocol):
+    """What the router asks of the world (implemented by `kv/effects.py`); none of it raises into a request."""
+
+    def can_move(self, source: SlotAt, target: SlotAt) -> bool:
+        """Whether a slot file saved by one server can be restored by the other."""
+        ...
+
+    def transfers(self, source: SlotAt, target: SlotAt) -> bool:
+        """Whether that file crosses hosts (priced with its transfer time)."""
+        ...
+
+    async def move_slot(self, move: SlotMove) -> HandoffResult: ...
+
+    async def prefill_elsewhere(self, ask: PrefillAsk) -> PrefillAnswer | None:
+        """None: there is no remote prefill."""
+        ...
+
+    def publish(self, event: Event) -> None: ...
+
+
+class NoEffects:
+    """A router that moves nothing (the simulator's, tests', a proxy without a slot directory)."""
+
+    def can_move(self, source: SlotAt, target: SlotAt) -> bool:
+        return False
+
+    def transfers(self, source: SlotAt, target: SlotAt) -> bool:
+        return False
+
+    async def move_slot(self, move: SlotMove) -> HandoffResult:
+        return HandoffResult(False, 0, 0.0, 0.0, "nothing to hand over")
+
+    async def prefill_elsewhere(self, ask: PrefillAsk) -> PrefillAnswer | None:
+        return None
+
+    def publish(self, event: Event) -> None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What the router needs of a generating request."""
+
+    body: Mapping[str, Any]
+    body_bytes: int
+    session_id: str | None
+    session_turns: int
+    copy_share: float | None
+    project: str
+    workspace: str | None
+    pinned: str | None  # the request header's profile; without one, the session's pin (if any) applies
+    takes_slot: bool = False  # the API passes `id_slot` on (chat, completions): the router may name a slot
+    client_slot: int | None = None  # the client named one itself: the router follows it
+    prefill_path: str | None = None  # the upstream path, when the request may be prefilled remotely
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """What to do with the request: where (profile, replica, slot), what was moved for it, and why (the decision's
+    reason). The shell hands it back with the `Completion`."""
+
+    decision: Decision
+    slot: int | None
+    session_id: str | None
+    body_bytes: int
+    handoff: HandoffResult | None = None
+    remote_prefill: RemotePrefillResult | None = None
+    # The prompt as the session's prefix state saw it, for the completion to update it.
+    pieces: tuple[Piece, ...] = ()
+    has_tools: bool = False
+
+    @property
+    def profile(self) -> str:
+        return self.decision.profile
+
+    @property
+    def replica(self) -> int:
+        return self.decision.replica
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """The request cannot be routed: the answer's status, message and error code."""
+
+    status: int
+    message: str
+    code: str
+    decision: Decision | None = None  # what was decided before the refusal (for the record)
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """How the routed request ended: served in full (`ok`) with llama-server's timings and the reply's text, or not
+    (nothing is learned; the load comes down all the same)."""
+
+    ok: bool
+    timings: Timings | None = None
+    reply: str = ""

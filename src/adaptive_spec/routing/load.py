@@ -1,0 +1,134 @@
+"""Each llama-server's slots and load, as the router counts them: which (profile, replica) runs on which server
+(profiles that are per-request settings of one server share it), each server's slot book, the requests in flight per
+server and per session, and the acceptance counts per replica. Pure bookkeeping: `Router` starts and ends requests
+on it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from adaptive_spec.routing.api import ProfileHealth
+from adaptive_spec.routing.placements import Placements, SlotBook
+from adaptive_spec.routing.replicas import ReplicaState
+from adaptive_spec.telemetry.records import Timings
+
+
+class ServerLoad:
+    def __init__(
+        self,
+        health: ProfileHealth,
+        slots: Mapping[str, int],
+        replica_slots: Mapping[tuple[str, int], int] | None = None,
+        servers: Mapping[tuple[str, int], str] | None = None,
+    ) -> None:
+        """`slots`: each profile's slots per server; `replica_slots` overrides it for a (profile, replica).
+        `servers`: the server a (profile, replica) shares with others: those share its slots, its load and its
+        sessions' KV; one not named has a server of its own."""
+        self.health = health
+        per_replica, shared = replica_slots or {}, servers or {}
+        first: dict[str, tuple[str, int]] = {}
+        # Each (profile, replica) → the first (profile, replica) of its server: the key of the server's own state.
+        self._home: dict[tuple[str, int], tuple[str, int]] = {}
+        for n in health.names():
+            for i in range(len(health.replica_health(n))):
+                server = shared.get((n, i))
+                self._home[(n, i)] = first.setdefault(server, (n, i)) if server is not None else (n, i)
+        books = {h: SlotBook(max(1, per_replica.get(h, slots.get(h[0], 1)))) for h in set(self._home.values())}
+        self._books = {key: books[home] for key, home in self._home.items()}  # one book per server
+        self.in_flight: dict[str, int] = dict.fromkeys(health.names(), 0)  # per profile
+        self.replica_in_flight: dict[tuple[str, int], int] = dict.fromkeys(books, 0)  # per server (its home key)
+        # Per replica: requests served, output, drafted and accepted tokens (acceptance per replica, for telemetry).
+        self.replica_counts: dict[tuple[str, int], dict[str, int]] = {
+            k: {"requests": 0, "predicted_n": 0, "draft_n": 0, "draft_n_accepted": 0} for k in self._books
+        }
+        self.sessions_in_flight: dict[str, tuple[str, int]] = {}  # session -> (profile, requests being served)
+
+    def home(self, profile: str, replica: int = 0) -> tuple[str, int]:
+        """The key of the server that (profile, replica) runs on: itself, or the first profile of a shared server."""
+        return self._home.get((profile, replica), (profile, replica))
+
+    def same_server(self, profile: str, replica: int, other: str) -> int | None:
+        """The replica of profile `other` that runs on the same server as (profile, replica), or None."""
+        if other == profile:
+            return replica
+        home = self.home(profile, replica)
+        return next((i for i in range(len(self.health.replica_health(other))) if self.home(other, i) == home), None)
+
+    def book(self, profile: str, replica: int = 0) -> SlotBook:
+        return self._books.get((profile, replica)) or SlotBook(1)
+
+    def slot_count(self, profile: str, replica: int = 0) -> int:
+        return self._books[(profile, replica)].slots
+
+    def server_busy(self, profile: str, replica: int = 0) -> int:
+        """Requests running on the server of (profile, replica), whichever profile they came for."""
+        return self.replica_in_flight.get(self.home(profile, replica), 0)
+
+    def slot_key(self, profile: str, session_id: str | None, replica: int = 0) -> int | None:
+        book = self._books[(profile, replica)]
+        return book.by_session.get(session_id) if book.slots > 1 and session_id is not None else None
+
+    def slot_busy(self, profile: str, slot: int | None, mine: int, replica: int = 0) -> bool:
+        """Whether requests other than `mine` (0 or 1: this request's own, counted already) occupy the slot."""
+        book = self._books[(profile, replica)]
+        if book.slots > 1 and slot is not None:
+            return book.busy.get(slot, 0) > mine
+        return self.replica_in_flight.get(self.home(profile, replica), 0) > mine
+
+    def slot_for(self, profile: str, session_id: str | None, replica: int = 0) -> int | None:
+        """The slot to name with `id_slot`, on profiles with several slots (None: let the server choose)."""
+        book = self._books[(profile, replica)]
+        return book.pick(session_id) if book.slots > 1 else None
+
+    def replica_states(self, profile: str, placements: Placements, count_sessions: bool = False) -> list[ReplicaState]:
+        """`sessions` (placed on each replica) is counted for a pool, or when asked: a scan of the placements."""
+        health = self.health.replica_health(profile)
+        count_sessions = count_sessions or len(health) > 1
+        states = []
+        for i, (url, down) in enumerate(health):
+            book = self.book(profile, i)
+            in_flight = self.replica_in_flight.get(self.home(profile, i), 0)
+            states.append(
+                ReplicaState(
+                    index=i,
+                    base_url=url,
+                    down_reason=down,
+                    slots=book.slots,
+                    # Requests without a named slot (one-slot servers, APIs that take no id_slot) occupy one too.
+                    busy_slots=min(book.slots, max(sum(1 for n in book.busy.values() if n > 0), in_flight)),
+                    in_flight=in_flight,
+                    sessions=placements.count_on(profile, i) if count_sessions else 0,
+                )
+            )
+        return states
+
+    def started(self, profile: str, slot: int | None, session_id: str | None = None, replica: int = 0) -> None:
+        self.in_flight[profile] = self.in_flight.get(profile, 0) + 1
+        home = self.home(profile, replica)
+        self.replica_in_flight[home] = self.replica_in_flight.get(home, 0) + 1
+        if session_id is not None:
+            _, count = self.sessions_in_flight.get(session_id, (profile, 0))
+            self.sessions_in_flight[session_id] = (profile, count + 1)
+        if slot is not None:
+            book = self._books[(profile, replica)]
+            book.busy[slot] = book.busy.get(slot, 0) + 1
+
+    def ended(self, profile: str, slot: int | None, session_id: str | None, replica: int) -> None:
+        self.in_flight[profile] = max(0, self.in_flight.get(profile, 0) - 1)
+        home = self.home(profile, replica)
+        self.replica_in_flight[home] = max(0, self.replica_in_flight.get(home, 0) - 1)
+        if session_id is not None and session_id in self.sessions_in_flight:
+            where, count = self.sessions_in_flight.pop(session_id)
+            if count > 1:
+                self.sessions_in_flight[session_id] = (where, count - 1)
+        book = self._books[(profile, replica)]
+        if slot is not None:
+            book.busy[slot] = max(0, book.busy.get(slot, 0) - 1)
+            book.last_used[slot] = time.monotonic()
+
+    def count(self, profile: str, replica: int, timings: Timings) -> None:
+        counts = self.replica_counts.setdefault((profile, replica), {})
+        counts["requests"] = counts.get("requests", 0) + 1
+        for field in ("predicted_n", "draft_n", "draft_n_accepted"):
+            counts[field] = counts.get(field, 0) + getattr(timings, field)
