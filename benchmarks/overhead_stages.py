@@ -39,6 +39,7 @@ from agent_bodies import AgentRequest, grown, load, next_turn
 
 from adaptive_spec.requests import handler
 from adaptive_spec.requests.lifecycle import ProxyRequest, RequestLifecycle
+from adaptive_spec.requests.outcome import SERVED
 from adaptive_spec.requests.parse import ParsedRequest, parse_body, split_path
 from adaptive_spec.routing.api import FixedPolicy, Route, RouteRequest
 from adaptive_spec.routing.router import Router
@@ -174,7 +175,7 @@ async def _serve(
     c.time("upstream body", lambda: handler._upstream_body(req, upstream, False))
     req.meter.output.add([served[0]], served[1])
     req.meter._take({"timings": {"prompt_n": max(1, prompt_tokens - cached), "cache_n": cached, "predicted_n": 40}})
-    req.status, req.error = 200, None
+    req.outcome = SERVED
     c.time("finish", lambda: lifecycle.finish("POST", agent.path, req))
     await _worker(c, service)
 

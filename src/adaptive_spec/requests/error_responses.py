@@ -8,6 +8,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from adaptive_spec.requests.outcome import Outcome
+
 
 def error_body(message: str, *, type_: str, code: str, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
@@ -20,6 +22,11 @@ def error_response(
         type_ = "invalid_request_error" if status < 500 else "upstream_error"
     body = orjson.dumps(error_body(message, type_=type_, code=code, param=param))
     return web.Response(status=status, body=body, content_type="application/json")
+
+
+def answer(outcome: Outcome) -> web.Response:
+    """The answer to a request the proxy refused or could not forward, in OpenAI's shape."""
+    return error_response(outcome.status, outcome.error or "", code=outcome.code or "error", param=outcome.param)
 
 
 def sse_error_event(api: str, message: str, *, code: str) -> bytes:

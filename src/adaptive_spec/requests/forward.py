@@ -12,8 +12,9 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from adaptive_spec.common.headers import PROFILE_HEADER
-from adaptive_spec.requests.error_responses import as_anthropic, as_client_error, error_response, sse_error_event
+from adaptive_spec.requests.error_responses import answer, as_anthropic, as_client_error, sse_error_event
 from adaptive_spec.requests.gate import hidden_headers
+from adaptive_spec.requests.outcome import SHUTDOWN, Outcome
 from adaptive_spec.servers.upstreams import Upstream
 from adaptive_spec.streams.tap import StreamTap
 from adaptive_spec.streams.timings import ResponseMeter
@@ -40,19 +41,8 @@ _METER_BODY_LIMIT = 8 * 1024 * 1024
 _ANTHROPIC_APIS = frozenset({"messages", "count_tokens"})
 _CHECKED_APIS = _ANTHROPIC_APIS | {"chat", "completions", "responses", "completion"}
 _ERROR_BODY_LIMIT = 64 * 1024
-SHUTDOWN_MESSAGE = "adaptive-spec is shutting down: the request ran past the shutdown grace and was ended"
-SHUTDOWN_CODE = "proxy_shutting_down"
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """How a forwarded request ended, for its record."""
-
-    status: int
-    error: str | None
-    meter: ResponseMeter
-    client_gone: bool = False  # the client hung up while the answer was being written to it
-    unreachable: bool = False  # the server refused the connection: the request never reached it
+# A failure of the relay after the headers went out: the message and the code of the stream's last error event.
+_Failure = tuple[str, str]
 
 
 def upstream_headers(headers: CIMultiDictProxy[str], hidden: tuple[str, ...] = ()) -> CIMultiDict[str]:
@@ -85,31 +75,34 @@ async def forward(
         upstream_resp = await _send(sessions, request.method, url, body, headers, timeout)
     except aiohttp.ClientConnectorError as exc:
         message = f"profile {upstream.name!r} at {upstream.base_url} is unreachable: {exc.os_error or exc}"
-        return _fail(502, message, "upstream_unreachable", meter, unreachable=True)
+        return _fail(Outcome(502, message, "upstream_unreachable", unreachable=True))
     except aiohttp.ConnectionTimeoutError:
         message = (
             f"profile {upstream.name!r} at {upstream.base_url} did not accept a connection within "
             f"{timeout.sock_connect} s"
         )
-        return _fail(504, message, "upstream_timeout", meter)
+        return _fail(Outcome(504, message, "upstream_timeout"))
     except TimeoutError:
         message = f"profile {upstream.name!r} at {upstream.base_url} did not answer within {timeout.sock_read} s"
-        return _fail(504, message, "upstream_timeout", meter)
+        return _fail(Outcome(504, message, "upstream_timeout"))
     except aiohttp.ClientError as exc:
         message = f"profile {upstream.name!r} at {upstream.base_url} failed before answering: {exc}"
-        return _fail(502, message, "upstream_error", meter)
+        return _fail(Outcome(502, message, "upstream_error"))
     except asyncio.CancelledError:
         if not _shutdown_cancel(shutting_down):
             raise
-        return _fail(503, SHUTDOWN_MESSAGE, SHUTDOWN_CODE, meter)
+        return _fail(SHUTDOWN)
     try:
         relay = _Relay(upstream, api, meter, started, strip, progress, shutting_down)
-        resp, client_gone = await _relay(request, upstream_resp, relay, extra_headers)
+        resp, client_gone, failure = await _relay(request, upstream_resp, relay, extra_headers)
     finally:
         # Closing (not releasing) drops the connection if the body was not read to the end, which tells
         # llama-server to stop generating and free the slot.
         upstream_resp.close()
-    return resp, Outcome(resp.status, meter.error, meter, client_gone)
+    # After the headers: the relay's own failure, else the error the server's answer carried (its error event).
+    if failure is not None:
+        return resp, Outcome(resp.status, failure[0], failure[1], client_gone=client_gone)
+    return resp, Outcome(resp.status, meter.error, client_gone=client_gone)
 
 
 async def _send(
@@ -143,11 +136,8 @@ def _shutdown_cancel(shutting_down: Callable[[], bool]) -> bool:
     return True
 
 
-def _fail(
-    status: int, message: str, code: str, meter: ResponseMeter, *, unreachable: bool = False
-) -> tuple[web.StreamResponse, Outcome]:
-    meter.error = message
-    return error_response(status, message, code=code), Outcome(status, message, meter, unreachable=unreachable)
+def _fail(outcome: Outcome) -> tuple[web.StreamResponse, Outcome]:
+    return answer(outcome), outcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,9 +158,10 @@ class _Relay:
 
 async def _relay(
     request: web.Request, upstream_resp: aiohttp.ClientResponse, relay: _Relay, extra_headers: dict[str, str]
-) -> tuple[web.StreamResponse, bool]:
-    """The response relayed, and whether the client hung up while it was written (a write to a closing transport
-    raises ConnectionResetError before aiohttp gets to cancel the handler: a disconnect, not a fault)."""
+) -> tuple[web.StreamResponse, bool, _Failure | None]:
+    """The response relayed, whether the client hung up while it was written (a write to a closing transport
+    raises ConnectionResetError before aiohttp gets to cancel the handler: a disconnect, not a fault), and how the
+    relay failed after the headers went out, if it did."""
     resp = web.StreamResponse(status=upstream_resp.status, reason=upstream_resp.reason)
     for key, value in upstream_resp.headers.items():
         if key.lower() not in _DROP_RESPONSE:
@@ -188,15 +179,15 @@ async def _relay(
             await resp.prepare(request)
             await resp.write(body)
             await resp.write_eof()
-            return resp, False
+            return resp, False, None
         await resp.prepare(request)
         if is_sse:
-            await _relay_sse(resp, upstream_resp, relay)
+            failure = await _relay_sse(resp, upstream_resp, relay)
         else:
-            await _relay_body(request, resp, upstream_resp, relay.upstream, relay.meter)
+            failure = await _relay_body(request, resp, upstream_resp, relay.upstream, relay.meter)
     except ConnectionResetError:
-        return resp, True
-    return resp, False
+        return resp, True, None
+    return resp, False, failure
 
 
 async def _error_body(upstream_resp: aiohttp.ClientResponse, api: str) -> tuple[int, bytes] | None:
@@ -214,7 +205,7 @@ async def _error_body(upstream_resp: aiohttp.ClientResponse, api: str) -> tuple[
     return status, (as_anthropic(status, body) or body) if api in _ANTHROPIC_APIS else body
 
 
-async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResponse, relay: _Relay) -> None:
+async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResponse, relay: _Relay) -> _Failure | None:
     meter, progress = relay.meter, relay.progress
     tap = StreamTap(meter, strip=relay.strip)
     started, clock = relay.started, time.perf_counter
@@ -237,31 +228,26 @@ async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResp
             tap.passed(last)
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
         message = f"{relay.where()} closed the stream before it ended: {exc}"
-        await _end_stream_with_error(resp, relay.api, meter, message, "upstream_disconnected")
-        return
+        return await _end_stream_with_error(resp, relay.api, message, "upstream_disconnected")
     except TimeoutError:
         message = f"{relay.where()} stopped sending (read timeout)"
-        await _end_stream_with_error(resp, relay.api, meter, message, "upstream_timeout")
-        return
+        return await _end_stream_with_error(resp, relay.api, message, "upstream_timeout")
     except asyncio.CancelledError:
         if not _shutdown_cancel(relay.shutting_down):
             raise
-        await _end_stream_with_error(resp, relay.api, meter, SHUTDOWN_MESSAGE, SHUTDOWN_CODE)
-        return
+        return await _end_stream_with_error(resp, relay.api, SHUTDOWN.error or "", SHUTDOWN.code or "")
     if tap.close() and meter.error is None:
         message = f"{relay.where()} ended the stream in the middle of an event"
-        await _end_stream_with_error(resp, relay.api, meter, message, "upstream_truncated")
-        return
+        return await _end_stream_with_error(resp, relay.api, message, "upstream_truncated")
     await resp.write_eof()
+    return None
 
 
-async def _end_stream_with_error(
-    resp: web.StreamResponse, api: str, meter: ResponseMeter, message: str, code: str
-) -> None:
-    meter.error = message
+async def _end_stream_with_error(resp: web.StreamResponse, api: str, message: str, code: str) -> _Failure:
     # The partial event (if any) is cut off by a blank line first, so the error is an event of its own.
     await resp.write(b"\n\n" + sse_error_event(api, message, code=code))
     await resp.write_eof()
+    return message, code
 
 
 async def _relay_body(
@@ -270,7 +256,7 @@ async def _relay_body(
     upstream_resp: aiohttp.ClientResponse,
     upstream: Upstream,
     meter: ResponseMeter,
-) -> None:
+) -> _Failure | None:
     keep = upstream_resp.content_type == "application/json"
     parts: list[bytes] = []
     size = 0
@@ -282,11 +268,11 @@ async def _relay_body(
                 keep = size <= _METER_BODY_LIMIT
                 parts.append(chunk)
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, TimeoutError) as exc:
-        meter.error = f"profile {upstream.name!r} at {upstream.base_url} broke off the response: {exc!r}"
         # Headers (with a length) are out: closing the connection is how the client learns the body is short.
         if request.transport is not None:
             request.transport.close()
-        return
+        return f"profile {upstream.name!r} at {upstream.base_url} broke off the response: {exc!r}", "upstream_error"
     if keep:
         meter.on_body(b"".join(parts))
     await resp.write_eof()
+    return None

@@ -16,10 +16,11 @@ from aiohttp import web
 from adaptive_spec.access.policy import with_model
 from adaptive_spec.common.headers import PROFILE_HEADER, REPLICA_HEADER, REQUEST_ID_HEADER, ROUTE_HEADER
 from adaptive_spec.requests.app_keys import CLIENT, FRESH_CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
-from adaptive_spec.requests.error_responses import error_response
-from adaptive_spec.requests.forward import SHUTDOWN_MESSAGE, Outcome, forward
+from adaptive_spec.requests.error_responses import answer
+from adaptive_spec.requests.forward import forward
 from adaptive_spec.requests.gate import routed_path
 from adaptive_spec.requests.lifecycle import ProxyRequest
+from adaptive_spec.requests.outcome import CLIENT_GONE, SERVED, SHUTDOWN, Outcome
 from adaptive_spec.requests.parse import GENERATING_APIS, RequestProblem, parse_body, with_fields
 from adaptive_spec.routing.api import Completion, Refusal, RouteRequest
 from adaptive_spec.servers.speculation import merge_fields
@@ -63,8 +64,8 @@ async def read_body(request: web.Request, limit: int) -> bytes:
 
 def choose_upstream(
     request: web.Request, table: UpstreamTable, name: str | None = None, replica: int | None = None
-) -> Upstream | web.Response:
-    """The upstream of profile `name` (default: the one the header pins, else the default), or the error to answer.
+) -> Upstream | Outcome:
+    """The upstream of profile `name` (default: the one the header pins, else the default), or the refusal.
     `replica`: which server of its pool (None: the first one up)."""
     name = name or request.headers.get(PROFILE_HEADER) or table.default
     if replica is None:
@@ -73,17 +74,11 @@ def choose_upstream(
     upstream = table.get(name, replica)
     if upstream is None:
         known = ", ".join(table.names())
-        return error_response(
-            400,
-            f"unknown profile {name!r} in {PROFILE_HEADER}; known profiles: {known}",
-            code="unknown_profile",
-            param=PROFILE_HEADER,
-        )
+        message = f"unknown profile {name!r} in {PROFILE_HEADER}; known profiles: {known}"
+        return Outcome(400, message, "unknown_profile", PROFILE_HEADER)
     reason = table.replica_down_reason(name, replica)
     if reason is not None:
-        return error_response(
-            503, f"profile {name!r} at {upstream.base_url} is down: {reason}", code="profile_unavailable"
-        )
+        return Outcome(503, f"profile {name!r} at {upstream.base_url} is down: {reason}", "profile_unavailable")
     return upstream
 
 
@@ -132,19 +127,18 @@ def _extra_headers(req: ProxyRequest, chosen: Upstream) -> dict[str, str]:
     return headers
 
 
-async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | web.Response:
-    """Read and check the body, find the session, choose the profile: an upstream, or an error to answer with."""
+async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
+    """Read and check the body, find the session, choose the profile: an upstream, or the refusal to answer."""
     settings = request.app[SETTINGS]
     try:
         req.body = await read_body(request, settings.max_body_bytes)
     except BodyTooLarge:
-        req.status, req.error = 413, f"request body is larger than the limit of {settings.max_body_bytes} bytes"
-        return error_response(413, req.error, code="request_too_large")
+        message = f"request body is larger than the limit of {settings.max_body_bytes} bytes"
+        return Outcome(413, message, "request_too_large")
     if request.method == "POST" and req.routed.api in GENERATING_APIS:
         result = parse_body(req.routed.api, req.body)
         if isinstance(result, RequestProblem):
-            req.status, req.error = 400, result.message
-            return error_response(400, result.message, code=result.code, param=result.param)
+            return Outcome(400, result.message, result.code, result.param)
         req.parsed = result
         large = len(req.body) >= _LARGE_BODY
         if large:  # a long history's parse took a millisecond: other streams' chunks go out before it is grouped
@@ -157,14 +151,11 @@ async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | web.Re
         if large:  # ... and before it is routed
             await asyncio.sleep(0)
         pinned = choose_upstream(request, request.app[UPSTREAMS]) if request.headers.get(PROFILE_HEADER) else None
-        if isinstance(pinned, web.Response):
-            req.status, req.error = pinned.status, (pinned.text or "")[:300]
+        if isinstance(pinned, Outcome):
             return pinned
         return await _route(request, req)
     chosen = choose_upstream(request, request.app[UPSTREAMS])
-    if isinstance(chosen, web.Response):
-        req.status, req.error = chosen.status, (chosen.text or "")[:300]
-    else:
+    if isinstance(chosen, Upstream):
         req.replica, req.pool_size = chosen.replica, len(request.app[UPSTREAMS].replicas(chosen.name))
     return chosen
 
@@ -182,7 +173,6 @@ async def _failover(request: web.Request, req: ProxyRequest, failed: Upstream) -
     table.mark_down(failed.name, "refused connections", failed.replica, watch=True)
     log.warning("request %s: %s refused the connection; trying another replica", req.request_id, failed.label)
     req.meter = ResponseMeter()
-    req.status, req.error = 500, None
     if req.route is None:
         chosen = choose_upstream(request, table, failed.name)
         return chosen if isinstance(chosen, Upstream) else None
@@ -193,7 +183,7 @@ async def _failover(request: web.Request, req: ProxyRequest, failed: Upstream) -
     return routed if isinstance(routed, Upstream) else None
 
 
-async def _route(request: web.Request, req: ProxyRequest) -> Upstream | web.Response:
+async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
     """A generating request: the router decides its profile, replica and slot, and moves the session's KV for it."""
     app, parsed = request.app, req.parsed
     assert parsed is not None
@@ -226,8 +216,7 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | web.Resp
     )
     if isinstance(routed, Refusal):
         req.refusal, req.profile = routed, routed.decision.profile if routed.decision else req.profile
-        req.status, req.error = routed.status, routed.message
-        return error_response(routed.status, routed.message, code=routed.code)
+        return Outcome(routed.status, routed.message, routed.code)
     req.route, req.profile = routed, routed.profile
     chosen = app[UPSTREAMS].get(routed.profile, routed.replica)
     assert chosen is not None  # the router routes to the table's own profiles and replicas
@@ -235,17 +224,16 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | web.Resp
     return chosen
 
 
-def _client_gone(req: ProxyRequest, *, stopping: bool) -> None:
+def _client_gone(req: ProxyRequest, *, stopping: bool) -> Outcome:
     """The client went away (or, while the proxy stops, its handler was ended). One that hangs up right after the
     stream's end marker got the whole answer."""
     if req.meter.complete and req.meter.error is None:
-        req.status, req.error = 200, None
         log.debug("request %s: the client hung up after the end of the answer", req.request_id)
-    elif stopping:
-        req.status, req.error = 503, SHUTDOWN_MESSAGE
-    else:
-        req.status, req.error = 499, "the client disconnected"
-        log.info("request %s: the client disconnected before the end of the answer", req.request_id)
+        return SERVED
+    if stopping:
+        return SHUTDOWN
+    log.info("request %s: the client disconnected before the end of the answer", req.request_id)
+    return CLIENT_GONE
 
 
 async def proxy_view(request: web.Request) -> web.StreamResponse:
@@ -264,27 +252,27 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
         lifecycle.handlers[req.request_id] = task
     try:
         chosen = await _prepare(request, req)
-        if isinstance(chosen, web.Response):
-            chosen.headers[REQUEST_ID_HEADER] = req.request_id  # every answer names its record
-            return chosen
+        if isinstance(chosen, Outcome):
+            req.outcome = chosen
+            refused = answer(chosen)
+            refused.headers[REQUEST_ID_HEADER] = req.request_id  # every answer names its record
+            return refused
         lifecycle.announce(req)
         resp, outcome = await _forward_once(request, req, chosen)
         while outcome.unreachable and not resp.prepared and (other := await _failover(request, req, chosen)):
             chosen = other
             resp, outcome = await _forward_once(request, req, chosen)
-        req.status, req.error = outcome.status, outcome.error
+        req.outcome = _client_gone(req, stopping=lifecycle.stopping) if outcome.client_gone else outcome
         if not resp.prepared:
             resp.headers[REQUEST_ID_HEADER] = req.request_id
-        if outcome.client_gone:
-            _client_gone(req, stopping=lifecycle.stopping)
         return resp
     except (ConnectionResetError, asyncio.CancelledError):
         # aiohttp cancels the handler when the client goes away; forward() has closed the upstream connection.
         # A client that hangs up right after the stream's end marker got the whole answer.
-        _client_gone(req, stopping=lifecycle.stopping)
+        req.outcome = _client_gone(req, stopping=lifecycle.stopping)
         raise
     except Exception as exc:
-        req.status, req.error = 500, f"internal error: {exc!r}"
+        req.outcome = Outcome(500, f"internal error: {exc!r}")
         raise
     finally:
         lifecycle.handlers.pop(req.request_id, None)

@@ -10,6 +10,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from adaptive_spec.requests.outcome import NOT_ANSWERED, Outcome
 from adaptive_spec.requests.parse import GENERATING_APIS, ParsedRequest, RoutedPath
 from adaptive_spec.routing.api import Completion, Refusal, Route
 from adaptive_spec.routing.decide import Decision
@@ -40,8 +41,7 @@ class ProxyRequest:
     parsed: ParsedRequest | None = None
     assignment: SessionAssignment | None = None
     project: str = DEFAULT_PROJECT
-    status: int = 500
-    error: str | None = "the proxy stopped before the request was answered"
+    outcome: Outcome = NOT_ANSWERED  # how it ended, from the first refusal to the last chunk
     announced: bool = False
     meter: ResponseMeter = field(default_factory=ResponseMeter)
     last_progress: tuple[float, Timings | None] = (0.0, None)
@@ -148,7 +148,7 @@ class RequestLifecycle:
     def finish(self, method: str, path: str, req: ProxyRequest) -> None:
         """The request's end, however it went: the profile's load comes down first, a session learns from a request
         served in full, then exactly one record goes to the history, the bus and the trace."""
-        finished = req.error is None and req.status < 400
+        finished = req.outcome.finished
         assignment, decision, meter = req.assignment, req.decision, req.meter
         line_moved = False
         if req.route is not None:  # first: the profile's load must come down whatever happens
@@ -195,9 +195,9 @@ def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> Reques
         subagent=assignment.subagent if assignment else False,
         profile=req.profile,
         stream=req.parsed.stream if req.parsed is not None else False,
-        status=req.status,
+        status=req.outcome.status,
         outcome="finished" if finished else "failed",
-        error=req.error,
+        error=req.outcome.error,
         timings=meter.timings,
         ttft_ms=meter.first_token_ms,
         ttst_ms=meter.second_token_ms,

@@ -209,13 +209,10 @@ class ResponseMeter:
 
     @property
     def error(self) -> str | None:
+        """The error the server's answer carried (an error event, or an `error` object); the proxy's own verdict on
+        the request is its `Outcome`."""
         self._digest()
         return self._error
-
-    @error.setter
-    def error(self, message: str | None) -> None:
-        self._digest()
-        self._error = message
 
     @property
     def pieces(self) -> int:
