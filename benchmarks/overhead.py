@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from agent_bodies import grown, load
 
-from adaptive_spec.streams.timings import ResponseMeter
+from adaptive_spec.streams.meter import ResponseMeter
 
 ROOT = Path(__file__).resolve().parents[1]
 # llama-server's chat chunk, field for field (b11434). Texts differ from one chunk to the next: LiteLLM ends a stream

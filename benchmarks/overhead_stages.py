@@ -223,8 +223,8 @@ def _chunk_us(watched: bool, events: int = 200, rounds: int = 20) -> float:
     """Relay + meter of one SSE chunk as the handler does it, the meter's batch read at the end included: per chunk,
     over a stream of `events` chunks. Watched (a live view attached): llama-server's chunks carry per-token timings,
     cut out again for a client that did not ask; else they pass as they came."""
+    from adaptive_spec.streams.meter import ResponseMeter
     from adaptive_spec.streams.tap import StreamTap
-    from adaptive_spec.streams.timings import ResponseMeter
 
     chunk = _CHUNK if watched else _CHUNK[: _CHUNK.index(b',"timings"')] + b"}\n\n"
     best = float("inf")

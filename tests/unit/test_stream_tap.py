@@ -9,10 +9,11 @@ from typing import Any
 
 import orjson
 
+from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.streams.output import LiveText
 from adaptive_spec.streams.sse import SSEParser
 from adaptive_spec.streams.tap import StreamTap, cut_progress_timings
-from adaptive_spec.streams.timings import ResponseMeter, without_progress_timings
+from adaptive_spec.streams.timings import without_progress_timings
 
 HEAD = {"created": 1796032146, "id": "chatcmpl-9QEQ", "model": "m.gguf", "system_fingerprint": "b1", "object": "x"}
 

@@ -4,9 +4,10 @@ from typing import Any
 
 import orjson
 
+from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.streams.output import event_output
 from adaptive_spec.streams.sse import SSEEvent
-from adaptive_spec.streams.timings import ResponseMeter, chat_delta_text, find_timings, generated_pieces
+from adaptive_spec.streams.timings import chat_delta_text, find_timings, generated_pieces
 from adaptive_spec.telemetry.records import Timings
 
 TIMINGS = {

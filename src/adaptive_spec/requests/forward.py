@@ -16,8 +16,8 @@ from adaptive_spec.requests.error_responses import answer, as_anthropic, as_clie
 from adaptive_spec.requests.gate import hidden_headers
 from adaptive_spec.requests.outcome import SHUTDOWN, Outcome
 from adaptive_spec.servers.upstreams import Upstream
+from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.streams.tap import StreamTap
-from adaptive_spec.streams.timings import ResponseMeter
 
 _HOP_BY_HOP = frozenset(
     {

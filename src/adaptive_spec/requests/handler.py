@@ -27,8 +27,8 @@ from adaptive_spec.servers.speculation import merge_fields
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.sessions.clients import client_name
 from adaptive_spec.sessions.project import DEFAULT_PROJECT, workspace_path_from_request
+from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.streams.output import LiveText
-from adaptive_spec.streams.timings import ResponseMeter
 
 log = logging.getLogger(__name__)
 # APIs whose streams llama-server can annotate with per-token timings (for the live draft progress). Its Anthropic

@@ -18,7 +18,7 @@ from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.grouping import SessionAssignment
 from adaptive_spec.sessions.project import DEFAULT_PROJECT
 from adaptive_spec.sessions.service import SessionService
-from adaptive_spec.streams.timings import ResponseMeter
+from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.telemetry.bus import EventBus
 from adaptive_spec.telemetry.events import DraftProgress, RequestFailed, RequestFinished, RequestStarted
 from adaptive_spec.telemetry.history import RequestHistory

@@ -14,8 +14,9 @@ from typing import Any
 
 import orjson
 
+from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.streams.sse import SSEEvent, SSEParser, ends_mid_event
-from adaptive_spec.streams.timings import ResponseMeter, is_final_chunk, without_progress_timings
+from adaptive_spec.streams.timings import is_final_chunk, without_progress_timings
 
 _TIMINGS_KEY = b',"timings":{'
 _NOT_FINISHED = b'"finish_reason":null'
