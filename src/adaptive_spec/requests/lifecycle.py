@@ -148,10 +148,18 @@ class RequestLifecycle:
     def finish(self, method: str, path: str, req: ProxyRequest) -> None:
         """The request's end, however it went: the profile's load comes down first, a session learns from a request
         served in full, then exactly one record goes to the history, the bus and the trace."""
-        finished = req.outcome.finished
-        assignment, decision, meter = req.assignment, req.decision, req.meter
+        self._learn(req)
+        record = _record(method, path, req, req.outcome.finished)
+        as_json = record.to_json()
+        self._publish(req, record, as_json)
+        self._trace(req, as_json)
+
+    def _learn(self, req: ProxyRequest) -> None:
+        """The router's load comes down whatever happened (`complete`); a request served in full is learned from,
+        by the router and by the session's statistics."""
+        finished, meter, assignment = req.outcome.finished, req.meter, req.assignment
         line_moved = False
-        if req.route is not None:  # first: the profile's load must come down whatever happens
+        if req.route is not None:
             line_moved = self.router.complete(req.route, Completion(finished, meter.timings, meter.output.text))
         if finished and self.sessions is not None and assignment is not None and req.parsed is not None:
             self.sessions.finished(
@@ -160,25 +168,30 @@ class RequestLifecycle:
                 req.parsed.body,
                 meter.output,
                 req.request_id,
-                side=decision is not None and decision.side,
+                side=req.decision is not None and req.decision.side,
                 line_moved=line_moved,
                 body_bytes=len(req.body),
                 raw_body=req.body,
             )
-        record = _record(method, path, req, finished)
+
+    def _publish(self, req: ProxyRequest, record: RequestRecord, as_json: dict[str, Any]) -> None:
+        """The record into the history, and its events: started (if it never was), the last live text, and one
+        finished-or-failed."""
         self.history.add(record)
-        as_json = record.to_json()
         self.announce(req)
         if req.meter.live is not None:
             self.progress(req, last_one=True)
         self.in_flight.pop(req.request_id, None)
-        self.bus.publish(RequestFinished(record=as_json) if finished else RequestFailed(record=as_json))
+        self.bus.publish(RequestFinished(record=as_json) if req.outcome.finished else RequestFailed(record=as_json))
+
+    def _trace(self, req: ProxyRequest, as_json: dict[str, Any]) -> None:
         trace = self.trace
-        if trace is not None and req.routed.api in GENERATING_APIS:
-            try:
-                trace.request(as_json, req.body, meter.output.text if trace.content else None)
-            except (OSError, ValueError):
-                log.exception("could not write the trace line for request %s", req.request_id)
+        if trace is None or req.routed.api not in GENERATING_APIS:
+            return
+        try:
+            trace.request(as_json, req.body, req.meter.output.text if trace.content else None)
+        except (OSError, ValueError):
+            log.exception("could not write the trace line for request %s", req.request_id)
 
 
 def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> RequestRecord:

@@ -182,6 +182,53 @@ def copyability(session: SessionState, request: RequestState, policy: Policy) ->
     return session.copy_share, src
 
 
+@dataclass(frozen=True, slots=True)
+class _Deciding:
+    """What every rule of one decision sees: the request, its session, the profiles, the speeds and the policy."""
+
+    request: RequestState
+    session: SessionState
+    by_name: Mapping[str, ProfileState]
+    speeds: SpeedModel
+    policy: Policy
+    copy_share: float
+    copy_src: str
+    prompt_tokens: int
+
+    def estimate(self, p: ProfileState) -> Estimate:
+        return _estimate(
+            p, self.request, self.session, self.copy_share, self.prompt_tokens, self.speeds, self.policy, self.by_name
+        )
+
+    def decision(self, name: str, kind: str, reason: str, estimates: tuple[Estimate, ...] = ()) -> Decision:
+        placement = self.session.placement
+        moved = placement.profile if placement is not None and placement.profile != name else None
+        handoff = moved is not None and self.estimate(self.by_name[name]).handoff_s > 0
+        if moved is not None and name in self.session.same_server and "same server" not in reason:
+            reason += f"; same server as {moved}: keeps its KV cache, no handoff"
+        return Decision(
+            profile=name,
+            kind=kind,
+            reason=reason,
+            copy_share=self.copy_share,
+            context_tokens=self.prompt_tokens,
+            moved_from=moved,
+            handoff=handoff,
+            handoff_tokens=placement.cached_tokens if handoff and placement else 0,
+            estimates=estimates,
+        )
+
+    def passed_over(self, name: str) -> str | None:
+        p = self.by_name.get(name)
+        if p is None:
+            return None
+        if p.down_reason is not None:
+            return f"{name} is down ({p.down_reason})"
+        if _overloaded(p, self.policy):
+            return f"{name} is overloaded ({p.in_flight} in flight for {p.slots} slot(s))"
+        return None
+
+
 def decide(
     request: RequestState,
     session: SessionState,
@@ -189,127 +236,104 @@ def decide(
     speeds: SpeedModel,
     policy: Policy,
 ) -> Decision:
-    """The profile for this request, and why. One function on purpose (longer than the house's ~50 lines): the
-    rules apply in order (pin, healthy and not overloaded, force, only one allowed, a plain first turn, estimates,
-    where the KV lives, dwell and hysteresis, exploration), and reading them top to bottom is reading the policy."""
-    by_name = {p.name: p for p in profiles}
+    """The profile for this request, and why. The rules apply in order, and reading them top to bottom is reading
+    the policy: a pin; healthy and not overloaded; a forced profile; the only one allowed (`_by_policy`); a plain
+    first turn, the estimates, where the KV lives, dwell and hysteresis, exploration (`_by_estimate`)."""
     copy_share, copy_src = copyability(session, request, policy)
     prompt_tokens = (
         request.prompt_tokens if request.prompt_tokens is not None else speeds.prompt_tokens(request.body_bytes)
     )
-    placement = session.placement
-
-    def decision(name: str, kind: str, reason: str, estimates: tuple[Estimate, ...] = ()) -> Decision:
-        moved = placement.profile if placement is not None and placement.profile != name else None
-        handoff = (
-            moved is not None
-            and _estimate(by_name[name], request, session, copy_share, prompt_tokens, speeds, policy, by_name).handoff_s
-            > 0
-        )
-        if moved is not None and name in session.same_server and "same server" not in reason:
-            reason += f"; same server as {moved}: keeps its KV cache, no handoff"
-        return Decision(
-            profile=name,
-            kind=kind,
-            reason=reason,
-            copy_share=copy_share,
-            context_tokens=prompt_tokens,
-            moved_from=moved,
-            handoff=handoff,
-            handoff_tokens=placement.cached_tokens if handoff and placement else 0,
-            estimates=estimates,
-        )
-
+    by_name = {p.name: p for p in profiles}
+    c = _Deciding(request, session, by_name, speeds, policy, copy_share, copy_src, prompt_tokens)
     if request.pinned is not None and request.pinned in by_name:
-        return decision(request.pinned, "pinned", f"{request.pinned}: pinned by {request.pinned_by}")
-
+        return c.decision(request.pinned, "pinned", f"{request.pinned}: pinned by {request.pinned_by}")
     allowed = [by_name[n] for n in policy.route.profiles if n in by_name] or list(profiles)
+    usable = _usable(allowed, profiles, policy)
+    if not usable:
+        first = allowed[0] if allowed else profiles[0]
+        return c.decision(first.name, "fallback", f"{first.name}: every profile is down")
+    return _by_policy(c, allowed, usable) or _by_estimate(c, allowed, usable)
+
+
+def _usable(allowed: list[ProfileState], profiles: Sequence[ProfileState], policy: Policy) -> list[ProfileState]:
+    """The allowed profiles that are up and not overloaded; else the least loaded healthy one; else any healthy."""
     healthy = [p for p in allowed if p.down_reason is None]
     usable = [p for p in healthy if not _overloaded(p, policy)]
     if not usable:
         usable = sorted(healthy, key=lambda p: p.in_flight - p.slots)[:1]
     if not usable:  # nothing healthy among the allowed profiles: try any healthy one
         usable = [p for p in profiles if p.down_reason is None][:1]
-    if not usable:
-        first = allowed[0] if allowed else profiles[0]
-        return decision(first.name, "fallback", f"{first.name}: every profile is down")
+    return usable
 
-    def passed_over(name: str) -> str | None:
-        p = by_name.get(name)
-        if p is None:
-            return None
-        if p.down_reason is not None:
-            return f"{name} is down ({p.down_reason})"
-        if _overloaded(p, policy):
-            return f"{name} is overloaded ({p.in_flight} in flight for {p.slots} slot(s))"
-        return None
 
-    force = policy.route.force
-    if force is not None and force in by_name:
-        why = passed_over(force)
+def _by_policy(c: _Deciding, allowed: list[ProfileState], usable: list[ProfileState]) -> Decision | None:
+    """A profile the policy forces, or the only one it allows; None: the estimates decide."""
+    force = c.policy.route.force
+    if force is not None and force in c.by_name:
+        why = c.passed_over(force)
         if why is None:
-            return decision(force, "forced", f"{force}: forced by the policy")
-        alt = min(
-            (_estimate(p, request, session, copy_share, prompt_tokens, speeds, policy, by_name) for p in usable),
-            key=lambda e: e.total_s,
-        ).profile
-        return decision(alt, "fallback", f"{alt}: the policy forces {force}, but {why}")
-
+            return c.decision(force, "forced", f"{force}: forced by the policy")
+        alt = min((c.estimate(p) for p in usable), key=lambda e: e.total_s).profile
+        return c.decision(alt, "fallback", f"{alt}: the policy forces {force}, but {why}")
     if len(allowed) == 1 and usable[0].name == allowed[0].name:
-        return decision(usable[0].name, "only", f"{usable[0].name}: the only profile the policy allows")
+        return c.decision(usable[0].name, "only", f"{usable[0].name}: the only profile the policy allows")
+    return None
 
+
+def _by_estimate(c: _Deciding, allowed: list[ProfileState], usable: list[ProfileState]) -> Decision:
+    """The estimated fastest profile, unless the session stays where its KV lives (dwell, hysteresis)."""
+    placement, copy_share, copy_src = c.session.placement, c.copy_share, c.copy_src
     if placement is None and copy_share <= 0.0:
         # A first turn with nothing to copy goes to a profile without n-gram drafting (its pool starts empty and
         # the estimate could only tell noise apart), when the policy allows one.
-        plain = [p for p in allowed if not speeds.is_ngram(p.name)]
+        plain = [p for p in allowed if not c.speeds.is_ngram(p.name)]
         if plain:
             allowed = plain
-            usable = [p for p in usable if not speeds.is_ngram(p.name)] or usable
-    everywhere = {
-        p.name: _estimate(p, request, session, copy_share, prompt_tokens, speeds, policy, by_name) for p in allowed
-    }
+            usable = [p for p in usable if not c.speeds.is_ngram(p.name)] or usable
+    everywhere = {p.name: c.estimate(p) for p in allowed}
     estimates = tuple(everywhere[p.name] for p in usable if p.name in everywhere) or tuple(
-        _estimate(p, request, session, copy_share, prompt_tokens, speeds, policy, by_name) for p in usable
+        c.estimate(p) for p in usable
     )  # order = the policy's order: ties go to the first
     best = min(estimates, key=lambda e: e.total_s)
-    by_est = {e.profile: e for e in estimates}
-    here = by_est.get(placement.profile) if placement is not None else None
+    here = next((e for e in estimates if e.profile == placement.profile), None) if placement is not None else None
 
     if placement is not None and here is None:  # its KV lives on a profile that is down or overloaded
-        why = passed_over(placement.profile) or f"{placement.profile} is not allowed by the policy"
-        reason = f"{best.profile}: {why}; {_move_text(best, session)}"
-        return decision(best.profile, "fallback", reason, estimates)
+        why = c.passed_over(placement.profile) or f"{placement.profile} is not allowed by the policy"
+        return c.decision(best.profile, "fallback", f"{best.profile}: {why}; {_move_text(best, c.session)}", estimates)
     ideal = min(everywhere.values(), key=lambda e: e.total_s) if everywhere else best
     if placement is None and ideal.profile != best.profile:  # the estimated best is down or overloaded
-        why = passed_over(ideal.profile)
-        reason = f"{best.profile}: {why}, the estimate's choice; copyable {copy_share:.0%} ({copy_src})"
-        return decision(best.profile, "fallback", reason, estimates)
+        why = f"{c.passed_over(ideal.profile)}, the estimate's choice"
+        reason = f"{best.profile}: {why}; copyable {copy_share:.0%} ({copy_src})"
+        return c.decision(best.profile, "fallback", reason, estimates)
+    if here is not None and placement is not None and best.profile != here.profile:
+        stays = _stays(c, placement, here, best)
+        if stays is not None:
+            return c.decision(here.profile, "stay", stays, estimates)
 
-    if here is not None and best.profile != here.profile:
-        assert placement is not None
-        gain = 1.0 - best.total_s / here.total_s if here.total_s > 0 else 0.0
-        # The dwell spares a session paying for moves back and forth; a move on its own server costs nothing.
-        free = best.profile in session.same_server
-        if placement.turns_here < policy.route.min_dwell_turns and placement.cached_tokens > 0 and not free:
-            reason = (
-                f"{here.profile}: stays (turn {placement.turns_here} of a {policy.route.min_dwell_turns}-turn dwell); "
-                f"{best.profile} est {gain:.0%} faster; copyable {copy_share:.0%} ({copy_src})"
-            )
-            return decision(here.profile, "stay", reason, estimates)
-        if gain < policy.route.hysteresis:
-            reason = (
-                f"{here.profile}: stays; {best.profile} est only {gain:.0%} faster (hysteresis "
-                f"{policy.route.hysteresis:.0%}); copyable {copy_share:.0%} ({copy_src})"
-            )
-            return decision(here.profile, "stay", reason, estimates)
+    chosen, kind = best, "estimate"
+    if placement is None and c.request.explore_draw < c.policy.route.explore and len(estimates) > 1:
+        chosen, kind = sorted(estimates, key=lambda e: e.total_s)[1], "explore"
+    reason = _reason(chosen, estimates, copy_share, copy_src, c.session, kind)
+    return c.decision(chosen.profile, kind, reason, estimates)
 
-    chosen = best
-    kind = "estimate"
-    if placement is None and request.explore_draw < policy.route.explore and len(estimates) > 1:
-        chosen = sorted(estimates, key=lambda e: e.total_s)[1]
-        kind = "explore"
-    reason = _reason(chosen, estimates, copy_share, copy_src, session, kind)
-    return decision(chosen.profile, kind, reason, estimates)
+
+def _stays(c: _Deciding, placement: Placement, here: Estimate, best: Estimate) -> str | None:
+    """Why the session stays where its KV lives though `best` is estimated faster, or None: it moves."""
+    gain = 1.0 - best.total_s / here.total_s if here.total_s > 0 else 0.0
+    route, copyable = c.policy.route, f"copyable {c.copy_share:.0%} ({c.copy_src})"
+    # The dwell spares a session paying for moves back and forth; a move on its own server costs nothing.
+    free = best.profile in c.session.same_server
+    if placement.turns_here < route.min_dwell_turns and placement.cached_tokens > 0 and not free:
+        return (
+            f"{here.profile}: stays (turn {placement.turns_here} of a {route.min_dwell_turns}-turn dwell); "
+            f"{best.profile} est {gain:.0%} faster; {copyable}"
+        )
+    if gain < route.hysteresis:
+        return (
+            f"{here.profile}: stays; {best.profile} est only {gain:.0%} faster (hysteresis "
+            f"{route.hysteresis:.0%}); {copyable}"
+        )
+    return None
 
 
 def _move_text(chosen: Estimate, session: SessionState) -> str:

@@ -244,131 +244,158 @@ def announce(root: str, default_profile: str) -> None:
     )
 
 
-async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
+@dataclass
+class _Run:
+    """What one `serve` run holds until it stops (one task's own): released by `close()` whatever happened."""
+
+    plan: ServePlan
+    sockets: list[socket.socket]
+    client: aiohttp.ClientSession
     launcher: Launcher | None = None
     launched: Launched | None = None
     run_dir: Path | None = None
     runner: web.AppRunner | None = None
-    keep_logs = False
-    sockets = listen(plan.host, plan.port)
-    client = aiohttp.ClientSession()
+    keep_logs: bool = False  # a start-up error names a log file: it must still be there to be read
+
+    async def close(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+        for sock in self.sockets:
+            sock.close()
+        await self.client.close()
+        if self.launcher is not None:
+            await self.launcher.stop()
+        if self.run_dir is not None and self.keep_logs:
+            shutil.rmtree(self.run_dir / "slots", ignore_errors=True)
+            say(f"the profiles' logs are kept in {self.run_dir / 'logs'}")
+        elif self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
+    run = _Run(plan, listen(plan.host, plan.port), aiohttp.ClientSession())
     try:
-        names = list(dict.fromkeys(a.name for a in plan.attach)) + (
-            [s.name for s in plan.launch.specs] if plan.launch else []
-        )
-        if plan.default_profile is not None and plan.default_profile not in names:
-            raise ConfigError(f"--default-profile {plan.default_profile!r} is not one of {', '.join(names)}")
-        # A bad policy file stops us before any server starts.
-        policies = PolicyStore(
-            plan.policy_file, names, config_dir(), read_workspace_files=plan.workspace_policies, log=say
-        )
+        policies = _policies(plan)  # a bad policy file stops us before any server starts
         upstreams = [Upstream(a.name, a.base_url, a.upstream_model, speculation=a.speculation) for a in plan.attach]
         if plan.launch is not None:
-            state_dir().mkdir(parents=True, exist_ok=True)
-            run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=state_dir()))
-            launch = plan.launch
-            first = first_servers(launch.specs, launch.one_server)
-            device = device_report(launch.device_memory_mib)
-            for line in launch_lines(first, launch.settings, device, planned_design(first, launch.specs)):
-                say(line)
-            launcher = Launcher(
-                launch.binary,
-                first,
-                launch.settings,
-                run_dir=run_dir,
-                say=say,
-                health_timeout_s=launch.start_timeout_s,
-            )
-            try:
-                if not await _until_stopped(launcher.start(), stop):
-                    return
-                launched = await settle(launcher, launch.specs, client, lambda work: _until_stopped(work, stop))
-                if launched is None:
-                    return
-                if len(first) < len(launch.specs) and launched.design == STOCK:  # the others' servers were added
-                    for line in launch_lines(launch.specs, launch.settings, device, "a stock llama-server"):
-                        say(line)
-            except LaunchError:
-                keep_logs = True  # the error names a log file: it must still be there to be read
-                raise
-            upstreams = launched.upstreams
+            launched = await _launch(run, plan.launch, stop)
+            if launched is None:
+                return  # stopped while starting
+            upstreams = launched
         bus = EventBus()  # every service below publishes on it: handed to each constructor
         table = UpstreamTable(upstreams, plan.default_profile, publish=bus.publish)
-        if launcher is not None and launched is not None:
-            launcher.set_health_hooks(*health_hooks(launched, table))
-        upstreams = table.all()  # each replica numbered within its profile's pool
-        infos, servers = await probe_profiles(client, upstreams, plan.launch.specs if plan.launch else None)
-        for line in startup_lines(infos, servers, launched.design if launched is not None else None):
-            say(line)
-        mismatch = replica_mismatch(infos) or model_mismatch(infos) or speculation_problem(infos)
-        if mismatch:
-            raise ProfileMismatchError(mismatch)
-        default = table.get(table.default)
-        assert default is not None
-        attached = next((i.model_path for i in infos if i.name == table.default and i.replica == 0), "")
-        tokenizer = await _tokenizer(plan, client, default.base_url, attached)
-        sp = plan.sessions
-        tracker = ContextTracker(
-            sp.ngram, max_sessions=sp.max_sessions, max_tokens=sp.max_tokens, idle_expiry_s=sp.idle_expiry_s
-        )
-        sessions = SessionService(tracker, tokenizer, sp.key_projects, publish=bus.publish, worker_process=True)
-        say(f"sessions: tokens from {tokenizer.name if tokenizer else 'nowhere (statistics off)'}")
-        trace = None
-        if plan.trace_path is not None:
-            try:
-                trace = TraceWriter(plan.trace_path, max_bytes=plan.trace_max_bytes, content=plan.trace_content)
-            except OSError as exc:
-                raise ConfigError(f"--trace {plan.trace_path}: {exc.strerror or exc}") from exc
-            trace.write({"kind": "profiles", "at_unix": time.time(), "profiles": [asdict(i) for i in infos]})
-            say(f"trace: {plan.trace_path}" + (" (with prompts and replies)" if plan.trace_content else ""))
-        slot_dir = run_dir / "slots" if run_dir is not None else plan.slot_dir
-        kv = await _kv_setup(plan, client, table, infos, slot_dir, say)
-        described = policies.describe("default", None)
-        say(
-            f"routing: policy from {', '.join(described['sources']) or 'built-in defaults'}; KV handoff "
-            + ("on (slot files in " + str(slot_dir) + ")" if slot_dir else "off (no shared slot directory)")
-            + ("; between hosts through the kv-relays" if plan.relays is not None else "")
-        )
-        app = build_app(
-            table,
-            plan.proxy,
-            sessions,
-            bus=bus,
-            trace=trace,
-            profiles=infos,
-            policies=policies,
-            servers=servers,
-            kv=kv,
-            restart=restarter(launched, launcher) if launcher is not None and launched is not None else None,
-            access=plan.access,
-        )
+        if run.launcher is not None and run.launched is not None:
+            run.launcher.set_health_hooks(*health_hooks(run.launched, table))
+        app = await _app(run, policies, table, bus)
         say(describe_access(plan.access))
         # The shutdown grace is the app's own (it tells each request it ends); aiohttp then waits for them briefly.
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
-        await runner.setup()
-        for sock in sockets:
-            await web.SockSite(runner, sock).start()
-        announce(base_url(plan.host, sockets[0]), table.default)
+        run.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+        await run.runner.setup()
+        for sock in run.sockets:
+            await web.SockSite(run.runner, sock).start()
+        announce(base_url(plan.host, run.sockets[0]), table.default)
         await stop.wait()
         running = len(app[LIFECYCLE].handlers)
-        say(
-            f"stopping; {running} requests in flight get up to {plan.proxy.shutdown_grace_s:g} s"
-            if running
-            else "stopping"
-        )
+        grace = plan.proxy.shutdown_grace_s
+        say(f"stopping; {running} requests in flight get up to {grace:g} s" if running else "stopping")
     finally:
-        if runner is not None:
-            await runner.cleanup()
-        for sock in sockets:
-            sock.close()
-        await client.close()
-        if launcher is not None:
-            await launcher.stop()
-        if run_dir is not None and keep_logs:
-            shutil.rmtree(run_dir / "slots", ignore_errors=True)
-            say(f"the profiles' logs are kept in {run_dir / 'logs'}")
-        elif run_dir is not None:
-            shutil.rmtree(run_dir, ignore_errors=True)
+        await run.close()
+
+
+def _policies(plan: ServePlan) -> PolicyStore:
+    names = list(dict.fromkeys(a.name for a in plan.attach)) + (
+        [s.name for s in plan.launch.specs] if plan.launch else []
+    )
+    if plan.default_profile is not None and plan.default_profile not in names:
+        raise ConfigError(f"--default-profile {plan.default_profile!r} is not one of {', '.join(names)}")
+    return PolicyStore(plan.policy_file, names, config_dir(), read_workspace_files=plan.workspace_policies, log=say)
+
+
+async def _launch(run: _Run, launch: LaunchPlan, stop: asyncio.Event) -> list[Upstream] | None:
+    """Start the profiles' llama-servers (one for all, or the stock fallback's one per profile); None: stopped."""
+    state_dir().mkdir(parents=True, exist_ok=True)
+    run.run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=state_dir()))
+    first = first_servers(launch.specs, launch.one_server)
+    device = device_report(launch.device_memory_mib)
+    for line in launch_lines(first, launch.settings, device, planned_design(first, launch.specs)):
+        say(line)
+    run.launcher = launcher = Launcher(
+        launch.binary, first, launch.settings, run_dir=run.run_dir, say=say, health_timeout_s=launch.start_timeout_s
+    )
+    try:
+        if not await _until_stopped(launcher.start(), stop):
+            return None
+        run.launched = await settle(launcher, launch.specs, run.client, lambda work: _until_stopped(work, stop))
+        if run.launched is None:
+            return None
+        if len(first) < len(launch.specs) and run.launched.design == STOCK:  # the others' servers were added
+            for line in launch_lines(launch.specs, launch.settings, device, "a stock llama-server"):
+                say(line)
+    except LaunchError:
+        run.keep_logs = True  # the error names a log file: it must still be there to be read
+        raise
+    return run.launched.upstreams
+
+
+async def _app(run: _Run, policies: PolicyStore, table: UpstreamTable, bus: EventBus) -> web.Application:
+    """Probe the profiles, check they serve one model, and build the proxy around them."""
+    plan, client, launched, launcher = run.plan, run.client, run.launched, run.launcher
+    infos, servers = await probe_profiles(client, table.all(), plan.launch.specs if plan.launch else None)
+    for line in startup_lines(infos, servers, launched.design if launched is not None else None):
+        say(line)
+    mismatch = replica_mismatch(infos) or model_mismatch(infos) or speculation_problem(infos)
+    if mismatch:
+        raise ProfileMismatchError(mismatch)
+    sessions = await _sessions(plan, client, table, infos, bus)
+    trace = _trace(plan, infos)
+    slot_dir = run.run_dir / "slots" if run.run_dir is not None else plan.slot_dir
+    kv = await _kv_setup(plan, client, table, infos, slot_dir, say)
+    described = policies.describe("default", None)
+    say(
+        f"routing: policy from {', '.join(described['sources']) or 'built-in defaults'}; KV handoff "
+        + ("on (slot files in " + str(slot_dir) + ")" if slot_dir else "off (no shared slot directory)")
+        + ("; between hosts through the kv-relays" if plan.relays is not None else "")
+    )
+    return build_app(
+        table,
+        plan.proxy,
+        sessions,
+        bus=bus,
+        trace=trace,
+        profiles=infos,
+        policies=policies,
+        servers=servers,
+        kv=kv,
+        restart=restarter(launched, launcher) if launcher is not None and launched is not None else None,
+        access=plan.access,
+    )
+
+
+async def _sessions(
+    plan: ServePlan, client: aiohttp.ClientSession, table: UpstreamTable, infos: list[ProfileInfo], bus: EventBus
+) -> SessionService:
+    default = table.get(table.default)
+    assert default is not None
+    attached = next((i.model_path for i in infos if i.name == table.default and i.replica == 0), "")
+    tokenizer = await _tokenizer(plan, client, default.base_url, attached)
+    sp = plan.sessions
+    tracker = ContextTracker(
+        sp.ngram, max_sessions=sp.max_sessions, max_tokens=sp.max_tokens, idle_expiry_s=sp.idle_expiry_s
+    )
+    say(f"sessions: tokens from {tokenizer.name if tokenizer else 'nowhere (statistics off)'}")
+    return SessionService(tracker, tokenizer, sp.key_projects, publish=bus.publish, worker_process=True)
+
+
+def _trace(plan: ServePlan, infos: list[ProfileInfo]) -> TraceWriter | None:
+    if plan.trace_path is None:
+        return None
+    try:
+        trace = TraceWriter(plan.trace_path, max_bytes=plan.trace_max_bytes, content=plan.trace_content)
+    except OSError as exc:
+        raise ConfigError(f"--trace {plan.trace_path}: {exc.strerror or exc}") from exc
+    trace.write({"kind": "profiles", "at_unix": time.time(), "profiles": [asdict(i) for i in infos]})
+    say(f"trace: {plan.trace_path}" + (" (with prompts and replies)" if plan.trace_content else ""))
+    return trace
 
 
 async def _kv_setup(
