@@ -1,7 +1,7 @@
 """The bench's reference rows and its verdicts: adaptive against each static profile and the references, every ratio
 with a 95% interval (bench/stats.py). Pure: records in, values and text out.
 
-Two references are built from the passes (docs/architecture.md, "Benchmarks"):
+Two references are built from the passes (docs/benchmarks.md, "Routing: what this machine can show"):
 
 - "best static per request": per request, the static pass that decoded it fastest. It is NOT an upper bound on the
   adaptive route. Each static pass runs the whole workload on one server with one slot, so interleaved sessions

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from adaptive_spec.kv.costs import LinkCosts
+
 # Bytes per element of llama.cpp's KV cache types (`--cache-type-k/-v`): q8_0 and q4_0 store blocks of 32 values
 # with one f16 scale (34 and 18 bytes a block).
 CACHE_TYPES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
@@ -81,11 +83,13 @@ def remote_row(a: Assumptions, arch: Architecture, cache_type: str, link_gbit: f
     per_token = arch.kv_bytes_per_token(cache_type)
     size = per_token * a.prompt_tokens
     link = link_gbit * 1e9 / 8
-    save, transfer, restore = size / a.save_bytes_per_s, size / link, size / a.restore_bytes_per_s
+    # The slot file's trip, priced by the proxy's own model of it (kv/costs.py), at this row's facts.
+    wire = LinkCosts(1.0, bytes_per_token_prior=per_token, bandwidth_prior_bytes_per_s=link)
+    save, transfer, restore = size / a.save_bytes_per_s, wire.transfer_s(a.prompt_tokens), size / a.restore_bytes_per_s
     remote_prefill = a.prompt_tokens / a.remote_prefill_tps
     # Per token, the remote path costs its prefill plus moving its bytes; the local path 1/local_tps.
-    remote_per_token = 1 / a.remote_prefill_tps + per_token * (
-        1 / a.save_bytes_per_s + 1 / link + 1 / a.restore_bytes_per_s
+    remote_per_token = (
+        1 / a.remote_prefill_tps + per_token * (1 / a.save_bytes_per_s + 1 / a.restore_bytes_per_s) + wire.transfer_s(1)
     )
     gain = 1 / local_tps - remote_per_token
     return RemoteRow(

@@ -1,5 +1,5 @@
 """The memory a launch will hold, said before it is spent: the GGUFs' dimensions read here, the GPU asked through
-`nvidia-smi` (or stated by the user), the sums and the verdict from `core.memory`."""
+`nvidia-smi` (or stated by the user), the sums and the verdict from `servers/memory.py`."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def _kv_type(extra_args: Sequence[str]) -> str:
 
 
 def server_plans(specs: Sequence[ProfileSpec], settings: ServerSettings) -> list[ServerPlan] | None:
-    """Each server to launch as `core.memory` sizes it; None when a model is not a local file (`hf:`: llama-server
+    """Each server to launch as `servers/memory.py` sizes it; None when a model is not a local file (`hf:`: llama-server
     downloads it) or its header cannot be read."""
     if settings.model.path is None:
         return None

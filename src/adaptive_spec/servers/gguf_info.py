@@ -1,4 +1,4 @@
-"""A GGUF's metadata header, read without loading its tensors: the dimensions `core.memory` sizes a cache from."""
+"""A GGUF's metadata header, read without loading its tensors: the dimensions `servers/memory.py` sizes a cache from."""
 
 from __future__ import annotations
 

@@ -116,7 +116,7 @@ def server_argv(
     return argv
 
 
-# Measured on the embedded Qwen2.5-Coder-0.5B (docs/architecture.md, "Choosing ngram-mod parameters").
+# Measured on the embedded Qwen2.5-Coder-0.5B (docs/benchmarks.md, "Choosing ngram-mod parameters").
 SMALL_MODEL_NGRAM_MOD = NgramModParams(n_match=24, n_min=48, n_max=64)
 
 

@@ -52,7 +52,7 @@ class EventBus:
         self._listeners: list[Callable[[Event], None]] = []
 
     def listen(self, listener: Callable[[Event], None]) -> None:
-        """A synchronous consumer of every event (metrics, trace), called in publish order."""
+        """A synchronous consumer of every event (the Prometheus metrics), called in publish order."""
         self._listeners.append(listener)
 
     def publish(self, event: Event) -> None:

@@ -1,4 +1,5 @@
-"""The opt-in JSONL trace: one line per request (and per session turn), rotated by size.
+"""The opt-in JSONL trace: one line per generating request (written by the request lifecycle) after a line naming
+the profiles (written by `serve` at start), rotated by size.
 
 Prompts are not stored unless asked for (`--trace-content`): a line carries the request body's sha256 and token
 counts; with content it also carries the request body and the generated text. A trace that cannot be written (disk

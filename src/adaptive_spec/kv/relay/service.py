@@ -107,11 +107,14 @@ def check_model(request: web.Request) -> web.Response | None:
     return error(409, problem, "model_mismatch") if problem else None
 
 
-def _slot_path(request: web.Request) -> Path | web.Response:
+def _slot_path(request: web.Request, same_model: bool = False) -> Path | web.Response:
+    """The slot file the request names, or the refusal: a name a relay does not handle, or (`same_model`) a
+    sender whose model is not this relay's."""
     name = request.match_info["name"]
     if not valid_relay_name(name):
         return error(400, NAME_RULE, "bad_name")
-    return request.app[SETTINGS].slot_dir / name
+    refused = check_model(request) if same_model else None
+    return refused if refused is not None else request.app[SETTINGS].slot_dir / name
 
 
 class Throttle:
@@ -158,12 +161,9 @@ async def _probe(request: web.Request) -> web.StreamResponse:
 
 
 async def _download(request: web.Request) -> web.StreamResponse:
-    path = _slot_path(request)
+    path = _slot_path(request, same_model=True)
     if isinstance(path, web.Response):
         return path
-    refused = check_model(request)
-    if refused is not None:
-        return refused
     # Opened before hashing: a delete racing this download cannot leave the headers promising a missing file.
     fh = await asyncio.to_thread(_open_regular, path)
     if fh is None:
@@ -185,12 +185,9 @@ async def _download(request: web.Request) -> web.StreamResponse:
 
 
 async def _upload(request: web.Request) -> web.Response:
-    path = _slot_path(request)
+    path = _slot_path(request, same_model=True)
     if isinstance(path, web.Response):
         return path
-    refused = check_model(request)
-    if refused is not None:
-        return refused
     expected = request.headers.get(SHA256_HEADER, "").strip().lower()
     if not valid_sha256(expected):
         return error(400, f"{SHA256_HEADER} must carry the file's sha256 (64 hex digits)", "checksum_required")
