@@ -15,6 +15,7 @@ import pytest
 
 from adaptive_spec.tui.app import make_app
 from tests.support.servers import ProxyProcess
+from tests.support.sse import stream_events
 from tests.support.waiting import turns, until
 
 FILE = "\n".join(f"def item_{i}(price: float) -> float:\n    return price * {i} + {i % 7}\n" for i in range(24))
@@ -46,10 +47,9 @@ def _stream(proxy: ProxyProcess) -> str:
     req = urllib.request.Request(proxy.base + "/v1/chat/completions", json.dumps(body).encode(), headers)
     text = []
     with urllib.request.urlopen(req, timeout=600) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if line.startswith("data: {"):
-                for choice in json.loads(line[6:]).get("choices") or []:
+        for event in stream_events(resp):
+            if event.data.startswith("{"):
+                for choice in json.loads(event.data).get("choices") or []:
                     text.append((choice.get("delta") or {}).get("content") or "")
     return "".join(text)
 

@@ -16,6 +16,7 @@ from textual.pilot import Pilot
 from textual.widgets import DataTable
 
 from adaptive_spec.tui.app import DashboardApp, make_app
+from adaptive_spec.tui.screens import DetailScreen
 from tests.support.waiting import until, within
 
 FEED = Path(__file__).parent / "data" / "feed.jsonl"
@@ -66,10 +67,19 @@ def test_dashboard_narrow(snap_compare: Callable[..., bool]) -> None:
     assert snap_compare(_app(), terminal_size=(80, 24), run_before=_settle)
 
 
+async def _settle_screen(pilot: Pilot[None]) -> None:
+    await within(pilot.wait_for_scheduled_animations(), "the detail screen's animations")
+    await pilot.pause(0.2)
+
+
 def test_session_detail(snap_compare: Callable[..., bool]) -> None:
     async def open_detail(pilot: Pilot[None]) -> None:
         await _settle(pilot)
+        table = pilot.app.query_one(DataTable)
+        table.show_cursor = True  # _settle hides it, and a table without a cursor selects nothing on Enter
+        table.move_cursor(row=0)
         await pilot.press("enter")
-        await pilot.pause(0.3)
+        await until(lambda: isinstance(pilot.app.screen, DetailScreen), "the session's detail screen", step=pilot.pause)
+        await _settle_screen(pilot)
 
     assert snap_compare(_app(), terminal_size=(120, 36), run_before=open_detail)

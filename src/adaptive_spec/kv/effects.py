@@ -46,13 +46,17 @@ class KvEffects:
     def can_move(self, source: SlotAt, target: SlotAt) -> bool:
         """Whether a slot file saved by one server can be restored by the other (a router-mode preset, `URL#MODEL`,
         takes no slot actions)."""
+        if self.mover is None:
+            return False
         there, here = self.table.get(source.profile, source.replica), self.table.get(target.profile, target.replica)
-        return self.mover is not None and there is not None and here is not None and self.mover.can_move(there, here)
+        return there is not None and here is not None and self.mover.can_move(there, here)
 
     def transfers(self, source: SlotAt, target: SlotAt) -> bool:
         """Whether that file crosses hosts (the cost model adds its transfer)."""
+        if self.mover is None:
+            return False
         there, here = self.table.get(source.profile, source.replica), self.table.get(target.profile, target.replica)
-        return self.mover is not None and there is not None and here is not None and self.mover.transfers(there, here)
+        return there is not None and here is not None and self.mover.transfers(there, here)
 
     async def move_slot(self, move: SlotMove) -> HandoffResult:
         """Save, transfer, restore; the file goes whatever the outcome."""
@@ -76,6 +80,10 @@ class KvEffects:
         return HandoffResult(
             True, moved.n_saved, moved.save_s, moved.restore_s, transfer_s=moved.transfer_s, bytes=moved.bytes
         )
+
+    @property
+    def prefills_elsewhere(self) -> bool:
+        return self.remote is not None
 
     async def prefill_elsewhere(self, ask: PrefillAsk) -> PrefillAnswer | None:
         """Remote prefill when the proxy has one (`serve --pp-server`) and its cost model says so; None: no remote."""

@@ -72,8 +72,13 @@ class Effects(Protocol):
 
     async def move_slot(self, move: SlotMove) -> HandoffResult: ...
 
+    @property
+    def prefills_elsewhere(self) -> bool:
+        """Whether there is a remote prefill to ask at all."""
+        ...
+
     async def prefill_elsewhere(self, ask: PrefillAsk) -> PrefillAnswer | None:
-        """None: there is no remote prefill."""
+        """None: not prefilled elsewhere (no remote prefill here for this server)."""
         ...
 
     def publish(self, event: Event) -> None: ...
@@ -90,6 +95,10 @@ class NoEffects:
 
     async def move_slot(self, move: SlotMove) -> HandoffResult:
         return HandoffResult(False, 0, 0.0, 0.0, "nothing to hand over")
+
+    @property
+    def prefills_elsewhere(self) -> bool:
+        return False
 
     async def prefill_elsewhere(self, ask: PrefillAsk) -> PrefillAnswer | None:
         return None

@@ -289,7 +289,7 @@ class Router:
         route = Route(decision, slot, request.session_id, request.body_bytes, pieces=pieces, has_tools=has_tools)
         if decision.handoff and request.session_id is not None:
             return replace(route, handoff=await self._hand_off(decision, request.session_id, slot))
-        if request.prefill_path is not None:
+        if request.prefill_path is not None and self.effects.prefills_elsewhere:
             return await self._prefill_elsewhere(route, request)
         return route
 
