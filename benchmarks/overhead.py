@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from agent_bodies import grown, load
 
+from adaptive_spec.servers.launcher import free_port
 from adaptive_spec.streams.meter import ResponseMeter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,12 +299,6 @@ def _rows(res: dict[str, list[tuple[float, float]]], body: str, conc: int) -> li
     return rows
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 async def _wait(url: str, seconds: float = 180) -> None:
     data, headers = _payload(Body("tiny", None), 0, 0)
     deadline = time.monotonic() + seconds
@@ -340,7 +335,7 @@ def _start_children(
     args: argparse.Namespace, up: int, tmp: Path
 ) -> tuple[dict[str, str], list[subprocess.Popen[bytes]]]:
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    ports = {"adaptive-spec": _free_port(), "LiteLLM": _free_port()}
+    ports = {"adaptive-spec": free_port("127.0.0.1"), "LiteLLM": free_port("127.0.0.1")}
     serve = [sys.executable, "-m", "adaptive_spec", "serve", "--port", str(ports["adaptive-spec"])]
     serve += ["--profile", f"plain=http://127.0.0.1:{up}", *args.serve_arg]
     children = [_spawn(serve, tmp / "adaptive-spec.log", env)]
@@ -348,7 +343,7 @@ def _start_children(
     PIDS["adaptive-spec"] = children[-1].pid
     for spec in args.other_src:  # another version of adaptive-spec, from its own source tree, in the same run
         name, _, src = spec.partition("=")
-        port = _free_port()
+        port = free_port("127.0.0.1")
         serve[serve.index("--port") + 1] = str(port)
         other_env = {**env, "PYTHONPATH": f"{Path(src).resolve()}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         children.append(_spawn(serve, tmp / f"{name}.log", other_env))
@@ -356,14 +351,14 @@ def _start_children(
         PIDS[name] = children[-1].pid
     for spec in args.variant:  # the same version with other `serve` arguments: what a part of it costs
         name, _, extra = spec.partition("=")
-        port = _free_port()
+        port = free_port("127.0.0.1")
         variant = [*serve, *extra.split()]
         variant[variant.index("--port") + 1] = str(port)
         children.append(_spawn(variant, tmp / f"{name}.log", env))
         urls[name] = f"http://127.0.0.1:{port}{PATH}"
         PIDS[name] = children[-1].pid
     if args.watched:  # a second one with a live view attached (see _watch): per-token timings asked and cut again
-        port = _free_port()
+        port = free_port("127.0.0.1")
         serve[serve.index("--port") + 1] = str(port)
         children.append(_spawn(serve, tmp / "adaptive-spec-watched.log", env))
         urls["adaptive-spec watched"] = f"http://127.0.0.1:{port}{PATH}"
@@ -520,7 +515,7 @@ def main() -> int:
     if args.litellm and not Path(args.litellm).exists():
         parser.error(f"--litellm {args.litellm}: no such file")
     ctx = multiprocessing.get_context("spawn")
-    up, floor, floor_read = _free_port(), _free_port(), _free_port()
+    up, floor, floor_read = free_port("127.0.0.1"), free_port("127.0.0.1"), free_port("127.0.0.1")
     procs = [
         ctx.Process(target=_upstream_main, args=(up, args.chunks, _model_path(args)), daemon=True),
         ctx.Process(target=_floor_main, args=(floor, up), daemon=True),

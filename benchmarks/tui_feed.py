@@ -16,7 +16,6 @@ import asyncio
 import json
 import random
 import resource
-import socket
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from adaptive_spec.servers.launcher import free_port
 from adaptive_spec.tui.app import make_app
 
 
@@ -168,9 +168,7 @@ async def serve_feed(events: list[dict[str, Any]], port: int) -> None:
 
 
 async def measure(seconds: float, feed_file: Path) -> dict[str, Any]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port("127.0.0.1")
     server = await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--serve", str(feed_file), "--port", str(port)
     )

@@ -60,6 +60,10 @@ def qwen_gguf() -> Path:
 def tiny_server(
     llama_server_binary: str, tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LlamaServer]:
+    """One real llama-server per test module, the tiny model, one slot, no drafting. It has a slot directory (as the
+    profiles `serve` launches do): slot actions, such as the proxy's erase in test_security.py, need one; nothing is
+    written there unless a slot is saved."""
+    home = tmp_path_factory.mktemp("tiny-server")
     server = LlamaServer(
         llama_server_binary,
         tiny_gguf,
@@ -70,7 +74,9 @@ def tiny_server(
         "--metrics",
         "--spec-type",
         "none",
-        log_dir=tmp_path_factory.mktemp("logs"),
+        "--slot-save-path",
+        str(home),
+        log_dir=home,
     )
     yield server
     server.stop()

@@ -17,7 +17,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
-from tests.e2e.conftest import ENABLED, check_trace_report, client, records, run, summary
+from tests.support.agents import ENABLED, check_trace_report, client, records, run, summary
 from tests.support.servers import ProxyProcess, http_json
 
 if not ENABLED:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests.support.servers import LlamaServer, ProxyProcess, http_json, wait_until
+from tests.support.sse import stream_events
 from tests.support.tiny_drafters import write_tiny_dflash, write_tiny_eagle3, write_tiny_mtp_target
 
 # Routing turns over quickly on the tiny model: hand over any context, move after one turn.
@@ -86,9 +87,9 @@ def stream_record(proxy: ProxyProcess, messages: Messages, max_tokens: int, **he
     text, timings = [], None
     with urllib.request.urlopen(req, timeout=300) as resp:
         request_id = resp.headers["x-adaptive-spec-request-id"]
-        for raw in resp:
-            if raw.startswith(b"data: {"):
-                chunk = json.loads(raw[6:])
+        for event in stream_events(resp):
+            if event.data.startswith("{"):
+                chunk = json.loads(event.data)
                 timings = chunk.get("timings", timings)
                 text += [c["delta"].get("content") or "" for c in chunk.get("choices") or []]
     record = next(r for r in proxy.requests() if r["request_id"] == request_id)

@@ -19,77 +19,23 @@ from aiohttp.test_utils import TestServer
 from adaptive_spec.requests.app_keys import HISTORY, LIFECYCLE, UPSTREAMS
 from adaptive_spec.server.app import ProxySettings, build_app
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+from tests.support.fake_upstream import CHUNK, FakeUpstream
 from tests.support.servers import free_port
+from tests.support.sse import events
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
-CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"tok"}}]}\n\n'
-
-
-class FakeUpstream:
-    def __init__(self) -> None:
-        self.cancelled = asyncio.Event()
-        self.dropped_once = False
-        self.transports: set[int] = set()
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        fault = request.headers.get("x-fault", "")
-        if fault == "close-before-answer-once" and not self.dropped_once:
-            self.dropped_once = True  # what a server closing a keep-alive connection looks like to the client
-            assert request.transport is not None
-            request.transport.close()
-            await asyncio.sleep(1)
-        if fault == "drop-reused-connections":
-            # A server that closes its kept-alive connections: each is answered once, then dropped unanswered.
-            assert request.transport is not None
-            if id(request.transport) in self.transports:
-                request.transport.close()
-                await asyncio.sleep(1)
-            self.transports.add(id(request.transport))
-            await asyncio.sleep(0.2)  # concurrent requests need connections of their own
-        if fault == "stall-before-headers":
-            await asyncio.sleep(30)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        try:
-            await resp.write(CHUNK + CHUNK)
-            if fault == "drop":
-                assert request.transport is not None
-                request.transport.close()
-            elif fault == "stall":
-                await asyncio.sleep(30)
-            elif fault == "malformed":
-                await resp.write(b'data: {not json}\n\n: comment\ndata: {"choices": [{"delta": {"content": "x')
-            elif fault == "truncated-late":  # after the relay passes chunks on as they come: cut mid-event
-                for _ in range(5):
-                    await asyncio.sleep(0.01)
-                    await resp.write(CHUNK)
-                await resp.write(b'data: {"choices": [{"delta": {"content": "x')
-            elif fault == "done":
-                await resp.write(b"data: [DONE]\n\n")
-            elif fault == "endless":
-                for _ in range(600):
-                    await asyncio.sleep(0.05)
-                    await resp.write(CHUNK)
-        except asyncio.CancelledError:
-            self.cancelled.set()
-            raise
-        return resp
 
 
 @pytest_asyncio.fixture(loop_scope="function")
 async def rig() -> AsyncIterator[tuple[FakeUpstream, TestServer, str]]:
-    fake = FakeUpstream()
-    upstream_app = web.Application()
-    upstream_app.router.add_route("*", "/{tail:.*}", fake.handle)
-    upstream = TestServer(upstream_app, port=free_port())
-    await upstream.start_server()
-    dead_url = f"http://127.0.0.1:{free_port()}"
-    table = UpstreamTable([Upstream("fake", str(upstream.make_url("")).rstrip("/")), Upstream("dead", dead_url)])
-    proxy = TestServer(build_app(table, ProxySettings(read_timeout_s=0.5)), port=free_port())
-    await proxy.start_server()
-    yield fake, proxy, dead_url
-    await proxy.close()
-    await upstream.close()
+    async with FakeUpstream() as fake:
+        dead_url = f"http://127.0.0.1:{free_port()}"
+        table = UpstreamTable([Upstream("fake", fake.url), Upstream("dead", dead_url)])
+        proxy = TestServer(build_app(table, ProxySettings(read_timeout_s=0.5)), port=free_port())
+        await proxy.start_server()
+        yield fake, proxy, dead_url
+        await proxy.close()
 
 
 BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True})
@@ -108,10 +54,9 @@ def _last_record(proxy: TestServer) -> Any:
 
 
 async def _error_event(body: bytes) -> dict[str, Any]:
-    events = [e for e in body.split(b"\n\n") if e.strip()]
-    last = events[-1]
-    assert last.startswith(b"data: "), body
-    error: dict[str, Any] = orjson.loads(last[6:])["error"]
+    last = events(body)[-1]
+    assert last.data, body
+    error: dict[str, Any] = orjson.loads(last.data)["error"]
     return error
 
 
@@ -231,10 +176,7 @@ async def test_requests_still_running_after_the_shutdown_grace_are_told(
         )
         assert await streaming.content.readany()
         waiting = asyncio.create_task(_post(proxy, {"x-fault": "stall-before-headers"}))
-        for _ in range(1000):  # until both are being handled
-            if len(proxy.app[LIFECYCLE].handlers) == 2:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: len(proxy.app[LIFECYCLE].handlers) == 2, "both requests being handled", 10)
         closing = asyncio.create_task(proxy.close())  # the shutdown
         tail = await asyncio.wait_for(streaming.read(), 10)
         status, body = await asyncio.wait_for(waiting, 10)

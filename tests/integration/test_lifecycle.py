@@ -14,31 +14,10 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import LlamaServer, ProxyProcess, http_json, pid_alive, wait_until
+from tests.support.servers import LlamaServer, ProxyProcess, http_json, llama_children, pid_alive, wait_until
+from tests.support.sse import stream_events
 
 LONG = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 20000, "ignore_eos": True, "stream": True}
-
-
-def child_pids(parent: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == parent and fields[0] != "Z":
-                found.append(int(entry.name))
-    return found
-
-
-def llama_children(proxy: ProxyProcess) -> dict[int, str]:
-    pids = {}
-    for pid in child_pids(proxy.proc.pid):
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if cmdline and cmdline[0].endswith(b"llama-server"):
-            pids[pid] = "iterative" if b"ngram-mod" in cmdline else "oneshot"
-    return pids
 
 
 def _launch(tiny_gguf: Path, state: Path, port: int | None = None, *extra: str) -> ProxyProcess:
@@ -105,13 +84,13 @@ def test_profile_killed_mid_stream(launched: ProxyProcess) -> None:
     by_name = {name: pid for pid, name in llama_children(launched).items()}
     url = launched.base + "/v1/chat/completions"
     with _open_stream(url, LONG, {"x-adaptive-spec-profile": "iterative"}) as resp:
-        assert resp.readline().startswith(b"data: ")
+        stream = stream_events(resp)
+        assert next(stream).data.startswith("{")
         os.kill(by_name["iterative"], signal.SIGKILL)
         started = time.monotonic()
-        tail = resp.read()  # must end, not hang
+        tail = list(stream)  # must end, not hang
     assert time.monotonic() - started < 10
-    last = [e for e in tail.split(b"\n\n") if e.strip()][-1]
-    assert json.loads(last[6:])["error"]["code"] == "upstream_disconnected"
+    assert json.loads(tail[-1].data)["error"]["code"] == "upstream_disconnected"
     # The other profile keeps serving meanwhile.
     with _open_stream(url, {**LONG, "max_tokens": 8}, {"x-adaptive-spec-profile": "oneshot"}) as resp:
         assert b'"finish_reason":"length"' in resp.read()
@@ -131,9 +110,9 @@ def test_client_disconnect_frees_the_slot(tiny_server: LlamaServer) -> None:
     proxy = ProxyProcess("--profile", f"plain={tiny_server.url}")
     try:
         resp = _open_stream(proxy.base + "/v1/chat/completions", LONG, {})
-        for _ in range(5):
-            line = resp.readline()
-            assert line.startswith(b"data: ") or line == b"\n"
+        stream = stream_events(resp)
+        for _ in range(3):
+            assert next(stream).data.startswith("{")
         assert tiny_server.slot_busy(), "the request should still be generating"
         resp.close()
         wait_until(lambda: not tiny_server.slot_busy(), 3, "llama-server to free the slot")

@@ -13,6 +13,7 @@ import pytest
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
 from tests.support.servers import LlamaServer, ProxyProcess, http_json
+from tests.support.sse import data_objects
 
 CHAT: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "You are terse."},
@@ -72,7 +73,7 @@ def test_record_matches_what_llama_server_reported(proxy: ProxyProcess) -> None:
     with urllib.request.urlopen(req, timeout=60) as resp:
         request_id = resp.headers["x-adaptive-spec-request-id"]
         assert resp.headers["x-adaptive-spec-profile"] == "plain"
-        events = [json.loads(line[6:]) for line in resp.read().decode().splitlines() if line.startswith("data: {")]
+        events = data_objects(resp.read())
     reported = events[-1]["timings"]
     record = next(r for r in proxy.requests() if r["request_id"] == request_id)
     assert (record["api"], record["project"], record["profile"], record["stream"]) == (

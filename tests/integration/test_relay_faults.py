@@ -30,6 +30,8 @@ from adaptive_spec.routing.decide import Decision
 from adaptive_spec.routing.router import Router
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.telemetry.events import Event, RemotePrefillDone
+from tests.support.fake_upstream import FakeUpstream, Handler
+from tests.support.recorded import recorded
 from tests.support.routing import request, routed
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
@@ -64,8 +66,9 @@ class EvilRelay:
         elif self.fault not in ("endless", "drip"):
             resp.content_length = len(DATA)
         await resp.prepare(request)
-        if self.fault == "endless":
-            while True:
+        if self.fault == "endless":  # until the proxy cuts it off (what is asserted), or 60 s at the most
+            deadline = asyncio.get_running_loop().time() + 60
+            while asyncio.get_running_loop().time() < deadline:
                 await resp.write(DATA)
         if self.fault == "drip":
             await resp.write(DATA[:1])
@@ -84,13 +87,14 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
         yield client
 
 
-async def _serve(relay: EvilRelay) -> TestServer:
-    app = web.Application()
-    app.router.add_post("/relay/prefill", relay.prefill)
-    app.router.add_get("/relay/slots/{name}", relay.download)
-    app.router.add_delete("/relay/slots/{name}", relay.delete)
-    server = TestServer(app)
-    await server.start_server()
+async def _serve(relay: EvilRelay) -> FakeUpstream:
+    routes: dict[tuple[str, str], Handler] = {
+        ("POST", "/relay/prefill"): relay.prefill,
+        ("GET", "/relay/slots/{name}"): relay.download,
+        ("DELETE", "/relay/slots/{name}"): relay.delete,
+    }
+    server = FakeUpstream(routes=routes)
+    await server.start()
     return server
 
 
@@ -103,7 +107,7 @@ async def _attempt(
     slot_dir.mkdir()
     events: list[Event] = []
     costs = RemoteCosts(RemotePrefillPolicy(force=True))
-    remote = RemotePrefill(RelayClient(str(server.make_url("")), "k", "a" * 64), costs, slot_dir, min_deadline_s=2.0)
+    remote = RemotePrefill(RelayClient(server.url, "k", "a" * 64), costs, slot_dir, min_deadline_s=2.0)
     table = UpstreamTable([Upstream("main", "http://127.0.0.1:9")])
     effects = KvEffects(table, lambda: client, events.append, slot_dir, remote=remote)
     router = Router(table, FixedPolicy(), {"main": 1}, {"main": ("none",)}, effects)
@@ -167,31 +171,38 @@ async def test_a_slot_that_changed_hands_before_the_save_is_not_served(
     relay's prefill and its save, another request took the slot, so the file holds someone else's conversation."""
     slots = tmp_path / "slots"
     slots.mkdir()
+    prefilled = recorded("chat_completion_prefill")
+    saved = recorded("slot_save")
+    prompt = prefilled["timings"]["prompt_n"] + prefilled["timings"]["cache_n"]
+    assert saved["n_saved"] == prompt  # what the real server saves after the prefill alone
+    # Not a real server's answer: the race, a slot holding more than this prompt (another request's conversation).
+    saved["n_saved"] = prompt + 150
 
     async def props(_: web.Request) -> web.Response:
-        return web.json_response({"total_slots": 1})
+        return web.json_response(recorded("props_stock"))
 
     async def chat(_: web.Request) -> web.Response:
-        return web.json_response({"timings": {"prompt_n": 100, "cache_n": 0, "prompt_ms": 10.0}})
+        return web.json_response(prefilled)
 
     async def save(request: web.Request) -> web.Response:
         name = (await request.json())["filename"]
-        (slots / name).write_bytes(b"k" * 999)
-        return web.json_response({"n_saved": 250, "n_written": 999, "timings": {"save_ms": 1.0}})
+        (slots / name).write_bytes(b"k" * saved["n_written"])
+        return web.json_response({**saved, "filename": name})
 
-    fake = web.Application()
-    fake.router.add_get("/props", props)
-    fake.router.add_post("/v1/chat/completions", chat)
-    fake.router.add_post("/slots/0", save)
-    server = TestServer(fake)
-    await server.start_server()
+    routes: dict[tuple[str, str], Handler] = {
+        ("GET", "/props"): props,
+        ("POST", "/v1/chat/completions"): chat,
+        ("POST", "/slots/0"): save,
+    }
+    server = FakeUpstream(routes=routes)
+    await server.start()
     settings = RelaySettings(
         slot_dir=slots,
         model_name="m.gguf",
         model_bytes=1,
         model_sha256="a" * 64,
         access=AccessPolicy(api_keys=("k",), allowed_hosts=("*",)),
-        server_url=str(server.make_url("")).rstrip("/"),
+        server_url=server.url,
     )
     app = build_relay_app(settings, ROUTES)
     app.cleanup_ctx.append(client_ctx)

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_lifecycle import llama_children
-from tests.integration.test_qwen import EDIT, SOURCE
-from tests.support.servers import ProxyProcess, http_json, http_text, wait_until
+from tests.support.prompts import EDIT, SOURCE
+from tests.support.servers import ProxyProcess, http_json, http_text, llama_children, wait_until
 from tests.support.servers import chat_record as chat
 
 # Turns over quickly on this CPU: hand over any context, move after one turn, small hysteresis.

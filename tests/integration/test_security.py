@@ -10,41 +10,16 @@ import os
 import socket
 import subprocess
 import sys
-import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.servers import LlamaServer, ProxyProcess, free_port, http_json, terminate, wait_until
+from tests.support.servers import LlamaServer, ProxyProcess, http_json, wait_until
 
 KEY = "sk-test-0123456789"
 CHAT = {"model": "m", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
-
-
-@pytest.fixture(scope="module")
-def tiny_server(
-    llama_server_binary: str, tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LlamaServer]:
-    # Slot actions (the proxy's erase) need a slot directory.
-    home = tmp_path_factory.mktemp("slots")
-    server = LlamaServer(
-        llama_server_binary,
-        tiny_gguf,
-        "-c",
-        "32768",
-        "--parallel",
-        "1",
-        "--metrics",
-        "--spec-type",
-        "none",
-        "--slot-save-path",
-        str(home),
-        log_dir=home,
-    )
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -483,33 +458,12 @@ def router_url(llama_server_binary: str, tiny_gguf: Path, tmp_path_factory: pyte
         f"[*]\nmodel = {tiny_gguf}\nctx-size = 4096\nthreads = 1\njinja = true\n\n"
         "[plain]\nspec-type = none\n\n[other]\nspec-type = none\n"
     )
-    port = free_port()
-    argv = [
-        llama_server_binary,
-        "--models-preset",
-        str(preset),
-        "--models-max",
-        "2",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    with (home / "router.log").open("wb") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        try:
-            return bool(http_json(url + "/health", timeout=2).get("status") == "ok")
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
-
+    # No model of its own: router mode, its models named by the preset.
+    server = LlamaServer(llama_server_binary, None, "--models-preset", str(preset), "--models-max", "2", log_dir=home)
     try:
-        wait_until(healthy, 60, f"the router-mode llama-server ({home / 'router.log'})")
-        yield url
+        yield server.url
     finally:
-        terminate(proc, 10)
+        server.stop()
 
 
 def test_a_router_preset_cannot_be_steered_by_the_client(router_url: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ import orjson
 import pytest
 
 from tests.support.servers import LlamaServer, ProxyProcess, http_text, wait_until
+from tests.support.sse import events, stream_events
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +35,9 @@ class Feed:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        kind = ""
         try:
-            for raw in self._resp:
-                line = raw.decode().rstrip("\n")
-                if line.startswith("event: "):
-                    kind = line[7:]
-                elif line.startswith("data: "):
-                    self.events.append((kind, json.loads(line[6:])))
+            for event in stream_events(self._resp):
+                self.events.append((event.event, json.loads(event.data)))
         except (OSError, ValueError, AttributeError):  # closed under the reader by close()
             return
 
@@ -88,9 +85,9 @@ def test_event_feed_tells_the_story_of_each_request(traced: tuple[ProxyProcess, 
     bad = next(s for s in stories if "RequestFailed" in s)
     assert bad == ["RequestStarted", "RequestFailed"]
     # The client never asked for per-token timings: only the final chunk carries them.
-    chunks = [c for c in raw.split(b"\n\n") if c.startswith(b"data: {")]
-    with_timings = [c for c in chunks if b'"timings"' in c]
-    assert len(chunks) > 100 and len(with_timings) == 1 and b'"finish_reason":"length"' in with_timings[0]
+    chunks = [e.data for e in events(raw) if e.data.startswith("{")]
+    with_timings = [c for c in chunks if '"timings"' in c]
+    assert len(chunks) > 100 and len(with_timings) == 1 and '"finish_reason":"length"' in with_timings[0]
 
 
 def test_metrics_and_trace_match_the_records(traced: tuple[ProxyProcess, Path]) -> None:
@@ -155,9 +152,9 @@ def test_a_responses_stream_gets_live_draft_progress(traced: tuple[ProxyProcess,
     # Live: published while the answer was still being generated, not only once at its end.
     assert progress and min(progress) < total
     # The client never asked for per-token timings: only the response.completed event carries them.
-    events = [e for e in raw.split(b"\n\n") if b"data: {" in e]
-    with_timings = [e for e in events if b'"timings"' in e]
-    assert len(events) > 100 and len(with_timings) == 1 and b"event: response.completed" in with_timings[0]
+    objects = [e for e in events(raw) if e.data.startswith("{")]
+    with_timings = [e for e in objects if '"timings"' in e.data]
+    assert len(objects) > 100 and len(with_timings) == 1 and with_timings[0].event == "response.completed"
 
 
 def test_a_responses_stream_dropped_by_the_client_keeps_its_timings(traced: tuple[ProxyProcess, Path]) -> None:
@@ -169,9 +166,13 @@ def test_a_responses_stream_dropped_by_the_client_keeps_its_timings(traced: tupl
     try:
         wait_until(lambda: bool(feed.events), 10, "the snapshot")
         with urllib.request.urlopen(req, timeout=60) as resp:
-            seen = b""
-            while seen.count(b"response.output_text.delta") < 20:
-                seen += resp.read1(65536)
+            deltas, deadline = 0, time.monotonic() + 60
+            for event in stream_events(resp):  # to the stream's end at the latest: it is 30000 tokens long
+                deltas += event.event == "response.output_text.delta"
+                if deltas >= 20:
+                    break
+                assert time.monotonic() < deadline, "20 text deltas did not come within 60 s"
+            assert deltas >= 20, "the stream ended before 20 text deltas"
             request_id = resp.headers["x-adaptive-spec-request-id"]
     finally:
         feed.close()

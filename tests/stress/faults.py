@@ -34,8 +34,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from adaptive_spec.streams.sse import SSEEvent
 from tests.stress.rig import write_figures
 from tests.support.servers import ProxyProcess, free_port, http_json, pid_alive, wait_until
+from tests.support.sse import stream_events
 from tests.support.tiny_gguf import write_tiny_gguf
 
 LONG = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 100_000, "ignore_eos": True, "stream": True}
@@ -94,10 +96,10 @@ def status_of(call: Callable[[], Any]) -> int:
         return int(exc.code)
 
 
-def last_event(tail: bytes) -> dict[str, Any]:
-    events = [e for e in tail.split(b"\n\n") if e.strip()]
-    last = events[-1] if events else b""
-    return dict(json.loads(last[6:])) if last.startswith(b"data: {") else {"raw": last[-200:].decode(errors="replace")}
+def last_event(tail: list[SSEEvent]) -> dict[str, Any]:
+    if tail and tail[-1].data.startswith("{"):
+        return dict(json.loads(tail[-1].data))
+    return {"raw": tail[-1].data[-200:] if tail else ""}
 
 
 def _is_up(proxy: ProxyProcess, name: str) -> bool:
@@ -114,11 +116,12 @@ def sigkill(workdir: Path) -> dict[str, Any]:
         other: dict[str, Any] = {}
         other_stream = threading.Thread(target=_read_stream, args=(proxy, "iterative", 2000, other))
         with post(proxy, LONG, {"x-adaptive-spec-profile": "oneshot", "x-session-id": "victim"}) as resp:
-            assert resp.readline().startswith(b"data: ")
+            stream = stream_events(resp)
+            assert next(stream).data.startswith("{")
             other_stream.start()
             os.kill(pids["oneshot"], signal.SIGKILL)
             killed = time.monotonic()
-            tail = resp.read()
+            tail = list(stream)
             error_after_s = time.monotonic() - killed
         routed = _route_while_down(proxy, "oneshot", killed)
         other_stream.join(60)
@@ -187,10 +190,11 @@ def sigstop(workdir: Path, read_timeout_s: float = 2.0) -> dict[str, Any]:
     pinned = {"x-adaptive-spec-profile": "oneshot"}
     try:
         with post(proxy, LONG, {**pinned, "x-session-id": "stopped"}) as resp:
-            assert resp.readline().startswith(b"data: ")
+            stream = stream_events(resp)
+            assert next(stream).data.startswith("{")
             os.kill(pids["oneshot"], signal.SIGSTOP)
             stopped = time.monotonic()
-            tail = resp.read()
+            tail = list(stream)
             stream_error_after_s = time.monotonic() - stopped
         started = time.monotonic()
         new_request = status_of(lambda: post(proxy, {**LONG, "max_tokens": 16}, {**pinned, "x-session-id": "new"}))

@@ -15,6 +15,8 @@ import orjson
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from adaptive_spec.streams.sse import SSEEvent, SSEParser
+from tests.support.recorded import recorded
 from tests.support.servers import free_port
 
 FAKE_CHUNKS = 16  # content chunks per fake answer
@@ -36,8 +38,9 @@ def _chunk(content: str | None, finish: str | None = None, **extra: Any) -> byte
 
 
 class FastUpstream:
-    """A fake llama-server that answers at once: /props, /slots, /tokenize and /health for the proxy's start-up, and
-    a streamed chat answer of FAKE_CHUNKS chunks (one per `delay_s`) with timings on the last one."""
+    """A fake llama-server that answers at once: /props, /slots and /health for the proxy's start-up as a real stock
+    one answered them (recorded, four slots), a /tokenize, and a streamed chat answer of FAKE_CHUNKS chunks (one per
+    `delay_s`) with timings on the last one (counts of its own answer, not of a real one)."""
 
     def __init__(self, delay_s: float = 0.002) -> None:
         self.delay_s = delay_s
@@ -60,14 +63,13 @@ class FastUpstream:
             await self.server.close()
 
     async def _props(self, _request: web.Request) -> web.Response:
-        props = {"model_path": "/models/fake.gguf", "total_slots": 4, "default_generation_settings": {"n_ctx": 8192}}
-        return web.json_response(props)
+        return web.json_response(recorded("props_stock"))
 
     async def _slots(self, _request: web.Request) -> web.Response:
-        return web.json_response([{"id": i, "speculative": False, "is_processing": False} for i in range(4)])
+        return web.json_response(recorded("slots"))
 
     async def _health(self, _request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        return web.json_response(recorded("health"))
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         content = (await request.json()).get("content", "")
@@ -101,12 +103,12 @@ class StreamResult:
     seconds: float
 
 
-def _content(event: bytes) -> tuple[str, str | None]:
+def _content(event: SSEEvent) -> tuple[str, str | None]:
     """(text, error code) of one SSE event."""
-    if not event.startswith(b"data: ") or event == b"data: [DONE]":
+    if event.data == "[DONE]":
         return "", None
     try:
-        obj = json.loads(event[6:])
+        obj = json.loads(event.data)
     except ValueError:
         return "", None
     if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
@@ -133,17 +135,15 @@ async def stream_chat(
                 if status != 200:
                     error = orjson.loads(await resp.read()).get("error") or {}
                     return StreamResult(status, "http-error", "", request_id, error.get("code"), _since(started))
-                buffer = b""
+                parser = SSEParser()
                 async for chunk in resp.content.iter_any():
                     if on_first_chunk is not None:
                         on_first_chunk.set()
-                    buffer += chunk
-                    *events, buffer = buffer.split(b"\n\n")
-                    for event in events:
-                        piece, error_code = _content(event.strip())
+                    for event in parser.feed(chunk):
+                        piece, error_code = _content(event)
                         text += piece
                         code = error_code or code
-                        if event.strip() == b"data: [DONE]":
+                        if event.data == "[DONE]":
                             ended = "done"
                 ended = "error-event" if code is not None else ended
     except TimeoutError:

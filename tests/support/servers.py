@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,13 +16,13 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+from adaptive_spec.servers import launcher
 from adaptive_spec.servers.launcher import ServerProcess
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A free loopback port, found as the launcher finds its profiles' ports (the one way, for tests too)."""
+    return launcher.free_port("127.0.0.1")
 
 
 def http_json(url: str, body: Any = None, timeout: float = 60.0) -> Any:
@@ -70,17 +69,43 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def child_pids(parent: int) -> list[int]:
+    """The live (not zombie) child processes of `parent`, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == parent and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def llama_children(proxy: ProxyProcess) -> dict[int, str]:
+    """The llama-servers a `serve` process launched, by pid: "iterative" for the one drafting with ngram-mod, else
+    "oneshot"."""
+    pids = {}
+    for pid in child_pids(proxy.proc.pid):
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if cmdline and cmdline[0].endswith(b"llama-server"):
+            pids[pid] = "iterative" if b"ngram-mod" in cmdline else "oneshot"
+    return pids
+
+
 class LlamaServer:
     """One real llama-server process on a free loopback port, started by the product's own `ServerProcess` (its own
-    session, ended with its parent, the SIGILL retry) on an event loop of its own, so synchronous tests can hold it."""
+    session, ended with its parent, the SIGILL retry) on an event loop of its own, so synchronous tests can hold it.
+    The one way the tests start llama-server; `model` None starts it without one (router mode: `--models-preset`)."""
 
-    def __init__(self, binary: str, model: Path, *args: str, log_dir: Path) -> None:
+    def __init__(self, binary: str, model: Path | None, *args: str, log_dir: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"llama-server-{self.port}.log"
-        argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port), "-t", "1", "--jinja"]
-        argv += list(args)
+        argv = [binary, *(["-m", str(model)] if model is not None else [])]
+        argv += ["--host", "127.0.0.1", "--port", str(self.port), "-t", "1", "--jinja", *args]
         self._server = ServerProcess(f"test-{self.port}", argv, self.url, self.log_path, say=lambda _line: None)
         # The loop's thread starts the child, and a child started with PR_SET_PDEATHSIG ends when that thread does:
         # the thread lives as long as this server.

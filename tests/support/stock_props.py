@@ -6,7 +6,8 @@ other byte, per-request speculation included, passes as it came, so only the pro
     stock_props.py wrap BINARY ARGS...        a `--llama-server` for `serve`: starts BINARY ARGS on another port and
                                               answers on the `--port` of ARGS (stops BINARY when it is stopped)
 
-Standalone on purpose (aiohttp and the standard library only): `serve` starts it by path as its llama-server.
+Standalone on purpose (aiohttp, the standard library and the installed adaptive_spec only, not the tests package):
+`serve` starts it by path as its llama-server.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import contextlib
 import ctypes
 import json
 import signal
-import socket
 import subprocess
 import sys
 
 import aiohttp
 from aiohttp import web
+
+from adaptive_spec.servers.launcher import free_port
 
 _HOP = {"content-length", "transfer-encoding", "connection", "content-encoding"}
 
@@ -77,19 +79,13 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def main(argv: list[str]) -> int:
     if argv[0] == "serve":
         asyncio.run(_serve(int(argv[1]), argv[2].rstrip("/")))
         return 0
     binary, args = argv[1], list(argv[2:])
     at = args.index("--port") + 1
-    port, inner = int(args[at]), _free_port()
+    port, inner = int(args[at]), free_port("127.0.0.1")
     args[at] = str(inner)
     child = subprocess.Popen([binary, *args], preexec_fn=_die_with_parent)
     try:

@@ -11,11 +11,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from adaptive_spec.server import serve
 from adaptive_spec.sessions.tokenizers import GgufTokenizer, llama_vocab_tokenizer
-from tests.support.servers import free_port
+from tests.support.fake_upstream import FakeUpstream
 from tests.support.tiny_gguf import write_tiny_gguf
 
 
@@ -34,13 +33,10 @@ async def test_the_local_gguf_is_read_only_when_it_tokenizes_as_the_server(
         tokens = reference.llama_encode(text)
         return web.json_response({"tokens": tokens if same["value"] else [t + 1 for t in tokens]})
 
-    app = web.Application()
-    app.router.add_post("/tokenize", tokenize)
-    server = TestServer(app, port=free_port())
-    await server.start_server()
+    server = FakeUpstream(routes={("POST", "/tokenize"): tokenize})
+    url = await server.start()
     try:
         async with aiohttp.ClientSession() as session:
-            url = f"http://127.0.0.1:{server.port}"
             found = await serve._attached_tokenizer(session, url, str(gguf))
             assert found is not None and found.name == "gguf:tiny.gguf"
             same["value"] = False  # another file behind that path

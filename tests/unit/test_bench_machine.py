@@ -11,7 +11,7 @@ from adaptive_spec.bench.compare import BEST_SEEN, BEST_STATIC
 from adaptive_spec.bench.machine import Busy, LoadSample
 from adaptive_spec.bench.progress import Progress, bar, eta
 from adaptive_spec.bench.runner import write_outputs
-from tests.unit.test_bench_stats import _run
+from tests.support.bench_records import two_statics_and_adaptive
 
 STAT = "cpu  491399 0 52503 58428 1075 0 1319 3943 0 0\ncpu0 243480 0 25468 32970 121 0 377 1896 0 0\n"
 
@@ -74,7 +74,7 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere() -> None:
 
 
 def test_outputs_carry_intervals_verdicts_and_load(tmp_path: Path) -> None:
-    records = {"mixed": _run(adaptive_speed=80)}
+    records = {"mixed": two_statics_and_adaptive(adaptive_speed=80)}
     known = [{"name": "oneshot", "spec_types": ["none"]}, {"name": "iterative", "spec_types": ["ngram-mod"]}]
     load = [{"workload": "mixed", "target": "adaptive", "round": 0, "warning": "CPU steal went from 1% to 9%"}]
     text = write_outputs(records, known, tmp_path, load)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import pytest
 
 from adaptive_spec.bench import compare, stats
 from adaptive_spec.bench.compare import BEST_SEEN, BEST_STATIC
+from tests.support.bench_records import two_statics_and_adaptive
 
 
 def _speeds(n: int, seed: int, scale: float = 1.0) -> list[tuple[float, float]]:
@@ -51,35 +51,8 @@ def test_the_bootstrap_is_seeded_and_handles_empty_input() -> None:
     assert same is not None and (same.value, same.low, same.high) == (7.0, 7.0, 7.0)
 
 
-def _record(profile: str, index: int, round_: int, tok_s: float, ttst: float, accepted: int = 0) -> dict[str, Any]:
-    return {
-        "profile": profile,
-        "served_profile": profile,
-        "outcome": "finished",
-        "index": index,
-        "round": round_,
-        "ttst_ms": ttst,
-        "timings": {"predicted_n": 100, "predicted_ms": 100 / tok_s * 1000, "draft_n_accepted": accepted},
-    }
-
-
-def _run(adaptive_speed: float) -> list[dict[str, Any]]:
-    """Two statics: `iterative` twice as fast as `oneshot` on every request, and an adaptive pass."""
-    rng = random.Random(8)
-    out = []
-    for round_ in (0, 1):
-        for i in range(8):
-            wobble = rng.uniform(0.9, 1.1)
-            out += [
-                _record("oneshot", i, round_, 40 * wobble, 30.0),
-                _record("iterative", i, round_, 80 * wobble, 60.0, accepted=50),
-                _record("adaptive", i, round_, adaptive_speed * wobble, 45.0, accepted=50),
-            ]
-    return out
-
-
 def test_verdicts_name_a_real_difference_and_an_absent_one() -> None:
-    records = compare.with_references(_run(adaptive_speed=80), ["oneshot", "iterative"])
+    records = compare.with_references(two_statics_and_adaptive(adaptive_speed=80), ["oneshot", "iterative"])
     by = {c.against: c for c in compare.comparisons(records, ["oneshot", "iterative"])}
     assert list(by) == ["oneshot", "iterative", BEST_STATIC, BEST_SEEN]
     assert compare.describe(by["oneshot"]).startswith("adaptive vs oneshot: decode tok/s 2.000× [")
@@ -94,7 +67,7 @@ def test_verdicts_name_a_real_difference_and_an_absent_one() -> None:
 def test_the_best_seen_reference_bounds_the_adaptive_pass_and_best_static_need_not() -> None:
     # The adaptive pass beats both statics (e.g. each server kept its own sessions' cache): the best static per
     # request is then below it, while the best seen per request, the adaptive pass included, still bounds it.
-    records = compare.with_references(_run(adaptive_speed=100), ["oneshot", "iterative"])
+    records = compare.with_references(two_statics_and_adaptive(adaptive_speed=100), ["oneshot", "iterative"])
     by = {c.against: c for c in compare.comparisons(records, ["oneshot", "iterative"])}
     static, seen = by[BEST_STATIC], by[BEST_SEEN]
     assert static.speed is not None and static.speed.value == pytest.approx(1.25)
@@ -104,11 +77,11 @@ def test_the_best_seen_reference_bounds_the_adaptive_pass_and_best_static_need_n
 
 
 def test_target_intervals_pair_each_target_with_the_baseline() -> None:
-    found = {t.name: t for t in compare.target_intervals(_run(adaptive_speed=80), "oneshot")}
+    found = {t.name: t for t in compare.target_intervals(two_statics_and_adaptive(adaptive_speed=80), "oneshot")}
     assert set(found) == {"oneshot", "iterative", "adaptive"}
     iterative = found["iterative"]
     assert iterative.vs_baseline is not None and iterative.vs_baseline.value == pytest.approx(2.0)
     assert iterative.output_from_drafts is not None and iterative.output_from_drafts.value == pytest.approx(0.5)
     assert iterative.decode_tok_s is not None and iterative.decode_tok_s.low < iterative.decode_tok_s.high
     assert found["oneshot"].vs_baseline is not None and found["oneshot"].vs_baseline.high == pytest.approx(1.0)
-    assert compare.target_intervals(_run(adaptive_speed=80), None)[0].vs_baseline is None
+    assert compare.target_intervals(two_statics_and_adaptive(adaptive_speed=80), None)[0].vs_baseline is None

@@ -16,6 +16,7 @@ from adaptive_spec.requests.parse import with_fields
 from adaptive_spec.sessions import prefix
 from adaptive_spec.sessions.grouping import context_messages, message_digest
 from adaptive_spec.telemetry.records import Timings
+from tests.support.waiting import until
 
 _ALPHABET = 'ab cd\tef\ngh\r\x0b\x0c\x1c\x1d\x1e\x1f{}"é\u00a0\u2003\u3000漢 \x85'
 
@@ -192,11 +193,7 @@ async def test_the_worker_process_starts_with_the_worker_not_with_the_first_upda
     service = SessionService(ContextTracker(NgramParams()), _Tokens(), worker_process=True)
     worker = asyncio.create_task(service.run())
     try:
-        for _ in range(600):
-            if service._process is not None:
-                break
-            await asyncio.sleep(0.05)
-        assert service._process is not None, "no worker process before any update"
+        await until(lambda: service._process is not None, "a worker process before any update")
         assert service.update_counts() == {"processed": 0, "coalesced": 0, "dropped": 0}
     finally:
         worker.cancel()

@@ -4,8 +4,6 @@ what each profile's requests carry and may draft with, how a patched server is t
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,8 +19,8 @@ from adaptive_spec.servers.speculation import (
     shared_servers,
     speculation_problem,
 )
+from tests.support.recorded import recorded
 
-DATA = Path(__file__).parent / "data"
 NGRAM = NgramModParams(24, 48, 64)
 
 
@@ -119,7 +117,7 @@ def test_a_bad_suffix_names_what_it_takes(text: str) -> None:
 
 
 def _props(name: str) -> dict[str, Any]:
-    props: dict[str, Any] = json.loads((DATA / f"props_{name}.json").read_text())
+    props: dict[str, Any] = recorded(f"props_{name}")
     return props
 
 

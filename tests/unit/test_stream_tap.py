@@ -15,6 +15,9 @@ from adaptive_spec.streams.sse import SSEParser
 from adaptive_spec.streams.tap import StreamTap, cut_progress_timings
 from adaptive_spec.streams.timings import without_progress_timings
 
+# Built here, not recorded: the stream must hold what no real server gives on demand (content that looks like a
+# timings field, quotes, backslashes and braces, a tool call in the middle of the text) with per-token timings
+# whose every count is known.
 HEAD = {"created": 1796032146, "id": "chatcmpl-9QEQ", "model": "m.gguf", "system_fingerprint": "b1", "object": "x"}
 
 

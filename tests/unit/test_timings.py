@@ -9,35 +9,29 @@ from adaptive_spec.streams.output import event_output
 from adaptive_spec.streams.sse import SSEEvent
 from adaptive_spec.streams.timings import chat_delta_text, find_timings, generated_pieces
 from adaptive_spec.telemetry.records import Timings
+from tests.support.recorded import recorded
 
-TIMINGS = {
-    "cache_n": 12,
-    "prompt_n": 30,
-    "prompt_ms": 80.5,
-    "prompt_per_second": 372.6,
-    "predicted_n": 40,
-    "predicted_ms": 500.0,
-    "predicted_per_second": 80.0,
-    "draft_n": 33,
-    "draft_n_accepted": 29,
-}
+# A real answer's timings, n-gram drafting, the prompt mostly cached: every count in it is non-zero.
+TIMINGS: dict[str, Any] = recorded("chat_completion_ngram")["timings"]
 
 
 def test_timings_with_drafts() -> None:
+    assert TIMINGS["draft_n"] > 0 and TIMINGS["cache_n"] > 0
     assert find_timings({"timings": TIMINGS}) == Timings(
-        prompt_n=30,
-        cache_n=12,
-        predicted_n=40,
-        prompt_ms=80.5,
-        predicted_ms=500.0,
-        predicted_per_second=80.0,
-        draft_n=33,
-        draft_n_accepted=29,
+        prompt_n=TIMINGS["prompt_n"],
+        cache_n=TIMINGS["cache_n"],
+        predicted_n=TIMINGS["predicted_n"],
+        prompt_ms=TIMINGS["prompt_ms"],
+        predicted_ms=TIMINGS["predicted_ms"],
+        predicted_per_second=TIMINGS["predicted_per_second"],
+        draft_n=TIMINGS["draft_n"],
+        draft_n_accepted=TIMINGS["draft_n_accepted"],
     )
 
 
 def test_absent_draft_fields_mean_zero() -> None:
-    plain = {k: v for k, v in TIMINGS.items() if not k.startswith("draft")}
+    plain = recorded("chat_completion_prefill")["timings"]  # a server that does not draft sends no draft fields
+    assert not [k for k in plain if k.startswith("draft")]
     found = find_timings({"timings": plain})
     assert found is not None
     assert (found.draft_n, found.draft_n_accepted) == (0, 0)
@@ -76,7 +70,7 @@ def test_meter_first_and_second_token_times() -> None:
     meter.on_event(_event({"choices": [], "timings": TIMINGS}), 31.0)
     meter.on_event(SSEEvent("", "[DONE]"), 32.0)
     assert (meter.first_token_ms, meter.second_token_ms) == (10.0, 25.0)
-    assert meter.timings is not None and meter.timings.draft_n_accepted == 29
+    assert meter.timings is not None and meter.timings.draft_n_accepted == TIMINGS["draft_n_accepted"]
     assert meter.error is None
 
 
@@ -86,7 +80,7 @@ def test_meter_error_event_and_body() -> None:
     assert meter.error == "context full"
     body = ResponseMeter()
     body.on_body(orjson.dumps({"choices": [{"message": {"content": "x"}}], "timings": TIMINGS}))
-    assert body.timings is not None and body.timings.predicted_n == 40
+    assert body.timings is not None and body.timings.predicted_n == TIMINGS["predicted_n"]
 
 
 def test_meter_ignores_non_json() -> None:
@@ -114,7 +108,7 @@ def test_openai_usage_counts_cached_tokens_inside_prompt_tokens() -> None:
 def test_real_timings_win_over_usage() -> None:
     meter = ResponseMeter()
     meter.on_body(orjson.dumps({"usage": {"prompt_tokens": 1}, "timings": TIMINGS}))
-    assert meter.timings is not None and not meter.timings.from_usage and meter.timings.draft_n == 33
+    assert meter.timings is not None and not meter.timings.from_usage and meter.timings.draft_n == TIMINGS["draft_n"]
 
 
 def test_meter_knows_when_the_stream_has_ended() -> None:

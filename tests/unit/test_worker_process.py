@@ -92,8 +92,9 @@ async def test_the_child_runs_at_a_lower_priority_and_a_large_call_does_not_bloc
         await asyncio.sleep(0.05)
         big = os.urandom(4 * 1024 * 1024)
         sending = asyncio.ensure_future(worker._send_large(ForkingPickler.dumps((_add, (2, big)))))
-        ticks = 0
+        ticks, deadline = 0, asyncio.get_running_loop().time() + 30
         while not sending.done():
+            assert asyncio.get_running_loop().time() < deadline, "the large call was not written within 30 s"
             await asyncio.sleep(0.01)
             ticks += 1
         assert ticks >= 10  # the loop ran while the child was not reading (a blocking write: none)

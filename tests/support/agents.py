@@ -1,0 +1,97 @@
+"""What the end-to-end agent tests (tests/e2e/) share: where the installed clients are, running one, and the
+proxy's records and trace report of what it did."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.servers import ProxyProcess, http_json
+
+ROOT = Path(__file__).resolve().parents[2]
+ENABLED = os.environ.get("ADAPTIVE_SPEC_E2E") == "1"
+CLIENTS = Path(os.environ.get("ADAPTIVE_SPEC_E2E_CLIENTS") or ROOT / ".e2e-clients")
+
+
+def client(name: str) -> Path:
+    """The installed client's executable, or skip the test saying how to install it."""
+    for folder in (CLIENTS / "npm" / "node_modules" / ".bin", CLIENTS / "venv" / "bin"):
+        if (folder / name).exists():
+            return folder / name
+    found = shutil.which(name)
+    if found is None:
+        pytest.skip(f"{name} is not installed: run tests/e2e/install_clients.sh")
+    return Path(found)
+
+
+def run(
+    argv: list[str | Path], cwd: Path, env: dict[str, str], timeout: float = 1800
+) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        [str(a) for a in argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+    return done
+
+
+def records(proxy: ProxyProcess, project: str) -> list[dict[str, Any]]:
+    http_json(proxy.base + "/adaptive/sessions?drain=1")
+    got: list[dict[str, Any]] = http_json(proxy.base + "/adaptive/requests?limit=1000")["requests"]
+    return sorted((r for r in got if r["project"] == project), key=lambda r: r["started_at_unix"])
+
+
+def summary(
+    agent: str, recs: list[dict[str, Any]], expected_sessions: int, done: list[Any], notes: str = ""
+) -> dict[str, Any]:
+    """What the closing note needs, per agent; written to ADAPTIVE_SPEC_E2E_OUT."""
+    gen = [r for r in recs if r["api"] in ("chat", "responses", "completions", "messages")]
+    out = {
+        "agent": agent,
+        "requests": len(recs),
+        "statuses": sorted({r["status"] for r in recs}),
+        "apis": sorted({r["api"] for r in recs}),
+        "sessions_found": len({r["session_id"] for r in gen}),
+        "sessions_expected": expected_sessions,
+        "side_requests": sum(bool(r.get("side")) for r in gen),
+        "projects": sorted({r["project"] for r in recs}),
+        "profiles": [r["profile"] for r in gen],
+        "reasons": [r.get("reason") for r in gen],
+        "drafted": sum((r["timings"] or {}).get("draft_n", 0) for r in gen),
+        "accepted": sum((r["timings"] or {}).get("draft_n_accepted", 0) for r in gen),
+        "new_tokens": [{"est": r.get("new_tokens_est"), "true": (r["timings"] or {}).get("prompt_n")} for r in gen],
+        "client_exit": [getattr(d, "returncode", None) for d in done],
+        "notes": notes,
+    }
+    folder = Path(os.environ.get("ADAPTIVE_SPEC_E2E_OUT") or ROOT / "benchmarks" / "results" / "e2e")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{agent}.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
+def check_trace_report(proxy: ProxyProcess, tmp_path: Path) -> str:
+    """`adaptive-spec report` on the trace: its moves column adds up."""
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "adaptive_spec", "report", str(proxy.trace)],  # type: ignore[attr-defined]
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [line.split("|") for line in done.stdout.splitlines()[2:] if line.startswith("|")]
+    moves = {cells[1].strip(): int(cells[11].strip()) for cells in rows}
+    total = moves.pop("all (as routed)")
+    assert sum(moves.values()) == total
+    return str(done.stdout)
