@@ -17,7 +17,7 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from adaptive_spec.access.policy import AccessPolicy
+from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.kv.prefill_costs import RemoteCosts, RemotePrefillPolicy
 from adaptive_spec.kv.relay.client import RelayClient

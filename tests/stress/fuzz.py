@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from adaptive_spec.server.app import ProxySettings
-from adaptive_spec.server.serve import ServePlan, SessionPlan, _run
+from adaptive_spec.server.run import ServePlan, SessionPlan, _run
 from adaptive_spec.servers.profiles import AttachedProfile
 from tests.stress.fuzz_cases import Case, Generator, Target
 from tests.support.servers import LlamaServer, free_port, http_json, wait_until

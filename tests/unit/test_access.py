@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from adaptive_spec.access.policy import (
+from adaptive_spec.access.rules import (
     AccessPolicy,
     control_refusal,
     host_allowed,

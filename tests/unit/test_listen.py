@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from adaptive_spec.errors import ConfigError, LaunchError
-from adaptive_spec.server.serve import _local_model, base_url, listen
+from adaptive_spec.server.run import _local_model, base_url, listen
 
 
 def test_a_taken_port_is_refused_naming_host_and_port() -> None:

@@ -6,7 +6,7 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from adaptive_spec.access.policy import KEY_HEADERS, AccessPolicy
+from adaptive_spec.access.rules import KEY_HEADERS, AccessPolicy
 from adaptive_spec.requests.forward import upstream_headers
 from adaptive_spec.requests.gate import ACCESS, _refusal, hidden_headers, routed_path
 from adaptive_spec.requests.parse import RoutedPath

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from adaptive_spec.access.keys import KeyOption
-from adaptive_spec.access.policy import ANY, AccessPolicy, hosts_for_bind, is_loopback, split_host
+from adaptive_spec.access.rules import ANY, AccessPolicy, hosts_for_bind, is_loopback, split_host
 from adaptive_spec.errors import ConfigError
 
 KEY_ENV = "ADAPTIVE_SPEC_API_KEY"  # `tui` and `bench` send the key from it too

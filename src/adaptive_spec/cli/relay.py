@@ -13,7 +13,7 @@ from aiohttp import web
 
 from adaptive_spec.access.keys import KeyOption
 from adaptive_spec.access.options import allowed_hosts
-from adaptive_spec.access.policy import AccessPolicy
+from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.cli.text import add_command
 from adaptive_spec.errors import ConfigError
 from adaptive_spec.kv.relay.model_hash import file_sha256

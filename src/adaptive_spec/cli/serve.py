@@ -19,8 +19,8 @@ from adaptive_spec.errors import ConfigError
 from adaptive_spec.kv.prefill_options import add_pp_arguments, pp_plan
 from adaptive_spec.kv.relay_options import add_relay_arguments, relay_plan
 from adaptive_spec.server.app import ProxySettings
-from adaptive_spec.server.serve import LaunchPlan, ServePlan, SessionPlan, say
-from adaptive_spec.server.serve import run as run_server
+from adaptive_spec.server.run import LaunchPlan, ServePlan, SessionPlan, say
+from adaptive_spec.server.run import run as run_server
 from adaptive_spec.servers.models import DEFAULT_MODEL, embedded_chat_template, resolve_model
 from adaptive_spec.servers.profiles import (
     DRAFT_TYPES,

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import http_exceptions, web
 
-from adaptive_spec.access.policy import (
+from adaptive_spec.access.rules import (
     KEY_HEADERS,
     SIMPLE_FORM_TYPES,
     AccessPolicy,

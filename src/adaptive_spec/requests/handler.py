@@ -13,7 +13,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from adaptive_spec.access.policy import with_model
+from adaptive_spec.access.rules import with_model
 from adaptive_spec.common.headers import PROFILE_HEADER, REPLICA_HEADER, REQUEST_ID_HEADER, ROUTE_HEADER
 from adaptive_spec.requests.app_keys import CLIENT, FRESH_CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
 from adaptive_spec.requests.error_responses import answer

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from adaptive_spec.access.policy import AccessPolicy
+from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.kv.remote_prefill import REMOTE_PREFILL, RemotePrefill
 from adaptive_spec.kv.slots import SlotMover

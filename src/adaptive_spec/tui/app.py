@@ -24,7 +24,7 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Input, Static
 
 from adaptive_spec.telemetry.events import EventsDropped, decode_event
-from adaptive_spec.tui import keys, panels, render
+from adaptive_spec.tui import bindings, panels, render
 from adaptive_spec.tui.child import ServeChild
 from adaptive_spec.tui.feed import ControlError, FeedItem, ProxyClient
 from adaptive_spec.tui.model import Dashboard
@@ -38,7 +38,7 @@ class DashboardApp(App[None]):
     CSS_PATH = "app.tcss"
     TITLE = "adaptive-spec"
     ENABLE_COMMAND_PALETTE = False  # every action has its own key, shown in the footer
-    BINDINGS: ClassVar[list[BindingType]] = keys.DASHBOARD
+    BINDINGS: ClassVar[list[BindingType]] = bindings.DASHBOARD
 
     def __init__(
         self,

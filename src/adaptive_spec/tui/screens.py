@@ -13,7 +13,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import DataTable, Footer, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
-from adaptive_spec.tui import keys, render
+from adaptive_spec.tui import bindings, render
 from adaptive_spec.tui.model import Dashboard
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ class DetailScreen(Screen[None]):
     """One session: a row per turn with llama-server's figures and the router's estimate beside the measured
     acceptance, and the text of its request in flight."""
 
-    BINDINGS: ClassVar[list[BindingType]] = keys.DETAIL
+    BINDINGS: ClassVar[list[BindingType]] = bindings.DETAIL
 
     def __init__(self, session_id: str) -> None:
         super().__init__()

@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 import orjson
 from aiohttp import web
 
-from adaptive_spec.access.policy import AccessPolicy, host_allowed, key_accepted, sent_keys
+from adaptive_spec.access.rules import AccessPolicy, host_allowed, key_accepted, sent_keys
 from adaptive_spec.kv.slot_files import (
     MODEL_HEADER,
     SHA256_HEADER,

@@ -23,7 +23,7 @@ import platformdirs
 from aiohttp import web
 
 from adaptive_spec.access.options import describe_access
-from adaptive_spec.access.policy import AccessPolicy
+from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.errors import ConfigError, LaunchError, ProfileMismatchError
 from adaptive_spec.kv.relay_mover import RelayMoverPlan, start_relay_mover
 from adaptive_spec.kv.remote_prefill import RemotePrefillPlan, start_remote_prefill
