@@ -9,6 +9,7 @@ from typing import Any, get_args
 
 import orjson
 
+from adaptive_spec.telemetry.decoding import decode_event, decode_record
 from adaptive_spec.telemetry.events import (
     DraftProgress,
     Event,
@@ -23,8 +24,8 @@ from adaptive_spec.telemetry.events import (
     RequestStarted,
     SessionPinned,
     SessionUpdated,
-    decode_event,
 )
+from adaptive_spec.telemetry.records import RequestRecord, Timings
 
 FEED = Path(__file__).parents[1] / "tui" / "data" / "feed.jsonl"
 T0 = 1_800_000_000.0
@@ -121,3 +122,45 @@ def test_decoded_events_share_no_container() -> None:
     record = {"request_id": "r1"}
     decoded = decode_event("RequestFinished", {"record": record})
     assert isinstance(decoded, RequestFinished) and decoded.record == record and decoded.record is not record
+
+
+def test_a_record_reads_back_as_the_record_it_was() -> None:
+    record = RequestRecord(
+        request_id="r1",
+        started_at_unix=T0,
+        method="POST",
+        path="/v1/chat/completions",
+        api="chat",
+        project="demo",
+        session_id="s1",
+        session_source="header:x-session-id",
+        subagent=False,
+        profile="iterative",
+        stream=True,
+        status=200,
+        outcome="finished",
+        error=None,
+        timings=Timings(prompt_n=10, cache_n=5, predicted_n=40, predicted_ms=800.0, draft_n=30, draft_n_accepted=20),
+        ttft_ms=12.5,
+        ttst_ms=13.0,
+        total_ms=900.0,
+        route="estimate",
+        reason="iterative: copyable 60%",
+        handoff={"ok": True, "tokens": 4000, "save_s": 0.05, "restore_s": 0.01},
+        new_tokens_est=12,
+        replica=1,
+        speculation={"types": ["ngram-mod"], "n_max": None, "set_by": "profile"},
+    )
+    assert decode_record(orjson.loads(orjson.dumps(record.to_json()))) == record
+
+
+def test_a_record_of_another_version_reads_leniently() -> None:
+    older = decode_record({"request_id": "r2", "profile": "oneshot", "status": "200", "timings": "n/a", "gpu": 1})
+    assert (older.request_id, older.profile, older.status, older.timings, older.handoff) == (
+        "r2",
+        "oneshot",
+        0,
+        None,
+        None,
+    )
+    assert older.outcome == "" and older.replica == 0 and older.ttft_ms is None

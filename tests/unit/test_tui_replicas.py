@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from adaptive_spec.telemetry.events import decode_event
+from adaptive_spec.telemetry.decoding import decode_event
 from adaptive_spec.tui import render
 from adaptive_spec.tui.model import Dashboard
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from adaptive_spec.telemetry.events import decode_event
+from adaptive_spec.telemetry.decoding import decode_event
 from adaptive_spec.tui.model import Dashboard
 from adaptive_spec.tui.render import spark
 from adaptive_spec.tui.sessions import client_of

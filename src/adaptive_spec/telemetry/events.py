@@ -3,15 +3,14 @@
 Every request publishes RequestStarted, then any number of DraftProgress, then exactly one of RequestFinished or
 RequestFailed. Profiles publish ProfileUp / ProfileDown; the router HandoffDone
 and PolicyChanged; remote prefill (`serve --pp-server`) RemotePrefillDone. A subscriber that falls behind gets
-EventsDropped. `decode_event` reads one back from the feed (or a recorded file) as its type.
+EventsDropped. `telemetry/decoding.py` reads them back from the feed (or a recorded file) as their types.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any, get_args
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,95 +161,3 @@ Event = (
     | PolicyChanged
     | EventsDropped
 )
-
-
-class _Absent:
-    """A value that does not fit its field (or no value): the field takes its default."""
-
-
-_ABSENT = _Absent()
-
-
-def _number(value: Any) -> float | _Absent:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else _ABSENT
-
-
-def _number_or_none(value: Any) -> float | None:
-    number = _number(value)
-    return None if isinstance(number, _Absent) else number
-
-
-def _whole(value: Any) -> int | _Absent:
-    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else _ABSENT
-
-
-def _text_pieces(value: Any) -> list[tuple[str, bool]] | None:
-    if not isinstance(value, list):
-        return None
-    return [(str(p[0]), bool(p[1])) for p in value if isinstance(p, list | tuple) and len(p) == 2]
-
-
-def _none() -> None:
-    return None
-
-
-# Each field annotation the events use: how a JSON value is read into it, and what makes the value of a field
-# without a default when a message lacks it (a new one each time: decoded events share no container).
-_READERS: dict[str, tuple[Callable[[Any], Any], Callable[[], Any]]] = {
-    "str": (lambda v: v if isinstance(v, str) else _ABSENT, str),
-    "str | None": (lambda v: v if isinstance(v, str) else None, _none),
-    "int": (_whole, int),
-    "float": (_number, float),
-    "float | None": (_number_or_none, _none),
-    "bool": (lambda v: v if isinstance(v, bool) else _ABSENT, bool),
-    "dict[str, Any]": (lambda v: dict(v) if isinstance(v, Mapping) else _ABSENT, dict),
-    "list[tuple[str, bool]] | None": (_text_pieces, _none),
-}
-
-
-_FieldReader = tuple[str, Callable[[Any], Any], Callable[[], Any]]
-
-
-def _field_readers(cls: type[Event]) -> tuple[_FieldReader, ...]:
-    """(name, reader, maker of the value when absent) for each field; a field type without a reader fails at
-    import, not when the first such event arrives."""
-    readers = []
-    for f in fields(cls):
-        annotation = str(f.type)
-        if annotation not in _READERS:
-            raise TypeError(f"decode_event cannot read {cls.__name__}.{f.name}: {annotation}")
-        read, empty = _READERS[annotation]
-        if f.name == "at_unix":
-            empty = float  # the time a message is read is not when its event happened: 0.0 says "not known"
-        elif f.default is not MISSING:
-            empty = _constant(f.default)
-        readers.append((f.name, read, empty))
-    return tuple(readers)
-
-
-def _constant(value: Any) -> Callable[[], Any]:
-    return lambda: value
-
-
-_DECODERS: dict[str, tuple[type[Event], tuple[_FieldReader, ...]]] = {
-    cls.__name__: (cls, _field_readers(cls)) for cls in get_args(Event)
-}
-
-
-def decode_event(kind: str, data: Mapping[str, Any]) -> Event | None:
-    """One feed message (an SSE event of /adaptive/events, or a line of a recorded feed: its event name and JSON
-    object) as its event type; None for a kind this version does not know, so a newer proxy's events are skipped.
-
-    Lenient both ways: fields it does not know are ignored; a missing field, or one of the wrong JSON type, takes
-    its default, or the empty value of its type (0, "", False, None, {}) when it has none; a missing `at_unix`
-    reads 0.0 (not known).
-    """
-    decoder = _DECODERS.get(kind)
-    if decoder is None:
-        return None
-    cls, readers = decoder
-    values: dict[str, Any] = {}
-    for name, read, empty in readers:
-        value = read(data[name]) if name in data else _ABSENT
-        values[name] = empty() if isinstance(value, _Absent) else value
-    return cls(**values)

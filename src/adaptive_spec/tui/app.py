@@ -23,7 +23,8 @@ from textual.events import Resize
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Input, Static
 
-from adaptive_spec.telemetry.events import EventsDropped, decode_event
+from adaptive_spec.telemetry.decoding import decode_event
+from adaptive_spec.telemetry.events import EventsDropped
 from adaptive_spec.tui import bindings, panels, render
 from adaptive_spec.tui.child import ServeChild
 from adaptive_spec.tui.feed import ControlError, FeedItem, ProxyClient

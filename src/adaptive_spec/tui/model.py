@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from adaptive_spec.telemetry import events
+from adaptive_spec.telemetry import decoding, events
 from adaptive_spec.tui import log_lines, pools
 from adaptive_spec.tui.log_lines import LogLine
 from adaptive_spec.tui.profiles import CHART_SECONDS, ProfileView
@@ -54,7 +54,7 @@ class Dashboard:
             view.stats_turns = whole(s.get("turns"))
             view.last_active = max(view.last_active, number(s.get("last_seen")) or 0.0)
         for item in payload.get("in_flight") or []:
-            started = events.decode_event("RequestStarted", _mapping(item))
+            started = decoding.decode_event("RequestStarted", _mapping(item))
             if isinstance(started, events.RequestStarted):
                 self._started(started, now)
 
@@ -153,15 +153,16 @@ class Dashboard:
         arrived: float | None = None,
         from_history: bool = False,
     ) -> bool:
-        rid = str(record.get("request_id"))
+        rec = decoding.decode_record(record)
+        rid = rec.request_id
         if rid in self._seen_set:
             return False
         if len(self.seen) == self.seen.maxlen:
             self._seen_set.discard(self.seen[0])
         self.seen.append(rid)
         self._seen_set.add(rid)
-        row = turn_row(record)
-        at = at if at is not None else (row.started_at_unix + (number(record.get("total_ms")) or 0.0) / 1000)
+        row = turn_row(rec)
+        at = at if at is not None else (row.started_at_unix + rec.total_ms / 1000)
         live = self.live.pop(rid, None)
         profile = self.profile(row.profile)
         profile.in_flight.discard(rid)
@@ -171,16 +172,16 @@ class Dashboard:
             profile.add_output(when, row.predicted_n - before[0], row.draft_n_accepted - before[1])
         profile.count(row.predicted_n, row.draft_n_accepted)
         profile.draft_n += row.draft_n
-        replica = pools.index_of(record.get("replica"))
+        replica = rec.replica
         pools.finished(profile.replicas, replica, rid, row.predicted_n, row.draft_n_accepted)
         profile.predicted_ms += row.predicted_ms
         self.requests_total += 1
         self.failed_total += row.outcome != "finished"
-        sid = record.get("session_id")
+        sid = rec.session_id
         if sid:
-            view = self._session(str(sid), str(record.get("project") or "default"))
+            view = self._session(str(sid), rec.project or "default")
             if view.client == "?":
-                view.client = client_of(record.get("session_source"), record.get("client"))
+                view.client = client_of(rec.session_source, rec.client)
             view.turns.append(row)
             view.profile = row.profile
             view.last_reason = row.reason or view.last_reason

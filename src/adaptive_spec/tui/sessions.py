@@ -4,11 +4,11 @@ router's estimate, the live text of its answer, and which sessions the table lis
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from adaptive_spec.streams.timings import parse_timings
+from adaptive_spec.telemetry.records import RequestRecord
 
 TEXT_CHARS = 4000  # the live text of an in-flight request keeps its last characters
 SORTS = ("last active", "turns", "accepted", "tok/s", "profile")
@@ -134,32 +134,31 @@ def whole(value: Any) -> int:
     return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0
 
 
-def turn_row(record: Mapping[str, Any]) -> TurnRow:
-    """A request record (as /adaptive/requests and the feed carry it) as a row of its session's turns."""
-    timings = parse_timings(record.get("timings"))
-    handoff = record.get("handoff") if isinstance(record.get("handoff"), Mapping) else None
+def turn_row(record: RequestRecord) -> TurnRow:
+    """A request record (as /adaptive/requests and the feed carry it, decoded) as a row of its session's turns."""
+    timings, handoff = record.timings, record.handoff
     handoff_ms = None
     if handoff is not None:
         handoff_ms = ((number(handoff.get("save_s")) or 0.0) + (number(handoff.get("restore_s")) or 0.0)) * 1000
     return TurnRow(
-        request_id=str(record.get("request_id")),
-        started_at_unix=number(record.get("started_at_unix")) or 0.0,
-        profile=str(record.get("profile")),
-        api=str(record.get("api")),
-        outcome=str(record.get("outcome") or "finished"),
-        status=whole(record.get("status")),
-        error=record.get("error"),
+        request_id=record.request_id,
+        started_at_unix=record.started_at_unix,
+        profile=record.profile,
+        api=record.api,
+        outcome=record.outcome or "finished",
+        status=record.status,
+        error=record.error,
         prompt_n=timings.prompt_n if timings else 0,
         cache_n=timings.cache_n if timings else 0,
         predicted_n=timings.predicted_n if timings else 0,
         draft_n=timings.draft_n if timings else 0,
         draft_n_accepted=timings.draft_n_accepted if timings else 0,
         tokens_per_s=timings.predicted_per_second if timings else None,
-        ttft_ms=number(record.get("ttft_ms")),
-        ttst_ms=number(record.get("ttst_ms")),
-        route=record.get("route"),
-        reason=record.get("reason"),
-        moved_from=record.get("moved_from"),
+        ttft_ms=record.ttft_ms,
+        ttst_ms=record.ttst_ms,
+        route=record.route,
+        reason=record.reason,
+        moved_from=record.moved_from,
         handoff_tokens=whole(handoff.get("tokens")) if handoff else None,
         handoff_ms=handoff_ms,
         handoff_ok=bool(handoff.get("ok")) if handoff else False,
