@@ -172,7 +172,7 @@ async def _serve(
     req.route = routed
     upstream = table.get("plain")
     assert upstream is not None
-    c.time("upstream body", lambda: handler._upstream_body(req, upstream, False))
+    c.time("upstream body", lambda: handler.upstream_body(req, upstream, False))
     req.meter.output.add([served[0]], served[1])
     req.meter._take({"timings": {"prompt_n": max(1, prompt_tokens - cached), "cache_n": cached, "predicted_n": 40}})
     req.outcome = SERVED

@@ -94,7 +94,7 @@ def _upstream_query(request: web.Request, upstream: Upstream, api: str) -> str:
     return f"?{qs}" if qs else ""
 
 
-def _upstream_body(req: ProxyRequest, upstream: Upstream, watched: bool) -> tuple[bytes, bool]:
+def upstream_body(req: ProxyRequest, upstream: Upstream, watched: bool) -> tuple[bytes, bool]:
     """The bytes to send: the client's, unless a router preset must be named or per-token timings are wanted (for
     the live draft progress, only while a live view is `watched`: otherwise the answer's bytes pass on untouched).
 
@@ -288,7 +288,7 @@ async def _forward_once(
         total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
     )
     watched = lifecycle.watched or settings.feed_content
-    body, strip = _upstream_body(req, chosen, watched)
+    body, strip = upstream_body(req, chosen, watched)
     if settings.feed_content and req.parsed is not None and req.parsed.stream and routed.api in _PROGRESS_APIS:
         req.meter.live = LiveText()
     return await forward(
