@@ -3,13 +3,17 @@ and slots come down on every path, sessions keep their slot."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from adaptive_spec.kv.effects import KvEffects
-from adaptive_spec.routing.api import Completion, Route
+from adaptive_spec.kv.moves import HandoffResult, SlotAt, SlotMove
+from adaptive_spec.routing.api import Completion, FixedPolicy, NoEffects, Route
 from adaptive_spec.routing.router import Router
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.telemetry.records import Timings
@@ -109,3 +113,26 @@ def test_a_main_line_that_starts_while_the_title_is_in_flight_is_known_at_its_en
     t = Timings(prompt_n=100, predicted_n=5, predicted_ms=50.0)
     assert not r.complete(r_title, Completion(True, t, "A title"))
     assert r.complete(r_main, Completion(True, t, "done"))
+
+
+def test_a_request_cancelled_during_its_kv_move_leaves_no_load_behind() -> None:
+    """The client hangs up while its session's slot is being moved: route() never returns, so it brings the load
+    down itself (the shell has no route to complete)."""
+
+    class _Hangs(NoEffects):
+        def can_move(self, source: SlotAt, target: SlotAt) -> bool:
+            return True
+
+        async def move_slot(self, move: SlotMove) -> HandoffResult:
+            raise asyncio.CancelledError
+
+    table = UpstreamTable([Upstream("oneshot", "http://127.0.0.1:9"), Upstream("iterative", "http://127.0.0.1:8")])
+    r = Router(table, FixedPolicy(), {"oneshot": 1, "iterative": 1}, {"iterative": ("ngram-mod",)}, _Hangs())
+    r.placements.served("s", "oneshot", None, 4000, 10)
+    body = {"messages": [{"role": "user", "content": "word " * 8000}]}
+    ask = request(body, "s", pinned="iterative", turns=3, copy_share=0.0, body_bytes=40_000)
+    assert r.choose(ask)[0].handoff
+    with pytest.raises(asyncio.CancelledError):
+        route(r, ask)
+    assert r.load.in_flight == {"oneshot": 0, "iterative": 0}
+    assert r.load.server_busy("iterative") == 0 and r.load.sessions_in_flight == {}

@@ -287,10 +287,14 @@ class Router:
             slot = self.load.slot_for(profile, request.session_id, replica) if request.takes_slot else None
         self.load.started(profile, slot, request.session_id, replica)
         route = Route(decision, slot, request.session_id, request.body_bytes, pieces=pieces, has_tools=has_tools)
-        if decision.handoff and request.session_id is not None:
-            return replace(route, handoff=await self._hand_off(decision, request.session_id, slot))
-        if request.prefill_path is not None and self.effects.prefills_elsewhere:
-            return await self._prefill_elsewhere(route, request)
+        try:
+            if decision.handoff and request.session_id is not None:
+                return replace(route, handoff=await self._hand_off(decision, request.session_id, slot))
+            if request.prefill_path is not None and self.effects.prefills_elsewhere:
+                return await self._prefill_elsewhere(route, request)
+        except BaseException:  # the client went away during the move (or a fault): no route reaches the shell
+            self.complete(route, Completion(ok=False))
+            raise
         return route
 
     def complete(self, route: Route, done: Completion) -> bool:
