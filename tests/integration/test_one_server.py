@@ -130,11 +130,13 @@ def test_ngram_off_drafts_nothing_on_the_ngram_server(one: ProxyProcess) -> None
     assert mine["timings"]["draft_n"] > 0 and mine["speculation"]["set_by"] == "client", mine
     # /v1/responses carries the settings too (its answer has no timings: llama-server's own counters tell).
     before = _drafted(one)
-    responses = _post(one, "/v1/responses", {"input": REPEATS[0]["content"], "max_output_tokens": 200}, "oneshot")
+    responses = _post(
+        one, "/v1/responses", {"input": REPEATS[0]["content"], "max_output_tokens": 200, "temperature": 0}, "oneshot"
+    )
     assert responses["speculation"]["types"] == [] and _drafted(one) == before
     # And /v1/messages (the patched server's Anthropic conversion passes them on).
     before = _drafted(one)
-    messages = {"model": "m", "messages": REPEATS, "max_tokens": 200}
+    messages = {"model": "m", "messages": REPEATS, "max_tokens": 200, "temperature": 0}
     anthropic = _post(one, "/v1/messages", messages, "oneshot")
     assert anthropic["speculation"]["types"] == [] and _drafted(one) == before
     _post(one, "/v1/messages", messages, "iterative")
