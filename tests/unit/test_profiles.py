@@ -17,7 +17,7 @@ from adaptive_spec.servers.profiles import (
 
 def _argv(draft_type: str | None, draft: ModelSource | None = None) -> tuple[list[str], list[str]]:
     settings = ServerSettings(model=ModelSource(path="/m/t.gguf"), draft=draft, ctx_size=4096, threads=1)
-    one, it = default_profiles(draft_type, NgramModParams(12, 16, 48))
+    one, it = default_profiles(draft_type, NgramModParams(12, 16, 48))[:2]
     args = {"host": "127.0.0.1", "port": 9000, "slot_save_path": "/s"}
     return server_argv("llama-server", one, settings, **args), server_argv("llama-server", it, settings, **args)  # type: ignore[arg-type]
 
@@ -47,6 +47,17 @@ def test_dflash_pair_is_drafter_then_drafter_plus_ngram_mod() -> None:
         assert _after(argv, "-md") == "/m/dflash.gguf"
         assert _after(argv, "--spec-draft-n-max") == "15"
         assert _after(argv, "-fa") == "on"
+
+
+def test_a_drafter_adds_plain_and_ngram_as_settings_of_the_one_server_only() -> None:
+    specs = default_profiles("simple", NgramModParams(12, 16, 48))
+    assert [(s.name, s.spec_types, s.shared_only) for s in specs] == [
+        ("oneshot", ("draft-simple",), False),
+        ("iterative", ("draft-simple", "ngram-mod"), False),
+        ("plain", ("none",), True),
+        ("ngram", ("ngram-mod",), True),
+    ]
+    assert len(default_profiles(None, NgramModParams())) == 2  # without a drafter, the pair is every setting
 
 
 def test_hf_sources_pass_through() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from dataclasses import replace
 from typing import Any
 from urllib.parse import quote
 
@@ -106,7 +107,11 @@ def upstream_body(req: ProxyRequest, upstream: Upstream, watched: bool) -> tuple
         return (with_model(req.body, preset) if preset is not None and req.body else req.body), False
     added: dict[str, Any] = {}
     if req.routed.api in SPECULATION_APIS:
-        added, req.speculation = merge_fields(parsed.body, upstream.speculation)
+        settings = upstream.speculation
+        cap = req.decision.n_max if req.decision is not None else None
+        if cap is not None:  # the router's draft length for this session (routing/draft_length.py)
+            settings = replace(settings, n_max=cap)
+        added, req.speculation = merge_fields(parsed.body, settings, by="router" if cap is not None else "profile")
     strip = watched and parsed.stream and req.routed.api in _PROGRESS_APIS and "timings_per_token" not in parsed.body
     if strip:
         added["timings_per_token"] = True

@@ -14,12 +14,16 @@ A session stays where its KV lives unless another profile is estimated faster by
 before it has dwelt `min_dwell_turns` there. Profiles that are per-request settings of one llama-server share its
 slots: a switch between them keeps the KV, costs nothing to move and needs no dwell ("same server"). A pin or a
 forced profile overrides the estimate; a profile that is down or overloaded is passed over and the decision says why.
+
+Load: a speculating profile is held back, for a setting of its server that does not speculate, while requests
+without speculation decode on that server (`route.speculate_beside_plain`) or once the server has
+`route.speculate_max_busy` requests in flight; the reason names the rule and the figure.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from adaptive_spec.routing.placements import Placement
 from adaptive_spec.routing.policy import Policy
@@ -34,6 +38,9 @@ class ProfileState:
     slots: int = 1
     handoff: bool = False  # shares a slot directory with the other profiles: its KV can be saved and restored
     draft_model: bool = False  # drafts with a separate draft model, whose own cache a slot file does not hold
+    speculates: bool = False  # drafts at all (a model drafter, n-grams, or both)
+    server: str = ""  # the llama-server it runs on: profiles naming one are per-request settings of it ("": its own)
+    plain_beside: int = 0  # requests without speculation in flight on that server, whichever profile they came for
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +68,7 @@ class RequestState:
     prompt_tokens: int | None = None  # the whole prompt, in the model's tokens
     shared_tokens: int | None = None  # its prefix that the session's KV cache holds
     shared_on: Mapping[str, int] | None = None  # per profile: its prefix that the slot it would use holds now
+    text_kind: str = "code"  # edit | code | prose (routing/text_kind.py): the drafter's prior acceptance
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +90,7 @@ class Decision:
     reason: str
     copy_share: float  # the copyability the estimate used
     context_tokens: int  # prompt tokens, estimated from the body
+    acceptance: float = 0.0  # the drafter acceptance the estimate used (model-drafter profiles)
     moved_from: str | None = None  # the session's KV lived on this other profile
     handoff: bool = False  # save the slot on moved_from and restore it on `profile` before forwarding
     handoff_tokens: int = 0
@@ -93,6 +102,8 @@ class Decision:
     replica: int = 0
     replica_kind: str = "only"  # only | stay | least-loaded | replaced | rebalanced
     replica_moved_from: int | None = None  # the session's KV lived on this other replica of the same profile
+    # The draft length the router caps this request at (`speculative.n_max`; None: the profile's own setting).
+    n_max: int | None = None
 
 
 def _fmt_tokens(n: int) -> str:
@@ -104,6 +115,7 @@ def _estimate(
     request: RequestState,
     session: SessionState,
     copy_share: float,
+    acceptance: float,
     prompt_tokens: int,
     speeds: SpeedModel,
     policy: Policy,
@@ -130,7 +142,7 @@ def _estimate(
         out = max(out, float(request.hint_output_tokens))
     out_tokens = max(1, int(min(out, request.max_tokens) if request.max_tokens else out))
     context = prompt_tokens + out_tokens / 2
-    s_per_token = speeds.decode_s_per_token(p.name, copy_share, context)
+    s_per_token = speeds.decode_s_per_token(p.name, copy_share, context, acceptance)
     prefill_s = speeds.prefill_s(p.name, prefill_tokens)
     return Estimate(
         profile=p.name,
@@ -182,6 +194,19 @@ def copyability(session: SessionState, request: RequestState, policy: Policy) ->
     return session.copy_share, src
 
 
+def acceptance(session: SessionState, request: RequestState, policy: Policy) -> tuple[float, str]:
+    """The share of a model drafter's tokens this turn's output is expected to have accepted, and where the figure
+    comes from: the session's measured acceptance (llama-server's counts), else the prior for its kind of text."""
+    placement = session.placement
+    if placement is not None and placement.drafter_acceptance is not None:
+        turns = placement.drafter_turns
+        return placement.drafter_acceptance, f"{turns}-turn avg" if turns > 1 else "last turn"
+    e = policy.estimator
+    if request.text_kind == "prose":
+        return e.drafter_acceptance_prose, "prior for prose"
+    return e.drafter_acceptance_code, f"prior for {'code being edited' if request.text_kind == 'edit' else 'code'}"
+
+
 @dataclass(frozen=True, slots=True)
 class _Deciding:
     """What every rule of one decision sees: the request, its session, the profiles, the speeds and the policy."""
@@ -193,12 +218,29 @@ class _Deciding:
     policy: Policy
     copy_share: float
     copy_src: str
+    acceptance: float
+    acceptance_src: str
     prompt_tokens: int
+    held: Mapping[str, str]  # speculating profiles held back by the load rule, and why
 
     def estimate(self, p: ProfileState) -> Estimate:
         return _estimate(
-            p, self.request, self.session, self.copy_share, self.prompt_tokens, self.speeds, self.policy, self.by_name
+            p,
+            self.request,
+            self.session,
+            self.copy_share,
+            self.acceptance,
+            self.prompt_tokens,
+            self.speeds,
+            self.policy,
+            self.by_name,
         )
+
+    def drafter_text(self, profiles: Sequence[str]) -> str:
+        """ ", drafts accepted 31% (2-turn avg)" when a model-drafter profile is among `profiles`, else ""."""
+        if not any(self.speeds.has_drafter(n) for n in profiles):
+            return ""
+        return f", drafter accepts {self.acceptance:.0%} ({self.acceptance_src})"
 
     def decision(self, name: str, kind: str, reason: str, estimates: tuple[Estimate, ...] = ()) -> Decision:
         placement = self.session.placement
@@ -212,13 +254,14 @@ class _Deciding:
             reason=reason,
             copy_share=self.copy_share,
             context_tokens=self.prompt_tokens,
+            acceptance=self.acceptance,
             moved_from=moved,
             handoff=handoff,
             handoff_tokens=placement.cached_tokens if handoff and placement else 0,
             estimates=estimates,
         )
 
-    def passed_over(self, name: str) -> str | None:
+    def passed_over(self, name: str, load: bool = True) -> str | None:
         p = self.by_name.get(name)
         if p is None:
             return None
@@ -226,7 +269,7 @@ class _Deciding:
             return f"{name} is down ({p.down_reason})"
         if _overloaded(p, self.policy):
             return f"{name} is overloaded ({p.in_flight} in flight for {p.slots} slot(s))"
-        return None
+        return self.held.get(name) if load else None
 
 
 def decide(
@@ -240,19 +283,64 @@ def decide(
     the policy: a pin; healthy and not overloaded; a forced profile; the only one allowed (`_by_policy`); a plain
     first turn, the estimates, where the KV lives, dwell and hysteresis, exploration (`_by_estimate`)."""
     copy_share, copy_src = copyability(session, request, policy)
+    accepts, accepts_src = acceptance(session, request, policy)
     prompt_tokens = (
         request.prompt_tokens if request.prompt_tokens is not None else speeds.prompt_tokens(request.body_bytes)
     )
     by_name = {p.name: p for p in profiles}
-    c = _Deciding(request, session, by_name, speeds, policy, copy_share, copy_src, prompt_tokens)
     if request.pinned is not None and request.pinned in by_name:
+        c = _Deciding(
+            request, session, by_name, speeds, policy, copy_share, copy_src, accepts, accepts_src, prompt_tokens, {}
+        )
         return c.decision(request.pinned, "pinned", f"{request.pinned}: pinned by {request.pinned_by}")
     allowed = [by_name[n] for n in policy.route.profiles if n in by_name] or list(profiles)
     usable = _usable(allowed, profiles, policy)
+    held = _held_by_load(usable, policy)
+    c = _Deciding(
+        request, session, by_name, speeds, policy, copy_share, copy_src, accepts, accepts_src, prompt_tokens, held
+    )
     if not usable:
         first = allowed[0] if allowed else profiles[0]
         return c.decision(first.name, "fallback", f"{first.name}: every profile is down")
-    return _by_policy(c, allowed, usable) or _by_estimate(c, allowed, usable)
+    return _by_policy(c, allowed, usable) or _by_load(c, allowed, usable) or _by_estimate(c, allowed, usable)
+
+
+def _held_by_load(usable: list[ProfileState], policy: Policy) -> dict[str, str]:
+    """The speculating profiles the load rule holds back, each with the figure that decided, where a setting of the
+    same server that does not speculate is usable instead (a server of its own is never held back: nothing else
+    would serve the request there)."""
+    route = policy.route
+    plain_servers = {p.server for p in usable if p.server and not p.speculates}
+    held = {}
+    for p in usable:
+        if not p.speculates or p.server not in plain_servers:
+            continue
+        if not route.speculate_beside_plain and p.plain_beside > 0:
+            held[p.name] = (
+                f"load: {p.plain_beside} request(s) without speculation decode on its server "
+                "(route.speculate_beside_plain = false)"
+            )
+        elif route.speculate_max_busy and p.in_flight >= route.speculate_max_busy:
+            held[p.name] = (
+                f"load: {p.in_flight} requests in flight on its server (route.speculate_max_busy = "
+                f"{route.speculate_max_busy})"
+            )
+    return held
+
+
+def _by_load(c: _Deciding, allowed: list[ProfileState], usable: list[ProfileState]) -> Decision | None:
+    """The estimates among the profiles the load rule leaves, when it holds back the one they would choose; None:
+    it holds back nothing that mattered (the estimates decide as usual)."""
+    if not c.held:
+        return None
+    left = [p for p in usable if p.name not in c.held]
+    decision = _by_estimate(c, [p for p in allowed if p.name not in c.held], left)
+    unheld = _by_estimate(replace(c, held={}), allowed, usable)
+    if unheld.profile not in c.held:
+        return unheld
+    return replace(
+        decision, kind="load", reason=f"{decision.reason}; {unheld.profile} held back: {c.held[unheld.profile]}"
+    )
 
 
 def _usable(allowed: list[ProfileState], profiles: Sequence[ProfileState], policy: Policy) -> list[ProfileState]:
@@ -270,7 +358,7 @@ def _by_policy(c: _Deciding, allowed: list[ProfileState], usable: list[ProfileSt
     """A profile the policy forces, or the only one it allows; None: the estimates decide."""
     force = c.policy.route.force
     if force is not None and force in c.by_name:
-        why = c.passed_over(force)
+        why = c.passed_over(force, load=False)  # what the policy forces is not held back by load
         if why is None:
             return c.decision(force, "forced", f"{force}: forced by the policy")
         alt = min((c.estimate(p) for p in usable), key=lambda e: e.total_s).profile
@@ -313,7 +401,9 @@ def _by_estimate(c: _Deciding, allowed: list[ProfileState], usable: list[Profile
     chosen, kind = best, "estimate"
     if placement is None and c.request.explore_draw < c.policy.route.explore and len(estimates) > 1:
         chosen, kind = sorted(estimates, key=lambda e: e.total_s)[1], "explore"
-    reason = _reason(chosen, estimates, copy_share, copy_src, c.session, kind)
+    reason = _reason(
+        chosen, estimates, copy_share, copy_src, c.session, kind, c.drafter_text([e.profile for e in estimates])
+    )
     return c.decision(chosen.profile, kind, reason, estimates)
 
 
@@ -367,12 +457,14 @@ def _reason(
     copy_src: str,
     session: SessionState,
     kind: str,
+    drafter: str = "",
 ) -> str:
     placement = session.placement
     others = [e for e in estimates if e.profile != chosen.profile]
     vs = ", ".join(f"{e.profile} {e.speedup:.1f}× ({e.total_s:.1f} s)" for e in others)
     head = (
-        f"{chosen.profile}: copyable {copy_share:.0%} ({copy_src}) → est {chosen.speedup:.1f}× ({chosen.total_s:.1f} s)"
+        f"{chosen.profile}: copyable {copy_share:.0%} ({copy_src}){drafter} → est {chosen.speedup:.1f}× "
+        f"({chosen.total_s:.1f} s)"
     )
     if vs:
         head += f" vs {vs}"

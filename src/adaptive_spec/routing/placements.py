@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from adaptive_spec.common.lru import LRU
-from adaptive_spec.routing.speeds import SpeedModel
+from adaptive_spec.routing.speeds import MIN_DRAFTED, SpeedModel, drafter_acceptance
 from adaptive_spec.telemetry.records import Timings
 
 
@@ -25,6 +25,11 @@ class Placement:
     # still have the prompt in its RAM cache, but a slot save would capture the other session's KV.
     in_slot: bool = True
     replica: int = 0  # which replica of the profile (a pool of llama-servers) holds it
+    # The share of a model drafter's tokens the target accepted on this session's answers (EWMA over the turns that
+    # drafted, from llama-server's counts; None: none measured yet), and over how many turns.
+    drafter_acceptance: float | None = None
+    drafter_turns: int = 0
+    draft_cap: int | None = None  # the draft length its last drafted answer was capped at (None: the server's own)
 
 
 class Placements:
@@ -56,13 +61,34 @@ class Placements:
         cached_tokens: int,
         output_tokens: int,
         replica: int = 0,
+        acceptance: float | None = None,
+        draft_cap: int | None = None,
     ) -> None:
+        """`acceptance`: this answer's drafter acceptance (None: the drafter drafted nothing for it), with its
+        drafts capped at `draft_cap` tokens (None: the server's own length)."""
         old = self._by_session.get(session_id)
         turns = old.turns_here + 1 if old is not None and old.profile == profile else 1
         out = float(output_tokens) if old is None else self.alpha * output_tokens + (1 - self.alpha) * old.output_tokens
+        accepted, drafted_turns = (old.drafter_acceptance, old.drafter_turns) if old is not None else (None, 0)
+        cap = old.draft_cap if old is not None else None
+        if acceptance is not None:
+            accepted = acceptance if accepted is None else self.alpha * acceptance + (1 - self.alpha) * accepted
+            drafted_turns += 1
+            cap = draft_cap
         if old is not None and old.in_slot:
             self._in_slot.get(self._slot(old.profile, old.replica, old.slot), set()).discard(session_id)
-        dropped = self._by_session.put(session_id, Placement(profile, slot, cached_tokens, turns, out, replica=replica))
+        placement = Placement(
+            profile,
+            slot,
+            cached_tokens,
+            turns,
+            out,
+            replica=replica,
+            drafter_acceptance=accepted,
+            drafter_turns=drafted_turns,
+            draft_cap=cap,
+        )
+        dropped = self._by_session.put(session_id, placement)
         self._in_slot.setdefault(self._slot(profile, replica, slot), set()).add(session_id)
         for sid, gone in dropped:
             self._in_slot.get(self._slot(gone.profile, gone.replica, gone.slot), set()).discard(sid)
@@ -123,6 +149,7 @@ def observe(
     timings: Timings,
     body_bytes: int,
     replica: int = 0,
+    draft_cap: int | None = None,
 ) -> None:
     """Learn from a request served in full on `profile` (its `replica`): its speeds, and that the session's KV now
     lives in `slot` there (whichever session held that slot before is out of it). Speeds are learned per profile:
@@ -131,4 +158,8 @@ def observe(
     if session_id is not None:
         placements.displace(profile, slot, keep=session_id, replica=replica)
         cached = timings.cache_n + timings.prompt_n + timings.predicted_n
-        placements.served(session_id, profile, slot, cached, timings.predicted_n, replica)
+        acceptance = None
+        if speeds.has_drafter(profile):
+            drafter_only = not speeds.is_ngram(profile)
+            acceptance = drafter_acceptance(timings, drafter_only, min_drafted=MIN_DRAFTED)
+        placements.served(session_id, profile, slot, cached, timings.predicted_n, replica, acceptance, draft_cap)

@@ -50,6 +50,15 @@ class RoutePolicy:
     min_dwell_turns: int = _key(2, "turns a session stays on a profile before it may move again", 0)
     explore: float = _key(0.0, "share of decisions sent to a not-chosen profile to learn its speed", 0, 0.5)
     max_queue: int = _key(2, "requests in flight on a profile beyond its slots before it counts as overloaded", 0)
+    speculate_beside_plain: bool = _key(
+        False, "let a request speculate while requests without speculation decode on its server"
+    )
+    adapt_draft_length: bool = _key(
+        True, "cap a sequential drafter's draft length per session, from its measured acceptance"
+    )
+    speculate_max_busy: int = _key(
+        0, "at this many requests in flight on its server, a request runs without speculation (0: no limit)", 0
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +92,15 @@ class EstimatorPolicy:
     prefill_tps: float = _key(400.0, "prior prompt-processing tok/s", 0, low_open=True)
     ngram_max_speedup: float = _key(3.0, "prior: n-gram profile's speed at copyability 1.0 over plain", 1)
     ngram_overhead: float = _key(0.03, "prior: n-gram profile's slowdown on output it cannot copy", 0, 1)
+    drafter_max_speedup: float = _key(
+        2.0, "prior: model-drafter profile's speed at drafter acceptance 1.0 over no speculation", 0, low_open=True
+    )
+    drafter_overhead: float = _key(0.1, "prior: model-drafter profile's slowdown when every draft is rejected", 0, 1)
+    draft_token_cost: float = _key(
+        0.3, "a drafted token's cost relative to one target decode step (sequential drafters)", 0
+    )
+    drafter_acceptance_code: float = _key(0.6, "prior: drafter acceptance on code before a session measured it", 0, 1)
+    drafter_acceptance_prose: float = _key(0.3, "prior: drafter acceptance on prose and chat", 0, 1)
     context_slowdown_per_1k: float = _key(0.05, "prior: decode time grows this share per 1,000 context tokens", 0)
     prior_weight: float = _key(3.0, "how many measured requests the priors are worth", 0, low_open=True)
     half_life: int = _key(50, "measured requests after which an old measurement counts half", 1)

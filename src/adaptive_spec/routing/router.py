@@ -26,11 +26,13 @@ from adaptive_spec.routing.api import (
 )
 from adaptive_spec.routing.copy_hint import pasted_file_chars
 from adaptive_spec.routing.decide import Decision, ProfileState, RequestState, SessionState, decide
+from adaptive_spec.routing.draft_length import draft_cap, per_token_acceptance
 from adaptive_spec.routing.load import ServerLoad
 from adaptive_spec.routing.placements import Placement, observe
 from adaptive_spec.routing.policy import Policy
 from adaptive_spec.routing.replicas import MoveCosts, ReplicaChoice, ReplicaState, choose_replica, least_loaded
 from adaptive_spec.routing.speeds import SpeedModel
+from adaptive_spec.routing.text_kind import text_kind
 from adaptive_spec.servers.profiles import uses_draft_model
 from adaptive_spec.sessions import prefix
 from adaptive_spec.telemetry.events import HandoffDone, PolicyChanged
@@ -49,14 +51,18 @@ class Router:
         seed: int | None = None,
         replica_slots: Mapping[tuple[str, int], int] | None = None,
         servers: Mapping[tuple[str, int], str] | None = None,
+        draft_caps: Mapping[str, int] | None = None,
     ) -> None:
         """`slots`: each profile's slots per server; `replica_slots` overrides it for a (profile, replica).
         `servers`: the server a (profile, replica) shares with others (profiles as per-request settings of one
         llama-server): those share its slots, its load and its sessions' KV; one not named has a server of its own.
-        `effects`: how KV moves are performed (none by default: nothing is ever handed over)."""
+        `effects`: how KV moves are performed (none by default: nothing is ever handed over).
+        `draft_caps`: the profiles whose draft length the router may cap per request (a sequential model drafter
+        alone, on a server that takes `speculative.n_max`), each with the longest cap it may choose."""
         self.health, self.policies = health, policies
         self.effects: Effects = effects or NoEffects()
         self._spec_types = dict(spec_types)
+        self._draft_caps = dict(draft_caps or {})
         base = policies.policy_for("default", None)
         self.speeds = SpeedModel(base.estimator, base.handoff, {n: spec_types.get(n) for n in health.names()})
         self.load = ServerLoad(health, slots, replica_slots, servers)
@@ -99,10 +105,18 @@ class Router:
 
     def states(self) -> list[ProfileState]:
         """Each profile as decide() sees it: its healthy replicas' slots together (a pool is one bigger profile)."""
+        names = self.health.names()
+        homes = {n: self.home(n, 0) for n in names}
+        shared = {h for h in homes.values() if sum(1 for other in homes.values() if other == h) > 1}
+        plain_in_flight: dict[tuple[str, int], int] = {}
+        for n in names:
+            if not self.speeds.speculates(n):
+                plain_in_flight[homes[n]] = plain_in_flight.get(homes[n], 0) + self.load.in_flight.get(n, 0)
         out = []
-        for n in self.health.names():
+        for n in names:
             replicas = self.replica_states(n)
             healthy = [r for r in replicas if r.down_reason is None] or replicas
+            home = homes[n]
             out.append(
                 ProfileState(
                     name=n,
@@ -112,6 +126,9 @@ class Router:
                     slots=sum(r.slots for r in healthy),
                     handoff=self._can_save(n),
                     draft_model=uses_draft_model(self._spec_types.get(n)),
+                    speculates=self.speeds.speculates(n),
+                    server=f"{home[0]}#{home[1]}" if home in shared else "",
+                    plain_beside=plain_in_flight.get(home, 0),
                 )
             )
         return out
@@ -155,6 +172,9 @@ class Router:
             explore_draw=self._rng.random(),
         )
         has_tools = bool(body.get("tools"))
+        state_of_request = replace(
+            state_of_request, text_kind=text_kind(body, state_of_request.copy_hint, request.copy_share)
+        )
         state = self.prefixes.get(session_id)
         pieces = prefix.prompt_pieces(body, state.pieces if state is not None else ())  # only new messages hashed
         placement = self.placements.get(session_id)
@@ -196,7 +216,23 @@ class Router:
             side=est.side,
             line_moved=state is not None and est.line_moved,
         )
+        decision = self._with_draft_cap(decision, placement, policy)
         return self._with_replica(decision, placement, policy, est.total_tokens), policy, pieces, has_tools
+
+    def _with_draft_cap(self, decision: Decision, placement: Placement | None, policy: Policy) -> Decision:
+        """The draft length for a sequential drafter's request, from the session's measured acceptance
+        (routing/draft_length.py); unchanged before the session has one, or where the policy turns it off."""
+        longest = self._draft_caps.get(decision.profile)
+        if not policy.route.adapt_draft_length or longest is None or placement is None:
+            return decision
+        share = placement.drafter_acceptance
+        if share is None:
+            return decision
+        at = placement.draft_cap or longest
+        cap = draft_cap(share, at, longest, policy.estimator.draft_token_cost)
+        alpha = per_token_acceptance(share, at)
+        why = f"; draft length {cap} (drafter accepted {share:.0%} of {at}-token drafts: per token {alpha:.2f})"
+        return replace(decision, n_max=cap, reason=decision.reason + why)
 
     def _with_replica(
         self, decision: Decision, placement: Placement | None, policy: Policy, total_tokens: int
@@ -253,7 +289,9 @@ class Router:
 
     def _turn_s(self, decision: Decision, placement: Placement) -> float:
         """This turn's estimated time where the session is (a decision without estimates: pinned, forced, only)."""
-        per_token = self.speeds.decode_s_per_token(decision.profile, decision.copy_share, decision.context_tokens)
+        per_token = self.speeds.decode_s_per_token(
+            decision.profile, decision.copy_share, decision.context_tokens, decision.acceptance
+        )
         prefill = self.speeds.prefill_s(decision.profile, decision.new_tokens or 0)
         return prefill + max(1.0, placement.output_tokens) * per_token
 
@@ -318,6 +356,7 @@ class Router:
             timings,
             route.body_bytes,
             replica,
+            decision.n_max,
         )
         if not route.pieces:
             return False

@@ -1,20 +1,28 @@
 """Per-profile speeds learned online from llama-server's timings, starting from priors.
 
 Decode time per output token is modelled from the session's copyability `x` (the share of output an n-gram drafter
-would produce from context) and the context length `k` (in thousands of tokens):
+would produce from context), its drafter acceptance `a` (the share of a model drafter's tokens the target accepts)
+and the context length `k` (in thousands of tokens):
 
-    profile without n-gram drafting:  seconds/token = b_p · (1 + c·k)
+    profile without speculation:      seconds/token = b_p · (1 + c·k)
     n-gram profile:                   seconds/token = b · (1 + c·k) · (1 + o) · (1 − g_p·x)
+    model-drafter profile:            seconds/token = b · (1 + c·k) · (d0_p − d1_p·a)
+    model drafter + n-gram:           seconds/token = b · (1 + c·k) · (d0_p − d1_p·a) · (1 − g_p·x)
 
 `b_p` is each plain profile's measured speed; `b` the reference: what the plain profiles measured (before they have
-data, what the n-gram profiles' measurements imply). `o` is the n-gram overhead on output it cannot copy, `c` the
+data, what the speculating profiles' measurements imply). `o` is the n-gram overhead on output it cannot copy, `c` the
 slowdown with context (both priors from the policy), and `g_p` the n-gram gain, learned per profile by ridge
 regression toward the prior `1 − 1/ngram_max_speedup`. The structure is the knowledge: an n-gram profile is never
 faster than plain decoding on output it cannot copy, however little it has been measured, so one-shot prompts are
-not sent to it on the strength of its edit-session numbers. Prefill speed (one figure: every profile serves the same
-model), slot save/restore cost and prompt bytes per token are running averages with priors. A KV handoff between
-hosts also pays the slot file's transfer, priced by `kv/costs.py` (`self.link`). Old measurements fade (half-life in
-requests).
+not sent to it on the strength of its edit-session numbers. A model drafter's line is learned whole (intercept and
+slope, ridge toward `1 + drafter_overhead` at acceptance 0 and `1/drafter_max_speedup` at 1): at acceptance 0 it
+costs its drafting and verification (llama.cpp #23052: prose at 0.68-0.91×), and how much acceptance buys depends on
+the hardware (3.7× for DFlash on a GPU; a loss at 97% acceptance for a 0.5B drafting for a 1.5B on 2 CPU cores). Each
+request's own acceptance, from llama-server's counts, is the point it adds. On a server with a model drafter, the
+setting without speculation still pays for keeping the drafter's cache in step: it is measured there as its own `b_p`.
+Prefill speed (one figure: every profile serves the same model), slot save/restore cost and prompt bytes per token are
+running averages with priors. A KV handoff between hosts also pays the slot file's transfer, priced by `kv/costs.py`
+(`self.link`). Old measurements fade (half-life in requests).
 """
 
 from __future__ import annotations
@@ -32,11 +40,29 @@ _MIN_DECODE_TOKENS = 32  # shorter responses measure per-request overheads, not 
 _MIN_GAIN_TOKENS = 64
 _MIN_PREFILL_TOKENS = 64
 _MAX_GAIN = 0.95
+_MAX_FACTOR = 20.0  # a drafter's predicted speed stays within 1/20 .. 20 times the reference
+MIN_DRAFTED = 8  # fewer drafted tokens say little of a drafter's acceptance
 
 
 def is_ngram(spec_types: tuple[str, ...] | None) -> bool:
     """Whether a profile drafts from n-grams of its context (ngram-mod, ngram-map-*, ngram-simple, ...)."""
     return bool(spec_types) and any(t.startswith("ngram") for t in spec_types or ())
+
+
+def has_drafter(spec_types: tuple[str, ...] | None) -> bool:
+    """Whether a profile drafts with a model (draft-dflash, draft-simple, draft-mtp, draft-eagle3, ...)."""
+    return any(t.startswith("draft") for t in spec_types or ())
+
+
+def drafter_acceptance(timings: Timings, spec_types_drafter_only: bool, min_drafted: int = 1) -> float | None:
+    """The share of the model drafter's tokens the target accepted in one response, from llama-server's counts:
+    the drafter's own (`draft_by_type`) where the server splits them, else all drafts when the drafter was the only
+    type that could draft; None when it drafted nothing (or the counts cannot be told apart)."""
+    if timings.drafter_n > 0:
+        return timings.drafter_n_accepted / timings.drafter_n if timings.drafter_n >= min_drafted else None
+    if spec_types_drafter_only and timings.draft_n >= max(1, min_drafted):
+        return timings.draft_n_accepted / timings.draft_n
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +71,10 @@ class ProfileSpeeds:
 
     profile: str
     ngram: bool
+    drafter: bool
     measured: float  # measured requests, after forgetting
-    decode_tps_plain_text: float  # at copyability 0, 4,000 tokens of context
-    decode_tps_copyable: float  # at copyability 0.8, 4,000 tokens of context
+    decode_tps_plain_text: float  # at copyability 0 and drafter acceptance 0.3, 4,000 tokens of context
+    decode_tps_copyable: float  # at copyability 0.8 and drafter acceptance 0.8, 4,000 tokens of context
     prefill_tps: float
 
 
@@ -70,6 +97,32 @@ class _Gain:
         return min(_MAX_GAIN, max(0.0, (self.sxr + weight * prior) / (self.sxx + weight)))
 
 
+class _Line:
+    """Ridge regression of r on a with an intercept, r = c + m·a, toward a prior line (c0, m0): a model drafter's
+    speed relative to the reference at acceptance a."""
+
+    __slots__ = ("n", "s1", "sa", "saa", "sar", "sr")
+
+    def __init__(self) -> None:
+        self.s1 = self.sa = self.saa = self.sr = self.sar = self.n = 0.0
+
+    def add(self, a: float, r: float, forget: float) -> None:
+        self.s1 = self.s1 * forget + 1.0
+        self.sa = self.sa * forget + a
+        self.saa = self.saa * forget + a * a
+        self.sr = self.sr * forget + r
+        self.sar = self.sar * forget + a * r
+        self.n = self.n * forget + 1.0
+
+    def value(self, c0: float, m0: float, weight: float, a: float) -> float:
+        # Normal equations of Σ(r − c − m·a)² + weight·((c − c0)² + (m − m0)²).
+        p, q, t = self.s1 + weight, self.sa, self.saa + weight
+        u, v = self.sr + weight * c0, self.sar + weight * m0
+        det = p * t - q * q
+        c, m = (u * t - q * v) / det, (p * v - q * u) / det
+        return min(_MAX_FACTOR, max(1.0 / _MAX_FACTOR, c + m * a))
+
+
 class SpeedModel:
     def __init__(
         self,
@@ -80,8 +133,10 @@ class SpeedModel:
         self.estimator, self.handoff = estimator, handoff
         self.forget = 0.5 ** (1.0 / estimator.half_life)
         self._ngram: dict[str, bool] = {}
+        self._drafter: dict[str, bool] = {}
         self._own: dict[str, RunningMean] = {}  # plain profiles: seconds/token at no context
-        self._gain: dict[str, _Gain] = {}  # n-gram profiles
+        self._gain: dict[str, _Gain] = {}  # n-gram profiles (and a drafter + n-gram profile's n-gram part)
+        self._line: dict[str, _Line] = {}  # model-drafter profiles
         # Prefill speed is one figure for all profiles: they serve the same model (the proxy refuses otherwise), and
         # two servers' noise must not make one look faster at reading prompts.
         self._prefill = RunningMean(estimator.prior_weight, self.forget)
@@ -106,11 +161,19 @@ class SpeedModel:
     def set_kind(self, profile: str, spec_types: tuple[str, ...] | None) -> None:
         """A profile's spec types (an attached profile's become known after its first request, from /slots)."""
         self._ngram[profile] = is_ngram(spec_types)
+        self._drafter[profile] = has_drafter(spec_types)
         self._own.setdefault(profile, RunningMean(self.estimator.prior_weight, self.forget))
         self._gain.setdefault(profile, _Gain())
+        self._line.setdefault(profile, _Line())
 
     def is_ngram(self, profile: str) -> bool:
         return self._ngram.get(profile, False)
+
+    def has_drafter(self, profile: str) -> bool:
+        return self._drafter.get(profile, False)
+
+    def speculates(self, profile: str) -> bool:
+        return self.is_ngram(profile) or self.has_drafter(profile)
 
     # --- the model --------------------------------------------------------------------------------------------
 
@@ -121,7 +184,7 @@ class SpeedModel:
         """Decoding without n-gram drafting at no context: the plain profiles' measurements, else what the
         n-gram profiles' measurements imply, else the prior."""
         prior = self._implied_ref.value(1.0 / self.estimator.decode_tps)
-        measured = [a for name, a in self._own.items() if a.n > 0.5 and not self._ngram.get(name, False)]
+        measured = [a for name, a in self._own.items() if a.n > 0.5 and not self.speculates(name)]
         if not measured:
             return prior
         return sum(a.value(prior) * a.n for a in measured) / sum(a.n for a in measured)
@@ -132,12 +195,31 @@ class SpeedModel:
         return g.value(prior, self.estimator.prior_weight) if g is not None else prior
 
     def _ngram_shape(self, profile: str, x: float) -> float:
+        if self.has_drafter(profile):  # the drafter's line holds the overhead
+            return 1.0 - self.gain(profile) * x
         return (1.0 + self.estimator.ngram_overhead) * (1.0 - self.gain(profile) * x)
 
-    def decode_s_per_token(self, profile: str, copy_share: float, context_tokens: float) -> float:
+    def drafter_factor(self, profile: str, acceptance: float) -> float:
+        """A model-drafter profile's seconds/token over the reference's at this acceptance (below 1: faster)."""
+        e = self.estimator
+        c0 = 1.0 + e.drafter_overhead
+        m0 = 1.0 / e.drafter_max_speedup - c0
+        line = self._line.get(profile)
+        a = min(1.0, max(0.0, acceptance))
+        return line.value(c0, m0, e.prior_weight, a) if line is not None else c0 + m0 * a
+
+    def _shape(self, profile: str, x: float, a: float) -> float:
+        shape = self.drafter_factor(profile, a) if self.has_drafter(profile) else 1.0
+        return shape * self._ngram_shape(profile, x) if self.is_ngram(profile) else shape
+
+    def decode_s_per_token(
+        self, profile: str, copy_share: float, context_tokens: float, acceptance: float = 0.0
+    ) -> float:
+        """`acceptance`: the share of a model drafter's tokens the session's output is expected to have accepted
+        (used by model-drafter profiles only)."""
         ctx = self._context_factor(context_tokens)
-        if self.is_ngram(profile):
-            return self.reference_s_per_token() * ctx * self._ngram_shape(profile, copy_share)
+        if self.speculates(profile):
+            return self.reference_s_per_token() * ctx * self._shape(profile, copy_share, acceptance)
         own = self._own.get(profile)
         if own is not None and own.n > 0.5:
             return own.value(self._implied_ref.value(1.0 / self.estimator.decode_tps)) * ctx
@@ -174,15 +256,33 @@ class SpeedModel:
             return
         y = timings.predicted_ms / 1000.0 / timings.predicted_n
         at_no_context = y / self._context_factor(context + timings.predicted_n / 2)
-        if not self.is_ngram(profile):
+        if not self.speculates(profile):
             self._own.setdefault(profile, RunningMean(self.estimator.prior_weight, self.forget)).add(at_no_context)
+            return
+        x = min(1.0, max(0.0, copy_share))
+        if self.has_drafter(profile):
+            self._observe_drafter(profile, x, timings, at_no_context)
             return
         if timings.predicted_n < _MIN_GAIN_TOKENS:
             return
-        x = min(1.0, max(0.0, copy_share))
         r = at_no_context / ((1.0 + self.estimator.ngram_overhead) * self.reference_s_per_token())
         self._gain.setdefault(profile, _Gain()).add(x, r, self.forget)
         self._implied_ref.add(at_no_context / self._ngram_shape(profile, x))
+
+    def _observe_drafter(self, profile: str, x: float, timings: Timings, at_no_context: float) -> None:
+        """A model-drafter profile's point: this response's own acceptance (llama-server's counts) against its speed
+        over the reference; with n-gram drafting too, the drafter's line and the n-gram gain each learn from what
+        the other one predicts (backfitting, one step per response)."""
+        ngram = self.is_ngram(profile)
+        a = drafter_acceptance(timings, spec_types_drafter_only=not ngram, min_drafted=MIN_DRAFTED)
+        if a is None:
+            return
+        r = at_no_context / self.reference_s_per_token()
+        ngram_part = self._ngram_shape(profile, x) if ngram else 1.0
+        self._line.setdefault(profile, _Line()).add(a, r / ngram_part, self.forget)
+        if ngram and timings.predicted_n >= _MIN_GAIN_TOKENS:
+            self._gain.setdefault(profile, _Gain()).add(x, r / self.drafter_factor(profile, a), self.forget)
+        self._implied_ref.add(at_no_context / self._shape(profile, x, a))
 
     def observe_handoff(self, tokens: int, save_s: float, restore_s: float) -> None:
         if tokens > 0:
@@ -192,13 +292,18 @@ class SpeedModel:
     def describe(self) -> list[ProfileSpeeds]:
         out = []
         for name in self._ngram:
+            if self.has_drafter(name):
+                measured = self._line[name].n
+            else:
+                measured = self._gain[name].n if self.is_ngram(name) else self._own[name].n
             out.append(
                 ProfileSpeeds(
                     profile=name,
                     ngram=self.is_ngram(name),
-                    measured=round(self._gain[name].n if self.is_ngram(name) else self._own[name].n, 2),
-                    decode_tps_plain_text=round(1.0 / self.decode_s_per_token(name, 0.0, 4000), 2),
-                    decode_tps_copyable=round(1.0 / self.decode_s_per_token(name, 0.8, 4000), 2),
+                    drafter=self.has_drafter(name),
+                    measured=round(measured, 2),
+                    decode_tps_plain_text=round(1.0 / self.decode_s_per_token(name, 0.0, 4000, 0.3), 2),
+                    decode_tps_copyable=round(1.0 / self.decode_s_per_token(name, 0.8, 4000, 0.8), 2),
                     prefill_tps=round(1.0 / max(1e-9, self.prefill_s(name, 1.0)), 1),
                 )
             )

@@ -38,6 +38,7 @@ from adaptive_spec.requests.gate import install_security
 from adaptive_spec.requests.handler import proxy_view
 from adaptive_spec.requests.lifecycle import RequestLifecycle
 from adaptive_spec.routing.api import FixedPolicy, PolicySource
+from adaptive_spec.routing.draft_length import capped_profiles
 from adaptive_spec.routing.router import Router
 from adaptive_spec.server.control import add_control_views
 from adaptive_spec.server.views import add_views
@@ -101,6 +102,7 @@ def build_app(
         effects,
         replica_slots={(i.name, i.replica): i.total_slots for i in app[PROFILES]},
         servers=servers,
+        draft_caps=capped_profiles(infos.values()),
     )
     router.speeds.link.observe_link(kv.link_bytes_per_s)
     app[KV] = effects

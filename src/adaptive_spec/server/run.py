@@ -38,6 +38,7 @@ from adaptive_spec.servers.profile_servers import (
     Launched,
     first_servers,
     health_hooks,
+    own_servers,
     planned_design,
     probe_profiles,
     restarter,
@@ -328,8 +329,8 @@ async def _launch(run: _Run, launch: LaunchPlan, stop: asyncio.Event) -> list[Up
         run.launched = await settle(launcher, launch.specs, run.client, lambda work: _until_stopped(work, stop))
         if run.launched is None:
             return None
-        if len(first) < len(launch.specs) and run.launched.design == STOCK:  # the others' servers were added
-            for line in launch_lines(launch.specs, launch.settings, device, "a stock llama-server"):
+        if len(first) == 1 < len(launch.specs) and run.launched.design == STOCK:  # the others' servers were added
+            for line in launch_lines(own_servers(launch.specs), launch.settings, device, "a stock llama-server"):
                 say(line)
     except LaunchError:
         run.keep_logs = True  # the error names a log file: it must still be there to be read

@@ -36,14 +36,20 @@ class Launched:
 
 def planned_design(first: Sequence[ProfileSpec], specs: Sequence[ProfileSpec]) -> str:
     """What start-up says it is about to launch, before the probe tells whether the one server takes the others."""
-    return f"planned: {ONE_SERVER if len(first) < len(specs) else PER_PROFILE}"
+    return f"planned: {ONE_SERVER if len(first) == 1 < len(specs) else PER_PROFILE}"
 
 
 def first_servers(specs: Sequence[ProfileSpec], shared: bool) -> list[ProfileSpec]:
     """The servers to launch first: the one that can host every profile (when `shared` is asked and one can), else
     one per profile."""
     plan = one_server(specs) if shared else None
-    return [s for s in specs if plan is None or s.name == plan.host]
+    return [s for s in specs if s.name == plan.host] if plan is not None else own_servers(specs)
+
+
+def own_servers(specs: Sequence[ProfileSpec]) -> list[ProfileSpec]:
+    """The profiles that get a server of their own when they cannot share one: all but the settings that exist
+    only per request (`shared_only`)."""
+    return [s for s in specs if not s.shared_only]
 
 
 async def settle(
@@ -54,17 +60,18 @@ async def settle(
     endpoints = launcher.endpoints
     plan = one_server(specs) if len(endpoints) == 1 < len(specs) else None
     if plan is None:
-        own = [Upstream(s.name, endpoints[s.name]) for s in specs]
-        return Launched(own, {s.name: s.name for s in specs}, PER_PROFILE)
+        own = [Upstream(s.name, endpoints[s.name]) for s in specs if s.name in endpoints]
+        return Launched(own, {u.name: u.name for u in own}, PER_PROFILE)
     url = endpoints[plan.host]
     info = await probe(client, Upstream(plan.host, url))
     if info.per_request is not None:
         upstreams = [Upstream(name, url, speculation=settings) for name, settings in plan.settings]
         return Launched(upstreams, {name: plan.host for name, _ in plan.settings}, ONE_SERVER)
-    if not await until(launcher.add([s for s in specs if s.name != plan.host])):
+    if not await until(launcher.add([s for s in own_servers(specs) if s.name != plan.host])):
         return None
     endpoints = launcher.endpoints
-    return Launched([Upstream(s.name, endpoints[s.name]) for s in specs], {s.name: s.name for s in specs}, STOCK)
+    own = [Upstream(s.name, endpoints[s.name]) for s in specs if s.name in endpoints]
+    return Launched(own, {u.name: u.name for u in own}, STOCK)
 
 
 def health_hooks(launched: Launched, table: UpstreamTable) -> tuple[Callable[[str], None], Callable[[str, str], None]]:

@@ -67,6 +67,9 @@ class ProfileSpec:
     name: str
     spec_types: tuple[str, ...]
     ngram_mod: NgramModParams = field(default_factory=NgramModParams)
+    # A setting offered only as a per-request setting of one server: a stock llama-server gets no process of its own
+    # for it (another copy of the model for a setting the router seldom picks).
+    shared_only: bool = False
 
     @property
     def uses_draft_file(self) -> bool:
@@ -120,10 +123,12 @@ def server_argv(
 SMALL_MODEL_NGRAM_MOD = NgramModParams(n_match=24, n_min=48, n_max=64)
 
 
-def default_profiles(draft_type: str | None, ngram_mod: NgramModParams) -> tuple[ProfileSpec, ProfileSpec]:
+def default_profiles(draft_type: str | None, ngram_mod: NgramModParams) -> tuple[ProfileSpec, ...]:
     """The pair from the public benchmark: `oneshot` without n-gram drafting, `iterative` with ngram-mod.
 
-    With a drafter (`draft_type`), `oneshot` is the drafter alone and `iterative` the drafter + ngram-mod.
+    With a drafter (`draft_type`), `oneshot` is the drafter alone and `iterative` the drafter + ngram-mod, and the
+    server offers two more settings per request: `plain` (no speculation: prose whose drafts are rejected) and
+    `ngram` (n-grams alone). Those two exist only as settings of one server (`shared_only`).
     """
     if draft_type is None:
         return (ProfileSpec("oneshot", ("none",)), ProfileSpec("iterative", ("ngram-mod",), ngram_mod))
@@ -132,7 +137,12 @@ def default_profiles(draft_type: str | None, ngram_mod: NgramModParams) -> tuple
     except KeyError:
         known = ", ".join(DRAFT_TYPES)
         raise ConfigError(f"unknown --draft-type {draft_type!r}; choose one of: {known}") from None
-    return (ProfileSpec("oneshot", (drafter,)), ProfileSpec("iterative", (drafter, "ngram-mod"), ngram_mod))
+    return (
+        ProfileSpec("oneshot", (drafter,)),
+        ProfileSpec("iterative", (drafter, "ngram-mod"), ngram_mod),
+        ProfileSpec("plain", ("none",), shared_only=True),
+        ProfileSpec("ngram", ("ngram-mod",), ngram_mod, shared_only=True),
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -144,11 +144,13 @@ def one_server(specs: Sequence[ProfileSpec]) -> SharedPlan | None:
     return None
 
 
-def merge_fields(body: Mapping[str, Any], settings: Speculation) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def merge_fields(
+    body: Mapping[str, Any], settings: Speculation, by: str = "profile"
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The fields to add to a request body for `settings`, and what the request then runs with, for its record (None:
     nothing named, the server's own behaviour). A client's own `speculative.*` field wins over the profile's (it asked
-    for that setting by name; dropping it would be silent), and the record says who set what. One look at the body's
-    top-level keys."""
+    for that setting by name; dropping it would be silent), and the record says who set what (`by`: the profile, or
+    the router where it chose the draft length). One look at the body's top-level keys."""
     client = {k: v for k, v in body.items() if isinstance(k, str) and k.startswith("speculative.")}
     added = {k: v for k, v in settings.body_fields().items() if k not in client}
     fields = {**added, **client}
@@ -158,7 +160,7 @@ def merge_fields(body: Mapping[str, Any], settings: Speculation) -> tuple[dict[s
     record = {
         "types": types if isinstance(types, list | str) else None,
         "n_max": fields.get(N_MAX_FIELD),
-        "set_by": "client" if client and not added else "profile+client" if client else "profile",
+        "set_by": "client" if client and not added else f"{by}+client" if client else by,
     }
     return added, record
 

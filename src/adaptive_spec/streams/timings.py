@@ -37,6 +37,7 @@ def parse_timings(raw: Any) -> Timings | None:
     """A llama-server `timings` object as a Timings; None when it is not an object."""
     if not isinstance(raw, dict):
         return None
+    drafter_n, drafter_n_accepted = _drafter_counts(raw.get("draft_by_type"))
     return Timings(
         prompt_n=as_int(raw.get("prompt_n")),
         cache_n=as_int(raw.get("cache_n")),
@@ -46,7 +47,22 @@ def parse_timings(raw: Any) -> Timings | None:
         predicted_per_second=_float(raw.get("predicted_per_second")),
         draft_n=as_int(raw.get("draft_n")),
         draft_n_accepted=as_int(raw.get("draft_n_accepted")),
+        drafter_n=drafter_n,
+        drafter_n_accepted=drafter_n_accepted,
     )
+
+
+def _drafter_counts(by_type: Any) -> tuple[int, int]:
+    """The model drafter's drafted and accepted tokens in a patched server's `draft_by_type` (every type that does
+    not draft from n-grams: draft-dflash, draft-simple, draft-mtp, ...); 0, 0 when it is absent."""
+    if not isinstance(by_type, dict):
+        return 0, 0
+    drafted = accepted = 0
+    for name, counts in by_type.items():
+        if isinstance(counts, dict) and isinstance(name, str) and not name.startswith("ngram"):
+            drafted += as_int(counts.get("draft_n"))
+            accepted += as_int(counts.get("draft_n_accepted"))
+    return drafted, accepted
 
 
 def find_timings(obj: Any) -> Timings | None:

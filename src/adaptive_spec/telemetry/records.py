@@ -18,6 +18,10 @@ class Timings:
     predicted_per_second: float = 0.0
     draft_n: int = 0
     draft_n_accepted: int = 0
+    # The model drafter's part of those (DFlash, EAGLE3, MTP, a draft model), from the patched server's
+    # `draft_by_type`; the rest is the n-gram drafters'. 0 where the server does not split its counts (stock).
+    drafter_n: int = 0
+    drafter_n_accepted: int = 0
     from_usage: bool = False  # True when only `usage` was reported: no speeds, no draft counts
 
 
