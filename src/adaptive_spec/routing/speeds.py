@@ -6,15 +6,16 @@ and the context length `k` (in thousands of tokens):
 
     profile without speculation:      seconds/token = b_p · (1 + c·k)
     n-gram profile:                   seconds/token = b · (1 + c·k) · (1 + o) · (1 − g_p·x)
-    model-drafter profile:            seconds/token = b · (1 + c·k) · (d0_p − d1_p·a)
-    model drafter + n-gram:           seconds/token = b · (1 + c·k) · (d0_p − d1_p·a) · (1 − g_p·x)
+    model-drafter profile:            seconds/token = b · (1 + c·k) · (d0 − d1·a)
+    model drafter + n-gram:           seconds/token = b · (1 + c·k) · (d0 − d1·a) · (1 − g_p·x)
 
 `b_p` is each plain profile's measured speed; `b` the reference: what the plain profiles measured (before they have
 data, what the speculating profiles' measurements imply). `o` is the n-gram overhead on output it cannot copy, `c` the
 slowdown with context (both priors from the policy), and `g_p` the n-gram gain, learned per profile by ridge
 regression toward the prior `1 − 1/ngram_max_speedup`. The structure is the knowledge: an n-gram profile is never
 faster than plain decoding on output it cannot copy, however little it has been measured, so one-shot prompts are
-not sent to it on the strength of its edit-session numbers. A model drafter's line is learned whole (intercept and
+not sent to it on the strength of its edit-session numbers. A model drafter's line (one per drafter: the settings
+that use it share it) is learned whole (intercept and
 slope, ridge toward `1 + drafter_overhead` at acceptance 0 and `1/drafter_max_speedup` at 1): at acceptance 0 it
 costs its drafting and verification (llama.cpp #23052: prose at 0.68-0.91×), and how much acceptance buys depends on
 the hardware (3.7× for DFlash on a GPU; a loss at 97% acceptance for a 0.5B drafting for a 1.5B on 2 CPU cores). Each
@@ -136,7 +137,10 @@ class SpeedModel:
         self._drafter: dict[str, bool] = {}
         self._own: dict[str, RunningMean] = {}  # plain profiles: seconds/token at no context
         self._gain: dict[str, _Gain] = {}  # n-gram profiles (and a drafter + n-gram profile's n-gram part)
-        self._line: dict[str, _Line] = {}  # model-drafter profiles
+        # Model drafters, by their types: the settings of one server that share its drafter (the drafter alone, the
+        # drafter + n-gram) share what it was measured to do.
+        self._line: dict[tuple[str, ...], _Line] = {}
+        self._drafter_key: dict[str, tuple[str, ...]] = {}
         # Prefill speed is one figure for all profiles: they serve the same model (the proxy refuses otherwise), and
         # two servers' noise must not make one look faster at reading prompts.
         self._prefill = RunningMean(estimator.prior_weight, self.forget)
@@ -164,7 +168,9 @@ class SpeedModel:
         self._drafter[profile] = has_drafter(spec_types)
         self._own.setdefault(profile, RunningMean(self.estimator.prior_weight, self.forget))
         self._gain.setdefault(profile, _Gain())
-        self._line.setdefault(profile, _Line())
+        key = tuple(t for t in spec_types or () if t.startswith("draft"))
+        self._drafter_key[profile] = key
+        self._line.setdefault(key, _Line())
 
     def is_ngram(self, profile: str) -> bool:
         return self._ngram.get(profile, False)
@@ -204,7 +210,7 @@ class SpeedModel:
         e = self.estimator
         c0 = 1.0 + e.drafter_overhead
         m0 = 1.0 / e.drafter_max_speedup - c0
-        line = self._line.get(profile)
+        line = self._line.get(self._drafter_key.get(profile, ()))
         a = min(1.0, max(0.0, acceptance))
         return line.value(c0, m0, e.prior_weight, a) if line is not None else c0 + m0 * a
 
@@ -279,7 +285,7 @@ class SpeedModel:
             return
         r = at_no_context / self.reference_s_per_token()
         ngram_part = self._ngram_shape(profile, x) if ngram else 1.0
-        self._line.setdefault(profile, _Line()).add(a, r / ngram_part, self.forget)
+        self._line.setdefault(self._drafter_key.get(profile, ()), _Line()).add(a, r / ngram_part, self.forget)
         if ngram and timings.predicted_n >= _MIN_GAIN_TOKENS:
             self._gain.setdefault(profile, _Gain()).add(x, r / self.drafter_factor(profile, a), self.forget)
         self._implied_ref.add(at_no_context / self._shape(profile, x, a))
@@ -293,7 +299,7 @@ class SpeedModel:
         out = []
         for name in self._ngram:
             if self.has_drafter(name):
-                measured = self._line[name].n
+                measured = self._line[self._drafter_key[name]].n
             else:
                 measured = self._gain[name].n if self.is_ngram(name) else self._own[name].n
             out.append(
