@@ -16,9 +16,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     llama-server, `qwen` for the real Qwen model as well. `pytest -m "not qwen"` is the quick loop."""
     for item in items:
         needs = set(getattr(item, "fixturenames", ()))
-        if "qwen_gguf" in needs:
+        if needs & {"qwen_gguf", "qwen15_gguf"}:
             item.add_marker(pytest.mark.qwen)
-        if needs & {"llama_server_binary", "qwen_gguf"}:
+        if needs & {"llama_server_binary", "qwen_gguf", "qwen15_gguf"}:
             item.add_marker(pytest.mark.llama)
 
 
@@ -51,6 +51,18 @@ def qwen_gguf() -> Path:
 
     try:
         return ensure_embedded("qwen2.5-coder-0.5b")
+    except AdaptiveSpecError as exc:
+        _missing(str(exc))
+        raise
+
+
+@pytest.fixture(scope="session")
+def qwen15_gguf() -> Path:
+    """The real Qwen2.5-Coder-1.5B: with the 0.5B as its draft model, the real model-drafter pair on this CPU."""
+    from adaptive_spec.servers.models import ensure_embedded
+
+    try:
+        return ensure_embedded("qwen2.5-coder-1.5b")
     except AdaptiveSpecError as exc:
         _missing(str(exc))
         raise
