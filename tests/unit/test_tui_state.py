@@ -312,3 +312,27 @@ def test_a_remote_prefill_is_one_log_line_and_so_is_its_fallback() -> None:
         "remote prefill: 3,412 tok, 41.0 MB back to main (prefill 500 ms · transfer 250 ms · restore 30 ms)"
     )
     assert board.log[1].text == "remote prefill failed (checksum: sha256 differs); prefilled here"
+
+
+def test_a_turn_says_which_speculation_it_ran_with() -> None:
+    from adaptive_spec.telemetry.decoding import decode_record
+    from adaptive_spec.tui.render import turn_reason
+    from adaptive_spec.tui.sessions import setting_text, turn_row
+
+    assert setting_text(None) is None  # nothing named: the server's own setup, nothing to say
+    assert setting_text({"types": [], "n_max": None, "set_by": "profile"}) == "none (set by the profile)"
+    capped = {"types": ["draft-simple"], "n_max": 4, "set_by": "router"}
+    assert setting_text(capped) == "draft-simple n_max=4 (set by the router)"
+    record = decode_record(
+        {
+            "request_id": "r1",
+            "profile": "oneshot",
+            "route": "estimate",
+            "reason": "oneshot: copyable 0% (no history), drafter accepts 80% (2-turn avg)",
+            "speculation": capped,
+            "outcome": "finished",
+        }
+    )
+    text = turn_reason(2, turn_row(record)).plain
+    assert text.startswith("turn 2 → oneshot (estimate): ran with speculation draft-simple n_max=4 (set by the router)")
+    assert text.endswith("drafter accepts 80% (2-turn avg)")

@@ -216,6 +216,8 @@ TURN_COLUMNS = (
 def turn_reason(index: int, row: TurnRow) -> Text:
     """The whole routing reason of one turn (and its error, for a failed one)."""
     text = Text(f"turn {index} → {row.profile} ({row.route or 'not routed'}): ", style="bold")
+    if row.setting is not None:
+        text.append(f"ran with speculation {row.setting}; ", style="bold")
     text.append(row.reason or "no routing decision (not a generating request, or routing is off)")
     if row.error:
         text.append(f"\nerror: {row.error}", style="bold red")

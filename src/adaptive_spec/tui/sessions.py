@@ -4,7 +4,7 @@ router's estimate, the live text of its answer, and which sessions the table lis
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ class TurnRow:
     handoff_ok: bool = False
     est_accepted_share: float | None = None
     predicted_ms: float = 0.0  # llama-server's decode time (the profile's since-start speed sums it)
+    setting: str | None = None  # the speculation it ran with ("none", "draft-simple n_max=4", ...); None: the server's
 
     @property
     def accepted_share(self) -> float | None:
@@ -163,7 +164,27 @@ def turn_row(record: RequestRecord) -> TurnRow:
         handoff_ms=handoff_ms,
         handoff_ok=bool(handoff.get("ok")) if handoff else False,
         predicted_ms=timings.predicted_ms if timings else 0.0,
+        setting=setting_text(record.speculation),
     )
+
+
+def setting_text(speculation: Mapping[str, Any] | None) -> str | None:
+    """The per-request speculation a record ran with, as the turn's detail shows it: its types ("none" for no
+    speculation), its draft length, and who set it; None when it named nothing (the server's own setup)."""
+    if not speculation:
+        return None
+    types = speculation.get("types")
+    if isinstance(types, list):
+        text = ",".join(str(t) for t in types) or "none"
+    elif isinstance(types, str):
+        text = types or "none"
+    else:
+        text = "the server's types"
+    n_max = speculation.get("n_max")
+    if isinstance(n_max, int) and not isinstance(n_max, bool):
+        text += f" n_max={n_max}"
+    by = speculation.get("set_by")
+    return f"{text} (set by the {by})" if isinstance(by, str) and by else text
 
 
 def shown(sessions: Iterable[SessionView], needle: str, sort: str) -> list[SessionView]:
