@@ -76,6 +76,9 @@ def test_bench_runs_every_target_and_writes_its_outputs(
         assert speed(bound) >= speed(mine) * (1 - 1e-9) and bound["ttst_ms"] <= mine["ttst_ms"]
     assert "adaptive vs best static per request (not an upper bound): decode tok/s " in done.stdout
     assert "note: one round only (--repeat 1)" in done.stdout
+    best_lines = [x for x in done.stdout.splitlines() if x.startswith("best static setting for this workload: ")]
+    assert len(best_lines) == 2 and all(x.split(": ")[1].split(";")[0] in ("oneshot", "iterative") for x in best_lines)
+    assert all("; adaptive vs it: decode tok/s " in x for x in best_lines), best_lines
     verdicts = {(v["workload"], v["against"]): v for v in result["verdicts"]}
     assert len(verdicts) == 2 * 4
     for v in verdicts.values():

@@ -161,7 +161,8 @@ def test_every_number_without_a_declared_range_is_a_boolean_or_not_a_number() ->
         ("[route]\ndecode_tps = 3\n", "a.toml:route.decode_tps:2: unknown key; did you mean 'estimator.decode_tps'?"),
         (
             "[route]\nzzz = 1\n",
-            "a.toml:route.zzz:2: unknown key (keys: profiles, force, hysteresis, min_dwell_turns, explore, max_queue, speculate_beside_plain, adapt_draft_length, speculate_max_busy)",
+            "a.toml:route.zzz:2: unknown key (keys: profiles, force, hysteresis, min_dwell_turns, explore, max_queue, "
+            "speculate_beside_plain, adapt_draft_length, speculate_max_busy)",
         ),
         ("[zzz]\n", "a.toml:zzz:1: unknown table (tables: route, first_turn, estimator, handoff)"),
         ("route = 3\n", "a.toml:route:1: expected a table [route], got integer 3"),

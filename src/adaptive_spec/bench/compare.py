@@ -161,6 +161,25 @@ def compare(records: Sequence[Record], against: str, seed: int = 0) -> Compariso
     return Comparison(against, speed, stats.paired_ratio(ttst_pairs, stats.median, seed=seed))
 
 
+def best_static(records: Sequence[Record], statics: Sequence[str]) -> str | None:
+    """The static setting with the highest decode throughput over the requests every static finished: the one a
+    user would pick for this workload with hindsight, and the bar the adaptive route must clear."""
+    passes = {p: _by_key(records, p) for p in statics}
+    keys = set.intersection(*(set(v) for v in passes.values())) if passes else set()
+    if not keys:
+        return None
+    return max(statics, key=lambda p: stats.throughput([_speed_unit(passes[p][k]) for k in sorted(keys)]))
+
+
+def describe_best(records: Sequence[Record], statics: Sequence[str], seed: int = 0) -> str | None:
+    """'best static setting: ngram; adaptive vs it: decode tok/s 0.98× [...] indistinguishable; ...', or None."""
+    best = best_static(records, statics)
+    if best is None or not any(r.get("profile") == ADAPTIVE for r in records):
+        return None
+    verdict = describe(compare(records, best, seed)).split(": ", 1)[1]
+    return f"best static setting for this workload: {best}; adaptive vs it: {verdict}"
+
+
 def comparisons(records: Sequence[Record], statics: Sequence[str], seed: int = 0) -> list[Comparison]:
     if not any(r.get("profile") == ADAPTIVE for r in records):
         return []

@@ -34,7 +34,7 @@ from adaptive_spec.bench.workload import Replay, Workload, WorkloadRequest, pars
 from adaptive_spec.common.headers import PROFILE_HEADER, SESSION_ID_HEADER
 from adaptive_spec.errors import ConfigError
 
-BUILTIN = ("iterative", "oneshot", "mixed")
+BUILTIN = ("iterative", "oneshot", "mixed", "prose")
 REPEAT = 2  # order-balanced: A B C, then C B A
 
 
@@ -227,6 +227,8 @@ def write_outputs(
         vs_base = {t.name: t.vs_baseline for t in per_target if t.vs_baseline is not None}
         found = compare.comparisons(recs, statics)
         lines = [compare.describe(c) for c in found]
+        best = compare.describe_best(recs, statics)
+        lines += [best] if best is not None else []
         table = to_markdown(rows, baseline, vs_base)
         tables.append(f"workload: {name}\n{table}" + "".join(f"\n{x}" for x in ["", *lines]))
         flat += [{"workload": name, **asdict(r)} for r in rows]

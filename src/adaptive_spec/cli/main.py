@@ -45,8 +45,8 @@ def _parser() -> argparse.ArgumentParser:
         "--workload",
         action="append",
         default=[],
-        metavar="iterative|oneshot|mixed|FILE",
-        help="workload(s) to run (repeatable; default: iterative, oneshot and mixed)",
+        metavar="iterative|oneshot|mixed|prose|FILE",
+        help="workload(s) to run (repeatable; default: iterative, oneshot, mixed and prose)",
     )
     bench.add_argument("--profiles", help="comma-separated profiles to pin (default: all the proxy serves)")
     bench.add_argument("--adaptive", action="store_true", help="also run through the proxy's own route (no pin)")
