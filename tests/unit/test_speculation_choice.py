@@ -231,3 +231,12 @@ def test_draft_length_follows_the_measured_acceptance() -> None:
     assert caps == sorted(caps) and caps[0] == 1 and caps[-1] >= 8, caps  # longer drafts as more is accepted
     assert draft_cap(0.6, 15, 16, 0.0) == 16  # drafting that costs nothing: the longest draft
     assert draft_cap(1.0, 15, 4, 0.3) == 4  # never beyond the server's own cap
+
+
+@pytest.mark.parametrize(("workload", "kind"), [("prose", "prose"), ("oneshot", "code"), ("iterative", "code")])
+def test_the_shipped_workloads_prompts_are_read_as_their_kind(workload: str, kind: str) -> None:
+    from adaptive_spec.bench.runner import load_workload
+
+    work = load_workload(workload)
+    kinds = {text_kind({"messages": [{"role": "user", "content": r.user or ""}]}, False, None) for r in work.requests}
+    assert kinds == {kind}

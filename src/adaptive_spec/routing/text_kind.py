@@ -16,12 +16,17 @@ TextKind = Literal["edit", "code", "prose"]
 _SCAN_CHARS = 4000
 # Words a request for code uses, and marks that code itself leaves in a message.
 _CODE_WORDS = re.compile(
-    r"\b(?:code|function|method|class|bug|compile|compiler|python|javascript|typescript|rust|golang|java|c\+\+|sql|"
-    r"regex|script|implement|refactor|unit tests?|variable|def|return|import|struct|enum|json|yaml|html|css|api|"
-    r"endpoint|stack trace|exception|lambda|async|repository|repo|commit|diff|patch|file)\b",
+    r"\b(?:code|coding|function|method|bug|debug|compiler?|python|javascript|typescript|rust|golang|java|c\+\+|sql|"
+    r"regex|regular expression|script|bash|shell|git|linux|docker|terminal|command line|one-liner|implement|"
+    r"refactor|unit tests?|variable|struct|enum|json|yaml|html|css|api|endpoint|stack trace|exception|lambda|async|"
+    r"thread|race condition|deadlock|database|query|algorithm|program|programming|repository|repo|commit|diff)\b",
     re.IGNORECASE,
 )
-_CODE_MARKS = re.compile(r"```|[{};]\s*$|^\s*(?:def|class|import|from|fn|func|const|let|var)\s", re.MULTILINE)
+_CODE_MARKS = re.compile(
+    r"```|`[^`\n]+`|[{};]\s*$|^\s*(?:def|class|import|from|fn|func|const|let|var)\s"
+    r"|\.(?:py|js|ts|rs|go|java|c|cpp|h|rb|sh|sql|json|yaml|toml)\b|\b[A-Za-z]+_[A-Za-z_]+\b|\b[A-Z]{3,}\s*=|updated file",
+    re.MULTILINE,
+)
 
 
 def _last_user_text(body: Mapping[str, Any]) -> str:
