@@ -34,7 +34,10 @@ def pair(
         "ADAPTIVE_SPEC_CONFIG_DIR": str(home / "config"),
         "ADAPTIVE_SPEC_LLAMA_SERVER": llama_server_binary,
     }
-    args = ("--model", str(qwen15_gguf), "--draft", str(qwen_gguf), "--draft-type", "simple")
+    # The load rule at one request without speculation beside (the default waits for 3: two slots here).
+    policy = home / "policy.toml"
+    policy.write_text("[route]\nhold_beside_plain = 1\n")
+    args = ("--model", str(qwen15_gguf), "--draft", str(qwen_gguf), "--draft-type", "simple", "--policy", str(policy))
     proxy = ProxyProcess(*args, "--threads", "1", "--ctx-size", "4096", "--parallel", "2", env=env)
     try:
         if ONE_SERVER not in proxy.log():
@@ -104,6 +107,7 @@ def test_a_request_beside_one_without_speculation_gets_the_load_rules_setting(pa
     assert done, "the plain request finished"
     assert (beside["profile"], beside["route"]) == ("plain", "load"), beside["reason"]
     assert "held back: load: 1 request(s) without speculation decode on its server" in beside["reason"]
+    assert "(route.hold_beside_plain = 1)" in beside["reason"]
     # Alone on the server, the same kind of request speculates: it copies a pasted file.
     alone = chat_record(pair, [{"role": "user", "content": "Again. " + EDIT}], 8, **{"x-session-id": "edit-alone"})
     assert alone["route"] != "load" and alone["profile"] in ("ngram", "iterative"), alone["reason"]

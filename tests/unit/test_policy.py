@@ -162,7 +162,7 @@ def test_every_number_without_a_declared_range_is_a_boolean_or_not_a_number() ->
         (
             "[route]\nzzz = 1\n",
             "a.toml:route.zzz:2: unknown key (keys: profiles, force, hysteresis, min_dwell_turns, explore, max_queue, "
-            "speculate_beside_plain, adapt_draft_length, speculate_max_busy)",
+            "hold_beside_plain, adapt_draft_length, speculate_max_busy)",
         ),
         ("[zzz]\n", "a.toml:zzz:1: unknown table (tables: route, first_turn, estimator, handoff)"),
         ("route = 3\n", "a.toml:route:1: expected a table [route], got integer 3"),

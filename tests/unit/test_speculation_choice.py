@@ -59,7 +59,7 @@ CPU_LIKE = {0.2: 130.0, 0.9: 65.0}  # a 0.5B drafting for a 1.5B on 2 cores: slo
 
 def _profiles(**changes: object) -> list[ProfileState]:
     return [
-        ProfileState(n, speculates=n != "plain", server=SERVER, **changes)  # type: ignore[arg-type]
+        ProfileState(n, slots=4, speculates=n != "plain", server=SERVER, **changes)  # type: ignore[arg-type]
         for n in SETTINGS
     ]
 
@@ -119,22 +119,28 @@ def test_load_holds_speculation_back_beside_plain_requests() -> None:
     speeds = _speeds(GPU_LIKE)
     alone = decide(request, session, _profiles(in_flight=0), speeds, Policy())
     assert alone.profile == "iterative" and alone.kind != "load"
-    busy = decide(request, session, _profiles(in_flight=1, plain_beside=1), speeds, Policy())
+    # Beside fewer plain requests than the rule's 3 (2 streams: drafting still gained in total), it speculates.
+    two = decide(request, session, _profiles(in_flight=2, plain_beside=2), speeds, Policy())
+    assert two.profile == "iterative" and two.kind != "load"
+    busy = decide(request, session, _profiles(in_flight=3, plain_beside=3), speeds, Policy())
     assert (busy.profile, busy.kind) == ("plain", "load"), busy.reason
-    assert "iterative held back: load: 1 request(s) without speculation" in busy.reason
-    # Beside other speculating requests it keeps speculating; the policy can allow it beside plain ones too.
-    beside = decide(request, session, _profiles(in_flight=2), speeds, Policy())
+    assert "iterative held back: load: 3 request(s) without speculation" in busy.reason
+    assert "(route.hold_beside_plain = 3)" in busy.reason
+    # Beside other speculating requests it keeps speculating; the policy sets the threshold, 0 turns the rule off.
+    beside = decide(request, session, _profiles(in_flight=3), speeds, Policy())
     assert beside.profile == "iterative"
-    allowed = Policy(route=RoutePolicy(speculate_beside_plain=True))
-    assert decide(request, session, _profiles(in_flight=1, plain_beside=1), speeds, allowed).profile == "iterative"
+    one = Policy(route=RoutePolicy(hold_beside_plain=1))
+    assert decide(request, session, _profiles(in_flight=1, plain_beside=1), speeds, one).profile == "plain"
+    off = Policy(route=RoutePolicy(hold_beside_plain=0))
+    assert decide(request, session, _profiles(in_flight=3, plain_beside=3), speeds, off).profile == "iterative"
     # A busy server: at speculate_max_busy requests in flight nothing speculates.
     capped = Policy(route=RoutePolicy(speculate_max_busy=2))
     full = decide(request, session, _profiles(in_flight=2), speeds, capped)
     assert (full.profile, full.kind) == ("plain", "load") and "route.speculate_max_busy = 2" in full.reason
     # A forced setting is not held back, and a server without a plain setting keeps speculating.
     forced = Policy(route=RoutePolicy(force="iterative"))
-    assert decide(request, session, _profiles(in_flight=1, plain_beside=1), speeds, forced).profile == "iterative"
-    own_servers = [replace(p, server="") for p in _profiles(in_flight=1, plain_beside=1)]
+    assert decide(request, session, _profiles(in_flight=3, plain_beside=3), speeds, forced).profile == "iterative"
+    own_servers = [replace(p, server="") for p in _profiles(in_flight=3, plain_beside=3)]
     assert decide(request, session, own_servers, speeds, Policy()).kind != "load"
 
 

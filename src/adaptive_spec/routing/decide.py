@@ -15,8 +15,8 @@ before it has dwelt `min_dwell_turns` there. Profiles that are per-request setti
 slots: a switch between them keeps the KV, costs nothing to move and needs no dwell ("same server"). A pin or a
 forced profile overrides the estimate; a profile that is down or overloaded is passed over and the decision says why.
 
-Load: a speculating profile is held back, for a setting of its server that does not speculate, while requests
-without speculation decode on that server (`route.speculate_beside_plain`) or once the server has
+Load: a speculating profile is held back, for a setting of its server that does not speculate, while
+`route.hold_beside_plain` requests without speculation decode on that server or once it has
 `route.speculate_max_busy` requests in flight; the reason names the rule and the figure.
 """
 
@@ -315,10 +315,10 @@ def _held_by_load(usable: list[ProfileState], policy: Policy) -> dict[str, str]:
     for p in usable:
         if not p.speculates or p.server not in plain_servers:
             continue
-        if not route.speculate_beside_plain and p.plain_beside > 0:
+        if route.hold_beside_plain and p.plain_beside >= route.hold_beside_plain:
             held[p.name] = (
                 f"load: {p.plain_beside} request(s) without speculation decode on its server "
-                "(route.speculate_beside_plain = false)"
+                f"(route.hold_beside_plain = {route.hold_beside_plain})"
             )
         elif route.speculate_max_busy and p.in_flight >= route.speculate_max_busy:
             held[p.name] = (

@@ -50,8 +50,8 @@ class RoutePolicy:
     min_dwell_turns: int = _key(2, "turns a session stays on a profile before it may move again", 0)
     explore: float = _key(0.0, "share of decisions sent to a not-chosen profile to learn its speed", 0, 0.5)
     max_queue: int = _key(2, "requests in flight on a profile beyond its slots before it counts as overloaded", 0)
-    speculate_beside_plain: bool = _key(
-        False, "let a request speculate while requests without speculation decode on its server"
+    hold_beside_plain: int = _key(
+        3, "while this many requests without speculation decode on its server, a request does not speculate (0: off)", 0
     )
     adapt_draft_length: bool = _key(
         True, "cap a sequential drafter's draft length per session, from its measured acceptance"

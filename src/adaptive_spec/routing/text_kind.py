@@ -24,7 +24,8 @@ _CODE_WORDS = re.compile(
 )
 _CODE_MARKS = re.compile(
     r"```|`[^`\n]+`|[{};]\s*$|^\s*(?:def|class|import|from|fn|func|const|let|var)\s"
-    r"|\.(?:py|js|ts|rs|go|java|c|cpp|h|rb|sh|sql|json|yaml|toml)\b|\b[A-Za-z]+_[A-Za-z_]+\b|\b[A-Z]{3,}\s*=|updated file",
+    r"|\.(?:py|js|ts|rs|go|java|c|cpp|h|rb|sh|sql|json|yaml|toml)\b"
+    r"|\b[A-Za-z]+_[A-Za-z_]+\b|\b[A-Z]{3,}\s*=|updated file",
     re.MULTILINE,
 )
 
