@@ -171,6 +171,11 @@ def test_a_move_between_drafter_profiles_follows_the_handoff_rule(launched: Laun
         # prefix a few tokens shorter than the restored state, a recurrent state cannot be rolled back without the
         # server's context checkpoints, and those are not in the slot file, so llama-server re-prefills it all.
         assert moved["timings"]["cache_n"] == 0, moved["timings"]
+        # The record says so, and the router learns it: the next move between the pair re-prefills, no handoff.
+        assert moved["handoff"]["reused"] == 0, moved["handoff"]
+        _, again, _ = _move(launched, "after-a-handoff-that-bought-nothing")
+        assert again["handoff"] is None, again["handoff"]
+        assert "re-prefills: handoffs from oneshot reused 33% of what they restored, 1 measured" in again["reason"]
     else:
         assert moved["handoff"] is None
         assert moved["timings"]["cache_n"] < context // 2, moved["timings"]  # re-prefilled

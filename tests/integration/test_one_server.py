@@ -263,5 +263,8 @@ def test_erasing_a_profile_waits_for_every_request_on_its_server(one: ProxyProce
         assert refused.value.code == 409
         assert json.loads(refused.value.read())["error"]["code"] == "profile_busy"
         stream.read()
-    with urllib.request.urlopen(erase, timeout=30) as done:
-        assert json.loads(done.read())["erased"] == "oneshot"
+    try:
+        with urllib.request.urlopen(erase, timeout=30) as done:
+            assert json.loads(done.read())["erased"] == "oneshot"
+    except urllib.error.HTTPError as exc:  # say what the server answered (seen once as a 502 under load)
+        raise AssertionError(f"erase after the stream: {exc.code} {exc.read()!r}\n{one.log()[-3000:]}") from exc

@@ -124,3 +124,38 @@ def test_erasing_one_profile_empties_the_server_for_both(tmp_path: Path) -> None
     a = r.placements.get("a")
     assert a is not None and not a.in_slot
     assert replace(a, in_slot=True).profile == "iterative"
+
+
+def test_a_pair_whose_handoffs_reused_nothing_re_prefills() -> None:
+    """llama.cpp #26676 and hybrid targets: a restore reports success and the next prompt still re-prefills from 0.
+    Once measured, the router stops paying for handoffs between that pair; other pairs keep theirs."""
+    session = SessionState("s", 4, 0.9, Placement("oneshot", 0, 1500, 3, 800))
+    profiles = [ProfileState(n, handoff=True) for n in KINDS]
+    request = RequestState(int(1600 * 3.5))
+    assert decide(request, session, profiles, _speeds(), Policy()).handoff  # unmeasured: a handoff is worth it
+    measured = replace(session, handoff_reuse={"iterative": (1 / 3, 1)})
+    decision = decide(request, measured, profiles, _speeds(), Policy())
+    assert (decision.profile, decision.handoff) == ("iterative", False), decision.reason
+    assert "handoffs from oneshot reused 33% of what they restored, 1 measured: none made" in decision.reason
+    # A pair whose handoffs reused most of what they restored keeps handing over.
+    fine = replace(session, handoff_reuse={"iterative": (0.98, 3)})
+    assert decide(request, fine, profiles, _speeds(), Policy()).handoff
+
+
+def test_the_router_learns_what_a_handoff_reused_from_the_next_prompts_cache_n() -> None:
+    from adaptive_spec.kv.moves import HandoffResult
+    from adaptive_spec.routing.api import Completion, Route
+
+    table = UpstreamTable([Upstream("oneshot", "http://127.0.0.1:1"), Upstream("iterative", "http://127.0.0.1:2")])
+    router = make_router(table, {"oneshot": 1, "iterative": 1}, KINDS)
+    decision = Decision("iterative", "pinned", "pinned", 0.9, 6000, moved_from="oneshot", handoff=True)
+    restored = HandoffResult(True, 6000, 0.2, 0.02)
+    for cache_n in (0, 5990):
+        route = Route(decision, None, f"s{cache_n}", 20000, handoff=restored)
+        router.complete(route, Completion(ok=True, timings=Timings(prompt_n=6400, cache_n=cache_n, predicted_n=8)))
+        if cache_n == 0:
+            reuse = router._reuse_from("oneshot")["iterative"]
+            assert reuse == (pytest.approx(1 / 3), 1)  # the prior (1, worth half a handoff) and one 0
+    after = router.to_json()["handoff_reuse"]
+    expected = {"from": "oneshot", "to": "iterative", "reused_share": pytest.approx(0.6, abs=0.01)}
+    assert after == [{**expected, "measured": pytest.approx(2.0, abs=0.02)}]

@@ -26,7 +26,10 @@ def _w(**overrides: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("name", BUILTIN)
 def test_builtin_workloads_load(name: str) -> None:
     workload = load_workload(name)
-    assert workload.name == name and len(workload.requests) >= {"iterative": 8, "oneshot": 20, "mixed": 10}[name]
+    assert (
+        workload.name == name
+        and len(workload.requests) >= {"iterative": 8, "oneshot": 20, "mixed": 10, "prose": 8}[name]
+    )
 
 
 def test_builtin_shapes() -> None:

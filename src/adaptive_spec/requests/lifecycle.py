@@ -218,7 +218,7 @@ def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> Reques
         route=decision.kind if decision else None,
         reason=decision.reason if decision else None,
         moved_from=decision.moved_from if decision else None,
-        handoff=asdict(route.handoff) if route is not None and route.handoff is not None else None,
+        handoff=_handoff_record(route, meter.timings),
         remote_prefill=asdict(route.remote_prefill) if route is not None and route.remote_prefill is not None else None,
         client=req.client,
         new_tokens_est=decision.new_tokens if decision else None,
@@ -227,3 +227,15 @@ def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> Reques
         replica_moved_from=decision.replica_moved_from if decision else None,
         speculation=req.speculation,
     )
+
+
+def _handoff_record(route: Route | None, timings: Timings | None) -> dict[str, Any] | None:
+    """The KV handoff before this request, and what its prompt then reused of what was restored: `reused` is
+    llama-server's `cache_n` (a restore can report success and still be re-prefilled whole: llama.cpp #26676, a
+    hybrid target's recurrent state)."""
+    if route is None or route.handoff is None:
+        return None
+    out = asdict(route.handoff)
+    if route.handoff.ok and timings is not None and not timings.from_usage:
+        out["reused"] = timings.cache_n
+    return out

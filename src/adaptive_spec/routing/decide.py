@@ -23,7 +23,7 @@ Load: a speculating profile is held back, for a setting of its server that does 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from adaptive_spec.routing.placements import Placement
 from adaptive_spec.routing.policy import Policy
@@ -53,6 +53,9 @@ class SessionState:
     # Other profiles on the server that holds its KV (per-request settings of one llama-server): a switch to one
     # keeps the slot and its cache, nothing is saved or restored.
     same_server: frozenset[str] = frozenset()
+    # Per target profile: the share of restored tokens that handoffs from the profile holding its KV to it were
+    # measured to reuse (llama-server's cache_n after the restore), and over how many handoffs; absent: none yet.
+    handoff_reuse: Mapping[str, tuple[float, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +133,7 @@ def _estimate(
         reuse = _reuse(placement, request, prompt_tokens)
         if placement.profile == p.name or p.name in session.same_server:
             prefill_tokens = prompt_tokens - max(reuse, held_here)
-        elif _can_hand_off(placement, p, policy, profiles, reuse):
+        elif _can_hand_off(placement, p, policy, profiles, reuse) and _handoffs_pay(session, p.name, policy):
             # Priced by the prefix the new prompt shares with the saved slot, and only when restoring that prefix is
             # cheaper than prefilling it (a rewritten history may reuse little of a large slot).
             cost = speeds.handoff_s(placement.cached_tokens)
@@ -177,6 +180,13 @@ def _can_hand_off(
         and reuse > 0
         and reuse >= policy.handoff.min_tokens
     )
+
+
+def _handoffs_pay(session: SessionState, to: str, policy: Policy) -> bool:
+    """Whether handoffs to `to` from where the session's KV lives reuse enough of what they restore (unmeasured:
+    assumed so)."""
+    measured = session.handoff_reuse.get(to)
+    return measured is None or measured[0] >= policy.handoff.min_reuse
 
 
 def _overloaded(p: ProfileState, policy: Policy) -> bool:
@@ -248,6 +258,13 @@ class _Deciding:
         handoff = moved is not None and self.estimate(self.by_name[name]).handoff_s > 0
         if moved is not None and name in self.session.same_server and "same server" not in reason:
             reason += f"; same server as {moved}: keeps its KV cache, no handoff"
+        measured = self.session.handoff_reuse.get(name)
+        low = measured is not None and measured[0] < self.policy.handoff.min_reuse
+        if moved is not None and not handoff and low and measured is not None and "what they restored" not in reason:
+            reason += (
+                f"; re-prefills: handoffs from {moved} reused {measured[0]:.0%} of what they restored, "
+                f"{measured[1]} measured"
+            )
         return Decision(
             profile=name,
             kind=kind,
@@ -387,7 +404,12 @@ def _by_estimate(c: _Deciding, allowed: list[ProfileState], usable: list[Profile
 
     if placement is not None and here is None:  # its KV lives on a profile that is down or overloaded
         why = c.passed_over(placement.profile) or f"{placement.profile} is not allowed by the policy"
-        return c.decision(best.profile, "fallback", f"{best.profile}: {why}; {_move_text(best, c.session)}", estimates)
+        return c.decision(
+            best.profile,
+            "fallback",
+            f"{best.profile}: {why}; {_move_text(best, c.session, c.policy.handoff.min_reuse)}",
+            estimates,
+        )
     ideal = min(everywhere.values(), key=lambda e: e.total_s) if everywhere else best
     if placement is None and ideal.profile != best.profile:  # the estimated best is down or overloaded
         why = f"{c.passed_over(ideal.profile)}, the estimate's choice"
@@ -401,9 +423,8 @@ def _by_estimate(c: _Deciding, allowed: list[ProfileState], usable: list[Profile
     chosen, kind = best, "estimate"
     if placement is None and c.request.explore_draw < c.policy.route.explore and len(estimates) > 1:
         chosen, kind = sorted(estimates, key=lambda e: e.total_s)[1], "explore"
-    reason = _reason(
-        chosen, estimates, copy_share, copy_src, c.session, kind, c.drafter_text([e.profile for e in estimates])
-    )
+    drafter = c.drafter_text([e.profile for e in estimates])
+    reason = _reason(chosen, estimates, copy_share, copy_src, c.session, kind, drafter, c.policy.handoff.min_reuse)
     return c.decision(chosen.profile, kind, reason, estimates)
 
 
@@ -426,7 +447,7 @@ def _stays(c: _Deciding, placement: Placement, here: Estimate, best: Estimate) -
     return None
 
 
-def _move_text(chosen: Estimate, session: SessionState) -> str:
+def _move_text(chosen: Estimate, session: SessionState, min_reuse: float = 0.0) -> str:
     placement, in_flight_on = session.placement, session.in_flight_on
     if placement is None and in_flight_on is not None:  # not new: its first request has not finished yet
         return (
@@ -447,7 +468,15 @@ def _move_text(chosen: Estimate, session: SessionState) -> str:
             f"hands its KV over from {placement.profile} ({_fmt_tokens(placement.cached_tokens)} tok ≈ "
             f"{chosen.handoff_s:.2f} s)"
         )
-    return f"switch re-prefills {_fmt_tokens(chosen.prefill_tokens)} tok ≈ {chosen.prefill_s:.2f} s"
+    text = f"switch re-prefills {_fmt_tokens(chosen.prefill_tokens)} tok ≈ {chosen.prefill_s:.2f} s"
+    measured = session.handoff_reuse.get(chosen.profile)
+    if measured is not None and measured[0] < min_reuse:
+        share, count = measured
+        text += (
+            f" (handoffs from {placement.profile} reused {share:.0%} of what they restored, {count} measured: "
+            "none made)"
+        )
+    return text
 
 
 def _reason(
@@ -458,6 +487,7 @@ def _reason(
     session: SessionState,
     kind: str,
     drafter: str = "",
+    min_reuse: float = 0.0,
 ) -> str:
     placement = session.placement
     others = [e for e in estimates if e.profile != chosen.profile]
@@ -468,7 +498,7 @@ def _reason(
     )
     if vs:
         head += f" vs {vs}"
-    tail = _move_text(chosen, session)
+    tail = _move_text(chosen, session, min_reuse)
     if placement is not None and placement.profile != chosen.profile and others:
         stay = next((e for e in others if e.profile == placement.profile), None)
         if stay is not None:

@@ -117,6 +117,12 @@ class HandoffPolicy:
     min_tokens: int = _key(1024, "below this many cached tokens a re-prefill is cheaper than a slot file round trip", 0)
     save_s_per_1k: float = _key(0.04, "prior seconds to save 1,000 tokens of KV", 0)
     restore_s: float = _key(0.02, "prior seconds to restore a slot file", 0)
+    min_reuse: float = _key(
+        0.4,
+        "a profile pair's handoffs must have reused this share of what they restored, else sessions re-prefill",
+        0,
+        1,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from adaptive_spec.common.lru import LRU
+from adaptive_spec.common.means import RunningMean
 from adaptive_spec.kv.moves import HandoffResult, PrefillAsk, SlotAt, SlotMove
 from adaptive_spec.routing.api import (
     Completion,
@@ -36,8 +37,10 @@ from adaptive_spec.routing.text_kind import text_kind
 from adaptive_spec.servers.profiles import uses_draft_model
 from adaptive_spec.sessions import prefix
 from adaptive_spec.telemetry.events import HandoffDone, PolicyChanged
+from adaptive_spec.telemetry.records import Timings
 
 MAX_PINS = 4096
+_REUSE_PRIOR_WEIGHT = 0.5  # one handoff whose prompt reused nothing brings a pair's mean to 1/3: below min_reuse
 
 
 class Router:
@@ -72,6 +75,9 @@ class Router:
         self.placements = Placements(home=self.load.home)
         self._rng = random.Random(seed)
         self.handoffs = {"ok": 0, "failed": 0}
+        # (from profile, to profile) -> the share of a handoff's restored tokens the next prompt reused (cache_n),
+        # a running mean that starts at 1: a restore that restored nothing (llama.cpp #26676) stops further ones.
+        self.handoff_reuse: dict[tuple[str, str], RunningMean] = {}
         self.pins: LRU[str, str] = LRU(MAX_PINS)  # session -> profile, until unpinned (sticky, unlike the header)
         self.prefixes = prefix.PrefixTable()  # what each session's slot holds: its new-token estimates
         self.chars_per_token = prefix.DEFAULT_CHARS_PER_TOKEN  # the latest measured rate, for first turns
@@ -206,6 +212,7 @@ class Router:
             placement,
             in_flight_on=busy[0] if busy is not None else None,
             same_server=same,
+            handoff_reuse=self._reuse_from(placement.profile) if placement is not None else {},
         )
         decision = decide(state_of_request, session, self.states(), self.speeds, policy)
         chosen = next((e for e in decision.estimates if e.profile == decision.profile), None)
@@ -218,6 +225,24 @@ class Router:
         )
         decision = self._with_draft_cap(decision, placement, policy)
         return self._with_replica(decision, placement, policy, est.total_tokens), policy, pieces, has_tools
+
+    def _reuse_from(self, profile: str) -> dict[str, tuple[float, int]]:
+        """Per target profile: what handoffs from `profile` to it were measured to reuse, and how many."""
+        return {
+            to: (mean.value(1.0), round(mean.n))
+            for (source, to), mean in self.handoff_reuse.items()
+            if source == profile and mean.n > 0
+        }
+
+    def _observe_reuse(self, route: Route, timings: Timings) -> None:
+        """After a handoff: the share of what was restored that the prompt reused (llama-server's cache_n)."""
+        handoff = route.handoff
+        if handoff is None or not handoff.ok or handoff.tokens <= 0 or timings.from_usage:
+            return
+        decision = route.decision
+        pair = (decision.moved_from or decision.profile, decision.profile)
+        mean = self.handoff_reuse.setdefault(pair, RunningMean(_REUSE_PRIOR_WEIGHT, self.speeds.forget))
+        mean.add(min(1.0, timings.cache_n / handoff.tokens))
 
     def _with_draft_cap(self, decision: Decision, placement: Placement | None, policy: Policy) -> Decision:
         """The draft length for a sequential drafter's request, from the session's measured acceptance
@@ -346,6 +371,7 @@ class Router:
         if not done.ok or timings is None:
             return False
         self.load.count(profile, replica, timings)
+        self._observe_reuse(route, timings)
         observe(
             self.speeds,
             self.placements,
@@ -478,6 +504,11 @@ class Router:
             "in_flight": dict(self.load.in_flight),
             "replicas": {n: [asdict(r) for r in self.replica_states(n, True)] for n in self.health.names()},
             "handoffs": dict(self.handoffs),
+            # What handoffs bought: per profile pair, the share of restored tokens the next prompt reused.
+            "handoff_reuse": [
+                {"from": a, "to": b, "reused_share": round(m.value(1.0), 3), "measured": round(m.n, 2)}
+                for (a, b), m in self.handoff_reuse.items()
+            ],
             # How a KV handoff between hosts is priced (the prior until a move has measured it).
             "kv_transfer": self.speeds.link.describe(),
             "placements": [{"session_id": sid, **asdict(p)} for sid, p in self.placements.items()[-100:]],

@@ -174,6 +174,8 @@ def turn_cells(index: int, row: TurnRow) -> tuple[str | Text, ...]:
     handoff = DASH
     if row.handoff_tokens is not None and not row.handoff_ok:
         handoff = "failed: prefill"
+    elif row.handoff_tokens is not None and row.handoff_reused is not None:
+        handoff = f"{row.handoff_tokens:,}→{row.handoff_reused:,} tok"  # restored → reused
     elif row.handoff_tokens is not None:
         handoff = f"{row.handoff_tokens:,} tok {num(row.handoff_ms, 0)}ms"
     elif row.moved_from:
@@ -218,6 +220,9 @@ def turn_reason(index: int, row: TurnRow) -> Text:
     text = Text(f"turn {index} → {row.profile} ({row.route or 'not routed'}): ", style="bold")
     if row.setting is not None:
         text.append(f"ran with speculation {row.setting}; ", style="bold")
+    if row.handoff_tokens is not None and row.handoff_reused is not None:
+        style = "bold red" if row.handoff_reused < row.handoff_tokens // 2 else "bold"
+        text.append(f"handoff restored {row.handoff_tokens:,}, reused {row.handoff_reused:,}; ", style=style)
     text.append(row.reason or "no routing decision (not a generating request, or routing is off)")
     if row.error:
         text.append(f"\nerror: {row.error}", style="bold red")

@@ -41,6 +41,7 @@ class TurnRow:
     handoff_ok: bool = False
     est_accepted_share: float | None = None
     predicted_ms: float = 0.0  # llama-server's decode time (the profile's since-start speed sums it)
+    handoff_reused: int | None = None  # of the restored tokens, what its prompt reused (llama-server's cache_n)
     setting: str | None = None  # the speculation it ran with ("none", "draft-simple n_max=4", ...); None: the server's
 
     @property
@@ -165,6 +166,7 @@ def turn_row(record: RequestRecord) -> TurnRow:
         handoff_ok=bool(handoff.get("ok")) if handoff else False,
         predicted_ms=timings.predicted_ms if timings else 0.0,
         setting=setting_text(record.speculation),
+        handoff_reused=whole(handoff.get("reused")) if handoff and "reused" in handoff else None,
     )
 
 
