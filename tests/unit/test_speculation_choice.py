@@ -168,14 +168,16 @@ def test_a_drafter_line_is_learned_from_each_responses_acceptance() -> None:
 def test_placements_keep_the_sessions_drafter_acceptance_from_llama_servers_counts() -> None:
     speeds = SpeedModel(Policy().estimator, Policy().handoff, SETTINGS)
     places = Placements()
-    observe(speeds, places, "oneshot", None, "s", 0.0, _timings(50.0, 100, 20), 4000, draft_cap=None)
+    observe(speeds, places, "oneshot", None, "s", 0.0, _timings(50.0, 100, 20), 4000)
     first = places.get("s")
     assert first is not None and (first.drafter_acceptance, first.drafter_turns) == (0.2, 1)
+    assert first.drafted_per_step == pytest.approx(100 / (200 - 20))  # drafted over steps (outputs not accepted)
     # With n-grams too, only the drafter's own counts say what it accepted.
-    observe(speeds, places, "iterative", None, "s", 0.0, _timings(50.0, 100, 60, ngram=(64, 64)), 4000, draft_cap=4)
+    observe(speeds, places, "iterative", None, "s", 0.0, _timings(50.0, 100, 60, ngram=(64, 64)), 4000)
     second = places.get("s")
     assert second is not None and second.drafter_acceptance == pytest.approx(0.4) and second.drafter_turns == 2
-    assert second.draft_cap == 4
+    # 200 outputs, 124 of them accepted drafts: 76 steps; the drafter drafted 100 of the 164 drafted tokens.
+    assert second.drafted_per_step == pytest.approx(0.5 * 100 / 76 + 0.5 * 100 / 180)
     # A turn on no speculation leaves the measured acceptance as it was.
     observe(speeds, places, "plain", None, "s", 0.0, _timings(50.0), 4000)
     assert places.get("s").drafter_acceptance == pytest.approx(0.4)  # type: ignore[union-attr]

@@ -9,8 +9,9 @@ With per-token acceptance `a` (drafts accepted up to the first rejection), a dra
 `E(n) = (1 - a^(n+1)) / (1 - a)` tokens per verification step at a cost of `1 + k·n` target steps, `k` being a
 drafted token's cost relative to one (`estimator.draft_token_cost`). The cap is the `n` that maximizes
 `E(n) / (1 + k·n)`. `a` comes from the session's measured acceptance `s` (accepted / drafted, llama-server's counts),
-which for drafts of length `n` is `a·(1 - a^n) / ((1 - a)·n)`; it is inverted at the length the drafts were made
-with (an approximation: a drafter also stops a draft early when it is unsure, `--spec-draft-p-min`). Pure.
+which for drafts of length `n` is `a·(1 - a^n) / ((1 - a)·n)`; it is inverted at the drafts' measured mean length
+(drafted tokens over verification steps, a step being each output token not accepted from a draft: a drafter also
+stops a draft early when it is unsure, `--spec-draft-p-min`). Pure.
 """
 
 from __future__ import annotations
@@ -36,16 +37,17 @@ def capped_profiles(infos: Iterable[ProfileInfo]) -> dict[str, int]:
     return out
 
 
-def accepted_share(alpha: float, n: int) -> float:
+def accepted_share(alpha: float, n: float) -> float:
     """The share of an `n`-token draft's tokens accepted, at per-token acceptance `alpha`."""
     if n <= 0:
         return 0.0
     if alpha >= 1.0:
         return 1.0
-    return alpha * (1.0 - alpha**n) / ((1.0 - alpha) * n)
+    kept: float = alpha * (1.0 - alpha**n) / ((1.0 - alpha) * n)
+    return kept
 
 
-def per_token_acceptance(share: float, n: int) -> float:
+def per_token_acceptance(share: float, n: float) -> float:
     """The per-token acceptance that gives `share` of `n`-token drafts accepted (bisection: the share rises with
     alpha)."""
     share = min(1.0, max(0.0, share))
@@ -65,8 +67,8 @@ def tokens_per_cost(alpha: float, n: int, token_cost: float) -> float:
     return made / (1.0 + token_cost * n)
 
 
-def draft_cap(share: float, drafted_at: int, server_n_max: int, token_cost: float) -> int:
+def draft_cap(share: float, drafted_at: float, server_n_max: int, token_cost: float) -> int:
     """The draft length (1 .. `server_n_max`) that makes the most tokens per unit of work for a session whose
-    drafts of `drafted_at` tokens had `share` of their tokens accepted."""
-    alpha = per_token_acceptance(share, max(1, drafted_at))
+    drafts, `drafted_at` tokens long on average, had `share` of their tokens accepted."""
+    alpha = per_token_acceptance(share, max(1.0, drafted_at))
     return max(range(1, max(1, server_n_max) + 1), key=lambda n: (tokens_per_cost(alpha, n, token_cost), -n))

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from adaptive_spec.common.lru import LRU
-from adaptive_spec.routing.speeds import MIN_DRAFTED, SpeedModel, drafter_acceptance
+from adaptive_spec.routing.speeds import MIN_DRAFTED, SpeedModel, drafted_per_step, drafter_acceptance
 from adaptive_spec.telemetry.records import Timings
 
 
@@ -29,7 +29,9 @@ class Placement:
     # drafted, from llama-server's counts; None: none measured yet), and over how many turns.
     drafter_acceptance: float | None = None
     drafter_turns: int = 0
-    draft_cap: int | None = None  # the draft length its last drafted answer was capped at (None: the server's own)
+    # The drafter's mean draft length per verification step on its answers (EWMA; llama-server's counts: drafted over
+    # steps, a step being an output token not accepted from a draft), at which `drafter_acceptance` was measured.
+    drafted_per_step: float | None = None
 
 
 class Placements:
@@ -62,19 +64,21 @@ class Placements:
         output_tokens: int,
         replica: int = 0,
         acceptance: float | None = None,
-        draft_cap: int | None = None,
+        drafted_per_step: float | None = None,
     ) -> None:
-        """`acceptance`: this answer's drafter acceptance (None: the drafter drafted nothing for it), with its
-        drafts capped at `draft_cap` tokens (None: the server's own length)."""
+        """`acceptance`: this answer's drafter acceptance (None: the drafter drafted nothing for it), its drafts
+        `drafted_per_step` tokens long on average."""
         old = self._by_session.get(session_id)
         turns = old.turns_here + 1 if old is not None and old.profile == profile else 1
         out = float(output_tokens) if old is None else self.alpha * output_tokens + (1 - self.alpha) * old.output_tokens
         accepted, drafted_turns = (old.drafter_acceptance, old.drafter_turns) if old is not None else (None, 0)
-        cap = old.draft_cap if old is not None else None
+        length = old.drafted_per_step if old is not None else None
         if acceptance is not None:
             accepted = acceptance if accepted is None else self.alpha * acceptance + (1 - self.alpha) * accepted
             drafted_turns += 1
-            cap = draft_cap
+        if acceptance is not None and drafted_per_step is not None:
+            fresh = drafted_per_step
+            length = fresh if length is None else self.alpha * fresh + (1 - self.alpha) * length
         if old is not None and old.in_slot:
             self._in_slot.get(self._slot(old.profile, old.replica, old.slot), set()).discard(session_id)
         placement = Placement(
@@ -86,7 +90,7 @@ class Placements:
             replica=replica,
             drafter_acceptance=accepted,
             drafter_turns=drafted_turns,
-            draft_cap=cap,
+            drafted_per_step=length,
         )
         dropped = self._by_session.put(session_id, placement)
         self._in_slot.setdefault(self._slot(profile, replica, slot), set()).add(session_id)
@@ -149,7 +153,6 @@ def observe(
     timings: Timings,
     body_bytes: int,
     replica: int = 0,
-    draft_cap: int | None = None,
 ) -> None:
     """Learn from a request served in full on `profile` (its `replica`): its speeds, and that the session's KV now
     lives in `slot` there (whichever session held that slot before is out of it). Speeds are learned per profile:
@@ -158,8 +161,9 @@ def observe(
     if session_id is not None:
         placements.displace(profile, slot, keep=session_id, replica=replica)
         cached = timings.cache_n + timings.prompt_n + timings.predicted_n
-        acceptance = None
+        acceptance, length = None, None
         if speeds.has_drafter(profile):
             drafter_only = not speeds.is_ngram(profile)
             acceptance = drafter_acceptance(timings, drafter_only, min_drafted=MIN_DRAFTED)
-        placements.served(session_id, profile, slot, cached, timings.predicted_n, replica, acceptance, draft_cap)
+            length = drafted_per_step(timings)
+        placements.served(session_id, profile, slot, cached, timings.predicted_n, replica, acceptance, length)

@@ -253,10 +253,12 @@ class Router:
         share = placement.drafter_acceptance
         if share is None:
             return decision
-        at = placement.draft_cap or longest
+        at = placement.drafted_per_step or float(longest)
         cap = draft_cap(share, at, longest, policy.estimator.draft_token_cost)
         alpha = per_token_acceptance(share, at)
-        why = f"; draft length {cap} (drafter accepted {share:.0%} of {at}-token drafts: per token {alpha:.2f})"
+        why = (
+            f"; draft length {cap} (drafter accepted {share:.0%} of drafts {at:.1f} tokens long: per token {alpha:.2f})"
+        )
         return replace(decision, n_max=cap, reason=decision.reason + why)
 
     def _with_replica(
@@ -382,7 +384,6 @@ class Router:
             timings,
             route.body_bytes,
             replica,
-            decision.n_max,
         )
         if not route.pieces:
             return False

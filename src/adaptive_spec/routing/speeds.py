@@ -50,6 +50,15 @@ def is_ngram(spec_types: tuple[str, ...] | None) -> bool:
     return bool(spec_types) and any(t.startswith("ngram") for t in spec_types or ())
 
 
+def drafted_per_step(timings: Timings) -> float | None:
+    """The model drafter's mean draft length per verification step in one response: every output token not accepted
+    from a draft ends a step, so steps = predicted − accepted (all drafters' accepted tokens), and the drafter's
+    drafted tokens over them; None when it drafted nothing."""
+    drafted = timings.drafter_n or timings.draft_n
+    steps = timings.predicted_n - timings.draft_n_accepted
+    return drafted / steps if drafted > 0 and steps > 0 else None
+
+
 def has_drafter(spec_types: tuple[str, ...] | None) -> bool:
     """Whether a profile drafts with a model (draft-dflash, draft-simple, draft-mtp, draft-eagle3, ...)."""
     return any(t.startswith("draft") for t in spec_types or ())
