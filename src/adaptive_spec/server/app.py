@@ -1,5 +1,6 @@
 """The aiohttp application: the factory that wires the shared services together, and the cleanup contexts of its
-background work (the upstream client session, the sessions worker, the policy refresher)."""
+background work (the upstream client session, the sessions worker, the policy refresher, the servers' health poll
+and watch)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from adaptive_spec.routing.draft_length import capped_profiles
 from adaptive_spec.routing.router import Router
 from adaptive_spec.server.control import add_control_views
 from adaptive_spec.server.views import add_views
-from adaptive_spec.servers.pool_health import pool_health_poll
+from adaptive_spec.servers.pool_health import ServerLoad, health_poll, replica_watch
 from adaptive_spec.servers.profiles import ProfileInfo
 from adaptive_spec.servers.upstreams import UpstreamTable
 from adaptive_spec.sessions.service import SessionService, run_worker
@@ -54,7 +55,6 @@ from adaptive_spec.telemetry.trace import TraceWriter
 __all__ = ["KvSetup", "ProxySettings", "build_app"]
 log = logging.getLogger(__name__)
 _POLICY_REFRESH_S = 2.0
-_REPLICA_WATCH_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +122,7 @@ def build_app(
     app.cleanup_ctx.append(_session_worker)
     app.cleanup_ctx.append(_policy_refresher)
     app.cleanup_ctx.append(_replica_watch)
-    app.cleanup_ctx.append(_pool_health)
+    app.cleanup_ctx.append(_health_poll)
     app.on_shutdown.append(_close_feeds)
     app.on_shutdown.append(_drain)
     add_views(app, proxy_view)
@@ -193,36 +193,28 @@ async def _policy_refresher(app: web.Application) -> AsyncIterator[None]:
         await task
 
 
-async def _pool_health(app: web.Application) -> AsyncIterator[None]:
-    async with pool_health_poll(app[UPSTREAMS], app[FRESH_CLIENT]):
+async def _health_poll(app: web.Application) -> AsyncIterator[None]:
+    """Every server's /health, every few seconds (servers/pool_health.py): a dead or hung one is marked down."""
+    async with health_poll(app[UPSTREAMS], app[FRESH_CLIENT], _server_load(app[ROUTER], app[UPSTREAMS])):
         yield
 
 
+def _server_load(router: Router, table: UpstreamTable) -> ServerLoad:
+    """A server URL's requests in flight and slots as the router counts them, over every profile on it."""
+
+    def load(url: str) -> tuple[int, int]:
+        per_server: dict[tuple[str, int], tuple[int, int]] = {}  # profiles the router knows share it count once
+        for u in table.all():
+            if u.base_url == url:
+                state = router.replica_states(u.name)[u.replica]
+                per_server[router.home(u.name, u.replica)] = (state.in_flight, state.slots)
+        return sum(n for n, _ in per_server.values()), max((s for _, s in per_server.values()), default=1)
+
+    return load
+
+
 async def _replica_watch(app: web.Application) -> AsyncIterator[None]:
-    """Ask each replica the proxy marked down itself (it refused a connection; nobody else supervises it) for its
-    /health every second, and mark it up when it answers 200: its sessions were re-placed, new ones may go there."""
-
-    async def loop() -> None:
-        table = app[UPSTREAMS]
-        while True:
-            await asyncio.sleep(_REPLICA_WATCH_S)
-            for name, replica in sorted(table.watched):
-                upstream = table.get(name, replica)
-                if upstream is None:
-                    continue
-                try:
-                    async with app[FRESH_CLIENT].get(
-                        f"{upstream.base_url}/health", timeout=aiohttp.ClientTimeout(total=2.0)
-                    ) as resp:
-                        healthy = resp.status == 200
-                except (aiohttp.ClientError, TimeoutError):
-                    healthy = False
-                if healthy:
-                    log.warning("%s at %s answers again; it takes sessions again", upstream.label, upstream.base_url)
-                    table.mark_up(name, replica)
-
-    task = asyncio.create_task(loop())
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    """Ask each server the proxy marked down itself (a health check or a request found it so; nobody else supervises
+    it) for its /health every second, and mark its profiles up when it answers."""
+    async with replica_watch(app[UPSTREAMS], app[FRESH_CLIENT]):
+        yield

@@ -1,69 +1,138 @@
-"""The health poll of replica pools: every few seconds each replica of a pool that is up is asked for its /health
-(short timeout), so a server that died is passed over before a request is sent to it. A replica found down is handed
-to the replica watch (`app._replica_watch`), which marks it up again when it answers."""
+"""The health of every llama-server the proxy forwards to: the poll that finds one dead or hung, and the watch that
+finds it back. Every POLL_S each distinct server URL serving a profile that is up is asked for its /health once (one
+llama-server may carry several profiles, or be a replica of a pool); one that refuses, answers an error, or does not
+answer in TIMEOUT_S twice in a row (six times while it holds as many requests as it keeps HTTP threads) is marked down
+for every profile on it, so requests are refused at once (503) or routed elsewhere instead of waiting out the read
+timeout. The watch asks each server marked down that way every WATCH_S and marks its profiles up when it answers 200."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 
 log = logging.getLogger(__name__)
-POLL_S = 3.0
-TIMEOUT_S = 2.0
+# A hung server is found in 2 x (POLL_S + TIMEOUT_S) = 10 s at most (8 s at least). llama-server answers /health from
+# its HTTP threads while it decodes or prefills: in ~1 ms, at most ~0.2 s on a loaded 2-core machine (b11434, -t 1).
+POLL_S = 2.0
+TIMEOUT_S = 3.0
 _TIMEOUTS_TO_DOWN = 2  # a server too busy to answer once is not taken for dead: its sessions would re-prefill
+# llama-server keeps n_parallel + 4 HTTP threads (b11434): with that many requests on it, a burst of them can leave
+# jobs queued in its thread pool (seen with 8 sent at once to one slot), /health behind them until a running request
+# ends or later connections drain the queue. Such a server has 6 rounds (30 s) to answer, not 2.
+_SPARE_HTTP_THREADS = 4
+_TIMEOUTS_TO_DOWN_QUEUED = 6
+WATCH_S = 1.0
+WATCH_TIMEOUT_S = 2.0
+
+# A server's URL -> (requests the proxy has in flight on it, its slots), as the router counts them.
+ServerLoad = Callable[[str], tuple[int, int]]
 
 
-async def _check(client: aiohttp.ClientSession, upstream: Upstream) -> tuple[str | None, bool]:
-    """Why the replica is not healthy (None: it is), and whether that was only a timeout."""
+def _unknown_load(_url: str) -> tuple[int, int]:
+    return 0, 1
+
+
+def by_server(table: UpstreamTable, *, down: bool) -> dict[str, list[Upstream]]:
+    """Each distinct server URL with its (profile, replica)s that are down (`down`), or up; a server with none of
+    them is left out."""
+    servers: dict[str, list[Upstream]] = {}
+    for u in table.all():
+        if (table.replica_down_reason(u.name, u.replica) is not None) == down:
+            servers.setdefault(u.base_url, []).append(u)
+    return servers
+
+
+def may_be_queued(in_flight: int, slots: int) -> bool:
+    """Whether a server's /health may wait behind requests queued for its HTTP threads (busy, perhaps not hung)."""
+    return in_flight >= slots + _SPARE_HTTP_THREADS
+
+
+async def check(client: aiohttp.ClientSession, base_url: str, timeout_s: float) -> tuple[str | None, bool]:
+    """Why the server is not healthy (None: it is), and whether that was only a timeout."""
     try:
-        async with client.get(f"{upstream.base_url}/health", timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as resp:
+        async with client.get(f"{base_url}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             return (None, False) if resp.status == 200 else (f"health check: HTTP {resp.status}", False)
     except TimeoutError:
-        return f"health check: no answer in {TIMEOUT_S:g} s", True
+        return f"health check: no answer in {timeout_s:g} s", True
     except aiohttp.ClientConnectorError:
         return "health check: connection refused", False
     except aiohttp.ClientError as exc:
         return f"health check: {type(exc).__name__}", False
 
 
-async def poll_pools(table: UpstreamTable, client: aiohttp.ClientSession, timeouts: dict[tuple[str, int], int]) -> None:
-    """One round: the replicas that are up, of every profile with more than one. `timeouts`: consecutive timeouts
-    per replica, kept between rounds."""
-    up = [u for name in table.names() if len(table.replicas(name)) > 1 for u in table.replicas(name)]
-    up = [u for u in up if table.replica_down_reason(u.name, u.replica) is None]
-    results = await asyncio.gather(*(_check(client, u) for u in up))
-    for upstream, (reason, timed_out) in zip(up, results, strict=True):
-        key = (upstream.name, upstream.replica)
-        timeouts[key] = timeouts.get(key, 0) + 1 if timed_out else 0
-        if reason is None or (timed_out and timeouts[key] < _TIMEOUTS_TO_DOWN):
+async def poll_round(
+    table: UpstreamTable,
+    client: aiohttp.ClientSession,
+    timeouts: dict[str, int],
+    load: ServerLoad = _unknown_load,
+) -> None:
+    """One round: each server with a profile up on it, asked once. `timeouts`: consecutive timeouts per server URL,
+    kept between rounds."""
+    servers = by_server(table, down=False)
+    results = await asyncio.gather(*(check(client, url, TIMEOUT_S) for url in servers))
+    for (url, upstreams), (reason, timed_out) in zip(servers.items(), results, strict=True):
+        timeouts[url] = timeouts.get(url, 0) + 1 if timed_out else 0
+        needed = _TIMEOUTS_TO_DOWN_QUEUED if timed_out and may_be_queued(*load(url)) else _TIMEOUTS_TO_DOWN
+        if reason is None or (timed_out and timeouts[url] < needed):
             continue
-        timeouts.pop(key, None)
-        if table.replica_down_reason(upstream.name, upstream.replica) is None:  # a request may have said so first
-            log.warning("%s at %s: %s; passed over until it answers", upstream.label, upstream.base_url, reason)
-            table.mark_down(upstream.name, reason, upstream.replica, watch=True)
+        timeouts.pop(url, None)
+        for u in upstreams:
+            if table.replica_down_reason(u.name, u.replica) is None:  # a request may have said so first
+                log.warning("%s at %s: %s; passed over until it answers", u.label, url, reason)
+                table.mark_down(u.name, reason, u.replica, watch=True)
+
+
+async def watch_round(table: UpstreamTable, client: aiohttp.ClientSession) -> None:
+    """Ask each server with a profile the proxy marked down itself (nobody else supervises it) for its /health, all
+    at once, and mark those profiles up where it answers 200: their sessions were re-placed, new ones may go there."""
+    servers = {
+        url: watched
+        for url, down in by_server(table, down=True).items()
+        if (watched := [u for u in down if (u.name, u.replica) in table.watched])
+    }
+    results = await asyncio.gather(*(check(client, url, WATCH_TIMEOUT_S) for url in servers))
+    for (url, upstreams), (reason, _) in zip(servers.items(), results, strict=True):
+        if reason is None:
+            for u in upstreams:
+                log.warning("%s at %s answers again; it takes sessions again", u.label, url)
+                table.mark_up(u.name, u.replica)
 
 
 @contextlib.asynccontextmanager
-async def pool_health_poll(table: UpstreamTable, client: aiohttp.ClientSession) -> AsyncIterator[None]:
-    """The poll for as long as the context is open: cancelled and awaited when it closes."""
+async def _every(seconds: float, work: Callable[[], Awaitable[None]], what: str) -> AsyncIterator[None]:
+    """`work` every `seconds` for as long as the context is open: cancelled and awaited when it closes."""
 
     async def loop() -> None:
-        timeouts: dict[tuple[str, int], int] = {}
         while True:
-            await asyncio.sleep(POLL_S)
+            await asyncio.sleep(seconds)
             try:
-                await poll_pools(table, client, timeouts)
+                await work()
             except Exception:
-                log.exception("the health poll of replica pools failed")
+                log.exception("%s failed", what)
 
     task = asyncio.create_task(loop())
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def health_poll(
+    table: UpstreamTable, client: aiohttp.ClientSession, load: ServerLoad = _unknown_load
+) -> contextlib.AbstractAsyncContextManager[None]:
+    """The poll of every server, for as long as the context is open."""
+    timeouts: dict[str, int] = {}
+    return _every(POLL_S, lambda: poll_round(table, client, timeouts, load), "the health poll")
+
+
+def replica_watch(table: UpstreamTable, client: aiohttp.ClientSession) -> contextlib.AbstractAsyncContextManager[None]:
+    """The watch of the servers the proxy marked down, for as long as the context is open."""
+    return _every(WATCH_S, lambda: watch_round(table, client), "the replica watch")

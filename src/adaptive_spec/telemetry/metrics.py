@@ -93,6 +93,13 @@ class ProxyMetrics:
         self.replica_up = Gauge(
             "adaptive_spec_replica_up", "1 when the replica is serving", ["profile", "replica"], registry=r
         )
+        # A down spell shorter than the scrape interval is missed by the gauge; the count of them is not.
+        self.replica_downs = Counter(
+            "adaptive_spec_replica_marked_down",
+            "Times the replica was marked down (health poll, refused connection or its launcher)",
+            _REPLICA,
+            registry=r,
+        )
         self.replica_requests = Counter(
             "adaptive_spec_replica_requests", "Requests by replica and outcome", [*_REPLICA, "outcome"], registry=r
         )
@@ -166,6 +173,7 @@ class ProxyMetrics:
             # A profile with a pool stays up while one replica serves: its gauge is the table's (set by the app).
             self.profile_up.labels(event.profile).set(0 if event.profile_down else 1)
             self.replica_up.labels(event.profile, str(event.replica)).set(0)
+            self.replica_downs.labels(event.profile, str(event.replica)).inc()
         elif isinstance(event, HandoffDone):
             self.handoffs.labels("ok" if event.ok else "failed").inc()
         elif isinstance(event, RemotePrefillDone):
