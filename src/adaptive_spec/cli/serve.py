@@ -19,6 +19,7 @@ from adaptive_spec.errors import ConfigError
 from adaptive_spec.kv.prefill_options import add_pp_arguments, pp_plan
 from adaptive_spec.kv.relay_options import add_relay_arguments, relay_plan
 from adaptive_spec.server.app import ProxySettings
+from adaptive_spec.server.connection_book import ConnectionLimits
 from adaptive_spec.server.run import LaunchPlan, ServePlan, SessionPlan, say
 from adaptive_spec.server.run import run as run_server
 from adaptive_spec.servers.models import DEFAULT_MODEL, embedded_chat_template, resolve_model
@@ -72,6 +73,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "final error event in a stream)",
     )
     serve.add_argument("--history", type=int, default=1000, help="request records kept for /adaptive/requests")
+    _add_connection_arguments(serve)
     _add_routing_arguments(serve)
     add_pp_arguments(serve)
     add_relay_arguments(serve)
@@ -112,6 +114,7 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
             verbose=args.verbose,
             access=access,
             **profiles,
+            connections=_connection_limits(args),
             **_trace_options(args),
             **_routing_options(args),
         )
@@ -132,7 +135,8 @@ def _add_launch_arguments(serve: argparse.ArgumentParser) -> None:
     launch.add_argument(
         "--draft-type",
         choices=sorted(DRAFT_TYPES),
-        help="drafter: oneshot = drafter alone, iterative = drafter + ngram-mod",
+        help="drafter: oneshot = drafter alone, iterative = drafter + ngram-mod; on one patched server also plain "
+        "(no speculation) and ngram (n-grams alone), chosen per request",
     )
     launch.add_argument("--draft-n-max", type=int, default=15)
     _add_server_arguments(launch)
@@ -243,6 +247,56 @@ def attached_profiles(texts: Sequence[str]) -> list[AttachedProfile]:
             raise ConfigError(f"--profile {a.name}={a.base_url} is given twice; each replica is a different server")
         seen.add(key)
     return attached
+
+
+_CONNECTIONS = ConnectionLimits()
+
+
+def _add_connection_arguments(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("slow and idle clients (answers, however long, are never cut)")
+    group.add_argument(
+        "--header-timeout",
+        type=float,
+        default=_CONNECTIONS.header_timeout_s,
+        metavar="S",
+        help="seconds a client may take to send a request's headers, from connecting (on a kept-alive connection: "
+        "from the next request's first byte); then the connection is closed (default: %(default)s)",
+    )
+    group.add_argument(
+        "--body-timeout",
+        type=float,
+        default=_CONNECTIONS.body_timeout_s,
+        metavar="S",
+        help="seconds a client may take to send a request's body once its headers are in (default: %(default)s)",
+    )
+    group.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=_CONNECTIONS.keepalive_timeout_s,
+        metavar="S",
+        help="seconds an idle keep-alive connection is kept (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        default=_CONNECTIONS.max_connections,
+        metavar="N",
+        help="client connections held at once; past it the one that has been sending its request the longest, else "
+        "the longest idle one, is closed, never one being answered (default: %(default)s; lowered to what "
+        "ulimit -n allows)",
+    )
+
+
+def _connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    for flag, value in (
+        ("--header-timeout", args.header_timeout),
+        ("--body-timeout", args.body_timeout),
+        ("--keepalive-timeout", args.keepalive_timeout),
+        ("--max-connections", args.max_connections),
+    ):
+        if not value > 0:
+            raise ConfigError(f"{flag} {value}: must be more than 0")
+    return ConnectionLimits(args.header_timeout, args.body_timeout, args.keepalive_timeout, args.max_connections)
 
 
 def _add_routing_arguments(serve: argparse.ArgumentParser) -> None:

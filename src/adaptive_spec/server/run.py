@@ -31,6 +31,8 @@ from adaptive_spec.kv.slots import SharedDirMover, SlotMover
 from adaptive_spec.requests.app_keys import LIFECYCLE
 from adaptive_spec.routing.policy_files import PolicyStore, config_dir
 from adaptive_spec.server.app import KvSetup, ProxySettings, build_app
+from adaptive_spec.server.connection_book import ConnectionLimits
+from adaptive_spec.server.connections import WatchedSite, watch_connections
 from adaptive_spec.servers.footprint import device_report, launch_lines
 from adaptive_spec.servers.launcher import Launcher
 from adaptive_spec.servers.profile_servers import (
@@ -113,6 +115,7 @@ class ServePlan:
     access: AccessPolicy = field(default_factory=AccessPolicy)
     remote_prefill: RemotePrefillPlan | None = None  # --pp-server
     relays: RelayMoverPlan | None = None  # --relay SERVER_URL=RELAY_URL: KV moves between hosts
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)  # slow and idle clients, the cap
 
 
 async def _tokenizer(
@@ -289,11 +292,13 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
             run.launcher.set_health_hooks(*health_hooks(run.launched, table))
         app = await _app(run, policies, table, bus)
         say(describe_access(plan.access))
+        watch = watch_connections(app, plan.connections, say)
         # The shutdown grace is the app's own (it tells each request it ends); aiohttp then waits for them briefly.
-        run.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+        # The connections' handlers are the watch's (WatchedSite), made with their options there.
+        run.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
         await run.runner.setup()
         for sock in run.sockets:
-            await web.SockSite(run.runner, sock).start()
+            await WatchedSite(run.runner, sock, watch).start()
         announce(base_url(plan.host, run.sockets[0]), table.default)
         await stop.wait()
         running = len(app[LIFECYCLE].handlers)
