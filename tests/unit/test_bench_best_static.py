@@ -28,3 +28,15 @@ def test_the_best_static_setting_is_the_fastest_over_the_requests_all_finished()
     line = describe_best(records, ["plain", "oneshot"])
     assert line is not None and line.startswith("best static setting for this workload: plain; adaptive vs it: ")
     assert "decode tok/s 1.000× [1.000, 1.000] indistinguishable" in line, line
+
+
+def test_a_pass_restarts_each_server_once() -> None:
+    from adaptive_spec.bench.runner import one_per_server
+
+    profiles = [
+        {"name": "oneshot", "base_url": "http://a", "preset": None},
+        {"name": "iterative", "base_url": "http://a", "preset": None},  # a setting of the same server
+        {"name": "plain", "base_url": "http://r", "preset": "plain"},  # router mode: each preset its own child
+        {"name": "ngram", "base_url": "http://r", "preset": "ngram"},
+    ]
+    assert one_per_server(profiles) == ["oneshot", "plain", "ngram"]

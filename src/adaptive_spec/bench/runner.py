@@ -2,10 +2,11 @@
 and, with --adaptive, on its own route; one table per workload, plus CSV, JSON and a PNG chart.
 
 Inputs stay the same across targets: each target runs the workload in its own pass, and the reply that joins a
-session's history is always the first target's. Known state: before each pass every launched profile is restarted
-(llama-server offers no call to empty its n-gram pool, and a later pass would find the earlier passes' greedy answers
-in it), and each pass's system prompts start with a tag of their own. Attached profiles can only have their slots
-erased (through the proxy's POST /adaptive/profiles/NAME/erase); the bench says so. Every ratio comes with a 95%
+session's history is always the first target's. Known state: before each pass every launched server is restarted,
+once whichever profiles it serves (llama-server offers no call to empty its n-gram pool, and a later pass would find
+the earlier passes' greedy answers in it), and each pass's system prompts start with a tag of their own. Attached
+profiles can only have their slots erased (through the proxy's POST /adaptive/profiles/NAME/erase); the bench says
+so. Every ratio comes with a 95%
 interval and a verdict (bench/compare.py, bench/stats.py); the machine's load is sampled around every pass
 (bench/machine.py).
 """
@@ -78,6 +79,15 @@ async def _stream(
         "served_profile": reply.served_profile,
         "route": reply.route,
     }
+
+
+def one_per_server(profiles: list[dict[str, Any]]) -> list[str]:
+    """One profile per llama-server (the first named for each URL and router preset): profiles that are per-request
+    settings of one server share it, and restarting it once empties it for all of them."""
+    seen: dict[tuple[str, str], str] = {}
+    for p in profiles:
+        seen.setdefault((str(p.get("base_url")), str(p.get("preset"))), str(p["name"]))
+    return list(seen.values())
 
 
 async def _known_state(session: aiohttp.ClientSession, base: str, profiles: list[str], progress: Progress) -> None:
@@ -162,7 +172,7 @@ async def run_bench(
                     passes.append(passed)
                     # One pass per target, from a known state: fresh servers, so no target inherits another's KV
                     # cache, prompt cache or n-gram pool.
-                    await _known_state(session, base, names, progress)
+                    await _known_state(session, base, one_per_server(known), progress)
                     replay = Replay(workload, tag=f"bench pass {target} {round_}")
                     for request in workload.requests:
                         result = await _one(session, base, workload, replay, request, target, max_tokens)

@@ -108,6 +108,7 @@ def _profiles(app: web.Application) -> list[dict[str, Any]]:
             {
                 "name": name,
                 "base_url": upstream.base_url,
+                "preset": upstream.upstream_model,  # a router-mode server's preset (`URL#MODEL`), else None
                 "up": table.down_reason(name) is None,
                 "reason": table.down_reason(name),
                 "default": name == table.default,
