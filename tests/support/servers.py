@@ -212,3 +212,25 @@ def chat_record(proxy: ProxyProcess, messages: list[dict[str, str]], max_tokens:
         request_id = resp.headers["x-adaptive-spec-request-id"]
     record = next(r for r in proxy.requests() if r["request_id"] == request_id)
     return {**record, "text": reply["choices"][0]["message"]["content"]}
+
+
+class LlamaServerAt(LlamaServer):
+    """A LlamaServer on a port the caller names: a server that comes back where another one was (a replica
+    restarted, or replaced by one running another model). Otherwise the same as LlamaServer."""
+
+    def __init__(self, port: int, binary: str, model: Path | None, *args: str, log_dir: Path) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{self.port}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"llama-server-{self.port}-{time.monotonic_ns()}.log"
+        argv = [binary, *(["-m", str(model)] if model is not None else [])]
+        argv += ["--host", "127.0.0.1", "--port", str(self.port), "-t", "1", "--jinja", *args]
+        self._server = ServerProcess(f"test-{self.port}", argv, self.url, self.log_path, say=lambda _line: None)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        try:
+            self._run(self._server.start(health_timeout_s=120))
+        except BaseException:
+            self.stop()
+            raise

@@ -8,6 +8,7 @@ session re-prefills)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -24,6 +25,7 @@ from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 log = logging.getLogger(__name__)
 _PROBE_BYTES = 256 << 10
 _MIN_TRANSFER_BYTES_PER_S = 5e6  # the transfer's deadline assumes at least this (a slower link fails the move)
+_DELETE_S = 5.0  # a delete is one unlink; a file a relay kept then, it sweeps (in 5 minutes, or when it starts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,15 +86,21 @@ class RelayMover:
         return MoveTimes(n_saved, t1 - t0, t3 - t2, transfer_s=t2 - t1, bytes=copied)
 
     async def discard(self, name: str) -> None:
+        """Delete the move's file on both relays at once, each given `_DELETE_S`: the request waits for this, and a
+        relay that stalled the move would stall its delete as long again."""
         pending = self._pending.pop(name, None)
         if pending is None:
             return
         client, there, here = pending
-        for relay in {there.base_url: there, here.base_url: here}.values():
-            try:
-                await relay.delete(client, name)
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                log.warning("could not delete %s at %s: %s", name, relay.base_url, exc or type(exc).__name__)
+        relays = {there.base_url: there, here.base_url: here}.values()
+        await asyncio.gather(*(self._delete(client, relay, name) for relay in relays))
+
+    @staticmethod
+    async def _delete(client: aiohttp.ClientSession, relay: RelayClient, name: str) -> None:
+        try:
+            await relay.delete(client, name, _DELETE_S)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("could not delete %s at %s: %s", name, relay.base_url, exc or type(exc).__name__)
 
 
 class PairMover:

@@ -9,6 +9,7 @@ relay beside each server) implements the same protocol and is priced by the same
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,12 +161,23 @@ async def slot_action(
     body = {"filename": filename} if filename is not None else None
     async with client.post(url, json=body, timeout=timeout) as resp:
         if resp.status != 200:
-            text = (await resp.text())[:300]
-            raise SlotError(f"{action} on {upstream.label} slot {slot}: HTTP {resp.status} {text}", resp.status)
+            text = _error_message(await resp.text())
+            raise SlotError(f"{action} on {upstream.label} slot {slot}: HTTP {resp.status}: {text}", resp.status)
         answer = await resp.json(content_type=None)
     if not isinstance(answer, dict):
         raise SlotError(f"{action} on {upstream.label} slot {slot}: unexpected answer {str(answer)[:200]}")
     return answer
+
+
+def _error_message(text: str) -> str:
+    """llama-server's words in an error answer (its OpenAI-shaped body's message), one line of at most 300
+    characters: a handoff's reason goes into records and logs."""
+    try:
+        body = json.loads(text)
+        message = str(body["error"]["message"]) if isinstance(body, dict) else text
+    except (ValueError, KeyError, TypeError):
+        message = text
+    return " ".join(message.split())[:300]
 
 
 def _size(path: Path) -> int:

@@ -168,14 +168,14 @@ async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | Outcom
 async def _failover(request: web.Request, req: ProxyRequest, failed: Upstream) -> Upstream | None:
     """`failed`, a replica of a pool, refused the connection (the request never reached it): mark it down (the
     health watch brings it back) and route the request again among the replicas still up. A session whose KV lived
-    there is re-placed and re-prefills. None: no other replica is up, the refusal stands."""
+    there is re-placed and re-prefills. None: no other replica is up, the refusal stands (this request's 502; the
+    replica is marked down all the same, so the next request gets a 503 at once instead of trying it again)."""
     table = request.app[UPSTREAMS]
-    if req.pool_size <= 1 or not any(
-        table.replica_down_reason(failed.name, u.replica) is None and u.replica != failed.replica
-        for u in table.replicas(failed.name)
-    ):
+    if req.pool_size <= 1:
         return None
     table.mark_down(failed.name, "refused connections", failed.replica, watch=True)
+    if not any(table.replica_down_reason(failed.name, u.replica) is None for u in table.replicas(failed.name)):
+        return None
     log.warning("request %s: %s refused the connection; trying another replica", req.request_id, failed.label)
     req.meter = ResponseMeter()
     if req.route is None:

@@ -44,8 +44,9 @@ from adaptive_spec.routing.router import Router
 from adaptive_spec.server.control import add_control_views
 from adaptive_spec.server.views import add_views
 from adaptive_spec.servers.pool_health import ServerLoad, health_poll, replica_watch
+from adaptive_spec.servers.probe import other_model
 from adaptive_spec.servers.profiles import ProfileInfo
-from adaptive_spec.servers.upstreams import UpstreamTable
+from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.sessions.service import SessionService, run_worker
 from adaptive_spec.telemetry.bus import EventBus
 from adaptive_spec.telemetry.history import RequestHistory
@@ -216,5 +217,11 @@ def _server_load(router: Router, table: UpstreamTable) -> ServerLoad:
 async def _replica_watch(app: web.Application) -> AsyncIterator[None]:
     """Ask each server the proxy marked down itself (a health check or a request found it so; nobody else supervises
     it) for its /health every second, and mark its profiles up when it answers."""
-    async with replica_watch(app[UPSTREAMS], app[FRESH_CLIENT]):
+    started = {(i.name, i.replica): i for i in app[PROFILES]}  # what each replica served at start
+
+    async def same_model(client: aiohttp.ClientSession, upstream: Upstream) -> str | None:
+        info = started.get((upstream.name, upstream.replica))
+        return await other_model(client, upstream, info) if info is not None else None
+
+    async with replica_watch(app[UPSTREAMS], app[FRESH_CLIENT], same_model):
         yield

@@ -32,18 +32,24 @@ WATCH_TIMEOUT_S = 2.0
 
 # A server's URL -> (requests the proxy has in flight on it, its slots), as the router counts them.
 ServerLoad = Callable[[str], tuple[int, int]]
+# Why a replica that answers /health again may not take sessions (None: it may): servers/probe.py other_model.
+Admit = Callable[[aiohttp.ClientSession, Upstream], Awaitable[str | None]]
+
+
+async def _any_model(_client: aiohttp.ClientSession, _upstream: Upstream) -> str | None:
+    return None
 
 
 def _unknown_load(_url: str) -> tuple[int, int]:
     return 0, 1
 
 
-def by_server(table: UpstreamTable, *, down: bool) -> dict[str, list[Upstream]]:
-    """Each distinct server URL with its (profile, replica)s that are down (`down`), or up; a server with none of
-    them is left out."""
+def by_server(table: UpstreamTable, *, down: bool | None = None) -> dict[str, list[Upstream]]:
+    """Each distinct server URL with the (profile, replica)s it serves: those up (`down` False), those down (True),
+    or all (None). A server with none of them is left out."""
     servers: dict[str, list[Upstream]] = {}
     for u in table.all():
-        if (table.replica_down_reason(u.name, u.replica) is not None) == down:
+        if down is None or (table.replica_down_reason(u.name, u.replica) is not None) == down:
             servers.setdefault(u.base_url, []).append(u)
     return servers
 
@@ -88,9 +94,10 @@ async def poll_round(
                 table.mark_down(u.name, reason, u.replica, watch=True)
 
 
-async def watch_round(table: UpstreamTable, client: aiohttp.ClientSession) -> None:
+async def watch_round(table: UpstreamTable, client: aiohttp.ClientSession, admit: Admit = _any_model) -> None:
     """Ask each server with a profile the proxy marked down itself (nobody else supervises it) for its /health, all
-    at once, and mark those profiles up where it answers 200: their sessions were re-placed, new ones may go there."""
+    at once, and mark those profiles up where it answers 200 and `admit` finds nothing wrong (a server that came back
+    serving another model stays down, saying so): their sessions were re-placed, new ones may go there."""
     servers = {
         url: watched
         for url, down in by_server(table, down=True).items()
@@ -100,8 +107,13 @@ async def watch_round(table: UpstreamTable, client: aiohttp.ClientSession) -> No
     for (url, upstreams), (reason, _) in zip(servers.items(), results, strict=True):
         if reason is None:
             for u in upstreams:
-                log.warning("%s at %s answers again; it takes sessions again", u.label, url)
-                table.mark_up(u.name, u.replica)
+                problem = await admit(client, u)
+                if problem is None:
+                    log.warning("%s at %s answers again; it takes sessions again", u.label, url)
+                    table.mark_up(u.name, u.replica)
+                elif table.replica_down_reason(u.name, u.replica) != problem:
+                    log.warning("%s at %s %s; kept down", u.label, url, problem)
+                    table.mark_down(u.name, problem, u.replica, watch=True)
 
 
 @contextlib.asynccontextmanager
@@ -133,6 +145,8 @@ def health_poll(
     return _every(POLL_S, lambda: poll_round(table, client, timeouts, load), "the health poll")
 
 
-def replica_watch(table: UpstreamTable, client: aiohttp.ClientSession) -> contextlib.AbstractAsyncContextManager[None]:
+def replica_watch(
+    table: UpstreamTable, client: aiohttp.ClientSession, admit: Admit = _any_model
+) -> contextlib.AbstractAsyncContextManager[None]:
     """The watch of the servers the proxy marked down, for as long as the context is open."""
-    return _every(WATCH_S, lambda: watch_round(table, client), "the replica watch")
+    return _every(WATCH_S, lambda: watch_round(table, client, admit), "the replica watch")

@@ -15,8 +15,8 @@ from adaptive_spec.servers.speculation import PerRequestSupport
 from adaptive_spec.servers.upstreams import Upstream
 
 
-async def _get_json(session: aiohttp.ClientSession, url: str) -> Any:
-    async with session.get(url, timeout=aiohttp.ClientTimeout(total=30)) as resp:
+async def _get_json(session: aiohttp.ClientSession, url: str, timeout_s: float = 30.0) -> Any:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
         if resp.status != 200:
             raise LaunchError(f"GET {url} answered {resp.status}: {(await resp.text())[:200]}")
         return await resp.json(content_type=None)
@@ -33,8 +33,12 @@ def _spec_types(slots: Any) -> tuple[tuple[str, ...] | None, bool | None]:
     return parsed, speculative if isinstance(speculative, bool) else None
 
 
+def _query(upstream: Upstream) -> str:
+    return f"?model={quote(upstream.upstream_model, safe='')}" if upstream.upstream_model else ""
+
+
 async def probe(session: aiohttp.ClientSession, upstream: Upstream) -> ProfileInfo:
-    query = f"?model={quote(upstream.upstream_model, safe='')}" if upstream.upstream_model else ""
+    query = _query(upstream)
     base = upstream.base_url
     try:
         props = await _get_json(session, f"{base}/props{query}")
@@ -88,3 +92,25 @@ async def probe_spec_types(session: aiohttp.ClientSession, upstream: Upstream, i
         return await probe(session, upstream)
     except (aiohttp.ClientError, TimeoutError, LaunchError):
         return info
+
+
+async def other_model(
+    session: aiohttp.ClientSession, upstream: Upstream, expected: ProfileInfo, timeout_s: float = 2.0
+) -> str | None:
+    """Why a server that answers again at a replica's address may not take the replica's sessions: it serves
+    another model than the one probed there at start (named as the start-up check names it,
+    `ProfileInfo.model_identity`), or cannot say which. None: the same model."""
+    if not expected.model_identity:
+        return None  # nothing was known at start to compare with
+    try:
+        props = await _get_json(session, f"{upstream.base_url}/props{_query(upstream)}", timeout_s)
+    except (aiohttp.ClientError, TimeoutError, ValueError, LaunchError) as exc:
+        return f"answers /health but its /props does not say which model it serves ({exc or type(exc).__name__})"
+    if not isinstance(props, dict):
+        return "answers /health but its /props is not a JSON object"
+    served = replace(
+        expected, model_path=str(props.get("model_path") or ""), model_alias=str(props.get("model_alias") or "")
+    ).model_identity
+    if served == expected.model_identity:
+        return None
+    return f"came back serving {served!r}, not the pool's {expected.model_identity!r}"

@@ -62,9 +62,13 @@ class RelayClient:
         text = await _bounded_text(resp)
         if resp.status >= 300:
             raise RelayError(f"{what} at {self.base_url}: HTTP {resp.status}: {_message(text)}")
-        body = orjson.loads(text) if text else {}
+        try:
+            body = orjson.loads(text) if text else {}
+        except orjson.JSONDecodeError:
+            body = None
         if not isinstance(body, dict):
-            raise RelayError(f"{what} at {self.base_url}: unexpected answer {_clean(text)}")
+            # What answered may be no relay at all (another service on the port): its words, one short line.
+            raise RelayError(f"{what} at {self.base_url}: not a relay's answer: {_clean(text[:80])}", "bad_answer")
         return body
 
     async def model(self, client: aiohttp.ClientSession) -> tuple[dict[str, Any], float]:
@@ -149,35 +153,92 @@ class RelayClient:
     ) -> Downloaded:
         """Stream this relay's slot file `name` into another relay (a PUT carrying this relay's sha256 of it and this
         side's model hash: the target checks both, bounds the size, and keeps nothing partial); nothing is stored on
-        the caller's machine."""
+        the caller's machine. One deadline, `timeout_s`, for the whole copy; any failure is a RelayError in one line
+        naming the relay at fault and how many bytes had crossed."""
         t0 = time.perf_counter()
-        async with client.get(
-            f"{self.base_url}/relay/slots/{name}", headers=self._headers, timeout=_timeout(timeout_s)
-        ) as resp:
+        passing = _Passing()
+        try:
+            async with asyncio.timeout(timeout_s):
+                answer = await self._copy(client, name, target, max_bytes, timeout_s, passing)
+        except TimeoutError:
+            raise RelayError(
+                f"copy of {name} from {self.base_url} to {target.base_url}: gave up after {timeout_s:.1f} s, "
+                f"{passing.bytes} bytes across",
+                "timeout",
+            ) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            # Until the source's headers are in, and whenever its body broke off, the source is at fault.
+            if not passing.started:
+                what = f"the download from {self.base_url} failed"
+            elif passing.error is not None:
+                what = f"the download from {self.base_url} broke off after {passing.bytes} bytes"
+            else:
+                what = f"the upload to {target.base_url} broke off after {passing.bytes} bytes"
+            raise RelayError(f"copy of {name}: {what}: {_cause(passing.error or exc)}") from exc
+        return Downloaded(int(answer.get("bytes") or 0), time.perf_counter() - t0, passing.sha256)
+
+    async def _copy(
+        self,
+        client: aiohttp.ClientSession,
+        name: str,
+        target: RelayClient,
+        max_bytes: int,
+        timeout_s: float,
+        passing: _Passing,
+    ) -> dict[str, Any]:
+        timeout = _timeout(timeout_s)  # the client's own default (5 minutes) is shorter than a large file's copy
+        async with client.get(f"{self.base_url}/relay/slots/{name}", headers=self._headers, timeout=timeout) as resp:
             if resp.status != 200:
                 raise RelayError(
                     f"download of {name} at {self.base_url}: HTTP {resp.status}: {_message(await _bounded_text(resp))}"
                 )
             expected = resp.headers.get(SHA256_HEADER, "").lower()
             if not valid_sha256(expected):
-                raise RelayError(f"download of {name}: the relay sent no {SHA256_HEADER}")
+                raise RelayError(f"download of {name} at {self.base_url}: the answer carries no {SHA256_HEADER}")
             if resp.content_length is not None and resp.content_length > max_bytes:
                 raise RelayError(f"the slot file {name} is larger than {max_bytes} bytes")
+            passing.started, passing.sha256 = True, expected
             headers = {**target._headers, MODEL_HEADER: self.model_sha256, SHA256_HEADER: expected}
             url = f"{target.base_url}/relay/slots/{name}"
-            async with client.put(url, data=_chunks(resp), headers=headers, timeout=_timeout(timeout_s)) as put:
-                answer = await target._json(put, f"upload of {name}")
-        return Downloaded(int(answer.get("bytes") or 0), time.perf_counter() - t0, expected)
+            async with client.put(url, data=passing.chunks(resp), headers=headers, timeout=timeout) as put:
+                return await target._json(put, f"upload of {name}")
 
-    async def delete(self, client: aiohttp.ClientSession, name: str) -> bool:
+    async def delete(self, client: aiohttp.ClientSession, name: str, timeout_s: float = 30.0) -> bool:
         url = f"{self.base_url}/relay/slots/{name}"
-        async with client.delete(url, headers=self._headers, timeout=_timeout(30)) as resp:
+        async with client.delete(url, headers=self._headers, timeout=_timeout(timeout_s)) as resp:
             return resp.status == 204
 
 
-async def _chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    async for chunk in resp.content.iter_chunked(_CHUNK):
-        yield chunk
+class _Passing:
+    """A slot file on its way from one relay into another: whether the source's headers came, how many bytes have
+    passed, and what cut the source's body off (the upload only sees its own connection fail)."""
+
+    def __init__(self) -> None:
+        self.started, self.bytes, self.sha256 = False, 0, ""
+        self.error: BaseException | None = None
+
+    async def chunks(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in resp.content.iter_chunked(_CHUNK):
+                self.bytes += len(chunk)
+                yield chunk
+        except (aiohttp.ClientError, OSError) as exc:
+            self.error = exc
+            raise
+
+
+def _cause(exc: BaseException) -> str:
+    """A connection's failure in a few words: aiohttp's own messages run to whole connection keys."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and (seen.errno or seen.strerror):
+            return (os.strerror(seen.errno) if seen.errno else str(seen.strerror)).lower()
+        seen = seen.__cause__ or seen.__context__
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the connection was closed"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "the body was cut short"
+    return _clean(str(exc) or type(exc).__name__)[:120]
 
 
 async def _write(resp: aiohttp.ClientResponse, partial: Path, max_bytes: int) -> tuple[int, str]:

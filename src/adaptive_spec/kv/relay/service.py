@@ -3,7 +3,8 @@
 Every route needs the key (`Authorization: Bearer KEY`, compared in constant time) and an allowed `Host`; slot files
 are named by one plain file name inside `--slot-dir`; bodies stream both ways, checksummed (sha256) and bounded
 (`--max-bytes`); every route that moves KV names the model its caller runs, and a different GGUF is refused with
-both hashes. Errors are OpenAI-shaped JSON.
+both hashes. Errors are OpenAI-shaped JSON. Slot files (`as-*`) that a delete never reached go after 5 minutes; when
+the relay starts, all of them go, with any partial upload.
 
     GET    /relay/model              the GGUF's sha256, name and size; whether a llama-server is behind the relay
     GET    /relay/probe?bytes=N      N bytes (at most 8 MiB), to measure the link
@@ -16,6 +17,7 @@ both hashes. Errors are OpenAI-shaped JSON.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import logging
@@ -23,7 +25,7 @@ import os
 import stat
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -45,6 +47,8 @@ log = logging.getLogger(__name__)
 _CHUNK = 1 << 20
 _MAX_PROBE_BYTES = 8 << 20
 _PARTIAL_PREFIX = ".part-"  # hidden: no valid name can reach a file being written
+STALE_SLOT_FILE_S = 300.0  # as the proxy's sweep of its own slot directory (kv/effects.py)
+_SWEEP_EVERY_S = 60.0
 # Test-only: throttle every body the relay sends or receives to this many bytes per second (a slow link on loopback).
 RATE_ENV = "ADAPTIVE_SPEC_RELAY_TEST_RATE_BPS"
 
@@ -273,9 +277,50 @@ def _size_and_sha256(fh: BinaryIO) -> tuple[int, str]:
 
 
 def sweep_partials(slot_dir: Path) -> None:
-    """Uploads cut off by a crash leave hidden partial files: gone at start."""
+    """At start, what a relay that crashed or was killed left behind: hidden partial uploads, and the slot files of
+    the moves it was serving (a move deletes its file through the relays at its end, which cannot reach a relay that
+    is down). A move under way as the relay starts loses its file and re-prefills, as it would have with the relay
+    down."""
     for leftover in slot_dir.glob(f"{_PARTIAL_PREFIX}*"):
         leftover.unlink(missing_ok=True)
+    sweep_slot_files(slot_dir, older_than_s=0.0)
+
+
+def sweep_slot_files(slot_dir: Path, older_than_s: float = STALE_SLOT_FILE_S) -> int:
+    """Delete the slot files (`as-*` names only; others are never touched) not written for `older_than_s`: those
+    whose delete never reached the relay (the proxy gave up on a relay that stalled, or could not reach it). One
+    being read is unaffected: an open file outlives its name. Returns how many went."""
+    now, gone = time.time(), 0
+    for path in slot_dir.glob(f"{SLOT_FILE_PREFIX}*"):
+        try:
+            if valid_relay_name(path.name) and _deletable(path) and now - path.lstat().st_mtime >= older_than_s:
+                path.unlink()
+                gone += 1
+        except OSError:
+            continue
+    return gone
+
+
+async def _sweeper(app: web.Application) -> AsyncIterator[None]:
+    """`sweep_slot_files` every `_SWEEP_EVERY_S` while the relay runs."""
+    slot_dir = app[SETTINGS].slot_dir
+
+    async def loop() -> None:
+        while True:
+            await asyncio.sleep(_SWEEP_EVERY_S)
+            try:
+                gone = await asyncio.to_thread(sweep_slot_files, slot_dir)
+            except OSError as exc:  # the directory itself unreadable: said, and tried again next time
+                log.warning("kv-relay: could not sweep the slot directory: %s", exc.strerror or type(exc).__name__)
+                continue
+            if gone:
+                log.warning("kv-relay: deleted %d slot files left over for %.0f s or more", gone, STALE_SLOT_FILE_S)
+
+    task = asyncio.create_task(loop())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def build_relay_app(settings: RelaySettings, extra_routes: list[Any] | None = None) -> web.Application:
@@ -288,4 +333,5 @@ def build_relay_app(settings: RelaySettings, extra_routes: list[Any] | None = No
     app.router.add_put("/relay/slots/{name}", _upload)
     app.router.add_delete("/relay/slots/{name}", _delete)
     app.router.add_routes(extra_routes or [])
+    app.cleanup_ctx.append(_sweeper)
     return app
