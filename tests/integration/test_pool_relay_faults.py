@@ -31,7 +31,7 @@ import pytest
 from adaptive_spec.kv.relay.service import RATE_ENV, sweep_slot_files
 from tests.support.faulty_relay import FaultyRelay
 from tests.support.relay import RelayProcess
-from tests.support.servers import LlamaServer, LlamaServerAt, ProxyProcess, http_json, wait_until
+from tests.support.servers import LlamaServer, ProxyProcess, http_json, wait_until
 from tests.support.tiny_gguf import write_tiny_gguf
 
 KEY = "faults-relay-key"
@@ -316,7 +316,7 @@ class Pool:
         """Server i (stopped, if it still ran) comes back on its own port, running `model`."""
         self.servers[i].stop()
         port = self.servers[i].port
-        self.servers[i] = LlamaServerAt(port, self.binary, model, *POOL_ARGS, log_dir=self.home / "logs")
+        self.servers[i] = LlamaServer(self.binary, model, *POOL_ARGS, log_dir=self.home / "logs", port=port)
 
     def stop(self) -> None:
         self.proxy.stop()

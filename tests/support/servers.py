@@ -97,13 +97,14 @@ def llama_children(proxy: ProxyProcess) -> dict[int, str]:
 class LlamaServer:
     """One real llama-server process on a free loopback port, started by the product's own `ServerProcess` (its own
     session, ended with its parent, the SIGILL retry) on an event loop of its own, so synchronous tests can hold it.
-    The one way the tests start llama-server; `model` None starts it without one (router mode: `--models-preset`)."""
+    The one way the tests start llama-server; `model` None starts it without one (router mode: `--models-preset`);
+    `port`: where a server comes back that another one left (a replica restarted, or replaced by another model)."""
 
-    def __init__(self, binary: str, model: Path | None, *args: str, log_dir: Path) -> None:
-        self.port = free_port()
+    def __init__(self, binary: str, model: Path | None, *args: str, log_dir: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"llama-server-{self.port}.log"
+        self.log_path = log_dir / f"llama-server-{self.port}-{time.monotonic_ns()}.log"
         argv = [binary, *(["-m", str(model)] if model is not None else [])]
         argv += ["--host", "127.0.0.1", "--port", str(self.port), "-t", "1", "--jinja", *args]
         self._server = ServerProcess(f"test-{self.port}", argv, self.url, self.log_path, say=lambda _line: None)
@@ -212,25 +213,3 @@ def chat_record(proxy: ProxyProcess, messages: list[dict[str, str]], max_tokens:
         request_id = resp.headers["x-adaptive-spec-request-id"]
     record = next(r for r in proxy.requests() if r["request_id"] == request_id)
     return {**record, "text": reply["choices"][0]["message"]["content"]}
-
-
-class LlamaServerAt(LlamaServer):
-    """A LlamaServer on a port the caller names: a server that comes back where another one was (a replica
-    restarted, or replaced by one running another model). Otherwise the same as LlamaServer."""
-
-    def __init__(self, port: int, binary: str, model: Path | None, *args: str, log_dir: Path) -> None:
-        self.port = port
-        self.url = f"http://127.0.0.1:{self.port}"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"llama-server-{self.port}-{time.monotonic_ns()}.log"
-        argv = [binary, *(["-m", str(model)] if model is not None else [])]
-        argv += ["--host", "127.0.0.1", "--port", str(self.port), "-t", "1", "--jinja", *args]
-        self._server = ServerProcess(f"test-{self.port}", argv, self.url, self.log_path, say=lambda _line: None)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        try:
-            self._run(self._server.start(health_timeout_s=120))
-        except BaseException:
-            self.stop()
-            raise
