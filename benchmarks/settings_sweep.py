@@ -10,7 +10,8 @@ project) and the patched llama-server (`adaptive-spec build-server`). One llama-
 n-match/n-min/n-max (24/48/64), `-c 8192 -t 1 --parallel 1 --jinja --metrics` and the shipped chat template. Two
 prompt sets: prose (the 8 prompts of the built-in `prose` workload) and code (the first 8 of `oneshot`). Every prompt
 runs once under each setting, carried in the request body (`"speculative.types"`, `"speculative.n_max"`), greedy
-(temperature 0), non-streamed /v1/chat/completions, max_tokens the workload's capped by `--max-tokens`:
+(temperature 0), non-streamed /v1/chat/completions, max_tokens the workload's capped by `--max-tokens`, with
+`cache_prompt: false` (each request prefills its whole prompt, so its text cannot depend on what the slot held):
 
 - none: `speculative.types: []`;
 - drafter: `["draft-simple"]`, the server's own n_max 15; drafter n_max 2 / 4 / 8: the same with `speculative.n_max`;
@@ -147,6 +148,7 @@ async def ask(http: aiohttp.ClientSession, server: Server, prompt: Prompt, setti
         "temperature": 0,
         "seed": 1,
         "stream": False,
+        "cache_prompt": False,  # every request prefills its prompt alike, whatever ran before it in the slot
         **SETTINGS[setting].body_fields(),
     }
     url = server.url + "/v1/chat/completions"
