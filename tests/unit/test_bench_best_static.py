@@ -33,7 +33,7 @@ def test_the_best_static_setting_is_the_fastest_over_the_requests_all_finished()
 def test_a_pass_restarts_each_server_once() -> None:
     from adaptive_spec.bench.runner import one_per_server
 
-    profiles = [
+    profiles: list[dict[str, Any]] = [
         {"name": "oneshot", "base_url": "http://a", "preset": None},
         {"name": "iterative", "base_url": "http://a", "preset": None},  # a setting of the same server
         {"name": "plain", "base_url": "http://r", "preset": "plain"},  # router mode: each preset its own child
