@@ -9,12 +9,20 @@ Run:  .venv/bin/python benchmarks/overhead.py [--fixtures DIR] [--body-file BODY
       .venv/bin/python benchmarks/overhead.py --gaps --fixtures DIR   # inter-chunk gaps, with a heavy session
 
 Bodies: a tiny chat request (another session each time), and with `--fixtures` (the recorded agent requests, see
-`agent_bodies.py`) opencode's largest recorded request (~7k tokens, 10 tools) and the same grown to a 100k-token
-history; `--body-file` adds one of your own. A real body is sent by each concurrent stream under its own session id,
-the same body each round (a session's next turn, with nothing new in it). The upstream is llama-server shaped (its
-chat chunks field for field, per-token `timings` when asked, a final timings chunk, /props, /slots, /tokenize); its
-/props names the embedded model's GGUF, so adaptive-spec tokenizes with that vocabulary as `serve` does by default
-(`--tokenizer endpoint`: through the upstream's /tokenize instead, one HTTP call per new text).
+`agent_bodies.py`) opencode's largest recorded request (~7k tokens, 10 tools), the same grown to a 100k-token history
+and to 484 KB (`opencode-120k`: ~120k tokens, 131k of Qwen2.5's); `--body-file` adds one of your own. A real body is
+sent by each concurrent stream under its own session id, the same body each round (a session's next turn, with
+nothing new in it); its `-noid` twin (`opencode-120k-noid`) is the same body without any session id, as aider, llm
+and the openai SDK send it, and as every agent's first request of a conversation is: nothing the proxy served comes
+back in it, so each request is a new conversation with its whole history. For a body with a session id the first
+three turns of each stream's session (the warm-up) are shown apart: a turn that waits on its previous turn's
+statistics shows there, not in the medians. The upstream is llama-server shaped (its chat chunks field for field,
+per-token `timings` when asked, a final timings chunk, /props, /slots, /tokenize); its /props names the embedded
+model's GGUF, so adaptive-spec tokenizes with that vocabulary as `serve` does by default. `--tokenizer endpoint`: its
+/props names a GGUF that is not on this machine (the usual case for a proxy in front of a GPU box), so adaptive-spec
+takes tokens from the upstream's /tokenize, one HTTP call per new text; the tokenizer `serve` chose is read from its
+log and written with the figures. `--profile FILE` records adaptive-spec's process and its worker with py-spy
+(`--py-spy`, a path) over the measured rounds, in py-spy's raw (collapsed stacks) format.
 `--watched` adds a second adaptive-spec with a live view attached to its event feed (as the TUI is: the proxy then
 asks for per-token timings and cuts them out again); `--other-src` another version of it, e.g. an earlier commit's
 `src/` from `git worktree add`, measured in the same rounds; `--variant NAME=ARGS` the same version with more
@@ -180,9 +188,12 @@ def _floor_main(port: int, upstream_port: int, read: bool = False) -> None:
 class Body:
     name: str
     body: dict[str, Any] | None  # None: the tiny body, another session each request
+    session: bool = True  # a real body sent under each stream's session id (else with none at all)
 
 
-def _payload(body: Body, i: int, stream: int, extra: dict[str, Any] | None = None) -> tuple[bytes, dict[str, str]]:
+def _payload(
+    body: Body, i: int, stream: int, extra: dict[str, Any] | None = None, level: int = 0
+) -> tuple[bytes, dict[str, str]]:
     headers = {"Content-Type": "application/json", "Authorization": "Bearer sk-bench"}
     if body.body is None:
         messages = [
@@ -192,7 +203,8 @@ def _payload(body: Body, i: int, stream: int, extra: dict[str, Any] | None = Non
         obj: dict[str, Any] = {"model": "fake", "stream": True, "temperature": 0, "messages": messages}
     else:
         obj = {**body.body, "model": "fake", "stream": True}
-        headers["x-session-id"] = f"bench-{body.name}-{stream}"
+        if body.session:  # each level's streams start sessions of their own: their first turns are seen
+            headers["x-session-id"] = f"bench-{body.name}-{level}-{stream}"
     for key in ("stream_options", "max_tokens", "max_completion_tokens"):  # opencode asks for 32,000: the upstream's
         obj.pop(key, None)  # chunk count stays the benchmark's
     return orjson.dumps({**obj, **(extra or {})}), headers
@@ -237,8 +249,13 @@ def _cpu_s(pid: int) -> tuple[float, float]:
     return own, children
 
 
+# The warm-up's times to first chunk (ms) by target, per turn (all streams' of that round): a session's first turns.
+FIRST_TURNS: dict[str, list[list[float]]] = {}
+
+
 async def _measure(targets: dict[str, str], body: Body, conc: int, rounds: int) -> dict[str, list[tuple[float, float]]]:
     out: dict[str, list[tuple[float, float]]] = {k: [] for k in targets}
+    FIRST_TURNS.clear()
     cpu = {name: _cpu_s(pid) for name, pid in PIDS.items() if name in targets}
     n = 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -246,12 +263,11 @@ async def _measure(targets: dict[str, str], body: Body, conc: int, rounds: int) 
         async def round_of(url: str) -> list[list[float]]:
             nonlocal n
             n += conc
-            payloads = [_payload(body, n + j, j) for j in range(conc)]
+            payloads = [_payload(body, n + j, j, level=conc) for j in range(conc)]
             return await asyncio.gather(*(_one(session, url, d, h) for d, h in payloads))
 
-        for url in targets.values():  # warm-up: connections, and each session's first turn
-            for _ in range(3):
-                await round_of(url)
+        for name, url in targets.items():  # warm-up: connections, and each session's first turns
+            FIRST_TURNS[name] = [[t[0] * 1000 for t in await round_of(url)] for _ in range(3)]
         order = list(targets.items())
         for r in range(rounds):
             for name, url in order if r % 2 == 0 else order[::-1]:
@@ -272,6 +288,7 @@ def _rows(res: dict[str, list[tuple[float, float]]], body: str, conc: int) -> li
         k: (statistics.median(r[0] for r in v) * 1000, statistics.median(r[1] for r in v) * 1000)
         for k, v in res.items()
     }
+    p95 = {k: _pct([r[0] * 1000 for r in v], 0.95) for k, v in res.items()}
     d_first, d_total = med["direct"]
     f_first, f_total = med["floor"]
     r_first, r_total = med.get("floor+read", (0.0, 0.0))
@@ -285,6 +302,8 @@ def _rows(res: dict[str, list[tuple[float, float]]], body: str, conc: int) -> li
                 "target": name,
                 "n": len(res[name]),
                 "ttfc_p50_ms": first,
+                "ttfc_p95_ms": p95[name],
+                "ttfc_vs_direct": first / d_first if d_first > 0 else None,
                 "added_ttfc_p50_ms": added_first,
                 "added_ttfc_vs_floor": added_first / (f_first - d_first) if f_first > d_first else None,
                 "whole_p50_ms": total,
@@ -294,6 +313,8 @@ def _rows(res: dict[str, list[tuple[float, float]]], body: str, conc: int) -> li
                 "added_whole_vs_floor_read": added_total / (r_total - d_total) if r_total > d_total else None,
                 "cpu_ms_per_request": CPU_MS[name][0] if name in CPU_MS else None,
                 "children_cpu_ms_per_request": CPU_MS[name][1] if name in CPU_MS else None,
+                # TTFC of the warm-up's three rounds (each stream's first three turns): medians over the streams
+                "first_turns_ttfc_ms": [statistics.median(t) for t in FIRST_TURNS.get(name, [])],
             }
         )
     return rows
@@ -411,6 +432,10 @@ def _bodies(args: argparse.Namespace) -> list[Body]:
         if "opencode" in agents:
             bodies.append(Body("opencode-7k", agents["opencode"].body))
             bodies.append(Body("opencode-100k", grown(agents["opencode"], 100_000)[0]))
+            # The issue's 484 KB body: 138,000 by agent_bodies' sizing (3.6 characters a token), 131k Qwen2.5 tokens.
+            big = grown(agents["opencode"], 138_000)[0]
+            bodies.append(Body("opencode-120k", big))
+            bodies.append(Body("opencode-120k-noid", big, session=False))
     if args.body_file:
         bodies.append(Body(Path(args.body_file).stem, json.loads(Path(args.body_file).read_text())))
     return bodies
@@ -466,10 +491,11 @@ def _pct(values: list[float], q: float) -> float:
 def _print(rows: list[dict[str, Any]], chunks: int) -> None:
     print(f"\n{chunks} SSE chunks per stream, {os.cpu_count()} cores; medians over interleaved rounds")
     print(
-        "| body | streams | target | n | added TTFC p50 ms | ×floor | ×floor+read | added whole stream p50 ms | ×floor "
-        "| ×floor+read | CPU ms/request: process + children |"
+        "| body | streams | target | n | TTFC p50 / p95 ms | ×direct | added TTFC p50 ms | ×floor | ×floor+read "
+        "| added whole stream p50 ms | ×floor | ×floor+read | CPU ms/request: process + children "
+        "| first turns TTFC ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
     def ratio(value: float | None) -> str:
         return f"{value:.2f}" if value is not None else "-"
@@ -480,11 +506,14 @@ def _print(rows: list[dict[str, Any]], chunks: int) -> None:
         cpu = "-"
         if r.get("cpu_ms_per_request") is not None:
             cpu = f"{r['cpu_ms_per_request']:.2f} + {r['children_cpu_ms_per_request']:.2f}"
+        turns = " / ".join(f"{t:.1f}" for t in r.get("first_turns_ttfc_ms", []))
         print(
-            f"| {r['body']} | {r['streams']} | {r['target']} | {r['n']} | {r['added_ttfc_p50_ms']:.2f} "
+            f"| {r['body']} | {r['streams']} | {r['target']} | {r['n']} "
+            f"| {r['ttfc_p50_ms']:.2f} / {r['ttfc_p95_ms']:.2f} | {ratio(r['ttfc_vs_direct'])} "
+            f"| {r['added_ttfc_p50_ms']:.2f} "
             f"| {ratio(r['added_ttfc_vs_floor'])} | {ratio(r['added_ttfc_vs_floor_read'])} "
             f"| {r['added_whole_p50_ms']:.2f} | {ratio(r['added_whole_vs_floor'])} "
-            f"| {ratio(r['added_whole_vs_floor_read'])} | {cpu} |"
+            f"| {ratio(r['added_whole_vs_floor_read'])} | {cpu} | {turns} |"
         )
 
 
@@ -507,6 +536,8 @@ def main() -> int:
     parser.add_argument("--burn-ms", type=float, default=0, help="--gaps: pure-Python work in another process too")
     tokenizer = "the proxy's tokenizer: the embedded GGUF's vocabulary (as `serve` on it), or the upstream's /tokenize"
     parser.add_argument("--tokenizer", choices=("gguf", "endpoint"), default="gguf", help=tokenizer)
+    parser.add_argument("--profile", default="", help="record adaptive-spec with py-spy into this file (raw format)")
+    parser.add_argument("--py-spy", default="py-spy", help="--profile: the py-spy binary")
     parser.add_argument("--out", default="benchmarks/results/overhead.json")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers it started (the `finally` below)
@@ -526,6 +557,7 @@ def main() -> int:
     PIDS["floor"], PIDS["floor+read"] = procs[1].pid or 0, procs[2].pid or 0
     tmp = Path(tempfile.mkdtemp(prefix="overhead-"))
     children: list[subprocess.Popen[bytes]] = []
+    profiler: subprocess.Popen[bytes] | None = None
     try:
         _wait_port(up)
         urls, children = _start_children(args, up, tmp)
@@ -539,6 +571,10 @@ def main() -> int:
         if "adaptive-spec watched" in targets:
             children.append(_watch(targets["adaptive-spec watched"], tmp / "feed.log"))
         result: dict[str, Any] = {"chunks": args.chunks, "cores": os.cpu_count(), "tokenizer": args.tokenizer}
+        result["proxy_tokenizer"] = _proxy_tokenizer(tmp / "adaptive-spec.log")
+        print(f"adaptive-spec's tokens: {result['proxy_tokenizer']}")
+        if args.profile:
+            profiler = _profile(args, PIDS["adaptive-spec"], tmp / "py-spy.log")
         if args.gaps:
             heavy = grown(load(Path(args.fixtures))["opencode"], 100_000)[0]
             result["gaps"] = asyncio.run(_gaps(urls["adaptive-spec"], heavy, args.rounds or 20, args.burn_ms))
@@ -558,6 +594,9 @@ def main() -> int:
                     _write(Path(args.out), result)
             _print(rows, args.chunks)
     finally:
+        if profiler is not None:  # py-spy writes its file on an interrupt
+            profiler.send_signal(signal.SIGINT)
+            profiler.wait(60)
         _stop(children)
         for proc in procs:
             proc.terminate()
@@ -565,6 +604,20 @@ def main() -> int:
     _write(Path(args.out), result)
     print(f"\nwritten to {args.out} (logs in {tmp})")
     return 0
+
+
+def _proxy_tokenizer(log: Path) -> str:
+    """Where `serve` said its session statistics take their tokens from (its start-up line)."""
+    for line in log.read_text(errors="replace").splitlines():
+        if "sessions: tokens from" in line:
+            return line.split("sessions: tokens from", 1)[1].strip()
+    return "unknown"
+
+
+def _profile(args: argparse.Namespace, pid: int, log: Path) -> subprocess.Popen[bytes]:
+    """py-spy sampling adaptive-spec and its statistics worker until the run ends (stopped with the servers)."""
+    command = [args.py_spy, "record", "--pid", str(pid), "--subprocesses", "--rate", "500", "--format", "raw"]
+    return _spawn([*command, "--nonblocking", "-o", str(Path(args.profile).resolve())], log, dict(os.environ))
 
 
 def _model_path(args: argparse.Namespace) -> str:

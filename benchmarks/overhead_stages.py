@@ -1,6 +1,7 @@
 """The proxy's own work per request, stage by stage, with real agents' bodies grown to long histories.
 
 Run:  .venv/bin/python benchmarks/overhead_stages.py --fixtures DIR [--sizes 10000,50000,100000] [--reps 15]
+      [--cases next,next-noid,first-noid,again-noid] [--tokenizer tiktoken|endpoint]
       [--out benchmarks/results/overhead_stages.json]
 
 DIR holds the recorded agent requests (`<agent>.jsonl`, see `agent_bodies.py` for how they are grown). For each agent
@@ -9,19 +10,33 @@ llama-server-shaped timings, its statistics folded in), then the next turn (the 
 is timed stage by stage, calling the same functions the request handler calls, in its order, on a fresh copy of that
 state each repetition. No instrumentation is compiled into the proxy: the stages are timed from here.
 
+Cases (`--cases`): `next` is that next turn under the agent's own session id (as recorded: opencode and Codex send
+one; llm and the openai SDK none, so theirs is grouped by the reply echo anyway); `next-noid` the same with every
+session id taken out of the headers and the body (grouped by the reply echo: the tool-call id or the reply it carries
+back); `first-noid` the grown request itself, without ids, as a new conversation's first request (nothing in it was
+served: grouping reads the whole history for served lines, with 200 other sessions' replies known, and the pieces and
+the statistics start from nothing); `again-noid` that first request sent once more (a retry, or what `overhead.py`'s
+`-noid` bodies are: a new conversation each time, its texts seen before). `--tokenizer endpoint`: tokens from a
+llama-server shaped `/tokenize` in a process of its own (`overhead.py`'s upstream), one HTTP call per new text, as for
+a GGUF that is not on this machine; the default is tiktoken o200k in a thread.
+
 Stages: parse (`parse_body`: orjson plus the shape checks), workspace (the project's path scan), group (session
 grouping and the project), route (`Router.route`, which includes: pieces, the prompt's per-piece fingerprints, and
 estimate, new prompt tokens against the session's prefix state; both also timed on their own), upstream body (what is
 sent: the client's bytes, with `timings_per_token` added), chunk (relay + meter of one SSE chunk, in µs), finish
 (router learns + session bookkeeping + record + publish), worker loop / worker thread (the after-response statistics
-update: the part on the event loop and the part in its thread).
+update: the part on the event loop and the part in its thread, tokenizing excluded), tokenize (the update's
+tokenizer call, wall time: in a thread, or the HTTP calls to /tokenize).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
+import multiprocessing
+import socket
 import statistics
 import sys
 import time
@@ -37,19 +52,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from agent_bodies import AgentRequest, grown, load, next_turn
 
+from adaptive_spec.common.headers import PARENT_SESSION_HEADERS, SESSION_HEADERS
 from adaptive_spec.requests import handler
 from adaptive_spec.requests.lifecycle import ProxyRequest, RequestLifecycle
 from adaptive_spec.requests.outcome import SERVED
 from adaptive_spec.requests.parse import ParsedRequest, parse_body, split_path
 from adaptive_spec.routing.api import FixedPolicy, Route, RouteRequest
 from adaptive_spec.routing.router import Router
+from adaptive_spec.servers.launcher import free_port
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.sessions import prefix
 from adaptive_spec.sessions.drafter import NgramParams
 from adaptive_spec.sessions.project import workspace_path_from_request
 from adaptive_spec.sessions.service import SessionService, _Work
 from adaptive_spec.sessions.statistics import ContextTracker
-from adaptive_spec.sessions.tokenizers import CachingTokenizer, Tokenizer, tiktoken_o200k
+from adaptive_spec.sessions.tokenizers import CachingTokenizer, EndpointTokenizer, Tokenizer, tiktoken_o200k
 from adaptive_spec.telemetry.bus import EventBus
 from adaptive_spec.telemetry.history import RequestHistory
 from adaptive_spec.telemetry.records import Timings
@@ -65,9 +82,11 @@ STAGES = (
     "finish",
     "worker loop",
     "worker thread",
+    "tokenize",
 )
 # Parts of "route" (timed apart as well), and the work after the response: not in the request path's sum.
-_NOT_SUMMED = ("pieces", "estimate", "worker loop", "worker thread")
+_NOT_SUMMED = ("pieces", "estimate", "worker loop", "worker thread", "tokenize")
+CASES = ("next", "next-noid", "first-noid", "again-noid")
 _CHUNK = (
     b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":" token"}}],"created":1,"id":"chatcmpl-x",'
     b'"model":"m","system_fingerprint":"b1","object":"chat.completion.chunk","timings":{"cache_n":0,"prompt_n":10,'
@@ -97,13 +116,16 @@ class _SplitTokenizer:
     """Times the tokenizer's own thread apart from the loop (the caching layer hashes on the loop)."""
 
     def __init__(self, inner: Tokenizer) -> None:
-        self.name, self._inner, self.ms = inner.name, inner, 0.0
+        self.name, self._inner, self.ms, self.busy = inner.name, inner, 0.0, False
 
     async def encode(self, texts: Any) -> list[list[int]]:
         started = time.perf_counter_ns()
-        out = await self._inner.encode(texts)
-        self.ms += (time.perf_counter_ns() - started) / 1e6
-        return out
+        self.busy = True
+        try:
+            return await self._inner.encode(texts)
+        finally:
+            self.busy = False
+            self.ms += (time.perf_counter_ns() - started) / 1e6
 
 
 def _world(tokenizer: Tokenizer) -> tuple[Router, SessionService, RequestLifecycle, UpstreamTable]:
@@ -133,12 +155,14 @@ async def _serve(
     served: tuple[str, list[str]],
     prompt_tokens: int,
     cached: int,
+    ids_off: bool = False,
 ) -> None:
-    """One request through the handler's steps (timed when `clock` is given), then its statistics update."""
+    """One request through the handler's steps (timed when `clock` is given), then its statistics update. `ids_off`:
+    the agent's session headers left out (its body's ids are taken out by the caller)."""
     router, service, lifecycle, table = world
     c = clock or _Clock()
     req = _request(agent, raw)
-    headers = {k.lower(): v for k, v in agent.headers.items()}
+    headers = {k.lower(): v for k, v in agent.headers.items() if not (ids_off and _is_session_header(k.lower()))}
     parsed = c.time("parse", lambda: parse_body(req.routed.api, raw))
     assert isinstance(parsed, ParsedRequest)
     req.parsed = parsed
@@ -146,7 +170,8 @@ async def _serve(
     req.assignment, req.project = c.time("group", lambda: service.assign(headers, parsed.body, None, req.workspace))
     sid = req.assignment.session_id
     state = router.prefixes.get(sid)
-    pieces = c.time("pieces", lambda: _pieces(parsed.body, state))
+    cache = copy.deepcopy(getattr(router.prefixes, "cache", None))  # the route below finds the cache as it was
+    pieces = c.time("pieces", lambda: _pieces(parsed.body, state, cache))
     has_tools = bool(parsed.body.get("tools"))
     c.time("estimate", lambda: prefix.estimate(state, pieces, has_tools, router.chars_per_token))
     turns, share = service.copy_state(sid)
@@ -180,10 +205,33 @@ async def _serve(
     await _worker(c, service)
 
 
-def _pieces(body: dict[str, Any], state: prefix.PrefixState | None) -> tuple[prefix.Piece, ...]:
-    """As the router computes them: against the session's previous pieces (a full scan before that existed)."""
+def _is_session_header(name: str) -> bool:
+    return name in SESSION_HEADERS or name in PARENT_SESSION_HEADERS or name.endswith("-session-id")
+
+
+def _without_ids(body: dict[str, Any]) -> dict[str, Any]:
+    """The body without the ids a session is found by (Codex's `prompt_cache_key` and `client_metadata`, `user`)."""
+    out = dict(body)
+    for key in ("prompt_cache_key", "client_metadata", "user"):
+        out.pop(key, None)
+    if isinstance(out.get("metadata"), dict):
+        out["metadata"] = {k: v for k, v in out["metadata"].items() if k not in ("session_id", "user_id")}
+    return out
+
+
+def _known_replies(service: SessionService, count: int = 200) -> None:
+    """Other sessions' served replies, so that the reply echo has something to look through (and find nothing)."""
+    for i in range(count):
+        text = "\n".join(f"    other session {i} wrote line {j} of its answer here" for j in range(20))
+        service.registry.note_reply(f"other{i:04d}", text, [f"call_other_{i}"])
+
+
+def _pieces(body: dict[str, Any], state: prefix.PrefixState | None, cache: Any) -> tuple[prefix.Piece, ...]:
+    """As the router computes them: against the session's previous pieces and the pieces made for any session's
+    texts (`cache`: a copy of the router's); a full scan before those existed."""
+    known = state.pieces if state is not None else ()
     try:
-        return prefix.prompt_pieces(body, state.pieces if state is not None else ())
+        return prefix.prompt_pieces(body, known, cache) if cache is not None else prefix.prompt_pieces(body, known)
     except TypeError:
         return prefix.prompt_pieces(body)
 
@@ -200,9 +248,11 @@ async def _worker(clock: _Clock, service: SessionService) -> None:
 
     async def timed_thread(func: Callable[..., Any], /, *args: Any) -> Any:
         nonlocal thread_ms
+        inside = tokenizer.busy  # the tokenizer's own threads (hashing, encoding) are its wall time's
         started = time.perf_counter_ns()
         out = await original(func, *args)
-        thread_ms += (time.perf_counter_ns() - started) / 1e6
+        if not inside:
+            thread_ms += (time.perf_counter_ns() - started) / 1e6
         return out
 
     asyncio.to_thread = timed_thread  # type: ignore[assignment]
@@ -214,9 +264,10 @@ async def _worker(clock: _Clock, service: SessionService) -> None:
         service._done(work.session_id)
         service._ready.task_done()
     total = (time.perf_counter_ns() - started) / 1e6
-    off_loop = thread_ms + tokenizer.ms
-    clock.ms["worker loop"] = clock.ms.get("worker loop", 0.0) + max(0.0, total - off_loop)
-    clock.ms["worker thread"] = clock.ms.get("worker thread", 0.0) + off_loop
+    # The tokenizer's wall time holds its thread's (or its HTTP calls'); the thread's other work is the plan and fold.
+    clock.ms["worker loop"] = clock.ms.get("worker loop", 0.0) + max(0.0, total - thread_ms - tokenizer.ms)
+    clock.ms["worker thread"] = clock.ms.get("worker thread", 0.0) + thread_ms
+    clock.ms["tokenize"] = clock.ms.get("tokenize", 0.0) + tokenizer.ms
 
 
 def _chunk_us(watched: bool, events: int = 200, rounds: int = 20) -> float:
@@ -240,26 +291,43 @@ def _chunk_us(watched: bool, events: int = 200, rounds: int = 20) -> float:
     return best
 
 
-async def measure(agent: AgentRequest, tokens: int, reps: int, tokenizer: Tokenizer) -> dict[str, Any]:
+async def measure(
+    agent: AgentRequest, tokens: int, reps: int, make_tokenizer: Callable[[], Tokenizer], case: str = "next"
+) -> dict[str, Any]:
+    tokenizer = make_tokenizer()  # in this event loop (an endpoint tokenizer's HTTP client belongs to it)
+    ids_off = case != "next"
     body, turns = grown(agent, tokens)
     following, served = next_turn(body, turns)
+    if ids_off:
+        body, following = _without_ids(body), _without_ids(following)
     raw_prev, raw_next = orjson.dumps(body), orjson.dumps(following)
     count = len(raw_prev) / 3.6
     per_rep: list[dict[str, float]] = []
     for _ in range(reps + 1):
         world = _world(_SplitTokenizer(tokenizer))
-        await _serve(None, world, agent, raw_prev, served, round(count), 0)
         clock = _Clock()
-        await _serve(clock, world, agent, raw_next, _REPLY, round(len(raw_next) / 3.6), round(count))
+        if case in ("first-noid", "again-noid"):
+            _known_replies(world[1])
+            if case == "again-noid":
+                await _serve(None, world, agent, raw_prev, _REPLY, round(count), 0, ids_off=True)
+            await _serve(clock, world, agent, raw_prev, served, round(count), 0, ids_off=True)
+        else:
+            await _serve(None, world, agent, raw_prev, served, round(count), 0, ids_off=ids_off)
+            await _serve(clock, world, agent, raw_next, _REPLY, round(len(raw_next) / 3.6), round(count), ids_off)
         per_rep.append(clock.ms)
     per_rep = per_rep[1:]  # the first warms caches (the tokenizer's, the allocator's)
+    while _CLIENTS:
+        await _CLIENTS.pop().close()
     medians = {s: statistics.median(r.get(s, 0.0) for r in per_rep) for s in STAGES}
     request_path = sum(v for k, v in medians.items() if k not in _NOT_SUMMED)
+    timed = raw_prev if case in ("first-noid", "again-noid") else raw_next
     return {
         "agent": agent.agent,
+        "case": case,
+        "tokenizer": tokenizer.name,
         "history_tokens": tokens,
-        "body_bytes": len(raw_next),
-        "messages": len(following.get("messages") or following.get("input") or []),
+        "body_bytes": len(timed),
+        "messages": len(orjson.loads(timed).get("messages") or orjson.loads(timed).get("input") or []),
         "stages_ms": medians,
         "request_path_ms": request_path,
         "request_path_without_parse_ms": request_path - medians["parse"],
@@ -296,12 +364,12 @@ def _print(rows: list[dict[str, Any]], chunk_us: dict[str, float]) -> None:
         "\nthe proxy's own work per request, medians in ms (one SSE chunk relayed + metered, its share of the batch "
         f"read included: {chunk_us['unwatched']:.2f} µs; with a live view attached {chunk_us['watched']:.2f} µs)"
     )
-    print("| agent | history | body KB | " + " | ".join(STAGES) + " | request path | without parse |")
-    print("|---|---|---|" + "---|" * (len(STAGES) + 2))
+    print("| agent | case | history | body KB | " + " | ".join(STAGES) + " | request path | without parse |")
+    print("|---|---|---|---|" + "---|" * (len(STAGES) + 2))
     for r in rows:
         cells = " | ".join(f"{r['stages_ms'][s]:.3f}" for s in STAGES)
         print(
-            f"| {r['agent']} | {r['history_tokens'] // 1000}k | {r['body_bytes'] / 1024:.0f} | {cells} "
+            f"| {r['agent']} | {r['case']} | {r['history_tokens'] // 1000}k | {r['body_bytes'] / 1024:.0f} | {cells} "
             f"| {r['request_path_ms']:.2f} | {r['request_path_without_parse_ms']:.2f} |"
         )
 
@@ -312,18 +380,36 @@ def main() -> int:
     parser.add_argument("--sizes", default="10000,50000,100000")
     parser.add_argument("--agents", default="opencode,codex,llm,openai_sdk")
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--cases", default="next", help=f"which requests to time: {', '.join(CASES)}")
+    tokenizer_help = "tiktoken o200k in a thread, or a llama-server shaped /tokenize in a process of its own"
+    parser.add_argument("--tokenizer", choices=("tiktoken", "endpoint"), default="tiktoken", help=tokenizer_help)
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/overhead_stages.json")
     args = parser.parse_args()
     agents = load(args.fixtures)
     if not agents:
         parser.error(f"no recorded agent requests in {args.fixtures}")
-    tokenizer = CachingTokenizer(tiktoken_o200k())
+    cases = args.cases.split(",")
+    if unknown := set(cases) - set(CASES):
+        parser.error(f"unknown --cases {', '.join(sorted(unknown))}; known: {', '.join(CASES)}")
+    upstream = _tokenize_server() if args.tokenizer == "endpoint" else None
+    make_tokenizer = _endpoint_tokenizer(upstream[1]) if upstream is not None else _tiktoken_tokenizer()
     sizes = [int(s) for s in args.sizes.split(",")]
     chosen = [agents[a] for a in args.agents.split(",") if a in agents]
-    rows = [asyncio.run(measure(a, size, args.reps, tokenizer)) for size in sizes for a in chosen]
+    try:
+        rows = [
+            asyncio.run(measure(a, size, args.reps, make_tokenizer, case))
+            for size in sizes
+            for a in chosen
+            for case in cases
+        ]
+    finally:
+        if upstream is not None:
+            upstream[0].terminate()
+            upstream[0].join(5)
     chunk_us = {k: statistics.median(_chunk_us(k == "watched") for _ in range(5)) for k in ("unwatched", "watched")}
     _print(rows, chunk_us)
+    tokenizer = CachingTokenizer(tiktoken_o200k())
     mem = [] if args.no_memory else [memory(a, size, tokenizer) for size in sizes for a in chosen]
     if mem:
         print("\nmemory per session (tracemalloc over what the proxy keeps after one request of that history)")
@@ -339,6 +425,43 @@ def main() -> int:
     out.write_text(json.dumps({"chunk_us": chunk_us, "rows": rows, "memory": mem}, indent=2))
     print(f"\nwritten to {out}")
     return 0
+
+
+def _tiktoken_tokenizer() -> Callable[[], Tokenizer]:
+    shared = CachingTokenizer(tiktoken_o200k())  # one cache for every row, as one proxy has
+    return lambda: shared
+
+
+def _tokenize_server() -> tuple[multiprocessing.process.BaseProcess, str]:
+    """`overhead.py`'s llama-server shaped upstream, in a process of its own: its /tokenize."""
+    from overhead import _upstream_main
+
+    port = free_port("127.0.0.1")
+    proc = multiprocessing.get_context("spawn").Process(target=_upstream_main, args=(port, 10), daemon=True)
+    proc.start()
+    for _ in range(600):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+_CLIENTS: list[Any] = []  # the endpoint tokenizer's HTTP clients, closed at the end of their row
+
+
+def _endpoint_tokenizer(base_url: str) -> Callable[[], Tokenizer]:
+    """A fresh client and cache per row: each row's event loop has its own (asyncio.run)."""
+
+    def make() -> Tokenizer:
+        import aiohttp
+
+        session = aiohttp.ClientSession()  # closed at the row's end (`measure`); its cache goes with it
+        _CLIENTS.append(session)
+        return CachingTokenizer(EndpointTokenizer(session, base_url))
+
+    return make
 
 
 if __name__ == "__main__":

@@ -40,8 +40,6 @@ _SLOT_APIS = frozenset({"chat", "completions"})
 # APIs whose body a patched llama-server reads `speculative.*` from: a profile's per-request settings go there (its
 # Anthropic and Responses conversions carry them on).
 SPECULATION_APIS = frozenset({"chat", "completions", "completion", "responses", "messages"})
-# How long a request waits for its session's previous turn to be folded into the statistics it is routed on.
-_SETTLE_S = 0.3
 # A body from this size on (a ~40k-token history) is parsed, grouped and routed in turns with the other streams' chunks.
 _LARGE_BODY = 128 * 1024
 
@@ -196,7 +194,8 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
     session_id = assignment.session_id if assignment is not None else None
     turns, copy_share = 0, None
     if service is not None and session_id is not None:
-        await service.settled(session_id, _SETTLE_S)
+        # The statistics folded so far, never waited for: a turn sent while its previous turn's update still runs
+        # (a whole history to index: 100 ms and more) is routed on the turns before it.
         turns, copy_share = service.copy_state(session_id)
     client_slot = parsed.body.get("id_slot")
     takes_slot = req.routed.api in _SLOT_APIS

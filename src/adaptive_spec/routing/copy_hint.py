@@ -1,5 +1,6 @@
 """The copy-hint analysis: whether a prompt asks for a pasted file back whole, and how long that answer will be.
-Such an answer copies the prompt, so n-gram drafting pays from the first token, before the session has history."""
+Such an answer copies the prompt, so n-gram drafting pays from the first token, before the session has history.
+A long text's blocks are found once: the next turns that carry it again take what was found."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from adaptive_spec.common.lru import LRU
 from adaptive_spec.routing.policy import FirstTurnPolicy
 from adaptive_spec.sessions.grouping import message_text, messages_of
 
 _HINT_MESSAGES = 12  # how far back a pasted file is looked for
 
 _FENCE = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.S)
+# Texts from this size on keep their longest block, by length and keyed hash (process-local), for the next turns.
+_REMEMBERED_CHARS = 4096
+_LONGEST: LRU[tuple[int, int], tuple[int, int]] = LRU(4096)
 
 
 def looks_copy_heavy(instruction: str, policy: FirstTurnPolicy, earlier: Sequence[str] = ()) -> bool:
@@ -36,6 +41,17 @@ def pasted_chars(instruction: str, policy: FirstTurnPolicy, earlier: Sequence[st
 
 def _longest_block(text: str) -> tuple[int, int]:
     """(lines, chars) of the longest fenced block, or of the whole text when it has no fences (a pasted file)."""
+    if len(text) < _REMEMBERED_CHARS:
+        return _scan(text)
+    key = (len(text), hash(text))
+    found = _LONGEST.get(key)
+    if found is None:
+        found = _scan(text)
+        _LONGEST.put(key, found)
+    return found
+
+
+def _scan(text: str) -> tuple[int, int]:
     blocks = _FENCE.findall(text)
     if blocks:
         longest = max(blocks, key=len)

@@ -182,7 +182,7 @@ class Router:
             state_of_request, text_kind=text_kind(body, state_of_request.copy_hint, request.copy_share)
         )
         state = self.prefixes.get(session_id)
-        pieces = prefix.prompt_pieces(body, state.pieces if state is not None else ())  # only new messages hashed
+        pieces = self.prefixes.pieces(body, state)  # only texts never seen before (in any session) are hashed
         placement = self.placements.get(session_id)
         est = prefix.estimate(state, pieces, has_tools, self.chars_per_token)
         cpt = state.chars_per_token if state is not None else self.chars_per_token

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from array import array
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,11 @@ _MAX_LINES_PER_REPLY = 400
 _AMBIGUOUS = ""
 # What str.split() splits ASCII text on: deleting these bytes gives the same text as joining its split words.
 _ASCII_SPACE = b" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f"
+# A text from this size on keeps its echo lines' keys (a message sent again, in any session, is not read again): at
+# most this many texts, and this many keys in all (8 bytes each).
+_SCAN_CACHE_CHARS = 2048
+_SCAN_CACHE_TEXTS = 16_384
+_SCAN_CACHE_KEYS = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +78,17 @@ def _echo_lines(text: str) -> Iterator[str]:
             yield line
 
 
+# An echo line's key in the served-lines table: Python's keyed string hash (process-local, as the table is), ~10x
+# cheaper than a digest; 64 bits, so a false match among 200,000 served lines is ~1e-14 a line.
+_line_key = hash
+
+
+def echo_line_keys(text: str) -> array[int]:
+    """The keys of a text's echo lines (`_echo_lines`, in one pass), each once, in the order they first appear."""
+    lines = [line.strip().lstrip("+-> ").strip() for line in text.splitlines()]
+    return array("q", dict.fromkeys([_line_key(line) for line in lines if len(line) >= _MIN_ECHO_LINE]))
+
+
 def explicit_session(headers: Mapping[str, str], body: Mapping[str, Any]) -> tuple[str, str] | None:
     """(session id, source) from headers or body ids, or None. `headers` keys must be lower-case."""
     for name in SESSION_HEADERS:
@@ -103,7 +120,11 @@ class SessionRegistry:
 
     def __init__(self, max_fingerprints: int = 200_000) -> None:
         self._replies: LRU[bytes, str] = LRU(max_fingerprints)
-        self._lines: LRU[bytes, str] = LRU(max_fingerprints)
+        self._lines: LRU[int, str] = LRU(max_fingerprints)
+        # The keys `_lines` holds, as a set: whether a request quotes any served line is one C-level test per message.
+        self._served_lines: set[int] = set()
+        # Texts seen before (any session's, any role): their echo lines' keys, so no text is read for lines twice.
+        self._scans: LRU[tuple[int, int], array[int]] = LRU(_SCAN_CACHE_TEXTS, max_weight=_SCAN_CACHE_KEYS, weigh=len)
         self._counter = itertools.count(1)
 
     def assign(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> SessionAssignment:
@@ -124,14 +145,28 @@ class SessionRegistry:
         if text.strip():
             self._put(self._replies, _digest(_norm(text)), session_id)
             for line in itertools.islice(dict.fromkeys(_echo_lines(text)), _MAX_LINES_PER_REPLY):
-                self._put(self._lines, _digest(line), session_id)
+                key = _line_key(line)
+                self._served_lines.add(key)
+                for dropped, _ in self._put(self._lines, key, session_id):
+                    self._served_lines.discard(dropped)
         for call_id in tool_call_ids:
             self._put(self._replies, _digest("tool-call:" + call_id), session_id)
 
-    def _put(self, table: LRU[bytes, str], key: bytes, session_id: str) -> None:
+    def _put(self, table: LRU[Any, str], key: Any, session_id: str) -> list[tuple[Any, str]]:
         # Text served to two sessions (a stock phrase, a shared snippet) says nothing about either: mark it void.
         previous = table.get(key)
-        table.put(key, session_id if previous in (None, session_id) else _AMBIGUOUS)
+        return table.put(key, session_id if previous in (None, session_id) else _AMBIGUOUS)
+
+    def _line_keys(self, text: str) -> Sequence[int]:
+        """`echo_line_keys(text)`, remembered for a long text: read once, however many requests carry it."""
+        if len(text) < _SCAN_CACHE_CHARS:
+            return echo_line_keys(text)
+        at = (len(text), hash(text))
+        keys = self._scans.get(at)
+        if keys is None:
+            keys = echo_line_keys(text)
+            self._scans.put(at, keys)
+        return keys
 
     def _echo(self, body: Mapping[str, Any]) -> tuple[str, str] | None:
         messages = messages_of(body)
@@ -152,19 +187,21 @@ class SessionRegistry:
 
         Lines that also appear in a system prompt are ignored: unrelated sessions of one client share those.
         """
-        system = {
-            _digest(line)
-            for m in messages
-            if m.get("role") in ("system", "developer")
-            for line in _echo_lines(message_text(m.get("content")))
-        }
-        votes: dict[str, int] = {}
+        system: set[int] = set()
+        quoted: list[Sequence[int]] = []
         for message in messages:
+            keys = self._line_keys(message_text(message.get("content")))
             if message.get("role") in ("system", "developer"):
-                continue
-            for line in dict.fromkeys(_echo_lines(message_text(message.get("content")))):
-                key = _digest(line)
-                hit = self._lines.get(key) if key not in system else None
+                system.update(keys)
+            else:
+                quoted.append(keys)
+        served = self._served_lines
+        if all(served.isdisjoint(keys) for keys in quoted):
+            return None  # the usual answer (a new conversation), found without a lookup per line
+        votes: dict[str, int] = {}
+        for keys in quoted:
+            for key in keys:
+                hit = self._lines.get(key) if key in served and key not in system else None
                 if hit:
                     votes[hit] = votes.get(hit, 0) + 1
         if not votes:

@@ -108,16 +108,17 @@ class WorkerProcess:
 
     async def _send_large(self, payload: bytes | memoryview) -> None:
         """`Connection.send_bytes`'s frame (a 4-byte big-endian length, then the bytes), written without blocking:
-        the pipe's end is non-blocking meanwhile and the loop waits until it can take more."""
+        the pipe's end is non-blocking meanwhile and the loop waits until it can take more. The length and the bytes
+        go out together (`os.writev`), never joined: a copy of a 500 KB history was 0.4 ms of the event loop's."""
         if len(payload) >= 0x7FFFFFFF:
             raise ValueError("a worker call of 2 GiB or more")
         loop, fd = asyncio.get_running_loop(), self._conn.fileno()
-        data = memoryview(struct.pack("!i", len(payload)) + bytes(payload))
+        parts = [memoryview(struct.pack("!i", len(payload))), memoryview(payload).cast("B")]
         os.set_blocking(fd, False)
         try:
-            while data:
+            while parts:
                 try:
-                    data = data[os.write(fd, data) :]
+                    _drop_written(parts, os.writev(fd, parts))
                 except BlockingIOError:
                     writable: asyncio.Future[None] = loop.create_future()
                     loop.add_writer(fd, _set_once, writable)
@@ -172,6 +173,14 @@ class WorkerProcess:
         self._conn.close()
         if self._process.is_alive():
             self._process.terminate()
+
+
+def _drop_written(parts: list[memoryview], sent: int) -> None:
+    """Take `sent` bytes off the front of `parts` (what one `os.writev` wrote)."""
+    while parts and sent >= len(parts[0]):
+        sent -= len(parts.pop(0))
+    if sent:
+        parts[0] = parts[0][sent:]
 
 
 def _set_once(future: asyncio.Future[None]) -> None:
