@@ -100,7 +100,7 @@ class EstimatorPolicy:
         0.3, "a drafted token's cost relative to one target decode step (sequential drafters)", 0
     )
     drafter_acceptance_code: float = _key(0.6, "prior: drafter acceptance on code before a session measured it", 0, 1)
-    drafter_acceptance_prose: float = _key(0.3, "prior: drafter acceptance on prose and chat", 0, 1)
+    drafter_acceptance_prose: float = _key(0.15, "prior: drafter acceptance on prose and chat", 0, 1)
     context_slowdown_per_1k: float = _key(0.05, "prior: decode time grows this share per 1,000 context tokens", 0)
     prior_weight: float = _key(3.0, "how many measured requests the priors are worth", 0, low_open=True)
     half_life: int = _key(50, "measured requests after which an old measurement counts half", 1)
