@@ -50,18 +50,18 @@ from typing import Any
 
 import aiohttp
 import orjson
+from sweep_server import SweepServer  # benchmarks/, the script's own folder
 
 from adaptive_spec.bench import machine
 from adaptive_spec.bench.stats import Interval, paired_ratio, throughput, verdict
 from adaptive_spec.bench.workload import Workload, parse_workload
-from adaptive_spec.servers.launcher import ServerProcess, find_llama_server, free_port
+from adaptive_spec.servers.launcher import find_llama_server
 from adaptive_spec.servers.models import DEFAULT_MODEL, EMBEDDED, embedded_chat_template, ensure_embedded
 from adaptive_spec.servers.profiles import (
     SMALL_MODEL_NGRAM_MOD,
     ModelSource,
     ServerSettings,
     default_profiles,
-    server_argv,
 )
 from adaptive_spec.servers.speculation import Speculation
 from adaptive_spec.streams.sse import SSEParser
@@ -135,39 +135,18 @@ def turn_messages(session: EditSession, turn: int, answers: Sequence[str]) -> Me
     return [*messages, {"role": "user", "content": session.turns[turn][0]}]
 
 
-class Server:
-    """The one llama-server, restartable: a restart empties its n-gram pool and its slots' prompt caches."""
-
-    def __init__(self, binary: str, model: Path, home: Path, log: Path) -> None:
-        settings = ServerSettings(
-            model=ModelSource(path=str(model)),
-            ctx_size=16384,
-            threads=2,
-            parallel=4,
-            chat_template_file=embedded_chat_template(f"embedded:{DEFAULT_MODEL}"),
-        )
-        self.spec = default_profiles(None, SMALL_MODEL_NGRAM_MOD)[1]  # the iterative profile: ngram-mod
-        self.binary, self.settings, self.log = binary, settings, log
-        self.port = free_port("127.0.0.1")
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = server_argv(binary, self.spec, settings, host="127.0.0.1", port=self.port, slot_save_path=str(home))
-        self.process: ServerProcess | None = None
-        self.starts = 0
-
-    async def start(self) -> None:
-        await self.stop()
-        self.process = ServerProcess("load-sweep", list(self.argv), self.url, self.log, say=_quiet)
-        await self.process.start(health_timeout_s=300)
-        self.starts += 1
-
-    async def stop(self) -> None:
-        if self.process is not None:
-            await self.process.stop()
-            self.process = None
-
-
-def _quiet(_line: str) -> None:
-    pass
+def sweep_server(binary: str, model: Path, home: Path, log: Path) -> SweepServer:
+    """The one llama-server of the sweep: the embedded 0.5B as `serve` launches the iterative profile (ngram-mod),
+    with four slots and two threads."""
+    settings = ServerSettings(
+        model=ModelSource(path=str(model)),
+        ctx_size=16384,
+        threads=2,
+        parallel=4,
+        chat_template_file=embedded_chat_template(f"embedded:{DEFAULT_MODEL}"),
+    )
+    spec = default_profiles(None, SMALL_MODEL_NGRAM_MOD)[1]  # the iterative profile: ngram-mod
+    return SweepServer("load-sweep", binary, spec, settings, home, log)
 
 
 def body(messages: Sequence[dict[str, str]], max_tokens: int, slot: int, arm: str) -> Record:
@@ -193,7 +172,7 @@ class Reply:
 
 async def ask(
     http: aiohttp.ClientSession,
-    server: Server,
+    server: SweepServer,
     messages: Sequence[dict[str, str]],
     max_tokens: int,
     slot: int,
@@ -226,14 +205,14 @@ async def ask(
     return Reply("".join(text), timings, finish, tuple(piece_ms))
 
 
-async def prompt_tokens(http: aiohttp.ClientSession, server: Server, messages: Messages) -> int:
+async def prompt_tokens(http: aiohttp.ClientSession, server: SweepServer, messages: Messages) -> int:
     async with http.post(server.url + "/apply-template", json={"messages": messages}) as resp:
         prompt = (await resp.json())["prompt"]
     async with http.post(server.url + "/tokenize", json={"content": prompt}) as resp:
         return len((await resp.json())["tokens"])
 
 
-async def slot_ctx(http: aiohttp.ClientSession, server: Server) -> int:
+async def slot_ctx(http: aiohttp.ClientSession, server: SweepServer) -> int:
     async with http.get(server.url + "/slots") as resp:
         return int((await resp.json())[0]["n_ctx"])
 
@@ -241,13 +220,13 @@ async def slot_ctx(http: aiohttp.ClientSession, server: Server) -> int:
 # --- reference answers for the edit sessions ------------------------------------------------------------------
 
 
-def history_key(sessions: list[EditSession], n_ctx: int, max_tokens: int, server: Server) -> str:
+def history_key(sessions: list[EditSession], n_ctx: int, max_tokens: int, server: SweepServer) -> str:
     text = json.dumps([asdict(s) for s in sessions]) + f"{EMBEDDED[DEFAULT_MODEL].sha256}{n_ctx}{max_tokens}"
     return hashlib.sha256((text + server.binary + str(server.settings.chat_template_file)).encode()).hexdigest()
 
 
 async def build_session(
-    http: aiohttp.ClientSession, server: Server, session: EditSession, slot: int, n_ctx: int, max_tokens: int
+    http: aiohttp.ClientSession, server: SweepServer, session: EditSession, slot: int, n_ctx: int, max_tokens: int
 ) -> Record:
     """The session's reference answers (n-gram on: fast, and this server's pool is thrown away after), up to the
     last turn whose prompt leaves room for `max_tokens` in a slot."""
@@ -280,7 +259,7 @@ def store_histories(cache: Path, key: str, built: dict[str, Record]) -> None:
 
 
 async def build_histories(
-    http: aiohttp.ClientSession, server: Server, sessions: list[EditSession], n_ctx: int, max_tokens: int
+    http: aiohttp.ClientSession, server: SweepServer, sessions: list[EditSession], n_ctx: int, max_tokens: int
 ) -> dict[str, Record]:
     print("edit sessions' reference answers: generating once (n-gram on, one slot per session)", flush=True)
     built = await asyncio.gather(
@@ -356,7 +335,7 @@ def suite_running() -> bool:
 
 
 async def wave(
-    http: aiohttp.ClientSession, server: Server, units: list[Unit], max_tokens: int, arm: str
+    http: aiohttp.ClientSession, server: SweepServer, units: list[Unit], max_tokens: int, arm: str
 ) -> tuple[float, list[Reply]]:
     started = time.perf_counter()
     asks = (ask(http, server, u.messages, max_tokens, i, arm, started) for i, u in enumerate(units))
@@ -382,7 +361,11 @@ def request_record(unit: Unit, slot: int, reply: Reply) -> Record:
 
 
 async def cell_round(
-    http: aiohttp.ClientSession, server: Server, sets: tuple[list[Unit], list[Unit]], on_first: bool, max_tokens: int
+    http: aiohttp.ClientSession,
+    server: SweepServer,
+    sets: tuple[list[Unit], list[Unit]],
+    on_first: bool,
+    max_tokens: int,
 ) -> list[Record]:
     """A(set 1) B(set 1) B(set 2) A(set 2), each set prefilled first."""
     first, second = ("on", "off") if on_first else ("off", "on")
@@ -409,7 +392,7 @@ async def cell_round(
 
 
 async def edit_requests(
-    http: aiohttp.ClientSession, server: Server, history: Path, max_tokens: int
+    http: aiohttp.ClientSession, server: SweepServer, history: Path, max_tokens: int
 ) -> tuple[int, dict[str, list[Unit]]]:
     """The slots' context and the edit sessions' turns that fit it, their reference answers cached in `history`;
     the server is left with a pool that has seen none of them."""
@@ -426,7 +409,7 @@ async def edit_requests(
     return n_ctx, edit_units(sessions, built)
 
 
-async def sweep(args: argparse.Namespace, server: Server) -> tuple[list[Record], Record]:
+async def sweep(args: argparse.Namespace, server: SweepServer) -> tuple[list[Record], Record]:
     # A new connection per request: llama-server closes idle keep-alive connections, which aiohttp would reuse.
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800), connector=connector) as http:
@@ -440,7 +423,9 @@ def cells(workload: str, streams: list[int]) -> list[int]:
     return [c for c in streams if c > 1] if workload == "mixed" else streams
 
 
-async def measure(args: argparse.Namespace, server: Server, http: aiohttp.ClientSession) -> tuple[list[Record], Record]:
+async def measure(
+    args: argparse.Namespace, server: SweepServer, http: aiohttp.ClientSession
+) -> tuple[list[Record], Record]:
     await server.start()
     n_ctx, edit = await edit_requests(http, server, args.history, args.max_tokens)
     oneshot = oneshot_units()
@@ -682,7 +667,7 @@ def main() -> None:
         log = args.out.with_name(args.out.stem + "_llama-server.log")
         log.parent.mkdir(parents=True, exist_ok=True)
         log.unlink(missing_ok=True)
-        server = Server(binary, model, Path(tmp), log)
+        server = sweep_server(binary, model, Path(tmp), log)
         print("llama-server:", " ".join(server.argv))
         phases, meta = asyncio.run(sweep(args, server))
     wall_s, load_end = time.monotonic() - started, machine.sample()

@@ -46,13 +46,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from sweep_server import SweepServer  # benchmarks/, the script's own folder
 
 from adaptive_spec.bench import machine
 from adaptive_spec.bench.stats import Interval, paired_ratio, throughput, verdict
 from adaptive_spec.bench.workload import parse_workload
-from adaptive_spec.servers.launcher import ServerProcess, find_llama_server, free_port
+from adaptive_spec.servers.launcher import find_llama_server
 from adaptive_spec.servers.models import EMBEDDED, embedded_chat_template, ensure_embedded
-from adaptive_spec.servers.profiles import SMALL_MODEL_NGRAM_MOD, ModelSource, ProfileSpec, ServerSettings, server_argv
+from adaptive_spec.servers.profiles import SMALL_MODEL_NGRAM_MOD, ModelSource, ProfileSpec, ServerSettings
 from adaptive_spec.servers.speculation import PROPS_FIELD, Speculation
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,53 +96,31 @@ def prompt_set(name: str, file: str, cap: int, count: int) -> list[Prompt]:
     return out
 
 
-class Server:
-    """The one llama-server, restartable: a restart empties its n-gram pool and its slot's prompt cache."""
-
-    def __init__(self, binary: str, target: Path, drafter: Path, home: Path, log: Path) -> None:
-        settings = ServerSettings(
-            model=ModelSource(path=str(target)),
-            draft=ModelSource(path=str(drafter)),
-            draft_n_max=DRAFT_N_MAX,
-            ctx_size=8192,
-            threads=1,
-            parallel=1,
-            chat_template_file=embedded_chat_template(f"embedded:{TARGET}"),
-        )
-        spec = ProfileSpec("settings-sweep", SERVER_TYPES, SMALL_MODEL_NGRAM_MOD)
-        self.port = free_port("127.0.0.1")
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = server_argv(binary, spec, settings, host="127.0.0.1", port=self.port, slot_save_path=str(home))
-        self.log = log
-        self.process: ServerProcess | None = None
-        self.starts = 0
-
-    async def start(self) -> None:
-        await self.stop()
-        self.process = ServerProcess("settings-sweep", list(self.argv), self.url, self.log, say=_quiet)
-        await self.process.start(health_timeout_s=300)
-        self.starts += 1
-
-    async def stop(self) -> None:
-        if self.process is not None:
-            await self.process.stop()
-            self.process = None
-
-
-def _quiet(_line: str) -> None:
-    pass
+def sweep_server(binary: str, target: Path, drafter: Path, home: Path, log: Path) -> SweepServer:
+    """The one llama-server of the sweep: the target with the drafter as its draft model, every setting's types."""
+    settings = ServerSettings(
+        model=ModelSource(path=str(target)),
+        draft=ModelSource(path=str(drafter)),
+        draft_n_max=DRAFT_N_MAX,
+        ctx_size=8192,
+        threads=1,
+        parallel=1,
+        chat_template_file=embedded_chat_template(f"embedded:{TARGET}"),
+    )
+    spec = ProfileSpec("settings-sweep", SERVER_TYPES, SMALL_MODEL_NGRAM_MOD)
+    return SweepServer("settings-sweep", binary, spec, settings, home, log)
 
 
 def suite_running() -> bool:
     return subprocess.run(["pgrep", "-f", "pytest"], capture_output=True).returncode == 0
 
 
-async def props(http: aiohttp.ClientSession, server: Server) -> Record:
+async def props(http: aiohttp.ClientSession, server: SweepServer) -> Record:
     async with http.get(server.url + "/props") as resp:
         return dict(await resp.json())
 
 
-async def ask(http: aiohttp.ClientSession, server: Server, prompt: Prompt, setting: str) -> Record:
+async def ask(http: aiohttp.ClientSession, server: SweepServer, prompt: Prompt, setting: str) -> Record:
     body = {
         "messages": list(prompt.messages),
         "max_tokens": prompt.max_tokens,
@@ -197,7 +176,7 @@ def rotated(settings: tuple[str, ...], i: int) -> list[str]:
 
 
 async def run_pass(
-    http: aiohttp.ClientSession, server: Server, prompts: list[Prompt], settings: tuple[str, ...], number: int
+    http: aiohttp.ClientSession, server: SweepServer, prompts: list[Prompt], settings: tuple[str, ...], number: int
 ) -> tuple[list[Record], Record]:
     load_start = await asyncio.to_thread(machine.sample)
     await server.start()
@@ -220,7 +199,9 @@ async def run_pass(
     return records, meta
 
 
-async def sweep(args: argparse.Namespace, server: Server, sets: dict[str, list[Prompt]]) -> tuple[list[Record], Record]:
+async def sweep(
+    args: argparse.Namespace, server: SweepServer, sets: dict[str, list[Prompt]]
+) -> tuple[list[Record], Record]:
     # A new connection per request: llama-server closes idle keep-alive connections, which aiohttp would reuse.
     connector = aiohttp.TCPConnector(force_close=True)
     records: list[Record] = []
@@ -389,7 +370,7 @@ def main() -> None:
         log = args.out.with_name(args.out.stem + "_llama-server.log")
         log.parent.mkdir(parents=True, exist_ok=True)
         log.unlink(missing_ok=True)
-        server = Server(binary, target, drafter, Path(tmp), log)
+        server = sweep_server(binary, target, drafter, Path(tmp), log)
         print("llama-server:", " ".join(server.argv))
         records, meta = asyncio.run(sweep(args, server, sets))
     note = (

@@ -67,7 +67,7 @@ class LoadRun:
         out["request_ids_unique"] = len(set(ids)) == len(ids) == len(self.results)
         out["history_total"] = out["tables"]["history_total"]
         if trace is not None:
-            out["trace"] = _trace_check(trace, ids)
+            out["trace"] = trace_check(trace, ids)
         return out
 
 
@@ -86,8 +86,10 @@ def _tables(proxy: ProxyProcess) -> dict[str, Any]:
     }
 
 
-def _trace_check(trace: Path, ids: list[str]) -> dict[str, Any]:
-    lines = [orjson.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+def trace_check(trace: Path, ids: list[str]) -> dict[str, Any]:
+    """Whether each request id the clients got is in the trace (and its rotations) exactly once."""
+    paths = sorted(trace.parent.glob(trace.name + "*"))
+    lines = [orjson.loads(line) for path in paths for line in path.read_text().splitlines() if line.strip()]
     traced = Counter(str(line["request_id"]) for line in lines if line.get("kind") == "request")
     return {
         "request_lines": sum(traced.values()),

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 
+from tests.stress.load import trace_check
 from tests.stress.rig import process_figures, write_figures
 from tests.support.servers import ProxyProcess, http_json
 from tests.support.tiny_gguf import write_tiny_gguf
@@ -190,18 +190,6 @@ async def _sampler(proxy: ProxyProcess, soak: Soak, every: float, deadline: floa
         await asyncio.sleep(every)
 
 
-def _trace_check(trace: Path, answered: list[str]) -> dict[str, Any]:
-    paths = sorted(trace.parent.glob(trace.name + "*"))  # the trace and its rotations
-    lines = [orjson.loads(x) for p in paths for x in p.read_text().splitlines() if x.strip()]
-    traced = Counter(str(x["request_id"]) for x in lines if x.get("kind") == "request")
-    return {
-        "request_lines": sum(traced.values()),
-        "recorded_exactly_once": all(traced[i] == 1 for i in answered),
-        "missing": sum(1 for i in answered if traced[i] == 0),
-        "duplicated": sum(1 for i in answered if traced[i] > 1),
-    }
-
-
 async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     model = write_tiny_gguf(workdir / "tiny-random-llama.gguf")
     trace, policy = workdir / "trace.jsonl", workdir / "policy.toml"
@@ -252,7 +240,7 @@ def _figures(
         "failed_expected_by_status": dict(Counter(str(o.status or o.error) for o in failed if o not in unexpected)),
         "failed_unexpected": len(unexpected),
         "unexpected_examples": [{"api": o.api, "status": o.status, "error": o.error} for o in unexpected[:5]],
-        "trace": _trace_check(trace, answered),
+        "trace": trace_check(trace, answered),
         "samples": soak.samples,
         "rss_growth_kib": last["rss_kib"] - first["rss_kib"],
         "fds_growth": last["fds"] - first["fds"],
