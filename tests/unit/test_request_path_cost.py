@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from adaptive_spec.common.lru import LRU
-from adaptive_spec.routing import copy_hint
+from adaptive_spec.routing import first_turn as copy_hint
 from adaptive_spec.routing.policy import Policy
 from adaptive_spec.sessions import grouping, prefix
 from adaptive_spec.sessions.grouping import SessionRegistry, message_text, messages_of
@@ -208,3 +208,17 @@ def test_a_large_worker_call_is_taken_off_its_parts_as_written() -> None:
     assert [bytes(p) for p in parts] == [b"bcdef"]
     _drop_written(parts, 5)
     assert parts == []
+
+
+def test_a_long_text_sent_again_is_tested_against_the_lines_served_since() -> None:
+    registry = SessionRegistry()
+    long_file = "\n".join(f"    return value_{i} * index_{i} + buffer" for i in range(200))
+    body = {"messages": [{"role": "user", "content": long_file}]}
+    assert registry.assign({}, body).source == "new"
+    assert registry.assign({}, body).source == "new"  # known to quote nothing served
+    registry.note_reply("ses_b", "unrelated words, long enough to be remembered here", [])
+    assert registry.assign({}, body).source == "new"  # tested against that one line only
+    # Two of its lines served since (the reply quoted them): the text now echoes that session.
+    registry.note_reply("ses_b", "    return value_7 * index_7 + buffer\n    return value_9 * index_9 + buffer", [])
+    found = registry.assign({}, body)
+    assert (found.session_id, found.source) == ("ses_b", "echo:lines")

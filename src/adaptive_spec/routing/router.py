@@ -1,9 +1,10 @@
 """The router: which profile, replica and slot serve a request, and the KV moves that go with it. The shell drives
 it through two calls: `route()` (what to do with this request: profile, replica, slot, a KV handoff or a remote
 prefill, the reason) and `complete()` (what happened: the load comes down, it learns from llama-server's timings).
-The moves are asked of its injected `Effects` (`routing/api.py`); everything else is pure state: the learned speeds,
-where sessions' KV caches live, each server's slots and load (`routing/load.py`), the pins. `choose()` is the
-decision alone (`decide()` for the profile, then `choose_replica()` for its replica), without side effects."""
+The moves are asked of its injected `Effects` (`routing/api.py`) through `KvMoves` (`routing/kv_moves.py`);
+everything else is pure state: the learned speeds, where sessions' KV caches live, each server's slots and load
+(`routing/load.py`), the pins. `choose()` is the decision alone (`decide()` for the profile, then `choose_replica()`
+for its replica), without side effects."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from adaptive_spec.common.lru import LRU
-from adaptive_spec.common.means import RunningMean
-from adaptive_spec.kv.moves import HandoffResult, PrefillAsk, SlotAt, SlotMove
 from adaptive_spec.routing.api import (
     Completion,
     Effects,
@@ -25,22 +24,21 @@ from adaptive_spec.routing.api import (
     Route,
     RouteRequest,
 )
-from adaptive_spec.routing.copy_hint import pasted_file_chars
-from adaptive_spec.routing.decide import Decision, ProfileState, RequestState, SessionState, decide
+from adaptive_spec.routing.decide import Decision, decide
 from adaptive_spec.routing.draft_length import draft_cap, per_token_acceptance
+from adaptive_spec.routing.estimate import ProfileState, RequestState, SessionState
+from adaptive_spec.routing.first_turn import pasted_file_chars, text_kind
+from adaptive_spec.routing.kv_moves import KvMoves
 from adaptive_spec.routing.load import ServerLoad
-from adaptive_spec.routing.placements import Placement, observe
+from adaptive_spec.routing.placements import Placement, Placements, observe
 from adaptive_spec.routing.policy import Policy
 from adaptive_spec.routing.replicas import MoveCosts, ReplicaChoice, ReplicaState, choose_replica, least_loaded
 from adaptive_spec.routing.speeds import SpeedModel
-from adaptive_spec.routing.text_kind import text_kind
 from adaptive_spec.servers.profiles import uses_draft_model
 from adaptive_spec.sessions import prefix
-from adaptive_spec.telemetry.events import HandoffDone, PolicyChanged
-from adaptive_spec.telemetry.records import Timings
+from adaptive_spec.telemetry.events import PolicyChanged
 
 MAX_PINS = 4096
-_REUSE_PRIOR_WEIGHT = 0.5  # one handoff whose prompt reused nothing brings a pair's mean to 1/3: below min_reuse
 
 
 class Router:
@@ -69,15 +67,9 @@ class Router:
         base = policies.policy_for("default", None)
         self.speeds = SpeedModel(base.estimator, base.handoff, {n: spec_types.get(n) for n in health.names()})
         self.load = ServerLoad(health, slots, replica_slots, servers)
-        self.placements_ = None
-        from adaptive_spec.routing.placements import Placements
-
         self.placements = Placements(home=self.load.home)
+        self.moves = KvMoves(self.effects, self.load, self.placements, self.speeds)
         self._rng = random.Random(seed)
-        self.handoffs = {"ok": 0, "failed": 0}
-        # (from profile, to profile) -> the share of a handoff's restored tokens the next prompt reused (cache_n),
-        # a running mean that starts at 1: a restore that restored nothing (llama.cpp #26676) stops further ones.
-        self.handoff_reuse: dict[tuple[str, str], RunningMean] = {}
         self.pins: LRU[str, str] = LRU(MAX_PINS)  # session -> profile, until unpinned (sticky, unlike the header)
         self.prefixes = prefix.PrefixTable()  # what each session's slot holds: its new-token estimates
         self.chars_per_token = prefix.DEFAULT_CHARS_PER_TOKEN  # the latest measured rate, for first turns
@@ -130,7 +122,7 @@ class Router:
                     # Its servers' load: on a server shared with other profiles, theirs counts too.
                     in_flight=sum(r.in_flight for r in replicas),
                     slots=sum(r.slots for r in healthy),
-                    handoff=self._can_save(n),
+                    handoff=self.moves.can_save(n),
                     draft_model=uses_draft_model(self._spec_types.get(n)),
                     speculates=self.speeds.speculates(n),
                     server=f"{home[0]}#{home[1]}" if home in shared else "",
@@ -168,19 +160,7 @@ class Router:
             pinned, pinned_by = pin, "the session's pin"
         pasted = pasted_file_chars(body, policy.first_turn)
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or body.get("max_output_tokens")
-        state_of_request = RequestState(
-            body_bytes=body_bytes,
-            max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
-            copy_hint=pasted > 0,
-            hint_output_tokens=self.speeds.prompt_tokens(pasted),
-            pinned=pinned,
-            pinned_by=pinned_by,
-            explore_draw=self._rng.random(),
-        )
         has_tools = bool(body.get("tools"))
-        state_of_request = replace(
-            state_of_request, text_kind=text_kind(body, state_of_request.copy_hint, request.copy_share)
-        )
         state = self.prefixes.get(session_id)
         pieces = self.prefixes.pieces(body, state)  # only texts never seen before (in any session) are hashed
         placement = self.placements.get(session_id)
@@ -193,11 +173,18 @@ class Router:
             held = self.slot_prefixes.get((*self.home(name, replica), self.load.slot_key(name, session_id, replica)))
             mine = own if self._held_on(name, placement) == replica else 0
             shared_on[name] = max(mine, prefix.shared_tokens(held, pieces, cpt))
-        state_of_request = replace(
-            state_of_request,
+        state_of_request = RequestState(
+            body_bytes=body_bytes,
+            max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
+            copy_hint=pasted > 0,
+            hint_output_tokens=self.speeds.prompt_tokens(pasted),
+            pinned=pinned,
+            pinned_by=pinned_by,
+            explore_draw=self._rng.random(),
             prompt_tokens=est.total_tokens,
             shared_tokens=own if state is not None and placement is not None else None,
             shared_on=shared_on,
+            text_kind=text_kind(body, pasted > 0, request.copy_share),
         )
         busy = self.load.sessions_in_flight.get(session_id) if session_id is not None else None
         same = frozenset(
@@ -212,7 +199,7 @@ class Router:
             placement,
             in_flight_on=busy[0] if busy is not None else None,
             same_server=same,
-            handoff_reuse=self._reuse_from(placement.profile) if placement is not None else {},
+            handoff_reuse=self.moves.reuse_from(placement.profile) if placement is not None else {},
         )
         decision = decide(state_of_request, session, self.states(), self.speeds, policy)
         chosen = next((e for e in decision.estimates if e.profile == decision.profile), None)
@@ -225,24 +212,6 @@ class Router:
         )
         decision = self._with_draft_cap(decision, placement, policy)
         return self._with_replica(decision, placement, policy, est.total_tokens), policy, pieces, has_tools
-
-    def _reuse_from(self, profile: str) -> dict[str, tuple[float, int]]:
-        """Per target profile: what handoffs from `profile` to it were measured to reuse, and how many."""
-        return {
-            to: (mean.value(1.0), round(mean.n))
-            for (source, to), mean in self.handoff_reuse.items()
-            if source == profile and mean.n > 0
-        }
-
-    def _observe_reuse(self, route: Route, timings: Timings) -> None:
-        """After a handoff: the share of what was restored that the prompt reused (llama-server's cache_n)."""
-        handoff = route.handoff
-        if handoff is None or not handoff.ok or handoff.tokens <= 0 or timings.from_usage:
-            return
-        decision = route.decision
-        pair = (decision.moved_from or decision.profile, decision.profile)
-        mean = self.handoff_reuse.setdefault(pair, RunningMean(_REUSE_PRIOR_WEIGHT, self.speeds.forget))
-        mean.add(min(1.0, timings.cache_n / handoff.tokens))
 
     def _with_draft_cap(self, decision: Decision, placement: Placement | None, policy: Policy) -> Decision:
         """The draft length for a sequential drafter's request, from the session's measured acceptance
@@ -280,12 +249,14 @@ class Router:
                 # A busy slot cannot be saved (llama-server would save whatever it holds once the running request
                 # ends): under load the session's slot is usually serving another session, and a move re-prefills.
                 and not self.load.slot_busy(profile, placement.slot, mine=0, replica=held)
-                and self._can_move(profile, held, profile, idle.index)
+                and self.moves.can_move(profile, held, profile, idle.index)
             )
             costs = MoveCosts(
                 cached_tokens=placement.cached_tokens,
                 handoff_s=(
-                    self.speeds.handoff_s(placement.cached_tokens, self._transfers(profile, held, profile, idle.index))
+                    self.speeds.handoff_s(
+                        placement.cached_tokens, self.moves.transfers(profile, held, profile, idle.index)
+                    )
                     if can_move and idle is not None
                     else None
                 ),
@@ -307,7 +278,7 @@ class Router:
             # Across profiles: the KV goes from its replica (if that one is up) to the chosen one, when they can.
             source = self.health.replica_health(placement.profile)
             source_up = placement.replica < len(source) and source[placement.replica][1] is None
-            changes["handoff"] = source_up and self._can_move(
+            changes["handoff"] = source_up and self.moves.can_move(
                 placement.profile, placement.replica, profile, choice.replica
             )
             if not changes["handoff"]:
@@ -321,19 +292,6 @@ class Router:
         )
         prefill = self.speeds.prefill_s(decision.profile, decision.new_tokens or 0)
         return prefill + max(1.0, placement.output_tokens) * per_token
-
-    def _can_move(self, from_profile: str, from_replica: int, to_profile: str, to_replica: int) -> bool:
-        """Whether a slot can go from one server to the other (the effects know how: a shared slot directory, or a
-        transfer between hosts)."""
-        return self.effects.can_move(SlotAt(from_profile, from_replica, None), SlotAt(to_profile, to_replica, None))
-
-    def _transfers(self, from_profile: str, from_replica: int, to_profile: str, to_replica: int) -> bool:
-        """Whether a slot file moved between these servers crosses hosts (priced with its transfer time)."""
-        return self.effects.transfers(SlotAt(from_profile, from_replica, None), SlotAt(to_profile, to_replica, None))
-
-    def _can_save(self, profile: str) -> bool:
-        """Whether the profile's KV can be saved and restored through slot files at all."""
-        return self._can_move(profile, 0, profile, 0)
 
     # --- the two calls ----------------------------------------------------------------------------------------
 
@@ -354,9 +312,9 @@ class Router:
         route = Route(decision, slot, request.session_id, request.body_bytes, pieces=pieces, has_tools=has_tools)
         try:
             if decision.handoff and request.session_id is not None:
-                return replace(route, handoff=await self._hand_off(decision, request.session_id, slot))
+                return replace(route, handoff=await self.moves.hand_off(decision, request.session_id, slot))
             if request.prefill_path is not None and self.effects.prefills_elsewhere:
-                return await self._prefill_elsewhere(route, request)
+                return await self.moves.prefill_elsewhere(route, request)
         except BaseException:  # the client went away during the move (or a fault): no route reaches the shell
             self.complete(route, Completion(ok=False))
             raise
@@ -373,7 +331,7 @@ class Router:
         if not done.ok or timings is None:
             return False
         self.load.count(profile, replica, timings)
-        self._observe_reuse(route, timings)
+        self.moves.observe_reuse(route, timings)
         observe(
             self.speeds,
             self.placements,
@@ -397,83 +355,6 @@ class Router:
             self.chars_per_token = state.chars_per_token
         # Known only now when the earlier request was still in flight at this one's start (opencode's title).
         return decision.line_moved or (own is not None and own.line is not None and state.line != own.line)
-
-    # --- KV moves ---------------------------------------------------------------------------------------------
-
-    async def _hand_off(self, decision: Decision, session_id: str, to_slot: int | None) -> HandoffResult | None:
-        """Save the session's slot on the server it leaves and restore it on the one it goes to. A failure means the
-        new server re-prefills, which is always correct (llama-server reuses only the prefix of the restored cache
-        that matches the prompt); every way out ends in the same bookkeeping and the same event."""
-        placement = self.placements.get(session_id)
-        if placement is None:
-            return None
-        source = SlotAt(placement.profile, placement.replica, placement.slot)
-        target = SlotAt(decision.profile, decision.replica, to_slot)
-        # llama-server does not refuse a slot action on a busy slot: it waits for the running request, then acts on
-        # whatever that slot holds by then. So only idle slots are touched (this request is not sent yet).
-        problem = None
-        if to_slot is None and self.load.slot_count(target.profile, target.replica) > 1:
-            problem = f"{target.label} has several slots and this request names none"
-        elif self.load.slot_busy(source.profile, source.slot, mine=0, replica=source.replica):
-            problem = f"{source.label} slot {source.slot or 0} is busy with another request"
-        elif self.load.slot_busy(target.profile, to_slot, mine=1, replica=target.replica):
-            problem = f"{target.label} slot {to_slot or 0} is busy with another request"
-        if problem is not None and problem.endswith("names none"):
-            return HandoffResult(False, 0, 0.0, 0.0, problem)
-        if problem is not None:
-            result = HandoffResult(False, placement.cached_tokens, 0.0, 0.0, problem)
-        else:
-            result = await self.effects.move_slot(SlotMove(session_id, source, target, placement.cached_tokens))
-        self.handoffs["ok" if result.ok else "failed"] += 1
-        if result.ok:
-            self.speeds.observe_handoff(result.tokens, result.save_s, result.restore_s)
-            if result.bytes:
-                self.speeds.link.observe_transfer(result.tokens, result.bytes, result.transfer_s)
-        # The target slot was overwritten (or half so) whatever the outcome.
-        self.placements.displace(decision.profile, to_slot, keep=session_id, replica=decision.replica)
-        self.effects.publish(
-            HandoffDone(
-                session_id=session_id,
-                from_profile=source.profile,
-                to_profile=target.profile,
-                ok=result.ok,
-                tokens=result.tokens,
-                save_s=round(result.save_s, 4),
-                restore_s=round(result.restore_s, 4),
-                error=result.error,
-                from_replica=source.replica,
-                to_replica=target.replica,
-            )
-        )
-        return result
-
-    async def _prefill_elsewhere(self, route: Route, request: RouteRequest) -> Route:
-        """Ask the effects for a remote prefill of a prompt this server would prefill itself; the route comes back
-        with its reason extended."""
-        decision, slot = route.decision, route.slot
-        profile, replica = decision.profile, decision.replica
-        if decision.new_tokens is None or decision.handoff or not self._can_save(profile):
-            return route
-        if slot is None and self.load.slot_count(profile, replica) > 1:
-            return route
-        ask = PrefillAsk(
-            at=SlotAt(profile, replica, slot),
-            session_id=route.session_id,
-            path=request.prefill_path or "",
-            body=dict(request.body),
-            new_tokens=decision.new_tokens,
-            context_tokens=decision.context_tokens,
-            local_s_per_token=self.speeds.prefill_s(profile, 1.0),
-            slot_busy=self.load.slot_busy(profile, slot, mine=1, replica=replica),
-        )
-        answer = await self.effects.prefill_elsewhere(ask)
-        if answer is None:
-            return route
-        if answer.result is not None:  # the slot was overwritten (or half so) whatever the outcome
-            self.placements.displace(profile, slot, keep=route.session_id, replica=replica)
-        if answer.note:
-            decision = replace(decision, reason=f"{decision.reason}; {answer.note}")
-        return replace(route, decision=decision, remote_prefill=answer.result)
 
     # --- pins, policy files, the state as JSON ----------------------------------------------------------------
 
@@ -504,11 +385,11 @@ class Router:
             "speeds": [asdict(s) for s in self.speeds.describe()],
             "in_flight": dict(self.load.in_flight),
             "replicas": {n: [asdict(r) for r in self.replica_states(n, True)] for n in self.health.names()},
-            "handoffs": dict(self.handoffs),
+            "handoffs": dict(self.moves.handoffs),
             # What handoffs bought: per profile pair, the share of restored tokens the next prompt reused.
             "handoff_reuse": [
                 {"from": a, "to": b, "reused_share": round(m.value(1.0), 3), "measured": round(m.n, 2)}
-                for (a, b), m in self.handoff_reuse.items()
+                for (a, b), m in self.moves.reuse.items()
             ],
             # How a KV handoff between hosts is priced (the prior until a move has measured it).
             "kv_transfer": self.speeds.link.describe(),

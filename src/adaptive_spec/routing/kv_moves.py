@@ -1,0 +1,135 @@
+"""The KV moves a route makes through the router's injected `Effects`: a session's slot handed from the server it
+leaves to the one it goes to, or a prompt prefilled on a faster server; and what handoffs were measured to reuse."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from adaptive_spec.common.means import RunningMean
+from adaptive_spec.kv.moves import HandoffResult, PrefillAsk, SlotAt, SlotMove
+from adaptive_spec.routing.api import Effects, Route, RouteRequest
+from adaptive_spec.routing.decide import Decision
+from adaptive_spec.routing.load import ServerLoad
+from adaptive_spec.routing.placements import Placements
+from adaptive_spec.routing.speeds import SpeedModel
+from adaptive_spec.telemetry.events import HandoffDone
+from adaptive_spec.telemetry.records import Timings
+
+_REUSE_PRIOR_WEIGHT = 0.5  # one handoff whose prompt reused nothing brings a pair's mean to 1/3: below min_reuse
+
+
+class KvMoves:
+    def __init__(self, effects: Effects, load: ServerLoad, placements: Placements, speeds: SpeedModel) -> None:
+        """The router's load, placements and speeds: a move checks the slots it touches, displaces what it
+        overwrote and teaches the speeds what it cost."""
+        self.effects, self.load, self.placements, self.speeds = effects, load, placements, speeds
+        self.handoffs = {"ok": 0, "failed": 0}
+        # (from profile, to profile) -> the share of a handoff's restored tokens the next prompt reused (cache_n),
+        # a running mean that starts at 1: a restore that restored nothing (llama.cpp #26676) stops further ones.
+        self.reuse: dict[tuple[str, str], RunningMean] = {}
+
+    def can_move(self, from_profile: str, from_replica: int, to_profile: str, to_replica: int) -> bool:
+        """Whether a slot can go from one server to the other (the effects know how: a shared slot directory, or a
+        transfer between hosts)."""
+        return self.effects.can_move(SlotAt(from_profile, from_replica, None), SlotAt(to_profile, to_replica, None))
+
+    def transfers(self, from_profile: str, from_replica: int, to_profile: str, to_replica: int) -> bool:
+        """Whether a slot file moved between these servers crosses hosts (priced with its transfer time)."""
+        return self.effects.transfers(SlotAt(from_profile, from_replica, None), SlotAt(to_profile, to_replica, None))
+
+    def can_save(self, profile: str) -> bool:
+        """Whether the profile's KV can be saved and restored through slot files at all."""
+        return self.can_move(profile, 0, profile, 0)
+
+    def reuse_from(self, profile: str) -> dict[str, tuple[float, int]]:
+        """Per target profile: what handoffs from `profile` to it were measured to reuse, and how many."""
+        return {
+            to: (mean.value(1.0), round(mean.n))
+            for (source, to), mean in self.reuse.items()
+            if source == profile and mean.n > 0
+        }
+
+    def observe_reuse(self, route: Route, timings: Timings) -> None:
+        """After a handoff: the share of what was restored that the prompt reused (llama-server's cache_n)."""
+        handoff = route.handoff
+        if handoff is None or not handoff.ok or handoff.tokens <= 0 or timings.from_usage:
+            return
+        decision = route.decision
+        pair = (decision.moved_from or decision.profile, decision.profile)
+        mean = self.reuse.setdefault(pair, RunningMean(_REUSE_PRIOR_WEIGHT, self.speeds.forget))
+        mean.add(min(1.0, timings.cache_n / handoff.tokens))
+
+    async def hand_off(self, decision: Decision, session_id: str, to_slot: int | None) -> HandoffResult | None:
+        """Save the session's slot on the server it leaves and restore it on the one it goes to. A failure means the
+        new server re-prefills, which is always correct (llama-server reuses only the prefix of the restored cache
+        that matches the prompt); every way out ends in the same bookkeeping and the same event."""
+        placement = self.placements.get(session_id)
+        if placement is None:
+            return None
+        source = SlotAt(placement.profile, placement.replica, placement.slot)
+        target = SlotAt(decision.profile, decision.replica, to_slot)
+        # llama-server does not refuse a slot action on a busy slot: it waits for the running request, then acts on
+        # whatever that slot holds by then. So only idle slots are touched (this request is not sent yet).
+        problem = None
+        if to_slot is None and self.load.slot_count(target.profile, target.replica) > 1:
+            problem = f"{target.label} has several slots and this request names none"
+        elif self.load.slot_busy(source.profile, source.slot, mine=0, replica=source.replica):
+            problem = f"{source.label} slot {source.slot or 0} is busy with another request"
+        elif self.load.slot_busy(target.profile, to_slot, mine=1, replica=target.replica):
+            problem = f"{target.label} slot {to_slot or 0} is busy with another request"
+        if problem is not None and problem.endswith("names none"):
+            return HandoffResult(False, 0, 0.0, 0.0, problem)
+        if problem is not None:
+            result = HandoffResult(False, placement.cached_tokens, 0.0, 0.0, problem)
+        else:
+            result = await self.effects.move_slot(SlotMove(session_id, source, target, placement.cached_tokens))
+        self.handoffs["ok" if result.ok else "failed"] += 1
+        if result.ok:
+            self.speeds.observe_handoff(result.tokens, result.save_s, result.restore_s)
+            if result.bytes:
+                self.speeds.link.observe_transfer(result.tokens, result.bytes, result.transfer_s)
+        # The target slot was overwritten (or half so) whatever the outcome.
+        self.placements.displace(decision.profile, to_slot, keep=session_id, replica=decision.replica)
+        self.effects.publish(
+            HandoffDone(
+                session_id=session_id,
+                from_profile=source.profile,
+                to_profile=target.profile,
+                ok=result.ok,
+                tokens=result.tokens,
+                save_s=round(result.save_s, 4),
+                restore_s=round(result.restore_s, 4),
+                error=result.error,
+                from_replica=source.replica,
+                to_replica=target.replica,
+            )
+        )
+        return result
+
+    async def prefill_elsewhere(self, route: Route, request: RouteRequest) -> Route:
+        """Ask the effects for a remote prefill of a prompt this server would prefill itself; the route comes back
+        with its reason extended."""
+        decision, slot = route.decision, route.slot
+        profile, replica = decision.profile, decision.replica
+        if decision.new_tokens is None or decision.handoff or not self.can_save(profile):
+            return route
+        if slot is None and self.load.slot_count(profile, replica) > 1:
+            return route
+        ask = PrefillAsk(
+            at=SlotAt(profile, replica, slot),
+            session_id=route.session_id,
+            path=request.prefill_path or "",
+            body=dict(request.body),
+            new_tokens=decision.new_tokens,
+            context_tokens=decision.context_tokens,
+            local_s_per_token=self.speeds.prefill_s(profile, 1.0),
+            slot_busy=self.load.slot_busy(profile, slot, mine=1, replica=replica),
+        )
+        answer = await self.effects.prefill_elsewhere(ask)
+        if answer is None:
+            return route
+        if answer.result is not None:  # the slot was overwritten (or half so) whatever the outcome
+            self.placements.displace(profile, slot, keep=route.session_id, replica=replica)
+        if answer.note:
+            decision = replace(decision, reason=f"{decision.reason}; {answer.note}")
+        return replace(route, decision=decision, remote_prefill=answer.result)
