@@ -2,7 +2,9 @@
 
 The agents are installed by `tests/e2e/install_clients.sh` into `.e2e-clients/` (or ADAPTIVE_SPEC_E2E_CLIENTS): a test
 whose client is missing is skipped with the reason. Each runs in a scratch git repository under a temporary HOME,
-through `/p/<project>/v1`, against the embedded Qwen2.5-Coder-0.5B (two profiles: oneshot and iterative). Each
+through `/p/<project>/v1`, against the embedded Qwen2.5-Coder-1.5B where it is installed (the `test` extras install it;
+the model agents should use), else the 0.5B; ADAPTIVE_SPEC_E2E_MODEL names another (two profiles: oneshot and
+iterative). Each
 test writes what it saw (requests, APIs, sessions, projects, profiles and reasons, drafted/accepted, estimated vs
 measured new prompt tokens) to ADAPTIVE_SPEC_E2E_OUT (default: a temporary folder) as `<agent>.json`.
 """
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.agents import e2e_model
 from tests.support.servers import ProxyProcess
 
 
@@ -23,8 +26,10 @@ from tests.support.servers import ProxyProcess
 def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
     state = tmp_path_factory.mktemp("state")
     trace = state / "trace.jsonl"
+    # Two threads: an agent's first turn prefills ~7,000 tokens (the 1.5B: minutes even so on 2 cores).
     proc = ProxyProcess(
-        "--threads", "1", "--ctx-size", "32768", "--trace", str(trace), env={"ADAPTIVE_SPEC_STATE_DIR": str(state)}
+        *("--model", e2e_model(), "--threads", "2", "--ctx-size", "32768", "--trace", str(trace), "--trace-content"),
+        env={"ADAPTIVE_SPEC_STATE_DIR": str(state)},
     )
     proc.trace = trace  # type: ignore[attr-defined]
     yield proc

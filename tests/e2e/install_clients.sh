@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Install the coding agents the end-to-end tests drive, into a folder of their own (never the project's venv):
-#   opencode and Codex CLI from npm into $DIR/npm, aider and llm into the venv $DIR/venv.
+#   opencode and Codex CLI from npm into $DIR/npm (with Continue's config schema, @continuedev/config-yaml, and a YAML
+#   reader for it), aider and llm into the venv $DIR/venv.
 # Usage: tests/e2e/install_clients.sh [DIR]   (default: .e2e-clients in the repository root; git ignores it)
 # Then: ADAPTIVE_SPEC_E2E=1 ADAPTIVE_SPEC_E2E_CLIENTS=DIR pytest tests/e2e
 set -euo pipefail
 DIR="${1:-$(cd "$(dirname "$0")/../.." && pwd)/.e2e-clients}"
 mkdir -p "$DIR/npm"
-echo "npm: opencode-ai, @openai/codex -> $DIR/npm"
-npm install --prefix "$DIR/npm" --no-audit --no-fund opencode-ai @openai/codex || echo "npm install failed" >&2
+echo "npm: opencode-ai, @openai/codex, @continuedev/config-yaml, yaml -> $DIR/npm"
+npm install --prefix "$DIR/npm" --no-audit --no-fund opencode-ai @openai/codex @continuedev/config-yaml yaml \
+  || echo "npm install failed" >&2
 echo "pip: aider-chat, llm -> $DIR/venv"
 python3 -m venv "$DIR/venv"
 "$DIR/venv/bin/pip" install --quiet --upgrade pip || true

@@ -5,6 +5,7 @@ into schema-valid `tool_calls`, and what is not a call stays text."""
 from __future__ import annotations
 
 import json
+import urllib.error
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -199,3 +200,75 @@ def test_an_opencode_request_through_the_proxy_returns_a_schema_valid_call(
         assert served["outcome"] == "finished"
     finally:
         proxy.stop()
+
+
+def _looping(times: int) -> list[Any]:
+    """A history that ends with the same write made `times` times, each answered: the loop small models fall into."""
+    messages: list[Any] = [SYSTEM, {"role": "user", "content": "Create hello.py that prints hello."}]
+    for i in range(times):
+        call = {"name": "write_file", "arguments": '{"path": "hello.py", "content": "print(\'hello\')"}'}
+        messages.append(
+            {"role": "assistant", "content": "", "tool_calls": [{"id": f"c{i}", "type": "function", "function": call}]}
+        )
+        messages.append({"role": "tool", "tool_call_id": f"c{i}", "content": "Wrote file successfully."})
+    return messages
+
+
+@pytest.fixture(scope="module")
+def guarded_proxy(server: LlamaServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
+    state = tmp_path_factory.mktemp("guard-state")
+    proxy = ProxyProcess("--profile", f"oneshot={server.url}", env={"ADAPTIVE_SPEC_STATE_DIR": str(state)})
+    yield proxy
+    proxy.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_third_identical_call_is_answered_in_text_on_the_cached_prefix(
+    guarded_proxy: ProxyProcess, stream: bool
+) -> None:
+    session = {"x-session-id": f"loop-{stream}"}
+    _chat(guarded_proxy.base, _looping(1), stream, tools=TOOLS, extra_headers=session)
+    first = guarded_proxy.requests()[-1]
+    finish, text, calls = _chat(guarded_proxy.base, _looping(3), stream, tools=TOOLS, extra_headers=session)
+    assert (finish, calls) == ("stop", []), text
+    assert text.strip()
+    record = guarded_proxy.requests()[-1]
+    assert record["repeat_guard"] == "write_file ×3 in a row, same arguments: note added, text answer asked"
+    # tool_choice "none" keeps the tools in the prompt: the earlier turn's prefix is reused, not prefilled again.
+    assert record["timings"]["cache_n"] >= first["timings"]["prompt_n"] + first["timings"]["cache_n"] - 8
+
+
+def test_a_second_identical_call_gets_the_note_and_keeps_its_tools(guarded_proxy: ProxyProcess) -> None:
+    _chat(guarded_proxy.base, _looping(2), False, tools=TOOLS, extra_headers={"x-session-id": "loop-note"})
+    record = guarded_proxy.requests()[-1]
+    assert record["outcome"] == "finished"
+    assert record["repeat_guard"] == "write_file ×2 in a row, same arguments: note added"
+
+
+def test_work_that_is_not_a_loop_is_sent_as_it_came(guarded_proxy: ProxyProcess) -> None:
+    messages = [*_looping(1), {"role": "user", "content": "Now make it print hello world."}]
+    _chat(guarded_proxy.base, messages, False, tools=TOOLS, extra_headers={"x-session-id": "no-loop"})
+    assert guarded_proxy.requests()[-1]["repeat_guard"] is None
+
+
+def test_codex_s_call_less_tool_output_is_answered_instead_of_refused(
+    server: LlamaServer, guarded_proxy: ProxyProcess
+) -> None:
+    """Codex CLI 0.171 sends its goal feature's output without a call_id; llama-server refuses the whole turn."""
+    body = {
+        "model": "m",
+        "max_output_tokens": 16,
+        "temperature": 0,
+        "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Create hello.py."}]},
+            {"type": "function_call_output", "name": "goal_objective", "namespace": "agent", "output": "hello.py"},
+        ],
+    }
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        http_json(server.url + "/v1/responses", body)
+    assert refused.value.code == 400 and "Cannot determine type" in refused.value.read().decode()
+    answer = http_json(guarded_proxy.base + "/v1/responses", body)
+    assert answer["status"] == "completed"
+    record = guarded_proxy.requests()[-1]
+    assert record["status"] == 200
+    assert record["repaired"] == "1 function_call_output without a call_id (goal_objective) sent as a user message"

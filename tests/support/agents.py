@@ -7,14 +7,31 @@ import json
 import os
 import shutil
 import subprocess
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from adaptive_spec.errors import ModelError
+from adaptive_spec.servers.models import ensure_embedded
 from tests.support.servers import ProxyProcess, http_json
 
 ROOT = Path(__file__).resolve().parents[2]
+AGENTS_MODEL = "embedded:qwen2.5-coder-1.5b"
+
+
+def e2e_model() -> str:
+    chosen = os.environ.get("ADAPTIVE_SPEC_E2E_MODEL")
+    if chosen:
+        return chosen
+    try:
+        ensure_embedded(AGENTS_MODEL.removeprefix("embedded:"))
+    except ModelError:
+        return "embedded:qwen2.5-coder-0.5b"
+    return AGENTS_MODEL
+
+
 ENABLED = os.environ.get("ADAPTIVE_SPEC_E2E") == "1"
 CLIENTS = Path(os.environ.get("ADAPTIVE_SPEC_E2E_CLIENTS") or ROOT / ".e2e-clients")
 
@@ -31,18 +48,41 @@ def client(name: str) -> Path:
 
 
 def run(
-    argv: list[str | Path], cwd: Path, env: dict[str, str], timeout: float = 1800
+    argv: list[str | Path], cwd: Path, env: dict[str, str], timeout: float = 1800, stop_after: float | None = None
 ) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        [str(a) for a in argv],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
+    """Run a client to its end; `stop_after`: stop it after that many seconds instead of failing (returncode -9),
+    for an agent measured as far as it gets."""
+    try:
+        return subprocess.run(
+            [str(a) for a in argv],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=stop_after or timeout,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired as exc:
+        if stop_after is None:
+            raise
+        out, err = (x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (exc.stdout, exc.stderr))
+        return subprocess.CompletedProcess(exc.cmd, -9, out, err)
+
+
+def drafts_match_the_server(proxy: ProxyProcess) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Drafted and accepted tokens summed over every record, and llama-server's own counters (the profiles share
+    one server): ((records' drafted, accepted), (server's drafted, accepted))."""
+    got = http_json(proxy.base + "/adaptive/requests?limit=1000")["requests"]
+    timings = [r["timings"] or {} for r in got]
+    ours = (sum(t.get("draft_n", 0) for t in timings), sum(t.get("draft_n_accepted", 0) for t in timings))
+    request = urllib.request.Request(proxy.base + "/metrics", headers={"x-adaptive-spec-profile": "iterative"})
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        text = resp.read().decode()
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("llamacpp:spec_decode"))
+    theirs = tuple(
+        int(float(values[f"llamacpp:spec_decode_num_{name}_tokens_total"])) for name in ("draft", "accepted")
     )
-    return done
+    return ours, (theirs[0], theirs[1])
 
 
 def records(proxy: ProxyProcess, project: str) -> list[dict[str, Any]]:

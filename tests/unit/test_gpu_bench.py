@@ -3,24 +3,20 @@ build, and stopping where there is no GPU before anything is built."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
+from tests.support.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_bench.py"
 
 
 def _module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_bench"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_bench")
 
 
 def test_the_plan_builds_with_cuda_serves_the_drafter_pair_and_benches_three_workloads() -> None:

@@ -17,12 +17,14 @@ from aiohttp import web
 from adaptive_spec.access.rules import with_model
 from adaptive_spec.common.headers import PROFILE_HEADER, REPLICA_HEADER, REQUEST_ID_HEADER, ROUTE_HEADER
 from adaptive_spec.requests.app_keys import CLIENT, FRESH_CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
+from adaptive_spec.requests.compat import repaired
 from adaptive_spec.requests.error_responses import answer
 from adaptive_spec.requests.forward import forward
 from adaptive_spec.requests.gate import routed_path
 from adaptive_spec.requests.lifecycle import ProxyRequest
 from adaptive_spec.requests.outcome import CLIENT_GONE, SERVED, SHUTDOWN, Outcome
 from adaptive_spec.requests.parse import GENERATING_APIS, RequestProblem, parse_body, with_fields
+from adaptive_spec.requests.repeats import guard, trailing_repeat
 from adaptive_spec.routing.api import Completion, Refusal, RouteRequest
 from adaptive_spec.servers.speculation import merge_fields
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
@@ -103,21 +105,22 @@ def upstream_body(req: ProxyRequest, upstream: Upstream, watched: bool) -> tuple
     if parsed is None:
         preset = upstream.upstream_model
         return (with_model(req.body, preset) if preset is not None and req.body else req.body), False
+    body, raw = req.sent if req.sent is not None else (parsed.body, req.body)
     added: dict[str, Any] = {}
     if req.routed.api in SPECULATION_APIS:
         settings = upstream.speculation
         cap = req.decision.n_max if req.decision is not None else None
         if cap is not None:  # the router's draft length for this session (routing/draft_length.py)
             settings = replace(settings, n_max=cap)
-        added, req.speculation = merge_fields(parsed.body, settings, by="router" if cap is not None else "profile")
-    strip = watched and parsed.stream and req.routed.api in _PROGRESS_APIS and "timings_per_token" not in parsed.body
+        added, req.speculation = merge_fields(body, settings, by="router" if cap is not None else "profile")
+    strip = watched and parsed.stream and req.routed.api in _PROGRESS_APIS and "timings_per_token" not in body
     if strip:
         added["timings_per_token"] = True
-    if req.slot is not None and "id_slot" not in parsed.body:
+    if req.slot is not None and "id_slot" not in body:
         added["id_slot"] = req.slot
     if upstream.upstream_model is not None and parsed.model != upstream.upstream_model:
-        return orjson.dumps({**parsed.body, **added, "model": upstream.upstream_model}), strip
-    return (with_fields(req.body, added) if added else req.body), strip
+        return orjson.dumps({**body, **added, "model": upstream.upstream_model}), strip
+    return (with_fields(raw, added) if added else raw), strip
 
 
 def _extra_headers(req: ProxyRequest, chosen: Upstream) -> dict[str, str]:
@@ -156,11 +159,32 @@ async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | Outcom
         pinned = choose_upstream(request, request.app[UPSTREAMS]) if request.headers.get(PROFILE_HEADER) else None
         if isinstance(pinned, Outcome):
             return pinned
+        _rewrite(request, req, result.body)  # before routing: the prompt the server will see is the one estimated
         return await _route(request, req)
     chosen = choose_upstream(request, request.app[UPSTREAMS])
     if isinstance(chosen, Upstream):
         req.replica, req.pool_size = chosen.replica, len(request.app[UPSTREAMS].replicas(chosen.name))
     return chosen
+
+
+def _rewrite(request: web.Request, req: ProxyRequest, body: dict[str, Any]) -> None:
+    """The body to send upstream when it is not the client's: a shape llama-server refuses rewritten, an agent's
+    loop on one tool call broken. The router estimates and places that body (it is what the server's cache will
+    hold); the client's body still goes to the session statistics."""
+    api = req.routed.api
+    fixed = repaired(api, body)
+    if fixed is not None:
+        body, req.repaired = fixed.body, fixed.note
+        log.info("request %s: %s", req.request_id, fixed.note)
+    repeat = trailing_repeat(api, body)
+    if repeat is not None:
+        agents = request.app[ROUTER].policies.policy_for(req.project, req.workspace).agents
+        req.guard = guard(api, body, repeat, agents.repeat_note_after, agents.repeat_text_after)
+        if req.guard is not None:
+            body = req.guard.body
+            log.info("request %s: %s", req.request_id, req.guard.describe())
+    if fixed is not None or req.guard is not None:
+        req.sent = (body, orjson.dumps(body))
 
 
 async def _failover(request: web.Request, req: ProxyRequest, failed: Upstream) -> Upstream | None:
@@ -199,10 +223,11 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
         turns, copy_share = service.copy_state(session_id)
     client_slot = parsed.body.get("id_slot")
     takes_slot = req.routed.api in _SLOT_APIS
+    body, raw = req.sent if req.sent is not None else (parsed.body, req.body)
     routed = await app[ROUTER].route(
         RouteRequest(
-            body=parsed.body,
-            body_bytes=len(req.body),
+            body=body,
+            body_bytes=len(raw),
             session_id=session_id,
             session_turns=turns,
             copy_share=copy_share,

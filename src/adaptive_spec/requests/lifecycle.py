@@ -12,6 +12,7 @@ from typing import Any
 
 from adaptive_spec.requests.outcome import NOT_ANSWERED, Outcome
 from adaptive_spec.requests.parse import GENERATING_APIS, ParsedRequest, RoutedPath
+from adaptive_spec.requests.repeats import Guarded
 from adaptive_spec.routing.api import Completion, Refusal, Route
 from adaptive_spec.routing.decide import Decision
 from adaptive_spec.routing.router import Router
@@ -52,6 +53,9 @@ class ProxyRequest:
     replica: int = 0  # which server of the profile's pool it was sent to
     pool_size: int = 1  # how many servers that profile has
     speculation: dict[str, Any] | None = None  # the per-request speculation fields it was sent with
+    guard: Guarded | None = None  # what was done to break a loop of one tool call
+    repaired: str | None = None  # what was rewritten of a shape llama-server refuses (requests/compat.py)
+    sent: tuple[dict[str, Any], bytes] | None = None  # the body sent upstream instead of the client's (parsed, bytes)
 
     @property
     def decision(self) -> Decision | None:
@@ -226,6 +230,8 @@ def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> Reques
         replica=req.replica,
         replica_moved_from=decision.replica_moved_from if decision else None,
         speculation=req.speculation,
+        repeat_guard=req.guard.describe() if req.guard is not None else None,
+        repaired=req.repaired,
     )
 
 

@@ -126,6 +126,18 @@ class HandoffPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class AgentsPolicy:
+    """What the proxy does when an agent loops on one tool call (requests/repeats.py)."""
+
+    repeat_note_after: int = _key(
+        2, "identical tool calls in a row after which a note says the call was made already (0 = never)", 0
+    )
+    repeat_text_after: int = _key(
+        3, "identical tool calls in a row after which the answer must be text, ending the agent's turn (0 = never)", 0
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Policy:
     """The effective policy: built-in defaults with the overlays of `sources` applied in order."""
 
@@ -133,6 +145,7 @@ class Policy:
     first_turn: FirstTurnPolicy = field(default_factory=FirstTurnPolicy)
     estimator: EstimatorPolicy = field(default_factory=EstimatorPolicy)
     handoff: HandoffPolicy = field(default_factory=HandoffPolicy)
+    agents: AgentsPolicy = field(default_factory=AgentsPolicy)
     sources: tuple[str, ...] = ()  # files this policy was built from, in order (empty = built-in defaults)
 
 
@@ -141,6 +154,7 @@ TABLES: dict[str, type[Any]] = {
     "first_turn": FirstTurnPolicy,
     "estimator": EstimatorPolicy,
     "handoff": HandoffPolicy,
+    "agents": AgentsPolicy,
 }
 Overlay = dict[str, dict[str, Any]]
 # dotted key → its valid range, from the declarations

@@ -36,9 +36,10 @@ from adaptive_spec.kv.costs import LinkCosts
 from adaptive_spec.routing.policy import EstimatorPolicy, HandoffPolicy
 from adaptive_spec.telemetry.records import Timings
 
-_MIN_DECODE_TOKENS = 32  # shorter responses measure per-request overheads, not decode speed
-# An n-gram drafter only drafts runs of n_min tokens (48 by default): a shorter answer says nothing of its gain.
-_MIN_GAIN_TOKENS = 64
+# Shorter responses measure per-request overheads, not decode speed. An n-gram profile learns its gain from the same
+# answers: its drafts may run past an answer's end (a 37-token tool call drafted 64 tokens at a time, measured), so a
+# short answer is drafted too, and on a CPU the tokens verified past its end cost more than the accepted ones save.
+_MIN_DECODE_TOKENS = 32
 _MIN_PREFILL_TOKENS = 64
 _MAX_GAIN = 0.95
 _MAX_FACTOR = 20.0  # a drafter's predicted speed stays within 1/20 .. 20 times the reference
@@ -278,8 +279,6 @@ class SpeedModel:
         if self.has_drafter(profile):
             self._observe_drafter(profile, x, timings, at_no_context)
             return
-        if timings.predicted_n < _MIN_GAIN_TOKENS:
-            return
         r = at_no_context / ((1.0 + self.estimator.ngram_overhead) * self.reference_s_per_token())
         self._gain.setdefault(profile, _Gain()).add(x, r, self.forget)
         self._implied_ref.add(at_no_context / self._ngram_shape(profile, x))
@@ -295,7 +294,7 @@ class SpeedModel:
         r = at_no_context / self.reference_s_per_token()
         ngram_part = self._ngram_shape(profile, x) if ngram else 1.0
         self._line.setdefault(self._drafter_key.get(profile, ()), _Line()).add(a, r / ngram_part, self.forget)
-        if ngram and timings.predicted_n >= _MIN_GAIN_TOKENS:
+        if ngram:
             self._gain.setdefault(profile, _Gain()).add(x, r / self.drafter_factor(profile, a), self.forget)
         self._implied_ref.add(at_no_context / self._shape(profile, x, a))
 

@@ -121,6 +121,30 @@ def embedded_chat_template(model: str) -> str | None:
     return str(TEMPLATE_DIR / found.chat_template) if found is not None else None
 
 
+# The embedded model tool-using agents should run on. Measured (examples/README.md, "Which embedded model for
+# agents"): on the 1.5B opencode created a file and then edited it; on the 0.5B neither opencode nor Codex CLI
+# finished a create or an edit (wrong tools, wrong content, one call repeated).
+AGENTS_MODEL = "qwen2.5-coder-1.5b"
+
+
+def agents_advice(model: str) -> str | None:
+    """The start-up line saying which embedded model suits coding agents, for a --model value naming one."""
+    name = model.removeprefix("embedded:") if model.startswith("embedded:") else None
+    if name is None or name not in EMBEDDED:
+        return None
+    if name == AGENTS_MODEL:
+        return f"agents: {name} is the embedded model for tool-using agents (opencode, Codex CLI)"
+    advice = (
+        f"agents: tool-using agents (opencode, Codex CLI) finish no edit on {name}; "
+        f"serve --model embedded:{AGENTS_MODEL} for them (examples/README.md)"
+    )
+    try:
+        _part_files(EMBEDDED[AGENTS_MODEL])
+    except ModelError:
+        advice += f"; install it first: pip install {' '.join(EMBEDDED[AGENTS_MODEL].distributions)}"
+    return advice
+
+
 def resolve_model(text: str, progress: Callable[[str], None] = lambda _: None) -> str:
     """A --model/--draft value: `embedded:NAME` becomes a local path; paths must exist; `hf:` passes through."""
     if text.startswith("embedded:"):

@@ -218,6 +218,11 @@ TURN_COLUMNS = (
 def turn_reason(index: int, row: TurnRow) -> Text:
     """The whole routing reason of one turn (and its error, for a failed one)."""
     text = Text(f"turn {index} → {row.profile} ({row.route or 'not routed'}): ", style="bold")
+    # What the proxy changed in the request comes first: the box is a few lines high, and the reason is long.
+    if row.repeat_guard:
+        text.append(f"repeated call: {row.repeat_guard}; ", style="bold yellow")
+    if row.repaired:
+        text.append(f"rewritten for llama-server: {row.repaired}; ", style="yellow")
     if row.setting is not None:
         text.append(f"ran with speculation {row.setting}; ", style="bold")
     if row.handoff_tokens is not None and row.handoff_reused is not None:

@@ -43,6 +43,8 @@ class TurnRow:
     predicted_ms: float = 0.0  # llama-server's decode time (the profile's since-start speed sums it)
     handoff_reused: int | None = None  # of the restored tokens, what its prompt reused (llama-server's cache_n)
     setting: str | None = None  # the speculation it ran with ("none", "draft-simple n_max=4", ...); None: the server's
+    repeat_guard: str | None = None  # what the proxy did to break a loop of one tool call, if anything
+    repaired: str | None = None  # what it rewrote of a shape llama-server refuses, if anything
 
     @property
     def accepted_share(self) -> float | None:
@@ -167,6 +169,8 @@ def turn_row(record: RequestRecord) -> TurnRow:
         predicted_ms=timings.predicted_ms if timings else 0.0,
         setting=setting_text(record.speculation),
         handoff_reused=whole(handoff.get("reused")) if handoff and "reused" in handoff else None,
+        repeat_guard=record.repeat_guard,
+        repaired=record.repaired,
     )
 
 

@@ -1,0 +1,55 @@
+"""Request shapes an agent sends that llama-server refuses, rewritten into ones it takes (pure).
+
+Codex CLI 0.171 puts tool outputs of its own in the Responses `input` without a `call_id` (its goal feature's
+`{"type": "function_call_output", "name": "goal_objective", "namespace": "agent", "output": …}`). llama-server
+(b11434) converts a `function_call_output` only with its `call_id`, and refuses the whole request otherwise (400
+"Cannot determine type of 'item'"): the agent's turn fails. Such an output answers no call of the model's, so it
+goes on as what it is, context for the model: a user message naming the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+
+@dataclass(frozen=True, slots=True)
+class Repaired:
+    body: dict[str, Any]
+    note: str  # what was rewritten, for the record
+
+
+def repaired(api: str, body: Mapping[str, Any]) -> Repaired | None:
+    """The body with the shapes llama-server refuses rewritten; None when there are none."""
+    items = body.get("input") if api == "responses" else None
+    if not isinstance(items, list):
+        return None
+    found = [i for i, item in enumerate(items) if _callless_output(item)]
+    if not found:
+        return None
+    rewritten = list(items)
+    names = []
+    for i in found:
+        item = items[i]
+        output = item.get("output")
+        text = output if isinstance(output, str) else orjson.dumps(output).decode()
+        name = str(item.get("name") or "tool output")
+        names.append(name)
+        rewritten[i] = {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": f"{name}: {text}"}],
+        }
+    note = f"{len(found)} function_call_output without a call_id ({', '.join(names)}) sent as a user message"
+    return Repaired({**body, "input": rewritten}, note)
+
+
+def _callless_output(item: Any) -> bool:
+    return (
+        isinstance(item, Mapping)
+        and item.get("type") == "function_call_output"
+        and not isinstance(item.get("call_id"), str)
+    )
