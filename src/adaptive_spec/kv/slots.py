@@ -155,10 +155,29 @@ async def slot_action(
     filename: str | None,
     timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - one deadline per slot action
 ) -> dict[str, Any]:
-    """`POST /slots/{slot}?action=…` (a router-mode preset named as `model=`): llama-server's answer, or SlotError."""
+    """`POST /slots/{slot}?action=…` (a router-mode preset named as `model=`): llama-server's answer, or SlotError.
+
+    Sent again once when the server drops the connection before answering: a pooled keep-alive connection it had just
+    closed (seen as "Server disconnected" on an erase after a long idle stream). Every slot action may be repeated:
+    a save writes the same file, a restore loads it again, an erase empties what is empty."""
     model = f"&model={quote(upstream.upstream_model, safe='')}" if upstream.upstream_model else ""
     url = f"{upstream.base_url}/slots/{slot}?action={action}{model}"
     body = {"filename": filename} if filename is not None else None
+    try:
+        return await _slot_post(client, upstream, slot, action, url, body, timeout)
+    except aiohttp.ServerDisconnectedError:
+        return await _slot_post(client, upstream, slot, action, url, body, timeout)
+
+
+async def _slot_post(
+    client: aiohttp.ClientSession,
+    upstream: Upstream,
+    slot: int,
+    action: str,
+    url: str,
+    body: dict[str, str] | None,
+    timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - one deadline per slot action
+) -> dict[str, Any]:
     async with client.post(url, json=body, timeout=timeout) as resp:
         if resp.status != 200:
             text = _error_message(await resp.text())

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from adaptive_spec.telemetry.events import (
@@ -87,6 +88,7 @@ class ProxyMetrics:
         self.policy_changes = Counter("adaptive_spec_policy_changes", "Policy files reloaded or found bad", registry=r)
         self.profile_up = Gauge("adaptive_spec_profile_up", "1 when the profile is serving", ["profile"], registry=r)
         self._replica_metrics(r)
+        r.register(_LoopTasks())
 
     def _replica_metrics(self, r: CollectorRegistry) -> None:
         """Per server of a profile's pool (`replica` is its index in the pool; 0 for a profile of one server)."""
@@ -258,6 +260,20 @@ class _UpdateCounts(Collector):
         for outcome, count in self._counts().items():
             family.add_metric([outcome], count)
         yield family
+
+
+class _LoopTasks(Collector):
+    """The asyncio tasks alive, counted at each scrape on the loop that serves it (the proxy's own): a figure that
+    climbs while nothing is in flight is work that outlived its request."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            tasks = len(asyncio.all_tasks())
+        except RuntimeError:  # rendered outside an event loop (a unit test's render): there is no such figure
+            return
+        yield GaugeMetricFamily(
+            "adaptive_spec_event_loop_tasks", "asyncio tasks alive in the proxy's event loop", value=tasks
+        )
 
 
 def _error_kind(record: dict[str, object]) -> str:
