@@ -5,7 +5,7 @@ text once after its end (floor+read: the least any proxy that routes on what it 
 
 Run:  .venv/bin/python benchmarks/overhead.py [--fixtures DIR] [--body-file BODY.json] [--litellm PATH]
       [--levels 1,8,32] [--chunks 200] [--rounds N] [--out benchmarks/results/overhead.json]
-      [--watched] [--other-src NAME=SRC]
+      [--watched] [--other-src NAME=SRC] [--loops]
       .venv/bin/python benchmarks/overhead.py --gaps --fixtures DIR   # inter-chunk gaps, with a heavy session
 
 Bodies: a tiny chat request (another session each time), and with `--fixtures` (the recorded agent requests, see
@@ -27,6 +27,8 @@ log and written with the figures. `--profile FILE` records adaptive-spec's proce
 asks for per-token timings and cuts them out again); `--other-src` another version of it, e.g. an earlier commit's
 `src/` from `git worktree add`, measured in the same rounds; `--variant NAME=ARGS` the same version with more
 `serve` arguments (`--variant "no statistics=--tokenizer off"`: what the statistics worker costs the streams).
+`--loops`: the event loops side by side, "adaptive-spec" on Python's asyncio loop and "adaptive-spec uvloop" on
+uvloop's, with both floors on both loops; a target on uvloop is measured against the floors on uvloop.
 Each target runs in its own process, the client in this one; rounds are interleaved (direct, floor, adaptive-spec,
 LiteLLM, then the reverse order), and the figures are medians, with each target's added time and its ratio to the
 floor's, and its CPU time per request (its process and children's, from /proc: the work that queues under
@@ -93,6 +95,9 @@ def _timings(n: int) -> dict[str, Any]:
 
 CHUNKS = {timings: [_chunk(i, timings) for i in range(1000)] for timings in (False, True)}
 PATH = "/v1/chat/completions"
+# LiteLLM refuses to start with a short master key; one key for every target (the others ignore it), fixed so that
+# the client processes send the one the proxy was started with.
+BENCH_KEY = "sk-overhead-bench-7f3c9a0d1e5b4c2a8f6d0b9e3a71c5d2"
 
 
 def _upstream_main(port: int, chunks: int, model_path: str = "/nonexistent/fake.gguf") -> None:
@@ -147,9 +152,10 @@ def _upstream_main(port: int, chunks: int, model_path: str = "/nonexistent/fake.
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
-def _floor_main(port: int, upstream_port: int, read: bool = False) -> None:
+def _floor_main(port: int, upstream_port: int, read: bool = False, uv: bool = False) -> None:
     """The Python floor: read, forward, relay; no parsing. `read`: the floor of any proxy that routes on what it
-    sees ("floor+read"): the body parsed once, and the answer's text read once, in one batch, after its end."""
+    sees ("floor+read"): the body parsed once, and the answer's text read once, in one batch, after its end.
+    `uv`: on uvloop's event loop (`--loops`)."""
 
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -181,7 +187,12 @@ def _floor_main(port: int, upstream_port: int, read: bool = False) -> None:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.cleanup_ctx.append(client_ctx)
     app.router.add_post(PATH, handle)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    loop = None
+    if uv:
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, loop=loop)
 
 
 @dataclass(frozen=True)
@@ -194,7 +205,7 @@ class Body:
 def _payload(
     body: Body, i: int, stream: int, extra: dict[str, Any] | None = None, level: int = 0
 ) -> tuple[bytes, dict[str, str]]:
-    headers = {"Content-Type": "application/json", "Authorization": "Bearer sk-bench"}
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {BENCH_KEY}"}
     if body.body is None:
         messages = [
             {"role": "system", "content": "You are a coding assistant."},
@@ -290,10 +301,12 @@ def _rows(res: dict[str, list[tuple[float, float]]], body: str, conc: int) -> li
     }
     p95 = {k: _pct([r[0] * 1000 for r in v], 0.95) for k, v in res.items()}
     d_first, d_total = med["direct"]
-    f_first, f_total = med["floor"]
-    r_first, r_total = med.get("floor+read", (0.0, 0.0))
     rows = []
     for name, (first, total) in med.items():
+        # With --loops, a target on uvloop is measured against the floors on uvloop.
+        loop = " uvloop" if name.endswith(" uvloop") and "floor uvloop" in med else ""
+        f_first, f_total = med["floor" + loop]
+        r_first, r_total = med.get("floor+read" + loop, (0.0, 0.0))
         added_first, added_total = first - d_first, total - d_total
         rows.append(
             {
@@ -359,15 +372,19 @@ def _start_children(
     ports = {"adaptive-spec": free_port("127.0.0.1"), "LiteLLM": free_port("127.0.0.1")}
     serve = [sys.executable, "-m", "adaptive_spec", "serve", "--port", str(ports["adaptive-spec"])]
     serve += ["--profile", f"plain=http://127.0.0.1:{up}", *args.serve_arg]
+    older = list(serve)  # another version (--other-src) may predate --event-loop: it runs on its own default
+    if args.loops:  # "adaptive-spec" on Python's own loop, "adaptive-spec uvloop" (a variant) on uvloop's
+        serve += ["--event-loop", "asyncio"]
+        args.variant.append("adaptive-spec uvloop=--event-loop uvloop")
     children = [_spawn(serve, tmp / "adaptive-spec.log", env)]
     urls = {"adaptive-spec": f"http://127.0.0.1:{ports['adaptive-spec']}{PATH}"}
     PIDS["adaptive-spec"] = children[-1].pid
     for spec in args.other_src:  # another version of adaptive-spec, from its own source tree, in the same run
         name, _, src = spec.partition("=")
         port = free_port("127.0.0.1")
-        serve[serve.index("--port") + 1] = str(port)
+        older[older.index("--port") + 1] = str(port)
         other_env = {**env, "PYTHONPATH": f"{Path(src).resolve()}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        children.append(_spawn(serve, tmp / f"{name}.log", other_env))
+        children.append(_spawn(older, tmp / f"{name}.log", other_env))
         urls[name] = f"http://127.0.0.1:{port}{PATH}"
         PIDS[name] = children[-1].pid
     for spec in args.variant:  # the same version with other `serve` arguments: what a part of it costs
@@ -388,11 +405,11 @@ def _start_children(
         config = tmp / "litellm.yaml"
         config.write_text(
             "model_list:\n  - model_name: fake\n    litellm_params:\n      model: openai/fake\n"
-            f"      api_base: http://127.0.0.1:{up}/v1\n      api_key: sk-bench\n"
+            f"      api_base: http://127.0.0.1:{up}/v1\n      api_key: {BENCH_KEY}\n"
             "litellm_settings:\n  telemetry: false\n  drop_params: true\n"
         )
         ll_env = {**env, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "NO_DOCS": "True"}
-        ll_env["LITELLM_MASTER_KEY"] = "sk-bench"
+        ll_env["LITELLM_MASTER_KEY"] = BENCH_KEY
         command = [args.litellm, "--config", str(config), "--port", str(ports["LiteLLM"]), "--host", "127.0.0.1"]
         children.append(_spawn([*command, "--num_workers", "1"], tmp / "litellm.log", ll_env))
         PIDS["LiteLLM"] = children[-1].pid
@@ -531,6 +548,11 @@ def main() -> int:
     parser.add_argument("--other-src", action="append", default=[], metavar="NAME=SRC", help=other)
     variant = "adaptive-spec again with more `serve` arguments, e.g. 'no statistics=--tokenizer off' (repeatable)"
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS", help=variant)
+    loops = (
+        "the event loops side by side: adaptive-spec on Python's asyncio loop and on uvloop's, each floor on both "
+        "(ratios against the same loop's floor+read are printed at the end)"
+    )
+    parser.add_argument("--loops", action="store_true", help=loops)
     parser.add_argument("--watched", action="store_true", help="also adaptive-spec with a live view attached")
     parser.add_argument("--gaps", action="store_true", help="inter-chunk gaps with and without a heavy session")
     parser.add_argument("--burn-ms", type=float, default=0, help="--gaps: pure-Python work in another process too")
@@ -552,21 +574,27 @@ def main() -> int:
         ctx.Process(target=_floor_main, args=(floor, up), daemon=True),
         ctx.Process(target=_floor_main, args=(floor_read, up, True), daemon=True),
     ]
+    floors = {"floor": floor, "floor+read": floor_read}
+    if args.loops:  # the floors on uvloop too: each loop's proxy against its own loop's floor
+        floors |= {"floor uvloop": free_port("127.0.0.1"), "floor+read uvloop": free_port("127.0.0.1")}
+        procs.append(ctx.Process(target=_floor_main, args=(floors["floor uvloop"], up, False, True), daemon=True))
+        procs.append(ctx.Process(target=_floor_main, args=(floors["floor+read uvloop"], up, True, True), daemon=True))
     for proc in procs:
         proc.start()
-    PIDS["floor"], PIDS["floor+read"] = procs[1].pid or 0, procs[2].pid or 0
+    for name, proc in zip(floors, procs[1:], strict=True):
+        PIDS[name] = proc.pid or 0
     tmp = Path(tempfile.mkdtemp(prefix="overhead-"))
     children: list[subprocess.Popen[bytes]] = []
     profiler: subprocess.Popen[bytes] | None = None
     try:
         _wait_port(up)
         urls, children = _start_children(args, up, tmp)
-        targets = {"direct": f"http://127.0.0.1:{up}{PATH}", "floor": f"http://127.0.0.1:{floor}{PATH}"}
-        targets |= {"floor+read": f"http://127.0.0.1:{floor_read}{PATH}", **urls}
+        targets = {"direct": f"http://127.0.0.1:{up}{PATH}"}
+        targets |= {name: f"http://127.0.0.1:{port}{PATH}" for name, port in floors.items()} | urls
         for url in targets.values():
             asyncio.run(_wait(url))
         for name, url in targets.items():  # each adaptive-spec's statistics worker started (its tokenizer made)
-            if name not in ("direct", "floor", "floor+read", "LiteLLM"):
+            if name != "direct" and name not in floors and name != "LiteLLM":
                 asyncio.run(_settled(url))
         if "adaptive-spec watched" in targets:
             children.append(_watch(targets["adaptive-spec watched"], tmp / "feed.log"))

@@ -4,6 +4,7 @@ example following OPENAI_BASE_URL."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.servers import ProxyProcess, wait_until
+from tests.support.servers import LlamaServer, ProxyProcess, http_json, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 # How llama.cpp's own log lines begin (llama-cpp-python's loader, ggml, the server): none belongs in the terminal.
@@ -118,6 +119,29 @@ def test_loading_the_gguf_tokenizer_logs_only_when_verbose(tiny_gguf: Path, verb
     )
     native = [line for line in (done.stdout + done.stderr).splitlines() if NATIVE.match(line)]
     assert bool(native) == verbose, done.stderr[-2000:]
+
+
+def test_it_says_its_event_loop(started: tuple[ProxyProcess, Path]) -> None:
+    proxy, _ = started
+    assert "event loop: asyncio" in proxy.stderr_lines  # the default: uvloop measured no faster
+    assert http_json(proxy.base + "/v1/models")["data"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("uvloop") is None, reason="uvloop is not installed")
+def test_it_serves_on_uvloop_when_asked(tiny_server: LlamaServer, tmp_path: Path) -> None:
+    proxy = ProxyProcess(
+        "--profile",
+        f"plain={tiny_server.url}",
+        "--event-loop",
+        "uvloop",
+        env={"ADAPTIVE_SPEC_STATE_DIR": str(tmp_path)},
+    )
+    try:
+        assert "event loop: uvloop" in proxy.stderr_lines
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        assert http_json(proxy.base + "/v1/chat/completions", body)["choices"]
+    finally:
+        proxy.stop()
 
 
 def test_after_serving_it_says_what_to_do_next(started: tuple[ProxyProcess, Path]) -> None:

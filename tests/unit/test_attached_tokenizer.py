@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from adaptive_spec.server import run as serve
+from adaptive_spec.server import session_tokens
 from adaptive_spec.sessions.tokenizers import GgufTokenizer, llama_vocab_tokenizer
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.tiny_gguf import write_tiny_gguf
@@ -37,13 +37,13 @@ async def test_the_local_gguf_is_read_only_when_it_tokenizes_as_the_server(
     url = await server.start()
     try:
         async with aiohttp.ClientSession() as session:
-            found = await serve._attached_tokenizer(session, url, str(gguf))
+            found = await session_tokens.attached_tokenizer(session, url, str(gguf))
             assert found is not None and found.name == "gguf:tiny.gguf"
             same["value"] = False  # another file behind that path
-            assert await serve._attached_tokenizer(session, url, str(gguf)) is None
+            assert await session_tokens.attached_tokenizer(session, url, str(gguf)) is None
             assert "does not tokenize as the profile does" in capsys.readouterr().err
             # not this machine's address: never read here
-            assert await serve._attached_tokenizer(session, "http://10.1.2.3:9", str(gguf)) is None
+            assert await session_tokens.attached_tokenizer(session, "http://10.1.2.3:9", str(gguf)) is None
     finally:
         await server.close()
 
@@ -51,7 +51,7 @@ async def test_the_local_gguf_is_read_only_when_it_tokenizes_as_the_server(
 def test_an_attached_servers_path_that_is_not_a_regular_gguf_is_not_opened(tmp_path: Path) -> None:
     fifo = tmp_path / "fifo.gguf"
     os.mkfifo(fifo)  # reading it would wait for a writer forever
-    assert not serve._local_model("http://127.0.0.1:1", str(fifo))
-    assert not serve._local_model("http://127.0.0.1:1", "/tmp/a\x00b.gguf")
-    assert not serve._local_model("http://127.0.0.1:1", "/tmp/\ud800.gguf")
-    assert not serve._local_model("http://127.0.0.1:1", str(tmp_path))  # a directory
+    assert not session_tokens.local_model("http://127.0.0.1:1", str(fifo))
+    assert not session_tokens.local_model("http://127.0.0.1:1", "/tmp/a\x00b.gguf")
+    assert not session_tokens.local_model("http://127.0.0.1:1", "/tmp/\ud800.gguf")
+    assert not session_tokens.local_model("http://127.0.0.1:1", str(tmp_path))  # a directory

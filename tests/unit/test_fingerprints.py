@@ -112,6 +112,7 @@ def test_a_message_with_the_same_length_but_another_text_is_hashed_again() -> No
         b'  {\n "messages": [{"role": "user", "content": "h\\u00e9"}], "stream": true}  ',
         b"{}",
         b"{ }",
+        b"{" + b" \n" * 100 + b"}",
     ],
 )
 def test_fields_are_spliced_into_the_clients_bytes(raw: bytes) -> None:
@@ -141,7 +142,7 @@ async def test_waiting_updates_of_a_session_are_coalesced_and_the_rest_bounded(i
     from adaptive_spec.sessions.drafter import NgramParams
     from adaptive_spec.sessions.grouping import SessionAssignment
     from adaptive_spec.sessions.service import SessionService
-    from adaptive_spec.sessions.statistics import ContextTracker
+    from adaptive_spec.sessions.statistics import ContextTracker, closing, opening
 
     tracker = ContextTracker(NgramParams())
     service = SessionService(tracker, _Tokens(), queue_size=2, queue_bytes=1000, worker_process=in_process)
@@ -163,8 +164,10 @@ async def test_waiting_updates_of_a_session_are_coalesced_and_the_rest_bounded(i
     assert service.update_counts()["processed"] == 2
     snapshots = {s.session_id: s for s in service.snapshots()}
     assert snapshots.keys() == {"a", "b"}
-    # turn2 whole (3 messages, 6 tokens) and its reply (1), each followed by a separator; both turns count
-    assert snapshots["a"].turns == 2 and snapshots["a"].indexed_tokens == 11
+    # turn2 whole (3 messages, 6 tokens) and its reply (1), each in its framing; both turns count
+    framing = len(opening("user") + closing("user"))
+    assert len(opening("assistant") + closing("assistant")) == framing == 5
+    assert snapshots["a"].turns == 2 and snapshots["a"].indexed_tokens == 6 + 1 + 4 * framing
     assert service.copy_state("a")[0] == 2
     assert await service.settled("a", 0.01)
     assert (len(tracker.snapshots()) == 0) is in_process  # in a worker process, the proxy's own tracker stays empty

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from adaptive_spec.errors import ConfigError, LaunchError
-from adaptive_spec.server.run import _local_model, base_url, listen
+from adaptive_spec.server.run import base_url, listen
+from adaptive_spec.server.session_tokens import local_model
 
 
 def test_a_taken_port_is_refused_naming_host_and_port() -> None:
@@ -56,11 +57,11 @@ def test_an_attached_servers_model_is_read_here_only_when_it_is_this_machines_gg
     gguf, other = tmp_path / "m.gguf", tmp_path / "notes.txt"
     gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
     other.write_bytes(b"hello")
-    assert _local_model("http://127.0.0.1:8080", str(gguf))
-    assert _local_model("http://localhost:8080", str(gguf))
-    assert _local_model("http://[::1]:8080", str(gguf))
-    assert not _local_model("http://10.0.0.5:8080", str(gguf))  # another machine's path may be another file here
-    assert not _local_model("http://127.0.0.1:8080", str(other))  # not a GGUF
-    assert not _local_model("http://127.0.0.1:8080", str(tmp_path / "missing.gguf"))
-    assert not _local_model("http://127.0.0.1:8080", "m.gguf")  # relative: the server's working directory
-    assert not _local_model("http://127.0.0.1:8080", "")
+    assert local_model("http://127.0.0.1:8080", str(gguf))
+    assert local_model("http://localhost:8080", str(gguf))
+    assert local_model("http://[::1]:8080", str(gguf))
+    assert not local_model("http://10.0.0.5:8080", str(gguf))  # another machine's path may be another file here
+    assert not local_model("http://127.0.0.1:8080", str(other))  # not a GGUF
+    assert not local_model("http://127.0.0.1:8080", str(tmp_path / "missing.gguf"))
+    assert not local_model("http://127.0.0.1:8080", "m.gguf")  # relative: the server's working directory
+    assert not local_model("http://127.0.0.1:8080", "")

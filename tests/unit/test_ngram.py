@@ -1,9 +1,10 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from adaptive_spec.sessions.drafter import SEPARATOR, NgramIndex, NgramParams, estimate_drafts
-from adaptive_spec.sessions.statistics import ContextTracker
+from adaptive_spec.sessions.statistics import ContextTracker, closing, opening
 
 PARAMS = NgramParams(n_match=4, n_min=3, n_max=8)
 
@@ -153,3 +154,109 @@ def test_the_replay_and_the_index_agree_with_the_first_implementation_token_for_
                 ref.window.tokens,
             )
     assert seen_drafts > 50 and seen_accepted > 500  # the replays drafted, and drafts were accepted
+
+
+def test_an_agents_short_call_and_result_cycle_is_drafted_across_the_framing() -> None:
+    """A tool call (25 tokens) and its result (15) repeated turn after turn, with llama-server's own settings
+    (24-token window, 48-token minimum draft): each message is shorter than a draft, the cycle in its framing is not,
+    and the repeated calls are drafted whole. Separated by nothing but a reset, nothing would be."""
+    tracker = ContextTracker(NgramParams())
+    call, result = _tokens(7, 25), _tokens(8, 15)
+    tracker.on_prompt("s", "p", [b"sys", b"u"], [_tokens(5, 300), _tokens(6, 20)], 0.0, ["system", "user"])
+    digests = [b"sys", b"u"]
+    turns = []
+    for n in range(6):
+        turns.append(tracker.on_output("s", "p", b"c%d" % n, call, 0.0, calls=True))
+        digests += [b"c%d" % n, b"r%d" % n]
+        tracker.on_prompt("s", "p", digests, [result], 0.0, ["tool"])
+    assert turns[0].est_accepted == 0  # the first call is new
+    assert all(t.est_accepted_share == 1.0 for t in turns[3:]), turns
+    index = NgramIndex(24, 10_000)  # the same stream with each message on its own: no draft reaches 48 tokens
+    index.extend(_tokens(5, 300))
+    for _ in range(6):
+        assert estimate_drafts(index, call, NgramParams()).drafted == 0
+        index.extend([SEPARATOR, *result, SEPARATOR])
+
+
+def test_a_rewritten_history_does_not_run_on_from_the_last_reply() -> None:
+    tracker = ContextTracker(PARAMS)
+    tracker.on_prompt("s", "p", [b"a"], [[1, 2, 3, 4, 5, 6]], 0.0)
+    tracker.on_output("s", "p", b"r", [7, 8, 9], 0.0)
+    session = tracker._sessions.get("s")
+    assert session is not None
+    tracker.on_prompt("s", "p", [b"a", b"r", b"u"], [[10]], 0.0)  # appended: the window runs on
+    assert session.index.window.run > 4
+    tracker.on_prompt("s", "p", [b"other"], [[11, 12]], 0.0)  # rewritten: a fresh window
+    assert session.index.window.run == len(opening("user")) + 2 + len(closing("user"))
+
+
+def _first_turn(tracker: ContextTracker, sid: str, digests: list[bytes], texts: list[list[int]]) -> tuple[Any, ...]:
+    """A new session's first request and its reply: (plan, prompt figures, turn, indexed tokens)."""
+    plan = tracker.plan(sid, [(d, False) for d in digests])
+    roles = ["system", *(["user", "tool"] * len(texts))][: len(texts)]
+    prompt = tracker.on_prompt(sid, "p", digests, [texts[i] for i in plan], 0.0, [roles[i] for i in plan])
+    turn = tracker.on_output(sid, "p", b"reply-" + sid.encode(), texts[-1][:300], 1.0)
+    snap = tracker.snapshot(sid)
+    assert snap is not None
+    return plan, prompt, turn, snap.indexed_tokens
+
+
+def test_a_long_history_sent_again_as_a_new_session_is_indexed_once_with_the_same_figures() -> None:
+    texts = [_tokens(20 + i, 1500) for i in range(4)]  # 6,000 tokens: kept as an opening
+    digests = [b"sys", b"u1", b"t1", b"u2"]
+    tracker = ContextTracker(PARAMS)
+    plan_a, prompt_a, turn_a, indexed_a = _first_turn(tracker, "a", digests, texts)
+    assert plan_a == [0, 1, 2, 3]
+    # Another new session with the same history (no session id, sent again): nothing to tokenize or index.
+    plan_b, prompt_b, turn_b, indexed_b = _first_turn(tracker, "b", digests, texts)
+    assert plan_b == []
+    assert (prompt_b, turn_b, indexed_b) == (prompt_a, turn_a, indexed_a)
+    # One that goes on from it indexes only what follows, with the figures of indexing it all.
+    more, more_digests = [*texts, _tokens(30, 200)], [*digests, b"u3"]
+    plan_c, prompt_c, turn_c, indexed_c = _first_turn(tracker, "c", more_digests, more)
+    assert plan_c == [4]
+    alone = ContextTracker(PARAMS, opening_tokens=0)
+    plan_d, prompt_d, turn_d, indexed_d = _first_turn(alone, "c", more_digests, more)
+    assert plan_d == [0, 1, 2, 3, 4]
+    assert (prompt_c, turn_c, indexed_c) == (prompt_d, turn_d, indexed_d)
+    # The sessions are apart: a's next turn does not change what b and c started from.
+    next_turn = [*[(d, False) for d in digests], (b"reply-a", True), (b"u9", False)]
+    assert tracker.plan("a", next_turn) == [5]
+    tracker.on_prompt("a", "p", [*digests, b"reply-a", b"u9"], [_tokens(40, 3000)], 2.0)
+    plan_e, prompt_e, turn_e, indexed_e = _first_turn(tracker, "e", digests, texts)
+    assert plan_e == [] and (prompt_e, turn_e, indexed_e) == (prompt_a, turn_a, indexed_a)
+
+
+def test_openings_are_only_long_first_prompts_and_stay_bounded() -> None:
+    tracker = ContextTracker(PARAMS, opening_tokens=10_000)
+    short = [_tokens(50, 100)]
+    _first_turn(tracker, "a", [b"short"], short)
+    assert tracker.plan("b", [(b"short", False)]) == [0]  # too short to keep: indexed again
+    for i in range(3):  # 6,000 tokens each: the bound keeps one
+        _first_turn(tracker, f"long{i}", [f"m{i}".encode()], [_tokens(60 + i, 6000)])
+    assert tracker.plan("x", [(b"m0", False)]) == [0]
+    assert tracker.plan("y", [(b"m2", False)]) == []
+
+
+def test_a_plan_whose_prompt_was_never_indexed_leaves_nothing_behind() -> None:
+    texts = [_tokens(70 + i, 1500) for i in range(4)]
+    digests = [b"sys", b"u1", b"t1", b"u2"]
+    tracker = ContextTracker(PARAMS, opening_tokens=7000)
+    _first_turn(tracker, "a", digests, texts)
+    assert tracker.plan("b", [(d, False) for d in digests]) == []  # ... and its update then failed
+    _first_turn(tracker, "other", [b"x"], [_tokens(80, 6500)])  # the bound now keeps only this opening
+    _, prompt, turn, indexed = _first_turn(tracker, "b", digests, texts)
+    alone = ContextTracker(PARAMS, opening_tokens=0)
+    assert (prompt, turn, indexed) == _first_turn(alone, "b", digests, texts)[1:]
+
+
+def test_a_prompt_indexed_in_part_is_not_kept_as_an_opening() -> None:
+    texts = [_tokens(90 + i, 1500) for i in range(4)]
+    digests = [b"sys", b"u1", b"t1", b"u2"]
+    tracker = ContextTracker(PARAMS, idle_expiry_s=10.0)
+    _first_turn(tracker, "a", digests, texts)
+    later = [*digests, b"reply-a", b"u3"]
+    assert tracker.plan("a", [*[(d, False) for d in digests], (b"reply-a", True), (b"u3", False)]) == [5]
+    tracker.expire(100.0)  # the session expires between its plan and its fold: its prompt is indexed in part
+    tracker.on_prompt("a", "p", later, [_tokens(99, 5000)], 100.0)
+    assert tracker.plan("z", [(d, False) for d in later]) == [4, 5]  # from the whole first prompt, not the part

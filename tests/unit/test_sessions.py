@@ -200,3 +200,69 @@ def test_a_workspace_path_found_by_the_caller_is_used_as_is() -> None:
     assert resolve_project(None, None, {}, {}, body, None, workspace_path="/home/dev/shop") == ("shop", "workspace")
     assert resolve_project(None, None, {}, {}, body, "old", workspace_path=None) == ("old", "session")
     assert resolve_project(None, None, {}, {}, body, None) == ("elsewhere", "workspace")
+
+
+def test_a_served_tool_call_reads_as_the_model_wrote_it_and_the_same_when_sent_back() -> None:
+    """Streamed (chat, Responses, Anthropic) or whole, a call reads `{"name": ..., "arguments": ...}`, as the
+    templates render it; sent back with other spacing (opencode's compact JSON) it reads the same, so the
+    statistics' stream repeats where the server's does, and the reply is known when it comes back."""
+    from adaptive_spec.sessions.grouping import context_entries, context_texts, message_digest
+    from adaptive_spec.streams.output import OutputCollector, event_output
+
+    args = '{"filePath": "/r/a.py", "limit": 20}'
+    want = '{"name": "read", "arguments": {"filePath": "/r/a.py", "limit": 20}}'
+    chat: list[dict[str, Any]] = [
+        {"choices": [{"delta": {"content": "Reading."}}]},
+        {
+            "choices": [
+                {"delta": {"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "read", "arguments": ""}}]}}
+            ]
+        },
+        {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": args[:9]}}]}}]},
+        {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": args[9:]}}]}}]},
+        {
+            "choices": [
+                {"delta": {"tool_calls": [{"index": 1, "id": "c2", "function": {"name": "read", "arguments": args}}]}}
+            ]
+        },
+    ]
+    responses: list[dict[str, Any]] = [
+        {"type": "response.output_item.added", "item": {"type": "function_call", "call_id": "c1", "name": "read"}},
+        {"type": "response.function_call_arguments.delta", "delta": args},
+        {"type": "response.output_text.delta", "delta": "Done."},
+    ]
+    anthropic: list[dict[str, Any]] = [
+        {"type": "content_block_start", "content_block": {"type": "tool_use", "id": "c1", "name": "read"}},
+        {"type": "content_block_delta", "delta": {"type": "input_json_delta", "partial_json": args}},
+    ]
+    read = []
+    for events in (chat, responses, anthropic):
+        collector = OutputCollector()
+        for event in events:
+            collector.add(*event_output(event))
+        read.append(collector.text)
+    assert read == ["Reading.\n" + want + "\n" + want, want + "Done.", want]
+    whole, ids = body_output(
+        {"choices": [{"message": {"tool_calls": [{"id": "c1", "function": {"name": "read", "arguments": args}}]}}]}
+    )
+    assert "".join(whole) == want[:-1]  # the collector closes it
+    collector = OutputCollector()
+    collector.add(whole, ids)
+    assert collector.text == want and ids == ["c1"] and collector.calls == 1
+    sent_back = {"messages": [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "read", "arguments": '{"filePath":"/r/a.py","limit":20}'}}
+    ]}, {"role": "tool", "tool_call_id": "c1", "content": "1: x = 1"}]}  # fmt: skip
+    # As the statistics read it (its arguments spaced); on the request path as sent, which the digests ignore.
+    (role, assistant, text, calls), (tool_role, _, result, no_calls) = context_entries(sent_back, spaced={0})
+    compact = next(context_texts(sent_back))[2]
+    assert compact == '{"name": "read", "arguments": {"filePath":"/r/a.py","limit":20}}'
+    assert message_digest("assistant", compact) == message_digest("assistant", text)
+    assert (role, assistant, text, calls) == ("assistant", True, want, True)
+    assert message_digest("assistant", text) == message_digest("assistant", collector.text)
+    assert (tool_role, result, no_calls) == ("tool", "1: x = 1", False)
+    # Text and two calls, sent back as they were served: the same text, token for token.
+    call = {"function": {"name": "read", "arguments": '{"filePath":"/r/a.py","limit":20}'}}
+    both = {"messages": [{"role": "assistant", "content": "Reading.", "tool_calls": [call, call]}]}
+    assert next(context_entries(both, spaced={0}))[2] == read[0]
+    odd = {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "w", "arguments": "{not json"}}]}]}
+    assert next(context_entries(odd, spaced={0}))[2] == '{"name": "w", "arguments": {not json}'  # not JSON: as given

@@ -6,7 +6,7 @@ capped queue of waiting updates, the metrics' capped project labels)."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, KeysView
 from typing import Generic, TypeVar
 
 K = TypeVar("K")
@@ -68,6 +68,10 @@ class LRU(Generic[K, V]):
 
     def __len__(self) -> int:
         return len(self._data)
+
+    def keys(self) -> KeysView[K]:
+        """A live view of the keys (set operations such as `isdisjoint` run in C over it)."""
+        return self._data.keys()
 
     def __iter__(self) -> Iterator[K]:
         """Keys, least recently used first."""

@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import socket
-import stat
 import sys
 import tempfile
 import time
@@ -16,7 +15,6 @@ from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 import platformdirs
@@ -33,6 +31,8 @@ from adaptive_spec.routing.policy_files import PolicyStore, config_dir
 from adaptive_spec.server.app import KvSetup, ProxySettings, build_app
 from adaptive_spec.server.connection_book import ConnectionLimits
 from adaptive_spec.server.connections import WatchedSite, watch_connections
+from adaptive_spec.server.event_loop import loop_factory, loop_name
+from adaptive_spec.server.session_tokens import choose_tokenizer
 from adaptive_spec.servers.footprint import device_report, launch_lines
 from adaptive_spec.servers.launcher import Launcher
 from adaptive_spec.servers.profile_servers import (
@@ -58,16 +58,9 @@ from adaptive_spec.servers.profiles import (
 from adaptive_spec.servers.speculation import speculation_problem
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.sessions.drafter import NgramParams
+from adaptive_spec.sessions.grouping import ECHO_FINGERPRINTS
 from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker
-from adaptive_spec.sessions.tokenizers import (
-    CachingTokenizer,
-    EndpointTokenizer,
-    GgufTokenizer,
-    Tokenizer,
-    llama_vocab_tokenizer,
-    tiktoken_o200k,
-)
 from adaptive_spec.telemetry.bus import EventBus
 from adaptive_spec.telemetry.trace import TraceWriter
 
@@ -94,6 +87,7 @@ class SessionPlan:
     max_sessions: int = 64
     max_tokens: int = 131_072
     idle_expiry_s: float = 3600.0
+    echo_fingerprints: int = ECHO_FINGERPRINTS  # the reply echo's bound (sessions/grouping.py)
 
 
 @dataclass(frozen=True)
@@ -116,79 +110,8 @@ class ServePlan:
     remote_prefill: RemotePrefillPlan | None = None  # --pp-server
     relays: RelayMoverPlan | None = None  # --relay SERVER_URL=RELAY_URL: KV moves between hosts
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)  # slow and idle clients, the cap
-
-
-async def _tokenizer(
-    plan: ServePlan, session: aiohttp.ClientSession, default_url: str, attached_model: str = ""
-) -> Tokenizer | None:
-    """The token source for session statistics: the GGUF's own, the profile's /tokenize, or tiktoken.
-    `attached_model`: the model file an attached default profile's /props names."""
-    choice = plan.sessions.tokenizer
-    if choice == "off":
-        return None
-    model_path = plan.launch.settings.model.path if plan.launch is not None else None
-    if model_path is None and choice in ("auto", "gguf"):
-        attached = await _attached_tokenizer(session, default_url, attached_model, plan.verbose)
-        if attached is not None:
-            return attached
-    if choice in ("auto", "gguf") and model_path:
-        found = await asyncio.to_thread(llama_vocab_tokenizer, model_path, plan.verbose)
-        if found is not None:
-            return CachingTokenizer(found)
-        if choice == "gguf":
-            raise ConfigError("--tokenizer gguf needs llama-cpp-python: pip install 'adaptive-spec[gguf-tokenizer]'")
-    if choice in ("auto", "endpoint"):
-        endpoint = EndpointTokenizer(session, default_url)
-        try:
-            await endpoint.encode(["probe"])
-            return CachingTokenizer(endpoint)
-        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
-            if choice == "endpoint":
-                raise LaunchError(f"--tokenizer endpoint: {default_url}/tokenize failed: {exc}") from exc
-            say(f"{default_url}/tokenize failed ({exc}); counting tokens with tiktoken o200k_base instead")
-    return CachingTokenizer(await asyncio.to_thread(tiktoken_o200k))
-
-
-async def _attached_tokenizer(
-    session: aiohttp.ClientSession, base_url: str, model_path: str, verbose: bool = False
-) -> Tokenizer | None:
-    """The GGUF an attached llama-server on this machine names, read here, when it tokenizes a probe text exactly
-    as the server's own /tokenize does (a loopback port may lead to a container or a tunnel whose path means another
-    file here, and a newer server may read its file differently): else None, and the caller asks the server."""
-    if not await asyncio.to_thread(_local_model, base_url, model_path):
-        return None
-    try:
-        local = await asyncio.to_thread(llama_vocab_tokenizer, model_path, verbose)
-        if not isinstance(local, GgufTokenizer):
-            return None
-        mine = [await asyncio.to_thread(local.llama_encode, _VOCAB_PROBE)]  # llama.cpp's own, as the server's
-        theirs = await EndpointTokenizer(session, base_url).encode([_VOCAB_PROBE])
-    except Exception as exc:  # a file llama-cpp-python cannot read, a server that does not answer: ask the server
-        say(f"sessions: not reading {model_path} here ({exc}); asking the profile's /tokenize")
-        return None
-    if mine != theirs:
-        say(f"sessions: {model_path} here does not tokenize as the profile does; asking the profile's /tokenize")
-        return None
-    return CachingTokenizer(local)
-
-
-# Code, prose, digits and another script: what two vocabularies that differ would split differently.
-_VOCAB_PROBE = "def main(argv):\n    return 42  # It's done: 3.14 ms, \u00e9t\u00e9, \u4e2d\u6587, \U0001f600\n"
-
-
-def _local_model(base_url: str, model_path: str) -> bool:
-    """An attached profile's model file may be this machine's: the server listens on a loopback address and the file
-    (absolute, a regular file, a GGUF by its magic) is here."""
-    host = urlsplit(base_url).hostname or ""
-    if host not in ("localhost", "127.0.0.1", "::1") or not model_path or not os.path.isabs(model_path):
-        return False
-    try:
-        if not stat.S_ISREG(os.stat(model_path).st_mode):  # not a pipe or a device, whose read would wait
-            return False
-        with open(model_path, "rb") as fh:
-            return fh.read(4) == b"GGUF"
-    except (OSError, ValueError):  # ValueError: a NUL or a lone surrogate in the path
-        return False
+    event_loop: str = "asyncio"  # server/event_loop.py: asyncio or uvloop
+    agents_note: str | None = None  # which embedded model suits coding agents, said after start
 
 
 def state_dir() -> Path:
@@ -235,7 +158,7 @@ def _examples_dir() -> Path | None:
     return found if (found / "README.md").is_file() else None
 
 
-def announce(root: str, default_profile: str) -> None:
+def announce(root: str, default_profile: str, agents_note: str | None = None) -> None:
     """What a person does next: the base URL for their agent (on stdout, for scripts), how to watch, where the agent
     setups are."""
     say(f"adaptive-spec is serving; default profile {default_profile!r}. Point your editor at:")
@@ -246,6 +169,8 @@ def announce(root: str, default_profile: str) -> None:
         f"agent setups: {examples or 'examples/ in the adaptive-spec source'} (opencode, Codex CLI, aider, Continue, "
         "openai SDK); Ctrl-C stops adaptive-spec"
     )
+    if agents_note:
+        say(agents_note)
 
 
 @dataclass
@@ -292,6 +217,7 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
             run.launcher.set_health_hooks(*health_hooks(run.launched, table))
         app = await _app(run, policies, table, bus)
         say(describe_access(plan.access))
+        say(f"event loop: {loop_name()}")
         watch = watch_connections(app, plan.connections, say)
         # The shutdown grace is the app's own (it tells each request it ends); aiohttp then waits for them briefly.
         # The connections' handlers are the watch's (WatchedSite), made with their options there.
@@ -299,7 +225,7 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
         await run.runner.setup()
         for sock in run.sockets:
             await WatchedSite(run.runner, sock, watch).start()
-        announce(base_url(plan.host, run.sockets[0]), table.default)
+        announce(base_url(plan.host, run.sockets[0]), table.default, plan.agents_note)
         await stop.wait()
         running = len(app[LIFECYCLE].handlers)
         grace = plan.proxy.shutdown_grace_s
@@ -383,13 +309,23 @@ async def _sessions(
     default = table.get(table.default)
     assert default is not None
     attached = next((i.model_path for i in infos if i.name == table.default and i.replica == 0), "")
-    tokenizer = await _tokenizer(plan, client, default.base_url, attached)
+    model_path = plan.launch.settings.model.path if plan.launch is not None else None
+    tokenizer = await choose_tokenizer(
+        plan.sessions.tokenizer, model_path, client, default.base_url, attached, verbose=plan.verbose, say=say
+    )
     sp = plan.sessions
     tracker = ContextTracker(
         sp.ngram, max_sessions=sp.max_sessions, max_tokens=sp.max_tokens, idle_expiry_s=sp.idle_expiry_s
     )
     say(f"sessions: tokens from {tokenizer.name if tokenizer else 'nowhere (statistics off)'}")
-    return SessionService(tracker, tokenizer, sp.key_projects, publish=bus.publish, worker_process=True)
+    return SessionService(
+        tracker,
+        tokenizer,
+        sp.key_projects,
+        publish=bus.publish,
+        worker_process=True,
+        max_fingerprints=sp.echo_fingerprints,
+    )
 
 
 def _trace(plan: ServePlan, infos: list[ProfileInfo]) -> TraceWriter | None:
@@ -447,4 +383,5 @@ def run(plan: ServePlan) -> None:
             loop.add_signal_handler(sig, stop.set)
         await _run(plan, stop)
 
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=loop_factory(plan.event_loop)) as runner:
+        runner.run(main())

@@ -5,27 +5,34 @@ Pure and synchronous: the proxy hands in headers and the parsed body, and tells 
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import itertools
 from array import array
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterator, KeysView, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from adaptive_spec.common.headers import PARENT_SESSION_HEADERS, SESSION_HEADERS, SUBAGENT_HEADERS
 from adaptive_spec.common.lru import LRU
+from adaptive_spec.streams.output import call_text
 
 # Lines shorter than this are too common ("return x", "}") to say which session served them.
 _MIN_ECHO_LINE = 24
 _MAX_LINES_PER_REPLY = 400
+# The reply echo's bound, each of its two maps (`serve --echo-fingerprints`): ~70 MiB together when both are full
+# (~180 B an entry, measured with tracemalloc), reached after about as many served replies.
+ECHO_FINGERPRINTS = 200_000
 _AMBIGUOUS = ""
 # What str.split() splits ASCII text on: deleting these bytes gives the same text as joining its split words.
 _ASCII_SPACE = b" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f"
 # A text from this size on keeps its echo lines' keys (a message sent again, in any session, is not read again): at
-# most this many texts, and this many keys in all (8 bytes each).
+# most this many texts, and this many keys in all (8 bytes each; each kept twice, in order and sorted).
 _SCAN_CACHE_CHARS = 2048
 _SCAN_CACHE_TEXTS = 16_384
 _SCAN_CACHE_KEYS = 1_000_000
+# Sessions whose id the fingerprints share (one string a session, not a copy per reply: see `SessionRegistry`).
+_SHARED_IDS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,16 +122,47 @@ def explicit_session(headers: Mapping[str, str], body: Mapping[str, Any]) -> tup
     return None
 
 
-class SessionRegistry:
-    """Sessions by id, plus a bounded map from served-reply fingerprints to the session that got them."""
+class _Scan:
+    """A long text's echo line keys (in order, and sorted to look one up), and how far into the served-lines log
+    it is known to quote none of them: a text sent again is tested only against the lines served since (-1: not
+    known)."""
 
-    def __init__(self, max_fingerprints: int = 200_000) -> None:
-        self._replies: LRU[bytes, str] = LRU(max_fingerprints)
-        self._lines: LRU[int, str] = LRU(max_fingerprints)
-        # The keys `_lines` holds, as a set: whether a request quotes any served line is one C-level test per message.
-        self._served_lines: set[int] = set()
+    __slots__ = ("_sorted", "clear_to", "keys")
+
+    def __init__(self, keys: array[int]) -> None:
+        self.keys = keys
+        self._sorted: array[int] | None = None  # sorted when first looked into: most texts are never sent again
+        self.clear_to = -1
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def holds(self, key: int) -> bool:
+        if self._sorted is None:
+            self._sorted = array("q", sorted(self.keys))
+        at = bisect.bisect_left(self._sorted, key)
+        return at < len(self._sorted) and self._sorted[at] == key
+
+
+class SessionRegistry:
+    """Sessions by id, plus a bounded map from served-reply fingerprints to the session that got them.
+
+    The maps fill at one entry a served reply and one a served line until their bound, so each entry holds as
+    little as it can: its key, and the one id string of its session (a session id arrives as a new string with
+    every request's headers or body; a copy per entry was a quarter of the maps' memory)."""
+
+    def __init__(self, max_fingerprints: int = ECHO_FINGERPRINTS) -> None:
+        self._replies: LRU[bytes, str] = LRU(max(1, max_fingerprints))
+        self._lines: LRU[int, str] = LRU(max(1, max_fingerprints))
+        self._ids: LRU[str, str] = LRU(_SHARED_IDS)  # a session id -> the string its entries share
         # Texts seen before (any session's, any role): their echo lines' keys, so no text is read for lines twice.
-        self._scans: LRU[tuple[int, int], array[int]] = LRU(_SCAN_CACHE_TEXTS, max_weight=_SCAN_CACHE_KEYS, weigh=len)
+        self._scans: LRU[tuple[int, int], _Scan] = LRU(
+            _SCAN_CACHE_TEXTS, max_weight=_SCAN_CACHE_KEYS, weigh=lambda scan: 2 * len(scan)
+        )
+        # Each key as it joins the served lines (again after it was dropped), from position `_log_start` on.
+        self._served_log: array[int] = array("q")
+        self._log_start = 0
+        self._log_limit = 2 * max(1, max_fingerprints)  # 8 bytes a key; past it the older half goes
         self._counter = itertools.count(1)
 
     def assign(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> SessionAssignment:
@@ -142,31 +180,57 @@ class SessionRegistry:
 
     def note_reply(self, session_id: str, text: str, tool_call_ids: list[str]) -> None:
         """Remember what the proxy served, so a later request that carries it back is grouped with it."""
-        if text.strip():
+        said = bool(text.strip())
+        if not said and not tool_call_ids:
+            return
+        session_id = self._ids.get(session_id) or session_id
+        self._ids.put(session_id, session_id)
+        if said:
             self._put(self._replies, _digest(_norm(text)), session_id)
             for line in itertools.islice(dict.fromkeys(_echo_lines(text)), _MAX_LINES_PER_REPLY):
                 key = _line_key(line)
-                self._served_lines.add(key)
-                for dropped, _ in self._put(self._lines, key, session_id):
-                    self._served_lines.discard(dropped)
+                if key not in self._lines:
+                    self._served_log.append(key)
+                self._put(self._lines, key, session_id)
+            if len(self._served_log) > self._log_limit:
+                drop = len(self._served_log) // 2
+                del self._served_log[:drop]
+                self._log_start += drop
         for call_id in tool_call_ids:
             self._put(self._replies, _digest("tool-call:" + call_id), session_id)
 
-    def _put(self, table: LRU[Any, str], key: Any, session_id: str) -> list[tuple[Any, str]]:
+    def _put(self, table: LRU[Any, str], key: Any, session_id: str) -> None:
         # Text served to two sessions (a stock phrase, a shared snippet) says nothing about either: mark it void.
         previous = table.get(key)
-        return table.put(key, session_id if previous in (None, session_id) else _AMBIGUOUS)
+        table.put(key, session_id if previous in (None, session_id) else _AMBIGUOUS)
 
-    def _line_keys(self, text: str) -> Sequence[int]:
+    def _line_keys(self, text: str) -> Sequence[int] | _Scan:
         """`echo_line_keys(text)`, remembered for a long text: read once, however many requests carry it."""
         if len(text) < _SCAN_CACHE_CHARS:
             return echo_line_keys(text)
         at = (len(text), hash(text))
-        keys = self._scans.get(at)
-        if keys is None:
-            keys = echo_line_keys(text)
-            self._scans.put(at, keys)
-        return keys
+        scan = self._scans.get(at)
+        if scan is None:
+            scan = _Scan(echo_line_keys(text))
+            self._scans.put(at, scan)
+        return scan
+
+    def _quotes_none(self, keys: Sequence[int] | _Scan, served: KeysView[int]) -> bool:
+        """Whether a text quotes no served line. A long text found so before is tested only against the lines
+        served since (a history sent again is mostly texts tested on its last turn)."""
+        if not isinstance(keys, _Scan):
+            return served.isdisjoint(keys)
+        end = self._log_start + len(self._served_log)
+        if keys.clear_to == end:
+            return True
+        since = keys.clear_to - self._log_start
+        if keys.clear_to >= 0 and since >= 0 and (end - keys.clear_to) * 16 < len(keys):
+            none = not any(k in served and keys.holds(k) for k in self._served_log[since:])
+        else:
+            none = served.isdisjoint(keys.keys)
+        if none:
+            keys.clear_to = end
+        return none
 
     def _echo(self, body: Mapping[str, Any]) -> tuple[str, str] | None:
         messages = messages_of(body)
@@ -188,19 +252,19 @@ class SessionRegistry:
         Lines that also appear in a system prompt are ignored: unrelated sessions of one client share those.
         """
         system: set[int] = set()
-        quoted: list[Sequence[int]] = []
+        quoted: list[Sequence[int] | _Scan] = []
         for message in messages:
             keys = self._line_keys(message_text(message.get("content")))
             if message.get("role") in ("system", "developer"):
-                system.update(keys)
+                system.update(keys.keys if isinstance(keys, _Scan) else keys)
             else:
                 quoted.append(keys)
-        served = self._served_lines
-        if all(served.isdisjoint(keys) for keys in quoted):
+        served = self._lines.keys()  # whether a request quotes any served line: one C-level test per message
+        if all(self._quotes_none(keys, served) for keys in quoted):
             return None  # the usual answer (a new conversation), found without a lookup per line
         votes: dict[str, int] = {}
-        for keys in quoted:
-            for key in keys:
+        for found in quoted:
+            for key in found.keys if isinstance(found, _Scan) else found:
                 hit = self._lines.get(key) if key in served and key not in system else None
                 if hit:
                     votes[hit] = votes.get(hit, 0) + 1
@@ -228,17 +292,20 @@ def _tool_call_ids(message: Mapping[str, Any]) -> list[str]:
     return ids
 
 
-def _tool_text(message: Mapping[str, Any]) -> str:
+def _tool_text(message: Mapping[str, Any], spaced: bool = False) -> str:
+    """A message's tool calls as the model wrote them (`call_text`, what the served reply reads as; their arguments
+    spaced as the template writes them when `spaced`), or the result a tool returned."""
     parts = []
     calls = message.get("tool_calls")
     if isinstance(calls, list):
         for call in calls:
             function = call.get("function") if isinstance(call, dict) else None
             if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-                parts.append(function["arguments"])
-    for key in ("arguments", "output"):  # Responses-API function_call / function_call_output items
-        if isinstance(message.get(key), str):
-            parts.append(message[key])
+                parts.append(call_text(function.get("name"), function["arguments"], spaced=spaced))
+    if isinstance(message.get("arguments"), str):  # a Responses-API function_call item
+        parts.append(call_text(message.get("name"), message["arguments"], spaced=spaced))
+    if isinstance(message.get("output"), str):  # a function_call_output item
+        parts.append(message["output"])
     return "\n".join(parts)
 
 
@@ -258,20 +325,33 @@ def message_key(role: str, text: str) -> int:
 
 def context_texts(body: Mapping[str, Any]) -> Iterator[tuple[str, bool, str]]:
     """A request's context as (role, written by the assistant, text), system prompt first."""
+    for role, assistant, text, _ in context_entries(body):
+        yield role, assistant, text
+
+
+def context_entries(body: Mapping[str, Any], spaced: Container[int] = ()) -> Iterator[tuple[str, bool, str, bool]]:
+    """`context_texts`, each with whether the message holds tool calls (the template frames those otherwise). The
+    calls of the entries whose index is in `spaced` have their arguments spaced as the template writes them (what
+    the session statistics tokenize); the others as the client sent them (the digests ignore whitespace)."""
+    i = -1
     for key in ("instructions", "system"):  # Responses API and Anthropic keep the system prompt apart
         text = message_text(body.get(key))
         if text:
-            yield "system", False, text
+            i += 1
+            yield "system", False, text, False
     for message in messages_of(body):
+        i += 1
         role = message.get("role") or message.get("type") or ""
         if type(role) is not str:
             role = str(role)
         content = message.get("content")
         text = content if type(content) is str else message_text(content)
+        calls = False
         if "tool_calls" in message or "arguments" in message or "output" in message:  # its calls' text joins it
-            tools = _tool_text(message)
+            tools = _tool_text(message, i in spaced)
+            calls = bool(tools) and "output" not in message
             text = (text + "\n" + tools if text else tools) if tools else text
-        yield role, role in _ASSISTANT_ROLES, text
+        yield role, role in _ASSISTANT_ROLES, text, calls
 
 
 _ASSISTANT_ROLES = frozenset(("assistant", "function_call", "custom_tool_call"))

@@ -37,11 +37,12 @@ PROMPT_OVERHEAD_TOKENS = 4.0
 # says <tool_call>), measured on llama-server; it would otherwise read as a very low characters-per-token rate.
 TOOLS_OVERHEAD_TOKENS = 86.0
 DEFAULT_CHARS_PER_TOKEN = 3.5
-# What a template writes around each tool call (a fenced json block `{"name": …, "arguments": …}` in the shipped
-# template, one token more than Qwen's own `<tool_call>…</tool_call>`) and each tool result
-# (`<tool_response>…</tool_response>`) beyond a message's markers: measured on llama-server with opencode's and
-# Codex CLI's recorded turns (40-45 tokens per call and result).
-TOOL_CALL_TOKENS = 26.0
+# What a template writes around each tool call beyond a message's markers and the call's text (`call_text`,
+# `{"name": …, "arguments": …}`): the fence of the shipped template's json block, one token more than Qwen's own
+# `<tool_call>…</tool_call>`, and what characters alone miss of the call's JSON; and around each tool result
+# (`<tool_response>…</tool_response>`). Measured on llama-server with opencode's and Codex CLI's recorded turns
+# (40-45 tokens per call and result; 26 for a call when its text was its arguments alone).
+TOOL_CALL_TOKENS = 16.0
 TOOL_RESULT_TOKENS = 15.0
 # A request's characters-per-token sample counts in full from this many characters on, and in proportion below
 # (a 21-character prompt under a default system prompt says nothing about the rate of a 30,000-character one).

@@ -18,7 +18,7 @@ from typing import Any
 from adaptive_spec.common.lru import LRU
 from adaptive_spec.sessions import updates
 from adaptive_spec.sessions import worker as session_worker
-from adaptive_spec.sessions.grouping import SessionAssignment, SessionRegistry, context_texts
+from adaptive_spec.sessions.grouping import ECHO_FINGERPRINTS, SessionAssignment, SessionRegistry
 from adaptive_spec.sessions.project import resolve_project
 from adaptive_spec.sessions.statistics import ContextTracker, SessionSnapshot, TurnStats
 from adaptive_spec.sessions.tokenizers import Tokenizer, tokenizer_spec
@@ -52,6 +52,7 @@ class _Work:
     body_bytes: int = 0
     raw: bytes = b""  # the client's bytes of `body` (what the worker process is sent, rather than `body` pickled)
     turns: int = 1  # the session's turns it stands for (the later of two waiting updates replaces the earlier)
+    output_calls: bool = False  # the reply is tool calls
 
 
 class SessionService:
@@ -64,8 +65,9 @@ class SessionService:
         publish: Callable[[Event], None] = lambda _event: None,
         queue_bytes: int = 64 * 1024 * 1024,
         worker_process: bool = False,
+        max_fingerprints: int = ECHO_FINGERPRINTS,
     ) -> None:
-        self.registry = SessionRegistry()
+        self.registry = SessionRegistry(max_fingerprints)
         self.tracker = tracker
         self.tokenizer = tokenizer
         self._key_projects = dict(key_projects or {})
@@ -145,7 +147,10 @@ class SessionService:
         ):
             self.dropped += 1
             return
-        work = _Work(request_id, sid, project, body, text, time.time(), side, line_moved, body_bytes, raw_body)
+        work = _Work(
+            request_id, sid, project, body, text, time.time(), side, line_moved, body_bytes, raw_body,
+            output_calls=out.calls > 0,
+        )  # fmt: skip
         self._waiting_bytes += body_bytes - freed
         if older is not None:
             self.coalesced += 1
@@ -293,7 +298,7 @@ class SessionService:
         if self._spec is not None and work.raw:
             result: tuple[TurnStats, SessionSnapshot | None, list[str]] = await self._in_process(
                 session_worker.update, work.session_id, work.project, work.raw, work.output_text, work.at,
-                work.side, work.line_moved, time.time(), work.turns,
+                work.side, work.line_moved, time.time(), work.turns, work.output_calls,
             )  # fmt: skip
             self._after_update(work, *result)
             return
@@ -302,12 +307,11 @@ class SessionService:
             plan = await self._in_process(updates.process_plan, work.session_id, work.body)
         else:
             plan, digests = await asyncio.to_thread(self._locked, updates.plan_update, work.session_id, work.body)
-        wanted = set(plan)
-        texts = [text for i, (_, _, text) in enumerate(context_texts(work.body)) if i in wanted]
-        tokens = await self.tokenizer.encode([*texts, work.output_text])
+        planned = updates.planned_texts(work.body, plan)
+        tokens = await self.tokenizer.encode([*(text for _, text in planned), work.output_text])
         job = updates.FoldJob(
             work.session_id, work.project, tokens[:-1], work.output_text, tokens[-1], work.at, work.side,
-            work.line_moved, digests, work.turns,
+            work.line_moved, digests, work.turns, [role for role, _ in planned], work.output_calls,
         )  # fmt: skip
         gone: list[str] = []
         if self.worker_process:

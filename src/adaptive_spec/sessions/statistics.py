@@ -1,5 +1,11 @@
 """Per-session repeated-context statistics: how much of each new prompt repeats earlier context, and what an
-n-gram drafter would have made of each response (a counterfactual estimate, whichever profile served it)."""
+n-gram drafter would have made of each response (a counterfactual estimate, whichever profile served it).
+
+The session's token stream is its messages in order, each in the chat template's framing, as llama-server's n-gram
+drafter sees its prompt: a draft runs on from one message into the next. An agent's cycle of a tool call and its
+result is often shorter than a draft (~40 tokens of text against ngram-mod's 48-token minimum); it repeats whole, and
+is drafted, only with the framing that joins it to the next.
+"""
 
 from __future__ import annotations
 
@@ -54,6 +60,50 @@ class _Session:
 
 
 _MAX_SEEN_MESSAGES = 20_000
+# A new session's first prompt from this many tokens on is kept as an opening (indexed ~30x slower than copied).
+_OPENING_MIN_TOKENS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class _Opening:
+    """A new session's first prompt as it was indexed: where a later new session whose history starts with the same
+    messages starts from, instead of indexing them again (a request sent again without a session id, a conversation
+    resumed or forked: each a new session with the same long history). "The same" as the plan compares messages
+    within a session: by digest, which ignores whitespace."""
+
+    digests: tuple[bytes, ...]
+    index: NgramIndex  # a copy, never extended: each session that starts from it gets its own copy
+    new_tokens: int
+    predicted: int
+
+
+# The framing, as stand-in tokens (negative: no tokenizer makes them), as many and in the order of the tokens of
+# the Qwen templates (ChatML; the shipped ones fence a tool call as a json block) on llama-server's own tokenizer:
+# "<|im_start|>role\n" ... "<|im_end|>\n"; a tool's result "<|im_start|>user\n<tool_response>\n" ...
+# "\n</tool_response><|im_end|>\n"; a message of tool calls "<|im_start|>assistant\n```json\n" ...
+# "\n```<|im_end|>\n". Other templates differ in their exact tokens; what an n-gram table needs is framing that is
+# the same each time and about as long as the real one (a draft runs out where the stream does: at the end of it).
+_START, _END, _NL, _LT, _LT_SLASH, _GT, _GT_NL, _TOOL, _RESPONSE, _FENCE, _JSON = range(-2, -13, -1)
+_ROLES = {"system": -20, "developer": -20, "user": -21, "assistant": -22}
+_RESULTS = frozenset(("tool", "function", "function_call_output", "custom_tool_call_output"))
+_CALLS = frozenset(("calls", "function_call", "custom_tool_call"))  # "calls": an assistant message of tool calls
+
+
+def opening(role: str) -> tuple[int, ...]:
+    """The framing before a message of this role (chat roles, a Responses-API item's type, or "calls")."""
+    if role in _RESULTS:
+        return (_START, _ROLES["user"], _NL, _LT, _TOOL, _RESPONSE, _GT_NL)
+    if role in _CALLS:
+        return (_START, _ROLES["assistant"], _NL, _FENCE, _JSON, _NL)
+    return (_START, _ROLES.get(role, _ROLES["user"]), _NL)
+
+
+def closing(role: str) -> tuple[int, ...]:
+    if role in _RESULTS:
+        return (_NL, _LT_SLASH, _TOOL, _RESPONSE, _GT, _END, _NL)
+    if role in _CALLS:
+        return (_NL, _FENCE, _END, _NL)
+    return (_END, _NL)
 
 
 def _ewma(old: float | None, value: float, alpha: float) -> float:
@@ -73,11 +123,19 @@ class ContextTracker:
         idle_expiry_s: float = 3600.0,
         ewma_alpha: float = 0.5,
         keep_turns: int = 8,
+        opening_tokens: int | None = None,
     ) -> None:
+        """`opening_tokens`: the openings' bound, in indexed tokens (~80 bytes each); two full sessions' worth when
+        not given; 0: none kept."""
         self.params = params
         self.max_sessions, self.max_tokens = max_sessions, max_tokens
         self.idle_expiry_s, self.alpha, self.keep_turns = idle_expiry_s, ewma_alpha, keep_turns
+        self.opening_tokens = 2 * max_tokens if opening_tokens is None else opening_tokens
         self._sessions: LRU[str, _Session] = LRU(max_sessions)
+        self._openings: LRU[tuple[bytes, ...], _Opening] = LRU(
+            64, max_weight=max(1, self.opening_tokens), weigh=lambda o: max(1, len(o.index))
+        )
+        self._starts: LRU[str, _Opening] = LRU(64)  # a new session's planned opening, until its prompt is indexed
 
     def _get(self, session_id: str, project: str, now: float) -> _Session:
         session = self._sessions.get(session_id)
@@ -96,9 +154,14 @@ class ContextTracker:
         messages whose content the session has not seen.
         """
         session = self._sessions.get(session_id)
-        if session is None:
-            return list(range(len(messages)))
         digests = [d for d, _ in messages]
+        self._starts.pop(session_id)  # a plan whose prompt was never indexed (its update failed) is void
+        if session is None:
+            found = self._opening_for(digests)
+            if found is None:
+                return list(range(len(messages)))
+            self._starts.put(session_id, found)
+            return list(range(len(found.digests), len(messages)))
         previous = session.last_digests
         if previous and digests[: len(previous)] == previous:
             start = len(previous)
@@ -115,13 +178,32 @@ class ContextTracker:
         all_digests: Sequence[bytes],
         new_messages: Sequence[Sequence[int]],
         now: float,
+        roles: Sequence[str] = (),
     ) -> tuple[int, float]:
-        """Index a request's new messages (their tokens, from `plan`); returns (new prompt tokens, repeat share)."""
+        """Index a request's new messages (their tokens, from `plan`, and their roles: "user" where not given);
+        returns (new prompt tokens, repeat share). The framing counts in neither."""
+        fresh = session_id not in self._sessions
         session = self._get(session_id, project, now)
-        new_tokens = predicted = 0
-        for tokens in new_messages:
-            predicted += session.index.extend(tokens)
-            session.index.extend((SEPARATOR,))
+        start = self._starts.pop(session_id)
+        new_tokens = predicted = skipped = 0
+        if (
+            fresh
+            and start is not None
+            and len(new_messages) == len(all_digests) - len(start.digests)
+            and tuple(all_digests[: len(start.digests)]) == start.digests
+        ):
+            # The plan left the opening's messages out: the session starts where indexing them ended.
+            session.index, session.last_digests = start.index.copy(), list(start.digests)
+            new_tokens, predicted, skipped = start.new_tokens, start.predicted, len(start.digests)
+            self._openings.touch(start.digests)
+        previous, index = session.last_digests, session.index
+        if previous and list(all_digests[: len(previous)]) != previous:
+            index.extend((SEPARATOR,))  # a history rewritten: its new messages do not follow the last reply
+        for i, tokens in enumerate(new_messages):
+            role = roles[i] if i < len(roles) else "user"
+            index.extend(opening(role))
+            predicted += index.extend(tokens)
+            index.extend(closing(role))
             new_tokens += len(tokens)
         if len(session.seen_messages) > _MAX_SEEN_MESSAGES:  # keep what the current history still refers to
             session.seen_messages = set(session.last_digests)
@@ -129,7 +211,21 @@ class ContextTracker:
         session.last_digests = list(all_digests)
         share = predicted / new_tokens if new_tokens else 0.0
         session.pending_prompt = (new_tokens, share)
+        whole = bool(all_digests) and skipped + len(new_messages) == len(all_digests)  # every message indexed here
+        if fresh and whole and self.opening_tokens > 0 and new_tokens >= _OPENING_MIN_TOKENS:
+            key = tuple(all_digests)
+            if key not in self._openings:
+                self._openings.put(key, _Opening(key, index.copy(), new_tokens, predicted))
         return new_tokens, share
+
+    def _opening_for(self, digests: Sequence[bytes]) -> _Opening | None:
+        """The longest opening whose messages begin `digests`."""
+        best: _Opening | None = None
+        for opening_ in self._openings.values():
+            n = len(opening_.digests)
+            if n <= len(digests) and (best is None or n > len(best.digests)) and tuple(digests[:n]) == opening_.digests:
+                best = opening_
+        return best
 
     def on_output(
         self,
@@ -140,12 +236,16 @@ class ContextTracker:
         now: float,
         side: bool = False,
         turns: int = 1,
+        calls: bool = False,
     ) -> TurnStats:
         """Replay a response through the counterfactual drafter and fold it into the session's statistics (a side
-        request's only into its recent history: it is not a turn and moves no average)."""
+        request's only into its recent history: it is not a turn and moves no average). `calls`: the response is
+        tool calls (framed as the template frames them)."""
         session = self._get(session_id, project, now)
+        role = "calls" if calls else "assistant"
+        session.index.extend(opening(role))
         estimate: DraftEstimate = estimate_drafts(session.index, output, self.params)
-        session.index.extend((SEPARATOR,))
+        session.index.extend(closing(role))
         session.seen_messages.add(reply_digest)  # the next request carries this reply back: it is not new
         session.turns += 0 if side else turns  # turns whose updates waited together count, folded as one
         new_tokens, repeat = session.pending_prompt

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from adaptive_spec.sessions.grouping import context_messages, message_digest
+from adaptive_spec.sessions.grouping import context_entries, context_messages, message_digest
 from adaptive_spec.sessions.statistics import ContextTracker, SessionSnapshot, TurnStats
 
 
@@ -26,6 +26,8 @@ class FoldJob:
     line_moved: bool = False
     digests: Sequence[bytes] | None = None  # every message's digest; None: those the plan of this session kept
     turns: int = 1  # the session's turns this update stands for (updates that waited together are folded as one)
+    new_roles: Sequence[str] = ()  # the planned messages' roles, in order ("calls": a message of tool calls)
+    output_calls: bool = False  # the response is tool calls
 
 
 def plan_update(
@@ -40,16 +42,27 @@ def plan_update(
     return plan, [digest for digest, _, _ in messages]
 
 
+def planned_texts(body: Mapping[str, Any], plan: Sequence[int]) -> list[tuple[str, str]]:
+    """(framing role, text) of the planned messages, in order: a message of tool calls is framed as "calls"."""
+    wanted = set(plan)
+    return [
+        ("calls" if calls else role, text)
+        for i, (role, _, text, calls) in enumerate(context_entries(body, wanted))
+        if i in wanted
+    ]
+
+
 def fold_update(
     tracker: ContextTracker, job: FoldJob, digests: Sequence[bytes]
 ) -> tuple[TurnStats, SessionSnapshot | None]:
     if job.line_moved:
         tracker.demote(job.session_id)
-    tracker.on_prompt(job.session_id, job.project, digests, job.new_tokens, job.at)
+    tracker.on_prompt(job.session_id, job.project, digests, job.new_tokens, job.at, job.new_roles)
     reply = message_digest("assistant", job.output_text)
     turn = tracker.on_output(
-        job.session_id, job.project, reply, job.output_tokens, job.at, side=job.side, turns=job.turns
-    )
+        job.session_id, job.project, reply, job.output_tokens, job.at, side=job.side, turns=job.turns,
+        calls=job.output_calls,
+    )  # fmt: skip
     return turn, tracker.snapshot(job.session_id)
 
 
@@ -67,6 +80,7 @@ def tracker_settings(tracker: ContextTracker) -> dict[str, Any]:
         "idle_expiry_s": tracker.idle_expiry_s,
         "ewma_alpha": tracker.alpha,
         "keep_turns": tracker.keep_turns,
+        "opening_tokens": tracker.opening_tokens,
     }
 
 

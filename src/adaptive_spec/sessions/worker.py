@@ -14,7 +14,7 @@ import orjson
 
 from adaptive_spec.common.lru import LRU
 from adaptive_spec.sessions import updates
-from adaptive_spec.sessions.grouping import KnownDigests, context_texts
+from adaptive_spec.sessions.grouping import KnownDigests
 from adaptive_spec.sessions.statistics import SessionSnapshot, TurnStats
 from adaptive_spec.sessions.tokenizers import SyncTokenizer, TokenizerSpec
 
@@ -42,6 +42,7 @@ def update(
     line_moved: bool,
     now: float,
     turns: int = 1,
+    output_calls: bool = False,
 ) -> tuple[TurnStats, SessionSnapshot | None, list[str]]:
     """One served request folded into its session's statistics; then the sessions idle since before `now` go."""
     tracker = updates.process_tracker()
@@ -53,12 +54,12 @@ def update(
     _KNOWN.touch(session_id)
     plan, digests = updates.plan_update(tracker, session_id, body, known)
     known.turn()
-    wanted = set(plan)
-    texts = [text for i, (_, _, text) in enumerate(context_texts(body)) if i in wanted]
-    tokens = _TOKENIZER[0].encode([*texts, output_text])
+    planned = updates.planned_texts(body, plan)
+    tokens = _TOKENIZER[0].encode([*(text for _, text in planned), output_text])
     job = updates.FoldJob(
-        session_id, project, tokens[:-1], output_text, tokens[-1], at, side, line_moved, digests, turns
-    )
+        session_id, project, tokens[:-1], output_text, tokens[-1], at, side, line_moved, digests, turns,
+        [role for role, _ in planned], output_calls,
+    )  # fmt: skip
     turn, snap = updates.fold_update(tracker, job, digests)
     gone = tracker.expire(now)
     for sid in gone:
