@@ -89,23 +89,41 @@ def test_record_matches_what_llama_server_reported(proxy: ProxyProcess) -> None:
     assert 0 < record["ttft_ms"] <= record["ttst_ms"] <= record["total_ms"]
 
 
+def _output_tokens(raw: bytes, stream: bool) -> int:
+    """The output tokens llama-server reported in its own answer (Responses or Messages, streamed or not)."""
+    if not stream:
+        return int(json.loads(raw)["usage"]["output_tokens"])
+    counts = []
+    for event in data_objects(raw):
+        usage = event.get("usage") or (event.get("response") or {}).get("usage") or {}
+        if "output_tokens" in usage:
+            counts.append(int(usage["output_tokens"]))
+    assert counts, "the stream reported no output tokens"
+    return counts[-1]
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [
-        ("/v1/responses", {"input": "hello", "max_output_tokens": 8, "temperature": 0, "stream": True}),
+        ("/v1/responses", {"input": "hello", "max_output_tokens": 8, "stream": True}),
         ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}),
         ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}),
-        ("/v1/responses", {"input": "hello", "max_output_tokens": 8, "temperature": 0}),
+        ("/v1/responses", {"input": "hello", "max_output_tokens": 8}),
     ],
 )
 def test_responses_and_anthropic_messages_are_recorded(proxy: ProxyProcess, path: str, body: dict[str, Any]) -> None:
-    req = urllib.request.Request(proxy.base + path, data=json.dumps({"model": "m", **body}).encode())
+    # Greedy, so the random-weight model's answer is the same every run; the record is compared with the count
+    # llama-server put in its own answer (a sampled end-of-generation token can stop it before max_tokens).
+    payload = {"model": "m", "temperature": 0, **body}
+    req = urllib.request.Request(proxy.base + path, data=json.dumps(payload).encode())
     with urllib.request.urlopen(req, timeout=60) as resp:
         request_id = resp.headers["x-adaptive-spec-request-id"]
-        resp.read()
+        raw = resp.read()
     record = next(r for r in proxy.requests() if r["request_id"] == request_id)
     assert record["outcome"] == "finished"
-    assert record["timings"]["predicted_n"] == 8
+    reported = _output_tokens(raw, bool(body.get("stream")))
+    assert 0 < reported <= 8
+    assert record["timings"]["predicted_n"] == reported
     assert record["timings"]["prompt_n"] + record["timings"]["cache_n"] > 0
 
 
