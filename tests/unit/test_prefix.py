@@ -8,6 +8,7 @@ import orjson
 import pytest
 
 from adaptive_spec.sessions import prefix
+from adaptive_spec.sessions.grouping import message_entry
 from adaptive_spec.telemetry.records import Timings
 
 SYSTEM = {"role": "system", "content": "You are a coding assistant. " * 40}
@@ -181,3 +182,78 @@ def test_a_tiny_prompt_barely_moves_the_characters_per_token_rate() -> None:
     # A large prompt counts in full.
     big = served(None, {"messages": [{"role": "user", "content": "x" * 8000}]}, "ok", prompt_n=2009, cache_n=0, out=2)
     assert big.chars_per_token == pytest.approx(4.0, rel=0.01)
+
+
+def _turns() -> list[dict[str, Any]]:
+    """A session's requests: it grows, a tool call and its result come back, an old message is edited, the tools
+    change, a message is dropped, and it shrinks to one turn."""
+    call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "read", "arguments": '{"p":1}'}}]}
+    result = {"role": "tool", "content": "def f():\n    return 1\n" * 30}
+    u1, u2 = {"role": "user", "content": "read it"}, {"role": "user", "content": "now change it"}
+    edited = {"role": "user", "content": "READ IT"}  # the same length: only the text tells
+    other_tools = {"tools": [{"type": "function", "function": {"name": "write"}}]}
+    return [
+        body(u1, tools=True),
+        body(u1, call, result, tools=True),
+        body(u1, call, result, {"role": "assistant", "content": "done"}, u2, tools=True),
+        body(edited, call, result, {"role": "assistant", "content": "done"}, u2, tools=True),
+        {**body(edited, call, result, u2), **other_tools},
+        body(edited, call, u2),
+        body(u2),
+        {"instructions": "be brief", "input": [u1, {"type": "function_call", "name": "read", "arguments": "{}"}]},
+    ]
+
+
+# A session served before: its requests are kept to compare the next one with.
+SERVED = prefix.observe(None, (), False, "", Timings(prompt_n=10))
+
+
+def test_a_session_s_pieces_equal_those_read_afresh_whatever_changed() -> None:
+    table = prefix.PrefixTable()
+    for request in _turns():
+        # Parsed anew each time, as each request is: equal messages, other objects.
+        copy = orjson.loads(orjson.dumps(request))
+        assert table.pieces(copy, SERVED, "s", 1000) == prefix.prompt_pieces(request)
+
+
+def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The messages `prompt_pieces` reads from here on (their texts)."""
+    read: list[str] = []
+
+    def counted(message: dict[str, Any], spaced: bool = False) -> tuple[str, bool, str, bool]:
+        read.append(str(message.get("content")))
+        return message_entry(message, spaced)
+
+    monkeypatch.setattr("adaptive_spec.sessions.prefix.message_entry", counted)
+    return read
+
+
+def test_a_session_s_next_request_reads_only_its_new_messages(monkeypatch: pytest.MonkeyPatch) -> None:
+    table = prefix.PrefixTable()
+    read = _count_reads(monkeypatch)
+    first, _, third = _turns()[:3]
+    table.pieces(orjson.loads(orjson.dumps(first)), SERVED, "s", 1000)
+    assert len(read) == 2  # the system prompt and the user's message
+    read.clear()
+    table.pieces(orjson.loads(orjson.dumps(third)), SERVED, "s", 1000)
+    assert len(read) == 4  # the call, its result, the reply and the new question: not the two it carried before
+    read.clear()
+    table.pieces(orjson.loads(orjson.dumps(third)), SERVED, "other", 1000)
+    assert len(read) == 6  # another session has nothing of its own to compare with
+    read.clear()
+    table.pieces(orjson.loads(orjson.dumps(first)), None, "new", 1000)
+    table.pieces(orjson.loads(orjson.dumps(first)), SERVED, "new", 1000)
+    assert len(read) == 4  # a session not served yet keeps nothing: its next request reads every message
+
+
+def test_the_requests_kept_for_comparison_are_bounded_by_their_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    table = prefix.PrefixTable(max_seen_bytes=2500)
+    requests = [body({"role": "user", "content": str(i)}) for i in range(4)]
+    for i, request in enumerate(requests):
+        table.pieces(request, SERVED, f"s{i}", 1000)
+    read = _count_reads(monkeypatch)
+    for i, request in reversed(list(enumerate(requests))):  # the newest first: each read puts its session back
+        read.clear()
+        table.pieces(request, SERVED, f"s{i}", 1000)
+        # Two requests of 1,000 bytes fit in 2,500: the older sessions' were dropped and are read again.
+        assert len(read) == (2 if i < 2 else 0), i

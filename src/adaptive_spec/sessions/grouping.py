@@ -334,24 +334,35 @@ def context_entries(body: Mapping[str, Any], spaced: Container[int] = ()) -> Ite
     calls of the entries whose index is in `spaced` have their arguments spaced as the template writes them (what
     the session statistics tokenize); the others as the client sent them (the digests ignore whitespace)."""
     i = -1
-    for key in ("instructions", "system"):  # Responses API and Anthropic keep the system prompt apart
-        text = message_text(body.get(key))
-        if text:
-            i += 1
-            yield "system", False, text, False
+    for entry in system_entries(body):
+        i += 1
+        yield entry
     for message in messages_of(body):
         i += 1
-        role = message.get("role") or message.get("type") or ""
-        if type(role) is not str:
-            role = str(role)
-        content = message.get("content")
-        text = content if type(content) is str else message_text(content)
-        calls = False
-        if "tool_calls" in message or "arguments" in message or "output" in message:  # its calls' text joins it
-            tools = _tool_text(message, i in spaced)
-            calls = bool(tools) and "output" not in message
-            text = (text + "\n" + tools if text else tools) if tools else text
-        yield role, role in _ASSISTANT_ROLES, text, calls
+        yield message_entry(message, i in spaced)
+
+
+def system_entries(body: Mapping[str, Any]) -> Iterator[tuple[str, bool, str, bool]]:
+    """The entries of a system prompt kept apart from the messages (Responses `instructions`, Anthropic `system`)."""
+    for key in ("instructions", "system"):
+        text = message_text(body.get(key))
+        if text:
+            yield "system", False, text, False
+
+
+def message_entry(message: Mapping[str, Any], spaced: bool = False) -> tuple[str, bool, str, bool]:
+    """One message's `context_entries` entry: (role, written by the assistant, text, holds tool calls)."""
+    role = message.get("role") or message.get("type") or ""
+    if type(role) is not str:
+        role = str(role)
+    content = message.get("content")
+    text = content if type(content) is str else message_text(content)
+    calls = False
+    if "tool_calls" in message or "arguments" in message or "output" in message:  # its calls' text joins it
+        tools = _tool_text(message, spaced)
+        calls = bool(tools) and "output" not in message
+        text = (text + "\n" + tools if text else tools) if tools else text
+    return role, role in _ASSISTANT_ROLES, text, calls
 
 
 _ASSISTANT_ROLES = frozenset(("assistant", "function_call", "custom_tool_call"))

@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 
 from adaptive_spec.common.lru import LRU
-from adaptive_spec.sessions.grouping import context_texts, message_digest, message_key, messages_of
+from adaptive_spec.sessions.grouping import message_digest, message_entry, message_key, messages_of, system_entries
 from adaptive_spec.telemetry.records import Timings
 
 # Tokens a chat template adds around each piece (role markers, separators) and once per prompt (the generation
@@ -57,6 +57,9 @@ _BLOCK_DIGEST = 8
 # Pieces kept for texts seen before, whichever session's (`PieceCache`), and the bytes of their block keys at most.
 _CACHED_PIECES = 16_384
 _CACHED_BLOCK_BYTES = 16 * 1024 * 1024
+# The request bodies kept to compare a session's next request with (`SeenRequest`), in bytes at most: ~130 sessions
+# of a 120k-token history, thousands of short ones.
+_SEEN_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,46 +165,113 @@ def prompt_pieces(
     `cache`: pieces made before for any session, looked up the same way when `known` has none; the pieces hashed
     here are added to it.
     """
+    return _read(body, known, cache, None, 0)[0]
+
+
+@dataclass(frozen=True, slots=True)
+class SeenRequest:
+    """A session's last request as its pieces were read: its messages and theirs, its tools and theirs. The next
+    request's messages are compared with these (equal dicts, compared in C: a memcmp of each text, no hash) and the
+    pieces of those that are equal taken as they are, so a turn reads only its new messages."""
+
+    messages: tuple[Any, ...]
+    pieces: tuple[Piece, ...]  # one per message
+    tools: list[Any]
+    tools_piece: Piece | None
+    weight: int  # what keeping it holds: the request body's bytes
+
+
+def _read(
+    body: Mapping[str, Any],
+    known: Sequence[Piece],
+    cache: PieceCache | None,
+    seen: SeenRequest | None,
+    weight: int,
+) -> tuple[tuple[Piece, ...], SeenRequest]:
+    """`prompt_pieces`, and the request as seen (for the session's next request, `seen` being this one's)."""
     pieces: list[Piece] = []
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         raw = prompt.encode("utf-8", "surrogatepass")
         pieces.append(Piece(_digest(b"prompt\0" + raw), len(prompt), blocks=_blocks("prompt", prompt)))
-    known_by = {(p.key, p.chars): p for p in known if p.key}
-    texts = list(context_texts(body))
+    known_by = _KnownPieces(known)
+    for role, assistant, text, _ in system_entries(body):
+        pieces.append(_piece(role, assistant, text, 0.0, known_by, cache))
     messages = messages_of(body)
-    extras = [0.0] * (len(texts) - len(messages)) + [_tool_template_tokens(m) for m in messages]
-    for (role, assistant, text), extra in zip(texts, extras, strict=True):
-        key = message_key(role, text)
-        old = known_by.get((key, len(text)))
-        if old is None and cache is not None:
-            old = cache.get(key, len(text))
-        if old is not None and old.assistant == assistant and old.extra == extra and not old.tools:
-            pieces.append(old)  # the same message as last turn (or as another request's): its piece as it was
-            continue
-        if old is not None:
-            digest, blocks = old.digest, old.blocks
-        else:
-            digest, blocks = message_digest(role, text), _blocks(str(assistant), text)
-        piece = Piece(digest, len(text), assistant, blocks=blocks, extra=extra, key=key)
-        if cache is not None:
-            cache.put(piece)
-        pieces.append(piece)
+    same = 0
+    if seen is not None:
+        for new, old in zip(messages, seen.messages, strict=False):  # the shorter ends the comparison
+            if new is not old and new != old:
+                break
+            same += 1
+    of_messages = list(seen.pieces[:same]) if seen is not None else []
+    for message in messages[same:]:
+        role, assistant, text, _ = message_entry(message)
+        of_messages.append(_piece(role, assistant, text, _tool_template_tokens(message), known_by, cache))
+    pieces += of_messages
     tools = _rendered_tools(body.get("tools"))
+    tools_piece = None
     if tools:
+        tools_piece = seen.tools_piece if seen is not None and seen.tools == tools else None
+        tools_piece = tools_piece or _tools_piece(tools, known, cache)
         # Chat templates put the tools at the end of the system block: after the system prompt, before the rest.
-        raw = orjson.dumps(tools)
         at = 1 if _starts_with_system(body) and pieces else 0
-        key = hash(raw)  # with the length, tells the tools of last turn without hashing them again
-        old = next((p for p in known if p.tools and p.key == key and p.chars == len(raw)), None)
-        if old is None and cache is not None:
-            old = cache.get(key, len(raw), tools=True)
-        if old is None:
-            old = Piece(_digest(b"tools\0" + raw), len(raw), tools=True, blocks=_blocks("tools", raw.decode()), key=key)
-            if cache is not None:
-                cache.put(old)
-        pieces.insert(at, old)
-    return tuple(pieces)
+        pieces.insert(at, tools_piece)
+    return tuple(pieces), SeenRequest(tuple(messages), tuple(of_messages), tools, tools_piece, weight)
+
+
+def _piece(
+    role: str,
+    assistant: bool,
+    text: str,
+    extra: float,
+    known_by: _KnownPieces,
+    cache: PieceCache | None,
+) -> Piece:
+    """A message's piece: the one made before for the same text when there is one, else hashed now."""
+    key = message_key(role, text)
+    old = known_by.get((key, len(text)))
+    if old is None and cache is not None:
+        old = cache.get(key, len(text))
+    if old is not None and old.assistant == assistant and old.extra == extra and not old.tools:
+        return old  # the same message as last turn (or as another request's): its piece as it was
+    if old is not None:
+        digest, blocks = old.digest, old.blocks
+    else:
+        digest, blocks = message_digest(role, text), _blocks(str(assistant), text)
+    piece = Piece(digest, len(text), assistant, blocks=blocks, extra=extra, key=key)
+    if cache is not None:
+        cache.put(piece)
+    return piece
+
+
+class _KnownPieces:
+    """The session's previous pieces by key and length, indexed only when a message is read (most turns read one
+    or two: the rest are taken whole from the session's last request)."""
+
+    __slots__ = ("_by", "_known")
+
+    def __init__(self, known: Sequence[Piece]) -> None:
+        self._known = known
+        self._by: dict[tuple[int, int], Piece] | None = None
+
+    def get(self, key: tuple[int, int]) -> Piece | None:
+        if self._by is None:
+            self._by = {(p.key, p.chars): p for p in self._known if p.key}
+        return self._by.get(key)
+
+
+def _tools_piece(tools: list[Any], known: Sequence[Piece], cache: PieceCache | None) -> Piece:
+    raw = orjson.dumps(tools)
+    key = hash(raw)  # with the length, tells the tools of last turn without hashing them again
+    old = next((p for p in known if p.tools and p.key == key and p.chars == len(raw)), None)
+    if old is None and cache is not None:
+        old = cache.get(key, len(raw), tools=True)
+    if old is None:
+        old = Piece(_digest(b"tools\0" + raw), len(raw), tools=True, blocks=_blocks("tools", raw.decode()), key=key)
+        if cache is not None:
+            cache.put(old)
+    return old
 
 
 def _tool_template_tokens(message: Mapping[str, Any]) -> float:
@@ -360,16 +430,27 @@ def observe(
 
 
 class PrefixTable:
-    """Each session's `PrefixState` (bounded: least recently used sessions are forgotten), and the pieces made for
-    any session's texts (`PieceCache`)."""
+    """Each session's `PrefixState` (bounded: least recently used sessions are forgotten), the pieces made for any
+    session's texts (`PieceCache`), and each session's last request as its pieces were read (`SeenRequest`: bounded
+    by sessions and by the bytes of the requests kept)."""
 
-    def __init__(self, max_sessions: int = 4096) -> None:
+    def __init__(self, max_sessions: int = 4096, max_seen_bytes: int = _SEEN_BYTES) -> None:
         self._states: LRU[str, PrefixState] = LRU(max_sessions)
         self.cache = PieceCache()
+        self._seen: LRU[str, SeenRequest] = LRU(max_sessions, max_weight=max_seen_bytes, weigh=lambda s: s.weight)
 
-    def pieces(self, body: Mapping[str, Any], state: PrefixState | None) -> tuple[Piece, ...]:
-        """`prompt_pieces` of a request against its session's state: only texts never seen before are hashed."""
-        return prompt_pieces(body, state.pieces if state is not None else (), self.cache)
+    def pieces(
+        self, body: Mapping[str, Any], state: PrefixState | None, session_id: str | None = None, body_bytes: int = 0
+    ) -> tuple[Piece, ...]:
+        """`prompt_pieces` of a request against its session's state: only texts never seen before are hashed, and
+        the messages its session's last request carried too are not read at all. A request is kept for that only
+        once its session has been served (`state`): a conversation of one request (a retry, a new conversation
+        without an id) would only hold its body in memory."""
+        seen = self._seen.get(session_id) if session_id is not None else None
+        pieces, now = _read(body, state.pieces if state is not None else (), self.cache, seen, body_bytes)
+        if session_id is not None and state is not None:
+            self._seen.put(session_id, now)
+        return pieces
 
     def get(self, session_id: str | None) -> PrefixState | None:
         return self._states.get(session_id) if session_id is not None else None
