@@ -101,8 +101,9 @@ class Router:
             if self.home(placement.profile, placement.replica) == home:
                 self.placements.displace(placement.profile, placement.slot, keep=None, replica=placement.replica)
 
-    def states(self) -> list[ProfileState]:
-        """Each profile as decide() sees it: its healthy replicas' slots together (a pool is one bigger profile)."""
+    def states(self, replicas_of: Mapping[str, list[ReplicaState]] | None = None) -> list[ProfileState]:
+        """Each profile as decide() sees it: its healthy replicas' slots together (a pool is one bigger profile).
+        `replicas_of`: each profile's `replica_states`, when the caller has them already."""
         names = self.health.names()
         homes = {n: self.home(n, 0) for n in names}
         shared = {h for h in homes.values() if sum(1 for other in homes.values() if other == h) > 1}
@@ -112,7 +113,7 @@ class Router:
                 plain_in_flight[homes[n]] = plain_in_flight.get(homes[n], 0) + self.load.in_flight.get(n, 0)
         out = []
         for n in names:
-            replicas = self.replica_states(n)
+            replicas = replicas_of[n] if replicas_of is not None else self.replica_states(n)
             healthy = [r for r in replicas if r.down_reason is None] or replicas
             home = homes[n]
             out.append(
@@ -135,10 +136,9 @@ class Router:
         """The replica of `profile` whose server holds the session's KV (its own profile's, or one sharing it)."""
         return self.load.same_server(placement.profile, placement.replica, profile) if placement is not None else None
 
-    def _preview_replica(self, profile: str, placement: Placement | None) -> int:
+    def _preview_replica(self, profile: str, placement: Placement | None, replicas: list[ReplicaState]) -> int:
         """The replica a request would use before the overload check: its KV's, else the least loaded one."""
         held = self._held_on(profile, placement)
-        replicas = self.replica_states(profile)
         if held is not None and held < len(replicas) and replicas[held].down_reason is None:
             return held
         best = least_loaded(replicas)
@@ -162,14 +162,17 @@ class Router:
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or body.get("max_output_tokens")
         has_tools = bool(body.get("tools"))
         state = self.prefixes.get(session_id)
-        pieces = self.prefixes.pieces(body, state)  # only texts never seen before (in any session) are hashed
+        # Only texts never seen before (in any session) are hashed; the session's last messages are not read again.
+        pieces = self.prefixes.pieces(body, state, session_id, body_bytes)
         placement = self.placements.get(session_id)
         est = prefix.estimate(state, pieces, has_tools, self.chars_per_token)
         cpt = state.chars_per_token if state is not None else self.chars_per_token
         own = prefix.shared_tokens(state, pieces, cpt)
         shared_on = {}
-        for name in self.health.names():
-            replica = self._preview_replica(name, placement)
+        names = self.health.names()
+        replicas_of = {name: self.replica_states(name) for name in names}  # the load does not change while planning
+        for name in names:
+            replica = self._preview_replica(name, placement, replicas_of[name])
             held = self.slot_prefixes.get((*self.home(name, replica), self.load.slot_key(name, session_id, replica)))
             mine = own if self._held_on(name, placement) == replica else 0
             shared_on[name] = max(mine, prefix.shared_tokens(held, pieces, cpt))
@@ -189,7 +192,7 @@ class Router:
         busy = self.load.sessions_in_flight.get(session_id) if session_id is not None else None
         same = frozenset(
             n
-            for n in self.health.names()
+            for n in names
             if placement is not None and n != placement.profile and self._held_on(n, placement) is not None
         )
         session = SessionState(
@@ -201,7 +204,7 @@ class Router:
             same_server=same,
             handoff_reuse=self.moves.reuse_from(placement.profile) if placement is not None else {},
         )
-        decision = decide(state_of_request, session, self.states(), self.speeds, policy)
+        decision = decide(state_of_request, session, self.states(replicas_of), self.speeds, policy)
         chosen = next((e for e in decision.estimates if e.profile == decision.profile), None)
         here = placement is None or placement.profile == decision.profile or decision.profile in same
         decision = replace(
@@ -211,7 +214,8 @@ class Router:
             line_moved=state is not None and est.line_moved,
         )
         decision = self._with_draft_cap(decision, placement, policy)
-        return self._with_replica(decision, placement, policy, est.total_tokens), policy, pieces, has_tools
+        decision = self._with_replica(decision, placement, policy, est.total_tokens, replicas_of[decision.profile])
+        return decision, policy, pieces, has_tools
 
     def _with_draft_cap(self, decision: Decision, placement: Placement | None, policy: Policy) -> Decision:
         """The draft length for a sequential drafter's request, from the session's measured acceptance
@@ -231,12 +235,16 @@ class Router:
         return replace(decision, n_max=cap, reason=decision.reason + why)
 
     def _with_replica(
-        self, decision: Decision, placement: Placement | None, policy: Policy, total_tokens: int
+        self,
+        decision: Decision,
+        placement: Placement | None,
+        policy: Policy,
+        total_tokens: int,
+        replicas: list[ReplicaState],
     ) -> Decision:
         """The replica of the decided profile (`choose_replica`), folded into the decision: a session whose replica
         is down re-prefills elsewhere; one moved off an overloaded replica takes its KV along when it can."""
         profile = decision.profile
-        replicas = self.replica_states(profile)
         held = self._held_on(profile, placement)
         costs = None
         if placement is not None and held is not None:
