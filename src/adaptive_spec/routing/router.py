@@ -273,6 +273,14 @@ class Router:
                 wait_s=chosen.total_s if chosen is not None else self._turn_s(decision, placement),
             )
         choice: ReplicaChoice = choose_replica(profile, replicas, held, costs)
+        if (choice.replica, choice.kind, choice.reason, choice.moved_from, decision.handoff) == (
+            0,
+            "only",
+            "",
+            None,
+            False,
+        ):
+            return decision  # one replica and no move across profiles: nothing to fold in (the defaults say so)
         changes: dict[str, Any] = {"replica": choice.replica, "replica_kind": choice.kind}
         if choice.reason:
             changes["reason"] = f"{decision.reason}; {choice.reason}"
