@@ -35,6 +35,7 @@ from adaptive_spec.routing.policy import Policy
 from adaptive_spec.routing.speeds import SpeedModel
 from adaptive_spec.servers.models import embedded_chat_template, ensure_embedded
 from adaptive_spec.sessions import prefix
+from adaptive_spec.sessions.pieces import prompt_pieces
 from adaptive_spec.streams.output import body_output
 from adaptive_spec.streams.timings import find_timings, find_usage, timings_from_usage
 from adaptive_spec.telemetry.records import Timings
@@ -97,14 +98,14 @@ class After:
         self.chars_per_token = prefix.DEFAULT_CHARS_PER_TOKEN
 
     def estimate(self, session: str, body: dict[str, Any]) -> prefix.PromptEstimate:
-        pieces = prefix.prompt_pieces(body)
+        pieces = prompt_pieces(body)
         # The session's own state counts only while the slot still holds it (no RAM cache here).
         own = self.table.get(session) if self.slot is self.table.get(session) else None
         est = prefix.estimate(own, pieces, bool(body.get("tools")), self.chars_per_token, self.slot)
         return est
 
     def observe(self, session: str, body: dict[str, Any], reply: str, timings: Timings) -> None:
-        pieces = prefix.prompt_pieces(body)
+        pieces = prompt_pieces(body)
         own = self.table.get(session)
         state = prefix.observe(own, pieces, bool(body.get("tools")), reply, timings, self.chars_per_token)
         self.table.put(session, state)

@@ -63,6 +63,7 @@ from adaptive_spec.servers.launcher import free_port
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.sessions import prefix
 from adaptive_spec.sessions.drafter import NgramParams
+from adaptive_spec.sessions.pieces import Piece, prompt_pieces
 from adaptive_spec.sessions.project import workspace_path_from_request
 from adaptive_spec.sessions.service import SessionService, _Work
 from adaptive_spec.sessions.statistics import ContextTracker
@@ -226,14 +227,14 @@ def _known_replies(service: SessionService, count: int = 200) -> None:
         service.registry.note_reply(f"other{i:04d}", text, [f"call_other_{i}"])
 
 
-def _pieces(body: dict[str, Any], state: prefix.PrefixState | None, cache: Any) -> tuple[prefix.Piece, ...]:
+def _pieces(body: dict[str, Any], state: prefix.PrefixState | None, cache: Any) -> tuple[Piece, ...]:
     """As the router computes them: against the session's previous pieces and the pieces made for any session's
     texts (`cache`: a copy of the router's); a full scan before those existed."""
     known = state.pieces if state is not None else ()
     try:
-        return prefix.prompt_pieces(body, known, cache) if cache is not None else prefix.prompt_pieces(body, known)
+        return prompt_pieces(body, known, cache) if cache is not None else prompt_pieces(body, known)
     except TypeError:
-        return prefix.prompt_pieces(body)
+        return prompt_pieces(body)
 
 
 async def _worker(clock: _Clock, service: SessionService) -> None:

@@ -15,6 +15,7 @@ import pytest
 from adaptive_spec.requests.parse import with_fields
 from adaptive_spec.sessions import prefix
 from adaptive_spec.sessions.grouping import context_messages, message_digest
+from adaptive_spec.sessions.pieces import Piece, prompt_pieces
 from adaptive_spec.telemetry.records import Timings
 from tests.support.waiting import until
 
@@ -73,7 +74,7 @@ def _next(rng: random.Random, body: dict[str, Any], n: int) -> dict[str, Any]:
     return out
 
 
-def _plain(pieces: tuple[prefix.Piece, ...]) -> list[tuple[bytes, int, bool, bool]]:
+def _plain(pieces: tuple[Piece, ...]) -> list[tuple[bytes, int, bool, bool]]:
     return [(p.digest, p.chars, p.assistant, p.tools) for p in pieces]
 
 
@@ -85,8 +86,8 @@ def test_incremental_pieces_and_estimates_equal_a_full_scan(seed: int) -> None:
     for turn in range(25):
         body = _next(rng, body, turn * 10)
         has_tools = bool(body.get("tools"))
-        scanned = prefix.prompt_pieces(body)
-        reused = prefix.prompt_pieces(body, incremental.pieces if incremental is not None else ())
+        scanned = prompt_pieces(body)
+        reused = prompt_pieces(body, incremental.pieces if incremental is not None else ())
         assert _plain(reused) == _plain(scanned)
         assert [p.digest for p in scanned if not p.tools] == [d for d, _, _ in context_messages(body)]
         assert prefix.estimate(incremental, reused, has_tools, 3.5) == prefix.estimate(full, scanned, has_tools, 3.5)
@@ -98,10 +99,10 @@ def test_incremental_pieces_and_estimates_equal_a_full_scan(seed: int) -> None:
 
 
 def test_a_message_with_the_same_length_but_another_text_is_hashed_again() -> None:
-    first = prefix.prompt_pieces({"messages": [{"role": "user", "content": "abc"}]})
-    second = prefix.prompt_pieces({"messages": [{"role": "user", "content": "abd"}]}, first)
+    first = prompt_pieces({"messages": [{"role": "user", "content": "abc"}]})
+    second = prompt_pieces({"messages": [{"role": "user", "content": "abd"}]}, first)
     assert second[0].digest == message_digest("user", "abd") != first[0].digest
-    moved = prefix.prompt_pieces({"messages": [{"role": "tool", "content": "abc"}]}, first)
+    moved = prompt_pieces({"messages": [{"role": "tool", "content": "abc"}]}, first)
     assert moved[0].digest == message_digest("tool", "abc")  # the role is part of what is compared
 
 

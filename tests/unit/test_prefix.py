@@ -9,6 +9,7 @@ import pytest
 
 from adaptive_spec.sessions import prefix
 from adaptive_spec.sessions.grouping import message_entry
+from adaptive_spec.sessions.pieces import BLOCK_CHARS, TOOL_CALL_TOKENS, TOOL_RESULT_TOKENS, prompt_pieces
 from adaptive_spec.telemetry.records import Timings
 
 SYSTEM = {"role": "system", "content": "You are a coding assistant. " * 40}
@@ -25,13 +26,13 @@ def body(*messages: dict[str, Any], tools: bool = False, system: dict[str, Any] 
 def served(
     state: prefix.PrefixState | None, request: dict[str, Any], reply: str, prompt_n: int, cache_n: int, out: int
 ) -> prefix.PrefixState:
-    pieces = prefix.prompt_pieces(request)
+    pieces = prompt_pieces(request)
     timings = Timings(prompt_n=prompt_n, cache_n=cache_n, predicted_n=out)
     return prefix.observe(state, pieces, bool(request.get("tools")), reply, timings)
 
 
 def estimate(state: prefix.PrefixState | None, request: dict[str, Any]) -> prefix.PromptEstimate:
-    return prefix.estimate(state, prefix.prompt_pieces(request), bool(request.get("tools")), 3.5)
+    return prefix.estimate(state, prompt_pieces(request), bool(request.get("tools")), 3.5)
 
 
 def test_a_first_turn_is_all_new() -> None:
@@ -92,10 +93,10 @@ def test_a_new_session_reuses_the_system_prompt_another_session_left_in_the_slot
     other = served(None, body({"role": "user", "content": "first task"}, tools=True), "done", 2000, 0, 5)
     fresh = body({"role": "user", "content": "another task"}, tools=True)
     alone = estimate(None, fresh)
-    est = prefix.estimate(None, prefix.prompt_pieces(fresh), True, 3.5, slot=other)
+    est = prefix.estimate(None, prompt_pieces(fresh), True, 3.5, slot=other)
     # tools and system prompt are held: only the user message and the template around it are new
     assert est.shared_tokens > 0 and est.new_tokens < 30 < alone.new_tokens
-    assert prefix.shared_tokens(other, prefix.prompt_pieces(fresh), 3.5) == est.shared_tokens
+    assert prefix.shared_tokens(other, prompt_pieces(fresh), 3.5) == est.shared_tokens
 
 
 def test_the_template_cost_of_tool_turns_is_learned_from_llama_servers_counts() -> None:
@@ -125,20 +126,18 @@ def test_a_piece_that_changes_only_near_its_end_still_shares_its_head() -> None:
     user = {"role": "user", "content": "Fix the bug"}
     first = {"messages": [SYSTEM, user], "tools": tools_a}
     state = served(None, first, "ok", prompt_n=2500, cache_n=0, out=2)
-    est = prefix.estimate(None, prefix.prompt_pieces({"messages": [SYSTEM, user], "tools": tools_b}), True, 3.5, state)
-    changed_chars = 300 + 2 * prefix.BLOCK_CHARS  # the changed description and at most the blocks it straddles
+    est = prefix.estimate(None, prompt_pieces({"messages": [SYSTEM, user], "tools": tools_b}), True, 3.5, state)
+    changed_chars = 300 + 2 * BLOCK_CHARS  # the changed description and at most the blocks it straddles
     assert 0 < est.new_tokens <= changed_chars / 3.5 + 20
     # Without the blocks (a different first character), the whole list and what follows are new.
     tools_c = [{"type": "function", "function": {"name": "u0", "description": "d" * 300}}, *tools_a[1:]]
-    whole = prefix.estimate(
-        None, prefix.prompt_pieces({"messages": [SYSTEM, user], "tools": tools_c}), True, 3.5, state
-    )
+    whole = prefix.estimate(None, prompt_pieces({"messages": [SYSTEM, user], "tools": tools_c}), True, 3.5, state)
     assert whole.new_tokens > 20 * 300 / 3.5
 
 
 def test_block_digests_depend_on_everything_before_them() -> None:
-    a = prefix.prompt_pieces({"prompt": "x" * 300 + "y" * 600})[0]
-    b = prefix.prompt_pieces({"prompt": "z" + "x" * 299 + "y" * 600})[0]
+    a = prompt_pieces({"prompt": "x" * 300 + "y" * 600})[0]
+    b = prompt_pieces({"prompt": "z" + "x" * 299 + "y" * 600})[0]
     assert len(a.blocks) == len(b.blocks) == 3 * 8  # 900 chars: three whole 256-char blocks
     # Only the first block differs in its text, yet every chained digest after it differs too.
     assert all(a.blocks[i : i + 8] != b.blocks[i : i + 8] for i in range(0, 24, 8))
@@ -160,19 +159,19 @@ def test_tool_calls_and_results_cost_their_template_tokens_in_every_api_shape() 
             {"role": "user", "content": [{"type": "tool_result", "content": "x"}]},
         ]
     }
-    assert [p.extra for p in prefix.prompt_pieces(chat)] == [2 * prefix.TOOL_CALL_TOKENS, prefix.TOOL_RESULT_TOKENS]
-    assert [p.extra for p in prefix.prompt_pieces(responses)] == [prefix.TOOL_CALL_TOKENS, prefix.TOOL_RESULT_TOKENS]
-    assert [p.extra for p in prefix.prompt_pieces(anthropic)] == [prefix.TOOL_CALL_TOKENS, prefix.TOOL_RESULT_TOKENS]
-    plain = prefix.prompt_pieces({"instructions": "be brief", "input": [{"role": "user", "content": "hi"}]})
+    assert [p.extra for p in prompt_pieces(chat)] == [2 * TOOL_CALL_TOKENS, TOOL_RESULT_TOKENS]
+    assert [p.extra for p in prompt_pieces(responses)] == [TOOL_CALL_TOKENS, TOOL_RESULT_TOKENS]
+    assert [p.extra for p in prompt_pieces(anthropic)] == [TOOL_CALL_TOKENS, TOOL_RESULT_TOKENS]
+    plain = prompt_pieces({"instructions": "be brief", "input": [{"role": "user", "content": "hi"}]})
     assert [p.extra for p in plain] == [0.0, 0.0]
 
 
 def test_tools_the_server_does_not_render_are_not_counted() -> None:
     function = {"type": "function", "name": "run", "parameters": {"type": "object"}}
     both = {"input": "hi", "tools": [function, {"type": "namespace", "tools": ["y" * 5000]}, {"type": "web_search"}]}
-    tools = next(p for p in prefix.prompt_pieces(both) if p.tools)
+    tools = next(p for p in prompt_pieces(both) if p.tools)
     assert tools.chars == len(orjson.dumps([function]))
-    assert not any(p.tools for p in prefix.prompt_pieces({"input": "hi", "tools": [{"type": "web_search"}]}))
+    assert not any(p.tools for p in prompt_pieces({"input": "hi", "tools": [{"type": "web_search"}]}))
 
 
 def test_a_tiny_prompt_barely_moves_the_characters_per_token_rate() -> None:
@@ -213,7 +212,7 @@ def test_a_session_s_pieces_equal_those_read_afresh_whatever_changed() -> None:
     for request in _turns():
         # Parsed anew each time, as each request is: equal messages, other objects.
         copy = orjson.loads(orjson.dumps(request))
-        assert table.pieces(copy, SERVED, "s", 1000) == prefix.prompt_pieces(request)
+        assert table.pieces(copy, SERVED, "s", 1000) == prompt_pieces(request)
 
 
 def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -224,7 +223,7 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         read.append(str(message.get("content")))
         return message_entry(message, spaced)
 
-    monkeypatch.setattr("adaptive_spec.sessions.prefix.message_entry", counted)
+    monkeypatch.setattr("adaptive_spec.sessions.pieces.message_entry", counted)
     return read
 
 

@@ -17,6 +17,7 @@ from adaptive_spec.routing import first_turn as copy_hint
 from adaptive_spec.routing.policy import Policy
 from adaptive_spec.sessions import grouping, prefix
 from adaptive_spec.sessions.grouping import SessionRegistry, message_text, messages_of
+from adaptive_spec.sessions.pieces import BLOCK_CHARS, Piece, PieceCache, prompt_pieces, shared_chars
 from adaptive_spec.sessions.worker_process import _drop_written
 
 _WORDS = ("value", "index", "result", "buffer", "parser", "session", "stream", "handler", "return", "config")
@@ -134,7 +135,7 @@ def test_a_long_text_is_read_for_lines_once_whoever_sends_it(monkeypatch: pytest
     assert (registry.assign({}, quoted).session_id, registry.assign({}, quoted).source) == ("ses_a", "echo:lines")
 
 
-def _as_plain(pieces: tuple[prefix.Piece, ...]) -> list[tuple[bytes, int, bool, bool, bytes, float]]:
+def _as_plain(pieces: tuple[Piece, ...]) -> list[tuple[bytes, int, bool, bool, bytes, float]]:
     return [(p.digest, p.chars, p.assistant, p.tools, p.blocks, p.extra) for p in pieces]
 
 
@@ -149,35 +150,35 @@ def test_pieces_of_texts_another_session_sent_are_taken_not_hashed(monkeypatch: 
     first = {"messages": history, "tools": tools}
     later = {"messages": [*history, {"role": "user", "content": "and now the tests"}], "tools": tools}
     table = prefix.PrefixTable()
-    assert _as_plain(table.pieces(first, None)) == _as_plain(prefix.prompt_pieces(first))
+    assert _as_plain(table.pieces(first, None)) == _as_plain(prompt_pieces(first))
     hashed: list[str] = []
 
     def counted(role: str, text: str) -> bytes:
         hashed.append(text)
         return grouping.message_digest(role, text)
 
-    monkeypatch.setattr(prefix, "message_digest", counted)
+    monkeypatch.setattr("adaptive_spec.sessions.pieces.message_digest", counted)
     # Another session (no state of its own) whose request carries the same history: only its new message is hashed.
     reused = table.pieces(later, None)
     assert hashed == ["and now the tests"]
     monkeypatch.undo()
-    assert _as_plain(reused) == _as_plain(prefix.prompt_pieces(later))
+    assert _as_plain(reused) == _as_plain(prompt_pieces(later))
 
 
 def test_block_keys_count_the_leading_blocks_two_texts_share() -> None:
     base = "x" * 1000
-    a = prefix.prompt_pieces({"prompt": base + "a" * 600})[0]
-    b = prefix.prompt_pieces({"prompt": base + "b" * 600})[0]
-    assert prefix._shared_chars(a, b) == 1000 // prefix.BLOCK_CHARS * prefix.BLOCK_CHARS
-    message = prefix.prompt_pieces({"messages": [{"role": "user", "content": base}]})[0]
-    reply = prefix.prompt_pieces({"messages": [{"role": "assistant", "content": base}]})[0]
-    assert prefix._shared_chars(message, reply) == 0  # the kind is part of the first block's key
+    a = prompt_pieces({"prompt": base + "a" * 600})[0]
+    b = prompt_pieces({"prompt": base + "b" * 600})[0]
+    assert shared_chars(a, b) == 1000 // BLOCK_CHARS * BLOCK_CHARS
+    message = prompt_pieces({"messages": [{"role": "user", "content": base}]})[0]
+    reply = prompt_pieces({"messages": [{"role": "assistant", "content": base}]})[0]
+    assert shared_chars(message, reply) == 0  # the kind is part of the first block's key
 
 
 def test_the_piece_cache_is_bounded_by_its_block_bytes() -> None:
-    cache = prefix.PieceCache(max_pieces=100, max_block_bytes=4096)
+    cache = PieceCache(max_pieces=100, max_block_bytes=4096)
     for i in range(20):
-        cache.put(prefix.Piece(b"d", 256 * 64, blocks=b"k" * 8 * 64, key=i))  # 512 bytes of block keys each
+        cache.put(Piece(b"d", 256 * 64, blocks=b"k" * 8 * 64, key=i))  # 512 bytes of block keys each
     assert [cache.get(i, 256 * 64) is not None for i in range(20)] == [False] * 12 + [True] * 8
 
 

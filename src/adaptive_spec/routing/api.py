@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, RemotePrefillResult, SlotAt, SlotMove
 from adaptive_spec.routing.decide import Decision
 from adaptive_spec.routing.policy import Policy
-from adaptive_spec.sessions.prefix import Piece
+from adaptive_spec.sessions.pieces import Piece
 from adaptive_spec.telemetry.events import Event
 from adaptive_spec.telemetry.records import Timings
 

@@ -36,6 +36,7 @@ from adaptive_spec.routing.replicas import MoveCosts, ReplicaChoice, ReplicaStat
 from adaptive_spec.routing.speeds import SpeedModel
 from adaptive_spec.servers.profiles import uses_draft_model
 from adaptive_spec.sessions import prefix
+from adaptive_spec.sessions.pieces import Piece
 from adaptive_spec.telemetry.events import PolicyChanged
 
 MAX_PINS = 4096
@@ -151,7 +152,7 @@ class Router:
         decision, policy, _, _ = self._plan(request)
         return decision, policy
 
-    def _plan(self, request: RouteRequest) -> tuple[Decision, Policy, tuple[prefix.Piece, ...], bool]:
+    def _plan(self, request: RouteRequest) -> tuple[Decision, Policy, tuple[Piece, ...], bool]:
         """The decision, and the prompt's pieces as the session's prefix state sees them."""
         body, body_bytes, session_id, pinned = request.body, request.body_bytes, request.session_id, request.pinned
         policy = self.policies.policy_for(request.project, request.workspace)
