@@ -148,7 +148,8 @@ class Router:
     # --- the decision -----------------------------------------------------------------------------------------
 
     def choose(self, request: RouteRequest) -> tuple[Decision, Policy]:
-        """The decision alone, without side effects: what `route()` would decide now."""
+        """The decision alone: what `route()` would decide now, with nothing counted in the load and no KV moved.
+        (The pieces it reads are remembered, as for any request: a memo of the texts, not state a decision uses.)"""
         decision, policy, _, _ = self._plan(request)
         return decision, policy
 
