@@ -130,7 +130,7 @@ def test_a_long_text_is_read_for_lines_once_whoever_sends_it(monkeypatch: pytest
     assert registry.assign({"x-session-id": "other"}, body).source == "header:x-session-id"  # no scan at all
     again = {"messages": [*body["messages"], {"role": "user", "content": "served line number 3 of the answer"}]}
     assert registry.assign({}, again).source == "new"  # one quoted line is not enough
-    assert read.count(len(long_file)) == 1  # the long text: once; short ones are read each time
+    assert read.count(len(long_file)) == 1  # the long text: once; a short one is read each time
     quoted = {"messages": [*again["messages"], {"role": "tool", "content": "served line number 7 of the answer"}]}
     assert (registry.assign({}, quoted).session_id, registry.assign({}, quoted).source) == ("ses_a", "echo:lines")
 

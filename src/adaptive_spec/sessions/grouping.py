@@ -26,10 +26,12 @@ ECHO_FINGERPRINTS = 200_000
 _AMBIGUOUS = ""
 # What str.split() splits ASCII text on: deleting these bytes gives the same text as joining its split words.
 _ASCII_SPACE = b" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f"
-# A text from this size on keeps its echo lines' keys (a message sent again, in any session, is not read again): at
-# most this many texts, and this many keys in all (8 bytes each; each kept twice, in order and sorted).
-_SCAN_CACHE_CHARS = 2048
-_SCAN_CACHE_TEXTS = 16_384
+# A text from this size on keeps its echo lines' keys (a message sent again, in any session, is not read again: a
+# request without a session id brings its whole history each time, most of it short messages): at most this many
+# texts, and this many keys in all (8 bytes each; each kept twice, in order and sorted). ~13 MiB when full of short
+# texts. A shorter text is read each time (a few lines: cheaper than looking it up).
+_SCAN_CACHE_CHARS = 256
+_SCAN_CACHE_TEXTS = 32_768
 _SCAN_CACHE_KEYS = 1_000_000
 # Sessions whose id the fingerprints share (one string a session, not a copy per reply: see `SessionRegistry`).
 _SHARED_IDS = 10_000
@@ -96,6 +98,12 @@ def echo_line_keys(text: str) -> array[int]:
     return array("q", dict.fromkeys([_line_key(line) for line in lines if len(line) >= _MIN_ECHO_LINE]))
 
 
+def _call_key(call_id: str) -> tuple[str, int]:
+    """A served tool call's key among the replies' digests: its id's keyed hash (process-local, as the table is; a
+    request carries back every call of its history, each looked up)."""
+    return ("tool-call", hash(call_id))
+
+
 def explicit_session(headers: Mapping[str, str], body: Mapping[str, Any]) -> tuple[str, str] | None:
     """(session id, source) from headers or body ids, or None. `headers` keys must be lower-case."""
     for name in SESSION_HEADERS:
@@ -152,7 +160,7 @@ class SessionRegistry:
     every request's headers or body; a copy per entry was a quarter of the maps' memory)."""
 
     def __init__(self, max_fingerprints: int = ECHO_FINGERPRINTS) -> None:
-        self._replies: LRU[bytes, str] = LRU(max(1, max_fingerprints))
+        self._replies: LRU[bytes | tuple[str, int], str] = LRU(max(1, max_fingerprints))
         self._lines: LRU[int, str] = LRU(max(1, max_fingerprints))
         self._ids: LRU[str, str] = LRU(_SHARED_IDS)  # a session id -> the string its entries share
         # Texts seen before (any session's, any role): their echo lines' keys, so no text is read for lines twice.
@@ -197,7 +205,7 @@ class SessionRegistry:
                 del self._served_log[:drop]
                 self._log_start += drop
         for call_id in tool_call_ids:
-            self._put(self._replies, _digest("tool-call:" + call_id), session_id)
+            self._put(self._replies, _call_key(call_id), session_id)
 
     def _put(self, table: LRU[Any, str], key: Any, session_id: str) -> None:
         # Text served to two sessions (a stock phrase, a shared snippet) says nothing about either: mark it void.
@@ -205,7 +213,10 @@ class SessionRegistry:
         table.put(key, session_id if previous in (None, session_id) else _AMBIGUOUS)
 
     def _line_keys(self, text: str) -> Sequence[int] | _Scan:
-        """`echo_line_keys(text)`, remembered for a long text: read once, however many requests carry it."""
+        """`echo_line_keys(text)`, remembered for a text of a few lines or more: read once, however many requests
+        carry it."""
+        if len(text) < _MIN_ECHO_LINE:
+            return ()
         if len(text) < _SCAN_CACHE_CHARS:
             return echo_line_keys(text)
         at = (len(text), hash(text))
@@ -237,7 +248,7 @@ class SessionRegistry:
         # Strongest: a whole assistant reply or a tool-call id we served, newest first.
         for message in reversed(messages):
             for call_id in _tool_call_ids(message):
-                hit = self._replies.get(_digest("tool-call:" + call_id))
+                hit = self._replies.get(_call_key(call_id))
                 if hit:
                     return hit, "echo:tool-call"
             if message.get("role") == "assistant":
