@@ -167,9 +167,10 @@ class Router:
         # Only texts never seen before (in any session) are hashed; the session's last messages are not read again.
         pieces = self.prefixes.pieces(body, state, session_id, body_bytes)
         placement = self.placements.get(session_id)
-        est = prefix.estimate(state, pieces, has_tools, self.chars_per_token)
         cpt = state.chars_per_token if state is not None else self.chars_per_token
-        own = prefix.shared_tokens(state, pieces, cpt)
+        total = prefix.total_tokens(pieces, cpt)  # read once, for the session's state and each server's slot
+        est = prefix.estimate(state, pieces, has_tools, cpt, total=total)
+        own = est.shared_tokens  # against the session's own state alone (no slot given): what its KV holds
         shared_on = {}
         names = self.health.names()
         replicas_of = {name: self.replica_states(name) for name in names}  # the load does not change while planning
@@ -177,7 +178,8 @@ class Router:
             replica = self._preview_replica(name, placement, replicas_of[name])
             held = self.slot_prefixes.get((*self.home(name, replica), self.load.slot_key(name, session_id, replica)))
             mine = own if self._held_on(name, placement) == replica else 0
-            shared_on[name] = max(mine, prefix.shared_tokens(held, pieces, cpt))
+            # The session's own state in that slot was just compared: nothing more to read.
+            shared_on[name] = max(mine, own if held is state else prefix.shared_tokens(held, pieces, cpt, total))
         state_of_request = RequestState(
             body_bytes=body_bytes,
             max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,

@@ -81,11 +81,11 @@ def _system(pieces: Sequence[Piece], has_tools: bool) -> bytes | None:
 
 def _markup(pieces: Sequence[Piece]) -> float:
     """The template's tokens around the pieces' texts: each piece's markers, and its tool calls' or results'."""
-    return sum(PIECE_OVERHEAD_TOKENS + p.extra for p in pieces)
+    return PIECE_OVERHEAD_TOKENS * len(pieces) + sum([p.extra for p in pieces])
 
 
 def _tokens(pieces: Sequence[Piece], chars_per_token: float) -> float:
-    return sum(p.chars for p in pieces) / chars_per_token + _markup(pieces)
+    return sum([p.chars for p in pieces]) / chars_per_token + _markup(pieces)
 
 
 def _fixed(pieces: Sequence[Piece]) -> float:
@@ -93,12 +93,22 @@ def _fixed(pieces: Sequence[Piece]) -> float:
     return PROMPT_OVERHEAD_TOKENS + (TOOLS_OVERHEAD_TOKENS if any(p.tools for p in pieces) else 0.0)
 
 
+def _leading_same(pieces: Sequence[Piece], prev: Sequence[Piece]) -> int:
+    """How many leading pieces have the same digests: one C-level comparison when the shorter list is all equal (a
+    session's next turn takes its unchanged pieces whole from its last request), else digest by digest."""
+    m = min(len(pieces), len(prev))
+    if tuple(pieces[:m]) == tuple(prev[:m]):
+        return m
+    n = 0
+    while n < m and pieces[n].digest == prev[n].digest:
+        n += 1
+    return n
+
+
 def _against(held: PrefixState, pieces: Sequence[Piece], cpt: float, total: float) -> tuple[float, float]:
     """(shared, new) tokens of a prompt against what a slot holds: `held`'s prompt, then its reply."""
     prev = held.pieces
-    n = 0
-    while n < len(pieces) and n < len(prev) and pieces[n].digest == prev[n].digest:
-        n += 1
+    n = _leading_same(pieces, prev)
     if n == len(prev) and prev:
         # The whole previous prompt is held; the reply follows it in the slot when the client sent it back as it was.
         shared = float(held.prompt_tokens - 1)
@@ -120,18 +130,26 @@ def _against(held: PrefixState, pieces: Sequence[Piece], cpt: float, total: floa
     return shared, max(1.0, total - shared)
 
 
+def total_tokens(pieces: Sequence[Piece], chars_per_token: float) -> float:
+    """The whole prompt's tokens, estimated (`estimate` and `shared_tokens` take it when the caller has it)."""
+    return _tokens(pieces, chars_per_token) + _fixed(pieces)
+
+
 def estimate(
     state: PrefixState | None,
     pieces: Sequence[Piece],
     has_tools: bool,
     chars_per_token: float,
     slot: PrefixState | None = None,
+    total: float | None = None,
 ) -> PromptEstimate:
     """The request's prompt tokens, and how many of them a server already holds: the session's own last request
     (`state`: in its slot, or in llama-server's RAM cache of prompts) or whatever request the slot it will use served
-    last (`slot`: another session of the same agent shares the system prompt and tools)."""
+    last (`slot`: another session of the same agent shares the system prompt and tools). `total`: `total_tokens`
+    at the session's rate, when the caller has it."""
     cpt = state.chars_per_token if state is not None else chars_per_token
-    total = _tokens(pieces, cpt) + _fixed(pieces)
+    if total is None:
+        total = total_tokens(pieces, cpt)
     best = (0.0, total)
     for held in (state, slot):
         if held is not None:
@@ -147,11 +165,14 @@ def estimate(
     return PromptEstimate(round(shared + new), round(shared), round(new), side, line_moved)
 
 
-def shared_tokens(held: PrefixState | None, pieces: Sequence[Piece], chars_per_token: float) -> int:
-    """The tokens of this prompt that a slot holding `held` would reuse."""
+def shared_tokens(
+    held: PrefixState | None, pieces: Sequence[Piece], chars_per_token: float, total: float | None = None
+) -> int:
+    """The tokens of this prompt that a slot holding `held` would reuse (`total`: `total_tokens`, if known)."""
     if held is None:
         return 0
-    total = _tokens(pieces, chars_per_token) + _fixed(pieces)
+    if total is None:
+        total = total_tokens(pieces, chars_per_token)
     return round(_against(held, pieces, chars_per_token, total)[0])
 
 
@@ -171,7 +192,7 @@ def observe(
     cpt = state.chars_per_token if state is not None else chars_per_token
     ratio = state.new_ratio if state is not None else 1.0
     if state is not None and timings.cache_n > 0 and not timings.from_usage:
-        total = _tokens(pieces, cpt) + _fixed(pieces)
+        total = total_tokens(pieces, cpt)
         shared, new = _against(state, pieces, cpt, total)
         if shared > 0 and new > 0:
             sample = timings.prompt_n / new
