@@ -35,7 +35,18 @@ class CallArguments(str):
 
 
 def call_head(name: Any) -> CallHead:
-    return CallHead('{"name": ' + json.dumps(_str(name), ensure_ascii=False) + ', "arguments": ')
+    name = _str(name)
+    head = _HEADS.get(name)
+    if head is None:
+        head = CallHead('{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": ')
+        if len(_HEADS) < _MAX_HEADS:
+            _HEADS[name] = head
+    return head
+
+
+# The heads of the tools' names seen (a request carries back every call of its history: the same few names).
+_HEADS: dict[str, CallHead] = {}
+_MAX_HEADS = 4096
 
 
 def call_text(name: Any, arguments: str, *, spaced: bool = True) -> str:
