@@ -38,13 +38,27 @@ def looks_copy_heavy(instruction: str, policy: FirstTurnPolicy, earlier: Sequenc
 def pasted_chars(instruction: str, policy: FirstTurnPolicy, earlier: Sequence[str] = ()) -> int:
     """The size of the file a copy-heavy request asks for back (the longest qualifying block), 0 when it is not
     one: the answer will be about that long."""
-    lowered = instruction.lower()
-    if not any(phrase.lower() in lowered for phrase in policy.phrases):
+    if not _asks_back(instruction, policy):
         return 0
     sizes = [
         size for text in (instruction, *earlier) for lines, size in [_longest_block(text)] if lines >= policy.min_lines
     ]
     return max(sizes, default=0)
+
+
+def _asks_back(instruction: str, policy: FirstTurnPolicy) -> bool:
+    """Whether the instruction says one of the policy's phrases (case-insensitive)."""
+    phrases = _LOWERED.get(policy.phrases)
+    if phrases is None:
+        if len(_LOWERED) >= 64:  # policy files edited many times over
+            _LOWERED.clear()
+        phrases = _LOWERED[policy.phrases] = tuple(phrase.lower() for phrase in policy.phrases)
+    lowered = instruction.lower()
+    return any(phrase in lowered for phrase in phrases)
+
+
+# Each policy's phrases, lowered once (a policy file's are few and change rarely).
+_LOWERED: dict[tuple[str, ...], tuple[str, ...]] = {}
 
 
 def _longest_block(text: str) -> tuple[int, int]:
@@ -74,8 +88,11 @@ def pasted_file_chars(body: Mapping[str, Any], policy: FirstTurnPolicy) -> int:
     if last is None:
         prompt = body.get("prompt")
         return pasted_chars(prompt[-4000:], policy, (prompt,)) if isinstance(prompt, str) else 0
+    instruction = message_text(messages[last].get("content"))
+    if not _asks_back(instruction, policy):
+        return 0  # the usual answer, found without reading the messages before it
     earlier = [message_text(m.get("content")) for m in messages[:last]]
-    return pasted_chars(message_text(messages[last].get("content")), policy, earlier)
+    return pasted_chars(instruction, policy, earlier)
 
 
 # --- the text's kind ---------------------------------------------------------------------------------------------

@@ -191,7 +191,12 @@ class Router:
             prompt_tokens=est.total_tokens,
             shared_tokens=own if state is not None and placement is not None else None,
             shared_on=shared_on,
-            text_kind=text_kind(body, pasted > 0, request.copy_share),
+            # The drafter's prior by kind of text: read only where a profile drafts with a model.
+            text_kind=(
+                text_kind(body, pasted > 0, request.copy_share)
+                if any(self.speeds.has_drafter(n) for n in names)
+                else "code"
+            ),
         )
         busy = self.load.sessions_in_flight.get(session_id) if session_id is not None else None
         same = frozenset(
