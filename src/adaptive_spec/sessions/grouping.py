@@ -80,6 +80,21 @@ def messages_of(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [m for m in raw if isinstance(m, dict)] if isinstance(raw, list) else []
 
 
+def same_start(messages: Sequence[Any], before: Sequence[Any]) -> int:
+    """How many leading messages are equal to `before`'s (parsed values: a memcmp of each text, no hash). One C-level
+    comparison when the whole shorter list is (a session's next turn), else one by one up to the first that
+    differs."""
+    n = min(len(messages), len(before))
+    if list(messages[:n]) == list(before[:n]):
+        return n
+    same = 0
+    for new, old in zip(messages, before, strict=False):
+        if new is not old and new != old:
+            break
+        same += 1
+    return same
+
+
 def _echo_lines(text: str) -> Iterator[str]:
     for line in text.splitlines():
         line = line.strip().lstrip("+-> ").strip()

@@ -16,7 +16,14 @@ from typing import Any
 import orjson
 
 from adaptive_spec.common.lru import LRU
-from adaptive_spec.sessions.grouping import message_digest, message_entry, message_key, messages_of, system_entries
+from adaptive_spec.sessions.grouping import (
+    message_digest,
+    message_entry,
+    message_key,
+    messages_of,
+    same_start,
+    system_entries,
+)
 
 # What a template writes around each tool call beyond a message's markers and the call's text (`call_text`,
 # `{"name": …, "arguments": …}`): the fence of the shipped template's json block, one token more than Qwen's own
@@ -146,7 +153,7 @@ def read_pieces(
     for role, assistant, text, _ in system_entries(body):
         pieces.append(_piece(role, assistant, text, 0.0, known_by, cache))
     messages = messages_of(body)
-    same = _same_start(messages, seen.messages) if seen is not None else 0
+    same = same_start(messages, seen.messages) if seen is not None else 0
     of_messages = list(seen.pieces[:same]) if seen is not None else []
     for message in messages[same:]:
         role, assistant, text, _ = message_entry(message)
@@ -161,20 +168,6 @@ def read_pieces(
         at = 1 if _starts_with_system(body) and pieces else 0
         pieces.insert(at, tools_piece)
     return tuple(pieces), SeenRequest(tuple(messages), tuple(of_messages), tools, tools_piece, weight)
-
-
-def _same_start(messages: list[dict[str, Any]], before: tuple[Any, ...]) -> int:
-    """How many leading messages are equal to `before`'s: compared in one C-level step when the whole shorter list
-    is (a session's next turn), else one by one up to the first that differs."""
-    n = min(len(messages), len(before))
-    if messages[:n] == list(before[:n]):
-        return n
-    same = 0
-    for new, old in zip(messages, before, strict=False):
-        if new is not old and new != old:
-            break
-        same += 1
-    return same
 
 
 def _piece(

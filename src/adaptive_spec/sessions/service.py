@@ -15,10 +15,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import orjson
+
 from adaptive_spec.common.lru import LRU
 from adaptive_spec.sessions import updates
 from adaptive_spec.sessions import worker as session_worker
-from adaptive_spec.sessions.grouping import ECHO_FINGERPRINTS, SessionAssignment, SessionRegistry
+from adaptive_spec.sessions.grouping import (
+    ECHO_FINGERPRINTS,
+    SessionAssignment,
+    SessionRegistry,
+    messages_of,
+    same_start,
+)
 from adaptive_spec.sessions.project import resolve_project
 from adaptive_spec.sessions.statistics import ContextTracker, SessionSnapshot, TurnStats
 from adaptive_spec.sessions.tokenizers import Tokenizer, tokenizer_spec
@@ -32,6 +40,21 @@ ESTIMATE_NOTE = (
     "est_* figures are estimates: a replay of each response through a simulated ngram-mod drafter over the "
     "session's context, whichever profile served it"
 )
+
+
+# The requests last folded in the worker process that are kept, to send a session's next turn only what follows
+# them: by sessions, and by the bytes of their bodies (their messages are mostly the router's, kept as seen).
+_SENT_SESSIONS = 4096
+_SENT_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class _Sent:
+    """A session's request last folded in the worker process: its id, and its messages as parsed."""
+
+    request_id: str
+    messages: list[Any]
+    weight: int
 
 
 # The statistics worker runs at a lower CPU priority than the proxy (nice 10: about a tenth of a core's share when
@@ -94,6 +117,9 @@ class SessionService:
         self._mirror_expired_at = 0.0
         # The worker process tokenizes too when the tokenizer can be made again there (one round trip an update).
         self._spec = tokenizer_spec(tokenizer) if worker_process else None
+        self._sent: LRU[str, _Sent] = LRU(_SENT_SESSIONS, max_weight=_SENT_BYTES, weigh=lambda sent: sent.weight)
+        self.sent_new_only = 0  # updates sent only their new messages
+        self.sent_again = 0  # ... of which the worker asked for the whole body after all
 
     def assign(
         self,
@@ -288,6 +314,7 @@ class SessionService:
             log.warning("the session statistics worker process died; starting another (statistics start over)")
             self._process = None
             self._mirror = LRU(self.tracker.max_sessions)
+            self._sent = LRU(_SENT_SESSIONS, max_weight=_SENT_BYTES, weigh=lambda sent: sent.weight)
             raise
 
     async def _update(self, work: _Work) -> None:
@@ -296,10 +323,27 @@ class SessionService:
         the new texts and hands them to the proxy's tokenizer)."""
         assert self.tokenizer is not None
         if self._spec is not None and work.raw:
-            result: tuple[TurnStats, SessionSnapshot | None, list[str]] = await self._in_process(
-                session_worker.update, work.session_id, work.project, work.raw, work.output_text, work.at,
-                work.side, work.line_moved, time.time(), work.turns, work.output_calls,
-            )  # fmt: skip
+            messages = messages_of(work.body)
+            result: tuple[TurnStats, SessionSnapshot | None, list[str]] | None = None
+            rest = self._rest(work, messages)
+            if rest is not None:
+                after, same, raw_rest = rest
+                self.sent_new_only += 1
+                result = await self._in_process(
+                    session_worker.update_after, work.session_id, work.project, after, same, raw_rest,
+                    work.output_text, work.at, work.side, work.line_moved, time.time(), work.turns,
+                    work.output_calls, work.request_id,
+                )  # fmt: skip
+                self.sent_again += result is None
+            if result is None:
+                result = await self._in_process(
+                    session_worker.update, work.session_id, work.project, work.raw, work.output_text, work.at,
+                    work.side, work.line_moved, time.time(), work.turns, work.output_calls, work.request_id,
+                )  # fmt: skip
+            if self._mirror.get(work.session_id) is not None:
+                # Kept from a session's second update on: a conversation of one request (a retry, a new one without
+                # an id) would only hold its parsed body in memory.
+                self._sent.put(work.session_id, _Sent(work.request_id, messages, len(work.raw)))
             self._after_update(work, *result)
             return
         digests: list[bytes] | None = None
@@ -320,10 +364,26 @@ class SessionService:
             turn, snap = await asyncio.to_thread(self._locked, updates.fold_update, job, digests or [])
         self._after_update(work, turn, snap, gone)
 
+    def _rest(self, work: _Work, messages: list[Any]) -> tuple[str, int, bytes] | None:
+        """(the request last folded, how many of its first messages this one repeats, this one's body without
+        them) for a turn that repeats some; None: the whole body goes. Compared as parsed values, in C (a memcmp
+        of each text); the rest is made of the system prompt kept apart and the messages that follow."""
+        sent = self._sent.get(work.session_id)
+        if sent is None or not work.request_id or not sent.request_id:
+            return None
+        same = same_start(messages, sent.messages)
+        if same == 0:
+            return None
+        body = work.body
+        rest: dict[str, Any] = {key: body[key] for key in ("instructions", "system") if key in body}
+        rest["messages" if body.get("messages") is not None else "input"] = messages[same:]
+        return sent.request_id, same, orjson.dumps(rest)
+
     def _after_update(self, work: _Work, turn: TurnStats, snap: SessionSnapshot | None, gone: list[str]) -> None:
         if self.worker_process:
             for sid in gone:
                 self._mirror.pop(sid)
+                self._sent.pop(sid)
             if snap is not None:
                 self._mirror.put(work.session_id, snap)
         self.publish(
