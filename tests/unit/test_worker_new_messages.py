@@ -94,6 +94,8 @@ async def test_a_next_turn_is_sent_only_its_new_messages_and_folds_as_the_whole_
     # From the third turn on: a session's first request is not kept (a conversation of one request would only
     # hold its body in memory), so its second is sent whole.
     assert (service.sent_new_only, service.sent_again) == (3, 0)
+    said = service.to_json()
+    assert (said["updates_sent_new_only"], said["updates_sent_again"]) == (3, 0)
     assert service._sent.get("s") is not None
     body, _ = _turns()[-1]
     # The last turn sent its one new message (and the tool result before it), not the history of four files.

@@ -408,6 +408,10 @@ class SessionService:
             "updates_processed": self.processed,
             "updates_coalesced": self.coalesced,
             "updates_dropped": self.dropped,
+            # Updates sent to the worker process as only the messages after those it folded last; of those, the
+            # ones it asked for the whole body after all.
+            "updates_sent_new_only": self.sent_new_only,
+            "updates_sent_again": self.sent_again,
             "sessions": [asdict(s) for s in self.snapshots()],
         }
 

@@ -90,7 +90,7 @@ def update_after(
 ) -> tuple[TurnStats, SessionSnapshot | None, list[str]] | None:
     """`update` of a request whose first `same` messages are those of request `after`, the session's last one folded
     here: `raw_rest` is the body without them (its system prompt kept apart, and the messages that follow). None,
-    with nothing changed, when that is not enough: `after` is not the last request folded here (the worker started
+    with nothing folded, when that is not enough: `after` is not the last request folded here (the worker started
     again, the session was dropped, an update was dropped or joined another) or the plan wants a message not sent
     (the session's statistics forgot it); the caller then sends the whole body."""
     last = _LAST.get(session_id)
