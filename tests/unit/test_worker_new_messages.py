@@ -62,7 +62,7 @@ async def _serve(new_only: bool, tamper: bool = False) -> tuple[list[dict[str, A
     def rest(work: Any, messages: list[Any]) -> Any:
         found = real_rest(work, messages) if new_only else None
         if found is not None:
-            sizes.append(len(found[2]))
+            sizes.append(len(found[1]))
         return found
 
     service._rest = rest  # type: ignore[method-assign]

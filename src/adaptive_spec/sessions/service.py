@@ -11,7 +11,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -55,6 +55,10 @@ class _Sent:
     request_id: str
     messages: list[Any]
     weight: int
+
+
+# What the worker process answers an update: the turn's statistics, the session's snapshot, the sessions it dropped.
+_Folded = tuple[TurnStats, SessionSnapshot | None, list[str]]
 
 
 # The statistics worker runs at a lower CPU priority than the proxy (nice 10: about a tenth of a core's share when
@@ -324,22 +328,23 @@ class SessionService:
         assert self.tokenizer is not None
         if self._spec is not None and work.raw:
             messages = messages_of(work.body)
-            result: tuple[TurnStats, SessionSnapshot | None, list[str]] | None = None
+
+            def fold(raw: bytes, after: tuple[str, int] | None = None) -> Awaitable[_Folded | None]:
+                return self._in_process(
+                    session_worker.update, work.session_id, work.project, raw, work.output_text, work.at, work.side,
+                    work.line_moved, time.time(), work.turns, work.output_calls, work.request_id, after,
+                )  # fmt: skip
+
+            result: _Folded | None = None
             rest = self._rest(work, messages)
             if rest is not None:
-                after, same, raw_rest = rest
+                after, raw_rest = rest
                 self.sent_new_only += 1
-                result = await self._in_process(
-                    session_worker.update_after, work.session_id, work.project, after, same, raw_rest,
-                    work.output_text, work.at, work.side, work.line_moved, time.time(), work.turns,
-                    work.output_calls, work.request_id,
-                )  # fmt: skip
+                result = await fold(raw_rest, after)
                 self.sent_again += result is None
             if result is None:
-                result = await self._in_process(
-                    session_worker.update, work.session_id, work.project, work.raw, work.output_text, work.at,
-                    work.side, work.line_moved, time.time(), work.turns, work.output_calls, work.request_id,
-                )  # fmt: skip
+                result = await fold(work.raw)
+            assert result is not None  # the whole body is always folded
             if self._mirror.get(work.session_id) is not None:
                 # Kept from a session's second update on: a conversation of one request (a retry, a new one without
                 # an id) would only hold its parsed body in memory.
@@ -364,8 +369,8 @@ class SessionService:
             turn, snap = await asyncio.to_thread(self._locked, updates.fold_update, job, digests or [])
         self._after_update(work, turn, snap, gone)
 
-    def _rest(self, work: _Work, messages: list[Any]) -> tuple[str, int, bytes] | None:
-        """(the request last folded, how many of its first messages this one repeats, this one's body without
+    def _rest(self, work: _Work, messages: list[Any]) -> tuple[tuple[str, int], bytes] | None:
+        """((the request last folded, how many of its first messages this one repeats), this one's body without
         them) for a turn that repeats some; None: the whole body goes. Compared as parsed values, in C (a memcmp
         of each text); the rest is made of the system prompt kept apart and the messages that follow."""
         sent = self._sent.get(work.session_id)
@@ -377,7 +382,7 @@ class SessionService:
         body = work.body
         rest: dict[str, Any] = {key: body[key] for key in ("instructions", "system") if key in body}
         rest["messages" if body.get("messages") is not None else "input"] = messages[same:]
-        return sent.request_id, same, orjson.dumps(rest)
+        return (sent.request_id, same), orjson.dumps(rest)
 
     def _after_update(self, work: _Work, turn: TurnStats, snap: SessionSnapshot | None, gone: list[str]) -> None:
         if self.worker_process:

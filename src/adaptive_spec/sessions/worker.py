@@ -5,7 +5,7 @@ plan (which messages are new), tokenizing the new texts and the reply (cached by
 and the counterfactual replay) and dropping idle sessions. The event loop sends the client's bytes and the reply's
 text (no parsed history to pickle) and gets the turn's statistics back: one round trip per served request. A session's
 next turn whose first messages are those of the last request folded here is sent only what follows them
-(`update_after`): the messages kept are not sent, parsed or read again, their digests taken from that request.
+(`update`'s `after`): the messages kept are not sent, parsed or read again, their digests taken from that request.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import orjson
 
 from adaptive_spec.common.lru import LRU
 from adaptive_spec.sessions import updates
-from adaptive_spec.sessions.grouping import KnownDigests, context_messages, message_entry, messages_of, system_entries
+from adaptive_spec.sessions.grouping import KnownDigests, message_entry, messages_of, system_entries
 from adaptive_spec.sessions.statistics import SessionSnapshot, TurnStats
 from adaptive_spec.sessions.tokenizers import SyncTokenizer, TokenizerSpec
 
@@ -60,57 +60,47 @@ def update(
     turns: int = 1,
     output_calls: bool = False,
     request_id: str = "",
-) -> tuple[TurnStats, SessionSnapshot | None, list[str]]:
-    """One served request folded into its session's statistics; then the sessions idle since before `now` go."""
+    after: tuple[str, int] | None = None,
+) -> tuple[TurnStats, SessionSnapshot | None, list[str]] | None:
+    """One served request folded into its session's statistics; then the sessions idle since before `now` go.
+
+    `after` = (request id, n): the request's first n messages are those of that request, the session's last one
+    folded here, and `raw_body` is the body without them (its system prompt kept apart, and the messages that
+    follow). None, with nothing folded, when that is not enough: that request is not the last one folded here (the
+    worker started again, the session was dropped, an update was dropped or joined another) or the plan wants a
+    message not sent (the session's statistics forgot it); the caller then sends the whole body."""
+    kept: list[tuple[bytes, bool]] = []
+    if after is not None:
+        last = _LAST.get(session_id)
+        if last is None or last.request_id != after[0] or after[1] > len(last.entries) - last.system:
+            return None
+        kept = last.entries[last.system : last.system + after[1]]
     body = orjson.loads(raw_body)
     known = _known(session_id)
-    messages = context_messages(body, known)
-    known.turn()
-    system = sum(1 for _ in system_entries(body))
-    entries = [(digest, assistant) for digest, assistant, _ in messages]
-    plan = updates.process_tracker().plan(session_id, entries)
-    return _fold(session_id, project, body, plan, entries, system, output_text, at, side, line_moved, now, turns,
-                 output_calls, request_id)  # fmt: skip
-
-
-def update_after(
-    session_id: str,
-    project: str,
-    after: str,
-    same: int,
-    raw_rest: bytes,
-    output_text: str,
-    at: float,
-    side: bool,
-    line_moved: bool,
-    now: float,
-    turns: int = 1,
-    output_calls: bool = False,
-    request_id: str = "",
-) -> tuple[TurnStats, SessionSnapshot | None, list[str]] | None:
-    """`update` of a request whose first `same` messages are those of request `after`, the session's last one folded
-    here: `raw_rest` is the body without them (its system prompt kept apart, and the messages that follow). None,
-    with nothing folded, when that is not enough: `after` is not the last request folded here (the worker started
-    again, the session was dropped, an update was dropped or joined another) or the plan wants a message not sent
-    (the session's statistics forgot it); the caller then sends the whole body."""
-    last = _LAST.get(session_id)
-    if last is None or last.request_id != after or same > len(last.entries) - last.system:
-        return None
-    rest = orjson.loads(raw_rest)
-    known = _known(session_id)
-    system = [(known(role, text), assistant) for role, assistant, text, _ in system_entries(rest)]
-    new = [(known(role, text), assistant) for role, assistant, text, _ in map(message_entry, messages_of(rest))]
-    entries = [*system, *last.entries[last.system : last.system + same], *new]
+    system = [(known(role, text), assistant) for role, assistant, text, _ in system_entries(body)]
+    new = [(known(role, text), assistant) for role, assistant, text, _ in map(message_entry, messages_of(body))]
+    entries = [*system, *kept, *new]
     tracker = updates.process_tracker()
     plan = tracker.plan(session_id, entries)
-    first_new = len(system) + same
+    first_new = len(system) + len(kept)
     if any(len(system) <= i < first_new for i in plan):
         return None  # the whole body's update plans again (a plan not folded is void)
     known.turn()
-    # The planned entries' indices in `rest`, which lacks the kept messages.
-    shifted = [i if i < len(system) else i - same for i in plan]
-    return _fold(session_id, project, rest, plan, entries, len(system), output_text, at, side, line_moved, now, turns,
-                 output_calls, request_id, shifted)  # fmt: skip
+    # The planned entries' texts, at their indices in the body sent (which lacks the kept messages).
+    planned = updates.planned_texts(body, [i if i < len(system) else i - len(kept) for i in plan])
+    tokens = _TOKENIZER[0].encode([*(text for _, text in planned), output_text])
+    digests = [digest for digest, _ in entries]
+    job = updates.FoldJob(
+        session_id, project, tokens[:-1], output_text, tokens[-1], at, side, line_moved, digests, turns,
+        [role for role, _ in planned], output_calls,
+    )  # fmt: skip
+    turn, snap = updates.fold_update(tracker, job, digests)
+    _LAST.put(session_id, _Folded(request_id, len(system), entries))
+    gone = tracker.expire(now)
+    for sid in gone:
+        _KNOWN.pop(sid)
+        _LAST.pop(sid)
+    return turn, snap, gone
 
 
 def _known(session_id: str) -> KnownDigests:
@@ -120,39 +110,3 @@ def _known(session_id: str) -> KnownDigests:
         _KNOWN.put(session_id, known)
     _KNOWN.touch(session_id)
     return known
-
-
-def _fold(
-    session_id: str,
-    project: str,
-    body: dict[str, Any],
-    plan: list[int],
-    entries: list[tuple[bytes, bool]],
-    system: int,
-    output_text: str,
-    at: float,
-    side: bool,
-    line_moved: bool,
-    now: float,
-    turns: int,
-    output_calls: bool,
-    request_id: str,
-    in_body: list[int] | None = None,
-) -> tuple[TurnStats, SessionSnapshot | None, list[str]]:
-    """Tokenize the planned texts (at `in_body`'s indices of `body`, when they differ from the plan's) and the
-    reply, fold them in, and drop the sessions idle since before `now`."""
-    tracker = updates.process_tracker()
-    planned = updates.planned_texts(body, plan if in_body is None else in_body)
-    tokens = _TOKENIZER[0].encode([*(text for _, text in planned), output_text])
-    digests = [digest for digest, _ in entries]
-    job = updates.FoldJob(
-        session_id, project, tokens[:-1], output_text, tokens[-1], at, side, line_moved, digests, turns,
-        [role for role, _ in planned], output_calls,
-    )  # fmt: skip
-    turn, snap = updates.fold_update(tracker, job, digests)
-    _LAST.put(session_id, _Folded(request_id, system, entries))
-    gone = tracker.expire(now)
-    for sid in gone:
-        _KNOWN.pop(sid)
-        _LAST.pop(sid)
-    return turn, snap, gone
