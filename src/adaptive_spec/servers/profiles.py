@@ -8,6 +8,8 @@ from pathlib import PurePath
 from urllib.parse import urlsplit
 
 from adaptive_spec.errors import ConfigError
+from adaptive_spec.servers import capabilities
+from adaptive_spec.servers.capabilities import Capabilities
 from adaptive_spec.servers.speculation import PerRequestSupport, Speculation
 
 DRAFT_TYPES = {"dflash": "draft-dflash", "mtp": "draft-mtp", "eagle3": "draft-eagle3", "simple": "draft-simple"}
@@ -96,14 +98,23 @@ class ServerSettings:
 
 
 def server_argv(
-    binary: str, spec: ProfileSpec, settings: ServerSettings, *, host: str, port: int, slot_save_path: str
+    binary: str,
+    spec: ProfileSpec,
+    settings: ServerSettings,
+    *,
+    host: str,
+    port: int,
+    slot_save_path: str,
+    offers: Capabilities | None = None,
 ) -> list[str]:
-    """The llama-server command line for one launched profile."""
+    """The llama-server command line for one launched profile. `offers`: what the binary accepts (probed from its
+    `--help` once per build when not given)."""
+    offers = capabilities.of_binary(binary) if offers is None else offers
     argv = [binary, *settings.model.args(draft=False)]
     argv += ["--host", host, "--port", str(port)]
     argv += ["-c", str(settings.ctx_size), "-t", str(settings.threads), "--parallel", str(settings.parallel)]
     argv += ["--jinja", "--metrics", "--slot-save-path", slot_save_path]
-    argv += ["--spec-type", ",".join(spec.spec_types)]
+    argv += spec_type_args(spec.spec_types, offers)
     if spec.uses_draft_file:
         if settings.draft is None:
             raise ConfigError(f"profile {spec.name!r} uses {','.join(spec.spec_types)} but no --draft was given")
@@ -117,6 +128,16 @@ def server_argv(
         argv += ["--chat-template-file", settings.chat_template_file]
     argv += list(settings.extra_args)
     return argv
+
+
+def spec_type_args(spec_types: tuple[str, ...], offers: Capabilities) -> list[str]:
+    """`--spec-type` for exactly these types. Where `--spec-type` adds to a default set (a binary that lists
+    `--no-spec-type`, upstream's open #28391), the set is cleared first, so a draft-only or no-speculation profile
+    does not silently gain the default ngram-mod."""
+    if not offers.no_spec_type:
+        return ["--spec-type", ",".join(spec_types)]
+    chosen = [t for t in spec_types if t != "none"]
+    return ["--no-spec-type", *(["--spec-type", ",".join(chosen)] if chosen else [])]
 
 
 # Measured on the embedded Qwen2.5-Coder-0.5B (docs/benchmarks.md, "Choosing ngram-mod parameters").
