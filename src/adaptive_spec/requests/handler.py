@@ -21,6 +21,7 @@ from adaptive_spec.requests.compat import repaired
 from adaptive_spec.requests.error_responses import answer
 from adaptive_spec.requests.forward import forward
 from adaptive_spec.requests.gate import routed_path
+from adaptive_spec.requests.heads import before_forward, served
 from adaptive_spec.requests.lifecycle import ProxyRequest
 from adaptive_spec.requests.outcome import CLIENT_GONE, SERVED, SHUTDOWN, Outcome
 from adaptive_spec.requests.parse import GENERATING_APIS, RequestProblem, parse_body, with_fields
@@ -286,12 +287,14 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
             refused = answer(chosen)
             refused.headers[REQUEST_ID_HEADER] = req.request_id  # every answer names its record
             return refused
+        await before_forward(app, req, chosen)  # warm starts: a stored head restored into the slot (kv/heads/)
         lifecycle.announce(req)
         resp, outcome = await _forward_once(request, req, chosen)
         while outcome.unreachable and not resp.prepared and (other := await _failover(request, req, chosen)):
             chosen = other
             resp, outcome = await _forward_once(request, req, chosen)
         req.outcome = _client_gone(req, stopping=lifecycle.stopping) if outcome.client_gone else outcome
+        served(app, req, chosen)  # warm starts: learn from the restore, save a new head (kv/heads/)
         if not resp.prepared:
             resp.headers[REQUEST_ID_HEADER] = req.request_id
         return resp

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.kv.effects import KvEffects
+from adaptive_spec.kv.heads.store import HeadsConfig, HeadStore
 from adaptive_spec.kv.remote_prefill import REMOTE_PREFILL, RemotePrefill
 from adaptive_spec.kv.slots import SlotMover
 from adaptive_spec.requests.app_keys import (
@@ -37,6 +38,7 @@ from adaptive_spec.requests.app_keys import (
 )
 from adaptive_spec.requests.gate import install_security
 from adaptive_spec.requests.handler import proxy_view
+from adaptive_spec.requests.heads import HEADS, add_heads_views
 from adaptive_spec.requests.lifecycle import RequestLifecycle
 from adaptive_spec.routing.api import FixedPolicy, PolicySource
 from adaptive_spec.routing.draft_length import capped_profiles
@@ -66,6 +68,19 @@ class KvSetup:
     mover: SlotMover | None = None  # None: the shared slot directory's, when there is one
     remote: RemotePrefill | None = None
     link_bytes_per_s: float | None = None  # the start-up probe of the relays' slowest link
+    heads: HeadsConfig | None = None  # warm starts: the head store (kv/heads/), with a slot directory only
+
+
+def _add_heads(app: web.Application, kv: KvSetup) -> None:
+    """Warm starts (kv/heads/): the store where there is a slot directory to restore from."""
+    if kv.heads is not None and kv.slot_dir is not None:
+        app[HEADS] = store = HeadStore(kv.heads, kv.slot_dir, lambda: app[CLIENT])
+
+        async def close(_: web.Application) -> None:
+            await store.close()
+
+        app.on_shutdown.append(close)
+    add_heads_views(app)
 
 
 def build_app(
@@ -110,6 +125,7 @@ def build_app(
     if kv.remote is not None:
         app[REMOTE_PREFILL] = kv.remote
     app[RESTART] = restart
+    _add_heads(app, kv)
     app[LIFECYCLE] = RequestLifecycle(bus, app[HISTORY], router, sessions, trace, settings.progress_interval_s)
     bus.listen(app[METRICS].on_event)
     if sessions is not None:

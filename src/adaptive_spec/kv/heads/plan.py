@@ -1,0 +1,180 @@
+"""Pure: what a stored head is (`HeadEntry`), what makes its KV reusable on a server (`ServerKey`), the chain of
+digests a prompt's leading pieces make under that key, the longest stored match of a new prompt, the LRU eviction
+and whether a restore pays against a prefill. No file, no HTTP: the store (`kv/heads/store.py`) does those."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+DEFAULT_MAX_BYTES = 2 * 1024**3  # 2 GiB: ~23 opencode heads of the 0.5B (~88 MB each)
+MIN_HEAD_TOKENS = 256  # a shorter first turn prefills in well under a second on the slowest machine here
+MIN_GAIN_TOKENS = 64  # a restore must bring at least this many tokens more than the slot holds
+RESTORE_OVERHEAD_S = 0.05  # two slot actions and a link or copy, beyond reading the file
+RESTORE_PRIOR_BYTES_PER_S = 400e6  # until a restore is measured: a page-cached file read by llama-server
+INERT_SHARE = 0.5  # a restore whose next prompt reused less than this share of the expected tokens did nothing
+
+
+@dataclass(frozen=True, slots=True)
+class ServerKey:
+    """What a slot file's KV depends on, as a server reports it: the model file (path and size), the slot's
+    context and the chat template (a digest of it). Two servers with equal keys can restore each other's heads."""
+
+    model: str
+    model_bytes: int
+    n_ctx: int
+    template_digest: str
+
+    def digest(self) -> bytes:
+        text = f"{self.model}\0{self.model_bytes}\0{self.n_ctx}\0{self.template_digest}"
+        return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def template_digest(template: str) -> str:
+    return hashlib.blake2b(template.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+
+
+def chain(key: ServerKey, piece_digests: Iterable[bytes]) -> tuple[str, ...]:
+    """Link i covers the key and pieces 0..i: two prompts share their first n links exactly when they share the
+    key and their first n pieces, so a match is found without the text."""
+    links: list[str] = []
+    previous = key.digest()
+    for digest in piece_digests:
+        previous = hashlib.blake2b(previous + digest, digest_size=16).digest()
+        links.append(previous.hex())
+    return tuple(links)
+
+
+@dataclass(frozen=True, slots=True)
+class HeadEntry:
+    """One stored head: its file `<id>.head`, the chain of its prompt's pieces and their characters, the tokens its
+    prompt took (`prompt_tokens`) and the slot file holds (`saved_tokens`: the prompt and the reply after it)."""
+
+    id: str
+    links: tuple[str, ...]
+    chars: tuple[int, ...]
+    prompt_tokens: int
+    saved_tokens: int
+    bytes: int
+    created_unix: float
+    last_used_unix: float
+    agent: str | None = None
+    project: str | None = None
+    restores: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["links"], out["chars"] = list(self.links), list(self.chars)
+        return out
+
+    @staticmethod
+    def from_json(raw: Any) -> HeadEntry | None:
+        """An index entry, or None when it is not one (a damaged index loses that entry, not the store)."""
+        try:
+            entry = HeadEntry(
+                id=str(raw["id"]),
+                links=tuple(str(x) for x in raw["links"]),
+                chars=tuple(int(x) for x in raw["chars"]),
+                prompt_tokens=int(raw["prompt_tokens"]),
+                saved_tokens=int(raw["saved_tokens"]),
+                bytes=int(raw["bytes"]),
+                created_unix=float(raw["created_unix"]),
+                last_used_unix=float(raw["last_used_unix"]),
+                agent=raw.get("agent"),
+                project=raw.get("project"),
+                restores=int(raw.get("restores", 0)),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+        ok = entry.id.isalnum() and len(entry.links) == len(entry.chars) > 0
+        return entry if ok else None
+
+    def describe(self) -> dict[str, Any]:
+        """What `GET /adaptive/heads` shows: no digest of the prompt."""
+        return {
+            "id": self.id,
+            "agent": self.agent,
+            "project": self.project,
+            "tokens": self.prompt_tokens,
+            "bytes": self.bytes,
+            "pieces": len(self.links),
+            "created_unix": round(self.created_unix, 3),
+            "last_used_unix": round(self.last_used_unix, 3),
+            "restores": self.restores,
+        }
+
+
+def head_id(links: Sequence[str]) -> str:
+    return links[-1][:24]
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    entry: HeadEntry
+    pieces: int  # leading pieces shared with the new prompt
+    tokens: int  # the tokens of those pieces, estimated from their share of the head's characters
+
+
+def shared_links(a: Sequence[str], b: Sequence[str]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def best_match(links: Sequence[str], entries: Iterable[HeadEntry]) -> Match | None:
+    """The stored head sharing the most tokens with a prompt whose chain is `links` (None: no piece shared)."""
+    best: Match | None = None
+    for entry in entries:
+        n = shared_links(links, entry.links)
+        if n == 0:
+            continue
+        total = sum(entry.chars) or 1
+        tokens = entry.prompt_tokens if n == len(entry.links) else entry.prompt_tokens * sum(entry.chars[:n]) // total
+        if best is None or tokens > best.tokens:
+            best = Match(entry, n, tokens)
+    return best
+
+
+def covered(links: Sequence[str], entries: Iterable[HeadEntry]) -> bool:
+    """Whether a stored head already holds this whole prompt's pieces (saving it again would add nothing)."""
+    return any(shared_links(links, e.links) == len(links) for e in entries)
+
+
+def evictions(entries: Iterable[HeadEntry], max_bytes: int, incoming_bytes: int = 0) -> list[str]:
+    """The least recently used heads to remove so the store (plus one of `incoming_bytes`) fits in `max_bytes`."""
+    kept = sorted(entries, key=lambda e: e.last_used_unix)
+    total = sum(e.bytes for e in kept) + incoming_bytes
+    out: list[str] = []
+    for entry in kept:
+        if total <= max_bytes:
+            break
+        out.append(entry.id)
+        total -= entry.bytes
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePrice:
+    pays: bool
+    restore_s: float
+    prefill_s: float
+    gain_tokens: int
+
+
+def price(match: Match, slot_tokens: int, prefill_s_per_token: float, restore_bytes_per_s: float) -> RestorePrice:
+    """A restore pays when it brings `MIN_GAIN_TOKENS` more than the slot holds and reading the file (the whole
+    slot: the head and the turn after it) takes less than prefilling those tokens."""
+    gain = match.tokens - max(0, slot_tokens)
+    restore_s = RESTORE_OVERHEAD_S + match.entry.bytes / max(1.0, restore_bytes_per_s)
+    prefill_s = max(0, gain) * max(0.0, prefill_s_per_token)
+    return RestorePrice(gain >= MIN_GAIN_TOKENS and restore_s < prefill_s, restore_s, prefill_s, gain)
+
+
+def inert(expected_tokens: int, cache_n: int) -> bool:
+    """A restore the next prompt barely reused (llama.cpp #26676: success reported, the prompt re-prefilled)."""
+    return cache_n < expected_tokens * INERT_SHARE

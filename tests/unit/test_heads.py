@@ -1,0 +1,87 @@
+"""The head store's pure part (keys, chains, matching, eviction, pricing) and the store's own learning: a head of
+another model or template is never matched, and an inert restore is not tried again on that server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from adaptive_spec.kv.heads.plan import (
+    HeadEntry,
+    Match,
+    ServerKey,
+    best_match,
+    chain,
+    covered,
+    evictions,
+    price,
+)
+from adaptive_spec.kv.heads.store import HeadsConfig, HeadStore, Restored
+from adaptive_spec.servers.upstreams import Upstream
+
+KEY = ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t1")
+PIECES = [b"system", b"tools", b"user-1"]
+
+
+def _entry(links: tuple[str, ...], tokens: int = 1000, size: int = 100, used: float = 0.0) -> HeadEntry:
+    return HeadEntry(links[-1][:24], links, (400, 500, 100)[: len(links)], tokens, tokens + 4, size, used, used)
+
+
+def test_a_new_prompt_finds_the_longest_stored_prefix_without_its_text() -> None:
+    head = _entry(chain(KEY, PIECES))
+    whole = best_match(chain(KEY, PIECES), [head])
+    assert whole is not None and (whole.pieces, whole.tokens) == (3, 1000)
+    other_user = best_match(chain(KEY, [b"system", b"tools", b"user-2"]), [head])
+    assert other_user is not None and (other_user.pieces, other_user.tokens) == (2, 900)
+    assert best_match(chain(KEY, [b"another system"]), [head]) is None
+    assert covered(chain(KEY, PIECES[:2]), [head]) and not covered(chain(KEY, [*PIECES, b"more"]), [head])
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        ServerKey("/models/other.gguf", 491_400_064, 8192, "t1"),  # another model
+        ServerKey("/models/qwen.gguf", 1, 8192, "t1"),  # the same path, another file
+        ServerKey("/models/qwen.gguf", 491_400_064, 4096, "t1"),  # another context
+        ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t2"),  # another chat template
+    ],
+)
+def test_a_head_of_another_model_context_or_template_is_never_matched(other: ServerKey) -> None:
+    assert best_match(chain(other, PIECES), [_entry(chain(KEY, PIECES))]) is None
+
+
+def test_the_least_recently_used_heads_go_first_until_the_store_fits() -> None:
+    old, mid, new = (_entry(chain(KEY, [bytes([i])]), size=100, used=float(i)) for i in range(3))
+    assert evictions([new, old, mid], max_bytes=300) == []
+    assert evictions([new, old, mid], max_bytes=250) == [old.id]
+    assert evictions([new, old, mid], max_bytes=150, incoming_bytes=50) == [old.id, mid.id]
+
+
+def test_a_restore_pays_only_when_it_beats_prefilling_what_the_slot_lacks() -> None:
+    match = Match(_entry(chain(KEY, PIECES), tokens=7200, size=88_000_000), 3, 7200)
+    slow_cpu = price(match, slot_tokens=0, prefill_s_per_token=1 / 60, restore_bytes_per_s=400e6)
+    assert slow_cpu.pays and slow_cpu.restore_s < 0.5 < 100 < slow_cpu.prefill_s
+    assert not price(match, slot_tokens=7180, prefill_s_per_token=1 / 60, restore_bytes_per_s=400e6).pays
+    fast_gpu = price(match, slot_tokens=0, prefill_s_per_token=1 / 50_000, restore_bytes_per_s=400e6)
+    assert not fast_gpu.pays  # 0.14 s of prefill against 0.27 s of reading
+
+
+def test_an_index_entry_round_trips_and_a_damaged_one_is_dropped() -> None:
+    entry = _entry(chain(KEY, PIECES))
+    assert HeadEntry.from_json(entry.to_json()) == entry
+    assert HeadEntry.from_json({"id": "x"}) is None
+    assert HeadEntry.from_json({**entry.to_json(), "id": "../etc"}) is None
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_an_inert_restore_is_learned_and_not_tried_again_on_that_server(tmp_path: Path) -> None:
+    async with aiohttp.ClientSession() as client:
+        store = HeadStore(HeadsConfig(tmp_path / "heads"), tmp_path / "slots", lambda: client)
+        upstream = Upstream("p", "http://127.0.0.1:9")  # nothing listens: any HTTP would fail the restore loudly
+        restored = Restored("abc", upstream.base_url, tokens=7000, restore_ms=20.0)
+        store.served(upstream, 0, [], [], 0, 10, restored, "opencode", "default")  # the server reported cache_n 0
+        assert store.describe()["inert_servers"] == [upstream.base_url] and store.counts["inert"] == 1
+        assert await store.restore(upstream, 0, PIECES, 0, 1.0) is None
+        assert store.counts["failed"] == 0  # refused before asking the server anything
