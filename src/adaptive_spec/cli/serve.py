@@ -16,6 +16,7 @@ from adaptive_spec.cli import text
 from adaptive_spec.cli import tui as tui_command
 from adaptive_spec.cli.text import add_command
 from adaptive_spec.errors import ConfigError
+from adaptive_spec.kv.heads.options import add_heads_arguments, heads_config
 from adaptive_spec.kv.prefill_options import add_pp_arguments, pp_plan
 from adaptive_spec.kv.relay_options import add_relay_arguments, relay_plan
 from adaptive_spec.server.app import ProxySettings
@@ -86,6 +87,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     _add_routing_arguments(serve)
     add_pp_arguments(serve)
     add_relay_arguments(serve)
+    add_heads_arguments(serve)
     _add_trace_arguments(serve)
     _add_session_arguments(serve)
 
@@ -339,6 +341,7 @@ def _routing_options(args: argparse.Namespace) -> dict[str, Any]:
         "slot_dir": args.slot_dir,
         "remote_prefill": pp_plan(args),
         "relays": relay_plan(args),
+        "heads": heads_config(args),
     }
 
 

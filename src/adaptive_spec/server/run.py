@@ -23,6 +23,7 @@ from aiohttp import web
 from adaptive_spec.access.options import describe_access
 from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.errors import ConfigError, LaunchError, ProfileMismatchError
+from adaptive_spec.kv.heads.store import HeadsConfig
 from adaptive_spec.kv.relay_mover import RelayMoverPlan, start_relay_mover
 from adaptive_spec.kv.remote_prefill import RemotePrefillPlan, start_remote_prefill
 from adaptive_spec.kv.slots import SharedDirMover, SlotMover
@@ -109,6 +110,7 @@ class ServePlan:
     access: AccessPolicy = field(default_factory=AccessPolicy)
     remote_prefill: RemotePrefillPlan | None = None  # --pp-server
     relays: RelayMoverPlan | None = None  # --relay SERVER_URL=RELAY_URL: KV moves between hosts
+    heads: HeadsConfig | None = None  # warm starts (kv/heads/): None with --no-heads
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)  # slow and idle clients, the cap
     event_loop: str = "asyncio"  # server/event_loop.py: asyncio or uvloop
     agents_note: str | None = None  # which embedded model suits coding agents, said after start
@@ -357,7 +359,13 @@ async def _kv_setup(
     if plan.remote_prefill is not None:
         model_path = plan.launch.settings.model.path if plan.launch is not None else infos[0].model_path
         remote = await start_remote_prefill(plan.remote_prefill, client, model_path, slot_dir, say)
-    return KvSetup(slot_dir, mover, remote, link)
+    heads = None
+    if plan.heads is not None and slot_dir is not None:
+        heads = HeadsConfig(plan.heads.directory or state_dir() / "heads", plan.heads.max_bytes)
+        say(f"heads: {heads.directory} (at most {heads.max_bytes / 1024**3:g} GiB, least recently used go first)")
+    elif plan.heads is not None:
+        say("heads: off (no slot directory to restore from)")
+    return KvSetup(slot_dir, mover, remote, link, heads)
 
 
 async def _until_stopped(work: Coroutine[Any, Any, None], stop: asyncio.Event) -> bool:

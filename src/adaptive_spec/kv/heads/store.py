@@ -53,7 +53,7 @@ _FAILURES = (SlotError, OSError, aiohttp.ClientError, asyncio.TimeoutError, Valu
 
 @dataclass(frozen=True, slots=True)
 class HeadsConfig:
-    directory: Path
+    directory: Path | None  # None: heads/ in the state directory (resolved where `serve` starts)
     max_bytes: int = DEFAULT_MAX_BYTES
 
 
@@ -72,6 +72,8 @@ class Restored:
 
 class HeadStore:
     def __init__(self, config: HeadsConfig, slot_dir: Path, client: Callable[[], aiohttp.ClientSession]) -> None:
+        if config.directory is None:
+            raise ValueError("HeadsConfig.directory: resolve the state directory's heads/ first")
         self.dir, self.max_bytes, self.slot_dir, self._client = config.directory, config.max_bytes, slot_dir, client
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._entries: dict[str, HeadEntry] = self._load()

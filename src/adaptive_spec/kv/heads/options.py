@@ -1,0 +1,38 @@
+"""`serve`'s options for the head store (warm starts): where it lives, how large it may grow, or none at all."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from adaptive_spec.errors import ConfigError
+from adaptive_spec.kv.heads.plan import DEFAULT_MAX_BYTES
+from adaptive_spec.kv.heads.store import HeadsConfig
+
+
+def add_heads_arguments(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("warm starts: agents' heads kept across sessions and restarts")
+    group.add_argument(
+        "--heads-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where heads (slot files of sessions' first turns) are kept (default: heads/ in the state directory)",
+    )
+    group.add_argument(
+        "--heads-max-gb",
+        type=float,
+        default=DEFAULT_MAX_BYTES / 1024**3,
+        metavar="GB",
+        help="the store's bound in GiB; the least recently used heads go first (default: %(default)s)",
+    )
+    group.add_argument("--no-heads", action="store_true", help="keep no heads: every new session prefills its own")
+
+
+def heads_config(args: argparse.Namespace) -> HeadsConfig | None:
+    if args.no_heads:
+        return None
+    if not args.heads_max_gb > 0:
+        raise ConfigError(f"--heads-max-gb {args.heads_max_gb}: must be above 0")
+    directory = args.heads_dir.expanduser() if args.heads_dir is not None else None  # None: the state directory's
+    return HeadsConfig(directory, int(args.heads_max_gb * 1024**3))
