@@ -10,6 +10,7 @@ The pure part (`build_key`, `configure_args`, `Manifest`) is separate from the s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -186,7 +187,7 @@ def find_built(root: Path | None = None, patches: Sequence[Patch] | None = None)
     return Built(binary, manifest, current)
 
 
-def _run(argv: Sequence[str], cwd: Path) -> None:
+def run_step(argv: Sequence[str], cwd: Path) -> None:
     try:
         subprocess.run(list(argv), cwd=cwd, check=True)
     except FileNotFoundError as exc:
@@ -206,12 +207,12 @@ def _tool(name: str) -> str:
     return found
 
 
-def fetch_sdist(root: Path, run: Run = _run, say: Say = print) -> Path:
+def fetch_sdist(root: Path, run: Run = run_step, say: Say = print) -> Path:
     """The pinned sdist, downloaded once by pip into the cache and checked against its pinned hash."""
     return fetch_archive(PINNED, root / "sdist", run, say)
 
 
-def fetch_archive(archive: SourceArchive, folder: Path, run: Run = _run, say: Say = print) -> Path:
+def fetch_archive(archive: SourceArchive, folder: Path, run: Run = run_step, say: Say = print) -> Path:
     """`archive` in `folder`, downloaded by pip by name once (no wheel: the source) and checked by its hash."""
     path = folder / archive.file
     if not path.is_file():
@@ -245,7 +246,7 @@ def extract_source(
 
 
 def apply_patches(
-    source: Path, patches: Sequence[Patch], run: Run = _run, *, dry_run: bool = False, target: str = SDIST_FILE
+    source: Path, patches: Sequence[Patch], run: Run = run_step, *, dry_run: bool = False, target: str = SDIST_FILE
 ) -> None:
     """`patch -p1` each file in order; a patch that no longer applies fails here, naming it."""
     for p in patches:
@@ -269,7 +270,7 @@ def build(
     *,
     jobs: int | None = None,
     force: bool = False,
-    run: Run = _run,
+    run: Run = run_step,
     say: Say = print,
 ) -> Built:
     """The patched llama-server for these CMake arguments: the existing build when its key matches, else a new one."""
@@ -283,12 +284,12 @@ def build(
         found = find_built(root, patches)
         if found is not None:
             return found
-    with _locked(root):
+    with locked(root):
         return _build_locked(root, key, args, patches, jobs, run, say)
 
 
 @contextlib.contextmanager
-def _locked(root: Path) -> Iterator[None]:
+def locked(root: Path) -> Iterator[None]:
     """One build at a time per cache: a second `build-server` waits for the first."""
     root.mkdir(parents=True, exist_ok=True)
     with (root / "build.lock").open("w") as lock:
@@ -299,7 +300,6 @@ def _locked(root: Path) -> Iterator[None]:
 def _build_locked(
     root: Path, key: str, args: tuple[str, ...], patches: list[Patch], jobs: int | None, run: Run, say: Say
 ) -> Built:
-    folder = root / key
     sdist = fetch_sdist(root, run, say)
     # Always the same folder, emptied first: with ccache, a changed patch then recompiles only what it touches.
     work = root / "work"
@@ -309,14 +309,6 @@ def _build_locked(
         say(f"extracting llama.cpp {LLAMA_CPP_BUILD} and applying {len(patches)} patches")
         source = extract_source(sdist, work / "src")
         apply_patches(source, patches, run)
-        cmake = _tool("cmake")
-        ccache = shutil.which("ccache") is not None
-        run([cmake, *configure_args(source, work / "build", args, ccache=ccache)], work)
-        n = jobs or os.cpu_count() or 2
-        say(f"compiling llama-server with {n} jobs (10-20 minutes on 2 cores; once per patch set and CMAKE_ARGS)")
-        run([cmake, "--build", str(work / "build"), "--config", "Release", "--target", "llama-server", f"-j{n}"], work)
-        staged = work / "out"
-        _collect(work / "build" / "bin", staged)
         manifest = Manifest(
             key=key,
             llama_cpp=LLAMA_CPP_BUILD,
@@ -326,15 +318,40 @@ def _build_locked(
             patch_sha256=tuple(p.sha256 for p in patches),
             cmake_args=args,
             recipe=RECIPE,
-            built_unix=time.time(),
+            built_unix=0.0,
         )
-        (staged / "build.json").write_text(manifest.to_json())
-        shutil.rmtree(folder, ignore_errors=True)
-        staged.rename(folder)
-        (root / "current").write_text(key + "\n")
-        prune_superseded(root, manifest)
+        return compile_and_install(root, work, source, manifest, patches, jobs, run, say)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def compile_and_install(
+    root: Path,
+    work: Path,
+    source: Path,
+    manifest: Manifest,
+    patches: Sequence[Patch],
+    jobs: int | None,
+    run: Run,
+    say: Say,
+) -> Built:
+    """Compile llama-server from the patched tree `source` (inside `work`), install it under `root/<key>` with its
+    build.json and make it `current`; the builds it supersedes go."""
+    folder = root / manifest.key
+    cmake = _tool("cmake")
+    ccache = shutil.which("ccache") is not None
+    run([cmake, *configure_args(source, work / "build", manifest.cmake_args, ccache=ccache)], work)
+    n = jobs or os.cpu_count() or 2
+    say(f"compiling llama-server with {n} jobs (10-20 minutes on 2 cores; once per patch set and CMAKE_ARGS)")
+    run([cmake, "--build", str(work / "build"), "--config", "Release", "--target", "llama-server", f"-j{n}"], work)
+    staged = work / "out"
+    _collect(work / "build" / "bin", staged)
+    manifest = dataclasses.replace(manifest, built_unix=time.time())
+    (staged / "build.json").write_text(manifest.to_json())
+    shutil.rmtree(folder, ignore_errors=True)
+    staged.rename(folder)
+    (root / "current").write_text(manifest.key + "\n")
+    prune_superseded(root, manifest)
     found = find_built(root, patches)
     if found is None:
         raise BuildError(f"the build in {folder} has no runnable llama-server")
@@ -342,15 +359,16 @@ def _build_locked(
 
 
 def prune_superseded(root: Path, kept: Manifest) -> list[str]:
-    """Remove the builds a new one supersedes: the same CMake arguments, older patches or recipe (a CUDA build beside
-    a CPU one stays). Returns the keys removed."""
+    """Remove the builds a new one supersedes: from the same source (the pinned sdist, or one `--source` folder) and
+    with the same CMake arguments, older patches, recipe or tree (a CUDA build beside a CPU one stays, and so does
+    the pinned build beside one from a user's tree). Returns the keys removed."""
     removed = []
     for manifest_path in root.glob("*/build.json"):
         try:
             other = Manifest.from_json(manifest_path.read_text())
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if other.key != kept.key and other.cmake_args == kept.cmake_args:
+        if other.key != kept.key and other.cmake_args == kept.cmake_args and other.sdist == kept.sdist:
             shutil.rmtree(manifest_path.parent, ignore_errors=True)
             removed.append(other.key)
     return removed
