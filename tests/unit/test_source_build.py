@@ -131,3 +131,18 @@ def test_a_build_from_a_user_tree_does_not_remove_the_pinned_one(tmp_path: Path)
         (tmp_path / m.key).mkdir()
         (tmp_path / m.key / "build.json").write_text(m.to_json())
     assert build.prune_superseded(tmp_path, own) == []
+
+
+def test_build_server_source_exits_with_the_hunk_and_the_way_to_serve_it_unpatched(
+    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from adaptive_spec.cli.main import main
+
+    chat = tree / "common" / "chat.cpp"
+    flags = "    common_peg_parse_flags flags = COMMON_PEG_PARSE_FLAG_LENIENT;\n"
+    chat.write_text(chat.read_text().replace(flags, flags.rstrip("\n") + "  // edited\n"))
+    monkeypatch.setenv("ADAPTIVE_SPEC_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["build-server", "--source", str(tree)]) != 0
+    err = capsys.readouterr().err
+    assert "0004-chat-keep-trailing-partial-delimiter.patch does not apply" in err
+    assert "common/chat.cpp hunk #1" in err and "serve --llama-server PATH" in err

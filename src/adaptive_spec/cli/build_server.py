@@ -17,6 +17,7 @@ examples:
   adaptive-spec build-server                              build once (then instant: the build is kept)
   CMAKE_ARGS="-DGGML_CUDA=on" adaptive-spec build-server  a CUDA build (see docs/gpu.md)
   adaptive-spec build-server --show                       which build serve will use, and what it carries
+  adaptive-spec build-server --source ~/llama.cpp         the patches on your own llama.cpp tree (or tarball)
   adaptive-spec serve --llama-server "$(adaptive-spec build-server --print-path)"
 """
 
@@ -39,6 +40,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     cmd.add_argument(
         "--check", action="store_true", help="only check that the patches apply to the pinned source (downloads it)"
     )
+    cmd.add_argument(
+        "--source",
+        type=Path,
+        metavar="DIR",
+        help="build from your own llama.cpp checkout or source tarball instead (the patches applied to a copy; "
+        "CMAKE_ARGS as usual); the last build made is the one serve uses",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,7 +68,12 @@ def run(args: argparse.Namespace) -> int:
         say(f"{len(build.shipped_patches())} patches apply to {build.SDIST_FILE}")
         return 0
     build.root_dir().mkdir(parents=True, exist_ok=True)
-    found = build.build(jobs=args.jobs, force=args.force, say=say)
+    if args.source is not None:
+        from adaptive_spec.servers.source_build import build_from_source
+
+        found = build_from_source(args.source, jobs=args.jobs, force=args.force, say=say)
+    else:
+        found = build.build(jobs=args.jobs, force=args.force, say=say)
     if args.print_path:
         print(found.binary)
     else:
