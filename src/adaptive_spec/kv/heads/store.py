@@ -266,9 +266,12 @@ class HeadStore:
         links = chain(await self._key(upstream), pieces)
         if not links or covered(links, self._entries.values()):
             return
+        # Wait for idle outside the lock: a new session's restore must not queue behind this wait.
+        if await self._idle(upstream, wait_s=_IDLE_WAIT_S) is None:
+            log.info("heads: %s stayed busy; the head is not saved", upstream.label)
+            return
         async with self._lock:
-            if await self._idle(upstream, wait_s=_IDLE_WAIT_S) is None:
-                log.info("heads: %s stayed busy; the head is not saved", upstream.label)
+            if await self._idle(upstream, wait_s=0.0) is None:
                 return
             free = await asyncio.to_thread(lambda: shutil.disk_usage(self.dir).free)
             if free < _FREE_RESERVE_BYTES + self._bytes_per_token() * prompt_tokens * 2:
