@@ -85,3 +85,14 @@ async def test_an_inert_restore_is_learned_and_not_tried_again_on_that_server(tm
         assert store.describe()["inert_servers"] == [upstream.base_url] and store.counts["inert"] == 1
         assert await store.restore(upstream, 0, PIECES, 0, 1.0) is None
         assert store.counts["failed"] == 0  # refused before asking the server anything
+
+
+def test_an_unusable_heads_directory_costs_the_warm_starts_not_the_proxy(tmp_path: Path) -> None:
+    from adaptive_spec.requests.heads import HEADS
+    from adaptive_spec.server.app import KvSetup, ProxySettings, build_app
+    from adaptive_spec.servers.upstreams import UpstreamTable
+
+    (tmp_path / "not-a-dir").write_text("")
+    kv = KvSetup(slot_dir=tmp_path, heads=HeadsConfig(tmp_path / "not-a-dir" / "heads"))
+    app = build_app(UpstreamTable([Upstream("p", "http://127.0.0.1:9")]), ProxySettings(), kv=kv)
+    assert app.get(HEADS) is None

@@ -74,7 +74,13 @@ class KvSetup:
 def _add_heads(app: web.Application, kv: KvSetup) -> None:
     """Warm starts (kv/heads/): the store where there is a slot directory to restore from."""
     if kv.heads is not None and kv.slot_dir is not None:
-        app[HEADS] = store = HeadStore(kv.heads, kv.slot_dir, lambda: app[CLIENT])
+        try:
+            store = HeadStore(kv.heads, kv.slot_dir, lambda: app[CLIENT])
+        except (OSError, ValueError) as exc:  # an unusable directory costs the warm starts, not the proxy
+            log.warning("heads: off: %s", exc)
+            add_heads_views(app)
+            return
+        app[HEADS] = store
 
         async def close(_: web.Application) -> None:
             await store.close()
