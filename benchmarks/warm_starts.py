@@ -85,7 +85,8 @@ def first_turn(base: str, session: str, data: dict[str, Any]) -> dict[str, Any]:
         headers={"Content-Type": "application/json", "x-session-id": session},
     )
     t0 = time.perf_counter()
-    ttft_s, timings = None, {}
+    ttft_s: float | None = None
+    timings: dict[str, Any] = {}
     with urllib.request.urlopen(req, timeout=1800) as resp:
         request_id = resp.headers["x-adaptive-spec-request-id"]
         for raw in resp:
