@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import ctypes
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -96,6 +97,9 @@ def main(argv: list[str]) -> int:
             child.wait(10)
         except subprocess.TimeoutExpired:
             child.kill()
+    if child.returncode < 0:  # died of a signal: so does this wrapper, so its launcher sees the same death
+        signal.signal(-child.returncode, signal.SIG_DFL)
+        os.kill(os.getpid(), -child.returncode)
     return child.returncode or 0
 
 

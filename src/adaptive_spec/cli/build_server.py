@@ -38,6 +38,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     cmd.add_argument("--show", action="store_true", help="say which build is current and what it carries; build none")
     cmd.add_argument("--print-path", action="store_true", help="print only the binary's path (building if needed)")
     cmd.add_argument(
+        "--forget-cpu-verdicts",
+        action="store_true",
+        help="forget which builds this machine runs with --no-repack (a CPU that faulted while loading); the next "
+        "start finds out again",
+    )
+    cmd.add_argument(
         "--check", action="store_true", help="only check that the patches apply to the pinned source (downloads it)"
     )
     cmd.add_argument(
@@ -53,6 +59,12 @@ def run(args: argparse.Namespace) -> int:
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    if args.forget_cpu_verdicts:
+        from adaptive_spec.servers.launcher import verdict_store
+
+        store = verdict_store()
+        say(f"forgot {store.forget()} CPU verdicts ({store.path})")
+        return 0
     if args.show:
         found = build.find_built()
         if found is None:
@@ -60,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         state = "current" if found.current else "built from older patch files: run adaptive-spec build-server"
         print(f"{found.binary}\n  {found.manifest.describe()} ({state})")
+        print(f"  {_repack_line(str(found.binary))}")
         return 0
     if args.check:
         root = build.root_dir()
@@ -90,3 +103,14 @@ def check_patches(sdist: Path, patches: Sequence[build.Patch] | None = None) -> 
         source = build.extract_source(sdist, Path(tmp), only=touched)
         # Applied for real in a scratch copy: a later patch's context may rely on an earlier one's lines.
         build.apply_patches(source, patches)
+
+
+def _repack_line(binary: str) -> str:
+    """What this machine remembers about running `binary`'s CPU kernels, and how to clear it."""
+    from adaptive_spec.servers.launcher import verdict_store
+
+    store = verdict_store()
+    verdict = store.get(binary)
+    if verdict is None:
+        return f"CPU weight repacking: on (no fault remembered on {store.cpu_model})"
+    return f"runs with {verdict.describe()}; clear: adaptive-spec build-server --forget-cpu-verdicts"

@@ -24,6 +24,7 @@ from adaptive_spec.server.connection_book import ConnectionLimits
 from adaptive_spec.server.event_loop import EVENT_LOOPS
 from adaptive_spec.server.run import LaunchPlan, ServePlan, SessionPlan, say
 from adaptive_spec.server.run import run as run_server
+from adaptive_spec.servers.cpu_faults import REPACK_MODES
 from adaptive_spec.servers.models import DEFAULT_MODEL, agents_advice, embedded_chat_template, resolve_model
 from adaptive_spec.servers.profiles import (
     DRAFT_TYPES,
@@ -200,6 +201,14 @@ def _add_server_arguments(launch: argparse._ArgumentGroup) -> None:
         help="ngram-mod n-match,n-min,n-max for the iterative profile",
     )
     launch.add_argument(
+        "--cpu-repack",
+        choices=REPACK_MODES,
+        default="auto",
+        help="llama.cpp's CPU weight repacking: auto retries a server that dies of a CPU fault while loading "
+        "(SIGILL, SIGSEGV, SIGBUS: some machines advertise AMX and fault on it) with --no-repack and remembers it "
+        "for that build and CPU; always never adds --no-repack; never always does (default: %(default)s)",
+    )
+    launch.add_argument(
         "--server-arg",
         action="append",
         default=[],
@@ -246,6 +255,7 @@ def _launch_plan(args: argparse.Namespace) -> LaunchPlan:
         start_timeout_s=args.start_timeout,
         one_server=not args.server_per_profile,
         device_memory_mib=args.device_memory,
+        repack=args.cpu_repack,
     )
 
 

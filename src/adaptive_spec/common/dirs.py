@@ -1,5 +1,6 @@
-"""Where adaptive-spec keeps what it builds and assembles: one cache directory ($ADAPTIVE_SPEC_CACHE_DIR, else the
-platform's user cache dir), read in one place so the models and the llama-server builds cannot disagree on it."""
+"""Where adaptive-spec keeps what it builds and assembles (one cache directory: $ADAPTIVE_SPEC_CACHE_DIR, else the
+platform's user cache dir) and what it learns and runs in (one state directory: $ADAPTIVE_SPEC_STATE_DIR, else the
+platform's user state dir), each read in one place so no two features disagree on it."""
 
 from __future__ import annotations
 
@@ -12,3 +13,8 @@ import platformdirs
 def cache_dir() -> Path:
     override = os.environ.get("ADAPTIVE_SPEC_CACHE_DIR")
     return Path(override) if override else Path(platformdirs.user_cache_dir("adaptive-spec"))
+
+
+def state_dir() -> Path:
+    override = os.environ.get("ADAPTIVE_SPEC_STATE_DIR")
+    return Path(override) if override else Path(platformdirs.user_state_dir("adaptive-spec"))

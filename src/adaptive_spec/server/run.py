@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
 import signal
 import socket
@@ -17,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import platformdirs
 from aiohttp import web
 
 from adaptive_spec.access.options import describe_access
 from adaptive_spec.access.rules import AccessPolicy
+from adaptive_spec.common.dirs import state_dir
 from adaptive_spec.errors import ConfigError, LaunchError, ProfileMismatchError
 from adaptive_spec.kv.heads.store import HeadsConfig
 from adaptive_spec.kv.relay_mover import RelayMoverPlan, start_relay_mover
@@ -34,8 +33,9 @@ from adaptive_spec.server.connection_book import ConnectionLimits
 from adaptive_spec.server.connections import WatchedSite, watch_connections
 from adaptive_spec.server.event_loop import loop_factory, loop_name
 from adaptive_spec.server.session_tokens import choose_tokenizer
+from adaptive_spec.servers.cpu_faults import RepackMode
 from adaptive_spec.servers.footprint import device_report, launch_lines
-from adaptive_spec.servers.launcher import Launcher
+from adaptive_spec.servers.launcher import Launcher, describe_binary
 from adaptive_spec.servers.profile_servers import (
     STOCK,
     Launched,
@@ -78,6 +78,7 @@ class LaunchPlan:
     start_timeout_s: float = 600.0  # each profile's time to become healthy
     device_memory_mib: int | None = None  # fit the launch to a device of this size instead of asking nvidia-smi
     one_server: bool = True  # the profiles as per-request settings of one llama-server, when it takes them
+    repack: RepackMode = "auto"  # CPU weight repacking (servers/cpu_faults.py): --cpu-repack
 
 
 @dataclass(frozen=True)
@@ -114,11 +115,6 @@ class ServePlan:
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)  # slow and idle clients, the cap
     event_loop: str = "asyncio"  # server/event_loop.py: asyncio or uvloop
     agents_note: str | None = None  # which embedded model suits coding agents, said after start
-
-
-def state_dir() -> Path:
-    override = os.environ.get("ADAPTIVE_SPEC_STATE_DIR")
-    return Path(override) if override else Path(platformdirs.user_state_dir("adaptive-spec"))
 
 
 def listen(host: str, port: int) -> list[socket.socket]:
@@ -253,8 +249,15 @@ async def _launch(run: _Run, launch: LaunchPlan, stop: asyncio.Event) -> list[Up
     device = device_report(launch.device_memory_mib)
     for line in launch_lines(first, launch.settings, device, planned_design(first, launch.specs)):
         say(line)
+    say(f"llama-server: {describe_binary(launch.binary)}")
     run.launcher = launcher = Launcher(
-        launch.binary, first, launch.settings, run_dir=run.run_dir, say=say, health_timeout_s=launch.start_timeout_s
+        launch.binary,
+        first,
+        launch.settings,
+        run_dir=run.run_dir,
+        say=say,
+        health_timeout_s=launch.start_timeout_s,
+        repack=launch.repack,
     )
     try:
         if not await _until_stopped(launcher.start(), stop):

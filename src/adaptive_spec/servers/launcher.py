@@ -17,13 +17,14 @@ from pathlib import Path
 
 import aiohttp
 
+from adaptive_spec.common.dirs import state_dir
 from adaptive_spec.errors import ConfigError, LaunchError
 from adaptive_spec.servers.build import find_built
+from adaptive_spec.servers.cpu_faults import NO_REPACK, VERDICTS_FILE, RepackMode, VerdictStore, fault_signal
 from adaptive_spec.servers.profiles import ProfileSpec, ServerSettings, server_argv
 
 Say = Callable[[str], None]
 _PR_SET_PDEATHSIG = 1
-_NO_REPACK = "--no-repack"
 
 
 def find_llama_server(explicit: str | None) -> str:
@@ -59,6 +60,15 @@ def find_llama_server(explicit: str | None) -> str:
     raise ConfigError("no llama-server found: run `adaptive-spec build-server`, or pass --llama-server PATH")
 
 
+def describe_binary(binary: str) -> str:
+    """Which llama-server a launch runs, in words: the patched build (and what it carries), or the binary named."""
+    built = find_built()
+    if built is not None and Path(binary).resolve() == built.binary.resolve():
+        state = "" if built.current else "; built from older patch files"
+        return f"{binary} ({built.manifest.describe()}{state})"
+    return f"{binary} (not adaptive-spec's patched build: speculation per request only if it offers it)"
+
+
 def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -72,21 +82,62 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def verdict_store() -> VerdictStore:
+    """This machine's CPU verdicts (servers/cpu_faults.py), in the state directory."""
+    return VerdictStore(state_dir() / VERDICTS_FILE)
+
+
 class ServerProcess:
     """One llama-server child, started the one way this project starts them: in its own session (a terminal's Ctrl-C
     reaches the parent, which stops it in order), ended by the kernel if the parent dies, logging to a file, ready
-    once `/health` answers 200, and started once more with `--no-repack` if it dies of SIGILL while loading. The
-    launcher, the test support and the benchmark scripts all start llama-server through it."""
+    once `/health` answers 200. A death of a CPU-kernel fault while loading (SIGILL, SIGSEGV, SIGBUS) is retried once
+    with `--no-repack`, and once that has served the verdict is kept for this build and CPU, so the next start uses
+    it at once (`repack`: "auto"; "always" never adds it, "never" always does). The launcher, the test support and
+    the benchmark scripts all start llama-server through it."""
 
-    def __init__(self, name: str, argv: list[str], base_url: str, log_path: Path, say: Say = print) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        base_url: str,
+        log_path: Path,
+        say: Say = print,
+        *,
+        repack: RepackMode = "auto",
+        verdicts: VerdictStore | None = None,
+    ) -> None:
         self.name, self.argv, self.base_url, self.log_path = name, argv, base_url, log_path
         self.process: asyncio.subprocess.Process | None = None
         self._say = say
+        self._repack = repack
+        self._verdicts = verdicts
+        self._verdict_read = False
+        self._retried_fault: signal.Signals | None = None  # the fault a --no-repack retry answers, until it serves
 
     @property
     def no_repack(self) -> bool:
-        """Whether it runs with `--no-repack` (given, or added after a SIGILL)."""
-        return _NO_REPACK in self.argv
+        """Whether it runs with `--no-repack` (given, remembered, or added after a fault while loading)."""
+        return NO_REPACK in self.argv
+
+    def verdicts(self) -> VerdictStore:
+        if self._verdicts is None:
+            self._verdicts = verdict_store()
+        return self._verdicts
+
+    def _apply_verdict(self) -> None:
+        """Before the first start: the mode's and the machine's word on repacking, said once."""
+        if self._verdict_read or self.no_repack:
+            self._verdict_read = True
+            return
+        self._verdict_read = True
+        if self._repack == "never":
+            self.argv.append(NO_REPACK)
+        elif self._repack == "auto" and (verdict := self.verdicts().get(self.argv[0])) is not None:
+            self.argv.append(NO_REPACK)
+            self._say(
+                f"profile {self.name!r}: this build runs with {verdict.describe()}; "
+                "`adaptive-spec build-server --forget-cpu-verdicts` clears it, `serve --cpu-repack always` ignores it"
+            )
 
     async def start(self, health_timeout_s: float) -> None:
         """Spawn it and wait until it is healthy; stops it and raises LaunchError if it is not."""
@@ -99,6 +150,7 @@ class ServerProcess:
             raise
 
     async def spawn(self) -> None:
+        self._apply_verdict()
         self._say(f"starting profile {self.name!r}: {' '.join(self.argv)}")
         with self.log_path.open("ab") as log:
             self.process = await asyncio.create_subprocess_exec(
@@ -115,14 +167,16 @@ class ServerProcess:
         last_report = started
         assert self.process is not None
         while True:
-            if self.process.returncode == -signal.SIGILL and _NO_REPACK not in self.argv:
+            fault = fault_signal(self.process.returncode)
+            if fault is not None and self._repack == "auto" and not self.no_repack:
                 # Some virtual machines advertise AMX but fault on it; llama.cpp only reaches AMX through weight
                 # repacking, so the same build runs once repacking is off.
                 self._say(
-                    f"profile {self.name!r}: llama-server hit an illegal instruction (SIGILL) in its "
-                    f"CPU kernels; retrying with {_NO_REPACK}"
+                    f"profile {self.name!r}: llama-server died of {fault.name} while loading (a CPU kernel that "
+                    f"faults on this machine); retrying with {NO_REPACK}\n{self.log_tail(5)}"
                 )
-                self.argv.append(_NO_REPACK)
+                self._retried_fault = fault
+                self.argv.append(NO_REPACK)
                 await self.spawn()
                 continue
             if self.process.returncode is not None:
@@ -133,6 +187,7 @@ class ServerProcess:
                         self._say(
                             f"profile {self.name!r} ready at {self.base_url} ({time.monotonic() - started:.1f} s)"
                         )
+                        self._keep_verdict()
                         return
             now = time.monotonic()
             if now - started > timeout_s:
@@ -144,6 +199,17 @@ class ServerProcess:
                 last_report = now
                 self._say(f"  {self.name}: loading ({now - started:.0f} s) {self.last_line()}")
             await asyncio.sleep(0.1)
+
+    def _keep_verdict(self) -> None:
+        fault, self._retried_fault = self._retried_fault, None
+        if fault is None:
+            return
+        problem = self.verdicts().remember(self.argv[0], fault)
+        self._say(
+            problem
+            or f"profile {self.name!r}: served with {NO_REPACK}; this machine remembers it for this build "
+            f"({self.verdicts().path}; `adaptive-spec build-server --forget-cpu-verdicts` clears it)"
+        )
 
     async def stop(self) -> None:
         """SIGTERM, then SIGKILL after 10 s. Safe to call more than once."""
@@ -193,8 +259,10 @@ class Launcher:
         on_up: Callable[[str], None] = lambda _: None,
         on_down: Callable[[str, str], None] = lambda _n, _r: None,
         health_timeout_s: float = 600.0,
+        repack: RepackMode = "auto",
     ) -> None:
         self._say, self._on_up, self._on_down = say, on_up, on_down
+        self._repack = repack
         self._health_timeout_s = health_timeout_s
         self._stopping = False
         self._watchers: dict[str, asyncio.Task[None]] = {}
@@ -209,7 +277,7 @@ class Launcher:
         slots = str(self.run_dir / "slots")
         argv = server_argv(self._binary, spec, self._settings, host=self._host, port=port, slot_save_path=slots)
         log = self.run_dir / "logs" / f"{spec.name}.log"
-        return ServerProcess(spec.name, argv, f"http://{self._host}:{port}", log, self._say)
+        return ServerProcess(spec.name, argv, f"http://{self._host}:{port}", log, self._say, repack=self._repack)
 
     def set_health_hooks(self, on_up: Callable[[str], None], on_down: Callable[[str, str], None]) -> None:
         """Who to tell when a profile goes down (crash) and comes back up (after a restart)."""
@@ -287,7 +355,11 @@ class Launcher:
             self._on_down(child.name, reason)
             if time.monotonic() - up_since > 60:
                 backoff = 1.0
-            self._say(f"profile {child.name!r}: {reason}; restarting in {backoff:.0f} s (log: {child.log_path})")
+            # Died after it had served: not a loading fault, so it comes back with the same arguments.
+            self._say(
+                f"profile {child.name!r}: {reason}; restarting in {backoff:.0f} s (log: {child.log_path})\n"
+                f"{child.log_tail(8)}"
+            )
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 30.0)
             if self._stopping:
