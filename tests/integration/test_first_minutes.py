@@ -25,10 +25,12 @@ NATIVE = re.compile(r"^(llama_|ggml_|gguf_|llm_|load|print_info|init_|common_|ma
 
 
 def recording_server(folder: Path, binary: str) -> tuple[Path, Path]:
-    """A --llama-server that writes a line to a file each time it is started, then becomes the real llama-server."""
+    """A --llama-server that writes a line to a file each time it is started as a server (the `--help` that tells
+    what the binary offers is not a start), then becomes the real llama-server."""
     record = folder / "launches.txt"
     wrapper = folder / "llama-server"
-    wrapper.write_text(f'#!/bin/sh\necho "$$" >> {shlex.quote(str(record))}\nexec {shlex.quote(binary)} "$@"\n')
+    log_start = f'[ "$1" = --help ] || echo "$$" >> {shlex.quote(str(record))}'
+    wrapper.write_text(f'#!/bin/sh\n{log_start}\nexec {shlex.quote(binary)} "$@"\n')
     wrapper.chmod(0o755)
     return wrapper, record
 
