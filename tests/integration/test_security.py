@@ -133,7 +133,7 @@ def test_llama_server_itself_answers_500_to_a_message_without_role(tiny_server: 
             [{"role": "user", "content": [{"type": "text", "text": 5}]}],
             "messages[0].content[0].text",
         ),
-        ("/p/a/v1/chat/completions", [{"role": "robot", "content": "hi"}], "messages[0].role"),
+        ("/p/a/v1/chat/completions", [{"role": "user", "content": {"text": "hi"}}], "messages[0].content"),
     ],
 )
 def test_bad_message_shapes_are_400_naming_the_field(

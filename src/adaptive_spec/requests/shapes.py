@@ -1,5 +1,9 @@
 """The shape of the fields llama-server reads without checking (messages, their parts, tool calls, prompts, and
-typed options): a client's mistake there is answered 400 naming the field, never llama-server's 500."""
+typed options): a client's mistake there is answered 400 naming the field, never llama-server's 500.
+
+Never stricter than llama-server: only the JSON types it reads unchecked are refused. A value it takes as it comes
+(a role, a content part's or an input item's type) passes whatever it is, known or not, so the next client's newer
+API feature reaches the server (Claude Code's mid-conversation `system` message on /v1/messages is one)."""
 
 from __future__ import annotations
 
@@ -8,9 +12,6 @@ from typing import Any
 
 from adaptive_spec.requests.parse import RequestProblem
 
-_CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-_ANTHROPIC_ROLES = frozenset({"user", "assistant"})
-_RESPONSES_ROLES = frozenset({"system", "developer", "user", "assistant"})
 _MAX_NESTING = 64
 # Optional fields any generating API may carry, with the JSON types llama-server reads them as.
 _FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
@@ -134,14 +135,12 @@ def _content(param: str, content: Any, text_types: frozenset[str], optional: boo
     return _problem(param, "expected a string or an array of content parts.")
 
 
-def _role(param: str, message: Any, roles: frozenset[str]) -> RequestProblem | None:
+def _role(param: str, message: Any) -> RequestProblem | None:
+    # Any role string passes: the chat template decides what an unknown one means (llama-server refuses none).
     if not isinstance(message, dict):
         return _problem(param, "expected a message object.")
-    role = message.get("role")
-    if not isinstance(role, str):
+    if not isinstance(message.get("role"), str):
         return _problem(f"{param}.role", "every message needs a 'role' string.")
-    if role not in roles:
-        return _problem(f"{param}.role", f"unknown role {role[:40]!r}; expected one of {', '.join(sorted(roles))}.")
     return None
 
 
@@ -151,7 +150,7 @@ _CHAT_TEXT = frozenset({"text"})
 def _chat(body: Mapping[str, Any]) -> RequestProblem | None:
     for i, message in enumerate(body["messages"]):
         where = f"messages[{i}]"
-        problem = _role(where, message, _CHAT_ROLES)
+        problem = _role(where, message)
         if problem is not None:
             return problem
         calls = message.get("tool_calls")
@@ -202,7 +201,7 @@ def _anthropic(body: Mapping[str, Any]) -> RequestProblem | None:
             return problem
     for i, message in enumerate(body["messages"]):
         where = f"messages[{i}]"
-        problem = _role(where, message, _ANTHROPIC_ROLES) or _content(
+        problem = _role(where, message) or _content(
             f"{where}.content", message.get("content"), _ANTHROPIC_TEXT, optional=False
         )
         if problem is not None:
@@ -244,7 +243,7 @@ def _responses(body: Mapping[str, Any]) -> RequestProblem | None:
         if not isinstance(kind, str):
             return _problem(f"{where}.type", "expected a string.")
         if kind == "message" or "role" in item:
-            problem = _role(where, item, _RESPONSES_ROLES) or _content(
+            problem = _role(where, item) or _content(
                 f"{where}.content", item.get("content"), _RESPONSES_TEXT, optional=False
             )
         elif kind == "function_call":
