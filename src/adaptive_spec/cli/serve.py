@@ -70,6 +70,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--read-timeout", type=float, default=600.0, help="seconds of upstream silence before a request fails (504)"
     )
     serve.add_argument(
+        "--prefill-keepalive",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a streamed request the server has not answered after this long gets its 200 headers and then a "
+        "keep-alive every SECONDS (an SSE comment; Anthropic's ping on /v1/messages), so an agent's stream idle "
+        "timeout does not end a long prefill; 0 turns them off (default: %(default)s)",
+    )
+    serve.add_argument(
         "--shutdown-grace",
         type=float,
         default=10.0,
@@ -110,6 +119,7 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
         history_size=args.history,
         feed_content=args.feed_content,
         shutdown_grace_s=args.shutdown_grace,
+        prefill_keepalive_s=args.prefill_keepalive,
     )
     # Before anything is launched or assembled: a refusal to listen without a key comes first.
     access = access_policy(args, [k for k, _, _ in (item.partition("=") for item in args.project_key) if k])

@@ -29,6 +29,7 @@ class ProxySettings:
     progress_interval_s: float = 0.25  # at most one DraftProgress event per request in this interval
     feed_content: bool = False  # the live feed carries streamed text (serve --feed-content): opt-in, like the trace's
     shutdown_grace_s: float = 10.0  # on SIGTERM, how long requests in flight may run on before they are ended
+    prefill_keepalive_s: float = 10.0  # a streamed request unanswered this long gets keep-alives (0: never)
 
 
 HISTORY = web.AppKey("history", RequestHistory)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -14,6 +14,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from adaptive_spec.common.headers import PROFILE_HEADER
 from adaptive_spec.requests.error_responses import answer, as_anthropic, as_client_error, sse_error_event
 from adaptive_spec.requests.gate import hidden_headers
+from adaptive_spec.requests.keepalive import PrefillKeepAlive
 from adaptive_spec.requests.outcome import SHUTDOWN, Outcome
 from adaptive_spec.servers.upstreams import Upstream
 from adaptive_spec.streams.meter import ResponseMeter
@@ -64,37 +65,31 @@ async def forward(
     strip: bool = False,
     progress: Callable[[], None] | None = None,
     shutting_down: Callable[[], bool] = lambda: False,
+    keepalive: PrefillKeepAlive | None = None,
 ) -> tuple[web.StreamResponse, Outcome]:
     """`strip`: the client did not ask for the per-token timings the proxy asked for, so they are taken out of the
     stream again; `progress` is called after each relayed chunk; `shutting_down` says whether a cancellation is the
-    shutdown's (the client is told so) rather than the client's own disconnect."""
+    shutdown's (the client is told so) rather than the client's own disconnect; `keepalive`: a streamed request's
+    keep-alives while the server has not answered (requests/keepalive.py)."""
     # Send the request upstream and relay the answer; upstream faults become errors, never exceptions.
     url = upstream.base_url + path_qs
     headers = upstream_headers(request.headers, hidden_headers(request))
+    sent = _send(sessions, request.method, url, body, headers, timeout)
     try:
-        upstream_resp = await _send(sessions, request.method, url, body, headers, timeout)
-    except aiohttp.ClientConnectorError as exc:
-        message = f"profile {upstream.name!r} at {upstream.base_url} is unreachable: {exc.os_error or exc}"
-        return _fail(Outcome(502, message, "upstream_unreachable", unreachable=True))
-    except aiohttp.ConnectionTimeoutError:
-        message = (
-            f"profile {upstream.name!r} at {upstream.base_url} did not accept a connection within "
-            f"{timeout.sock_connect} s"
-        )
-        return _fail(Outcome(504, message, "upstream_timeout"))
-    except TimeoutError:
-        message = f"profile {upstream.name!r} at {upstream.base_url} did not answer within {timeout.sock_read} s"
-        return _fail(Outcome(504, message, "upstream_timeout"))
-    except aiohttp.ClientError as exc:
-        message = f"profile {upstream.name!r} at {upstream.base_url} failed before answering: {exc}"
-        return _fail(Outcome(502, message, "upstream_error"))
+        outcome = await _sent_or_failed(keepalive.during(sent) if keepalive is not None else sent, upstream, timeout)
     except asyncio.CancelledError:
         if not _shutdown_cancel(shutting_down):
             raise
-        return _fail(SHUTDOWN)
+        outcome = SHUTDOWN
+    if isinstance(outcome, Outcome):
+        return await _failed(outcome, keepalive)
+    upstream_resp = outcome
+    committed = keepalive.take() if keepalive is not None and keepalive.committed else None
     try:
+        if committed is not None and keepalive is not None and not _is_stream_answer(upstream_resp):
+            return await _error_after_keepalive(upstream_resp, upstream, keepalive)
         relay = _Relay(upstream, api, meter, started, strip, progress, shutting_down)
-        resp, client_gone, failure = await _relay(request, upstream_resp, relay, extra_headers)
+        resp, client_gone, failure = await _relay(request, upstream_resp, relay, extra_headers, committed)
     finally:
         # Closing (not releasing) drops the connection if the body was not read to the end, which tells
         # llama-server to stop generating and free the slot.
@@ -103,6 +98,31 @@ async def forward(
     if failure is not None:
         return resp, Outcome(resp.status, failure[0], failure[1], client_gone=client_gone)
     return resp, Outcome(resp.status, meter.error, client_gone=client_gone)
+
+
+async def _sent_or_failed(
+    sending: Awaitable[aiohttp.ClientResponse],
+    upstream: Upstream,
+    timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - aiohttp's per-phase timeouts, not one deadline
+) -> aiohttp.ClientResponse | Outcome:
+    """The upstream's answer, or the fault before it as an Outcome."""
+    try:
+        return await sending
+    except aiohttp.ClientConnectorError as exc:
+        message = f"profile {upstream.name!r} at {upstream.base_url} is unreachable: {exc.os_error or exc}"
+        return Outcome(502, message, "upstream_unreachable", unreachable=True)
+    except aiohttp.ConnectionTimeoutError:
+        message = (
+            f"profile {upstream.name!r} at {upstream.base_url} did not accept a connection within "
+            f"{timeout.sock_connect} s"
+        )
+        return Outcome(504, message, "upstream_timeout")
+    except TimeoutError:
+        message = f"profile {upstream.name!r} at {upstream.base_url} did not answer within {timeout.sock_read} s"
+        return Outcome(504, message, "upstream_timeout")
+    except aiohttp.ClientError as exc:
+        message = f"profile {upstream.name!r} at {upstream.base_url} failed before answering: {exc}"
+        return Outcome(502, message, "upstream_error")
 
 
 async def _send(
@@ -136,8 +156,33 @@ def _shutdown_cancel(shutting_down: Callable[[], bool]) -> bool:
     return True
 
 
-def _fail(outcome: Outcome) -> tuple[web.StreamResponse, Outcome]:
-    return answer(outcome), outcome
+async def _failed(outcome: Outcome, keepalive: PrefillKeepAlive | None) -> tuple[web.StreamResponse, Outcome]:
+    """The answer to a request that failed before the upstream answered: the refusal as it is, or, once keep-alives
+    went out, the stream's error event (a failover may still answer an unreachable one: the handler ends it)."""
+    if keepalive is None or not keepalive.committed:
+        return answer(outcome), outcome
+    if outcome.unreachable:
+        assert keepalive.response is not None
+        return keepalive.response, outcome
+    return await keepalive.end_with_error(outcome.error or "", outcome.code or "upstream_error"), outcome
+
+
+def _is_stream_answer(upstream_resp: aiohttp.ClientResponse) -> bool:
+    return upstream_resp.status < 400 and upstream_resp.content_type == "text/event-stream"
+
+
+async def _error_after_keepalive(
+    upstream_resp: aiohttp.ClientResponse, upstream: Upstream, keepalive: PrefillKeepAlive
+) -> tuple[web.StreamResponse, Outcome]:
+    """The upstream answered an error (or no stream) after the 200 headers went out: its message as the stream's
+    error event, its status in the record."""
+    try:
+        text = (await upstream_resp.content.read(_ERROR_BODY_LIMIT)).decode(errors="replace")
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        text = repr(exc)
+    message = f"profile {upstream.name!r} at {upstream.base_url} answered {upstream_resp.status}: {text[:1000]}"
+    resp = await keepalive.end_with_error(message, "upstream_error")
+    return resp, Outcome(upstream_resp.status, message, "upstream_error")
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,11 +202,20 @@ class _Relay:
 
 
 async def _relay(
-    request: web.Request, upstream_resp: aiohttp.ClientResponse, relay: _Relay, extra_headers: dict[str, str]
+    request: web.Request,
+    upstream_resp: aiohttp.ClientResponse,
+    relay: _Relay,
+    extra_headers: dict[str, str],
+    committed: web.StreamResponse | None = None,
 ) -> tuple[web.StreamResponse, bool, _Failure | None]:
     """The response relayed, whether the client hung up while it was written (a write to a closing transport
     raises ConnectionResetError before aiohttp gets to cancel the handler: a disconnect, not a fault), and how the
-    relay failed after the headers went out, if it did."""
+    relay failed after the headers went out, if it did. `committed`: a stream whose headers the keep-alives sent."""
+    if committed is not None:
+        try:
+            return committed, False, await _relay_sse(committed, upstream_resp, relay)
+        except ConnectionResetError:
+            return committed, True, None
     resp = web.StreamResponse(status=upstream_resp.status, reason=upstream_resp.reason)
     for key, value in upstream_resp.headers.items():
         if key.lower() not in _DROP_RESPONSE:

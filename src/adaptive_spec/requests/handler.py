@@ -22,6 +22,7 @@ from adaptive_spec.requests.error_responses import answer
 from adaptive_spec.requests.forward import forward
 from adaptive_spec.requests.gate import routed_path
 from adaptive_spec.requests.heads import before_forward, served
+from adaptive_spec.requests.keepalive import PrefillKeepAlive
 from adaptive_spec.requests.lifecycle import ProxyRequest
 from adaptive_spec.requests.outcome import CLIENT_GONE, SERVED, SHUTDOWN, Outcome
 from adaptive_spec.requests.parse import GENERATING_APIS, RequestProblem, parse_body, with_fields
@@ -289,10 +290,17 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
             return refused
         await before_forward(app, req, chosen)  # warm starts: a stored head restored into the slot (kv/heads/)
         lifecycle.announce(req)
-        resp, outcome = await _forward_once(request, req, chosen)
-        while outcome.unreachable and not resp.prepared and (other := await _failover(request, req, chosen)):
+        keepalive = _keepalive(request, req)
+        resp, outcome = await _forward_once(request, req, chosen, keepalive)
+        while (
+            outcome.unreachable
+            and (not resp.prepared or (keepalive is not None and keepalive.owns(resp)))  # keep-alives are no answer
+            and (other := await _failover(request, req, chosen))
+        ):
             chosen = other
-            resp, outcome = await _forward_once(request, req, chosen)
+            resp, outcome = await _forward_once(request, req, chosen, keepalive)
+        if keepalive is not None and keepalive.owns(resp):  # failed over to no one: the stream ends with the error
+            resp = await keepalive.end_with_error(outcome.error or "", outcome.code or "upstream_error")
         req.outcome = _client_gone(req, stopping=lifecycle.stopping) if outcome.client_gone else outcome
         served(app, req, chosen)  # warm starts: learn from the restore, save a new head (kv/heads/)
         if not resp.prepared:
@@ -311,8 +319,16 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
         lifecycle.finish(request.method, request.path, req)
 
 
+def _keepalive(request: web.Request, req: ProxyRequest) -> PrefillKeepAlive | None:
+    """Keep-alives for a streamed generating request while the server prefills (requests/keepalive.py)."""
+    interval_s = request.app[SETTINGS].prefill_keepalive_s
+    if interval_s <= 0 or req.parsed is None or not req.parsed.stream or req.routed.api not in GENERATING_APIS:
+        return None
+    return PrefillKeepAlive(request, req.routed.api, interval_s, {REQUEST_ID_HEADER: req.request_id})
+
+
 async def _forward_once(
-    request: web.Request, req: ProxyRequest, chosen: Upstream
+    request: web.Request, req: ProxyRequest, chosen: Upstream, keepalive: PrefillKeepAlive | None = None
 ) -> tuple[web.StreamResponse, Outcome]:
     app, routed, lifecycle = request.app, req.routed, request.app[LIFECYCLE]
     settings = app[SETTINGS]
@@ -338,4 +354,5 @@ async def _forward_once(
         # Nothing to publish per chunk when nobody watched at the start (no per-token timings were asked for).
         progress=(lambda: lifecycle.progress(req)) if watched else None,
         shutting_down=lambda: lifecycle.stopping,
+        keepalive=keepalive,
     )

@@ -1,0 +1,107 @@
+"""Keep-alive bytes for a streamed request while llama-server prefills its prompt.
+
+llama-server sends a stream's headers with its first result, so during a long prefill (minutes for a 15k-token
+agent head on a CPU) the client hears nothing, and agents with a stream idle timeout give up (Qwen Code: 240 s).
+After `interval_s` with no upstream answer the proxy sends the 200 headers itself and then a keep-alive every
+`interval_s`: on /v1/chat/completions a chunk with no choices (what SDK-based agents count as activity), Anthropic's
+own `ping` event on /v1/messages, an SSE comment elsewhere. Before the
+first one a quick answer (a context overflow's 400) still reaches the client as it is. Once they are sent, an
+upstream error becomes the stream's final error event in the API's own shape. Keep-alives are not an answer: a pool
+still fails the request over to another replica, and the upstream read timeout is not reset by them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Mapping
+from typing import TypeVar
+
+from aiohttp import web
+
+from adaptive_spec.requests.error_responses import sse_error_event
+
+T = TypeVar("T")
+ANTHROPIC_PING = b'event: ping\ndata: {"type": "ping"}\n\n'
+SSE_COMMENT = b": keep-alive\n\n"
+
+
+# A chunk with no choices, as the usage chunk of `stream_options.include_usage` is: SDK-based agents time a stream's
+# silence by the chunks their SDK yields (Qwen Code's stream guard), and an SSE comment yields none.
+CHAT_EMPTY_CHUNK = b'data: {"id":"keep-alive","object":"chat.completion.chunk","created":0,"model":"","choices":[]}\n\n'
+
+
+def ping_bytes(api: str) -> bytes:
+    if api == "messages":
+        return ANTHROPIC_PING
+    return CHAT_EMPTY_CHUNK if api == "chat" else SSE_COMMENT
+
+
+class PrefillKeepAlive:
+    """One streamed request's keep-alives, across every attempt at it (a failover keeps the same response)."""
+
+    def __init__(self, request: web.Request, api: str, interval_s: float, headers: Mapping[str, str]) -> None:
+        self._request, self._api, self._interval_s = request, api, interval_s
+        self._headers = dict(headers)
+        self.response: web.StreamResponse | None = None  # prepared at the first keep-alive
+        self.sent = 0  # keep-alives written
+        self.real_bytes = False  # whether anything but keep-alives went out on the response
+
+    @property
+    def committed(self) -> bool:
+        """Whether the 200 headers went out: from now on the answer is this stream."""
+        return self.response is not None
+
+    def owns(self, resp: web.StreamResponse) -> bool:
+        """`resp` is this keep-alive's response and carries keep-alives alone (a failover may still answer)."""
+        return self.response is resp and not self.real_bytes
+
+    async def during(self, work: Awaitable[T]) -> T:
+        """`work`'s result, awaited in the caller's own task (the upstream request stays where it was made), with a
+        keep-alive written every interval beside it until it is done. A quick answer meets only a timer: no task is
+        made and the request's timing is as without keep-alives."""
+        pinger: list[asyncio.Task[None]] = []
+        timer = asyncio.get_running_loop().call_later(
+            self._interval_s, lambda: pinger.append(asyncio.ensure_future(self._pings()))
+        )
+        try:
+            return await work
+        finally:
+            timer.cancel()
+            for task in pinger:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def _pings(self) -> None:
+        try:
+            while True:
+                await self._ping()
+                await asyncio.sleep(self._interval_s)
+        except ConnectionResetError:  # the client went away: aiohttp cancels the request's handler
+            return
+
+    async def _ping(self) -> None:
+        if self.response is None:
+            resp = web.StreamResponse(status=200)
+            resp.content_type = "text/event-stream"
+            resp.headers["Cache-Control"] = "no-cache"
+            resp.headers.update(self._headers)
+            await resp.prepare(self._request)
+            self.response = resp
+        await self.response.write(ping_bytes(self._api))
+        self.sent += 1
+
+    def take(self) -> web.StreamResponse:
+        """The committed response, for the upstream's stream to be relayed into (its headers are already out)."""
+        assert self.response is not None
+        self.real_bytes = True
+        return self.response
+
+    async def end_with_error(self, message: str, code: str) -> web.StreamResponse:
+        """End the committed stream with the API's error event (the upstream failed, or answered an error)."""
+        assert self.response is not None
+        self.real_bytes = True
+        await self.response.write(sse_error_event(self._api, message, code=code))
+        await self.response.write_eof()
+        return self.response

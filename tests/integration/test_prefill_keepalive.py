@@ -1,0 +1,183 @@
+"""A streamed request whose server is silent while it prefills gets keep-alives from the proxy (requests/keepalive.py).
+
+A silence of chosen length before the headers is a fault a real server cannot be made to produce on demand, so the
+delays come from the in-process fake upstream; one test runs the keep-alives on a real llama-server as well."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import openai
+import orjson
+import pytest
+import pytest_asyncio
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from adaptive_spec.requests.app_keys import HISTORY
+from adaptive_spec.requests.keepalive import ANTHROPIC_PING, CHAT_EMPTY_CHUNK
+from adaptive_spec.server.app import ProxySettings, build_app
+from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+from tests.support.fake_upstream import CHUNK, FakeUpstream
+from tests.support.servers import LlamaServer, ProxyProcess, free_port
+from tests.support.sse import events
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+MESSAGES = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+ANTHROPIC_STREAM = (
+    b'event: message_start\ndata: {"type":"message_start","message":{"id":"m1","type":"message","role":"assistant",'
+    b'"content":[],"model":"m","stop_reason":null,"usage":{"input_tokens":1,"output_tokens":0}}}\n\n'
+    b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+)
+DELAY_S = 1.0  # the fake server's "prefill"
+INTERVAL_S = 0.2  # the proxy's keep-alive interval in these tests
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _slow_stream(delay_s: float, answer: bytes) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        await asyncio.sleep(delay_s)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(answer)
+        await resp.write_eof()
+        return resp
+
+    return handle
+
+
+def _error_after(delay_s: float) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        await asyncio.sleep(delay_s)
+        body = {"error": {"code": 400, "message": "the request exceeds the available context size", "type": "x"}}
+        return web.json_response(body, status=400)
+
+    return handle
+
+
+def _routes(delay_s: float) -> dict[tuple[str, str], Handler]:
+    return {
+        ("POST", "/v1/chat/completions"): _slow_stream(delay_s, CHUNK + CHUNK + b"data: [DONE]\n\n"),
+        ("POST", "/v1/messages"): _slow_stream(delay_s, ANTHROPIC_STREAM),
+        ("POST", "/v1/completions"): _error_after(delay_s),
+    }
+
+
+Rig = Callable[[float, float], Awaitable[TestServer]]
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def rig() -> AsyncIterator[Rig]:
+    made: list[tuple[FakeUpstream, TestServer]] = []
+
+    async def make(delay_s: float, interval_s: float) -> TestServer:
+        fake = FakeUpstream(routes=_routes(delay_s))
+        await fake.start()
+        settings = ProxySettings(read_timeout_s=5.0, prefill_keepalive_s=interval_s)
+        proxy = TestServer(build_app(UpstreamTable([Upstream("fake", fake.url)]), settings), port=free_port())
+        await proxy.start_server()
+        made.append((fake, proxy))
+        return proxy
+
+    yield make
+    for fake, proxy in made:
+        await proxy.close()
+        await fake.close()
+
+
+async def _post(proxy: TestServer, path: str, body: dict[str, Any]) -> tuple[int, list[tuple[float, bytes]]]:
+    """The status and each piece of the answer with the time it arrived."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    async with aiohttp.ClientSession() as session, session.post(proxy.make_url(path), json=body) as resp:
+        pieces = [(loop.time() - started, chunk) async for chunk in resp.content.iter_any()]
+        return resp.status, pieces
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_a_silent_prefill_gets_keepalive_chunks_before_the_first_token(rig: Rig) -> None:
+    proxy = await rig(DELAY_S, INTERVAL_S)
+    status, pieces = await _post(proxy, "/v1/chat/completions", CHAT)
+    assert status == 200
+    body = b"".join(piece for _, piece in pieces)
+    head, _, rest = body.partition(CHUNK)
+    pings = head.count(CHAT_EMPTY_CHUNK)
+    assert pings >= 3 and head == CHAT_EMPTY_CHUNK * pings  # keep-alives only, then the server's own stream
+    assert rest == CHUNK + b"data: [DONE]\n\n"
+    assert pieces[0][0] < DELAY_S / 2  # the client heard from the proxy long before the server answered
+    record = proxy.app[HISTORY].latest(1)[0]
+    assert record.outcome == "finished"
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_the_openai_sdk_reads_through_the_keepalives(rig: Rig) -> None:
+    proxy = await rig(DELAY_S, INTERVAL_S)
+    client = openai.AsyncOpenAI(base_url=str(proxy.make_url("/v1")), api_key="x", max_retries=0)
+    chunks = [
+        chunk
+        async for chunk in await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+    ]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "toktok" and sum(1 for c in chunks if not c.choices) >= 3
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_anthropic_streams_get_ping_events(rig: Rig) -> None:
+    proxy = await rig(DELAY_S, INTERVAL_S)
+    status, pieces = await _post(proxy, "/v1/messages", MESSAGES)
+    body = b"".join(piece for _, piece in pieces)
+    assert status == 200 and body.startswith(ANTHROPIC_PING) and body.endswith(ANTHROPIC_STREAM)
+    assert [e.event for e in events(body)][:3] == ["ping", "ping", "ping"]
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_a_quick_error_is_still_an_ordinary_4xx(rig: Rig) -> None:
+    proxy = await rig(0.0, 0.5)
+    status, pieces = await _post(proxy, "/v1/completions", {"model": "m", "prompt": "hi", "stream": True})
+    assert status == 400
+    assert "context size" in json.loads(b"".join(p for _, p in pieces))["error"]["message"]
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_an_error_after_the_keepalives_is_the_streams_error_event(rig: Rig) -> None:
+    proxy = await rig(DELAY_S, INTERVAL_S)
+    status, pieces = await _post(proxy, "/v1/completions", {"model": "m", "prompt": "hi", "stream": True})
+    body = b"".join(piece for _, piece in pieces)
+    assert status == 200 and body.startswith(b": keep-alive\n\n")
+    error = orjson.loads(events(body)[-1].data)["error"]
+    assert "answered 400" in error["message"] and "context size" in error["message"]
+    record = proxy.app[HISTORY].latest(1)[0]
+    assert record.outcome == "failed" and record.status == 400
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_zero_turns_them_off(rig: Rig) -> None:
+    proxy = await rig(DELAY_S, 0.0)
+    status, pieces = await _post(proxy, "/v1/chat/completions", CHAT)
+    assert status == 200 and b"".join(p for _, p in pieces).startswith(CHUNK)
+    assert pieces[0][0] >= DELAY_S * 0.9
+
+
+def test_on_a_real_server_the_text_is_the_same_with_keepalives(tiny_server: LlamaServer) -> None:
+    """Keep-alives every millisecond, so some go out before the real server's first chunk: the text is unchanged."""
+    proxy = ProxyProcess("--profile", f"plain={tiny_server.url}", "--prefill-keepalive", "0.001")
+    try:
+        texts = []
+        for base in (tiny_server.url + "/v1", proxy.base + "/v1"):
+            client = openai.OpenAI(base_url=base, api_key="x", max_retries=0, timeout=60)
+            stream = client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "Say hi."}], stream=True, temperature=0, max_tokens=24
+            )
+            texts.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+        assert texts[0] == texts[1] and texts[0]
+    finally:
+        proxy.stop()
