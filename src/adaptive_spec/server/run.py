@@ -157,15 +157,16 @@ def _examples_dir() -> Path | None:
 
 
 def announce(root: str, default_profile: str, agents_note: str | None = None) -> None:
-    """What a person does next: the base URL for their agent (on stdout, for scripts), how to watch, where the agent
+    """What a person does next: the base URLs for their agent (on stdout, for scripts), how to watch, where the agent
     setups are."""
     say(f"adaptive-spec is serving; default profile {default_profile!r}. Point your editor at:")
-    print(f"OPENAI_BASE_URL={root}/v1", flush=True)
+    # One write: a script reading the first line gets the OpenAI one; Anthropic clients (Claude Code) take the second.
+    print(f"OPENAI_BASE_URL={root}/v1\nANTHROPIC_BASE_URL={root}", flush=True)
     examples = _examples_dir()
     say(f"watch it:     adaptive-spec tui --url {root}")
     say(
         f"agent setups: {examples or 'examples/ in the adaptive-spec source'} (opencode, Codex CLI, aider, Continue, "
-        "openai SDK); Ctrl-C stops adaptive-spec"
+        "openai SDK, Claude Code, Qwen Code); Ctrl-C stops adaptive-spec"
     )
     if agents_note:
         say(agents_note)
