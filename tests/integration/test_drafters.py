@@ -62,6 +62,7 @@ def launched(
     proxy = ProxyProcess(
         *model,
         "--server-per-profile",  # each profile its own server, moves between them (one server: test_one_server.py)
+        "--no-heads",  # a re-prefill is compared with a restore here: no stored head may warm the re-prefill
         "--draft-type",
         kind,
         "--threads",
