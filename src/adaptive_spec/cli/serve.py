@@ -75,7 +75,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=10.0,
         metavar="SECONDS",
         help="a streamed request the server has not answered after this long gets its 200 headers and then a "
-        "keep-alive every SECONDS (an SSE comment; Anthropic's ping on /v1/messages), so an agent's stream idle "
+        "keep-alive every SECONDS (a chunk with no choices on chat/completions, Anthropic's ping on /v1/messages, an "
+        "SSE comment elsewhere), so an agent's stream idle "
         "timeout does not end a long prefill; 0 turns them off (default: %(default)s)",
     )
     serve.add_argument(
