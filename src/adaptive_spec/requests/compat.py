@@ -1,4 +1,5 @@
-"""Request shapes an agent sends that llama-server refuses, rewritten into ones it takes (pure).
+"""Request shapes an agent sends that llama-server refuses, rewritten into ones it takes, and answers of llama-server
+an agent misreads, worded as its own API words them (pure).
 
 Codex CLI 0.171 puts tool outputs of its own in the Responses `input` without a `call_id` (its goal feature's
 `{"type": "function_call_output", "name": "goal_objective", "namespace": "agent", "output": …}`). llama-server
@@ -53,3 +54,22 @@ def _callless_output(item: Any) -> bool:
         and item.get("type") == "function_call_output"
         and not isinstance(item.get("call_id"), str)
     )
+
+
+def anthropic_overflow(body: bytes) -> dict[str, Any] | None:
+    """llama-server's context overflow (`exceed_context_size_error`, with `n_prompt_tokens` and `n_ctx`) in the
+    shape Anthropic answers it: `invalid_request_error`, "prompt is too long: N tokens > M maximum". Claude Code
+    reads that wording as the sign to compact its conversation; it assumes a 1M-token window for a model it does not
+    know, so it meets llama-server's limit only here. None: not an overflow."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    error = obj.get("error") if isinstance(obj, dict) else None
+    if not isinstance(error, dict) or error.get("type") != "exceed_context_size_error":
+        return None
+    tokens, limit = error.get("n_prompt_tokens"), error.get("n_ctx")
+    if not isinstance(tokens, int) or not isinstance(limit, int) or isinstance(tokens, bool) or isinstance(limit, bool):
+        return None
+    message = f"prompt is too long: {tokens} tokens > {limit} maximum"
+    return {"type": "error", "error": {"type": "invalid_request_error", "message": message}}

@@ -15,8 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import orjson
 from aiohttp import web
 
 from adaptive_spec.requests.error_responses import sse_error_event
@@ -46,6 +47,10 @@ class PrefillKeepAlive:
         self.response: web.StreamResponse | None = None  # prepared at the first keep-alive
         self.sent = 0  # keep-alives written
         self.real_bytes = False  # whether anything but keep-alives went out on the response
+
+    @property
+    def api(self) -> str:
+        return self._api
 
     @property
     def committed(self) -> bool:
@@ -100,8 +105,15 @@ class PrefillKeepAlive:
 
     async def end_with_error(self, message: str, code: str) -> web.StreamResponse:
         """End the committed stream with the API's error event (the upstream failed, or answered an error)."""
+        return await self._end(sse_error_event(self._api, message, code=code))
+
+    async def end_with_event(self, error: Mapping[str, Any]) -> web.StreamResponse:
+        """End the committed stream with this error object as its `error` event (an API's own error body)."""
+        return await self._end(b"event: error\ndata: " + orjson.dumps(error) + b"\n\n")
+
+    async def _end(self, event: bytes) -> web.StreamResponse:
         assert self.response is not None
         self.real_bytes = True
-        await self.response.write(sse_error_event(self._api, message, code=code))
+        await self.response.write(event)
         await self.response.write_eof()
         return self.response

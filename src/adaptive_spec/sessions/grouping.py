@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
+import json
 from array import array
 from collections.abc import Callable, Container, Iterator, KeysView, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Any
 
 from adaptive_spec.common.headers import PARENT_SESSION_HEADERS, SESSION_HEADERS, SUBAGENT_HEADERS
 from adaptive_spec.common.lru import LRU
+from adaptive_spec.sessions.billing import normalised_system
 from adaptive_spec.streams.output import call_text
 
 # Lines shorter than this are too common ("return x", "}") to say which session served them.
@@ -136,12 +138,29 @@ def explicit_session(headers: Mapping[str, str], body: Mapping[str, Any]) -> tup
             return meta["session_id"], f"body:{holder}.session_id"
     meta = body.get("metadata")
     if isinstance(meta, dict):
-        user_id = meta.get("user_id")
-        if isinstance(user_id, str) and "_session_" in user_id:
-            return user_id.split("_session_", 1)[1] or user_id, "body:metadata.user_id"
+        found = _user_id_session(meta.get("user_id"))
+        if found:
+            return found, "body:metadata.user_id"
     user = body.get("user")
     if isinstance(user, str) and user:
         return user, "body:user"
+    return None
+
+
+def _user_id_session(user_id: Any) -> str | None:
+    """The session id in Anthropic's `metadata.user_id` as Claude Code writes it: a JSON object in a string
+    (`{"device_id": …, "session_id": …}`, 2.1 and later), or `user_<hash>_account_<uuid>_session_<uuid>` before."""
+    if not isinstance(user_id, str) or not user_id:
+        return None
+    if user_id.startswith("{"):
+        try:
+            parsed = json.loads(user_id)
+        except ValueError:
+            return None
+        session = parsed.get("session_id") if isinstance(parsed, dict) else None
+        return session if isinstance(session, str) and session else None
+    if "_session_" in user_id:
+        return user_id.split("_session_", 1)[1] or user_id
     return None
 
 
@@ -369,11 +388,14 @@ def context_entries(body: Mapping[str, Any], spaced: Container[int] = ()) -> Ite
 
 
 def system_entries(body: Mapping[str, Any]) -> Iterator[tuple[str, bool, str, bool]]:
-    """The entries of a system prompt kept apart from the messages (Responses `instructions`, Anthropic `system`)."""
-    for key in ("instructions", "system"):
-        text = message_text(body.get(key))
-        if text:
-            yield "system", False, text, False
+    """The entries of a system prompt kept apart from the messages (Responses `instructions`, Anthropic `system`,
+    its billing line's per-request value normalised as llama-server does: `normalised_system`)."""
+    text = message_text(body.get("instructions"))
+    if text:
+        yield "system", False, text, False
+    text = message_text(normalised_system(body.get("system")))
+    if text:
+        yield "system", False, text, False
 
 
 def message_entry(message: Mapping[str, Any], spaced: bool = False) -> tuple[str, bool, str, bool]:
