@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from adaptive_spec.servers.cpu_faults import VerdictStore
+from adaptive_spec.errors import LaunchError
+from adaptive_spec.servers.cpu_faults import CLEAR_HINT, REPACK_COST, RepackMode, VerdictStore
 from adaptive_spec.servers.launcher import Launcher, ServerProcess, free_port
 from adaptive_spec.servers.profiles import ModelSource, ProfileSpec, ServerSettings
 from tests.support.servers import ProxyProcess, chat_record
@@ -153,3 +156,135 @@ def test_a_death_after_serving_is_restarted_with_the_same_arguments(
     starts = [line for line in log if line.startswith("started with")]
     assert len(starts) == 2 and all("--no-repack" not in line for line in starts)
     assert not (tmp_path / "state" / "cpu-verdicts.json").exists()
+
+
+# A fake llama-server for the retry itself, no model: it writes each start's arguments to a file, and while
+# "loading" dies as FAKE_DEATH says (a signal's name, or a wrapper's exit status) unless --no-repack is given;
+# otherwise it answers /health until it is stopped.
+FAULTS_WHILE_LOADING = """#!{python}
+import http.server, os, signal, sys
+args = sys.argv[1:]
+with open(os.environ["FAKE_STARTS"], "a") as starts:
+    starts.write(" ".join(args) + "\\n")
+print("load_tensors:  AMX model buffer size =    10.00 MiB", flush=True)
+if "--no-repack" not in args:
+    death = os.environ["FAKE_DEATH"]
+    print("ggml_backend_amx_mul_mat: fault (simulated)", flush=True)
+    if death.isdigit():
+        sys.exit(int(death))
+    os.kill(os.getpid(), getattr(signal, death))
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b'{{"status": "ok"}}')
+    def log_message(self, *a):
+        pass
+
+port = int(args[args.index("--port") + 1])
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def _fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, death: str) -> tuple[str, Path]:
+    binary = tmp_path / "fake-llama-server"
+    binary.write_text(FAULTS_WHILE_LOADING.format(python=sys.executable))
+    binary.chmod(0o755)
+    starts = tmp_path / "starts"
+    monkeypatch.setenv("FAKE_STARTS", str(starts))
+    monkeypatch.setenv("FAKE_DEATH", death)
+    return str(binary), starts
+
+
+def _start(binary: str, store: VerdictStore, log: Path, repack: RepackMode = "auto") -> tuple[ServerProcess, list[str]]:
+    """One start through the product's ServerProcess; it is stopped again before this returns."""
+    port = free_port("127.0.0.1")
+    said: list[str] = []
+    server = ServerProcess(
+        "fake", [binary, "--port", str(port)], f"http://127.0.0.1:{port}", log, said.append,
+        repack=repack, verdicts=store,
+    )  # fmt: skip
+
+    async def run() -> None:
+        await server.start(health_timeout_s=30)
+        await server.stop()
+
+    try:
+        asyncio.run(run())
+    except LaunchError as exc:
+        said.append(str(exc))
+    return server, said
+
+
+@pytest.mark.parametrize(
+    ("death", "fault"),
+    [
+        ("SIGSEGV", "SIGSEGV"),  # llama.cpp #20824: the AMX kernel of a Q4_K_M model
+        ("SIGILL", "SIGILL"),  # an instruction the VM advertises and does not run
+        ("SIGBUS", "SIGBUS"),
+        (str(128 + signal.SIGSEGV), "SIGSEGV"),  # a wrapper that exits with its child's status, as a shell does
+        (str(128 + signal.SIGILL), "SIGILL"),
+    ],
+)
+def test_a_loading_fault_is_retried_once_with_no_repack_and_the_next_start_goes_straight_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, death: str, fault: str
+) -> None:
+    binary, starts = _fake(tmp_path, monkeypatch, death)
+    store = VerdictStore(tmp_path / "state" / "cpu-verdicts.json")
+    server, said = _start(binary, store, tmp_path / "first.log")
+    assert server.no_repack, said
+    text = "\n".join(said)
+    assert f"died of {fault} while loading" in text and "retrying with --no-repack" in text
+    assert "ggml_backend_amx_mul_mat: fault (simulated)" in text  # the server's own last lines
+    assert "this machine remembers it for this build" in text and REPACK_COST in text
+    assert [line.endswith("--no-repack") for line in starts.read_text().splitlines()] == [False, True]
+    verdict = store.get(binary)
+    assert verdict is not None and verdict.fault == fault
+
+    # The next start (a new process reading the same file) uses the remembered arguments: no crash first.
+    server, said = _start(binary, VerdictStore(store.path), tmp_path / "second.log")
+    text = "\n".join(said)
+    assert server.no_repack and "retrying" not in text
+    assert f"this build runs with --no-repack (it died of {fault} while loading" in text
+    assert CLEAR_HINT in text and REPACK_COST in text
+    assert [line.endswith("--no-repack") for line in starts.read_text().splitlines()] == [False, True, True]
+
+
+def test_cpu_repack_always_is_not_retried_and_never_adds_no_repack_from_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    binary, starts = _fake(tmp_path, monkeypatch, "SIGSEGV")
+    store = VerdictStore(tmp_path / "cpu-verdicts.json")
+    store.remember(binary, signal.SIGSEGV)  # what the machine remembers, ignored when told to repack
+    server, said = _start(binary, store, tmp_path / "always.log", repack="always")
+    assert not server.no_repack
+    assert any(f"exited with status {-signal.SIGSEGV} while loading" in line for line in said), said
+    assert not any("retrying" in line for line in said)
+    assert starts.read_text().splitlines() == [f"--port {server.argv[2]}"]
+
+    starts.unlink()
+    store.forget()
+    server, said = _start(binary, store, tmp_path / "never.log", repack="never")
+    assert server.no_repack and not any("died of" in line for line in said), said
+    assert len(starts.read_text().splitlines()) == 1  # the first start already had it
+    assert store.get(binary) is None  # a choice, not a verdict
+
+
+STOCK_PROPS = Path(__file__).resolve().parents[1] / "support" / "stock_props.py"
+
+
+def test_the_stock_props_wrapper_dies_of_its_child_s_signal_so_the_retry_sees_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tests/support/stock_props.py stands in for a stock llama-server: a child that faults while loading must look
+    the same through it (the signal, not an exit status the retry might not read)."""
+    binary, _ = _fake(tmp_path, monkeypatch, "SIGSEGV")
+    port = free_port("127.0.0.1")
+    done = subprocess.run(
+        [sys.executable, str(STOCK_PROPS), "wrap", binary, "--port", str(port)], capture_output=True, timeout=60
+    )
+    assert done.returncode == -signal.SIGSEGV, done
+    wrapper = tmp_path / "stock-llama-server"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {STOCK_PROPS} wrap {binary} "$@"\n')
+    wrapper.chmod(0o755)
+    server, said = _start(str(wrapper), VerdictStore(tmp_path / "cpu-verdicts.json"), tmp_path / "wrapped.log")
+    assert server.no_repack and any("died of SIGSEGV while loading" in line for line in said), said

@@ -186,3 +186,33 @@ def test_a_new_build_removes_the_ones_it_supersedes_and_keeps_other_cmake_argume
         _install(tmp_path, m)
     assert build.prune_superseded(tmp_path, new_cpu) == ["old-cpu"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["cuda", "new-cpu"]
+
+
+def test_show_says_the_build_the_remembered_verdict_how_to_clear_it_and_what_it_costs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import signal
+
+    from adaptive_spec.cli.main import main
+    from adaptive_spec.servers.cpu_faults import CLEAR_HINT, REPACK_COST
+    from adaptive_spec.servers.launcher import verdict_store
+
+    monkeypatch.setenv("ADAPTIVE_SPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("ADAPTIVE_SPEC_STATE_DIR", str(tmp_path / "state"))
+    patches = build.shipped_patches()
+    binary = _install(build.root_dir(), _manifest(patches, key=build.build_key(build.SDIST_SHA256, patches, ())))
+    assert main(["build-server", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert str(binary) in out and "llama.cpp b11434" in out and "(current)" in out
+    assert "CPU weight repacking: on (no fault remembered on " in out
+
+    assert verdict_store().remember(str(binary), signal.SIGSEGV) is None
+    assert main(["build-server", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert "runs with --no-repack (it died of SIGSEGV while loading with repacking on " in out
+    assert CLEAR_HINT in out and REPACK_COST in out
+
+    assert main(["build-server", "--forget-cpu-verdicts"]) == 0
+    assert "forgot 1 CPU verdicts" in capsys.readouterr().err
+    assert main(["build-server", "--show"]) == 0
+    assert "no fault remembered" in capsys.readouterr().out

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from adaptive_spec.cli.text import add_command
 from adaptive_spec.servers import build
+from adaptive_spec.servers.cpu_faults import CLEAR_HINT, REPACK_COST
 
 EPILOG = """\
 examples:
@@ -113,4 +114,4 @@ def _repack_line(binary: str) -> str:
     verdict = store.get(binary)
     if verdict is None:
         return f"CPU weight repacking: on (no fault remembered on {store.cpu_model})"
-    return f"runs with {verdict.describe()}; clear: adaptive-spec build-server --forget-cpu-verdicts"
+    return f"runs with {verdict.describe()}\n  {CLEAR_HINT}\n  {REPACK_COST}"

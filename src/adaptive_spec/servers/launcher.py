@@ -20,7 +20,15 @@ import aiohttp
 from adaptive_spec.common.dirs import state_dir
 from adaptive_spec.errors import ConfigError, LaunchError
 from adaptive_spec.servers.build import find_built
-from adaptive_spec.servers.cpu_faults import NO_REPACK, VERDICTS_FILE, RepackMode, VerdictStore, fault_signal
+from adaptive_spec.servers.cpu_faults import (
+    CLEAR_HINT,
+    NO_REPACK,
+    REPACK_COST,
+    VERDICTS_FILE,
+    RepackMode,
+    VerdictStore,
+    fault_signal,
+)
 from adaptive_spec.servers.profiles import ProfileSpec, ServerSettings, server_argv
 
 Say = Callable[[str], None]
@@ -134,10 +142,7 @@ class ServerProcess:
             self.argv.append(NO_REPACK)
         elif self._repack == "auto" and (verdict := self.verdicts().get(self.argv[0])) is not None:
             self.argv.append(NO_REPACK)
-            self._say(
-                f"profile {self.name!r}: this build runs with {verdict.describe()}; "
-                "`adaptive-spec build-server --forget-cpu-verdicts` clears it, `serve --cpu-repack always` ignores it"
-            )
+            self._say(f"profile {self.name!r}: this build runs with {verdict.describe()}; {CLEAR_HINT}; {REPACK_COST}")
 
     async def start(self, health_timeout_s: float) -> None:
         """Spawn it and wait until it is healthy; stops it and raises LaunchError if it is not."""
@@ -208,7 +213,7 @@ class ServerProcess:
         self._say(
             problem
             or f"profile {self.name!r}: served with {NO_REPACK}; this machine remembers it for this build "
-            f"({self.verdicts().path}; `adaptive-spec build-server --forget-cpu-verdicts` clears it)"
+            f"({self.verdicts().path}; {CLEAR_HINT}); {REPACK_COST}"
         )
 
     async def stop(self) -> None:
