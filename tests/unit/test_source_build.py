@@ -15,17 +15,19 @@ from adaptive_spec.errors import BuildError
 from adaptive_spec.servers import build, source_build
 
 
-@pytest.fixture
-def tree(tmp_path: Path) -> Path:
-    """A user's tree: the files the patches touch, from the pinned source (enough for them to apply)."""
+@pytest.fixture(params=build.SUPPORTED_SOURCES, ids=lambda a: a.llama_cpp)
+def tree(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    """A user's tree: the files the patches touch, from each supported source (enough for them to apply): the pin,
+    and b11549 as a user with a newer checkout has it."""
+    archive: build.SourceArchive = request.param
     try:
-        sdist = build.fetch_archive(build.PINNED, build.root_dir() / "sdist", say=lambda _m: None)
+        sdist = build.fetch_archive(archive, build.root_dir() / "sdist", say=lambda _m: None)
     except BuildError as exc:
         if os.environ.get("CI"):
-            pytest.fail(f"the pinned llama.cpp source: {exc}")
-        pytest.skip(f"the pinned llama.cpp source is not available here: {exc}")
+            pytest.fail(f"the llama.cpp {archive.llama_cpp} source: {exc}")
+        pytest.skip(f"the llama.cpp {archive.llama_cpp} source is not available here: {exc}")
     touched = sorted({f for p in build.shipped_patches() for f in p.touched_files()})
-    root = build.extract_source(sdist, tmp_path / "user", only=touched)
+    root = build.extract_source(sdist, tmp_path / "user", only=touched, root=archive.root)
     (root / ".git").mkdir()
     (root / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     return root
