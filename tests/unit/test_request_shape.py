@@ -7,8 +7,9 @@ from typing import Any
 import orjson
 import pytest
 
-from adaptive_spec.requests.parse import ParsedRequest, RequestProblem, RoutedPath, parse_body
+from adaptive_spec.requests.parse import ParsedRequest, RoutedPath, parse_body
 from adaptive_spec.requests.paths import decide_path
+from adaptive_spec.requests.shapes import RequestProblem
 
 
 def _problem(api: str, body: dict[str, Any]) -> RequestProblem:

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from adaptive_spec.requests.parse import ParsedRequest, RequestProblem, parse_body, split_path
+from adaptive_spec.requests.parse import ParsedRequest, parse_body, split_path
+from adaptive_spec.requests.shapes import RequestProblem
 
 
 @pytest.mark.parametrize(

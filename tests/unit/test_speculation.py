@@ -10,15 +10,17 @@ import pytest
 
 from adaptive_spec.errors import ConfigError
 from adaptive_spec.servers.profile_servers import ONE_SERVER, first_servers, startup_lines
-from adaptive_spec.servers.profiles import AttachedProfile, NgramModParams, ProfileInfo, ProfileSpec, default_profiles
-from adaptive_spec.servers.speculation import (
-    PerRequestSupport,
-    Speculation,
-    merge_fields,
+from adaptive_spec.servers.profiles import (
+    AttachedProfile,
+    NgramModParams,
+    ProfileInfo,
+    ProfileSpec,
+    default_profiles,
     one_server,
     shared_servers,
     speculation_problem,
 )
+from adaptive_spec.servers.speculation import PerRequestSupport, Speculation, merge_fields
 from tests.support.recorded import recorded
 
 NGRAM = NgramModParams(24, 48, 64)

@@ -25,8 +25,9 @@ from adaptive_spec.requests.heads import before_forward, served
 from adaptive_spec.requests.keepalive import PrefillKeepAlive
 from adaptive_spec.requests.lifecycle import ProxyRequest
 from adaptive_spec.requests.outcome import CLIENT_GONE, SERVED, SHUTDOWN, Outcome
-from adaptive_spec.requests.parse import GENERATING_APIS, RequestProblem, parse_body, with_fields
+from adaptive_spec.requests.parse import GENERATING_APIS, parse_body, with_fields
 from adaptive_spec.requests.repeats import guard, trailing_repeat
+from adaptive_spec.requests.shapes import RequestProblem
 from adaptive_spec.routing.api import Completion, Refusal, RouteRequest
 from adaptive_spec.servers.speculation import merge_fields
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable

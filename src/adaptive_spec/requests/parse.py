@@ -8,6 +8,8 @@ from typing import Any
 
 import orjson
 
+from adaptive_spec.requests.shapes import RequestProblem, check_shape
+
 _PROJECT_PREFIX = re.compile(r"^/p/([A-Za-z0-9][A-Za-z0-9._-]{0,127})(/.*)?$")
 
 # Path (after any /p/<project> prefix) → API name. llama-server serves each with and without the /v1 prefix.
@@ -68,15 +70,6 @@ def split_path(path: str) -> RoutedPath:
 
 
 @dataclass(frozen=True, slots=True)
-class RequestProblem:
-    """Why a request body was refused; the proxy shell turns it into an OpenAI-shaped 400."""
-
-    message: str
-    code: str
-    param: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class ParsedRequest:
     body: dict[str, Any]
     stream: bool
@@ -105,8 +98,6 @@ def parse_body(api: str, raw: bytes) -> ParsedRequest | RequestProblem:
             continue
         if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
             return _wrong_type(field, wanted, value)
-    from adaptive_spec.requests.shapes import check_shape  # builds on this module's types: imported when first used
-
     problem = check_shape(api, obj)
     if problem is not None:
         return problem

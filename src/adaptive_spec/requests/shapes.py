@@ -8,9 +8,18 @@ API feature reaches the server (Claude Code's mid-conversation `system` message 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from adaptive_spec.requests.parse import RequestProblem
+
+@dataclass(frozen=True, slots=True)
+class RequestProblem:
+    """Why a request body was refused; the proxy shell turns it into an OpenAI-shaped 400."""
+
+    message: str
+    code: str
+    param: str | None = None
+
 
 _MAX_NESTING = 64
 # Optional fields any generating API may carry, with the JSON types llama-server reads them as.

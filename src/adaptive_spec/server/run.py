@@ -55,8 +55,8 @@ from adaptive_spec.servers.profiles import (
     ServerSettings,
     model_mismatch,
     replica_mismatch,
+    speculation_problem,
 )
-from adaptive_spec.servers.speculation import speculation_problem
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.sessions.drafter import NgramParams
 from adaptive_spec.sessions.grouping import ECHO_FINGERPRINTS

@@ -12,8 +12,7 @@ import aiohttp
 
 from adaptive_spec.servers.launcher import Launcher
 from adaptive_spec.servers.probe import probe, probe_spec_types
-from adaptive_spec.servers.profiles import ProfileInfo, ProfileSpec
-from adaptive_spec.servers.speculation import one_server, shared_servers
+from adaptive_spec.servers.profiles import ProfileInfo, ProfileSpec, one_server, shared_servers
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 
 ONE_SERVER = "one llama-server, speculation per request"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePath
 from urllib.parse import urlsplit
@@ -260,4 +261,59 @@ def model_mismatch(infos: list[ProfileInfo]) -> str | None:
                 f"({first.base_url}) but {other.name!r} serves {other.model_identity!r} ({other.base_url}). "
                 "A session must be able to move between profiles, so every profile must serve the same model."
             )
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPlan:
+    """Launched profiles as settings of one server: the profile whose own server hosts them all (it names nothing),
+    and each profile's settings on it."""
+
+    host: str
+    settings: tuple[tuple[str, Speculation], ...]
+
+    def speculation(self, profile: str) -> Speculation:
+        return dict(self.settings).get(profile, Speculation())
+
+
+def one_server(specs: Sequence[ProfileSpec]) -> SharedPlan | None:
+    """The plan that serves every launched profile from one of their servers: the first whose types include every
+    other profile's (and whose ngram-mod parameters are theirs), the others restricted to their own types per
+    request. None when no profile's server can stand in for the others (then each gets its own)."""
+    for host in specs:
+        offered = set(host.spec_types) - {"none"}
+        same_ngram = all("ngram-mod" not in s.spec_types or s.ngram_mod == host.ngram_mod for s in specs)
+        if same_ngram and all(set(s.spec_types) - {"none"} <= offered for s in specs):
+            own = {s.name: tuple(t for t in s.spec_types if t != "none") for s in specs}
+            settings = tuple((s.name, Speculation() if s is host else Speculation(types=own[s.name])) for s in specs)
+            return SharedPlan(host.name, settings)
+    return None
+
+
+def shared_servers(infos: Sequence[ProfileInfo]) -> dict[tuple[str, int], str]:
+    """Profiles at one URL (and router preset) of a server that takes speculation per request are settings of that
+    one server: (profile, replica) → the server, for each URL more than one profile names. Stock servers keep their
+    meaning: each profile's own, whatever its URL."""
+    by_server: dict[str, list[tuple[str, int]]] = {}
+    for info in infos:
+        if info.per_request is not None:
+            server = info.base_url + (f"#{info.upstream_model}" if info.upstream_model else "")
+            by_server.setdefault(server, []).append((info.name, info.replica))
+    return {key: server for server, keys in by_server.items() if len(keys) > 1 for key in keys}
+
+
+def speculation_problem(infos: Sequence[ProfileInfo]) -> str | None:
+    """A message naming a profile whose settings its server cannot take (every request would fail), or None."""
+    for info in infos:
+        if not info.speculation.named:
+            continue
+        if info.per_request is None:
+            return (
+                f"profile {info.label!r} names speculation settings ({info.speculation.describe()}) but the server at "
+                f"{info.base_url} does not take them per request (a stock llama-server): drop the ';types=' / "
+                "';n_max=' suffix, or run the patched llama-server (adaptive-spec build-server)"
+            )
+        why = info.per_request.problem(info.speculation)
+        if why is not None:
+            return f"profile {info.label!r} at {info.base_url}: {why}"
     return None

@@ -282,7 +282,7 @@ class DashboardApp(App[None]):
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         if event.data_table.id == "sessions" and event.row_key.value is not None:
-            self.push_screen(DetailScreen(str(event.row_key.value)))
+            self.push_screen(DetailScreen(str(event.row_key.value), lambda: self.dashboard))
 
     def action_pause(self) -> None:
         self.paused = not self.paused

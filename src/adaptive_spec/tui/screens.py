@@ -3,7 +3,8 @@ dialogs that pick a profile or confirm a restart."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable
+from typing import ClassVar
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -15,9 +16,6 @@ from textual.widgets.option_list import Option
 
 from adaptive_spec.tui import bindings, render
 from adaptive_spec.tui.model import Dashboard
-
-if TYPE_CHECKING:
-    from adaptive_spec.tui.app import DashboardApp
 
 HELP = """\
 [b]adaptive-spec tui[/b] — what the proxy's router does, live
@@ -94,9 +92,10 @@ class DetailScreen(Screen[None]):
 
     BINDINGS: ClassVar[list[BindingType]] = bindings.DETAIL
 
-    def __init__(self, session_id: str) -> None:
+    def __init__(self, session_id: str, dashboard: Callable[[], Dashboard]) -> None:
         super().__init__()
         self.session_id = session_id
+        self._dashboard = dashboard  # a getter: the app starts a fresh picture when it reconnects
         self._rows = -1
         self._cursor = 0
 
@@ -117,8 +116,7 @@ class DetailScreen(Screen[None]):
 
     @property
     def dashboard(self) -> Dashboard:
-        app: DashboardApp = self.app  # type: ignore[assignment]
-        return app.dashboard
+        return self._dashboard()
 
     def refresh_view(self) -> None:
         view = self.dashboard.sessions.get(self.session_id)
