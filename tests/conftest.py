@@ -1,12 +1,12 @@
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from adaptive_spec.errors import AdaptiveSpecError
+from tests.support.outside import missing
 from tests.support.servers import LlamaServer
 from tests.support.tiny_gguf import write_tiny_gguf
 
@@ -22,11 +22,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.llama)
 
 
-def _missing(what: str) -> None:
-    # On a developer machine a missing piece skips; in CI it must fail, so a green run means it really ran.
-    if os.environ.get("CI"):
-        pytest.fail(f"{what} (CI must have it: .ci/run installs everything)")
-    pytest.skip(what)
+_missing = missing  # the one rule: skip here, fail in CI
 
 
 @pytest.fixture(scope="session")

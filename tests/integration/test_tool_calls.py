@@ -15,10 +15,10 @@ import pytest
 
 from adaptive_spec.servers.models import embedded_chat_template
 from tests.support.json_schema import schema_errors
+from tests.support.outside import agent_traffic, missing
 from tests.support.servers import LlamaServer, ProxyProcess, http_json
 
 TEMPLATE = embedded_chat_template("embedded:qwen2.5-coder-0.5b")
-FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "agent-traffic"
 
 
 def _tool(name: str, description: str, **properties: str) -> dict[str, Any]:
@@ -169,14 +169,11 @@ def test_a_tool_result_is_followed_by_the_next_call(server: LlamaServer, stream:
 def _opencode_turn() -> dict[str, Any]:
     """opencode's first tool turn as recorded (its own system prompt and ten tools), read where it lies: the
     recordings are opencode's text and stay out of this repository."""
-    path = FIXTURES / "opencode.jsonl"
-    if not path.is_file():
-        pytest.skip(f"no recorded agent traffic at {path}")
-    for line in path.read_text().splitlines():
+    for line in agent_traffic("opencode.jsonl").read_text().splitlines():
         record = json.loads(line)
         if record["truth"]["kind"] == "main" and record["body"].get("tools"):
             return dict(record)
-    pytest.skip("no opencode tool turn in the recordings")
+    missing("no opencode tool turn in the recordings")
 
 
 @pytest.mark.timeout(1200)  # ~7k tokens of system prompt and tools to prefill at -t 1

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,15 +9,12 @@ import pytest
 from adaptive_spec.sessions.grouping import SessionRegistry
 from adaptive_spec.sessions.project import resolve_project
 from adaptive_spec.streams.output import body_output
-
-FIXTURES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "agent-traffic"
+from tests.support.outside import agent_traffic
 
 
 def _recorded() -> list[dict[str, Any]]:
-    if not FIXTURES.is_dir():
-        pytest.skip(f"recorded agent traffic not found at {FIXTURES}")
     records = []
-    for path in sorted(FIXTURES.glob("*.jsonl")):
+    for path in sorted(agent_traffic().glob("*.jsonl")):
         records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return sorted(records, key=lambda r: r["ts"])
 
