@@ -180,7 +180,7 @@ async def _serve(
     fresh = parse_body(req.routed.api, raw)
     assert isinstance(fresh, ParsedRequest)
     started = time.perf_counter_ns()
-    routed = await router.route(
+    routed = router.route(
         RouteRequest(
             body=fresh.body,
             body_bytes=len(raw),

@@ -1,5 +1,5 @@
 """Driving the router in tests the way the proxy does: built with its KV effects, and through its two calls,
-`route()` and `complete()`."""
+`route()` and `complete()`, with the KV move a route asks for carried out between them as the request path does."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import aiohttp
 
 from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.kv.slots import SlotMover
+from adaptive_spec.requests.handler import carry_out
 from adaptive_spec.routing.api import Completion, FixedPolicy, PolicySource, Route, RouteRequest
 from adaptive_spec.routing.router import Router
 from adaptive_spec.servers.upstreams import UpstreamTable
@@ -64,9 +65,10 @@ def request(
 
 
 async def routed(router: Router, ask: RouteRequest) -> Route:
-    route = await router.route(ask)
+    """Planned, then its KV move carried out through the router's effects, as the request path does."""
+    route = router.route(ask)
     assert isinstance(route, Route), route
-    return route
+    return await carry_out(router, route)
 
 
 def route(router: Router, ask: RouteRequest) -> Route:

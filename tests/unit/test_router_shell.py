@@ -13,6 +13,7 @@ import pytest
 
 from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.kv.moves import HandoffResult, SlotAt, SlotMove
+from adaptive_spec.requests.handler import carry_out
 from adaptive_spec.routing.api import Completion, FixedPolicy, NoEffects, Route
 from adaptive_spec.routing.router import Router
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
@@ -116,8 +117,8 @@ def test_a_main_line_that_starts_while_the_title_is_in_flight_is_known_at_its_en
 
 
 def test_a_request_cancelled_during_its_kv_move_leaves_no_load_behind() -> None:
-    """The client hangs up while its session's slot is being moved: route() never returns, so it brings the load
-    down itself (the shell has no route to complete)."""
+    """The client hangs up while its session's slot is being moved: the request path completes the route itself
+    (the forward never gets it)."""
 
     class _Hangs(NoEffects):
         def can_move(self, source: SlotAt, target: SlotAt) -> bool:
@@ -136,3 +137,57 @@ def test_a_request_cancelled_during_its_kv_move_leaves_no_load_behind() -> None:
         route(r, ask)
     assert r.load.in_flight == {"oneshot": 0, "iterative": 0}
     assert r.load.server_busy("iterative") == 0 and r.load.sessions_in_flight == {}
+
+
+class _Recording(NoEffects):
+    """The router's effects as a recording: which moves were asked of the world, and what it was told."""
+
+    def __init__(self, result: HandoffResult) -> None:
+        self.result, self.moves, self.events = result, list[SlotMove](), list[Any]()
+
+    def can_move(self, source: SlotAt, target: SlotAt) -> bool:
+        return True
+
+    async def move_slot(self, move: SlotMove) -> HandoffResult:
+        self.moves.append(move)
+        return self.result
+
+    def publish(self, event: Any) -> None:
+        self.events.append(event)
+
+
+def _moving_router(effects: _Recording) -> tuple[Router, Any]:
+    table = UpstreamTable([Upstream("oneshot", "http://127.0.0.1:9"), Upstream("iterative", "http://127.0.0.1:8")])
+    r = Router(table, FixedPolicy(), {"oneshot": 1, "iterative": 1}, {"iterative": ("ngram-mod",)}, effects)
+    r.placements.served("s", "oneshot", None, 4000, 10)
+    body = {"messages": [{"role": "user", "content": "word " * 8000}]}
+    return r, request(body, "s", pinned="iterative", turns=3, copy_share=0.0, body_bytes=40_000)
+
+
+def test_route_asks_for_the_move_and_waits_for_nothing() -> None:
+    """route() is synchronous: it names the slot move and touches no effect; the request path carries the move out
+    and reports it with moved(), which learns from it (the counters, the event, the target slot's placement)."""
+    effects = _Recording(HandoffResult(True, 4000, 0.2, 0.01))
+    r, ask = _moving_router(effects)
+    planned = r.route(ask)
+    assert isinstance(planned, Route)
+    assert planned.move == SlotMove("s", SlotAt("oneshot", 0, None), SlotAt("iterative", 0, None), 4000)
+    assert planned.handoff is None and effects.moves == [] and effects.events == []
+    done = asyncio.run(carry_out(r, planned))  # as the request path does
+    assert effects.moves == [planned.move] and done.handoff == effects.result
+    assert r.moves.handoffs == {"ok": 1, "failed": 0}
+    (event,) = [e for e in effects.events if type(e).__name__ == "HandoffDone"]
+    assert (event.from_profile, event.to_profile, event.ok, event.tokens) == ("oneshot", "iterative", True, 4000)
+
+
+def test_a_handoff_that_cannot_be_made_asks_for_no_move() -> None:
+    """The session's slot is busy with another request: the route carries the refusal, and nothing is asked."""
+    effects = _Recording(HandoffResult(True, 4000, 0.2, 0.01))
+    r, ask = _moving_router(effects)
+    r.load.started("oneshot", None, "other", 0)  # another session's request now runs in the source slot
+    done = route(r, ask)
+    assert done.move is None and effects.moves == []
+    assert (
+        done.handoff is not None and not done.handoff.ok and "busy with another request" in (done.handoff.error or "")
+    )
+    assert r.moves.handoffs == {"ok": 0, "failed": 1}

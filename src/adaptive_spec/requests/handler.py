@@ -16,6 +16,7 @@ from aiohttp import web
 
 from adaptive_spec.access.rules import with_model
 from adaptive_spec.common.headers import PROFILE_HEADER, REPLICA_HEADER, REQUEST_ID_HEADER, ROUTE_HEADER
+from adaptive_spec.kv.moves import SlotMove
 from adaptive_spec.requests.app_keys import CLIENT, FRESH_CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
 from adaptive_spec.requests.compat import repaired
 from adaptive_spec.requests.error_responses import answer
@@ -28,7 +29,8 @@ from adaptive_spec.requests.outcome import CLIENT_GONE, SERVED, SHUTDOWN, Outcom
 from adaptive_spec.requests.parse import GENERATING_APIS, parse_body, with_fields
 from adaptive_spec.requests.repeats import guard, trailing_repeat
 from adaptive_spec.requests.shapes import RequestProblem
-from adaptive_spec.routing.api import Completion, Refusal, RouteRequest
+from adaptive_spec.routing.api import Completion, Refusal, Route, RouteRequest
+from adaptive_spec.routing.router import Router
 from adaptive_spec.servers.speculation import merge_fields
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.sessions.clients import client_name
@@ -227,7 +229,7 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
     client_slot = parsed.body.get("id_slot")
     takes_slot = req.routed.api in _SLOT_APIS
     body, raw = req.sent if req.sent is not None else (parsed.body, req.body)
-    routed = await app[ROUTER].route(
+    routed = app[ROUTER].route(
         RouteRequest(
             body=body,
             body_bytes=len(raw),
@@ -249,11 +251,27 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
     if isinstance(routed, Refusal):
         req.refusal, req.profile = routed, routed.decision.profile if routed.decision else req.profile
         return Outcome(routed.status, routed.message, routed.code)
+    routed = await carry_out(app[ROUTER], routed)
     req.route, req.profile = routed, routed.profile
     chosen = app[UPSTREAMS].get(routed.profile, routed.replica)
     assert chosen is not None  # the router routes to the table's own profiles and replicas
     req.replica, req.pool_size = chosen.replica, len(app[UPSTREAMS].replicas(chosen.name))
     return chosen
+
+
+async def carry_out(router: Router, route: Route) -> Route:
+    """The KV move a route asks for, carried out through the router's effects and reported back to it (the router
+    plans and never waits). A client that goes away meanwhile completes the route: no route reaches the forward."""
+    move = route.move
+    if move is None or route.handoff is not None or route.remote_prefill is not None:
+        return route
+    try:
+        if isinstance(move, SlotMove):
+            return router.moved(route, await router.effects.move_slot(move))
+        return router.moved(route, await router.effects.prefill_elsewhere(move))
+    except BaseException:
+        router.complete(route, Completion(ok=False))
+        raise
 
 
 def _client_gone(req: ProxyRequest, *, stopping: bool) -> Outcome:

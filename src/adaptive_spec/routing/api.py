@@ -133,6 +133,8 @@ class Route:
     slot: int | None
     session_id: str | None
     body_bytes: int
+    # The KV move the route asks the request path to carry out through the effects before forwarding, and its results.
+    move: SlotMove | PrefillAsk | None = None
     handoff: HandoffResult | None = None
     remote_prefill: RemotePrefillResult | None = None
     # The prompt as the session's prefix state saw it, for the completion to update it.

@@ -1,12 +1,13 @@
-"""The KV moves a route makes through the router's injected `Effects`: a session's slot handed from the server it
-leaves to the one it goes to, or a prompt prefilled on a faster server; and what handoffs were measured to reuse."""
+"""The KV moves a route asks for, planned without waiting: a session's slot handed from the server it leaves to the
+one it goes to, or a prompt prefilled on a faster server; what each move did, learned once the request path has
+carried it out through the router's `Effects`; and what handoffs were measured to reuse."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from adaptive_spec.common.means import RunningMean
-from adaptive_spec.kv.moves import HandoffResult, PrefillAsk, SlotAt, SlotMove
+from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, SlotAt, SlotMove
 from adaptive_spec.routing.api import Effects, Route, RouteRequest
 from adaptive_spec.routing.decide import Decision
 from adaptive_spec.routing.load import ServerLoad
@@ -59,63 +60,65 @@ class KvMoves:
         mean = self.reuse.setdefault(pair, RunningMean(_REUSE_PRIOR_WEIGHT, self.speeds.forget))
         mean.add(min(1.0, timings.cache_n / handoff.tokens))
 
-    async def hand_off(self, decision: Decision, session_id: str, to_slot: int | None) -> HandoffResult | None:
-        """Save the session's slot on the server it leaves and restore it on the one it goes to. A failure means the
-        new server re-prefills, which is always correct (llama-server reuses only the prefix of the restored cache
-        that matches the prompt); every way out ends in the same bookkeeping and the same event."""
+    def plan_handoff(self, decision: Decision, session_id: str, to_slot: int | None) -> SlotMove | HandoffResult | None:
+        """The slot move a handoff asks for: save the session's slot on the server it leaves, restore it on the one
+        it goes to. Or, where it cannot be made, its result at once (a refusal is folded in here: nothing is moved,
+        the new server re-prefills, which is always correct). None: the session has no KV anywhere."""
         placement = self.placements.get(session_id)
         if placement is None:
             return None
         source = SlotAt(placement.profile, placement.replica, placement.slot)
         target = SlotAt(decision.profile, decision.replica, to_slot)
+        move = SlotMove(session_id, source, target, placement.cached_tokens)
         # llama-server does not refuse a slot action on a busy slot: it waits for the running request, then acts on
         # whatever that slot holds by then. So only idle slots are touched (this request is not sent yet).
-        problem = None
         if to_slot is None and self.load.slot_count(target.profile, target.replica) > 1:
-            problem = f"{target.label} has several slots and this request names none"
-        elif self.load.slot_busy(source.profile, source.slot, mine=0, replica=source.replica):
+            # Nothing can be touched, so nothing is counted or displaced.
+            return HandoffResult(False, 0, 0.0, 0.0, f"{target.label} has several slots and this request names none")
+        problem = None
+        if self.load.slot_busy(source.profile, source.slot, mine=0, replica=source.replica):
             problem = f"{source.label} slot {source.slot or 0} is busy with another request"
         elif self.load.slot_busy(target.profile, to_slot, mine=1, replica=target.replica):
             problem = f"{target.label} slot {to_slot or 0} is busy with another request"
-        if problem is not None and problem.endswith("names none"):
-            return HandoffResult(False, 0, 0.0, 0.0, problem)
         if problem is not None:
-            result = HandoffResult(False, placement.cached_tokens, 0.0, 0.0, problem)
-        else:
-            result = await self.effects.move_slot(SlotMove(session_id, source, target, placement.cached_tokens))
+            return self.handed_off(move, HandoffResult(False, placement.cached_tokens, 0.0, 0.0, problem))
+        return move
+
+    def handed_off(self, move: SlotMove, result: HandoffResult) -> HandoffResult:
+        """What a handoff did, learned: every way out ends in the same bookkeeping and the same event."""
         self.handoffs["ok" if result.ok else "failed"] += 1
         if result.ok:
             self.speeds.observe_handoff(result.tokens, result.save_s, result.restore_s)
             if result.bytes:
                 self.speeds.link.observe_transfer(result.tokens, result.bytes, result.transfer_s)
         # The target slot was overwritten (or half so) whatever the outcome.
-        self.placements.displace(decision.profile, to_slot, keep=session_id, replica=decision.replica)
+        target = move.target
+        self.placements.displace(target.profile, target.slot, keep=move.session_id, replica=target.replica)
         self.effects.publish(
             HandoffDone(
-                session_id=session_id,
-                from_profile=source.profile,
+                session_id=move.session_id,
+                from_profile=move.source.profile,
                 to_profile=target.profile,
                 ok=result.ok,
                 tokens=result.tokens,
                 save_s=round(result.save_s, 4),
                 restore_s=round(result.restore_s, 4),
                 error=result.error,
-                from_replica=source.replica,
+                from_replica=move.source.replica,
                 to_replica=target.replica,
             )
         )
         return result
 
-    async def prefill_elsewhere(self, route: Route, request: RouteRequest) -> Route:
-        """Ask the effects for a remote prefill of a prompt this server would prefill itself; the route comes back
-        with its reason extended."""
+    def plan_prefill(self, route: Route, request: RouteRequest) -> PrefillAsk | None:
+        """The remote prefill a route asks for, of a prompt this server would prefill itself; None: none to ask."""
         decision, slot = route.decision, route.slot
         profile, replica = decision.profile, decision.replica
         if decision.new_tokens is None or decision.handoff or not self.can_save(profile):
-            return route
+            return None
         if slot is None and self.load.slot_count(profile, replica) > 1:
-            return route
-        ask = PrefillAsk(
+            return None
+        return PrefillAsk(
             at=SlotAt(profile, replica, slot),
             session_id=route.session_id,
             path=request.prefill_path or "",
@@ -125,11 +128,14 @@ class KvMoves:
             local_s_per_token=self.speeds.prefill_s(profile, 1.0),
             slot_busy=self.load.slot_busy(profile, slot, mine=1, replica=replica),
         )
-        answer = await self.effects.prefill_elsewhere(ask)
+
+    def prefilled(self, route: Route, answer: PrefillAnswer | None) -> Route:
+        """What a remote prefill did: the route comes back with its reason extended."""
         if answer is None:
             return route
+        decision = route.decision
         if answer.result is not None:  # the slot was overwritten (or half so) whatever the outcome
-            self.placements.displace(profile, slot, keep=route.session_id, replica=replica)
+            self.placements.displace(decision.profile, route.slot, keep=route.session_id, replica=decision.replica)
         if answer.note:
             decision = replace(decision, reason=f"{decision.reason}; {answer.note}")
         return replace(route, decision=decision, remote_prefill=answer.result)

@@ -1,7 +1,8 @@
 """The router: which profile, replica and slot serve a request, and the KV moves that go with it. The shell drives
-it through two calls: `route()` (what to do with this request: profile, replica, slot, a KV handoff or a remote
-prefill, the reason) and `complete()` (what happened: the load comes down, it learns from llama-server's timings).
-The moves are asked of its injected `Effects` (`routing/api.py`) through `KvMoves` (`routing/kv_moves.py`);
+it through two calls, neither of which waits: `route()` (what to do with this request: profile, replica, slot, the
+KV move it asks for — a handoff or a remote prefill — and the reason) and `complete()` (what happened: the load
+comes down, it learns from llama-server's timings). Between them the shell carries the asked move out through the
+router's injected `Effects` (`routing/api.py`) and reports it with `moved()` (`routing/kv_moves.py` plans and learns);
 everything else is pure state: the learned speeds, where sessions' KV caches live, each server's slots and load
 (`routing/load.py`), the pins. `choose()` is the decision alone (`decide()` for the profile, then `choose_replica()`
 for its replica), without side effects."""
@@ -14,6 +15,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from adaptive_spec.common.lru import LRU
+from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, SlotMove
 from adaptive_spec.routing.api import (
     Completion,
     Effects,
@@ -320,9 +322,11 @@ class Router:
 
     # --- the two calls ----------------------------------------------------------------------------------------
 
-    async def route(self, request: RouteRequest) -> Route | Refusal:
-        """Decide the request's profile, replica and slot, count it in their load, and move the session's KV for it:
-        a handoff when it moves, else a remote prefill when that is faster. Every route is completed once."""
+    def route(self, request: RouteRequest) -> Route | Refusal:
+        """Decide the request's profile, replica and slot, count it in their load, and say which KV move it asks for
+        (`Route.move`): a handoff when it moves, else a remote prefill when that may be faster. Nothing is waited
+        for here: the request path carries the move out through `effects` and reports it with `moved()`. Every
+        route is completed once."""
         decision, _, pieces, has_tools = self._plan(request)
         profile, replica = decision.profile, decision.replica
         health = self.health.replica_health(profile)
@@ -335,15 +339,23 @@ class Router:
             slot = self.load.slot_for(profile, request.session_id, replica) if request.takes_slot else None
         self.load.started(profile, slot, request.session_id, replica)
         route = Route(decision, slot, request.session_id, request.body_bytes, pieces=pieces, has_tools=has_tools)
-        try:
-            if decision.handoff and request.session_id is not None:
-                return replace(route, handoff=await self.moves.hand_off(decision, request.session_id, slot))
-            if request.prefill_path is not None and self.effects.prefills_elsewhere:
-                return await self.moves.prefill_elsewhere(route, request)
-        except BaseException:  # the client went away during the move (or a fault): no route reaches the shell
-            self.complete(route, Completion(ok=False))
-            raise
+        if decision.handoff and request.session_id is not None:
+            asked = self.moves.plan_handoff(decision, request.session_id, slot)
+            if isinstance(asked, SlotMove):
+                return replace(route, move=asked)
+            return replace(route, handoff=asked)
+        if request.prefill_path is not None and self.effects.prefills_elsewhere:
+            return replace(route, move=self.moves.plan_prefill(route, request))
         return route
+
+    def moved(self, route: Route, result: HandoffResult | PrefillAnswer | None) -> Route:
+        """The move the route asked for was carried out: learn what it did; the route comes back with its result."""
+        move = route.move
+        if isinstance(move, SlotMove) and isinstance(result, HandoffResult):
+            return replace(route, handoff=self.moves.handed_off(move, result))
+        if isinstance(move, PrefillAsk) and not isinstance(result, HandoffResult):
+            return self.moves.prefilled(route, result)
+        raise TypeError(f"a {type(result).__name__} does not answer {type(move).__name__}")
 
     def complete(self, route: Route, done: Completion) -> bool:
         """The routed request ended: its load comes down; served in full, the speeds, the session's placement and
