@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from adaptive_spec.cli import main as cli
+from adaptive_spec.routing import policy_files
 from adaptive_spec.routing.policy import Policy, PolicyError, RoutePolicy
 from adaptive_spec.routing.policy_files import SHIPPED, WORKSPACE_FILE, PolicyStore, config_dir
 from adaptive_spec.sessions.project import workspace_from_request, workspace_path_from_request
@@ -293,3 +294,40 @@ def test_a_system_prompt_sent_again_names_its_own_workspace() -> None:
             body = {"messages": [{"role": "system", "content": prompt}, {"role": "user", "content": "hi"}]}
             assert workspace_path_from_request({}, body) == f"/home/me/proj{i}"
     assert workspace_path_from_request({}, {"messages": [{"role": "system", "content": "no path here"}]}) is None
+
+
+def test_a_known_project_is_answered_from_the_snapshot_without_touching_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the router reads while it plans is a published snapshot: no stat, no read, no lock. A project seen for
+    the first time is `load`ed (the proxy does that in a thread), which publishes a new snapshot and leaves the old
+    one as it was."""
+    _write(_project_file(tmp_path, "web"), "[route]\nhysteresis = 0.4\n")
+    store, _ = _store(tmp_path)
+    assert not store.known("web", None)
+    before = store._snapshot
+    assert store.load("web", None).route.hysteresis == 0.4
+    assert store.known("web", None) and "web" not in {p for p, _ in before}
+
+    def no_file(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a file was looked at")
+
+    monkeypatch.setattr(policy_files._WatchedFile, "check", no_file)
+    monkeypatch.setattr(policy_files, "_read_small_regular_file", no_file)
+    assert store.policy_for("web", None).route.hysteresis == 0.4
+    with pytest.raises(AssertionError, match="a file was looked at"):
+        store.policy_for("api", None)  # never seen: read now, which is why the proxy loads it off the loop first
+
+
+def test_a_refresh_publishes_every_known_policy_again_and_keeps_the_base(tmp_path: Path) -> None:
+    project = _write(_project_file(tmp_path, "web"), "[route]\nhysteresis = 0.4\n")
+    store, _ = _store(tmp_path)
+    store.load("web", None)
+    store.load("default", None)
+    store.refresh()  # the first says what was loaded
+    first = store._snapshot
+    _write(project, "[route]\nhysteresis = 0.6\n")
+    assert store.refresh() == [f"policy {project} reloaded"]
+    assert store._snapshot is not first and first[("web", None)].route.hysteresis == 0.4  # the old one unchanged
+    assert store.known("web", None) and store.known("default", None)
+    assert store.policy_for("web", None).route.hysteresis == 0.6

@@ -159,6 +159,9 @@ async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | Outcom
         req.workspace = workspace_path_from_request(headers, result.body)  # scanned once: project and policy
         if service is not None:
             req.assignment, req.project = service.assign(headers, result.body, req.routed.project, req.workspace)
+        policies = request.app[ROUTER].policies
+        if not policies.known(req.project, req.workspace):  # its files are read once, off the event loop
+            await asyncio.to_thread(policies.load, req.project, req.workspace)
         if large:  # ... and before it is routed
             await asyncio.sleep(0)
         pinned = choose_upstream(request, request.app[UPSTREAMS]) if request.headers.get(PROFILE_HEADER) else None

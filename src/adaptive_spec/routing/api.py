@@ -31,7 +31,14 @@ class ProfileHealth(Protocol):
 
 
 class PolicySource(Protocol):
+    """The routing policies by (project, workspace). `policy_for` is what the router reads while it plans: it reads
+    no file for a pair that is `known`; `load` and `refresh` read files, and the proxy calls them off its loop."""
+
+    def known(self, project: str, workspace: str | None) -> bool: ...
+
     def policy_for(self, project: str, workspace: str | None) -> Policy: ...
+
+    def load(self, project: str, workspace: str | None) -> Policy: ...
 
     def refresh(self) -> list[str]: ...
 
@@ -46,7 +53,13 @@ class FixedPolicy:
     def __init__(self, policy: Policy | None = None) -> None:
         self.policy = policy or Policy()
 
+    def known(self, project: str, workspace: str | None) -> bool:
+        return True
+
     def policy_for(self, project: str, workspace: str | None) -> Policy:
+        return self.policy
+
+    def load(self, project: str, workspace: str | None) -> Policy:
         return self.policy
 
     def refresh(self) -> list[str]:

@@ -8,10 +8,11 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import platformdirs
@@ -30,6 +31,7 @@ from adaptive_spec.routing.policy import (
 SHIPPED = "built-in default.toml"
 WORKSPACE_FILE = ".adaptive-spec.toml"
 _PROJECT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # as a /p/<project> prefix allows: never a path
+_BASE = ("default", None)  # the policy of a request with no project of its own
 _MAX_TRACKED = 256  # projects and workspaces come from requests, so what is remembered of them is bounded
 
 
@@ -129,9 +131,10 @@ def _quiet(message: str) -> None:
 
 class PolicyStore:
     """The policy of each (project, workspace), from built-in defaults ← the base file ← the project's file ← the
-    workspace's file. `policy_for` runs on every generating request and answers from a cache; files are looked at
-    again only by `refresh` (the proxy calls it every few seconds, possibly from another thread) and once when a
-    project or workspace is first seen."""
+    workspace's file. `policy_for` runs on every generating request and answers from an immutable snapshot that is
+    swapped in whole; files are read only by `load` (a project or workspace seen for the first time) and `refresh`
+    (every few seconds), both of which the proxy runs in a thread, never on its event loop (`known` says whether a
+    request needs a `load` first)."""
 
     def __init__(
         self,
@@ -149,7 +152,9 @@ class PolicyStore:
         self._pending: list[str] = []  # logged outside refresh, returned by the next one
         self._projects: LRU[str, _WatchedFile | None] = LRU(_MAX_TRACKED)
         self._workspaces: LRU[str, _WatchedFile | None] = LRU(_MAX_TRACKED)
-        self._cache: dict[tuple[str, str | None], Policy] = {}
+        # Never changed once published: readers on the event loop take it without the lock.
+        self._snapshot: Mapping[tuple[str, str | None], Policy] = MappingProxyType({})
+        self._stale = False  # a watched file was dropped from the tables: the next snapshot starts afresh
         self._shipped: Overlay | None = None
         self._base: _WatchedFile | None = None
         if base_file is None:
@@ -165,28 +170,41 @@ class PolicyStore:
         if problems:
             raise PolicyError(problems)  # at startup a bad base file stops the proxy, with every problem listed
 
+    def _key(self, project: str, workspace: str | None) -> tuple[str, str | None]:
+        return (project, workspace if self._read_workspace_files else None)
+
+    def known(self, project: str, workspace: str | None) -> bool:
+        """Whether `policy_for` answers from the snapshot (else it reads files: `load` it off the event loop)."""
+        return self._key(project, workspace) in self._snapshot
+
     def policy_for(self, project: str, workspace: str | None) -> Policy:
-        """The effective policy of a request; cheap after the first call for a (project, workspace)."""
-        key = (project, workspace if self._read_workspace_files else None)
-        cached = self._cache.get(key)
-        if cached is not None:
-            return cached
+        """The effective policy of a request: the snapshot's, or, for one never seen, read now (`load`)."""
+        policy = self._snapshot.get(self._key(project, workspace))
+        return policy if policy is not None else self.load(project, workspace)
+
+    def load(self, project: str, workspace: str | None) -> Policy:
+        """Read a (project, workspace)'s files the first time (file I/O) and publish its policy in a new snapshot."""
+        key = self._key(project, workspace)
         with self._lock:
             policy = self._merge(self._files_of(*key))
-            if len(self._cache) >= 4 * _MAX_TRACKED:
-                self._cache = {}
-            self._cache[key] = policy
+            fresh = self._stale or len(self._snapshot) >= 4 * _MAX_TRACKED
+            self._stale = False
+            self._snapshot = MappingProxyType({**({} if fresh else self._snapshot), key: policy})
         return policy
 
     def refresh(self) -> list[str]:
-        """Look at every known file again; the lines logged since the last refresh (to publish as events)."""
+        """Look at every known file again (file I/O); the lines logged since the last refresh (to publish as
+        events). When anything changed, every known policy is merged again into a new snapshot."""
         with self._lock:
             messages, self._pending = self._pending, []
             changed = [m for f in self._all_files() if (m := f.check(self._known))]
             for message in changed:
                 self._log(message)
-            if changed:
-                self._cache = {}
+            if changed or self._stale:
+                # The base policy stays published: the router reads it on the event loop after a refresh.
+                keys = {_BASE, *([] if self._stale else self._snapshot)}
+                self._stale = False
+                self._snapshot = MappingProxyType({k: self._merge(self._files_of(*k)) for k in keys})
         return messages + changed
 
     def problems(self) -> list[Problem]:
@@ -232,7 +250,7 @@ class PolicyStore:
         if watched is not None:
             self._note(watched.check(self._known))
         if table.put(key, watched):
-            self._cache = {}  # a cached policy of a file no longer watched would never see its changes
+            self._stale = True  # a published policy of a file no longer watched would never see its changes
         return watched
 
     def _project_path(self, project: str) -> Path | None:

@@ -402,18 +402,14 @@ class Router:
         else:
             self.pins.put(session_id, profile)
 
-    def refresh_policies(self) -> list[str]:
-        """Re-read changed policy files (file I/O: call it off the event loop); returns what changed (the store has
-        already said it on the console). The speed model's priors follow the base policy (a project's own file
-        changes its routing, not the shared measurements)."""
-        messages = self.policies.refresh()
-        if messages:
-            base = self.policies.policy_for("default", None)
-            self.speeds.set_policy(base.estimator, base.handoff)
-        return messages
-
-    def announce(self, messages: list[str]) -> None:
-        """Publish policy changes on the live feed (on the event loop: the bus is not thread-safe)."""
+    def policies_changed(self, messages: list[str]) -> None:
+        """The policy files were looked at again (`policies.refresh()`, file I/O the proxy runs in a thread); on the
+        event loop, the speed model's priors follow the base policy (a project's own file changes its routing, not
+        the shared measurements), and the changes are published on the live feed (the bus is not thread-safe)."""
+        if not messages:
+            return
+        base = self.policies.policy_for("default", None)
+        self.speeds.set_policy(base.estimator, base.handoff)
         for message in messages:
             self.effects.publish(PolicyChanged(message=message))
 

@@ -204,7 +204,8 @@ async def _policy_refresher(app: web.Application) -> AsyncIterator[None]:
         while True:
             await asyncio.sleep(_POLICY_REFRESH_S)
             try:
-                app[ROUTER].announce(await asyncio.to_thread(app[ROUTER].refresh_policies))
+                router = app[ROUTER]
+                router.policies_changed(await asyncio.to_thread(router.policies.refresh))
                 await asyncio.to_thread(app[KV].sweep)
             except Exception:
                 log.exception("policy refresh failed")
