@@ -7,6 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
+from adaptive_spec.requests.apis import Api
 from adaptive_spec.requests.parse import ParsedRequest, RoutedPath, parse_body
 from adaptive_spec.requests.paths import decide_path
 from adaptive_spec.requests.shapes import RequestProblem
@@ -161,11 +162,11 @@ def test_valid_shapes_pass(api: str, body: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("target", "expected"),
     [
-        ("/v1/chat/completions", RoutedPath(None, "/v1/chat/completions", "chat")),
-        ("/p/proj/v1/chat/completions?x=1", RoutedPath("proj", "/v1/chat/completions", "chat")),
-        ("/v1/chat/completion%73", RoutedPath(None, "/v1/chat/completions", "chat")),
-        ("/tokenize%25", RoutedPath(None, "/tokenize%25", "other")),
-        ("/p/x", RoutedPath("x", "/", "other")),
+        ("/v1/chat/completions", RoutedPath(None, "/v1/chat/completions", Api.CHAT)),
+        ("/p/proj/v1/chat/completions?x=1", RoutedPath("proj", "/v1/chat/completions", Api.CHAT)),
+        ("/v1/chat/completion%73", RoutedPath(None, "/v1/chat/completions", Api.CHAT)),
+        ("/tokenize%25", RoutedPath(None, "/tokenize%25", Api.OTHER)),
+        ("/p/x", RoutedPath("x", "/", Api.OTHER)),
     ],
 )
 def test_paths_are_decided_on_the_raw_target(target: str, expected: RoutedPath) -> None:

@@ -7,6 +7,7 @@ from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from adaptive_spec.access.rules import KEY_HEADERS, AccessPolicy
+from adaptive_spec.requests.apis import Api
 from adaptive_spec.requests.forward import upstream_headers
 from adaptive_spec.requests.gate import ACCESS, _refusal, hidden_headers, routed_path
 from adaptive_spec.requests.parse import RoutedPath
@@ -26,7 +27,7 @@ def test_the_clients_key_is_not_sent_on_when_the_proxy_checks_keys() -> None:
     assert isinstance(decided, RoutedPath)
     assert _refusal(request, decided) is None
     assert hidden_headers(request) == KEY_HEADERS
-    assert routed_path(request) == RoutedPath("x", "/v1/chat/completions", "chat")
+    assert routed_path(request) == RoutedPath("x", "/v1/chat/completions", Api.CHAT)
     sent = upstream_headers(CIMultiDictProxy(CIMultiDict(headers)), hidden_headers(request))
     assert dict(sent) == {"Content-Type": "application/json"}
 

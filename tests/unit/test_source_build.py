@@ -85,7 +85,7 @@ def test_a_hunk_that_does_not_apply_is_named_with_how_to_serve_the_tree_unpatche
         source_build.build_from_source(tree, tmp_path / "cache", (), run=compile_, say=lambda _m: None)
     message = str(caught.value)
     assert "0002-server-per-request-speculation.patch does not apply to" in message
-    assert "tools/server/server-task.cpp hunk #1 (at line 80)" in message
+    assert "tools/server/server-task.cpp hunk #1 (expected at line 80)" in message
     assert "adaptive-spec serve --llama-server PATH" in message
     assert compile_.ran == []
     assert not (tmp_path / "cache" / "current").exists()

@@ -21,6 +21,7 @@ from adaptive_spec.access.rules import (
     origin_allowed,
     sent_keys,
 )
+from adaptive_spec.requests.apis import Api, traits
 from adaptive_spec.requests.error_responses import as_anthropic, error_response
 from adaptive_spec.requests.parse import RoutedPath, split_path
 from adaptive_spec.requests.paths import decide_path
@@ -31,7 +32,6 @@ ACCESS = web.AppKey("access", AccessPolicy)
 _ROUTED = web.RequestKey("routed", RoutedPath)
 _HIDDEN: web.RequestKey[tuple[str, ...]] = web.RequestKey("hidden_headers")
 _PREFLIGHT = web.RequestKey("preflight", bool)
-_ANTHROPIC_APIS = frozenset({"messages", "count_tokens"})
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _EXPOSED = "x-adaptive-spec-request-id, x-adaptive-spec-profile, x-adaptive-spec-route"
 _CORS_MAX_AGE_S = "600"
@@ -63,7 +63,7 @@ async def _gate(request: web.Request, handler: Handler) -> web.StreamResponse:
     if isinstance(decided, RoutedPath):
         api = decided.api
     else:  # a refused path: an Anthropic client still parses only its own error shape
-        api = "messages" if request.path.rstrip("/").endswith(("/v1/messages", "/count_tokens")) else "other"
+        api = Api.MESSAGES if request.path.rstrip("/").endswith(("/v1/messages", "/count_tokens")) else Api.OTHER
     refusal = _refusal(request, decided)
     if refusal is not None:
         return _shaped(api, refusal)
@@ -157,7 +157,7 @@ def _preflight(policy: AccessPolicy, origin: str, wanted_headers: str | None) ->
 
 def _shaped(api: str, response: web.StreamResponse) -> web.StreamResponse:
     """/v1/messages clients parse Anthropic's error shape; the proxy's own errors are OpenAI-shaped until here."""
-    if api in _ANTHROPIC_APIS and isinstance(response, web.Response) and response.status >= 400:
+    if traits(api).anthropic and isinstance(response, web.Response) and response.status >= 400:
         body = response.body
         converted = as_anthropic(response.status, body) if isinstance(body, bytes) else None
         if converted is not None:

@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from adaptive_spec.requests.outcome import NOT_ANSWERED, Outcome
-from adaptive_spec.requests.parse import GENERATING_APIS, ParsedRequest, RoutedPath
+from adaptive_spec.requests.apis import traits
+from adaptive_spec.requests.parse import ParsedRequest, RoutedPath
 from adaptive_spec.requests.repeats import Guarded
 from adaptive_spec.routing.api import Completion, Refusal, Route
 from adaptive_spec.routing.decide import Decision
@@ -190,7 +191,7 @@ class RequestLifecycle:
 
     def _trace(self, req: ProxyRequest, as_json: dict[str, Any]) -> None:
         trace = self.trace
-        if trace is None or req.routed.api not in GENERATING_APIS:
+        if trace is None or not traits(req.routed.api).generates:
             return
         try:
             trace.request(as_json, req.body, req.meter.output.text if trace.content else None)

@@ -8,25 +8,25 @@ from typing import Any
 
 import orjson
 
+from adaptive_spec.requests.apis import Api
 from adaptive_spec.requests.shapes import RequestProblem, check_shape
 
 _PROJECT_PREFIX = re.compile(r"^/p/([A-Za-z0-9][A-Za-z0-9._-]{0,127})(/.*)?$")
 
 # Path (after any /p/<project> prefix) → API name. llama-server serves each with and without the /v1 prefix.
 _APIS = {
-    "/v1/chat/completions": "chat",
-    "/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/completions": "completions",
-    "/v1/responses": "responses",
-    "/responses": "responses",
-    "/v1/messages": "messages",
-    "/v1/messages/count_tokens": "count_tokens",
-    "/v1/models": "models",
-    "/models": "models",
-    "/completion": "completion",
+    "/v1/chat/completions": Api.CHAT,
+    "/chat/completions": Api.CHAT,
+    "/v1/completions": Api.COMPLETIONS,
+    "/completions": Api.COMPLETIONS,
+    "/v1/responses": Api.RESPONSES,
+    "/responses": Api.RESPONSES,
+    "/v1/messages": Api.MESSAGES,
+    "/v1/messages/count_tokens": Api.COUNT_TOKENS,
+    "/v1/models": Api.MODELS,
+    "/models": Api.MODELS,
+    "/completion": Api.COMPLETION,
 }
-GENERATING_APIS = frozenset({"chat", "completions", "responses", "messages", "completion"})
 
 # The request field each API cannot do without, and the JSON types it may take.
 _REQUIRED: dict[str, tuple[str, tuple[type, ...]]] = {
@@ -57,7 +57,7 @@ class RoutedPath:
 
     project: str | None
     upstream_path: str
-    api: str
+    api: Api
 
 
 def split_path(path: str) -> RoutedPath:
@@ -66,7 +66,7 @@ def split_path(path: str) -> RoutedPath:
     if match:
         project = match.group(1)
         path = match.group(2) or "/"
-    return RoutedPath(project, path, _APIS.get(path.rstrip("/") or "/", "other"))
+    return RoutedPath(project, path, _APIS.get(path.rstrip("/") or "/", Api.OTHER))
 
 
 @dataclass(frozen=True, slots=True)

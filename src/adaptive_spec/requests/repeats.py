@@ -12,11 +12,8 @@ from typing import Any
 
 import orjson
 
-# APIs whose tool calls are read here (the ones agents use for tools).
-GUARDED_APIS = frozenset({"chat", "responses", "messages"})
-# llama-server takes tool_choice "none" on these (tools still rendered, so the prompt's cached prefix stays, but no
-# call is parsed); its Anthropic conversion drops {"type": "none"}, so /v1/messages gets the note alone.
-_TEXT_CHOICE_APIS = frozenset({"chat", "responses"})
+from adaptive_spec.requests.apis import traits
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +101,7 @@ def guarded_body(api: str, body: Mapping[str, Any], repeat: RepeatedCall, *, tex
 
 def text_asked(api: str, body: Mapping[str, Any], text_only: bool) -> bool:
     """Whether `guarded_body(..., text_only=text_only)` asks for a text answer."""
-    return text_only and api in _TEXT_CHOICE_APIS and body.get("tool_choice", "auto") == "auto"
+    return text_only and traits(api).text_choice and body.get("tool_choice", "auto") == "auto"
 
 
 # A call's identity: (name, arguments as canonical JSON). One assistant turn may make several calls: its calls

@@ -77,7 +77,7 @@ def failed_hunks(patch_output: str) -> list[FailedHunk]:
 def not_applying(patch: build.Patch, where: str, hunks: Sequence[FailedHunk], output: str) -> BuildError:
     """The error for a patch that does not apply to a user's tree: which hunks, and how to serve it unpatched."""
     if hunks:
-        what = "; ".join(f"{h.file} hunk #{h.hunk} (at line {h.line})" for h in hunks)
+        what = "; ".join(f"{h.file} hunk #{h.hunk} (expected at line {h.line})" for h in hunks)
     else:
         what = output.strip().splitlines()[-1] if output.strip() else "patch failed"
     return BuildError(

@@ -1,0 +1,68 @@
+"""The APIs the proxy tells apart, and what each one does, in one table: a question about a request's API ("does it
+generate?", "are its errors Anthropic's?") is a column here, not a set of names kept in the module that asks.
+The names are the proxy's own words; a request's path decides its API once (`requests/parse.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Api(StrEnum):
+    CHAT = "chat"  # /v1/chat/completions
+    COMPLETIONS = "completions"  # /v1/completions
+    COMPLETION = "completion"  # llama-server's own /completion
+    RESPONSES = "responses"  # /v1/responses
+    MESSAGES = "messages"  # Anthropic's /v1/messages
+    COUNT_TOKENS = "count_tokens"  # Anthropic's /v1/messages/count_tokens
+    MODELS = "models"
+    OTHER = "other"  # any other llama-server path, passed through
+
+
+@dataclass(frozen=True, slots=True)
+class Traits:
+    generates: bool = False  # a model answers: parsed, grouped into a session, routed, recorded, traced
+    anthropic: bool = False  # its errors take Anthropic's shape
+    # A patched llama-server reads `speculative.*` from its body: a profile's per-request settings go there (its
+    # Anthropic and Responses conversions carry them on).
+    speculation: bool = False
+    # llama-server passes `id_slot` on from its body (its Anthropic and Responses conversions rebuild the body).
+    takes_slot: bool = False
+    # llama-server can annotate its stream with per-token timings (the live draft progress). Its Anthropic stream
+    # carries no timings at all, asked or not (b11434): only usage at the end.
+    progress: bool = False
+    # llama-server takes `tool_choice: "none"` (tools still rendered, so the prompt's cached prefix stays, but no
+    # call is parsed); its Anthropic conversion drops {"type": "none"}, so the repeat guard's /v1/messages gets its
+    # note alone.
+    text_choice: bool = False
+    checked_errors: bool = False  # an error body from llama-server is read and put in the API's shape
+
+
+_GENERATING = Traits(generates=True, speculation=True, checked_errors=True)
+
+# Keyed by the names as strings too (an Api is a str): a lookup needs no conversion on the request path.
+TRAITS: dict[str, Traits] = {
+    Api.CHAT: Traits(
+        generates=True,
+        speculation=True,
+        takes_slot=True,
+        progress=True,
+        text_choice=True,
+        checked_errors=True,
+    ),
+    Api.COMPLETIONS: Traits(generates=True, speculation=True, takes_slot=True, progress=True, checked_errors=True),
+    Api.COMPLETION: _GENERATING,
+    Api.RESPONSES: Traits(generates=True, speculation=True, progress=True, text_choice=True, checked_errors=True),
+    Api.MESSAGES: Traits(generates=True, speculation=True, anthropic=True, checked_errors=True),
+    Api.COUNT_TOKENS: Traits(anthropic=True, checked_errors=True),
+    Api.MODELS: Traits(),
+    Api.OTHER: Traits(),
+}
+
+
+_NOTHING = Traits()
+
+
+def traits(api: str) -> Traits:
+    """What `api` does; a name the proxy does not know does what `other` does (nothing of its own)."""
+    return TRAITS.get(api, _NOTHING)

@@ -1,0 +1,42 @@
+"""The table of APIs: what the proxy does with each, looked up by the name a request's path decided."""
+
+from __future__ import annotations
+
+import pytest
+
+from adaptive_spec.requests.apis import TRAITS, Api, traits
+from adaptive_spec.requests.parse import split_path
+
+
+@pytest.mark.parametrize(
+    ("path", "api"),
+    [
+        ("/v1/chat/completions", Api.CHAT),
+        ("/p/web/v1/messages", Api.MESSAGES),
+        ("/v1/messages/count_tokens", Api.COUNT_TOKENS),
+        ("/completion", Api.COMPLETION),
+        ("/tokenize", Api.OTHER),
+    ],
+)
+def test_a_path_decides_its_api_once(path: str, api: Api) -> None:
+    assert split_path(path).api is api
+
+
+def test_every_api_has_a_row_and_a_name_it_does_not_know_does_nothing() -> None:
+    assert set(TRAITS) == set(Api)
+    assert traits("chat") is traits(Api.CHAT)  # a plain name finds the same row
+    assert traits("embeddings") == traits(Api.OTHER) == traits(Api.MODELS)
+    row = traits("embeddings")
+    assert not any(getattr(row, name) for name in row.__slots__)
+
+
+def test_the_columns_say_what_llama_server_does_with_each_api() -> None:
+    generating = {a for a in Api if traits(a).generates}
+    assert generating == {Api.CHAT, Api.COMPLETIONS, Api.COMPLETION, Api.RESPONSES, Api.MESSAGES}
+    assert {a for a in Api if traits(a).anthropic} == {Api.MESSAGES, Api.COUNT_TOKENS}
+    # id_slot survives only where llama-server does not rebuild the body (its Anthropic and Responses conversions do)
+    assert {a for a in Api if traits(a).takes_slot} == {Api.CHAT, Api.COMPLETIONS}
+    # the Anthropic stream carries no timings at all: no live draft progress there
+    assert {a for a in Api if traits(a).progress} == {Api.CHAT, Api.COMPLETIONS, Api.RESPONSES}
+    assert {a for a in Api if traits(a).text_choice} == {Api.CHAT, Api.RESPONSES}
+    assert {a for a in Api if traits(a).speculation} == generating
