@@ -12,6 +12,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from adaptive_spec.common.headers import PROFILE_HEADER
+from adaptive_spec.requests.apis import traits
 from adaptive_spec.requests.error_responses import answer, as_anthropic, as_client_error, sse_error_event
 from adaptive_spec.requests.gate import hidden_headers
 from adaptive_spec.requests.keepalive import PrefillKeepAlive
@@ -39,8 +40,6 @@ _DROP_REQUEST = _HOP_BY_HOP | {"host", "content-length", "accept-encoding", PROF
 _DROP_RESPONSE = _HOP_BY_HOP | {"content-length", "server", "date"}
 # Non-streamed bodies up to this size are parsed for their timings; larger ones just pass through.
 _METER_BODY_LIMIT = 8 * 1024 * 1024
-_ANTHROPIC_APIS = frozenset({"messages", "count_tokens"})
-_CHECKED_APIS = _ANTHROPIC_APIS | {"chat", "completions", "responses", "completion"}
 _ERROR_BODY_LIMIT = 64 * 1024
 # A failure of the relay after the headers went out: the message and the code of the stream's last error event.
 _Failure = tuple[str, str]
@@ -249,14 +248,14 @@ async def _error_body(upstream_resp: aiohttp.ClientResponse, api: str) -> tuple[
     bodies it cannot parse (the client's mistake: 400), and /v1/messages errors in OpenAI's shape (Anthropic
     clients parse their own). None: relay the answer as it is."""
     length = upstream_resp.content_length
-    if api not in _CHECKED_APIS or upstream_resp.status < 400 or length is None or length > _ERROR_BODY_LIMIT:
+    if not traits(api).checked_errors or upstream_resp.status < 400 or length is None or length > _ERROR_BODY_LIMIT:
         return None
     try:
         body = await upstream_resp.content.readexactly(length)
     except (aiohttp.ClientError, asyncio.IncompleteReadError, TimeoutError):
         return None
     status, body = as_client_error(upstream_resp.status, body)
-    return status, (as_anthropic(status, body) or body) if api in _ANTHROPIC_APIS else body
+    return status, (as_anthropic(status, body) or body) if traits(api).anthropic else body
 
 
 async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResponse, relay: _Relay) -> _Failure | None:

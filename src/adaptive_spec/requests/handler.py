@@ -17,6 +17,7 @@ from aiohttp import web
 from adaptive_spec.access.rules import with_model
 from adaptive_spec.common.headers import PROFILE_HEADER, REPLICA_HEADER, REQUEST_ID_HEADER, ROUTE_HEADER
 from adaptive_spec.kv.moves import SlotMove
+from adaptive_spec.requests.apis import traits
 from adaptive_spec.requests.app_keys import CLIENT, FRESH_CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
 from adaptive_spec.requests.compat import repaired
 from adaptive_spec.requests.error_responses import answer
@@ -26,7 +27,7 @@ from adaptive_spec.requests.heads import before_forward, served
 from adaptive_spec.requests.keepalive import PrefillKeepAlive
 from adaptive_spec.requests.lifecycle import ProxyRequest
 from adaptive_spec.requests.outcome import CLIENT_GONE, SERVED, SHUTDOWN, Outcome
-from adaptive_spec.requests.parse import GENERATING_APIS, parse_body, with_fields
+from adaptive_spec.requests.parse import parse_body, with_fields
 from adaptive_spec.requests.repeats import guard, trailing_repeat
 from adaptive_spec.requests.shapes import RequestProblem
 from adaptive_spec.routing.api import Completion, Refusal, Route, RouteRequest
@@ -39,14 +40,6 @@ from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.streams.output import LiveText
 
 log = logging.getLogger(__name__)
-# APIs whose streams llama-server can annotate with per-token timings (for the live draft progress). Its Anthropic
-# stream (/v1/messages) carries no timings at all, asked or not (llama-server b11434): only usage at the end.
-_PROGRESS_APIS = frozenset({"chat", "completions", "responses"})
-# APIs whose body llama-server passes `id_slot` on from (its Anthropic and Responses conversions rebuild the body).
-_SLOT_APIS = frozenset({"chat", "completions"})
-# APIs whose body a patched llama-server reads `speculative.*` from: a profile's per-request settings go there (its
-# Anthropic and Responses conversions carry them on).
-SPECULATION_APIS = frozenset({"chat", "completions", "completion", "responses", "messages"})
 # A body from this size on (a ~40k-token history) is parsed, grouped and routed in turns with the other streams' chunks.
 _LARGE_BODY = 128 * 1024
 
@@ -112,13 +105,13 @@ def upstream_body(req: ProxyRequest, upstream: Upstream, watched: bool) -> tuple
         return (with_model(req.body, preset) if preset is not None and req.body else req.body), False
     body, raw = req.sent if req.sent is not None else (parsed.body, req.body)
     added: dict[str, Any] = {}
-    if req.routed.api in SPECULATION_APIS:
+    if traits(req.routed.api).speculation:
         settings = upstream.speculation
         cap = req.decision.n_max if req.decision is not None else None
         if cap is not None:  # the router's draft length for this session (routing/draft_length.py)
             settings = replace(settings, n_max=cap)
         added, req.speculation = merge_fields(body, settings, by="router" if cap is not None else "profile")
-    strip = watched and parsed.stream and req.routed.api in _PROGRESS_APIS and "timings_per_token" not in body
+    strip = watched and parsed.stream and traits(req.routed.api).progress and "timings_per_token" not in body
     if strip:
         added["timings_per_token"] = True
     if req.slot is not None and "id_slot" not in body:
@@ -146,7 +139,7 @@ async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | Outcom
     except BodyTooLarge:
         message = f"request body is larger than the limit of {settings.max_body_bytes} bytes"
         return Outcome(413, message, "request_too_large")
-    if request.method == "POST" and req.routed.api in GENERATING_APIS:
+    if request.method == "POST" and traits(req.routed.api).generates:
         result = parse_body(req.routed.api, req.body)
         if isinstance(result, RequestProblem):
             return Outcome(400, result.message, result.code, result.param)
@@ -230,7 +223,7 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
         # (a whole history to index: 100 ms and more) is routed on the turns before it.
         turns, copy_share = service.copy_state(session_id)
     client_slot = parsed.body.get("id_slot")
-    takes_slot = req.routed.api in _SLOT_APIS
+    takes_slot = traits(req.routed.api).takes_slot
     body, raw = req.sent if req.sent is not None else (parsed.body, req.body)
     routed = app[ROUTER].route(
         RouteRequest(
@@ -344,7 +337,7 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
 def _keepalive(request: web.Request, req: ProxyRequest) -> PrefillKeepAlive | None:
     """Keep-alives for a streamed generating request while the server prefills (requests/keepalive.py)."""
     interval_s = request.app[SETTINGS].prefill_keepalive_s
-    if interval_s <= 0 or req.parsed is None or not req.parsed.stream or req.routed.api not in GENERATING_APIS:
+    if interval_s <= 0 or req.parsed is None or not req.parsed.stream or not traits(req.routed.api).generates:
         return None
     return PrefillKeepAlive(request, req.routed.api, interval_s, {REQUEST_ID_HEADER: req.request_id})
 
@@ -359,7 +352,7 @@ async def _forward_once(
     )
     watched = lifecycle.watched or settings.feed_content
     body, strip = upstream_body(req, chosen, watched)
-    if settings.feed_content and req.parsed is not None and req.parsed.stream and routed.api in _PROGRESS_APIS:
+    if settings.feed_content and req.parsed is not None and req.parsed.stream and traits(routed.api).progress:
         req.meter.live = LiveText()
     return await forward(
         request,

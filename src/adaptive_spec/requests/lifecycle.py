@@ -10,8 +10,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from adaptive_spec.requests.outcome import NOT_ANSWERED, Outcome
 from adaptive_spec.requests.apis import traits
+from adaptive_spec.requests.outcome import NOT_ANSWERED, Outcome
 from adaptive_spec.requests.parse import ParsedRequest, RoutedPath
 from adaptive_spec.requests.repeats import Guarded
 from adaptive_spec.routing.api import Completion, Refusal, Route

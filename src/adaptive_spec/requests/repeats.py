@@ -15,7 +15,6 @@ import orjson
 from adaptive_spec.requests.apis import traits
 
 
-
 @dataclass(frozen=True, slots=True)
 class RepeatedCall:
     """The call the history ends with, and how many times in a row it was made (each with its result)."""
