@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from adaptive_spec.routing.estimate import (
     Estimate,
@@ -32,13 +33,18 @@ from adaptive_spec.routing.estimate import (
 )
 from adaptive_spec.routing.placements import Placement
 from adaptive_spec.routing.policy import Policy
+from adaptive_spec.routing.replicas import ReplicaKind
 from adaptive_spec.routing.speeds import SpeedModel
+
+# How the profile was decided: a pin, the policy (forced, the only one allowed), the estimates (estimate, explore,
+# stay where the KV lives, held back by the load rule), or a fallback when the rules' choice cannot serve.
+DecisionKind = Literal["pinned", "forced", "only", "estimate", "explore", "stay", "load", "fallback"]
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     profile: str
-    kind: str  # pinned | forced | estimate | stay | explore | fallback | only
+    kind: DecisionKind
     reason: str
     copy_share: float  # the copyability the estimate used
     context_tokens: int  # prompt tokens, estimated from the body
@@ -52,7 +58,7 @@ class Decision:
     line_moved: bool = False  # this request starts the session's main line: the requests before it were side ones
     # Which replica of the profile (routing/replicas.py chooses it after the profile is decided).
     replica: int = 0
-    replica_kind: str = "only"  # only | stay | least-loaded | replaced | rebalanced
+    replica_kind: ReplicaKind = "only"
     replica_moved_from: int | None = None  # the session's KV lived on this other replica of the same profile
     # The draft length the router caps this request at (`speculative.n_max`; None: the profile's own setting).
     n_max: int | None = None
@@ -97,15 +103,25 @@ class _Deciding:
             return ""
         return f", drafter accepts {self.acceptance:.0%} ({self.acceptance_src})"
 
-    def decision(self, name: str, kind: str, reason: str, estimates: tuple[Estimate, ...] = ()) -> Decision:
+    def decision(
+        self,
+        name: str,
+        kind: DecisionKind,
+        reason: str,
+        estimates: tuple[Estimate, ...] = (),
+        *,
+        move_said: bool = False,
+    ) -> Decision:
+        """The decision for `name`. `move_said`: the reason already says what the session's KV costs there
+        (`move_text`); else what a move keeps or loses is added here."""
         placement = self.session.placement
         moved = placement.profile if placement is not None and placement.profile != name else None
         handoff = moved is not None and self.estimate(self.by_name[name]).handoff_s > 0
-        if moved is not None and name in self.session.same_server and "same server" not in reason:
+        if moved is not None and name in self.session.same_server and not move_said:
             reason += f"; same server as {moved}: keeps its KV cache, no handoff"
         measured = self.session.handoff_reuse.get(name)
         low = measured is not None and measured[0] < self.policy.handoff.min_reuse
-        if moved is not None and not handoff and low and measured is not None and "what they restored" not in reason:
+        if moved is not None and not handoff and low and measured is not None and not move_said:
             reason += (
                 f"; re-prefills: handoffs from {moved} reused {measured[0]:.0%} of what they restored, "
                 f"{measured[1]} measured"
@@ -254,6 +270,7 @@ def _by_estimate(c: _Deciding, allowed: list[ProfileState], usable: list[Profile
             "fallback",
             f"{best.profile}: {why}; {move_text(best, c.session, c.policy.handoff.min_reuse)}",
             estimates,
+            move_said=True,
         )
     ideal = min(everywhere.values(), key=lambda e: e.total_s) if everywhere else best
     if placement is None and ideal.profile != best.profile:  # the estimated best is down or overloaded
@@ -265,12 +282,13 @@ def _by_estimate(c: _Deciding, allowed: list[ProfileState], usable: list[Profile
         if stays is not None:
             return c.decision(here.profile, "stay", stays, estimates)
 
-    chosen, kind = best, "estimate"
+    chosen: Estimate = best
+    kind: DecisionKind = "estimate"
     if placement is None and c.request.explore_draw < c.policy.route.explore and len(estimates) > 1:
         chosen, kind = sorted(estimates, key=lambda e: e.total_s)[1], "explore"
     drafter = c.drafter_text([e.profile for e in estimates])
     reason = reason_text(chosen, estimates, copy_share, copy_src, c.session, kind, drafter, c.policy.handoff.min_reuse)
-    return c.decision(chosen.profile, kind, reason, estimates)
+    return c.decision(chosen.profile, kind, reason, estimates, move_said=True)
 
 
 def _stays(c: _Deciding, placement: Placement, here: Estimate, best: Estimate) -> str | None:

@@ -16,6 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
+
+# The one replica there is; the session's own; the least loaded (a new session, or its replica down); a session
+# re-placed (its replica down or overloaded: it re-prefills, or takes its KV along); moved off an overloaded one.
+ReplicaKind = Literal["only", "stay", "least-loaded", "replaced", "rebalanced"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +60,7 @@ class MoveCosts:
 @dataclass(frozen=True, slots=True)
 class ReplicaChoice:
     replica: int
-    kind: str  # only | stay | least-loaded | replaced | rebalanced
+    kind: ReplicaKind
     reason: str  # empty for a profile with one replica
     moved_from: int | None = None  # the session's KV lived on this other replica of the same profile
     handoff: bool = False  # save its slot there and restore it here (else it re-prefills, or had nothing)
