@@ -76,10 +76,11 @@ class ServerLoad:
             return book.busy.get(slot, 0) > mine
         return self.replica_in_flight.get(self.home(profile, replica), 0) > mine
 
-    def slot_for(self, profile: str, session_id: str | None, replica: int = 0) -> int | None:
-        """The slot to name with `id_slot`, on profiles with several slots (None: let the server choose)."""
+    def slot_for(self, profile: str, session_id: str | None, replica: int = 0, side: bool = False) -> int | None:
+        """The slot to name with `id_slot`, on profiles with several slots (None: let the server choose); a side
+        request's is not its session's."""
         book = self._books[(profile, replica)]
-        return book.pick(session_id) if book.slots > 1 else None
+        return book.pick(session_id, side) if book.slots > 1 else None
 
     def replica_states(self, profile: str, placements: Placements, count_sessions: bool = False) -> list[ReplicaState]:
         """`sessions` (placed on each replica) is counted for a pool, or when asked: a scan of the placements."""

@@ -132,8 +132,14 @@ class SlotBook:
     busy: dict[int, int] = field(default_factory=dict)
     last_used: dict[int, float] = field(default_factory=dict)
 
-    def pick(self, session_id: str | None) -> int:
+    def pick(self, session_id: str | None, side: bool = False) -> int:
+        """The session's own slot when free, else the least recently used free one. A side request (a title, a
+        commit message) goes to another slot than its session's, which keeps the session's KV."""
         mine = self.by_session.get(session_id) if session_id is not None else None
+        if side:
+            others = [s for s in range(self.slots) if s != mine]
+            free = [s for s in others if not self.busy.get(s)] or others or list(range(self.slots))
+            return min(free, key=lambda s: self.last_used.get(s, 0.0))
         if mine is not None and not self.busy.get(mine):
             return mine
         free = [s for s in range(self.slots) if not self.busy.get(s)] or list(range(self.slots))

@@ -103,6 +103,8 @@ class Router:
         for _, placement in self.placements.items():
             if self.home(placement.profile, placement.replica) == home:
                 self.placements.displace(placement.profile, placement.slot, keep=None, replica=placement.replica)
+        for key in [k for k in self.slot_prefixes if k[:2] == home]:  # what each slot served last: gone
+            self.slot_prefixes.pop(key)
 
     def states(self, replicas_of: Mapping[str, list[ReplicaState]] | None = None) -> list[ProfileState]:
         """Each profile as decide() sees it: its healthy replicas' slots together (a pool is one bigger profile).
@@ -336,7 +338,8 @@ class Router:
         if request.client_slot is not None:
             slot: int | None = request.client_slot  # the client chose; the router follows it
         else:
-            slot = self.load.slot_for(profile, request.session_id, replica) if request.takes_slot else None
+            side = decision.side
+            slot = self.load.slot_for(profile, request.session_id, replica, side) if request.takes_slot else None
         self.load.started(profile, slot, request.session_id, replica)
         route = Route(decision, slot, request.session_id, request.body_bytes, pieces=pieces, has_tools=has_tools)
         if decision.handoff and request.session_id is not None:
@@ -374,7 +377,7 @@ class Router:
             self.placements,
             profile,
             slot,
-            session_id,
+            None if decision.side and slot is not None else session_id,  # a side slot is not the session's
             decision.copy_share,
             timings,
             route.body_bytes,
