@@ -1,37 +1,26 @@
-"""Warm starts on a REAL llama-server (tiny model, one slot): a session's first turn leaves a head in the store, a
-new session's first turn gets it restored into its slot (`cache_n` says so), and so does the first turn after the
-proxy is rebuilt from the same state (a restart); the sweep of left-over slot files leaves heads alone."""
+"""Warm starts on a REAL llama-server (tiny model, one slot, no RAM prompt cache, unless said): a session's first
+turn leaves a head in the store, a new session's first turn gets it restored into its slot (`cache_n` says so), and
+so does the first turn after the proxy is rebuilt from the same state (a restart); a head of another build is not
+restored; the bound evicts the least recently used head; the sweep of left-over slot files leaves heads alone; side
+requests on a server of two slots leave the session's slot alone; and on the real 0.5B greedy output is the same
+restored as cold."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import stat
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
 import pytest_asyncio
-from aiohttp.test_utils import TestServer
 
-from adaptive_spec.common.headers import REQUEST_ID_HEADER
-from adaptive_spec.kv.heads.store import HeadsConfig, HeadStore
 from adaptive_spec.requests.app_keys import KV
-from adaptive_spec.requests.heads import HEADS
-from adaptive_spec.server.app import KvSetup, ProxySettings, build_app
-from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
-from adaptive_spec.sessions.drafter import NgramParams
-from adaptive_spec.sessions.service import SessionService
-from adaptive_spec.sessions.statistics import ContextTracker
-from tests.support.servers import LlamaServer, free_port
+from tests.support.heads import SYSTEM, chat, erase, start_proxy, store_of
+from tests.support.servers import LlamaServer
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
-
-SYSTEM = "You are a coding agent. Rules:\n" + "\n".join(
-    f"{i}. Keep function_{i} small, typed and tested; never edit file_{i}.py without reading it." for i in range(40)
-)
 
 
 @pytest.fixture(scope="module")
@@ -41,30 +30,10 @@ def server(
     home = tmp_path_factory.mktemp("heads")
     slots = home / "slots"
     slots.mkdir()
-    llama = LlamaServer(
-        llama_server_binary,
-        tiny_gguf,
-        "-c",
-        "8192",
-        "--parallel",
-        "1",
-        "--spec-type",
-        "none",
-        "--slot-save-path",
-        str(slots),
-        log_dir=home,
-    )
+    args = ("-c", "8192", "--parallel", "1", "--cache-ram", "0", "--spec-type", "none", "--slot-save-path", str(slots))
+    llama = LlamaServer(llama_server_binary, tiny_gguf, *args, log_dir=home)
     yield llama, home
     llama.stop()
-
-
-async def _proxy(llama: LlamaServer, home: Path, max_bytes: int = 2**31) -> TestServer:
-    kv = KvSetup(slot_dir=home / "slots", heads=HeadsConfig(home / "state" / "heads", max_bytes))
-    sessions = SessionService(ContextTracker(NgramParams()), None)
-    app = build_app(UpstreamTable([Upstream("p", llama.url)]), ProxySettings(), sessions, kv=kv)
-    proxy = TestServer(app, port=free_port())
-    await proxy.start_server()
-    return proxy
 
 
 @pytest_asyncio.fixture(loop_scope="function")
@@ -73,72 +42,73 @@ async def client() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-async def _chat(client: aiohttp.ClientSession, proxy: TestServer, session: str, user: str) -> dict[str, Any]:
-    body = {
-        "model": "m",
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
-        "max_tokens": 4,
-        "temperature": 0,
-    }
-    async with client.post(proxy.make_url("/v1/chat/completions"), json=body, headers={"x-session-id": session}) as r:
-        assert r.status == 200, await r.text()
-        answer: dict[str, Any] = await r.json()
-        request_id = r.headers[REQUEST_ID_HEADER]
-    for _ in range(200):  # the record is kept just after the answer's last byte
-        async with client.get(proxy.make_url("/adaptive/requests")) as r:
-            records = [x for x in (await r.json())["requests"] if x["request_id"] == request_id]
-        if records:
-            return {"timings": answer["timings"], "record": records[0]}
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"no record of request {request_id}")
-
-
-async def _erase(client: aiohttp.ClientSession, llama: LlamaServer) -> None:
-    """Another session took the slot: it holds nothing of the head."""
-    async with client.post(f"{llama.url}/slots/0?action=erase") as r:
-        assert r.status == 200
-
-
-def _store(proxy: TestServer) -> HeadStore:
-    return proxy.app[HEADS]
+def _head_files(home: Path, heads: str = "heads") -> list[Path]:
+    return sorted((home / heads).glob("*.head"))
 
 
 async def test_a_head_is_saved_and_restored_into_a_new_session_and_after_a_restart(
     server: tuple[LlamaServer, Path], client: aiohttp.ClientSession
 ) -> None:
     llama, home = server
-    proxy = await _proxy(llama, home)
+    proxy = await start_proxy(llama.url, home / "slots", home / "heads")
     try:
-        cold = await _chat(client, proxy, "first", "Write hello.py.")
+        cold = await chat(client, proxy, "first", "Write hello.py.")
         assert cold["timings"]["cache_n"] < 10
-        await _store(proxy).settled()
-        heads = _store(proxy).describe()["heads"]
-        assert len(heads) == 1, _store(proxy).describe()
+        await store_of(proxy).settled()
+        heads = store_of(proxy).describe()["heads"]
+        assert len(heads) == 1, store_of(proxy).describe()
         head_tokens = heads[0]["tokens"]
         assert head_tokens >= 256
-        files = list((home / "state" / "heads").glob("*.head"))
+        files = _head_files(home)
         assert len(files) == 1 and stat.S_IMODE(files[0].stat().st_mode) == 0o600
         assert list((home / "slots").iterdir()) == []  # nothing left where llama-server (and the sweeps) look
 
         # A new session, same system prompt, another first message: its slot was taken meanwhile.
-        await _erase(client, llama)
-        warm = await _chat(client, proxy, "second", "Write bye.py.")
+        await erase(client, proxy)
+        warm = await chat(client, proxy, "second", "Write bye.py.")
         assert "warm: head of" in warm["record"]["reason"], warm["record"]
         assert warm["timings"]["cache_n"] > head_tokens // 2, warm
-        assert _store(proxy).describe()["counts"]["restored"] == 1
+        assert store_of(proxy).describe()["counts"]["restored"] == 1
+        # The router's estimate of what is prefilled counts the restore.
+        assert warm["record"]["new_tokens_est"] < cold["record"]["new_tokens_est"] // 2, (warm, cold)
+        async with client.get(proxy.make_url("/metrics")) as r:
+            assert 'adaptive_spec_heads_total{outcome="restored"} 1.0' in await r.text()
     finally:
         await proxy.close()
 
     # The proxy restarts (a new app on the same state directory): the head is found again and restored whole.
-    await _erase(client, llama)
-    proxy = await _proxy(llama, home)
+    proxy = await start_proxy(llama.url, home / "slots", home / "heads")
     try:
-        again = await _chat(client, proxy, "third", "Write hello.py.")
+        await erase(client, proxy)
+        again = await chat(client, proxy, "third", "Write hello.py.")
         assert "warm: head of" in again["record"]["reason"], again["record"]
         assert again["timings"]["cache_n"] >= head_tokens - 1, again
+        assert again["text"] == cold["text"]
         async with client.get(proxy.make_url("/adaptive/heads")) as r:
             listed = await r.json()
         assert listed["enabled"] and listed["heads"][0]["restores"] == 2 and listed["heads"][0]["tokens"] == head_tokens
+    finally:
+        await proxy.close()
+
+
+async def test_a_head_of_another_build_is_never_restored(
+    server: tuple[LlamaServer, Path], client: aiohttp.ClientSession
+) -> None:
+    llama, home = server
+    proxy = await start_proxy(llama.url, home / "slots", home / "heads-build", build="/opt/a/llama-server:1:1")
+    try:
+        await chat(client, proxy, "build-a", "Write hello.py.")
+        await store_of(proxy).settled()
+        assert len(store_of(proxy).describe()["heads"]) == 1
+    finally:
+        await proxy.close()
+    proxy = await start_proxy(llama.url, home / "slots", home / "heads-build", build="/opt/b/llama-server:2:2")
+    try:
+        await erase(client, proxy)
+        other = await chat(client, proxy, "build-b", "Write hello.py.")
+        assert "warm:" not in other["record"]["reason"] and other["timings"]["cache_n"] < 10, other
+        await store_of(proxy).settled()
+        assert len(store_of(proxy).describe()["heads"]) == 2  # one per build: each restores on its own only
     finally:
         await proxy.close()
 
@@ -147,19 +117,19 @@ async def test_sweeps_leave_heads_alone_and_delete_removes_them(
     server: tuple[LlamaServer, Path], client: aiohttp.ClientSession
 ) -> None:
     llama, home = server
-    proxy = await _proxy(llama, home)
+    proxy = await start_proxy(llama.url, home / "slots", home / "heads-sweep")
     try:
-        await _chat(client, proxy, "sweep-1", "Explain the rules.")
-        await _store(proxy).settled()
-        files = list((home / "state" / "heads").iterdir())
+        await chat(client, proxy, "sweep-1", "Explain the rules.")
+        await store_of(proxy).settled()
+        files = sorted((home / "heads-sweep").iterdir())
         assert files
         for path in files:  # as old as any left-over slot file the sweep removes
             os.utime(path, (1.0, 1.0))
         proxy.app[KV].sweep()
-        assert sorted((home / "state" / "heads").iterdir()) == sorted(files)
+        assert sorted((home / "heads-sweep").iterdir()) == files
         async with client.delete(proxy.make_url("/adaptive/heads")) as r:
             assert r.status == 200 and (await r.json())["removed"] >= 1
-        assert list((home / "state" / "heads").glob("*.head")) == []
+        assert _head_files(home, "heads-sweep") == []
         async with client.delete(proxy.make_url("/adaptive/heads/nosuchhead")) as r:
             assert r.status == 404
     finally:
@@ -170,12 +140,79 @@ async def test_the_bound_evicts_the_least_recently_used_head(
     server: tuple[LlamaServer, Path], client: aiohttp.ClientSession
 ) -> None:
     llama, home = server
-    proxy = await _proxy(llama, home, max_bytes=1)  # smaller than any head: each save is evicted at once
-    try:
-        await _chat(client, proxy, "tiny-store", "Summarise the rules in one line.")
-        await _store(proxy).settled()
-        described = _store(proxy).describe()
-        assert described["heads"] == [] and described["counts"]["evicted"] >= 1, described
-        assert list((home / "state" / "heads").glob("*.head")) == []
+    proxy = await start_proxy(llama.url, home / "slots", home / "heads-lru")
+    try:  # one head's size first, to set a bound that holds one and a half
+        await chat(client, proxy, "lru-0", "Summarise the rules in one line.")
+        await store_of(proxy).settled()
+        one = store_of(proxy).describe()["bytes"]
     finally:
         await proxy.close()
+    proxy = await start_proxy(llama.url, home / "slots", home / "heads-lru", max_bytes=one * 3 // 2)
+    try:
+        other_system = SYSTEM.replace("Rules:", "House rules:")  # another head from the first piece on
+        await chat(client, proxy, "lru-1", "Summarise the rules in one line.", system=other_system)
+        await store_of(proxy).settled()
+        described = store_of(proxy).describe()
+        assert len(described["heads"]) == 1 and described["counts"]["evicted"] == 1, described
+        assert described["bytes"] <= one * 3 // 2 and len(_head_files(home, "heads-lru")) == 1
+        await erase(client, proxy)
+        gone = await chat(client, proxy, "lru-2", "Summarise the rules in one line.")  # the evicted head's prompt
+        assert "warm:" not in gone["record"]["reason"] and gone["timings"]["cache_n"] < 10, gone
+    finally:
+        await proxy.close()
+
+
+async def test_side_requests_go_to_another_slot_than_their_session(
+    llama_server_binary: str, tiny_gguf: Path, tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    """Two slots and no RAM prompt cache: the session's second turn finds its first still in its slot."""
+    args = (
+        "-c",
+        "16384",
+        "--parallel",
+        "2",
+        "--cache-ram",
+        "0",
+        "--spec-type",
+        "none",
+        "--slot-save-path",
+        str(tmp_path),
+    )
+    llama = LlamaServer(llama_server_binary, tiny_gguf, *args, log_dir=tmp_path)
+    proxy = await start_proxy(llama.url, tmp_path, tmp_path / "heads")
+    try:
+        first = await chat(client, proxy, "main", "Write hello.py.")
+        title = await chat(client, proxy, "main", "Write hello.py.", system="Write a title for this.", max_tokens=2)
+        assert title["record"]["side"], title["record"]
+        body_tokens = first["timings"]["prompt_n"] + first["timings"]["cache_n"]
+        second = await chat(client, proxy, "main", "Write hello.py. Then bye.py.")
+        assert second["timings"]["cache_n"] >= body_tokens - 16, (first["timings"], second["timings"])
+    finally:
+        await proxy.close()
+        llama.stop()
+
+
+async def test_greedy_output_is_the_same_restored_and_cold_on_the_real_model(
+    llama_server_binary: str, qwen_gguf: Path, tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    """The cold run prefills in the same split as the restored one (the head's turn, then the new prompt from where
+    it differs): batch splits can change CPU results, the restore must not."""
+    args = ("-c", "4096", "--parallel", "1", "-t", "1", "--cache-ram", "0", "--spec-type", "none")
+    llama = LlamaServer(llama_server_binary, qwen_gguf, *args, "--slot-save-path", str(tmp_path), log_dir=tmp_path)
+    proxy = await start_proxy(llama.url, tmp_path, tmp_path / "heads")
+    try:
+        head_turn = await chat(client, proxy, "a", "Write hello.py.", max_tokens=8)
+        await store_of(proxy).settled()
+        (head,) = (h["id"] for h in store_of(proxy).describe()["heads"])
+        cold = await chat(client, proxy, "b", "Write a function that adds two numbers.", max_tokens=24)
+        assert "warm:" not in cold["record"]["reason"]  # the slot held the head's turn itself: nothing to restore
+        await store_of(proxy).settled()
+        store_of(proxy).delete(next(h["id"] for h in store_of(proxy).describe()["heads"] if h["id"] != head))
+        await erase(client, proxy)
+        warm = await chat(client, proxy, "c", "Write a function that adds two numbers.", max_tokens=24)
+        assert "warm: head of" in warm["record"]["reason"], warm["record"]
+        assert warm["timings"]["cache_n"] == cold["timings"]["cache_n"], (cold["timings"], warm["timings"])
+        assert warm["text"] == cold["text"] and head_turn["text"]
+    finally:
+        await proxy.close()
+        llama.stop()

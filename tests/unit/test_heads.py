@@ -46,6 +46,9 @@ def test_a_new_prompt_finds_the_longest_stored_prefix_without_its_text() -> None
         ServerKey("/models/qwen.gguf", 1, 8192, "t1"),  # the same path, another file
         ServerKey("/models/qwen.gguf", 491_400_064, 4096, "t1"),  # another context
         ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t2"),  # another chat template
+        ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t1", model_sample="rewritten"),  # the file re-made
+        ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t1", build="/opt/llama-server:2:3|b0-unknown"),  # build
+        ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t1", kv_type="q8_0"),  # another KV cache type
     ],
 )
 def test_a_head_of_another_model_context_or_template_is_never_matched(other: ServerKey) -> None:
@@ -80,11 +83,24 @@ async def test_an_inert_restore_is_learned_and_not_tried_again_on_that_server(tm
     async with aiohttp.ClientSession() as client:
         store = HeadStore(HeadsConfig(tmp_path / "heads"), tmp_path / "slots", lambda: client)
         upstream = Upstream("p", "http://127.0.0.1:9")  # nothing listens: any HTTP would fail the restore loudly
-        restored = Restored("abc", upstream.base_url, tokens=7000, restore_ms=20.0)
+        restored = Restored("abc", upstream.base_url, tokens=7000, restore_ms=20.0, forwards=0)
+        store.forwarded(upstream)  # the request the head was restored for, and no other
         store.served(upstream, 0, [], [], 0, 10, restored, "opencode", "default")  # the server reported cache_n 0
         assert store.describe()["inert_servers"] == [upstream.base_url] and store.counts["inert"] == 1
         assert await store.restore(upstream, 0, PIECES, 0, 1.0) is None
         assert store.counts["failed"] == 0  # refused before asking the server anything
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_a_restore_whose_slot_another_request_took_is_not_judged_inert(tmp_path: Path) -> None:
+    async with aiohttp.ClientSession() as client:
+        store = HeadStore(HeadsConfig(tmp_path / "heads"), tmp_path / "slots", lambda: client)
+        upstream = Upstream("p", "http://127.0.0.1:9")
+        restored = Restored("abc", upstream.base_url, tokens=7000, restore_ms=20.0, forwards=0)
+        store.forwarded(upstream)  # another session's request took the slot after the restore
+        store.forwarded(upstream)  # then the request the head was restored for: it re-prefilled
+        store.served(upstream, 0, [], [], 0, 10, restored, "opencode", "default")
+        assert store.describe()["inert_servers"] == [] and store.counts == {**store.counts, "inert": 0, "taken": 1}
 
 
 def test_an_unusable_heads_directory_costs_the_warm_starts_not_the_proxy(tmp_path: Path) -> None:
@@ -96,3 +112,15 @@ def test_an_unusable_heads_directory_costs_the_warm_starts_not_the_proxy(tmp_pat
     kv = KvSetup(slot_dir=tmp_path, heads=HeadsConfig(tmp_path / "not-a-dir" / "heads"))
     app = build_app(UpstreamTable([Upstream("p", "http://127.0.0.1:9")]), ProxySettings(), kv=kv)
     assert app.get(HEADS) is None
+
+
+def test_the_heads_policy_keys_load_and_a_misspelt_one_names_file_key_and_line() -> None:
+    from adaptive_spec.routing.policy import PolicyError, load_policy
+
+    policy = load_policy([("p.toml", "[heads]\nenabled = false\nmin_tokens = 1024\n")])
+    assert (policy.heads.enabled, policy.heads.min_tokens) == (False, 1024)
+    with pytest.raises(PolicyError) as caught:
+        load_policy([("p.toml", "[heads]\nenabled = true\nmin_tokns = 3\nmin_tokens = -1\n")])
+    problems = str(caught.value)
+    assert "p.toml:heads.min_tokns:3:" in problems and "min_tokens" in problems.split("\n")[0]
+    assert "p.toml:heads.min_tokens:4:" in problems

@@ -164,7 +164,7 @@ def test_every_number_without_a_declared_range_is_a_boolean_or_not_a_number() ->
             "a.toml:route.zzz:2: unknown key (keys: profiles, force, hysteresis, min_dwell_turns, explore, max_queue, "
             "hold_beside_plain, adapt_draft_length, speculate_max_busy)",
         ),
-        ("[zzz]\n", "a.toml:zzz:1: unknown table (tables: route, first_turn, estimator, handoff, agents)"),
+        ("[zzz]\n", "a.toml:zzz:1: unknown table (tables: route, first_turn, estimator, handoff, agents, heads)"),
         ("route = 3\n", "a.toml:route:1: expected a table [route], got integer 3"),
         ("[route]\nhysteresis = 1.5\n", "a.toml:route.hysteresis:2: must be between 0 and 1, got 1.5"),
         ("[route]\nexplore = -0.1\n", "a.toml:route.explore:2: must be between 0 and 0.5, got -0.1"),
@@ -221,7 +221,7 @@ def test_load_policy_raises_with_the_problems_of_all_files() -> None:
         load_policy([("a.toml", "[route]\nexplore = 1\n"), ("b.toml", "[x]\n")])
     assert str(caught.value) == (
         "a.toml:route.explore:2: must be between 0 and 0.5, got 1\nb.toml:x:1: unknown table (tables: route, "
-        "first_turn, estimator, handoff, agents)"
+        "first_turn, estimator, handoff, agents, heads)"
     )
     assert [p.file for p in caught.value.problems] == ["a.toml", "b.toml"]
     assert isinstance(caught.value, ValueError) and isinstance(caught.value, ConfigError)

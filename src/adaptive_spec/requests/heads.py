@@ -1,18 +1,24 @@
-"""The request path's two calls into the head store (`kv/heads/`): before forwarding a session's first request,
-restore a stored head into its slot when that pays (the route's reason says so); after serving it, hand its timings
-back (an inert restore is learned, a new head saved in the background). Also `GET`/`DELETE /adaptive/heads`."""
+"""The request path's calls into the head store (`kv/heads/`): before forwarding a session's first request, restore a
+stored head into its slot when that pays (the route's reason and its new-token estimate say so); after serving it,
+hand its timings back (an inert restore is learned, a new head saved in the background). Servers that start or come
+back after a restart get their most recent heads back (`watch_servers`). Also `GET`/`DELETE /adaptive/heads`."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from aiohttp import web
 
-from adaptive_spec.kv.heads.store import HeadStore
-from adaptive_spec.requests.app_keys import ROUTER
+from adaptive_spec.kv.heads.store import HeadStore, Restored
+from adaptive_spec.requests.app_keys import BUS, ROUTER, UPSTREAMS
 from adaptive_spec.requests.lifecycle import ProxyRequest
+from adaptive_spec.routing.decide import Decision
+from adaptive_spec.routing.policy import HeadsPolicy
+from adaptive_spec.servers.launcher import RESTART_ON_REQUEST
 from adaptive_spec.servers.upstreams import Upstream
+from adaptive_spec.telemetry.events import Event, ProfileDown, ProfileUp
 
 HEADS = web.AppKey("heads", HeadStore)
 log = logging.getLogger(__name__)
@@ -24,6 +30,9 @@ async def before_forward(app: web.Application, req: ProxyRequest, chosen: Upstre
         await _before_forward(app, req, chosen)
     except Exception:  # the store's own failures are caught inside it; this is the last guard of the request
         log.exception("heads: request %s goes on without a warm start", req.request_id)
+    store = app.get(HEADS)
+    if store is not None:
+        store.forwarded(chosen)
 
 
 def served(app: web.Application, req: ProxyRequest, chosen: Upstream) -> None:
@@ -33,11 +42,15 @@ def served(app: web.Application, req: ProxyRequest, chosen: Upstream) -> None:
         log.exception("heads: request %s: its head is not kept", req.request_id)
 
 
+def _policy(app: web.Application, req: ProxyRequest) -> HeadsPolicy:
+    return app[ROUTER].policies.policy_for(req.project, req.workspace).heads
+
+
 async def _before_forward(app: web.Application, req: ProxyRequest, chosen: Upstream) -> None:
     store, route = app.get(HEADS), req.route
     if store is None or route is None or req.assignment is None or route.decision.side or not route.pieces:
         return
-    if not store.first_request(req.assignment.session_id):
+    if not store.first_request(req.assignment.session_id) or not _policy(app, req).enabled:
         return
     decision = route.decision
     slot_tokens = decision.context_tokens - decision.new_tokens if decision.new_tokens is not None else 0
@@ -46,7 +59,15 @@ async def _before_forward(app: web.Application, req: ProxyRequest, chosen: Upstr
     restored = await store.restore(chosen, route.slot, pieces, slot_tokens, prefill_s_per_token)
     store.begin(req.request_id, restored)
     if restored is not None:
-        req.route = replace(route, decision=replace(decision, reason=f"{decision.reason}; {restored.reason()}"))
+        req.route = replace(route, decision=_warm_decision(decision, restored))
+
+
+def _warm_decision(decision: Decision, restored: Restored) -> Decision:
+    """The route's reason says what was restored, and its new-token estimate leaves out what the head holds."""
+    new_tokens = decision.new_tokens
+    if new_tokens is not None:
+        new_tokens = max(1, min(new_tokens, decision.context_tokens - restored.tokens))
+    return replace(decision, reason=f"{decision.reason}; {restored.reason()}", new_tokens=new_tokens)
 
 
 def _served(app: web.Application, req: ProxyRequest, chosen: Upstream) -> None:
@@ -54,19 +75,66 @@ def _served(app: web.Application, req: ProxyRequest, chosen: Upstream) -> None:
     if store is None or route is None:
         return
     first, restored = store.end(req.request_id)
-    if not first or timings is None or req.outcome.status != 200 or timings.from_usage:
+    if not first or timings is None or req.outcome.status != 200:
+        return
+    policy = _policy(app, req)
+    if not policy.enabled:
         return
     store.served(
         chosen,
         route.slot,
         [p.digest for p in route.pieces],
         [p.chars for p in route.pieces],
-        timings.cache_n,
+        None if timings.from_usage else timings.cache_n,  # usage may leave cached tokens out: no judging on it
         timings.prompt_n + timings.cache_n,
         restored,
         req.client,
         req.project,
+        policy.min_tokens,
     )
+
+
+def watch_servers(app: web.Application) -> None:
+    """Warm starts when the proxy starts (every server it serves) and when a server comes back up (a restart)."""
+
+    async def at_start(app: web.Application) -> AsyncIterator[None]:
+        store = app.get(HEADS)
+        if store is not None:
+            for upstream in _one_per_server(app):
+                store.warm_start(upstream, "at start")
+        yield
+
+    emptied: set[tuple[str, int]] = set()  # restarts asked for to empty the server: no head goes back into it
+
+    def on_event(event: Event) -> None:
+        store = app.get(HEADS)
+        if store is None or not isinstance(event, ProfileUp | ProfileDown):
+            return
+        upstream, which = app[UPSTREAMS].get(event.profile, event.replica), (event.profile, event.replica)
+        if upstream is None:
+            return
+        if isinstance(event, ProfileDown):
+            store.server_down(upstream)
+            if event.reason == RESTART_ON_REQUEST:
+                emptied.add(which)
+        elif upstream in _one_per_server(app):
+
+            def erased() -> None:  # a restarted server holds no session's KV: the router must not count on it
+                app[ROUTER].slots_erased(*which)
+
+            store.warm_start(upstream, "after a restart", erased, restore=which not in emptied)
+            emptied.discard(which)
+
+    app.cleanup_ctx.append(at_start)
+    app[BUS].listen(on_event)
+
+
+def _one_per_server(app: web.Application) -> list[Upstream]:
+    """One upstream for each llama-server (profiles that are settings of one server share its slots)."""
+    seen: dict[str, Upstream] = {}
+    for upstream in app[UPSTREAMS].all():
+        seen.setdefault(upstream.base_url, upstream)
+    return list(seen.values())
 
 
 async def _heads_view(request: web.Request) -> web.Response:

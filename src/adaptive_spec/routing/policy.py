@@ -138,6 +138,16 @@ class AgentsPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class HeadsPolicy:
+    """Warm starts (kv/heads/): whether a project's sessions keep and get agents' heads from the store."""
+
+    enabled: bool = _key(True, "keep this project's first turns as heads and restore them into new sessions")
+    min_tokens: int = _key(
+        256, "a first turn of fewer prompt tokens is not kept (it prefills in well under a second)", 0
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class Policy:
     """The effective policy: built-in defaults with the overlays of `sources` applied in order."""
 
@@ -146,6 +156,7 @@ class Policy:
     estimator: EstimatorPolicy = field(default_factory=EstimatorPolicy)
     handoff: HandoffPolicy = field(default_factory=HandoffPolicy)
     agents: AgentsPolicy = field(default_factory=AgentsPolicy)
+    heads: HeadsPolicy = field(default_factory=HeadsPolicy)
     sources: tuple[str, ...] = ()  # files this policy was built from, in order (empty = built-in defaults)
 
 
@@ -155,6 +166,7 @@ TABLES: dict[str, type[Any]] = {
     "estimator": EstimatorPolicy,
     "handoff": HandoffPolicy,
     "agents": AgentsPolicy,
+    "heads": HeadsPolicy,
 }
 Overlay = dict[str, dict[str, Any]]
 # dotted key → its valid range, from the declarations

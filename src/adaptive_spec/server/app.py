@@ -38,7 +38,7 @@ from adaptive_spec.requests.app_keys import (
 )
 from adaptive_spec.requests.gate import install_security
 from adaptive_spec.requests.handler import proxy_view
-from adaptive_spec.requests.heads import HEADS, add_heads_views
+from adaptive_spec.requests.heads import HEADS, add_heads_views, watch_servers
 from adaptive_spec.requests.lifecycle import RequestLifecycle
 from adaptive_spec.routing.api import FixedPolicy, PolicySource
 from adaptive_spec.routing.draft_length import capped_profiles
@@ -69,18 +69,20 @@ class KvSetup:
     remote: RemotePrefill | None = None
     link_bytes_per_s: float | None = None  # the start-up probe of the relays' slowest link
     heads: HeadsConfig | None = None  # warm starts: the head store (kv/heads/), with a slot directory only
+    say: Callable[[str], None] | None = None  # where the store tells the user what a warm start restored
 
 
 def _add_heads(app: web.Application, kv: KvSetup) -> None:
     """Warm starts (kv/heads/): the store where there is a slot directory to restore from."""
     if kv.heads is not None and kv.slot_dir is not None:
         try:
-            store = HeadStore(kv.heads, kv.slot_dir, lambda: app[CLIENT])
+            store = HeadStore(kv.heads, kv.slot_dir, lambda: app[CLIENT], kv.say or log.info)
         except (OSError, ValueError) as exc:  # an unusable directory costs the warm starts, not the proxy
             log.warning("heads: off: %s", exc)
             add_heads_views(app)
             return
         app[HEADS] = store
+        app[METRICS].watch_heads(lambda: store.counts)
 
         async def close(_: web.Application) -> None:
             await store.close()
@@ -146,6 +148,7 @@ def build_app(
     app.cleanup_ctx.append(_policy_refresher)
     app.cleanup_ctx.append(_replica_watch)
     app.cleanup_ctx.append(_health_poll)
+    watch_servers(app)  # warm starts at start and after a restart: once the client above exists
     app.on_shutdown.append(_close_feeds)
     app.on_shutdown.append(_drain)
     add_views(app, proxy_view)

@@ -14,6 +14,7 @@ from aiohttp import web
 from adaptive_spec.kv.slots import SlotError, slot_action
 from adaptive_spec.requests.app_keys import CLIENT, ROUTER, UPSTREAMS
 from adaptive_spec.requests.error_responses import error_response
+from adaptive_spec.requests.heads import HEADS
 from adaptive_spec.servers.upstreams import Upstream
 
 _ERASE_TIMEOUT_S = 30.0
@@ -69,4 +70,6 @@ async def _erase_replica(request: web.Request, upstream: Upstream) -> web.Respon
     finally:
         # Whatever was reached is empty now; a half-erased server holds nothing reliable.
         router.slots_erased(upstream.name, upstream.replica)
+        if (heads := request.app.get(HEADS)) is not None:
+            heads.emptied(upstream)
     return None

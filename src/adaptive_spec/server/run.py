@@ -22,6 +22,7 @@ from adaptive_spec.access.options import describe_access
 from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.common.dirs import state_dir
 from adaptive_spec.errors import ConfigError, LaunchError, ProfileMismatchError
+from adaptive_spec.kv.heads.options import launched_heads
 from adaptive_spec.kv.heads.store import HeadsConfig
 from adaptive_spec.kv.relay_mover import RelayMoverPlan, start_relay_mover
 from adaptive_spec.kv.remote_prefill import RemotePrefillPlan, start_remote_prefill
@@ -365,11 +366,14 @@ async def _kv_setup(
         remote = await start_remote_prefill(plan.remote_prefill, client, model_path, slot_dir, say)
     heads = None
     if plan.heads is not None and slot_dir is not None:
-        heads = HeadsConfig(plan.heads.directory or state_dir() / "heads", plan.heads.max_bytes)
+        launch = plan.launch
+        binary, extra = (launch.binary, launch.settings.extra_args) if launch is not None else (None, ())
+        heads = launched_heads(plan.heads, state_dir() / "heads", binary, extra)
         say(f"heads: {heads.directory} (at most {heads.max_bytes / 1024**3:g} GiB, least recently used go first)")
+        say("heads: the most recent are restored into a fresh server's idle slots, at start and after a restart")
     elif plan.heads is not None:
         say("heads: off (no slot directory to restore from)")
-    return KvSetup(slot_dir, mover, remote, link, heads)
+    return KvSetup(slot_dir, mover, remote, link, heads, say=say)
 
 
 async def _until_stopped(work: Coroutine[Any, Any, None], stop: asyncio.Event) -> bool:

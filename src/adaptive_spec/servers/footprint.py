@@ -48,7 +48,8 @@ def device_report(stated_mib: int | None = None, query: Query = nvidia_smi) -> D
         return None
 
 
-def _kv_type(extra_args: Sequence[str]) -> str:
+def cache_type_k(extra_args: Sequence[str]) -> str:
+    """The K cache type a server is launched with (`-ctk`), f16 when not named."""
     args = list(extra_args)
     for flag in ("-ctk", "--cache-type-k"):
         if flag in args[:-1]:
@@ -66,7 +67,7 @@ def server_plans(specs: Sequence[ProfileSpec], settings: ServerSettings) -> list
         drafter = model_dims(Path(settings.draft.path)) if settings.draft and settings.draft.path else None
     except ModelError:
         return None
-    kv_type = _kv_type(settings.extra_args)
+    kv_type = cache_type_k(settings.extra_args)
     return [
         ServerPlan(
             spec.name,

@@ -33,6 +33,8 @@ from adaptive_spec.servers.profiles import ProfileSpec, ServerSettings, server_a
 
 Say = Callable[[str], None]
 _PR_SET_PDEATHSIG = 1
+# The reason a profile is down while `POST /adaptive/profiles/{name}/restart` restarts it: it comes back empty.
+RESTART_ON_REQUEST = "restarting on request"
 
 
 def find_llama_server(explicit: str | None) -> str:
@@ -336,7 +338,7 @@ class Launcher:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
-        self._on_down(name, "restarting on request")
+        self._on_down(name, RESTART_ON_REQUEST)
         await child.stop()
         await child.spawn()
         try:

@@ -243,22 +243,30 @@ class ProxyMetrics:
 
     def watch_session_updates(self, counts: Callable[[], Mapping[str, int]]) -> None:
         """Count the session statistics updates (processed, coalesced, dropped) from their owner, read at scrape."""
-        self.registry.register(_UpdateCounts(counts))
+        self.registry.register(
+            _Counts("adaptive_spec_session_updates", "Session statistics updates by outcome", "outcome", counts)
+        )
+
+    def watch_heads(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """The head store's operations (saved, restored, warm_started, failed, ...), read from it at scrape."""
+        self.registry.register(
+            _Counts("adaptive_spec_heads", "Warm starts: the head store's operations by outcome", "outcome", counts)
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class _UpdateCounts(Collector):
-    def __init__(self, counts: Callable[[], Mapping[str, int]]) -> None:
-        self._counts = counts
+class _Counts(Collector):
+    """Counters owned elsewhere (a service's own dict of counts), one series per label value, read at scrape."""
+
+    def __init__(self, name: str, doc: str, label: str, counts: Callable[[], Mapping[str, int]]) -> None:
+        self._name, self._doc, self._label, self._counts = name, doc, label, counts
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily(
-            "adaptive_spec_session_updates", "Session statistics updates by outcome", labels=["outcome"]
-        )
-        for outcome, count in self._counts().items():
-            family.add_metric([outcome], count)
+        family = CounterMetricFamily(self._name, self._doc, labels=[self._label])
+        for value, count in self._counts().items():
+            family.add_metric([value], count)
         yield family
 
 

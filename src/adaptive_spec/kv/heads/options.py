@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from adaptive_spec.errors import ConfigError
 from adaptive_spec.kv.heads.plan import DEFAULT_MAX_BYTES
 from adaptive_spec.kv.heads.store import HeadsConfig
+from adaptive_spec.servers.cpu_faults import build_identity
+from adaptive_spec.servers.footprint import cache_type_k
 
 
 def add_heads_arguments(serve: argparse.ArgumentParser) -> None:
@@ -36,3 +40,19 @@ def heads_config(args: argparse.Namespace) -> HeadsConfig | None:
         raise ConfigError(f"--heads-max-gb {args.heads_max_gb}: must be above 0")
     directory = args.heads_dir.expanduser() if args.heads_dir is not None else None  # None: the state directory's
     return HeadsConfig(directory, int(args.heads_max_gb * 1024**3))
+
+
+def launched_heads(
+    config: HeadsConfig, default_dir: Path, binary: str | None, extra_args: Sequence[str] = ()
+) -> HeadsConfig:
+    """The store's config for this run: its directory resolved, and what `serve` knows of the servers it launches
+    (the binary's identity, the KV cache type) for the key a head is valid under. Attached servers (`binary` None)
+    are known by what they report."""
+    if binary is None:
+        return replace(config, directory=config.directory or default_dir)
+    return replace(
+        config,
+        directory=config.directory or default_dir,
+        build=build_identity(binary),
+        kv_type=cache_type_k(extra_args),
+    )

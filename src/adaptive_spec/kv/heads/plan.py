@@ -19,17 +19,26 @@ INERT_SHARE = 0.5  # a restore whose next prompt reused less than this share of 
 
 @dataclass(frozen=True, slots=True)
 class ServerKey:
-    """What a slot file's KV depends on, as a server reports it: the model file (path and size), the slot's
-    context and the chat template (a digest of it). Two servers with equal keys can restore each other's heads."""
+    """What a slot file's KV depends on: the model file (path, size and `model_sample`, a digest of its modification
+    time and its first and last MiB: a stable identity without reading the whole file), the slot's context, the chat
+    template (a digest of it), the build that wrote it (the binary's identity where `serve` launched it, and the
+    server's own build_info) and the KV cache type. Two servers with equal keys can restore each other's heads."""
 
     model: str
     model_bytes: int
     n_ctx: int
     template_digest: str
+    model_sample: str = ""
+    build: str = ""
+    kv_type: str = ""
 
     def digest(self) -> bytes:
-        text = f"{self.model}\0{self.model_bytes}\0{self.n_ctx}\0{self.template_digest}"
+        parts = (self.model, self.model_bytes, self.n_ctx, self.template_digest, self.model_sample, self.build)
+        text = "\0".join(str(p) for p in (*parts, self.kv_type))
         return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+    def hex(self) -> str:
+        return self.digest().hex()
 
 
 def template_digest(template: str) -> str:
@@ -63,6 +72,8 @@ class HeadEntry:
     agent: str | None = None
     project: str | None = None
     restores: int = 0
+    key: str = ""  # the ServerKey's hex digest: the heads a restarted server can take back
+    crc: str = ""  # the file's CRC-32 when saved: checked before the first restore of each run
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -85,6 +96,8 @@ class HeadEntry:
                 agent=raw.get("agent"),
                 project=raw.get("project"),
                 restores=int(raw.get("restores", 0)),
+                key=str(raw.get("key", "")),
+                crc=str(raw.get("crc", "")),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -143,6 +156,12 @@ def best_match(links: Sequence[str], entries: Iterable[HeadEntry]) -> Match | No
 def covered(links: Sequence[str], entries: Iterable[HeadEntry]) -> bool:
     """Whether a stored head already holds this whole prompt's pieces (saving it again would add nothing)."""
     return any(shared_links(links, e.links) == len(links) for e in entries)
+
+
+def most_recent(entries: Iterable[HeadEntry], key: str, count: int) -> list[HeadEntry]:
+    """The `count` heads most recently used under a server key: what a (re)started server gets back first."""
+    mine = sorted((e for e in entries if e.key == key), key=lambda e: -e.last_used_unix)
+    return mine[: max(0, count)]
 
 
 def evictions(entries: Iterable[HeadEntry], max_bytes: int, incoming_bytes: int = 0) -> list[str]:

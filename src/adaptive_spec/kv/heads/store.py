@@ -1,18 +1,15 @@
-"""The head store's shell: head files (`<id>.head`, mode 0600) and their index (`index.json`) in a directory of the
-state directory, saved from an idle llama-server's slot after a session's first turn and restored into a new
-session's slot before its first turn is forwarded. Every failure here is logged and ends in an ordinary request
-(a re-prefill): nothing raises into the request path. llama-server only reads and writes `--slot-save-path`, so a
+"""The head store's shell: head files and their index in a directory of the state directory (`kv/heads/book.py`),
+saved from an idle llama-server's slot after a session's first turn, restored into a new session's slot before its
+first turn is forwarded, and into a fresh server's idle slots when it (re)starts. Every failure here is logged with
+its reason and ends in an ordinary request (a re-prefill): nothing raises into the request path, and a head that
+llama-server refuses or that fails its checks is removed. llama-server only reads and writes `--slot-save-path`, so a
 head is linked (or copied) there as `head-<id>.bin` only for the restore, and moved out of it after the save: the
 sweeps of `as-*` files never see a head."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
-import os
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -22,6 +19,8 @@ from typing import Any
 import aiohttp
 
 from adaptive_spec.common.lru import LRU
+from adaptive_spec.kv.heads.book import HeadBook
+from adaptive_spec.kv.heads.files import checksum, stage, take, unlink
 from adaptive_spec.kv.heads.plan import (
     DEFAULT_MAX_BYTES,
     MIN_HEAD_TOKENS,
@@ -32,22 +31,18 @@ from adaptive_spec.kv.heads.plan import (
     best_match,
     chain,
     covered,
-    evictions,
     head_id,
     inert,
+    most_recent,
     price,
-    template_digest,
 )
+from adaptive_spec.kv.heads.server import TIMEOUT, fresh, idle_slots, server_key
 from adaptive_spec.kv.slots import SlotError, slot_action
 from adaptive_spec.servers.upstreams import Upstream
 
 log = logging.getLogger(__name__)
-INDEX = "index.json"
-SUFFIX = ".head"
 _SLOT_PREFIX = "head-"  # the name a head has in the slot directory while it is restored or saved
-_FREE_RESERVE_BYTES = 256 * 1024**2  # a save leaves at least this much of the disk free
 _IDLE_WAIT_S = 20.0  # a save waits this long for the server to go idle, else it is skipped
-_ACTION_TIMEOUT = aiohttp.ClientTimeout(total=60)
 _FAILURES = (SlotError, OSError, aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError)
 
 
@@ -55,37 +50,54 @@ _FAILURES = (SlotError, OSError, aiohttp.ClientError, asyncio.TimeoutError, Valu
 class HeadsConfig:
     directory: Path | None  # None: heads/ in the state directory (resolved where `serve` starts)
     max_bytes: int = DEFAULT_MAX_BYTES
+    build: str = ""  # the launched binary's identity ("": attached servers, known by their build_info alone)
+    kv_type: str = ""  # the launched servers' KV cache type ("": unknown; llama-server refuses another type itself)
+    warm_start: bool = True  # restore the most recent heads into a fresh server's idle slots (start, restart)
 
 
 @dataclass(frozen=True, slots=True)
 class Restored:
-    """A head restored for one request: checked against that request's `cache_n` when it ends."""
+    """A head restored for one request: checked against that request's `cache_n` when it ends. `forwards`: the
+    requests forwarded to that server before the restore (another one in between may have taken the slot)."""
 
     head: str
     server: str
     tokens: int
     restore_ms: float
+    at_start: bool = False
+    forwards: int = 0
 
     def reason(self) -> str:
-        return f"warm: head of {self.tokens} tokens restored in {self.restore_ms:.0f} ms"
+        when = " when the server started" if self.at_start else ""
+        return f"warm: head of {self.tokens} tokens restored{when} in {self.restore_ms:.0f} ms"
 
 
 class HeadStore:
-    def __init__(self, config: HeadsConfig, slot_dir: Path, client: Callable[[], aiohttp.ClientSession]) -> None:
+    def __init__(
+        self,
+        config: HeadsConfig,
+        slot_dir: Path,
+        client: Callable[[], aiohttp.ClientSession],
+        say: Callable[[str], None] = log.info,
+    ) -> None:
         if config.directory is None:
             raise ValueError("HeadsConfig.directory: resolve the state directory's heads/ first")
-        self.dir, self.max_bytes, self.slot_dir, self._client = config.directory, config.max_bytes, slot_dir, client
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._entries: dict[str, HeadEntry] = self._load()
+        self.config, self.slot_dir, self._client, self._say = config, slot_dir, client, say
+        self.counts = dict.fromkeys(
+            ("saved", "restored", "warm_started", "refused", "failed", "removed", "inert", "taken", "evicted"), 0
+        )
+        self.book = HeadBook(config.directory, config.max_bytes, self.counts)
+        self._entries = self.book.entries  # the book's own dict: it adds and removes, the store reads
         self._keys: dict[str, ServerKey] = {}
         self._inert: set[str] = set()  # servers where a restore was reported and reused nothing
+        self._held: dict[tuple[str, int], Restored] = {}  # the head each server's slot holds (warm start, save)
+        self._forwards: dict[str, int] = {}  # requests forwarded to each server
         self._seen: LRU[str, bool] = LRU(100_000)  # sessions whose first request the store has seen
         # First requests under way, and the head restored for each (bounded: one that raised never ends).
         self._firsts: LRU[str, Restored | None] = LRU(4096)
         self._restore_s_per_byte: float | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._lock = asyncio.Lock()  # one save or restore at a time: each pauses the server's slots
-        self.counts = {"saved": 0, "restored": 0, "refused": 0, "failed": 0, "inert": 0, "evicted": 0}
 
     # -- the request path -----------------------------------------------------------------------------------------
 
@@ -95,6 +107,10 @@ class HeadStore:
             return False
         self._seen.put(session_id, True)
         return True
+
+    def forwarded(self, upstream: Upstream) -> None:
+        """Every request forwarded to a server, counted: one between a restore and its request took the slot."""
+        self._forwards[upstream.base_url] = self._forwards.get(upstream.base_url, 0) + 1
 
     def begin(self, request_id: str, restored: Restored | None) -> None:
         self._firsts.put(request_id, restored)
@@ -127,32 +143,41 @@ class HeadStore:
         slot: int | None,
         pieces: Sequence[bytes],
         chars: Sequence[int],
-        cache_n: int,
+        cache_n: int | None,
         prompt_tokens: int,
         restored: Restored | None,
         agent: str | None,
         project: str | None,
+        min_tokens: int = MIN_HEAD_TOKENS,
     ) -> None:
-        """A session's first request was served: learn an inert restore, else save its head in the background."""
-        if restored is not None and inert(restored.tokens, cache_n):
-            self._inert.add(upstream.base_url)
-            self.counts["inert"] += 1
-            log.warning(
-                "heads: %s restored a head of %d tokens but the prompt reused %d: no more restores there",
-                upstream.label,
-                restored.tokens,
-                cache_n,
-            )
-        if prompt_tokens < MIN_HEAD_TOKENS or upstream.upstream_model is not None:
+        """A session's first request was served: learn an inert restore (`cache_n` None: not reported), and save
+        its head in the background when it has `min_tokens` or more."""
+        if restored is not None and cache_n is not None and inert(restored.tokens, cache_n):
+            self._judge(upstream, restored, cache_n)
+        if prompt_tokens < min_tokens or upstream.upstream_model is not None:
             return
-        task = asyncio.get_running_loop().create_task(
-            self._save_logged(upstream, slot or 0, tuple(pieces), tuple(chars), prompt_tokens, agent, project)
-        )
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        save = self._save_logged(upstream, slot or 0, tuple(pieces), tuple(chars), prompt_tokens, agent, project)
+        self._spawn(save)
+
+    def warm_start(
+        self, upstream: Upstream, when: str, on_fresh: Callable[[], None] = lambda: None, restore: bool = True
+    ) -> None:
+        """A server (re)started: when it is fresh (`on_fresh` is told: its slots hold nothing), the heads most
+        recently used under its key go into its idle slots (unless `restore` is False: a restart asked to empty it),
+        in the background (a request never waits for it; one that comes first stops it)."""
+        self._spawn(self._warm_logged(upstream, when, on_fresh, restore))
+
+    def server_down(self, upstream: Upstream) -> None:
+        """Its slots are gone, and its key is asked again when it is back."""
+        self._keys.pop(upstream.base_url, None)
+        self.emptied(upstream)
+
+    def emptied(self, upstream: Upstream) -> None:
+        """Its slots were erased: no head is held there any more."""
+        self._held = {k: v for k, v in self._held.items() if k[0] != upstream.base_url}
 
     async def settled(self) -> None:
-        """Wait for the saves under way (tests, shutdown)."""
+        """Wait for the saves and warm starts under way (tests, shutdown)."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
@@ -164,25 +189,42 @@ class HeadStore:
     # -- what /adaptive/heads shows and deletes -------------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
-        heads = sorted(self._entries.values(), key=lambda e: -e.last_used_unix)
         return {
-            "directory": str(self.dir),
-            "max_bytes": self.max_bytes,
-            "bytes": sum(e.bytes for e in heads),
+            **self.book.describe(),
             "counts": dict(self.counts),
+            "pending": len(self._tasks),
             "inert_servers": sorted(self._inert),
-            "heads": [e.describe() for e in heads],
         }
 
     def delete(self, head: str | None) -> int:
-        """Remove one head (or all, `None`): how many were removed."""
-        ids = [head] if head is not None else list(self._entries)
-        removed = sum(1 for i in ids if self._remove(i))
-        if removed:
-            self._write_index()
-        return removed
+        return self.book.delete(head)
 
     # -- inside ---------------------------------------------------------------------------------------------------
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _judge(self, upstream: Upstream, restored: Restored, cache_n: int) -> None:
+        if self._forwards.get(upstream.base_url, 0) != restored.forwards + 1:
+            self.counts["taken"] += 1
+            log.warning(
+                "heads: another request took %s's slot between the restore of %s and its request (reused %d of %d)",
+                upstream.label,
+                restored.head,
+                cache_n,
+                restored.tokens,
+            )
+            return
+        self._inert.add(upstream.base_url)
+        self.counts["inert"] += 1
+        log.warning(
+            "heads: %s restored a head of %d tokens but the prompt reused %d: no more restores there",
+            upstream.label,
+            restored.tokens,
+            cache_n,
+        )
 
     async def _restore(
         self,
@@ -198,6 +240,11 @@ class HeadStore:
         match = best_match(chain(key, pieces), self._entries.values())
         if match is None:
             return None
+        held = self._held.get((upstream.base_url, slot or 0))
+        if held is not None and held.head == match.entry.id and held.forwards == self._forwards.get(held.server, 0):
+            # The slot holds that head (a warm start put it there, or it was saved from there) and no request came
+            # since: nothing to restore.
+            return replace(held, tokens=match.tokens) if held.at_start else None
         cost = price(match, slot_tokens, prefill_s_per_token, self._restore_bytes_per_s())
         if not cost.pays:
             log.info(
@@ -215,27 +262,67 @@ class HeadStore:
                 return None  # busy, or several slots and none named: the request may land in another one
             return await self._restore_file(upstream, slot or 0, match)
 
-    async def _restore_file(self, upstream: Upstream, slot: int, match: Match) -> Restored:
+    async def _restore_file(self, upstream: Upstream, slot: int, match: Match, used: bool = True) -> Restored | None:
         entry = match.entry
+        if not await self.book.check(entry):
+            return None
         name = f"{_SLOT_PREFIX}{entry.id}.bin"
         staged = self.slot_dir / name
+        forwards = self._forwards.get(upstream.base_url, 0)
         t0 = time.perf_counter()
         try:
-            await asyncio.to_thread(_stage, self.dir / f"{entry.id}{SUFFIX}", staged)
-            answer = await slot_action(self._client(), upstream, slot, "restore", name, _ACTION_TIMEOUT)
+            await asyncio.to_thread(stage, self.book.path(entry.id), staged)
+            answer = await slot_action(self._client(), upstream, slot, "restore", name, TIMEOUT)
+            n_restored = int(answer.get("n_restored") or -1)
+            if n_restored != entry.saved_tokens:
+                raise SlotError(f"restored {n_restored} of the head's {entry.saved_tokens} tokens")
+        except SlotError as exc:  # llama-server refused the file (another build's, damaged): it is of no use
+            self.book.drop(entry.id, f"llama-server refused it: {exc}")
+            raise
         finally:
-            await asyncio.to_thread(_unlink, staged)
+            await asyncio.to_thread(unlink, staged)
         elapsed = time.perf_counter() - t0
-        n_restored = int(answer.get("n_restored") or -1)
-        if n_restored != entry.saved_tokens:
-            raise SlotError(f"restored {n_restored} of the head's {entry.saved_tokens} tokens")
         self._observe_restore(entry.bytes, elapsed)
-        self._entries[entry.id] = replace(entry, last_used_unix=time.time(), restores=entry.restores + 1)
-        await asyncio.to_thread(self._write_index)
+        if used:
+            await asyncio.to_thread(self.book.used, entry)
         self.counts["restored"] += 1
-        restored = Restored(entry.id, upstream.base_url, match.tokens, elapsed * 1000.0)
+        restored = Restored(entry.id, upstream.base_url, match.tokens, elapsed * 1000.0, forwards=forwards)
         log.info("heads: %s on %s slot %d (%s)", restored.reason(), upstream.label, slot, entry.id)
         return restored
+
+    async def _warm_logged(self, upstream: Upstream, when: str, on_fresh: Callable[[], None], restore: bool) -> None:
+        try:
+            await self._warm(upstream, when, on_fresh, restore)
+        except _FAILURES as exc:
+            self.counts["failed"] += 1
+            log.warning("heads: the warm start of %s %s stopped: %s", upstream.label, when, exc)
+
+    async def _warm(self, upstream: Upstream, when: str, on_fresh: Callable[[], None], restore: bool) -> None:
+        self.server_down(upstream)
+        if upstream.upstream_model is not None or not await fresh(self._client(), upstream):
+            return  # a server that has served prompts holds sessions' KV: a head must not displace it
+        on_fresh()
+        if not (restore and self.config.warm_start) or upstream.base_url in self._inert or not self._entries:
+            return
+        key, forwards, t0 = await self._key(upstream), self._forwards.get(upstream.base_url, 0), time.perf_counter()
+        n_slots = await self._idle(upstream, wait_s=0.0) or 0
+        heads = most_recent(self._entries.values(), key.hex(), n_slots)
+        done = 0
+        for slot, entry in enumerate(heads):
+            async with self._lock:
+                if self._forwards.get(upstream.base_url, 0) != forwards or await self._idle(upstream, 0.0) is None:
+                    break  # requests came: they go first, and may have taken the slots
+                match = Match(entry, len(entry.links), entry.prompt_tokens)
+                restored = await self._restore_file(upstream, slot, match, used=False)
+            if restored is not None:
+                self._held[(upstream.base_url, slot)] = replace(restored, at_start=True)
+                self.counts["warm_started"] += 1
+                done += 1
+        if heads:
+            self._say(
+                f"heads: {done} of {len(heads)} heads restored into {upstream.label}'s idle slots {when} "
+                f"in {time.perf_counter() - t0:.2f} s (in the background)"
+            )
 
     async def _save_logged(
         self,
@@ -251,7 +338,7 @@ class HeadStore:
             await self._save(upstream, slot, pieces, chars, prompt_tokens, agent, project)
         except _FAILURES as exc:
             self.counts["failed"] += 1
-            log.warning("heads: saving a head from %s failed: %s", upstream.label, exc)
+            log.warning("heads: saving a head from %s failed (nothing kept): %s", upstream.label, exc)
 
     async def _save(
         self,
@@ -263,7 +350,8 @@ class HeadStore:
         agent: str | None,
         project: str | None,
     ) -> None:
-        links = chain(await self._key(upstream), pieces)
+        key = await self._key(upstream)
+        links = chain(key, pieces)
         if not links or covered(links, self._entries.values()):
             return
         # Wait for idle outside the lock: a new session's restore must not queue behind this wait.
@@ -271,34 +359,34 @@ class HeadStore:
             log.info("heads: %s stayed busy; the head is not saved", upstream.label)
             return
         async with self._lock:
-            if await self._idle(upstream, wait_s=0.0) is None:
-                return
-            free = await asyncio.to_thread(lambda: shutil.disk_usage(self.dir).free)
-            if free < _FREE_RESERVE_BYTES + self._bytes_per_token() * prompt_tokens * 2:
-                self.counts["refused"] += 1
-                log.warning("heads: %d MB free in %s; the head is not saved", free // 1_000_000, self.dir)
+            if covered(links, self._entries.values()) or await self._idle(upstream, wait_s=0.0) is None:
+                return  # the same head was saved meanwhile, or a request came
+            if not await self.book.room(prompt_tokens):
                 return
             hid = head_id(links)
             name = f"{_SLOT_PREFIX}{hid}.bin"
             t0 = time.perf_counter()
             try:
-                saved = await slot_action(self._client(), upstream, slot, "save", name, _ACTION_TIMEOUT)
+                saved = await slot_action(self._client(), upstream, slot, "save", name, TIMEOUT)
                 pause_ms = (time.perf_counter() - t0) * 1000.0
                 n_saved = int(saved.get("n_saved") or 0)
                 if n_saved < prompt_tokens:
                     raise SlotError(f"the slot held {n_saved} tokens, not the {prompt_tokens} of the head (reused)")
-                size = await asyncio.to_thread(_take, self.slot_dir / name, self.dir / f"{hid}{SUFFIX}")
+                size = await asyncio.to_thread(take, self.slot_dir / name, self.book.path(hid))
             finally:
-                await asyncio.to_thread(_unlink, self.slot_dir / name)
+                await asyncio.to_thread(unlink, self.slot_dir / name)
+            crc = await asyncio.to_thread(checksum, self.book.path(hid))
             now = time.time()
-            entry = HeadEntry(hid, links, chars, prompt_tokens, n_saved, size, now, now, agent, project)
-            self._entries[hid] = entry
-            for old in evictions(self._entries.values(), self.max_bytes):
-                self._remove(old)
-                self.counts["evicted"] += 1
-            await asyncio.to_thread(self._write_index)
+            entry = HeadEntry(
+                hid, links, chars, prompt_tokens, n_saved, size, now, now, agent, project, key=key.hex(), crc=crc
+            )
+            self.book.add(entry)
             if hid in self._entries:
                 self.counts["saved"] += 1
+                forwards = self._forwards.get(upstream.base_url, 0)
+                self._held[(upstream.base_url, slot)] = Restored(
+                    hid, upstream.base_url, prompt_tokens, 0.0, False, forwards
+                )
                 log.info(
                     "heads: saved a head of %d tokens (%d MB) from %s; the server paused %.0f ms",
                     prompt_tokens,
@@ -310,27 +398,12 @@ class HeadStore:
     async def _key(self, upstream: Upstream) -> ServerKey:
         key = self._keys.get(upstream.base_url)
         if key is None:
-            async with self._client().get(f"{upstream.base_url}/props", timeout=_ACTION_TIMEOUT) as resp:
-                resp.raise_for_status()
-                props = await resp.json(content_type=None)
-            key = await asyncio.to_thread(_server_key, props)
+            key = await server_key(self._client(), upstream, self.config.build, self.config.kv_type)
             self._keys[upstream.base_url] = key
         return key
 
     async def _idle(self, upstream: Upstream, wait_s: float) -> int | None:
-        """How many slots the server has once none is processing (a slot action pauses them all), waiting up to
-        `wait_s`; None: still busy, or no `/slots` to ask."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            async with self._client().get(f"{upstream.base_url}/slots", timeout=_ACTION_TIMEOUT) as resp:
-                slots = await resp.json(content_type=None) if resp.status == 200 else None
-            if not isinstance(slots, list):
-                return None
-            if not any(isinstance(s, dict) and s.get("is_processing") for s in slots):
-                return len(slots)
-            if time.monotonic() >= deadline:
-                return None
-            await asyncio.sleep(0.25)
+        return await idle_slots(self._client(), upstream, wait_s)
 
     def _restore_bytes_per_s(self) -> float:
         return 1.0 / self._restore_s_per_byte if self._restore_s_per_byte else RESTORE_PRIOR_BYTES_PER_S
@@ -340,78 +413,3 @@ class HeadStore:
             s_per_byte = seconds / size
             old = self._restore_s_per_byte
             self._restore_s_per_byte = s_per_byte if old is None else 0.7 * old + 0.3 * s_per_byte
-
-    def _bytes_per_token(self) -> float:
-        entries = list(self._entries.values())
-        saved = sum(e.saved_tokens for e in entries)
-        return sum(e.bytes for e in entries) / saved if saved else 120_000.0
-
-    def _remove(self, head: str) -> bool:
-        if self._entries.pop(head, None) is None:
-            return False
-        _unlink(self.dir / f"{head}{SUFFIX}")
-        return True
-
-    def _load(self) -> dict[str, HeadEntry]:
-        """The index as the last run left it: entries whose file is gone are dropped, files no entry names removed."""
-        try:
-            raw = json.loads((self.dir / INDEX).read_text())
-        except FileNotFoundError:
-            raw = []
-        except (OSError, ValueError) as exc:
-            log.warning("heads: the index in %s is unreadable (%s); starting empty", self.dir, exc)
-            raw = []
-        entries: dict[str, HeadEntry] = {}
-        for item in raw if isinstance(raw, list) else []:
-            entry = HeadEntry.from_json(item)
-            if entry is not None and (self.dir / f"{entry.id}{SUFFIX}").is_file():
-                entries[entry.id] = entry
-        for path in self.dir.glob(f"*{SUFFIX}"):
-            if path.stem not in entries:
-                _unlink(path)
-        return entries
-
-    def _write_index(self) -> None:
-        tmp = self.dir / f".{INDEX}.tmp"
-        data = json.dumps([e.to_json() for e in self._entries.values()])
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(data)
-        os.replace(tmp, self.dir / INDEX)
-
-
-def _server_key(props: Any) -> ServerKey:
-    settings = props.get("default_generation_settings") or {}
-    model = str(props.get("model_path") or "")
-    try:
-        size = Path(model).stat().st_size if model else 0
-    except OSError:
-        size = 0
-    return ServerKey(
-        model, size, int(settings.get("n_ctx") or 0), template_digest(str(props.get("chat_template") or ""))
-    )
-
-
-def _stage(head: Path, staged: Path) -> None:
-    """The head under the slot directory for llama-server to read: a hard link where both share a filesystem."""
-    _unlink(staged)
-    try:
-        os.link(head, staged)
-    except OSError:
-        shutil.copyfile(head, staged)
-
-
-def _take(saved: Path, head: Path) -> int:
-    """Move a slot file llama-server just wrote into the store, private to the user: its size."""
-    os.chmod(saved, 0o600)
-    try:
-        os.replace(saved, head)
-    except OSError:
-        shutil.copyfile(saved, head)
-        os.chmod(head, 0o600)
-    return head.stat().st_size
-
-
-def _unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()

@@ -1,0 +1,62 @@
+"""What the head store asks a llama-server (not its slot actions): the key its KV is valid under (`/props`), whether
+its slots are idle (`/slots`; a slot action pauses them all) and whether it is fresh, holding no session's KV yet."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from adaptive_spec.kv.heads.files import file_size, model_sample
+from adaptive_spec.kv.heads.plan import ServerKey, template_digest
+from adaptive_spec.servers.upstreams import Upstream
+
+TIMEOUT = aiohttp.ClientTimeout(total=60)
+
+
+async def server_key(client: aiohttp.ClientSession, upstream: Upstream, build: str, kv_type: str) -> ServerKey:
+    """`build`, `kv_type`: what `serve` knows of the servers it launched ("" for attached ones)."""
+    async with client.get(f"{upstream.base_url}/props", timeout=TIMEOUT) as resp:
+        resp.raise_for_status()
+        props = await resp.json(content_type=None)
+    return await asyncio.to_thread(key_of, props, build, kv_type)
+
+
+def key_of(props: Any, build: str, kv_type: str) -> ServerKey:
+    settings = props.get("default_generation_settings") or {}
+    model = str(props.get("model_path") or "")
+    size = (file_size(Path(model)) or 0) if model else 0
+    builds = f"{build}|{props.get('build_info') or ''}"
+    template = template_digest(str(props.get("chat_template") or ""))
+    return ServerKey(model, size, int(settings.get("n_ctx") or 0), template, model_sample(model), builds, kv_type)
+
+
+async def idle_slots(client: aiohttp.ClientSession, upstream: Upstream, wait_s: float) -> int | None:
+    """How many slots the server has once none is processing, waiting up to `wait_s`; None: still busy, or no
+    `/slots` to ask."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        async with client.get(f"{upstream.base_url}/slots", timeout=TIMEOUT) as resp:
+            slots = await resp.json(content_type=None) if resp.status == 200 else None
+        if not isinstance(slots, list):
+            return None
+        if not any(isinstance(s, dict) and s.get("is_processing") for s in slots):
+            return len(slots)
+        if time.monotonic() >= deadline:
+            return None
+        await asyncio.sleep(0.25)
+
+
+async def fresh(client: aiohttp.ClientSession, upstream: Upstream) -> bool:
+    """Whether the server has prefilled nothing yet (its /metrics): a server that has holds sessions' KV, which a
+    warm start must not displace. Without /metrics (an attached server started without them) it cannot be told:
+    no warm start there; its first turns still get heads restored when they come."""
+    async with client.get(f"{upstream.base_url}/metrics", timeout=TIMEOUT) as resp:
+        text = await resp.text() if resp.status == 200 else ""
+    for line in text.splitlines():
+        if line.startswith("llamacpp:prompt_tokens_total"):
+            return float(line.split()[-1]) == 0
+    return False

@@ -1,0 +1,79 @@
+"""Warm-start tests' shared parts: the proxy built in-process around one llama-server with a head store, an agent's
+first turn through it (its answer, timings and record), and a system prompt long enough to be kept as a head."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp.test_utils import TestServer
+
+from adaptive_spec.common.headers import REQUEST_ID_HEADER
+from adaptive_spec.kv.heads.store import HeadsConfig, HeadStore
+from adaptive_spec.requests.heads import HEADS
+from adaptive_spec.server.app import KvSetup, ProxySettings, build_app
+from adaptive_spec.servers.probe import probe
+from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+from adaptive_spec.sessions.drafter import NgramParams
+from adaptive_spec.sessions.service import SessionService
+from adaptive_spec.sessions.statistics import ContextTracker
+from tests.support.servers import free_port
+
+SYSTEM = "You are a coding agent. Rules:\n" + "\n".join(
+    f"{i}. Keep function_{i} small, typed and tested; never edit file_{i}.py without reading it." for i in range(40)
+)
+
+
+async def start_proxy(url: str, slots: Path, heads: Path, max_bytes: int = 2**31, build: str = "") -> TestServer:
+    """The proxy in front of the llama-server at `url` (one profile "p", its slots as `serve` probes them), its
+    head store in `heads`."""
+    kv = KvSetup(slot_dir=slots, heads=HeadsConfig(heads, max_bytes, build=build))
+    sessions = SessionService(ContextTracker(NgramParams()), None)
+    upstream = Upstream("p", url)
+    async with aiohttp.ClientSession() as client:
+        info = await probe(client, upstream)
+    app = build_app(UpstreamTable([upstream]), ProxySettings(), sessions, kv=kv, profiles=[info])
+    proxy = TestServer(app, port=free_port())
+    await proxy.start_server()
+    return proxy
+
+
+def store_of(proxy: TestServer) -> HeadStore:
+    return proxy.app[HEADS]
+
+
+async def chat(
+    client: aiohttp.ClientSession,
+    proxy: TestServer,
+    session: str,
+    user: str,
+    system: str = SYSTEM,
+    max_tokens: int = 4,
+) -> dict[str, Any]:
+    """One greedy chat turn as a session's request: {"text", "timings", "record"}."""
+    body = {
+        "model": "m",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    async with client.post(proxy.make_url("/v1/chat/completions"), json=body, headers={"x-session-id": session}) as r:
+        assert r.status == 200, await r.text()
+        answer: dict[str, Any] = await r.json()
+        request_id = r.headers[REQUEST_ID_HEADER]
+    for _ in range(200):  # the record is kept just after the answer's last byte
+        async with client.get(proxy.make_url("/adaptive/requests")) as r:
+            records = [x for x in (await r.json())["requests"] if x["request_id"] == request_id]
+        if records:
+            text = answer["choices"][0]["message"]["content"]
+            return {"text": text, "timings": answer["timings"], "record": records[0]}
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no record of request {request_id}")
+
+
+async def erase(client: aiohttp.ClientSession, proxy: TestServer) -> None:
+    """Another session took the slot: it holds nothing of the head (through the proxy, so the router knows)."""
+    async with client.post(proxy.make_url("/adaptive/profiles/p/erase")) as r:
+        assert r.status == 200, await r.text()

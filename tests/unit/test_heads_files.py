@@ -1,0 +1,155 @@
+"""The head store's files under faults: a store left by a killed run, a truncated or damaged head, a full disk while
+the index or a head is written; each repaired on load or refused with the last good state kept, and the bound on
+bytes held."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adaptive_spec.kv.heads.book import HeadBook
+from adaptive_spec.kv.heads.files import INDEX, checksum, load_index, model_sample, take, write_index
+from adaptive_spec.kv.heads.plan import HeadEntry, ServerKey, chain
+
+KEY = ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t1")
+
+
+def _entry(n: int, size: int, used: float = 0.0, crc: str = "") -> HeadEntry:
+    links = chain(KEY, [bytes([n])])
+    return HeadEntry(links[-1][:24], links, (100,), 1000, 1004, size, used, used, key=KEY.hex(), crc=crc)
+
+
+def _store(directory: Path, *entries: tuple[HeadEntry, bytes]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for entry, data in entries:
+        (directory / f"{entry.id}.head").write_bytes(data)
+    write_index(directory, [e for e, _ in entries])
+
+
+def _heads(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.glob("*.head"))
+
+
+def test_a_store_left_by_a_killed_run_is_repaired_on_load(tmp_path: Path) -> None:
+    whole, cut = _entry(1, 100), _entry(2, 100)
+    _store(tmp_path, (whole, b"x" * 100), (cut, b"x" * 100))
+    (tmp_path / f"{cut.id}.head").write_bytes(b"x" * 40)  # a copy cut short
+    (tmp_path / "0123456789abcdef01234567.head").write_bytes(b"saved, never indexed")  # killed before its index
+    (tmp_path / f".{INDEX}.tmp").write_text('[{"id": ')  # killed while writing the index
+    assert load_index(tmp_path) == {whole.id: whole}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{whole.id}.head", INDEX])
+
+
+def test_an_unreadable_index_starts_an_empty_store_without_stray_files(tmp_path: Path) -> None:
+    entry = _entry(1, 10)
+    _store(tmp_path, (entry, b"x" * 10))
+    (tmp_path / INDEX).write_text("{not json")
+    assert load_index(tmp_path) == {}
+    assert [p.name for p in tmp_path.iterdir()] == [INDEX]
+
+
+def test_a_full_disk_while_the_index_is_written_keeps_the_last_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = _entry(1, 10)
+    _store(tmp_path, (first, b"x" * 10))
+
+    def full(*_: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OSError, match="No space"):
+        write_index(tmp_path, [first, _entry(2, 10)])
+    assert [e["id"] for e in json.loads((tmp_path / INDEX).read_text())] == [first.id]
+    assert not (tmp_path / f".{INDEX}.tmp").exists()
+
+
+def test_a_head_taken_across_filesystems_is_copied_whole_or_not_at_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    slots, heads = tmp_path / "slots", tmp_path / "heads"
+    slots.mkdir()
+    heads.mkdir()
+    real_replace = os.replace
+
+    def cross_device(src: Any, dst: Any) -> None:
+        if Path(src).parent == slots:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", cross_device)
+    (slots / "head-a.bin").write_bytes(b"k" * 64)
+    assert take(slots / "head-a.bin", heads / "a.head") == 64
+    assert stat.S_IMODE((heads / "a.head").stat().st_mode) == 0o600
+
+    def no_space(src: Any, dst: Any) -> None:
+        Path(dst).write_bytes(b"k" * 8)  # part of it written
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfile", no_space)
+    (slots / "head-b.bin").write_bytes(b"k" * 64)
+    with pytest.raises(OSError, match="No space"):
+        take(slots / "head-b.bin", heads / "b.head")
+    assert sorted(p.name for p in heads.iterdir()) == ["a.head"]  # no half head under any name
+
+
+def test_a_damaged_head_fails_its_checksum_and_a_rewritten_model_changes_its_identity(tmp_path: Path) -> None:
+    head = tmp_path / "a.head"
+    head.write_bytes(bytes(range(256)) * 1000)
+    before = checksum(head)
+    data = bytearray(head.read_bytes())
+    data[100_000] ^= 0x01
+    head.write_bytes(bytes(data))
+    assert checksum(head) != before
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + b"\0" * 3_000_000)
+    sample = model_sample(str(model))
+    assert sample and sample == model_sample(str(model))
+    model.write_bytes(b"GGUF" + b"\1" * 3_000_000)  # the same size and name, another file
+    assert model_sample(str(model)) != sample
+    assert model_sample(str(tmp_path / "absent.gguf")) == ""
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_the_book_keeps_its_bound_and_refuses_a_save_without_free_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counts = dict.fromkeys(("refused", "evicted", "removed"), 0)
+    book = HeadBook(tmp_path, max_bytes=250, counts=counts)
+    for n in range(4):
+        (tmp_path / f"{_entry(n, 100).id}.head").write_bytes(b"x" * 100)
+        book.add(_entry(n, 100, used=float(n)))
+        assert sum(e.bytes for e in book.entries.values()) <= 250
+    assert [e.id for e in book.entries.values()] == [_entry(2, 100).id, _entry(3, 100).id]
+    assert counts["evicted"] == 2 and len(_heads(tmp_path)) == 2
+
+    class Usage:
+        free = 10 * 1024**2
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage())
+    assert not await book.room(prompt_tokens=1000) and counts["refused"] == 1
+    assert len(book.entries) == 2  # nothing evicted for a save that is not made
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_a_truncated_or_damaged_head_is_removed_before_any_restore(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 40
+    (tmp_path / "probe").write_bytes(data)
+    good, cut, flipped = (_entry(n, len(data), crc=checksum(tmp_path / "probe")) for n in range(3))
+    _store(tmp_path, (good, data), (cut, data), (flipped, data))
+    (tmp_path / f"{cut.id}.head").write_bytes(data[:100])
+    (tmp_path / f"{flipped.id}.head").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    counts = dict.fromkeys(("refused", "evicted", "removed"), 0)
+    book = HeadBook(tmp_path, max_bytes=10**9, counts=counts)
+    assert cut.id not in book.entries  # its size told at load
+    assert await book.check(good) and not await book.check(flipped)
+    assert list(book.entries) == [good.id] and counts["removed"] == 1
+    assert _heads(tmp_path) == [f"{good.id}.head"]
