@@ -1,13 +1,19 @@
-"""Warm starts (issue 40): an opencode-shaped first turn through a running `serve`, cold, as a new session in the
-same project, and as a new session after `serve` restarts (a fresh llama-server, the head store kept in the state
-directory); printing time to first token, prompt_n and cache_n, and writing them to a JSON file.
+"""Warm starts (issue 40): agents' first turns through a running `serve`, for three agent shapes (opencode, Claude
+Code, Qwen Code; synthetic bodies of their shape and size), in each case the issue names: cold, a new session in the
+same project, after a side request on the one slot, another project, a project seen before, after `serve` restarts
+and after its llama-server is SIGKILLed and restarted by `serve`. Each first turn's time to first token, prompt_n,
+cache_n, the router's new-token estimate and the route's reason (which says "warm: head of N tokens restored in X ms")
+come from the proxy's own request records; the store's heads (tokens, bytes) from `/adaptive/heads`. Written to a
+JSON file and printed as a markdown table.
 
 Run:  .venv/bin/python benchmarks/warm_starts.py [--model embedded:qwen2.5-coder-0.5b] [--out FILE.json]
-      [--no-heads]  (the same three cases without the store: the restart is cold again)
+      [--agents opencode,claude-code,qwen-code] [--no-heads] (the same cases without the store, llama-server's own
+      RAM prompt cache alone; the restart and crash cases are skipped there: they are cold by construction)
 
-The body is synthetic, of opencode's shape and size (a ~2.5k-token system prompt naming the working directory, 12
-tools with JSON schemas, ~7k tokens in all, then one user message); no vendor's prompt is used. Greedy, one slot,
-`-t 1` unless told otherwise.
+No vendor's prompt is used: system prompts and tools are generated text of each agent's measured size (opencode
+~7.2k tokens and 12 tools, its working directory before the tools; Claude Code ~11.7k and 12 tools, the working
+directory in a system message after the first user message; Qwen Code ~15.3k and 14 tools, the working directory in
+the user message). Greedy, one slot, `-t 1` unless told otherwise.
 """
 
 from __future__ import annotations
@@ -16,96 +22,108 @@ import argparse
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 _RULES = ("Prefer", "Never", "Always", "Before you", "When the user asks,", "If a tool fails,")
 _ACTS = ("edit a file", "run the tests", "read the file", "explain a change", "commit", "search the code")
+_WORDS = ("path", "pattern", "offset", "limit", "content", "command")
 
 
-def system_prompt(rng: random.Random, project: str, lines: int = 80) -> str:
-    head = [
-        "You are opencode, an interactive CLI coding agent. Use the instructions below and the tools available.",
-        f"Working directory: {project}",
-        "Is directory a git repo: yes. Platform: linux.",
-    ]
-    body = [
+@dataclass(frozen=True)
+class Shape:
+    """An agent's first request: its API, system lines and tools (sizes fitted to the measured token counts)."""
+
+    name: str
+    api: str  # "openai" or "anthropic"
+    user_agent: str
+    lines: int
+    tools: int
+    tool_words: int
+
+
+SHAPES = {
+    "opencode": Shape("opencode", "openai", "opencode/1.0.0", 80, 12, 60),
+    "claude-code": Shape("claude-code", "anthropic", "claude-cli/2.1.328 (external, cli)", 150, 12, 105),
+    "qwen-code": Shape("qwen-code", "openai", "QwenCode/0.24.4 (linux; x64)", 190, 14, 110),
+}
+
+
+def _rules(rng: random.Random, count: int) -> list[str]:
+    return [
         f"{rng.choice(_RULES)} {rng.choice(_ACTS)}, keep answers short and name the files you touch "
         f"(rule {i}: {' '.join(rng.choice(('small', 'typed', 'tested', 'clear', 'safe')) for _ in range(6))})."
-        for i in range(lines)
+        for i in range(count)
     ]
-    return "\n".join(head + body)
 
 
-def tools(rng: random.Random, count: int = 12) -> list[dict[str, Any]]:
+def _tools(rng: random.Random, shape: Shape) -> list[dict[str, Any]]:
     out = []
-    for i in range(count):
-        words = " ".join(rng.choice(("path", "pattern", "offset", "limit", "content", "command")) for _ in range(60))
+    for i in range(shape.tools):
+        words = " ".join(rng.choice(_WORDS) for _ in range(shape.tool_words))
         params = {
             f"arg_{j}": {"type": "string", "description": f"Argument {j} of tool {i}: {words[: 120 + 20 * j]}"}
             for j in range(6)
         }
-        out.append(
-            {
-                "type": "function",
-                "function": {
-                    "name": f"tool_{i}",
-                    "description": f"Tool {i}. {words}",
-                    "parameters": {"type": "object", "properties": params, "required": ["arg_0"]},
-                },
-            }
-        )
+        schema = {"type": "object", "properties": params, "required": ["arg_0"]}
+        if shape.api == "anthropic":
+            out.append({"name": f"Tool{i}", "description": f"Tool {i}. {words}", "input_schema": schema})
+        else:
+            desc = f"Tool {i}. {words}"
+            out.append(
+                {"type": "function", "function": {"name": f"tool_{i}", "description": desc, "parameters": schema}}
+            )
     return out
 
 
-def body(project: str, user: str) -> dict[str, Any]:
-    rng = random.Random(7)  # the same head for every session of a project
-    return {
-        "model": "m",
-        "messages": [{"role": "system", "content": system_prompt(rng, project)}, {"role": "user", "content": user}],
-        "tools": tools(rng),
-        "stream": True,
-        "max_tokens": 8,
-        "temperature": 0,
-    }
+def first_body(shape: Shape, project: str, user: str, session: str) -> dict[str, Any]:
+    """The agent's first turn in `project`: the same head for every session of a project."""
+    rng = random.Random(shape.name)
+    intro = f"You are {shape.name}, an interactive CLI coding agent. Use the instructions below and the tools."
+    rules, tools = "\n".join(_rules(rng, shape.lines)), _tools(rng, shape)
+    common = {"model": "m", "stream": True, "max_tokens": 8, "temperature": 0}
+    if shape.name == "opencode":  # the working directory before the tools
+        system = f"{intro}\nWorking directory: {project}\nIs directory a git repo: yes. Platform: linux.\n{rules}"
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return {**common, "messages": messages, "tools": tools}
+    if shape.api == "anthropic":  # the working directory in a system message after the first user message
+        blocks: list[dict[str, Any]] = [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.328; cc_entrypoint=cli;"}
+        ]
+        blocks.append({"type": "text", "text": f"{intro}\n{rules}", "cache_control": {"type": "ephemeral"}})
+        turns = [
+            {"role": "user", "content": [{"type": "text", "text": "<reminder>Use the tools.</reminder>"}]},
+            {"role": "system", "content": f"<env>Working directory: {project}\nPlatform: linux</env>"},
+            {"role": "user", "content": [{"type": "text", "text": user}]},
+        ]
+        meta = {"user_id": json.dumps({"device_id": "bench", "session_id": session})}
+        return {**common, "system": blocks, "messages": turns, "tools": tools, "metadata": meta}
+    env = {"type": "text", "text": f"<env>Working directory: {project}\nPlatform: linux</env>"}  # Qwen Code
+    user_parts = [env, {"type": "text", "text": user}]
+    qwen: list[dict[str, Any]] = [
+        {"role": "system", "content": f"{intro}\n{rules}"},
+        {"role": "user", "content": user_parts},
+    ]
+    return {**common, "messages": qwen, "tools": tools}
 
 
-def first_turn(base: str, session: str, data: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(
-        base + "/v1/chat/completions",
-        data=json.dumps(data).encode(),
-        headers={"Content-Type": "application/json", "x-session-id": session},
-    )
-    t0 = time.perf_counter()
-    ttft_s: float | None = None
-    timings: dict[str, Any] = {}
-    with urllib.request.urlopen(req, timeout=1800) as resp:
-        request_id = resp.headers["x-adaptive-spec-request-id"]
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
-            if ttft_s is None and (delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content")):
-                ttft_s = time.perf_counter() - t0
-            timings = chunk.get("timings") or timings
-    with urllib.request.urlopen(base + "/adaptive/requests", timeout=60) as resp:
-        record = next(r for r in json.loads(resp.read())["requests"] if r["request_id"] == request_id)
-    return {
-        "ttft_s": round(ttft_s if ttft_s is not None else time.perf_counter() - t0, 3),
-        "prompt_n": timings.get("prompt_n"),
-        "cache_n": timings.get("cache_n"),
-        "reason": record.get("reason"),
-    }
+def side_body() -> dict[str, Any]:
+    """A title request: another, short system prompt and no tools (on one slot it takes the session's slot)."""
+    system = "Generate a short title for the conversation below. Answer with the title only, at most eight words."
+    user = "Add a /health endpoint to the server and a test for it."
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    return {"model": "m", "stream": True, "max_tokens": 8, "temperature": 0, "messages": messages}
 
 
 class Serve:
@@ -115,12 +133,14 @@ class Serve:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        argv += ["--parallel", "1", "--ctx-size", "16384", "--port", str(port), *extra]
+        argv += ["--parallel", "1", "--ctx-size", "32768", "--port", str(port), *extra]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.base = ""
+        self.lines: list[str] = []
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            print("  serve:", line.rstrip())
+            print("  serve:", line.rstrip(), flush=True)
+            self.lines.append(line.rstrip())
             if line.startswith("OPENAI_BASE_URL="):
                 self.base = line.strip().split("=", 1)[1].removesuffix("/v1")
                 break
@@ -131,52 +151,173 @@ class Serve:
     def _drain(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            if "heads:" in line or "warm" in line:
-                print("  serve:", line.rstrip())
+            self.lines.append(line.rstrip())
+            if "heads:" in line or "warm" in line or "restart" in line:
+                print("  serve:", line.rstrip(), flush=True)
 
-    def heads(self) -> dict[str, Any]:
-        with urllib.request.urlopen(self.base + "/adaptive/heads", timeout=60) as resp:
+    def get(self, path: str) -> dict[str, Any]:
+        with urllib.request.urlopen(self.base + path, timeout=60) as resp:
             return dict(json.loads(resp.read()))
 
-    def wait_for_head(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self.heads().get("heads") and time.monotonic() < deadline and self.heads().get("enabled"):
-            time.sleep(0.5)
+    def send(self, shape: Shape, session: str, data: dict[str, Any]) -> dict[str, Any]:
+        """One streamed request; its record (timings, ttft_ms, new_tokens_est, reason) once the proxy kept it."""
+        path = "/v1/messages" if "system" in data and shape.api == "anthropic" else "/v1/chat/completions"
+        headers = {"Content-Type": "application/json", "x-session-id": session, "User-Agent": shape.user_agent}
+        req = urllib.request.Request(self.base + path, data=json.dumps(data).encode(), headers=headers)
+        with urllib.request.urlopen(req, timeout=3600) as resp:
+            request_id = resp.headers["x-adaptive-spec-request-id"]
+            for _ in resp:
+                pass
+        for _ in range(200):
+            found = [r for r in self.get("/adaptive/requests")["requests"] if r["request_id"] == request_id]
+            if found:
+                return summary(found[0])
+            time.sleep(0.05)
+        raise SystemExit(f"no record of {request_id}")
+
+    def settle(self, timeout_s: float = 120.0) -> None:
+        """Wait until the store has no save under way (the count of finished saves stops moving while idle)."""
+        if not self.get("/adaptive/heads").get("enabled"):
+            return
+        deadline, last = time.monotonic() + timeout_s, None
+        while time.monotonic() < deadline:
+            counts = self.get("/adaptive/heads")["counts"]
+            if counts == last and not counts.get("pending"):
+                return
+            last = counts
+            time.sleep(1.0)
+
+    def llama_pid(self) -> int:
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                    cmd = (entry / "cmdline").read_bytes().split(b"\0")[0]
+                except (OSError, IndexError, ValueError):
+                    continue
+                if ppid == self.proc.pid and cmd.endswith(b"llama-server"):
+                    return int(entry.name)
+        raise SystemExit("no llama-server under serve")
+
+    def crash(self) -> float:
+        """SIGKILL the llama-server; the seconds until `serve` has it serving again."""
+        t0 = time.monotonic()
+        os.kill(self.llama_pid(), signal.SIGKILL)
+        time.sleep(0.5)
+        while time.monotonic() - t0 < 300:
+            try:
+                health = self.get("/adaptive/health")["profiles"]
+                if all(p["up"] for p in health.values()):
+                    return round(time.monotonic() - t0, 2)
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        raise SystemExit("llama-server did not come back")
 
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(60)
 
 
+def summary(record: dict[str, Any]) -> dict[str, Any]:
+    t = record.get("timings") or {}
+    return {
+        "ttft_s": round((record.get("ttft_ms") or record.get("total_ms") or 0) / 1000.0, 3),
+        "prompt_n": t.get("prompt_n"),
+        "cache_n": t.get("cache_n"),
+        "new_tokens_est": record.get("new_tokens_est"),
+        "side": record.get("side"),
+        "reason": record.get("reason"),
+    }
+
+
+def run_agent(serve: Serve, shape: Shape, tag: str) -> dict[str, Any]:
+    """The in-run cases for one agent: cold, same project, after a side request, another project, seen before."""
+    p1, p2 = "/home/dev/projects/shop", "/home/dev/projects/blog"
+    out: dict[str, Any] = {}
+
+    def first(case: str, session: str, project: str, user: str) -> None:
+        out[case] = serve.send(shape, session, first_body(shape, project, user, session))
+        print(f"{shape.name} {case}:", out[case], flush=True)
+        serve.settle()
+
+    first("cold", f"{tag}-a", p1, "Add a /health endpoint to the server.")
+    first("new_session_same_project", f"{tag}-b", p1, "Fix the failing test.")
+    out["side_request"] = serve.send(shape, f"{tag}-b", side_body())
+    print(f"{shape.name} side request:", out["side_request"], flush=True)
+    serve.settle()
+    first("after_side_request", f"{tag}-c", p1, "Explain the config loader.")
+    first("another_project", f"{tag}-d", p2, "Add a /health endpoint to the server.")
+    first("project_seen_before", f"{tag}-e", p1, "Rename the config module.")
+    return out
+
+
+def after(serve: Serve, shapes: list[Shape], tag: str, case: str) -> dict[str, Any]:
+    out = {}
+    for shape in shapes:
+        session = f"{tag}-{shape.name}"
+        out[shape.name] = serve.send(shape, session, first_body(shape, "/home/dev/projects/shop", "Add docs.", session))
+        print(f"{shape.name} {case}:", out[shape.name], flush=True)
+        serve.settle()
+    return out
+
+
+def table(results: dict[str, Any]) -> str:
+    rows = ["| agent | case | prompt_n / cache_n | new-token estimate | TTFT | reason |", "|---|---|---|---|---|---|"]
+    for agent, cases in results["agents"].items():
+        for case, r in cases.items():
+            reason = (r.get("reason") or "").split("; ")[-1] if "warm" in (r.get("reason") or "") else ""
+            rows.append(
+                f"| {agent} | {case} | {r['prompt_n']} / {r['cache_n']} | {r['new_tokens_est']} | {r['ttft_s']} s |"
+                f" {reason} |"
+            )
+    return "\n".join(rows)
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--model", default="embedded:qwen2.5-coder-0.5b")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--agents", default=",".join(SHAPES))
     parser.add_argument("--no-heads", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "warm_starts.json")
     args = parser.parse_args()
+    shapes = [SHAPES[name] for name in args.agents.split(",")]
     extra = ["--no-heads"] if args.no_heads else []
-    project = "/home/dev/projects/shop"
-    results: dict[str, Any] = {"model": args.model, "threads": args.threads, "heads": not args.no_heads}
+    results: dict[str, Any] = {"model": args.model, "threads": args.threads, "heads": not args.no_heads, "agents": {}}
+
+    def write() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+
     with tempfile.TemporaryDirectory(prefix="warm-starts-") as state:
         serve = Serve(args.model, Path(state), args.threads, extra)
         try:
-            results["cold"] = first_turn(serve.base, "a", body(project, "Add a /health endpoint to the server."))
-            print("cold:", results["cold"])
-            serve.wait_for_head()
-            results["new_session_same_project"] = first_turn(serve.base, "b", body(project, "Fix the failing test."))
-            print("new session, same project:", results["new_session_same_project"])
-            results["heads_before_restart"] = serve.heads().get("heads")
+            for shape in shapes:
+                results["agents"][shape.name] = run_agent(serve, shape, shape.name)
+                write()
+            results["heads"] = serve.get("/adaptive/heads")
         finally:
             serve.stop()
-        serve = Serve(args.model, Path(state), args.threads, extra)
-        try:
-            results["after_restart"] = first_turn(serve.base, "c", body(project, "Rename the config module."))
-            print("after restart:", results["after_restart"])
-        finally:
-            serve.stop()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+        if not args.no_heads:
+            t0 = time.monotonic()
+            serve = Serve(args.model, Path(state), args.threads, extra)
+            results["serve_restart_s"] = round(time.monotonic() - t0, 2)
+            results["serve_restart_lines"] = [line for line in serve.lines if "heads" in line or "warm" in line]
+            try:
+                time.sleep(5.0)  # the start-up restore runs in the background; a request may also come at once
+                for name, r in after(serve, shapes, "restart", "after serve restart").items():
+                    results["agents"][name]["after_serve_restart"] = r
+                write()
+                results["crash_restart_s"] = serve.crash()
+                time.sleep(5.0)
+                for name, r in after(serve, shapes, "crash", "after llama-server crash").items():
+                    results["agents"][name]["after_llama_server_crash"] = r
+                results["heads_after"] = serve.get("/adaptive/heads")
+            finally:
+                serve.stop()
+    write()
+    print(table(results))
     print(f"written to {args.out}")
     return 0
 
