@@ -59,8 +59,9 @@ def _callless_output(item: Any) -> bool:
 def anthropic_overflow(body: bytes) -> dict[str, Any] | None:
     """llama-server's context overflow (`exceed_context_size_error`, with `n_prompt_tokens` and `n_ctx`) in the
     shape Anthropic answers it: `invalid_request_error`, "prompt is too long: N tokens > M maximum". Claude Code
-    reads that wording as the sign to compact its conversation; it assumes a 1M-token window for a model it does not
-    know, so it meets llama-server's limit only here. None: not an overflow."""
+    assumes a 1M-token window for a model it does not know, so it meets llama-server's limit only here; it takes
+    Anthropic's wording as an overflow (2.1.328 also knows llama-server's) and reads from it how many tokens over
+    the limit it is, which its compaction uses. None: not an overflow."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:

@@ -8,11 +8,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
+import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from adaptive_spec.common.headers import PROFILE_HEADER
 from adaptive_spec.requests.apis import traits
+from adaptive_spec.requests.compat import anthropic_overflow
 from adaptive_spec.requests.error_responses import answer, as_anthropic, as_client_error, sse_error_event
 from adaptive_spec.requests.gate import hidden_headers
 from adaptive_spec.requests.keepalive import PrefillKeepAlive
@@ -180,6 +182,9 @@ async def _error_after_keepalive(
     except (aiohttp.ClientError, TimeoutError) as exc:
         text = repr(exc)
     message = f"profile {upstream.name!r} at {upstream.base_url} answered {upstream_resp.status}: {text[:1000]}"
+    overflow = anthropic_overflow(text.encode()) if keepalive.api == "messages" else None
+    if overflow is not None:  # the overflow as Anthropic words it, in its stream's error event
+        return await keepalive.end_with_event(overflow), Outcome(upstream_resp.status, message, "upstream_error")
     resp = await keepalive.end_with_error(message, "upstream_error")
     return resp, Outcome(upstream_resp.status, message, "upstream_error")
 
@@ -255,7 +260,10 @@ async def _error_body(upstream_resp: aiohttp.ClientResponse, api: str) -> tuple[
     except (aiohttp.ClientError, asyncio.IncompleteReadError, TimeoutError):
         return None
     status, body = as_client_error(upstream_resp.status, body)
-    return status, (as_anthropic(status, body) or body) if traits(api).anthropic else body
+    if not traits(api).anthropic:
+        return status, body
+    overflow = anthropic_overflow(body) if api == "messages" else None  # worded so that Claude Code compacts
+    return status, orjson.dumps(overflow) if overflow is not None else (as_anthropic(status, body) or body)
 
 
 async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResponse, relay: _Relay) -> _Failure | None:
