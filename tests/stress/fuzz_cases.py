@@ -161,6 +161,15 @@ def _delete(body: Json, path: tuple[Any, ...]) -> Json:
     return out
 
 
+def mutated(body: Json, rng: random.Random) -> tuple[str, Json]:
+    """One seeded variant of a well-formed body, as `Generator` makes its wrong_type and missing_field cases: a value
+    anywhere in it replaced by one of another type, or a field or item deleted. (kind, the variant)."""
+    where = rng.choice([p for p in _paths(body) if p])
+    if rng.random() < 0.2:
+        return "missing_field", _delete(body, where)
+    return "wrong_type", _set(body, where, rng.choice(_WRONG))
+
+
 class Generator:
     def __init__(self, seed: int, target: Target) -> None:
         self.rng = random.Random(seed)
