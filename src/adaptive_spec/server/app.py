@@ -58,6 +58,7 @@ from adaptive_spec.telemetry.trace import TraceWriter
 __all__ = ["KvSetup", "ProxySettings", "build_app"]
 log = logging.getLogger(__name__)
 _POLICY_REFRESH_S = 2.0
+_SLOT_SWEEP_S = 10.0  # left-over slot files go once five minutes old (kv/effects.py): no hurry
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +147,7 @@ def build_app(
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_session_worker)
     app.cleanup_ctx.append(_policy_refresher)
+    app.cleanup_ctx.append(_slot_sweep)
     app.cleanup_ctx.append(_replica_watch)
     app.cleanup_ctx.append(_health_poll)
     watch_servers(app)  # warm starts at start and after a restart: once the client above exists
@@ -209,9 +211,27 @@ async def _policy_refresher(app: web.Application) -> AsyncIterator[None]:
             try:
                 router = app[ROUTER]
                 router.policies_changed(await asyncio.to_thread(router.policies.refresh))
-                await asyncio.to_thread(app[KV].sweep)
             except Exception:
                 log.exception("policy refresh failed")
+
+    task = asyncio.create_task(loop())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _slot_sweep(app: web.Application) -> AsyncIterator[None]:
+    """Delete the proxy's own left-over slot files (`as-*`, from handoffs a fault cut short) now and then; other
+    files in the slot folder, and the head store's, are never touched."""
+
+    async def loop() -> None:
+        while True:
+            await asyncio.sleep(_SLOT_SWEEP_S)
+            try:
+                await asyncio.to_thread(app[KV].sweep)
+            except Exception:
+                log.exception("slot file sweep failed")
 
     task = asyncio.create_task(loop())
     yield
