@@ -113,6 +113,25 @@ async def test_a_head_of_another_build_is_never_restored(
         await proxy.close()
 
 
+async def test_with_projects_as_tenants_a_head_is_restored_within_its_project_only(
+    server: tuple[LlamaServer, Path], client: aiohttp.ClientSession
+) -> None:
+    llama, home = server
+    proxy = await start_proxy(llama.url, home / "slots", home / "heads-tenants", per_project=True)
+    try:
+        await chat(client, proxy, "tenant-a1", "Write hello.py.", project="team-a")
+        await store_of(proxy).settled()
+        await erase(client, proxy)
+        other = await chat(client, proxy, "tenant-b1", "Write hello.py.", project="team-b")
+        assert "warm:" not in other["record"]["reason"] and other["timings"]["cache_n"] < 10, other
+        await store_of(proxy).settled()
+        await erase(client, proxy)
+        same = await chat(client, proxy, "tenant-a2", "Write hello.py.", project="team-a")
+        assert "warm: head of" in same["record"]["reason"], same["record"]
+    finally:
+        await proxy.close()
+
+
 async def test_sweeps_leave_heads_alone_and_delete_removes_them(
     server: tuple[LlamaServer, Path], client: aiohttp.ClientSession
 ) -> None:

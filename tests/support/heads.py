@@ -26,10 +26,12 @@ SYSTEM = "You are a coding agent. Rules:\n" + "\n".join(
 )
 
 
-async def start_proxy(url: str, slots: Path, heads: Path, max_bytes: int = 2**31, build: str = "") -> TestServer:
+async def start_proxy(
+    url: str, slots: Path, heads: Path, max_bytes: int = 2**31, build: str = "", per_project: bool = False
+) -> TestServer:
     """The proxy in front of the llama-server at `url` (one profile "p", its slots as `serve` probes them), its
     head store in `heads`."""
-    kv = KvSetup(slot_dir=slots, heads=HeadsConfig(heads, max_bytes, build=build))
+    kv = KvSetup(slot_dir=slots, heads=HeadsConfig(heads, max_bytes, build=build, per_project=per_project))
     sessions = SessionService(ContextTracker(NgramParams()), None)
     upstream = Upstream("p", url)
     async with aiohttp.ClientSession() as client:
@@ -51,6 +53,7 @@ async def chat(
     user: str,
     system: str = SYSTEM,
     max_tokens: int = 4,
+    project: str | None = None,
 ) -> dict[str, Any]:
     """One greedy chat turn as a session's request: {"text", "timings", "record"}."""
     body = {
@@ -59,7 +62,8 @@ async def chat(
         "max_tokens": max_tokens,
         "temperature": 0,
     }
-    async with client.post(proxy.make_url("/v1/chat/completions"), json=body, headers={"x-session-id": session}) as r:
+    path = f"/p/{project}/v1/chat/completions" if project else "/v1/chat/completions"
+    async with client.post(proxy.make_url(path), json=body, headers={"x-session-id": session}) as r:
         assert r.status == 200, await r.text()
         answer: dict[str, Any] = await r.json()
         request_id = r.headers[REQUEST_ID_HEADER]

@@ -55,6 +55,13 @@ def test_a_head_of_another_model_context_or_template_is_never_matched(other: Ser
     assert best_match(chain(other, PIECES), [_entry(chain(KEY, PIECES))]) is None
 
 
+def test_with_projects_as_tenants_a_head_is_matched_within_its_project_only() -> None:
+    team_a = _entry(chain(KEY, PIECES, scope="team-a"))
+    assert best_match(chain(KEY, PIECES, scope="team-b"), [team_a]) is None
+    assert best_match(chain(KEY, PIECES), [team_a]) is None
+    assert best_match(chain(KEY, PIECES, scope="team-a"), [team_a]) is not None
+
+
 def test_the_least_recently_used_heads_go_first_until_the_store_fits() -> None:
     old, mid, new = (_entry(chain(KEY, [bytes([i])]), size=100, used=float(i)) for i in range(3))
     assert evictions([new, old, mid], max_bytes=300) == []

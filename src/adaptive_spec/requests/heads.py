@@ -56,7 +56,7 @@ async def _before_forward(app: web.Application, req: ProxyRequest, chosen: Upstr
     slot_tokens = decision.context_tokens - decision.new_tokens if decision.new_tokens is not None else 0
     prefill_s_per_token = app[ROUTER].speeds.prefill_s(decision.profile, 1.0)
     pieces = [p.digest for p in route.pieces]
-    restored = await store.restore(chosen, route.slot, pieces, slot_tokens, prefill_s_per_token)
+    restored = await store.restore(chosen, route.slot, pieces, slot_tokens, prefill_s_per_token, req.project)
     store.begin(req.request_id, restored)
     if restored is not None:
         req.route = replace(route, decision=_warm_decision(decision, restored))

@@ -368,7 +368,7 @@ async def _kv_setup(
     if plan.heads is not None and slot_dir is not None:
         launch = plan.launch
         binary, extra = (launch.binary, launch.settings.extra_args) if launch is not None else (None, ())
-        heads = launched_heads(plan.heads, state_dir() / "heads", binary, extra)
+        heads = launched_heads(plan.heads, state_dir() / "heads", binary, extra, bool(plan.sessions.key_projects))
         say(f"heads: {heads.directory} (at most {heads.max_bytes / 1024**3:g} GiB, least recently used go first)")
         say("heads: the most recent are restored into a fresh server's idle slots, at start and after a restart")
     elif plan.heads is not None:

@@ -43,16 +43,16 @@ def heads_config(args: argparse.Namespace) -> HeadsConfig | None:
 
 
 def launched_heads(
-    config: HeadsConfig, default_dir: Path, binary: str | None, extra_args: Sequence[str] = ()
+    config: HeadsConfig,
+    default_dir: Path,
+    binary: str | None,
+    extra_args: Sequence[str] = (),
+    project_keys: bool = False,
 ) -> HeadsConfig:
     """The store's config for this run: its directory resolved, and what `serve` knows of the servers it launches
     (the binary's identity, the KV cache type) for the key a head is valid under. Attached servers (`binary` None)
-    are known by what they report."""
+    are known by what they report. With `--project-key` projects are tenants: a head is shared within one only."""
+    config = replace(config, directory=config.directory or default_dir, per_project=project_keys)
     if binary is None:
-        return replace(config, directory=config.directory or default_dir)
-    return replace(
-        config,
-        directory=config.directory or default_dir,
-        build=build_identity(binary),
-        kv_type=cache_type_k(extra_args),
-    )
+        return config
+    return replace(config, build=build_identity(binary), kv_type=cache_type_k(extra_args))

@@ -45,11 +45,12 @@ def template_digest(template: str) -> str:
     return hashlib.blake2b(template.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
 
 
-def chain(key: ServerKey, piece_digests: Iterable[bytes]) -> tuple[str, ...]:
+def chain(key: ServerKey, piece_digests: Iterable[bytes], scope: str = "") -> tuple[str, ...]:
     """Link i covers the key and pieces 0..i: two prompts share their first n links exactly when they share the
-    key and their first n pieces, so a match is found without the text."""
+    key and their first n pieces, so a match is found without the text. `scope` (a project, where projects are
+    tenants: `serve --project-key`) keeps one scope's heads from matching another's prompts."""
     links: list[str] = []
-    previous = key.digest()
+    previous = key.digest() if not scope else hashlib.blake2b(key.digest() + scope.encode(), digest_size=16).digest()
     for digest in piece_digests:
         previous = hashlib.blake2b(previous + digest, digest_size=16).digest()
         links.append(previous.hex())

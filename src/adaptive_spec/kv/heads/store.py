@@ -53,6 +53,7 @@ class HeadsConfig:
     build: str = ""  # the launched binary's identity ("": attached servers, known by their build_info alone)
     kv_type: str = ""  # the launched servers' KV cache type ("": unknown; llama-server refuses another type itself)
     warm_start: bool = True  # restore the most recent heads into a fresh server's idle slots (start, restart)
+    per_project: bool = False  # heads shared within a project only (projects are tenants: `serve --project-key`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,10 +129,14 @@ class HeadStore:
         pieces: Sequence[bytes],
         slot_tokens: int,
         prefill_s_per_token: float,
+        project: str | None = None,
     ) -> Restored | None:
         """Restore the stored head sharing most with this prompt into `slot` when it pays; None otherwise."""
+        if upstream.upstream_model is not None or upstream.base_url in self._inert or not self._entries:
+            return None
         try:
-            return await self._restore(upstream, slot, pieces, slot_tokens, prefill_s_per_token)
+            links = chain(await self._key(upstream), pieces, self._scope(project))
+            return await self._restore(upstream, slot, links, slot_tokens, prefill_s_per_token)
         except _FAILURES as exc:
             self.counts["failed"] += 1
             log.warning("heads: restore on %s failed (the request prefills): %s", upstream.label, exc)
@@ -226,18 +231,18 @@ class HeadStore:
             cache_n,
         )
 
+    def _scope(self, project: str | None) -> str:
+        return project or "" if self.config.per_project else ""
+
     async def _restore(
         self,
         upstream: Upstream,
         slot: int | None,
-        pieces: Sequence[bytes],
+        links: Sequence[str],
         slot_tokens: int,
         prefill_s_per_token: float,
     ) -> Restored | None:
-        if upstream.upstream_model is not None or upstream.base_url in self._inert or not self._entries:
-            return None
-        key = await self._key(upstream)
-        match = best_match(chain(key, pieces), self._entries.values())
+        match = best_match(links, self._entries.values())
         if match is None:
             return None
         held = self._held.get((upstream.base_url, slot or 0))
@@ -351,7 +356,7 @@ class HeadStore:
         project: str | None,
     ) -> None:
         key = await self._key(upstream)
-        links = chain(key, pieces)
+        links = chain(key, pieces, self._scope(project))
         if not links or covered(links, self._entries.values()):
             return
         # Wait for idle outside the lock: a new session's restore must not queue behind this wait.
