@@ -181,10 +181,10 @@ class Serve:
             return
         deadline, last = time.monotonic() + timeout_s, None
         while time.monotonic() < deadline:
-            counts = self.get("/adaptive/heads")["counts"]
-            if counts == last and not counts.get("pending"):
+            heads = self.get("/adaptive/heads")
+            if heads["counts"] == last and not heads.get("pending"):
                 return
-            last = counts
+            last = heads["counts"]
             time.sleep(1.0)
 
     def llama_pid(self) -> int:

@@ -58,7 +58,7 @@ async def test_a_head_is_saved_and_restored_into_a_new_session_and_after_a_resta
         heads = store_of(proxy).describe()["heads"]
         assert len(heads) == 1, store_of(proxy).describe()
         head_tokens = heads[0]["tokens"]
-        assert head_tokens >= 256
+        assert head_tokens >= 256 and heads[0]["save_pause_ms"] > 0  # the save paused the server: it says how long
         files = _head_files(home)
         assert len(files) == 1 and stat.S_IMODE(files[0].stat().st_mode) == 0o600
         assert list((home / "slots").iterdir()) == []  # nothing left where llama-server (and the sweeps) look

@@ -75,6 +75,7 @@ class HeadEntry:
     restores: int = 0
     key: str = ""  # the ServerKey's hex digest: the heads a restarted server can take back
     crc: str = ""  # the file's CRC-32 when saved: checked before the first restore of each run
+    save_pause_ms: float = 0.0  # how long the save paused the server's slots (llama-server saves in its main loop)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -99,6 +100,7 @@ class HeadEntry:
                 restores=int(raw.get("restores", 0)),
                 key=str(raw.get("key", "")),
                 crc=str(raw.get("crc", "")),
+                save_pause_ms=float(raw.get("save_pause_ms", 0.0)),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -117,6 +119,7 @@ class HeadEntry:
             "created_unix": round(self.created_unix, 3),
             "last_used_unix": round(self.last_used_unix, 3),
             "restores": self.restores,
+            "save_pause_ms": round(self.save_pause_ms, 1),
         }
 
 

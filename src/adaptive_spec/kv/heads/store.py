@@ -383,7 +383,7 @@ class HeadStore:
             crc = await asyncio.to_thread(checksum, self.book.path(hid))
             now = time.time()
             entry = HeadEntry(
-                hid, links, chars, prompt_tokens, n_saved, size, now, now, agent, project, key=key.hex(), crc=crc
+                hid, links, chars, prompt_tokens, n_saved, size, now, now, agent, project, 0, key.hex(), crc, pause_ms
             )
             self.book.add(entry)
             if hid in self._entries:
