@@ -62,10 +62,11 @@ from adaptive_spec.routing.router import Router
 from adaptive_spec.servers.launcher import free_port
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.sessions import prefix
+from adaptive_spec.sessions.backends import Work
 from adaptive_spec.sessions.drafter import NgramParams
 from adaptive_spec.sessions.pieces import Piece, prompt_pieces
 from adaptive_spec.sessions.project import workspace_path_from_request
-from adaptive_spec.sessions.service import SessionService, _Work
+from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker
 from adaptive_spec.sessions.tokenizers import CachingTokenizer, EndpointTokenizer, Tokenizer, tiktoken_o200k
 from adaptive_spec.telemetry.bus import EventBus
@@ -240,7 +241,7 @@ def _pieces(body: dict[str, Any], state: prefix.PrefixState | None, cache: Any) 
 async def _worker(clock: _Clock, service: SessionService) -> None:
     """The after-response update of the request just finished: its time on the event loop and in its thread."""
     key = service._ready.get_nowait()
-    work: _Work = service._waiting.pop(key)
+    work: Work = service._waiting.pop(key)
     tokenizer = service.tokenizer
     assert isinstance(tokenizer, _SplitTokenizer)
     tokenizer.ms = 0.0

@@ -190,6 +190,7 @@ def test_session_updates_are_counted_in_metrics() -> None:
 async def test_the_worker_process_starts_with_the_worker_not_with_the_first_update() -> None:
     # Seen under serve: three quick turns of one session, the first update waiting for the process to spawn and the
     # second coalesced into the third (2 turns shown for 3 requests).
+    from adaptive_spec.sessions.backends import ProcessStatistics
     from adaptive_spec.sessions.drafter import NgramParams
     from adaptive_spec.sessions.service import SessionService
     from adaptive_spec.sessions.statistics import ContextTracker
@@ -197,7 +198,9 @@ async def test_the_worker_process_starts_with_the_worker_not_with_the_first_upda
     service = SessionService(ContextTracker(NgramParams()), _Tokens(), worker_process=True)
     worker = asyncio.create_task(service.run())
     try:
-        await until(lambda: service._process is not None, "a worker process before any update")
+        backend = service.backend
+        assert isinstance(backend, ProcessStatistics)
+        await until(lambda: backend.started, "a worker process before any update")
         assert service.update_counts() == {"processed": 0, "coalesced": 0, "dropped": 0}
     finally:
         worker.cancel()
@@ -209,6 +212,7 @@ async def test_the_worker_process_starts_with_the_worker_not_with_the_first_upda
 async def test_the_worker_process_tokenizes_itself_and_gets_what_the_event_loop_got() -> None:
     """With a tokenizer it can make again (here tiktoken's), the worker process is sent the client's bytes and
     tokenizes them itself; its statistics are those of the update tokenized on the event loop."""
+    from adaptive_spec.sessions.backends import ProcessStatistics
     from adaptive_spec.sessions.drafter import NgramParams
     from adaptive_spec.sessions.grouping import SessionAssignment
     from adaptive_spec.sessions.service import SessionService
@@ -227,7 +231,9 @@ async def test_the_worker_process_tokenizes_itself_and_gets_what_the_event_loop_
     for worker_tokenizes in (False, True):
         service = SessionService(ContextTracker(NgramParams()), tokenizer, worker_process=True)
         if not worker_tokenizes:
-            service._spec = None  # the event loop tokenizes, the worker process plans and folds
+            backend = service.backend
+            assert isinstance(backend, ProcessStatistics)
+            backend.spec = None  # the event loop tokenizes, the worker process plans and folds
         worker = asyncio.create_task(service.run())
         try:
             for body in turns:

@@ -4,8 +4,9 @@
 import asyncio
 import contextlib
 
+from adaptive_spec.sessions.backends import Work
 from adaptive_spec.sessions.drafter import NgramParams
-from adaptive_spec.sessions.service import SessionService, _Work, run_worker
+from adaptive_spec.sessions.service import SessionService, run_worker
 from adaptive_spec.sessions.statistics import ContextTracker
 
 
@@ -14,7 +15,7 @@ def test_worker_stops_when_cancelled_as_it_takes_an_update() -> None:
         service = SessionService(ContextTracker(NgramParams()), None)
         taken: list[str] = []
 
-        async def update(work: _Work) -> None:
+        async def update(work: Work) -> None:
             taken.append(work.session_id)
             await asyncio.sleep(0)
 
@@ -31,7 +32,7 @@ def test_worker_stops_when_cancelled_as_it_takes_an_update() -> None:
         service._ready = CancelOnGet()
         for i in range(3):
             key = (f"s{i}", False)
-            service._waiting[key] = _Work(f"r{i}", key[0], "p", {}, "", 0.0)
+            service._waiting[key] = Work(f"r{i}", key[0], "p", {}, "", 0.0)
             service._ready.put_nowait(key)
         task = asyncio.create_task(run_worker(service))
         worker.append(task)

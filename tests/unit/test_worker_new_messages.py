@@ -10,9 +10,10 @@ from typing import Any
 import orjson
 import pytest
 
+from adaptive_spec.sessions.backends import ProcessStatistics, _Sent
 from adaptive_spec.sessions.drafter import NgramParams
 from adaptive_spec.sessions.grouping import SessionAssignment
-from adaptive_spec.sessions.service import SessionService, _Sent
+from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker
 from adaptive_spec.sessions.tokenizers import CachingTokenizer, tiktoken_o200k
 from adaptive_spec.streams.output import OutputCollector
@@ -51,13 +52,24 @@ def _turns() -> list[tuple[dict[str, Any], OutputCollector]]:
     return turns
 
 
+def _backend(service: SessionService) -> ProcessStatistics:
+    assert isinstance(service.backend, ProcessStatistics)
+    return service.backend
+
+
+def _sent(service: SessionService) -> tuple[int, int]:
+    """Updates sent only their new messages, and of those the ones the child asked for whole after all."""
+    return _backend(service).sent_new_only, _backend(service).sent_again
+
+
 async def _serve(new_only: bool, tamper: bool = False) -> tuple[list[dict[str, Any]], SessionService, list[int]]:
     events: list[Event] = []
     service = SessionService(
         ContextTracker(NgramParams()), CachingTokenizer(tiktoken_o200k()), publish=events.append, worker_process=True
     )
     sizes: list[int] = []
-    real_rest = service._rest
+    backend = _backend(service)
+    real_rest = backend._rest
 
     def rest(work: Any, messages: list[Any]) -> Any:
         found = real_rest(work, messages) if new_only else None
@@ -65,14 +77,14 @@ async def _serve(new_only: bool, tamper: bool = False) -> tuple[list[dict[str, A
             sizes.append(len(found[1]))
         return found
 
-    service._rest = rest  # type: ignore[method-assign]
+    backend._rest = rest  # type: ignore[method-assign]
     worker = asyncio.create_task(service.run())
     try:
         for i, (body, reply) in enumerate(_turns()):
             if tamper and i == 2:  # as if the worker had folded another request last (it started again, say)
-                sent = service._sent.get("s")
+                sent = backend._sent.get("s")
                 assert sent is not None
-                service._sent.put("s", _Sent("another", sent.messages, sent.weight))
+                backend._sent.put("s", _Sent("another", sent.messages, sent.weight))
             raw = orjson.dumps(body)
             assignment = SessionAssignment("s", "new")
             service.finished(assignment, "p", body, reply, f"r{i}", body_bytes=len(raw), raw_body=raw)
@@ -93,10 +105,10 @@ async def test_a_next_turn_is_sent_only_its_new_messages_and_folds_as_the_whole_
     assert new_only == whole  # every turn's statistics, field for field
     # From the third turn on: a session's first request is not kept (a conversation of one request would only
     # hold its body in memory), so its second is sent whole.
-    assert (service.sent_new_only, service.sent_again) == (3, 0)
+    assert _sent(service) == (3, 0)
     said = service.to_json()
     assert (said["updates_sent_new_only"], said["updates_sent_again"]) == (3, 0)
-    assert service._sent.get("s") is not None
+    assert _backend(service)._sent.get("s") is not None
     body, _ = _turns()[-1]
     # The last turn sent its one new message (and the tool result before it), not the history of four files.
     assert sizes[-1] < len(orjson.dumps(body)) / 3
@@ -107,7 +119,7 @@ async def test_a_worker_that_folded_another_request_last_is_sent_the_whole_body(
     whole, _, _ = await _serve(new_only=False)
     tampered, service, _ = await _serve(new_only=True, tamper=True)
     assert tampered == whole
-    assert (service.sent_new_only, service.sent_again) == (3, 1)
+    assert _sent(service) == (3, 1)
 
 
 @pytest.mark.asyncio
@@ -120,17 +132,17 @@ async def test_a_rewritten_history_is_sent_whole() -> None:
     raw = orjson.dumps(first)
     worker = asyncio.create_task(service.run())
     try:
-        before = service.sent_new_only
+        before = _sent(service)[0]
         assignment = SessionAssignment("s", "new")
         service.finished(assignment, "p", first, _reply("ok"), "r9", body_bytes=len(raw), raw_body=raw)
         await service.drain()
-        assert service.sent_new_only == before  # nothing repeated: the whole body went
+        assert _sent(service)[0] == before  # nothing repeated: the whole body went
         assert service.processed == 6
         service.finished(
             SessionAssignment("t", "new"), "p", first, _reply("ok"), "t1", body_bytes=len(raw), raw_body=raw
         )
         await service.drain()
-        assert service._sent.get("t") is None  # a conversation of one request is not kept
+        assert _backend(service)._sent.get("t") is None  # a conversation of one request is not kept
     finally:
         worker.cancel()
         with contextlib.suppress(asyncio.CancelledError):
