@@ -144,6 +144,7 @@ def build_app(
         for u in upstreams.replicas(name):
             down = upstreams.replica_down_reason(name, u.replica)
             app[METRICS].replica_up.labels(name, str(u.replica)).set(0 if down else 1)
+    app.cleanup_ctx.append(_trace_file)  # first in, last out: closed after everything that writes to it
     app.cleanup_ctx.append(_client_session)
     app.cleanup_ctx.append(_session_worker)
     app.cleanup_ctx.append(_policy_refresher)
@@ -197,6 +198,11 @@ async def _session_worker(app: web.Application) -> AsyncIterator[None]:
         await asyncio.wait({task}, timeout=1.0)
     if task is not None and not task.cancelled() and task.exception() is not None:
         log.error("the session statistics worker had failed", exc_info=task.exception())
+
+
+async def _trace_file(app: web.Application) -> AsyncIterator[None]:
+    """The JSONL trace is closed after the requests that write to it have ended (it was opened by `serve`)."""
+    yield
     trace = app[TRACE]
     if trace is not None:
         trace.close()
