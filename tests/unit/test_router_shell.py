@@ -4,6 +4,7 @@ and slots come down on every path, sessions keep their slot."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import time
 from pathlib import Path
@@ -191,3 +192,13 @@ def test_a_handoff_that_cannot_be_made_asks_for_no_move() -> None:
         done.handoff is not None and not done.handoff.ok and "busy with another request" in (done.handoff.error or "")
     )
     assert r.moves.handoffs == {"ok": 0, "failed": 1}
+
+
+def test_the_router_and_its_move_planner_never_wait() -> None:
+    """llama-swap's scheduler rule: slow work leaves as an effect. No method of the router or of its KV move planner
+    is a coroutine; the request path awaits the effects (`carry_out`) and reports back."""
+    from adaptive_spec.routing.kv_moves import KvMoves
+
+    for cls in (Router, KvMoves):
+        waiting = [n for n, f in vars(cls).items() if inspect.iscoroutinefunction(f)]
+        assert waiting == [], f"{cls.__name__} awaits in {waiting}"
