@@ -17,6 +17,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from adaptive_spec.requests.app_keys import HISTORY, LIFECYCLE, UPSTREAMS
+from adaptive_spec.requests.error_responses import RETRY_AFTER_S
+from adaptive_spec.requests.stranded import STRANDED
 from adaptive_spec.server.app import ProxySettings, build_app
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from tests.support.fake_upstream import CHUNK, FakeUpstream
@@ -120,13 +122,68 @@ async def test_a_stream_cut_mid_event_late_in_the_answer_is_told(rig: tuple[Fake
     assert record.outcome == "failed" and "middle of an event" in (record.error or "")
 
 
-async def test_unreachable_profile_is_502_naming_it(rig: tuple[FakeUpstream, TestServer, str]) -> None:
+async def test_unreachable_profile_is_503_naming_it_and_when_to_retry(
+    rig: tuple[FakeUpstream, TestServer, str],
+) -> None:
+    """A refused connection (a crashed server, before anyone noticed) is not a bad gateway: 503 with Retry-After,
+    and the profile is marked down there and then, so the next request is refused without trying it."""
     _, proxy, dead_url = rig
-    status, body = await _post(proxy, {"x-adaptive-spec-profile": "dead"})
-    assert status == 502
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            proxy.make_url("/v1/chat/completions"), data=BODY, headers={"x-adaptive-spec-profile": "dead"}
+        ) as resp,
+    ):
+        status, body, retry_after = resp.status, await resp.read(), resp.headers.get("Retry-After")
+    assert status == 503 and retry_after == str(RETRY_AFTER_S)
     error = orjson.loads(body)["error"]
     assert error["code"] == "upstream_unreachable"
     assert "'dead'" in error["message"] and dead_url in error["message"]
+    assert proxy.app[UPSTREAMS].replica_down_reason("dead") == "refused connections"
+    status, body = await _post(proxy, {"x-adaptive-spec-profile": "dead"})
+    assert status == 503 and orjson.loads(body)["error"]["code"] == "profile_unavailable", body
+
+
+MESSAGES = orjson.dumps({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
+
+
+async def test_requests_waiting_on_a_server_that_stopped_answering_are_ended(
+    rig: tuple[FakeUpstream, TestServer, str],
+) -> None:
+    """What the health poll does once it finds a server hung (requests/stranded.py), on the fake upstream: a stream
+    past its headers ends with its API's error event, requests not yet answered get a 503 in their API's shape with
+    Retry-After, each record says why, and nothing waits for the read timeout (60 s here)."""
+    fake, _, _ = rig
+    table = UpstreamTable([Upstream("fake", fake.url)])
+    proxy = TestServer(build_app(table, ProxySettings(read_timeout_s=60, prefill_keepalive_s=0)), port=free_port())
+    await proxy.start_server()
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = proxy.make_url
+            streaming = await session.post(url("/v1/chat/completions"), data=BODY, headers={"x-fault": "stall"})
+            assert await streaming.content.readany()
+            stalled = {"x-fault": "stall-before-headers"}
+            chat = asyncio.create_task(session.post(url("/v1/chat/completions"), data=BODY, headers=stalled))
+            messages = asyncio.create_task(session.post(url("/v1/messages"), data=MESSAGES, headers=stalled))
+            await until(lambda: proxy.app[STRANDED].waiting_on(fake.url) == 3, "three requests on the server", 10)
+            assert proxy.app[STRANDED].end(fake.url, "health check: no answer in 3 s") == 3
+            tail = await asyncio.wait_for(streaming.read(), 5)
+            chat_resp, messages_resp = await asyncio.wait_for(asyncio.gather(chat, messages), 5)
+            chat_body, messages_body = await chat_resp.read(), await messages_resp.read()
+        error = await _error_event(tail)
+        assert error["code"] == "upstream_unresponsive" and "stopped answering" in error["message"], error
+        assert chat_resp.status == 503 and chat_resp.headers["Retry-After"] == str(RETRY_AFTER_S)
+        assert orjson.loads(chat_body)["error"]["code"] == "upstream_unresponsive", chat_body
+        anthropic = orjson.loads(messages_body)
+        assert messages_resp.status == 503 and anthropic["type"] == "error", anthropic
+        assert anthropic["error"]["type"] == "api_error" and "stopped answering" in anthropic["error"]["message"]
+        records = proxy.app[HISTORY].latest(3)
+        assert sorted(r.status for r in records) == [200, 503, 503]
+        assert all(r.outcome == "failed" and "no answer in 3 s" in (r.error or "") for r in records), records
+        assert proxy.app[STRANDED].waiting_on(fake.url) == 0
+        assert proxy.app[UPSTREAMS].replica_down_reason("fake") == "stopped answering"  # until the watch finds it
+    finally:
+        await proxy.close()
 
 
 async def test_client_disconnect_cancels_upstream_at_once(rig: tuple[FakeUpstream, TestServer, str]) -> None:

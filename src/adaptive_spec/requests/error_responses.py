@@ -24,9 +24,19 @@ def error_response(
     return web.Response(status=status, body=body, content_type="application/json")
 
 
+# Retry-After on the proxy's own 503s (a profile down, restarting, unreachable or hung; the shutdown): a crashed
+# launched server is restarted after 1 s and answers again ~4-5 s after the crash on the 0.5B; one that was hung is
+# taken back within a second of answering (the replica watch). SDKs that honour it (openai, anthropic) wait that long.
+RETRY_AFTER_S = 5
+
+
 def answer(outcome: Outcome) -> web.Response:
-    """The answer to a request the proxy refused or could not forward, in OpenAI's shape."""
-    return error_response(outcome.status, outcome.error or "", code=outcome.code or "error", param=outcome.param)
+    """The answer to a request the proxy refused or could not forward, in OpenAI's shape; a 503 says when to try
+    again."""
+    resp = error_response(outcome.status, outcome.error or "", code=outcome.code or "error", param=outcome.param)
+    if outcome.status == 503:
+        resp.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return resp
 
 
 def sse_error_event(api: str, message: str, *, code: str) -> bytes:

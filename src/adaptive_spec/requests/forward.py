@@ -19,6 +19,7 @@ from adaptive_spec.requests.error_responses import answer, as_anthropic, as_clie
 from adaptive_spec.requests.gate import hidden_headers
 from adaptive_spec.requests.keepalive import PrefillKeepAlive
 from adaptive_spec.requests.outcome import SHUTDOWN, Outcome
+from adaptive_spec.requests.stranded import Booking, StrandedRequests
 from adaptive_spec.servers.upstreams import Upstream
 from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.streams.tap import StreamTap
@@ -67,34 +68,39 @@ async def forward(
     progress: Callable[[], None] | None = None,
     shutting_down: Callable[[], bool] = lambda: False,
     keepalive: PrefillKeepAlive | None = None,
+    stranded: StrandedRequests | None = None,
 ) -> tuple[web.StreamResponse, Outcome]:
     """`strip`: the client did not ask for the per-token timings the proxy asked for, so they are taken out of the
     stream again; `progress` is called after each relayed chunk; `shutting_down` says whether a cancellation is the
     shutdown's (the client is told so) rather than the client's own disconnect; `keepalive`: a streamed request's
-    keep-alives while the server has not answered (requests/keepalive.py)."""
+    keep-alives while the server has not answered (requests/keepalive.py); `stranded`: where the request is booked
+    while it waits on the server, so the health poll can end it if that server stops answering."""
     # Send the request upstream and relay the answer; upstream faults become errors, never exceptions.
     url = upstream.base_url + path_qs
     headers = upstream_headers(request.headers, hidden_headers(request))
-    sent = _send(sessions, request.method, url, body, headers, timeout)
-    try:
-        outcome = await _sent_or_failed(keepalive.during(sent) if keepalive is not None else sent, upstream, timeout)
-    except asyncio.CancelledError:
-        if not _shutdown_cancel(shutting_down):
-            raise
-        outcome = SHUTDOWN
-    if isinstance(outcome, Outcome):
-        return await _failed(outcome, keepalive)
-    upstream_resp = outcome
-    committed = keepalive.take() if keepalive is not None and keepalive.committed else None
-    try:
-        if committed is not None and keepalive is not None and not _is_stream_answer(upstream_resp):
-            return await _error_after_keepalive(upstream_resp, upstream, keepalive)
-        relay = _Relay(upstream, api, meter, started, strip, progress, shutting_down)
-        resp, client_gone, failure = await _relay(request, upstream_resp, relay, extra_headers, committed)
-    finally:
-        # Closing (not releasing) drops the connection if the body was not read to the end, which tells
-        # llama-server to stop generating and free the slot.
-        upstream_resp.close()
+    with (stranded or StrandedRequests()).book(upstream.base_url, upstream.label) as booking:
+        sent = _send(sessions, request.method, url, body, headers, timeout)
+        try:
+            waited = keepalive.during(sent) if keepalive is not None else sent
+            outcome = await _sent_or_failed(waited, upstream, timeout)
+        except asyncio.CancelledError:
+            ended = _taken_back(shutting_down, booking)
+            if ended is None:
+                raise
+            outcome = ended
+        if isinstance(outcome, Outcome):
+            return await _failed(outcome, keepalive)
+        upstream_resp = outcome
+        committed = keepalive.take() if keepalive is not None and keepalive.committed else None
+        try:
+            if committed is not None and keepalive is not None and not _is_stream_answer(upstream_resp):
+                return await _error_after_keepalive(upstream_resp, upstream, keepalive)
+            relay = _Relay(upstream, api, meter, started, strip, progress, shutting_down, booking)
+            resp, client_gone, failure = await _relay(request, upstream_resp, relay, extra_headers, committed)
+        finally:
+            # Closing (not releasing) drops the connection if the body was not read to the end, which tells
+            # llama-server to stop generating and free the slot.
+            upstream_resp.close()
     # After the headers: the relay's own failure, else the error the server's answer carried (its error event).
     if failure is not None:
         return resp, Outcome(resp.status, failure[0], failure[1], client_gone=client_gone)
@@ -110,8 +116,10 @@ async def _sent_or_failed(
     try:
         return await sending
     except aiohttp.ClientConnectorError as exc:
+        # 503, not 502: nothing answered wrongly, the server is not there (crashed, restarting); the client may try
+        # again after Retry-After, and a pool fails the request over first.
         message = f"profile {upstream.name!r} at {upstream.base_url} is unreachable: {exc.os_error or exc}"
-        return Outcome(502, message, "upstream_unreachable", unreachable=True)
+        return Outcome(503, message, "upstream_unreachable", unreachable=True)
     except aiohttp.ConnectionTimeoutError:
         message = (
             f"profile {upstream.name!r} at {upstream.base_url} did not accept a connection within "
@@ -121,6 +129,11 @@ async def _sent_or_failed(
     except TimeoutError:
         message = f"profile {upstream.name!r} at {upstream.base_url} did not answer within {timeout.sock_read} s"
         return Outcome(504, message, "upstream_timeout")
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        # Dropped again on a fresh connection (`_send` retried once): a server dying under it (the socket of a
+        # SIGKILLed one resets what its backlog held). Nothing was answered: as unreachable.
+        message = f"profile {upstream.name!r} at {upstream.base_url} dropped the connection before answering: {exc}"
+        return Outcome(503, message, "upstream_unreachable", unreachable=True)
     except aiohttp.ClientError as exc:
         message = f"profile {upstream.name!r} at {upstream.base_url} failed before answering: {exc}"
         return Outcome(502, message, "upstream_error")
@@ -147,14 +160,19 @@ async def _send(
         return await fresh.request(method, url, data=body or None, headers=headers, timeout=timeout)
 
 
-def _shutdown_cancel(shutting_down: Callable[[], bool]) -> bool:
-    """Whether the cancellation being handled is the shutdown ending this request; if so it is taken back, so the
-    client can still be told."""
+def _taken_back(shutting_down: Callable[[], bool], booking: Booking | None) -> Outcome | None:
+    """How the request ends when the cancellation being handled is the proxy's own (its server stopped answering,
+    or the shutdown ended it): then it is taken back, so the client can still be told. None: the client's."""
     task = asyncio.current_task()
-    if not shutting_down() or task is None:
-        return False
+    if task is None:
+        return None
+    if booking is not None and booking.ended is not None:
+        task.uncancel()
+        return booking.outcome()
+    if not shutting_down():
+        return None
     task.uncancel()
-    return True
+    return SHUTDOWN
 
 
 async def _failed(outcome: Outcome, keepalive: PrefillKeepAlive | None) -> tuple[web.StreamResponse, Outcome]:
@@ -200,6 +218,7 @@ class _Relay:
     strip: bool
     progress: Callable[[], None] | None
     shutting_down: Callable[[], bool]
+    booking: Booking | None = None  # where the request waits on its server (requests/stranded.py)
 
     def where(self) -> str:
         return f"profile {self.upstream.name!r} at {self.upstream.base_url}"
@@ -242,7 +261,7 @@ async def _relay(
         if is_sse:
             failure = await _relay_sse(resp, upstream_resp, relay)
         else:
-            failure = await _relay_body(request, resp, upstream_resp, relay.upstream, relay.meter)
+            failure = await _relay_body(request, resp, upstream_resp, relay)
     except ConnectionResetError:
         return resp, True, None
     return resp, False, failure
@@ -294,9 +313,10 @@ async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResp
         message = f"{relay.where()} stopped sending (read timeout)"
         return await _end_stream_with_error(resp, relay.api, message, "upstream_timeout")
     except asyncio.CancelledError:
-        if not _shutdown_cancel(relay.shutting_down):
+        ended = _taken_back(relay.shutting_down, relay.booking)
+        if ended is None:
             raise
-        return await _end_stream_with_error(resp, relay.api, SHUTDOWN.error or "", SHUTDOWN.code or "")
+        return await _end_stream_with_error(resp, relay.api, ended.error or "", ended.code or "")
     if tap.close() and meter.error is None:
         message = f"{relay.where()} ended the stream in the middle of an event"
         return await _end_stream_with_error(resp, relay.api, message, "upstream_truncated")
@@ -315,9 +335,9 @@ async def _relay_body(
     request: web.Request,
     resp: web.StreamResponse,
     upstream_resp: aiohttp.ClientResponse,
-    upstream: Upstream,
-    meter: ResponseMeter,
+    relay: _Relay,
 ) -> _Failure | None:
+    upstream, meter = relay.upstream, relay.meter
     keep = upstream_resp.content_type == "application/json"
     parts: list[bytes] = []
     size = 0
@@ -333,6 +353,13 @@ async def _relay_body(
         if request.transport is not None:
             request.transport.close()
         return f"profile {upstream.name!r} at {upstream.base_url} broke off the response: {exc!r}", "upstream_error"
+    except asyncio.CancelledError:  # the server stopped answering half way through its body, or the shutdown
+        ended = _taken_back(relay.shutting_down, relay.booking)
+        if ended is None:
+            raise
+        if request.transport is not None:
+            request.transport.close()
+        return ended.error or "", ended.code or ""
     if keep:
         meter.on_body(b"".join(parts))
     await resp.write_eof()

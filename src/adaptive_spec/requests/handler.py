@@ -30,6 +30,7 @@ from adaptive_spec.requests.outcome import CLIENT_GONE, SERVED, SHUTDOWN, Outcom
 from adaptive_spec.requests.parse import parse_body, with_fields
 from adaptive_spec.requests.repeats import guard, trailing_repeat
 from adaptive_spec.requests.shapes import RequestProblem
+from adaptive_spec.requests.stranded import STRANDED
 from adaptive_spec.routing.api import Completion, Refusal, Route, RouteRequest
 from adaptive_spec.routing.router import Router
 from adaptive_spec.servers.speculation import merge_fields
@@ -188,18 +189,21 @@ def _rewrite(request: web.Request, req: ProxyRequest, body: dict[str, Any]) -> N
         req.sent = (body, orjson.dumps(body))
 
 
-async def _failover(request: web.Request, req: ProxyRequest, failed: Upstream) -> Upstream | None:
-    """`failed`, a replica of a pool, refused the connection (the request never reached it): mark it down (the
-    health watch brings it back) and route the request again among the replicas still up. A session whose KV lived
-    there is re-placed and re-prefills. None: no other replica is up, the refusal stands (this request's 502; the
-    replica is marked down all the same, so the next request gets a 503 at once instead of trying it again)."""
+async def _failover(request: web.Request, req: ProxyRequest, failed: Upstream, outcome: Outcome) -> Upstream | None:
+    """`failed` refused the connection, or stopped answering and the request was ended (nothing came back): mark it
+    down (the health watch brings it back) and, in a pool, route the request again among the replicas still up. A
+    session whose KV lived there is re-placed and re-prefills. None: no other replica is up, the refusal stands (this
+    request's 503; the replica is marked down all the same, so the next request gets a 503 at once instead of trying
+    it again)."""
     table = request.app[UPSTREAMS]
+    if table.replica_down_reason(failed.name, failed.replica) is None:  # the health poll may have said so first
+        why = "refused connections" if outcome.code == "upstream_unreachable" else "stopped answering"
+        table.mark_down(failed.name, why, failed.replica, watch=True)
     if req.pool_size <= 1:
         return None
-    table.mark_down(failed.name, "refused connections", failed.replica, watch=True)
     if not any(table.replica_down_reason(failed.name, u.replica) is None for u in table.replicas(failed.name)):
         return None
-    log.warning("request %s: %s refused the connection; trying another replica", req.request_id, failed.label)
+    log.warning("request %s: nothing came back from %s; trying another replica", req.request_id, failed.label)
     req.meter = ResponseMeter()
     if req.route is None:
         chosen = choose_upstream(request, table, failed.name)
@@ -310,7 +314,7 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
         while (
             outcome.unreachable
             and (not resp.prepared or (keepalive is not None and keepalive.owns(resp)))  # keep-alives are no answer
-            and (other := await _failover(request, req, chosen))
+            and (other := await _failover(request, req, chosen, outcome))
         ):
             chosen = other
             resp, outcome = await _forward_once(request, req, chosen, keepalive)
@@ -370,4 +374,5 @@ async def _forward_once(
         progress=(lambda: lifecycle.progress(req)) if watched else None,
         shutting_down=lambda: lifecycle.stopping,
         keepalive=keepalive,
+        stranded=app[STRANDED],
     )

@@ -14,7 +14,9 @@ class Outcome:
     code: str | None = None  # the error's code in the answer's body (OpenAI's shape)
     param: str | None = None  # the request field the error is about
     client_gone: bool = False  # the client hung up while the answer was being written to it
-    unreachable: bool = False  # the server refused the connection: the request never reached it
+    # Nothing came back from the server (it refused the connection, or stopped answering and the request was ended):
+    # a pool may send it to another replica while nothing went out to the client.
+    unreachable: bool = False
 
     @property
     def finished(self) -> bool:

@@ -40,6 +40,7 @@ from adaptive_spec.requests.gate import install_security
 from adaptive_spec.requests.handler import proxy_view
 from adaptive_spec.requests.heads import HEADS, add_heads_views, watch_servers
 from adaptive_spec.requests.lifecycle import RequestLifecycle
+from adaptive_spec.requests.stranded import STRANDED, StrandedRequests
 from adaptive_spec.routing.api import FixedPolicy, PolicySource
 from adaptive_spec.routing.draft_length import capped_profiles
 from adaptive_spec.routing.router import Router
@@ -136,6 +137,7 @@ def build_app(
     app[RESTART] = restart
     _add_heads(app, kv)
     app[LIFECYCLE] = RequestLifecycle(bus, app[HISTORY], router, sessions, trace, settings.progress_interval_s)
+    app[STRANDED] = StrandedRequests()  # what the health poll ends when a server stops answering
     bus.listen(app[METRICS].on_event)
     if sessions is not None:
         app[METRICS].watch_session_updates(sessions.update_counts)
@@ -165,6 +167,8 @@ async def _close_feeds(app: web.Application) -> None:
 
 
 async def _drain(app: web.Application) -> None:
+    if app[LIFECYCLE].stopping:  # `serve` ended its requests itself before stopping the app (server/run.py)
+        return
     ended = await app[LIFECYCLE].drain(app[SETTINGS].shutdown_grace_s)
     if ended:
         log.warning(
@@ -247,8 +251,10 @@ async def _slot_sweep(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _health_poll(app: web.Application) -> AsyncIterator[None]:
-    """Every server's /health, every few seconds (servers/pool_health.py): a dead or hung one is marked down."""
-    async with health_poll(app[UPSTREAMS], app[FRESH_CLIENT], _server_load(app[ROUTER], app[UPSTREAMS])):
+    """Every server's /health, every few seconds (servers/pool_health.py): a dead or hung one is marked down, and
+    the requests waiting on it are ended (requests/stranded.py)."""
+    load = _server_load(app[ROUTER], app[UPSTREAMS])
+    async with health_poll(app[UPSTREAMS], app[FRESH_CLIENT], load, app[STRANDED].end):
         yield
 
 

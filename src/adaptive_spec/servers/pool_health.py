@@ -3,7 +3,11 @@ finds it back. Every POLL_S each distinct server URL serving a profile that is u
 llama-server may carry several profiles, or be a replica of a pool); one that refuses, answers an error, or does not
 answer in TIMEOUT_S twice in a row (six times while it holds as many requests as it keeps HTTP threads) is marked down
 for every profile on it, so requests are refused at once (503) or routed elsewhere instead of waiting out the read
-timeout. The watch asks each server marked down that way every WATCH_S and marks its profiles up when it answers 200."""
+timeout, and the requests already waiting on it are ended (`on_down`: requests/stranded.py). The watch asks each
+server marked down that way every WATCH_S and marks its profiles up when it answers 200.
+
+llama-server answers /health from its HTTP threads while a slot prefills or decodes (measured on the 0.5B at -t 1
+prefilling 15k tokens, minutes on this CPU: every /health answered within 40 ms), so a long prefill is not a hang."""
 
 from __future__ import annotations
 
@@ -34,6 +38,12 @@ WATCH_TIMEOUT_S = 2.0
 ServerLoad = Callable[[str], tuple[int, int]]
 # Why a replica that answers /health again may not take sessions (None: it may): servers/probe.py other_model.
 Admit = Callable[[aiohttp.ClientSession, Upstream], Awaitable[str | None]]
+# Told once per server the poll marks down (its URL, the reason): the requests waiting on it are ended there.
+OnDown = Callable[[str, str], object]
+
+
+def _nobody(_url: str, _reason: str) -> None:
+    return None
 
 
 async def _any_model(_client: aiohttp.ClientSession, _upstream: Upstream) -> str | None:
@@ -77,9 +87,10 @@ async def poll_round(
     client: aiohttp.ClientSession,
     timeouts: dict[str, int],
     load: ServerLoad = _unknown_load,
+    on_down: OnDown = _nobody,
 ) -> None:
     """One round: each server with a profile up on it, asked once. `timeouts`: consecutive timeouts per server URL,
-    kept between rounds."""
+    kept between rounds; `on_down`: told of each server marked down."""
     servers = by_server(table, down=False)
     results = await asyncio.gather(*(check(client, url, TIMEOUT_S) for url in servers))
     for (url, upstreams), (reason, timed_out) in zip(servers.items(), results, strict=True):
@@ -92,6 +103,7 @@ async def poll_round(
             if table.replica_down_reason(u.name, u.replica) is None:  # a request may have said so first
                 log.warning("%s at %s: %s; passed over until it answers", u.label, url, reason)
                 table.mark_down(u.name, reason, u.replica, watch=True)
+        on_down(url, reason)
 
 
 async def watch_round(table: UpstreamTable, client: aiohttp.ClientSession, admit: Admit = _any_model) -> None:
@@ -138,11 +150,11 @@ async def _every(seconds: float, work: Callable[[], Awaitable[None]], what: str)
 
 
 def health_poll(
-    table: UpstreamTable, client: aiohttp.ClientSession, load: ServerLoad = _unknown_load
+    table: UpstreamTable, client: aiohttp.ClientSession, load: ServerLoad = _unknown_load, on_down: OnDown = _nobody
 ) -> contextlib.AbstractAsyncContextManager[None]:
     """The poll of every server, for as long as the context is open."""
     timeouts: dict[str, int] = {}
-    return _every(POLL_S, lambda: poll_round(table, client, timeouts, load), "the health poll")
+    return _every(POLL_S, lambda: poll_round(table, client, timeouts, load, on_down), "the health poll")
 
 
 def replica_watch(
