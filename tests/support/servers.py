@@ -119,7 +119,7 @@ class LlamaServer:
             self.stop()
             raise
 
-    def _run(self, work: Coroutine[Any, Any, None]) -> None:
+    def _run(self, work: Coroutine[Any, Any, object]) -> None:
         asyncio.run_coroutine_threadsafe(work, self._loop).result()
 
     @property

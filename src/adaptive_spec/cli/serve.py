@@ -25,6 +25,7 @@ from adaptive_spec.server.event_loop import EVENT_LOOPS
 from adaptive_spec.server.run import LaunchPlan, ServePlan, SessionPlan, say
 from adaptive_spec.server.run import run as run_server
 from adaptive_spec.servers.cpu_faults import REPACK_MODES
+from adaptive_spec.servers.launcher import HUNG_RESTART_S, KILL_AFTER_S
 from adaptive_spec.servers.models import DEFAULT_MODEL, agents_advice, embedded_chat_template, resolve_model
 from adaptive_spec.servers.profiles import (
     DRAFT_TYPES,
@@ -84,7 +85,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=float,
         default=10.0,
         help="on Ctrl-C or SIGTERM, seconds a request in flight may run on; then it ends with an error (503, or a "
-        "final error event in a stream)",
+        "final error event in a stream), and each launched llama-server gets SIGTERM, then SIGKILL after "
+        f"{KILL_AFTER_S:g} s: serve exits within the grace + 5 s (default: %(default)s)",
     )
     serve.add_argument("--history", type=int, default=1000, help="request records kept for /adaptive/requests")
     serve.add_argument(
@@ -206,6 +208,14 @@ def _add_server_arguments(launch: argparse._ArgumentGroup) -> None:
         help="seconds a profile may take to load and answer /health before serve gives up (default: %(default)s)",
     )
     launch.add_argument(
+        "--restart-hung-after",
+        type=float,
+        default=HUNG_RESTART_S,
+        metavar="SECONDS",
+        help="a launched llama-server that stops answering is marked down ~10 s after it hangs (the requests on it end "
+        "with an error at once); one still down SECONDS later is killed and restarted (default: %(default)s)",
+    )
+    launch.add_argument(
         "--ngram-mod",
         default=None,
         metavar="MATCH,MIN,MAX",
@@ -267,6 +277,7 @@ def _launch_plan(args: argparse.Namespace) -> LaunchPlan:
         one_server=not args.server_per_profile,
         device_memory_mib=args.device_memory,
         repack=args.cpu_repack,
+        hung_restart_s=args.restart_hung_after,
     )
 
 

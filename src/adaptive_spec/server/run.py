@@ -36,7 +36,7 @@ from adaptive_spec.server.event_loop import loop_factory, loop_name
 from adaptive_spec.server.session_tokens import choose_tokenizer
 from adaptive_spec.servers.cpu_faults import RepackMode
 from adaptive_spec.servers.footprint import device_report, launch_lines
-from adaptive_spec.servers.launcher import Launcher, describe_binary
+from adaptive_spec.servers.launcher import HUNG_RESTART_S, KILL_AFTER_S, Launcher, describe_binary
 from adaptive_spec.servers.profile_servers import (
     STOCK,
     Launched,
@@ -64,11 +64,20 @@ from adaptive_spec.sessions.grouping import ECHO_FINGERPRINTS
 from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker
 from adaptive_spec.telemetry.bus import EventBus
+from adaptive_spec.telemetry.events import Event, ProfileDown, ProfileUp
 from adaptive_spec.telemetry.trace import TraceWriter
 
 
 def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+# The stop after the grace, each phase bounded so that `serve` exits within the grace + 5 s whatever llama-server is
+# computing: the requests ended at the grace write their error (ms), then at once the proxy's own tasks stop (event
+# feeds, health poll, statistics worker) beside the children's SIGTERM, SIGKILL after KILL_AFTER_S.
+_ENDED_WRITE_S = 0.5  # the ended requests' errors going out
+_TASKS_STOP_S = 1.5  # aiohttp's handlers and the app's cleanup contexts
+_AIOHTTP_SHUTDOWN_S = 0.5  # aiohttp's own wait per connection (twice at most): the handlers have ended already
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,7 @@ class LaunchPlan:
     device_memory_mib: int | None = None  # fit the launch to a device of this size instead of asking nvidia-smi
     one_server: bool = True  # the profiles as per-request settings of one llama-server, when it takes them
     repack: RepackMode = "auto"  # CPU weight repacking (servers/cpu_faults.py): --cpu-repack
+    hung_restart_s: float = HUNG_RESTART_S  # a server marked down this long is killed and restarted
 
 
 @dataclass(frozen=True)
@@ -185,20 +195,37 @@ class _Run:
     run_dir: Path | None = None
     runner: web.AppRunner | None = None
     keep_logs: bool = False  # a start-up error names a log file: it must still be there to be read
+    phases: list[str] = field(default_factory=list)  # how long each phase of a signalled stop took, for the log
 
     async def close(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
+        """The proxy's tasks and the children stopped side by side, each bounded and timed."""
+        await asyncio.gather(self._close_proxy(), self._stop_children())
         for sock in self.sockets:
             sock.close()
-        await self.client.close()
-        if self.launcher is not None:
-            await self.launcher.stop()
         if self.run_dir is not None and self.keep_logs:
             shutil.rmtree(self.run_dir / "slots", ignore_errors=True)
             say(f"the profiles' logs are kept in {self.run_dir / 'logs'}")
         elif self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    async def _close_proxy(self) -> None:
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(_TASKS_STOP_S):
+                if self.runner is not None:
+                    await self.runner.cleanup()
+                await self.client.close()
+            self.phases.append(f"proxy tasks {time.monotonic() - started:.1f} s")
+        except TimeoutError:
+            self.phases.append(f"proxy tasks cut off at {_TASKS_STOP_S:g} s")
+
+    async def _stop_children(self) -> None:
+        if self.launcher is None:
+            return
+        started = time.monotonic()
+        killed = await self.launcher.stop(KILL_AFTER_S)
+        forced = f", {killed} killed after SIGTERM + {KILL_AFTER_S:g} s" if killed else " (SIGTERM)"
+        self.phases.append(f"llama-server {time.monotonic() - started:.1f} s{forced}")
 
 
 async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
@@ -215,23 +242,53 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
         table = UpstreamTable(upstreams, plan.default_profile, publish=bus.publish)
         if run.launcher is not None and run.launched is not None:
             run.launcher.set_health_hooks(*health_hooks(run.launched, table))
+            bus.listen(_hang_watch(run.launcher))
         app = await _app(run, policies, table, bus)
         say(describe_access(plan.access))
         say(f"event loop: {loop_name()}")
         watch = watch_connections(app, plan.connections, say)
         # The shutdown grace is the app's own (it tells each request it ends); aiohttp then waits for them briefly.
         # The connections' handlers are the watch's (WatchedSite), made with their options there.
-        run.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0)
+        run.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=_AIOHTTP_SHUTDOWN_S)
         await run.runner.setup()
         for sock in run.sockets:
             await WatchedSite(run.runner, sock, watch).start()
         announce(base_url(plan.host, run.sockets[0]), table.default, plan.agents_note)
         await stop.wait()
-        running = len(app[LIFECYCLE].handlers)
-        grace = plan.proxy.shutdown_grace_s
-        say(f"stopping; {running} requests in flight get up to {grace:g} s" if running else "stopping")
+        stopping = time.monotonic()
+        await _end_requests(run, app)
     finally:
         await run.close()
+    say(f"stopped in {time.monotonic() - stopping:.1f} s: " + ", ".join(run.phases))
+
+
+async def _end_requests(run: _Run, app: web.Application) -> None:
+    """No new connections; requests in flight run for up to the grace, then end with their error."""
+    lifecycle, grace = app[LIFECYCLE], run.plan.proxy.shutdown_grace_s
+    running = len(lifecycle.handlers)
+    say(f"stopping; {running} requests in flight get up to {grace:g} s" if running else "stopping")
+    started = time.monotonic()
+    assert run.runner is not None
+    for site in list(run.runner.sites):
+        await site.stop()
+    ended = await lifecycle.drain(grace)
+    left = list(lifecycle.handlers.values())
+    if left:
+        await asyncio.wait(left, timeout=_ENDED_WRITE_S)
+    ended_note = f", {ended} ended at the grace" if ended else ""
+    run.phases.append(f"requests {time.monotonic() - started:.1f} s ({running} in flight{ended_note})")
+
+
+def _hang_watch(launcher: Launcher) -> Callable[[Event], None]:
+    """The launcher hears of its servers marked down and up, to restart one that stays down (hung)."""
+
+    def on_event(event: Event) -> None:
+        if isinstance(event, ProfileDown):
+            launcher.server_down(event.base_url, event.reason)
+        elif isinstance(event, ProfileUp):
+            launcher.server_up(event.base_url)
+
+    return on_event
 
 
 def _policies(plan: ServePlan) -> PolicyStore:
@@ -260,6 +317,7 @@ async def _launch(run: _Run, launch: LaunchPlan, stop: asyncio.Event) -> list[Up
         say=say,
         health_timeout_s=launch.start_timeout_s,
         repack=launch.repack,
+        hung_restart_s=launch.hung_restart_s,
     )
     try:
         if not await _until_stopped(launcher.start(), stop):

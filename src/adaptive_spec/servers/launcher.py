@@ -33,6 +33,15 @@ from adaptive_spec.servers.profiles import ProfileSpec, ServerSettings, server_a
 
 Say = Callable[[str], None]
 _PR_SET_PDEATHSIG = 1
+# A launched server marked down (the health poll found it hung: SIGSTOPped, wedged) this long is killed, and its
+# watcher restarts it (serve --restart-hung-after).
+HUNG_RESTART_S = 30.0
+# On stop, how long a llama-server has between SIGTERM and SIGKILL: it acts on SIGTERM only after the batch it is
+# computing (a 2048-token prefill batch of the 0.5B at -t 1 took ~60 s on a loaded 2-core machine), and with a
+# request still connected it does not exit at all (b11434).
+KILL_AFTER_S = 3.0
+
+
 # The reason a profile is down while `POST /adaptive/profiles/{name}/restart` restarts it: it comes back empty.
 RESTART_ON_REQUEST = "restarting on request"
 
@@ -218,20 +227,23 @@ class ServerProcess:
             f"({self.verdicts().path}; {CLEAR_HINT}); {REPACK_COST}"
         )
 
-    async def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 10 s. Safe to call more than once."""
+    async def stop(self, kill_after_s: float = 10.0) -> bool:
+        """SIGTERM, then SIGKILL after `kill_after_s`. Safe to call more than once. True when it took a SIGKILL."""
         proc = self.process
         if proc is None or proc.returncode is not None:
-            return
+            return False
         with contextlib.suppress(ProcessLookupError):
             proc.terminate()
+            proc.send_signal(signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
         try:
-            async with asyncio.timeout(10):
+            async with asyncio.timeout(kill_after_s):
                 await proc.wait()
+            return False
         except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
+            return True
 
     def died_message(self) -> str:
         assert self.process is not None
@@ -267,8 +279,11 @@ class Launcher:
         on_down: Callable[[str, str], None] = lambda _n, _r: None,
         health_timeout_s: float = 600.0,
         repack: RepackMode = "auto",
+        hung_restart_s: float = HUNG_RESTART_S,
     ) -> None:
         self._say, self._on_up, self._on_down = say, on_up, on_down
+        self._hung_restart_s = hung_restart_s
+        self._hung: dict[str, asyncio.TimerHandle] = {}  # server URL -> its kill, while it is marked down
         self._repack = repack
         self._health_timeout_s = health_timeout_s
         self._stopping = False
@@ -349,6 +364,34 @@ class Launcher:
                 self._watchers[name] = asyncio.create_task(self._watch(child), name=f"watch-{name}")
         self._on_up(name)
 
+    def server_down(self, base_url: str, reason: str) -> None:
+        """A server was marked down (a hang the health poll found, or any other reason): if it is one of ours and
+        still running, it is killed once it has stayed down `hung_restart_s` (its watcher then restarts it)."""
+        child = next((c for c in self._children if c.base_url == base_url), None)
+        proc = child.process if child is not None else None
+        if child is None or proc is None or proc.returncode is not None or self._stopping or base_url in self._hung:
+            return
+        loop = asyncio.get_running_loop()
+        self._hung[base_url] = loop.call_later(self._hung_restart_s, self._kill_hung, child, proc.pid, reason)
+
+    def server_up(self, base_url: str) -> None:
+        timer = self._hung.pop(base_url, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _kill_hung(self, child: ServerProcess, pid: int, reason: str) -> None:
+        self._hung.pop(child.base_url, None)
+        proc = child.process
+        # The same process, still there: one that crashed meanwhile was restarted by its watcher (another pid).
+        if self._stopping or proc is None or proc.pid != pid or proc.returncode is not None:
+            return
+        self._say(
+            f"profile {child.name!r}: down for {self._hung_restart_s:g} s ({reason}); "
+            "killing its llama-server so that it is restarted"
+        )
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()  # SIGKILL ends a stopped process too
+
     async def _watch(self, child: ServerProcess) -> None:
         """Restart a profile that exits on its own, with exponential backoff (1 s doubling to 30 s)."""
         backoff = 1.0
@@ -381,13 +424,17 @@ class Launcher:
                 continue
             self._on_up(child.name)
 
-    async def stop(self) -> None:
-        """Stop every child: SIGTERM, then SIGKILL after 10 s. Safe to call more than once."""
+    async def stop(self, kill_after_s: float = KILL_AFTER_S) -> int:
+        """Stop every child: SIGTERM, then SIGKILL after `kill_after_s`. Safe to call more than once. Returns how
+        many needed the SIGKILL."""
         self._stopping = True
+        for timer in self._hung.values():
+            timer.cancel()
+        self._hung.clear()
         for task in self._watchers.values():
             task.cancel()
         for task in self._watchers.values():
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._watchers.clear()
-        await asyncio.gather(*(c.stop() for c in self._children))
+        return sum(await asyncio.gather(*(c.stop(kill_after_s) for c in self._children)))
