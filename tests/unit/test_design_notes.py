@@ -1,0 +1,23 @@
+"""Every package of the tree says what it owns and the rules its code honours, in a design note beside its code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import adaptive_spec
+
+ROOT = Path(adaptive_spec.__file__).resolve().parent
+
+
+def test_every_top_level_package_has_a_design_note_that_says_what_it_owns_and_its_rules() -> None:
+    packages = sorted(p for p in ROOT.iterdir() if p.is_dir() and any(p.glob("*.py")))
+    assert packages
+    for package in packages:
+        note = package / "design.md"
+        assert note.is_file(), f"{package.name}/ has no design.md"
+        text = note.read_text(encoding="utf-8")
+        assert "**Owns**" in text and "**Rules**" in text, f"{package.name}/design.md lacks what it owns or its rules"
+        # A module it names is one that exists (a note that outlived a rename misleads).
+        for name in {w.strip("`") for w in text.split() if w.startswith("`") and w.rstrip("`,.;):").endswith(".py")}:
+            name = name.rstrip("`,.;):")
+            assert (package / name).is_file() or (ROOT / name).is_file(), f"{package.name}/design.md names {name}"
