@@ -129,3 +129,16 @@ def test_an_overflow_is_worded_as_anthropic_words_it() -> None:
 )
 def test_anything_else_is_not_an_overflow(body: bytes) -> None:
     assert anthropic_overflow(body) is None
+
+
+def test_an_anthropic_tool_use_counts_as_the_call_the_template_writes() -> None:
+    from adaptive_spec.sessions.grouping import message_entry
+
+    use = {"type": "tool_use", "id": "toolu_1", "name": "Write", "input": {"file_path": "hello.py", "content": "x"}}
+    role, assistant, text, calls = message_entry({"role": "assistant", "content": [use]})
+    assert (role, assistant, calls) == ("assistant", True, True)
+    assert text == '{"name": "Write", "arguments": {"file_path": "hello.py", "content": "x"}}'
+    said = {"role": "assistant", "content": [{"type": "text", "text": "Writing it."}, use]}
+    assert message_entry(said)[2].startswith('Writing it.\n{"name": "Write"')
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "done"}]}
+    assert message_entry(result)[2:] == ("done", False)

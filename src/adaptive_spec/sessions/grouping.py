@@ -351,7 +351,18 @@ def _tool_text(message: Mapping[str, Any], spaced: bool = False) -> str:
         parts.append(call_text(message.get("name"), message["arguments"], spaced=spaced))
     if isinstance(message.get("output"), str):  # a function_call_output item
         parts.append(message["output"])
+    content = message.get("content")
+    for block in content if type(content) is list else ():  # Anthropic tool_use blocks: llama-server renders each
+        if isinstance(block, dict) and block.get("type") == "tool_use":  # as a call, its input as `tojson` writes it
+            parts.append(
+                call_text(block.get("name"), json.dumps(block.get("input", {}), ensure_ascii=False), spaced=False)
+            )
     return "\n".join(parts)
+
+
+def _uses_tools(content: Any) -> bool:
+    """Whether an Anthropic message's content holds tool_use blocks."""
+    return type(content) is list and any(isinstance(b, dict) and b.get("type") == "tool_use" for b in content)
 
 
 def message_digest(role: str, text: str) -> bytes:
@@ -406,7 +417,7 @@ def message_entry(message: Mapping[str, Any], spaced: bool = False) -> tuple[str
     content = message.get("content")
     text = content if type(content) is str else message_text(content)
     calls = False
-    if "tool_calls" in message or "arguments" in message or "output" in message:  # its calls' text joins it
+    if "tool_calls" in message or "arguments" in message or "output" in message or _uses_tools(content):
         tools = _tool_text(message, spaced)
         calls = bool(tools) and "output" not in message
         text = (text + "\n" + tools if text else tools) if tools else text
