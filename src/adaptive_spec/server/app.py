@@ -59,6 +59,7 @@ from adaptive_spec.telemetry.trace import TraceWriter
 __all__ = ["KvSetup", "ProxySettings", "build_app"]
 log = logging.getLogger(__name__)
 _POLICY_REFRESH_S = 2.0
+_CleanupCtx = Callable[[web.Application], AsyncIterator[None]]
 _SLOT_SWEEP_S = 10.0  # left-over slot files go once five minutes old (kv/effects.py): no hurry
 
 
@@ -212,42 +213,42 @@ async def _trace_file(app: web.Application) -> AsyncIterator[None]:
         trace.close()
 
 
-async def _policy_refresher(app: web.Application) -> AsyncIterator[None]:
-    """Reload changed policy files every 2 s (a bad file keeps the last good policy; the router says so)."""
+def _every(interval_s: float, what: str, work: Callable[[web.Application], Awaitable[None]]) -> _CleanupCtx:
+    """A cleanup context that runs `work` every `interval_s` until the app stops; a failure is logged as `what`'s
+    and the next round runs as usual."""
 
-    async def loop() -> None:
-        while True:
-            await asyncio.sleep(_POLICY_REFRESH_S)
-            try:
-                router = app[ROUTER]
-                router.policies_changed(await asyncio.to_thread(router.policies.refresh))
-            except Exception:
-                log.exception("policy refresh failed")
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    await work(app)
+                except Exception:
+                    log.exception("%s failed", what)
 
-    task = asyncio.create_task(loop())
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+        task = asyncio.create_task(loop())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    return ctx
 
 
-async def _slot_sweep(app: web.Application) -> AsyncIterator[None]:
-    """Delete the proxy's own left-over slot files (`as-*`, from handoffs a fault cut short) now and then; other
-    files in the slot folder, and the head store's, are never touched."""
+async def _refresh_policies(app: web.Application) -> None:
+    """Reload changed policy files (a bad file keeps the last good policy; the router says so)."""
+    router = app[ROUTER]
+    router.policies_changed(await asyncio.to_thread(router.policies.refresh))
 
-    async def loop() -> None:
-        while True:
-            await asyncio.sleep(_SLOT_SWEEP_S)
-            try:
-                await asyncio.to_thread(app[KV].sweep)
-            except Exception:
-                log.exception("slot file sweep failed")
 
-    task = asyncio.create_task(loop())
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+async def _sweep_slot_files(app: web.Application) -> None:
+    """Delete the proxy's own left-over slot files (`as-*`, from handoffs a fault cut short); other files in the slot
+    folder, and the head store's, are never touched."""
+    await asyncio.to_thread(app[KV].sweep)
+
+
+_policy_refresher = _every(_POLICY_REFRESH_S, "policy refresh", _refresh_policies)
+_slot_sweep = _every(_SLOT_SWEEP_S, "slot file sweep", _sweep_slot_files)
 
 
 async def _health_poll(app: web.Application) -> AsyncIterator[None]:
