@@ -281,3 +281,50 @@ async def test_a_client_gone_while_the_proxy_writes_is_a_disconnect_not_a_traceb
         assert record.status == 499 and record.error == "the client disconnected"
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
     assert any("client" in r.getMessage() and record.request_id in r.getMessage() for r in caplog.records)
+
+
+async def _quick_replica() -> web.AppRunner:
+    """A replica that answers every stream at once (the fake upstream's faults are per request, so both of a pool's
+    replicas would stall the same request)."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(CHUNK + b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    return runner
+
+
+@pytest.mark.parametrize("keepalive_s", [0, 0.2], ids=["before-headers", "after-keep-alives"])
+async def test_a_request_on_a_replica_that_stopped_answering_fails_over(
+    rig: tuple[FakeUpstream, TestServer, str], keepalive_s: float
+) -> None:
+    """Nothing but keep-alives went out: the request ended on the hung replica is sent to the other one, and the
+    client gets that one's whole answer."""
+    fake, _, _ = rig
+    runner = await _quick_replica()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    table = UpstreamTable([Upstream("pool", fake.url), Upstream("pool", f"http://127.0.0.1:{port}")])
+    settings = ProxySettings(read_timeout_s=60, prefill_keepalive_s=keepalive_s)
+    proxy = TestServer(build_app(table, settings), port=free_port())
+    await proxy.start_server()
+    try:
+        posting = asyncio.create_task(_post(proxy, {"x-fault": "stall-before-headers"}))
+        await until(lambda: proxy.app[STRANDED].waiting_on(fake.url) == 1, "the request on replica 0", 10)
+        await asyncio.sleep(keepalive_s * 2)  # keep-alives out (if any)
+        proxy.app[STRANDED].end(fake.url, "health check: no answer in 3 s")
+        status, body = await asyncio.wait_for(posting, 10)
+        assert status == 200 and body.endswith(CHUNK + b"data: [DONE]\n\n"), body
+        assert (b"data: {" in body.split(CHUNK)[0]) is (keepalive_s > 0), body  # the keep-alive chunks before it
+        record = _last_record(proxy)
+        assert record.outcome == "finished" and record.replica == 1, record
+        assert table.replica_down_reason("pool", 0) == "stopped answering"
+    finally:
+        await proxy.close()
+        await runner.cleanup()
