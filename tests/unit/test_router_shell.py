@@ -16,6 +16,7 @@ from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.kv.moves import HandoffResult, SlotAt, SlotMove
 from adaptive_spec.requests.handler import carry_out
 from adaptive_spec.routing.api import Completion, FixedPolicy, NoEffects, Route
+from adaptive_spec.routing.placements import observe
 from adaptive_spec.routing.router import Router
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.telemetry.records import Timings
@@ -202,3 +203,15 @@ def test_the_router_and_its_move_planner_never_wait() -> None:
     for cls in (Router, KvMoves):
         waiting = [n for n, f in vars(cls).items() if inspect.iscoroutinefunction(f)]
         assert waiting == [], f"{cls.__name__} awaits in {waiting}"
+
+
+def test_a_side_request_in_a_slot_of_its_own_displaces_whoever_held_that_slot() -> None:
+    """A title request served in slot 1 without its session (a side request keeps the session's own slot) overwrote
+    slot 1: the session that held it there is no longer counted as in it."""
+    r = router(slots=2)
+    served(r, request({"messages": []}, "a", pinned="oneshot", client_slot=1), TIMINGS)
+    held = r.placements.get("a")
+    assert held is not None and held.in_slot and held.slot == 1
+    observe(r.speeds, r.placements, "oneshot", 1, None, 0.0, TIMINGS, 10)
+    after = r.placements.get("a")
+    assert after is not None and not after.in_slot

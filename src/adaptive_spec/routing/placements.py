@@ -164,6 +164,9 @@ def observe(
     lives in `slot` there (whichever session held that slot before is out of it). Speeds are learned per profile:
     the replicas of a pool run the same model and setup."""
     speeds.observe(profile, copy_share, timings, body_bytes)
+    if session_id is None and slot is not None:
+        # A request of no session's line (a side request in a slot of its own) still overwrote that slot.
+        placements.displace(profile, slot, keep=None, replica=replica)
     if session_id is not None:
         placements.displace(profile, slot, keep=session_id, replica=replica)
         cached = timings.cache_n + timings.prompt_n + timings.predicted_n
