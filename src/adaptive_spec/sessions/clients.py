@@ -9,6 +9,7 @@ _KNOWN = (
     ("codex", "codex"),
     ("claude-cli", "claude-code"),
     ("claude-code", "claude-code"),
+    ("qwencode", "qwen-code"),
     ("aider", "aider"),
     ("litellm", "litellm"),
     ("continue", "continue"),
