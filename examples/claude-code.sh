@@ -5,9 +5,15 @@ export ANTHROPIC_BASE_URL="${ANTHROPIC_BASE_URL:-http://127.0.0.1:8088/p/myproje
 export ANTHROPIC_AUTH_TOKEN="${ANTHROPIC_AUTH_TOKEN:-local}"     # any value; adaptive-spec's --api-key if you set one
 export ANTHROPIC_MODEL="${ANTHROPIC_MODEL:-local}"               # each profile serves one model: the name is a label
 export ANTHROPIC_SMALL_FAST_MODEL="${ANTHROPIC_SMALL_FAST_MODEL:-$ANTHROPIC_MODEL}"
-# Its system prompt's first block is a billing line whose cch= value can change per request: off, so the head of
-# every request is the same and llama-server's cache (and adaptive-spec's head store) can reuse it.
-export CLAUDE_CODE_ATTRIBUTION_HEADER=0
+# It does not know a local model's window and assumes 1M tokens, so it never compacts before llama-server's limit:
+# name the context of one slot (serve --ctx-size / --parallel; 32768 by default).
+export CLAUDE_CODE_MAX_CONTEXT_TOKENS="${CLAUDE_CODE_MAX_CONTEXT_TOKENS:-32768}"
+# A first turn on a CPU prefills ~12k tokens before its first byte: minutes (the proxy's keep-alives meanwhile are
+# Anthropic `ping` events).
+export API_TIMEOUT_MS="${API_TIMEOUT_MS:-3600000}"
+# Its system prompt's first block is a billing line whose cch= value can change per request. llama-server and
+# adaptive-spec both read it with that value normalised, so the cache holds either way; off, the line is not sent.
+export CLAUDE_CODE_ATTRIBUTION_HEADER="${CLAUDE_CODE_ATTRIBUTION_HEADER:-0}"
 # No telemetry, update checks or other traffic that has nowhere to go on a local setup.
 export CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1
 export DISABLE_AUTOUPDATER=1
