@@ -191,7 +191,8 @@ def observe(
     templated = prompt_tokens - _markup(pieces) - _fixed(pieces)
     cpt = state.chars_per_token if state is not None else chars_per_token
     ratio = state.new_ratio if state is not None else 1.0
-    if state is not None and timings.cache_n > 0 and not timings.from_usage:
+    # Counts from `usage` (llama-server's Anthropic API: no timings) are its own too: prompt_n and cache_n exact.
+    if state is not None and timings.cache_n > 0:
         total = total_tokens(pieces, cpt)
         shared, new = _against(state, pieces, cpt, total)
         if shared > 0 and new > 0:
