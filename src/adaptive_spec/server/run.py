@@ -30,6 +30,7 @@ from adaptive_spec.kv.slots import SharedDirMover, SlotMover
 from adaptive_spec.requests.app_keys import LIFECYCLE
 from adaptive_spec.routing.policy_files import PolicyStore, config_dir
 from adaptive_spec.server.app import KvSetup, ProxySettings, build_app
+from adaptive_spec.server.app_stop import stop_app
 from adaptive_spec.server.connection_book import ConnectionLimits
 from adaptive_spec.server.connections import WatchedSite, watch_connections
 from adaptive_spec.server.event_loop import loop_factory, loop_name
@@ -74,9 +75,9 @@ def say(message: str) -> None:
 
 # The stop after the grace, each phase bounded so that `serve` exits within the grace + 5 s whatever llama-server is
 # computing: the requests ended at the grace write their error (ms), then at once the proxy's own tasks stop (event
-# feeds, health poll, statistics worker) beside the children's SIGTERM, SIGKILL after KILL_AFTER_S.
+# feeds, health poll, statistics worker) beside the children's SIGTERM, SIGKILL after KILL_AFTER_S. The proxy's
+# steps are bounded apart (server/app_stop.py): 3.5 s at most.
 _ENDED_WRITE_S = 0.5  # the ended requests' errors going out
-_TASKS_STOP_S = 1.5  # aiohttp's handlers and the app's cleanup contexts
 _AIOHTTP_SHUTDOWN_S = 0.5  # aiohttp's own wait per connection (twice at most): the handlers have ended already
 
 
@@ -210,14 +211,14 @@ class _Run:
 
     async def _close_proxy(self) -> None:
         started = time.monotonic()
+        cut: list[str] = []
         try:
-            async with asyncio.timeout(_TASKS_STOP_S):
-                if self.runner is not None:
-                    await self.runner.cleanup()
-                await self.client.close()
-            self.phases.append(f"proxy tasks {time.monotonic() - started:.1f} s")
-        except TimeoutError:
-            self.phases.append(f"proxy tasks cut off at {_TASKS_STOP_S:g} s")
+            if self.runner is not None:
+                cut = await stop_app(self.runner, _AIOHTTP_SHUTDOWN_S)
+        finally:
+            await self.client.close()  # whatever the app's stop did: no session left unclosed
+        notes = f" ({'; '.join(cut)})" if cut else ""
+        self.phases.append(f"proxy tasks {time.monotonic() - started:.1f} s{notes}")
 
     async def _stop_children(self) -> None:
         if self.launcher is None:
@@ -426,7 +427,7 @@ async def _kv_setup(
     if plan.heads is not None and slot_dir is not None:
         launch = plan.launch
         binary, extra = (launch.binary, launch.settings.extra_args) if launch is not None else (None, ())
-        heads = launched_heads(plan.heads, state_dir() / "heads", binary, extra, bool(plan.sessions.key_projects))
+        heads = launched_heads(plan.heads, state_dir() / "heads", binary, extra, plan.sessions.key_projects)
         say(f"heads: {heads.directory} (at most {heads.max_bytes / 1024**3:g} GiB, least recently used go first)")
         say("heads: the most recent are restored into a fresh server's idle slots, at start and after a restart")
     elif plan.heads is not None:
