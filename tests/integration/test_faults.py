@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -328,3 +328,67 @@ async def test_a_request_on_a_replica_that_stopped_answering_fails_over(
     finally:
         await proxy.close()
         await runner.cleanup()
+
+
+def _error_headers_then_silence(answered: asyncio.Event) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """A server that hangs once it sent an error's headers: a 400 whose promised body never comes, after `x-late`
+    seconds (past the keep-alive interval when the test wants keep-alives out first)."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(float(request.headers.get("x-late", "0")))
+        resp = web.StreamResponse(status=400, headers={"Content-Type": "application/json"})
+        resp.content_length = 1000
+        await resp.prepare(request)
+        answered.set()
+        await asyncio.sleep(30)
+        return resp
+
+    return handler
+
+
+@pytest.mark.parametrize("where", ["error-body", "error-body-after-keep-alives", "answer-headers"])
+async def test_a_request_ended_wherever_it_waits_is_told_not_dropped(
+    monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """The health poll ends a request on a hung server (requests/stranded.py) wherever the request's task is: reading
+    the body of an error the server began to answer, the same once keep-alives went out, writing the headers of the
+    server's answer to the client. The client is told (a 503, or its stream's error event), never left with a dropped
+    connection, and the record says why."""
+    answered, writing = asyncio.Event(), asyncio.Event()
+    original = web.StreamResponse.prepare
+
+    async def stalled(self: web.StreamResponse, request: web.BaseRequest) -> Any:
+        if "x-adaptive-spec-profile" in self.headers and not writing.is_set():  # the proxy's answer, once
+            writing.set()
+            await asyncio.sleep(30)
+        return await original(self, request)
+
+    if where == "answer-headers":
+        monkeypatch.setattr(web.StreamResponse, "prepare", stalled)
+    routes = (
+        {} if where == "answer-headers" else {("POST", "/v1/chat/completions"): _error_headers_then_silence(answered)}
+    )
+    keepalive_s = 0.2 if where == "error-body-after-keep-alives" else 0
+    async with FakeUpstream(routes=routes) as fake:
+        table = UpstreamTable([Upstream("fake", fake.url)])
+        settings = ProxySettings(read_timeout_s=60, prefill_keepalive_s=keepalive_s)
+        proxy = TestServer(build_app(table, settings), port=free_port())
+        await proxy.start_server()
+        try:
+            headers = {"x-fault": "done", "x-late": "1" if keepalive_s else "0"}
+            posting = asyncio.create_task(_post(proxy, headers))
+            await asyncio.wait_for((writing if where == "answer-headers" else answered).wait(), 10)
+            await asyncio.sleep(0.3)  # the server's headers reach the proxy, which reads on
+            assert proxy.app[STRANDED].end(fake.url, "health check: no answer in 3 s") == 1
+            status, body = await asyncio.wait_for(posting, 10)
+            record = _last_record(proxy)
+        finally:
+            await proxy.close()
+    if keepalive_s:
+        assert status == 200 and body.startswith(b'data: {"id":"keep-alive"'), body
+        error = await _error_event(body)
+    else:
+        assert status == 503, body
+        error = orjson.loads(body)["error"]
+    assert error["code"] == "upstream_unresponsive" and "stopped answering" in error["message"], error
+    assert record.outcome == "failed" and "no answer in 3 s" in (record.error or ""), record

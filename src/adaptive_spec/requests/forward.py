@@ -78,33 +78,47 @@ async def forward(
     # Send the request upstream and relay the answer; upstream faults become errors, never exceptions.
     url = upstream.base_url + path_qs
     headers = upstream_headers(request.headers, hidden_headers(request))
+    relay = _Relay(upstream, api, meter, started, strip, progress, _Answering())
     with (stranded or StrandedRequests()).book(upstream.base_url, upstream.label) as booking:
-        sent = _send(sessions, request.method, url, body, headers, timeout)
         try:
+            sent = _send(sessions, request.method, url, body, headers, timeout)
             waited = keepalive.during(sent) if keepalive is not None else sent
             outcome = await _sent_or_failed(waited, upstream, timeout)
+            if isinstance(outcome, Outcome):
+                return await _failed(outcome, keepalive)
+            return await _answered(request, outcome, relay, extra_headers, keepalive)
         except asyncio.CancelledError:
+            # The proxy's own cancellation (the server stopped answering, the shutdown) may land at any await of
+            # the block: before the answer, reading an error's body, writing the headers, relaying. Wherever it
+            # does, the client is told; only the client's own disconnect goes on up.
             ended = _taken_back(shutting_down, booking)
             if ended is None:
                 raise
-            outcome = ended
-        if isinstance(outcome, Outcome):
-            return await _failed(outcome, keepalive)
-        upstream_resp = outcome
+            return await _ended(request, ended, keepalive, relay)
+
+
+async def _answered(
+    request: web.Request,
+    upstream_resp: aiohttp.ClientResponse,
+    relay: _Relay,
+    extra_headers: dict[str, str],
+    keepalive: PrefillKeepAlive | None,
+) -> tuple[web.StreamResponse, Outcome]:
+    """The server's answer relayed to the client, and how the request ended."""
+    try:
         committed = keepalive.take() if keepalive is not None and keepalive.committed else None
-        try:
-            if committed is not None and keepalive is not None and not _is_stream_answer(upstream_resp):
-                return await _error_after_keepalive(upstream_resp, upstream, keepalive)
-            relay = _Relay(upstream, api, meter, started, strip, progress, shutting_down, booking)
-            resp, client_gone, failure = await _relay(request, upstream_resp, relay, extra_headers, committed)
-        finally:
-            # Closing (not releasing) drops the connection if the body was not read to the end, which tells
-            # llama-server to stop generating and free the slot.
-            upstream_resp.close()
+        relay.answering.response = committed
+        if committed is not None and keepalive is not None and not _is_stream_answer(upstream_resp):
+            return await _error_after_keepalive(upstream_resp, relay.upstream, keepalive)
+        resp, client_gone, failure = await _relay(request, upstream_resp, relay, extra_headers, committed)
+    finally:
+        # Closing (not releasing) drops the connection if the body was not read to the end, which tells
+        # llama-server to stop generating and free the slot.
+        upstream_resp.close()
     # After the headers: the relay's own failure, else the error the server's answer carried (its error event).
     if failure is not None:
         return resp, Outcome(resp.status, failure[0], failure[1], client_gone=client_gone)
-    return resp, Outcome(resp.status, meter.error, client_gone=client_gone)
+    return resp, Outcome(resp.status, relay.meter.error, client_gone=client_gone)
 
 
 async def _sent_or_failed(
@@ -175,6 +189,23 @@ def _taken_back(shutting_down: Callable[[], bool], booking: Booking | None) -> O
     return SHUTDOWN
 
 
+async def _ended(
+    request: web.Request, ended: Outcome, keepalive: PrefillKeepAlive | None, relay: _Relay
+) -> tuple[web.StreamResponse, Outcome]:
+    """The answer to a request the proxy ended, as far as it had got: before the headers of the server's answer
+    went out, as a failure before the answer (a pool may still fail it over); after, its stream's error event, or for
+    a body the connection closed (its length was promised)."""
+    resp = relay.answering.response
+    if resp is None or not resp.prepared:
+        return await _failed(ended, keepalive)
+    message, code = ended.error or "", ended.code or ""
+    if resp.content_type == "text/event-stream":
+        await _end_stream_with_error(resp, relay.api, message, code)
+    elif request.transport is not None:
+        request.transport.close()
+    return resp, Outcome(resp.status, message, code)
+
+
 async def _failed(outcome: Outcome, keepalive: PrefillKeepAlive | None) -> tuple[web.StreamResponse, Outcome]:
     """The answer to a request that failed before the upstream answered: the refusal as it is, or, once keep-alives
     went out, the stream's error event (a failover may still answer an unreachable one: the handler ends it)."""
@@ -207,6 +238,14 @@ async def _error_after_keepalive(
     return resp, Outcome(upstream_resp.status, message, "upstream_error")
 
 
+@dataclass(eq=False, slots=True)
+class _Answering:
+    """The response that carries the server's answer to the client, once one is chosen (the keep-alives' stream or
+    the relay's own): whether its headers went out decides how a request the proxy ends is told."""
+
+    response: web.StreamResponse | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class _Relay:
     """How to relay one response: to whom it belongs, and what to do with each piece."""
@@ -217,8 +256,7 @@ class _Relay:
     started: float
     strip: bool
     progress: Callable[[], None] | None
-    shutting_down: Callable[[], bool]
-    booking: Booking | None = None  # where the request waits on its server (requests/stranded.py)
+    answering: _Answering
 
     def where(self) -> str:
         return f"profile {self.upstream.name!r} at {self.upstream.base_url}"
@@ -240,6 +278,7 @@ async def _relay(
         except ConnectionResetError:
             return committed, True, None
     resp = web.StreamResponse(status=upstream_resp.status, reason=upstream_resp.reason)
+    relay.answering.response = resp
     for key, value in upstream_resp.headers.items():
         if key.lower() not in _DROP_RESPONSE:
             resp.headers.add(key, value)
@@ -312,11 +351,6 @@ async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResp
     except TimeoutError:
         message = f"{relay.where()} stopped sending (read timeout)"
         return await _end_stream_with_error(resp, relay.api, message, "upstream_timeout")
-    except asyncio.CancelledError:
-        ended = _taken_back(relay.shutting_down, relay.booking)
-        if ended is None:
-            raise
-        return await _end_stream_with_error(resp, relay.api, ended.error or "", ended.code or "")
     if tap.close() and meter.error is None:
         message = f"{relay.where()} ended the stream in the middle of an event"
         return await _end_stream_with_error(resp, relay.api, message, "upstream_truncated")
@@ -353,13 +387,6 @@ async def _relay_body(
         if request.transport is not None:
             request.transport.close()
         return f"profile {upstream.name!r} at {upstream.base_url} broke off the response: {exc!r}", "upstream_error"
-    except asyncio.CancelledError:  # the server stopped answering half way through its body, or the shutdown
-        ended = _taken_back(relay.shutting_down, relay.booking)
-        if ended is None:
-            raise
-        if request.transport is not None:
-            request.transport.close()
-        return ended.error or "", ended.code or ""
     if keep:
         meter.on_body(b"".join(parts))
     await resp.write_eof()
