@@ -1,10 +1,12 @@
 """Claude Code through the proxy, on bodies of its structure (tests/data/agent-shapes/claude-code-*.json) sent to a
 real llama-server: its token count, a context overflow worded so that it compacts, its session from the header or
 from `metadata.user_id`, and its billing line's per-request value neither a new prompt nor a side request. A
-streamed `thinking` block (the embedded models write none) comes from the fake upstream."""
+streamed `thinking` block (the embedded models write none) and an overflow answered after the keep-alives come from
+the fake upstream."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.error
 import urllib.request
@@ -14,13 +16,17 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from adaptive_spec.requests.app_keys import HISTORY
+from adaptive_spec.requests.app_keys import HISTORY, LIFECYCLE
+from adaptive_spec.requests.lifecycle import ProxyRequest
+from adaptive_spec.requests.outcome import Outcome
 from adaptive_spec.server.app import ProxySettings, build_app
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.servers import LlamaServer, ProxyProcess, free_port
+from tests.support.sse import events
 
 SHAPES = Path(__file__).resolve().parents[1] / "data" / "agent-shapes"
 BODY: dict[str, Any] = json.loads((SHAPES / "claude-code-messages.json").read_text())
@@ -73,6 +79,56 @@ def test_a_context_overflow_is_worded_as_anthropic_words_it(
     expected = f"prompt is too long: {error['n_prompt_tokens']} tokens > {error['n_ctx']} maximum"
     assert status == 400
     assert json.loads(through) == {"type": "error", "error": {"type": "invalid_request_error", "message": expected}}
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_an_overflow_answered_after_the_keep_alives_is_anthropics_error_event(
+    tiny_server: LlamaServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama-server answers an overflow before any keep-alive goes out (the case above); one that comes after them (a
+    server busy with another request first) ends the stream with Anthropic's error event in the same words, and the
+    request's outcome has the code the client got. The overflow is llama-server's own answer, sent late by the fake
+    upstream."""
+    body = {**BODY, "stream": True, "messages": [{"role": "user", "content": "x " * 24_000}]}
+    status, overflow, _ = await asyncio.to_thread(_post, tiny_server.url + MESSAGES, body)
+    error = json.loads(overflow)["error"]
+    assert status == 400 and error["type"] == "exceed_context_size_error", overflow[:300]
+
+    async def late_overflow(_: web.Request) -> web.Response:
+        await asyncio.sleep(1.0)  # five keep-alive intervals
+        return web.Response(status=400, body=overflow, content_type="application/json")
+
+    async with FakeUpstream(routes={("POST", "/v1/messages"): late_overflow}) as fake:
+        settings = ProxySettings(prefill_keepalive_s=0.2)
+        proxy = TestServer(build_app(UpstreamTable([Upstream("fake", fake.url)]), settings), port=free_port())
+        await proxy.start_server()
+        outcomes: list[Outcome] = []
+        lifecycle = proxy.app[LIFECYCLE]
+        finish = lifecycle.finish
+
+        def finished(method: str, path: str, req: ProxyRequest) -> None:
+            outcomes.append(req.outcome)
+            finish(method, path, req)
+
+        monkeypatch.setattr(lifecycle, "finish", finished)
+        try:
+            headers = {"X-Claude-Code-Session-Id": "cc-late-overflow"}
+            async with (
+                aiohttp.ClientSession() as client,
+                client.post(proxy.make_url(MESSAGES), json=body, headers=headers) as resp,
+            ):
+                got, status = await resp.read(), resp.status
+        finally:
+            await proxy.close()
+    expected = f"prompt is too long: {error['n_prompt_tokens']} tokens > {error['n_ctx']} maximum"
+    found = events(got)
+    assert status == 200 and found[0].event == "ping", got[:300]
+    assert found[-1].event == "error", got[-600:]
+    assert json.loads(found[-1].data) == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": expected},
+    }
+    assert [(o.status, o.code) for o in outcomes] == [(400, "invalid_request_error")], outcomes
 
 
 def test_metadata_user_id_names_the_session_without_a_header(proxy: ProxyProcess) -> None:

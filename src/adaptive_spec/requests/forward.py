@@ -232,8 +232,9 @@ async def _error_after_keepalive(
         text = repr(exc)
     message = f"profile {upstream.name!r} at {upstream.base_url} answered {upstream_resp.status}: {text[:1000]}"
     overflow = anthropic_overflow(text.encode()) if keepalive.api == "messages" else None
-    if overflow is not None:  # the overflow as Anthropic words it, in its stream's error event
-        return await keepalive.end_with_event(overflow), Outcome(upstream_resp.status, message, "upstream_error")
+    if overflow is not None:  # the overflow as Anthropic words it, in its stream's error event; its code recorded
+        code = overflow["error"]["type"]
+        return await keepalive.end_with_event(overflow), Outcome(upstream_resp.status, message, code)
     resp = await keepalive.end_with_error(message, "upstream_error")
     return resp, Outcome(upstream_resp.status, message, "upstream_error")
 
