@@ -15,6 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
+from aiohttp.test_utils import TestServer
 
 from adaptive_spec.requests.app_keys import KV
 from tests.support.heads import SYSTEM, chat, erase, start_proxy, store_of
@@ -113,23 +114,47 @@ async def test_a_head_of_another_build_is_never_restored(
         await proxy.close()
 
 
-async def test_with_projects_as_tenants_a_head_is_restored_within_its_project_only(
+async def test_with_project_keys_a_head_is_kept_found_listed_and_deleted_within_its_keys_project_only(
     server: tuple[LlamaServer, Path], client: aiohttp.ClientSession
 ) -> None:
+    """The scope is the project of the key the request was sent with: team-b's key on team-a's path is not warm."""
     llama, home = server
-    proxy = await start_proxy(llama.url, home / "slots", home / "heads-tenants", per_project=True)
+    keys = {"key-a": "team-a", "key-b": "team-b"}
+    proxy = await start_proxy(llama.url, home / "slots", home / "heads-tenants", project_keys=keys, main_key="main")
     try:
-        await chat(client, proxy, "tenant-a1", "Write hello.py.", project="team-a")
+        await chat(client, proxy, "tenant-a1", "Write hello.py.", project="team-a", key="key-a")
         await store_of(proxy).settled()
-        await erase(client, proxy)
-        other = await chat(client, proxy, "tenant-b1", "Write hello.py.", project="team-b")
+        await erase(client, proxy, "main")
+        other = await chat(client, proxy, "tenant-b1", "Write hello.py.", project="team-a", key="key-b")
         assert "warm:" not in other["record"]["reason"] and other["timings"]["cache_n"] < 10, other
         await store_of(proxy).settled()
-        await erase(client, proxy)
-        same = await chat(client, proxy, "tenant-a2", "Write hello.py.", project="team-a")
+        await erase(client, proxy, "main")
+        same = await chat(client, proxy, "tenant-a2", "Write hello.py.", key="key-a")  # no path: the key's project
         assert "warm: head of" in same["record"]["reason"], same["record"]
+
+        listed = {key: await _listed(client, proxy, key) for key in ("key-a", "key-b", "main")}
+        assert len(listed["key-a"]) == 1 and len(listed["key-b"]) == 1 and listed["main"] == [], listed
+        (head_a,), (head_b,) = listed["key-a"], listed["key-b"]
+        assert head_a != head_b
+        async with client.get(proxy.make_url("/adaptive/heads"), headers=_auth("key-a")) as r:
+            assert "directory" not in await r.json()  # no path of the proxy's machine
+        async with client.delete(proxy.make_url(f"/adaptive/heads/{head_a}"), headers=_auth("key-b")) as r:
+            assert r.status == 404  # another scope's head is not there for team-b
+        async with client.delete(proxy.make_url("/adaptive/heads"), headers=_auth("key-b")) as r:
+            assert r.status == 200 and (await r.json())["removed"] == 1
+        assert await _listed(client, proxy, "key-a") == [head_a] and await _listed(client, proxy, "key-b") == []
     finally:
         await proxy.close()
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def _listed(client: aiohttp.ClientSession, proxy: TestServer, key: str) -> list[str]:
+    async with client.get(proxy.make_url("/adaptive/heads"), headers=_auth(key)) as r:
+        assert r.status == 200, await r.text()
+        return [h["id"] for h in (await r.json())["heads"]]
 
 
 async def test_sweeps_leave_heads_alone_and_delete_removes_them(
@@ -226,7 +251,7 @@ async def test_greedy_output_is_the_same_restored_and_cold_on_the_real_model(
         cold = await chat(client, proxy, "b", "Write a function that adds two numbers.", max_tokens=24)
         assert "warm:" not in cold["record"]["reason"]  # the slot held the head's turn itself: nothing to restore
         await store_of(proxy).settled()
-        store_of(proxy).delete(next(h["id"] for h in store_of(proxy).describe()["heads"] if h["id"] != head))
+        await store_of(proxy).delete(next(h["id"] for h in store_of(proxy).describe()["heads"] if h["id"] != head))
         await erase(client, proxy)
         warm = await chat(client, proxy, "c", "Write a function that adds two numbers.", max_tokens=24)
         assert "warm: head of" in warm["record"]["reason"], warm["record"]

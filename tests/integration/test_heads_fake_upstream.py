@@ -1,11 +1,14 @@
 """Head store faults a real llama-server does not produce on demand, against an in-process fake of its slot API: a
-save answered "Unable to save slot" (its disk full), and restores that report success while the next prompt reuses
-nothing (`cache_n` 0, as llama.cpp #26676 did): learned once per server and not tried there again."""
+save answered "Unable to save slot" (its disk full), restores that report success while the next prompt reuses
+nothing (`cache_n` 0, as llama.cpp #26676 did): learned once per server and not tried there again; a slot action the
+server deferred behind a request that came meanwhile; a save of a slot that held more than the turn, of an unknown
+slot among several, or written short; a restore refused; a hung `/slots`; warm starts with project keys."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +18,9 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from adaptive_spec.kv.heads.server import idle_slots
+from adaptive_spec.requests.app_keys import ROUTER
+from adaptive_spec.servers.upstreams import Upstream
 from tests.support.heads import chat, erase, start_proxy, store_of
 from tests.support.servers import free_port
 
@@ -28,6 +34,12 @@ class FakeSlots:
 
     slot_dir: Path
     save_fails: bool = False
+    restore_fails: bool = False
+    n_slots: int = 1
+    n_saved: int = PROMPT_TOKENS + 4
+    n_written: int | None = None  # reported in a save's answer (None: not reported)
+    slots_hang: bool = False
+    during: Callable[[str], Awaitable[None]] | None = None  # runs inside each slot action, before its answer
     actions: list[str] = field(default_factory=list)
 
     def app(self) -> web.Application:
@@ -35,6 +47,7 @@ class FakeSlots:
         app.router.add_get("/props", self._props)
         app.router.add_get("/slots", self._slots)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/slots/{slot}", self._action)
         app.router.add_post("/v1/chat/completions", self._chat)
         return app
@@ -48,18 +61,29 @@ class FakeSlots:
             {"model_path": "fake.gguf", "total_slots": 1, "default_generation_settings": settings, "build_info": "b1"}
         )
 
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(text="llamacpp:prompt_tokens_total 0\n")  # fresh: it has prefilled nothing
+
     async def _slots(self, _: web.Request) -> web.Response:
-        return web.json_response([{"id": 0, "is_processing": False, "n_ctx": 8192}])
+        if self.slots_hang:
+            await asyncio.sleep(30)
+        return web.json_response([{"id": i, "is_processing": False, "n_ctx": 8192} for i in range(self.n_slots)])
 
     async def _action(self, request: web.Request) -> web.Response:
         action, body = request.query["action"], await request.json() if request.can_read_body else {}
         self.actions.append(action)
+        if self.during is not None:
+            await self.during(action)
+        if action == "restore" and self.restore_fails:
+            error = {"code": 400, "message": "failed to restore slot", "type": "invalid_request_error"}
+            return web.json_response({"error": error}, status=400)
         if action == "save" and self.save_fails:
             error = {"code": 500, "message": "Unable to save slot", "type": "server_error"}
             return web.json_response({"error": error}, status=500)
         if action == "save":
             (self.slot_dir / body["filename"]).write_bytes(b"kv" * 600_000)
-            return web.json_response({"id_slot": 0, "filename": body["filename"], "n_saved": PROMPT_TOKENS + 4})
+            answer = {"id_slot": 0, "filename": body["filename"], "n_saved": self.n_saved}
+            return web.json_response(answer if self.n_written is None else {**answer, "n_written": self.n_written})
         if action == "restore":
             return web.json_response({"id_slot": 0, "filename": body["filename"], "n_restored": PROMPT_TOKENS + 4})
         return web.json_response({"id_slot": 0, "n_erased": 0})
@@ -131,5 +155,134 @@ async def test_an_inert_restore_is_learned_per_server_and_not_repeated(
         await erase(client, proxy)
         again = await chat(client, proxy, "s3", "Write hello.py.")
         assert "warm:" not in again["record"]["reason"] and slots.actions.count("restore") == 1, slots.actions
+    finally:
+        await proxy.close()
+
+
+async def test_a_slot_action_deferred_behind_a_request_that_came_meanwhile_is_not_trusted(
+    fake: tuple[FakeSlots, TestServer], client: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """llama-server defers a slot action while a slot is busy, then acts on what the slot holds then: another
+    request's KV. A save then is not kept; after a restore the router is told the server's slots are emptied."""
+    slots, server = fake
+    proxy = await start_proxy(_url(server), slots.slot_dir, tmp_path / "heads")
+    store = store_of(proxy)
+    erased: list[tuple[str, int]] = []
+    proxy.app[ROUTER].slots_erased = lambda profile, replica=0: erased.append((profile, replica))  # type: ignore[method-assign]
+
+    async def a_request_comes(action: str) -> None:
+        if action in ("save", "restore"):
+            store.forwarded(Upstream("p", _url(server)))
+
+    try:
+        slots.during = a_request_comes
+        await chat(client, proxy, "s1", "Write hello.py.")
+        await store.settled()
+        assert slots.actions.count("save") == 1 and store.describe()["heads"] == [] and store.counts["failed"] == 1
+        assert any("a request came during the save" in m for m in _warnings(caplog))
+        assert list(slots.slot_dir.iterdir()) == [] and list((tmp_path / "heads").glob("*.head")) == []
+
+        slots.during = None
+        await chat(client, proxy, "s2", "Write hello.py.")
+        await store.settled()
+        assert len(store.describe()["heads"]) == 1 and erased == []
+        await erase(client, proxy)
+        erased.clear()
+        slots.during = a_request_comes
+        warm = await chat(client, proxy, "s3", "Write hello.py.")
+        assert "warm: head of" in warm["record"]["reason"] and erased == [("p", 0)], (warm["record"], erased)
+    finally:
+        await proxy.close()
+
+
+@pytest.mark.parametrize("fault", ["more_than_the_turn", "unknown_slot_of_two", "written_short", "none"])
+async def test_a_save_is_kept_only_from_the_requests_own_slot_whole(
+    fake: tuple[FakeSlots, TestServer], client: aiohttp.ClientSession, tmp_path: Path, fault: str
+) -> None:
+    """Served with slot None on a server of two slots, or a slot that held more than the turn's prompt and reply
+    (another request's KV after it), or a file shorter than llama-server says it wrote: nothing is kept."""
+    slots, server = fake
+    slots.n_slots = 2 if fault == "unknown_slot_of_two" else 1
+    slots.n_saved = 5000 if fault == "more_than_the_turn" else PROMPT_TOKENS + 4
+    slots.n_written = 999 if fault == "written_short" else 1_200_000
+    proxy = await start_proxy(_url(server), slots.slot_dir, tmp_path / "heads")
+    store = store_of(proxy)
+    try:
+        upstream, pieces = Upstream("p", _url(server)), [b"system".ljust(16), b"user".ljust(16)]
+        store.served(upstream, None, pieces, [3000, 100], 0, (PROMPT_TOKENS, 2), None, ("agent", "default", ""))
+        await store.settled()
+        kept = len(store.describe()["heads"])
+        assert kept == (1 if fault == "none" else 0), (fault, store.describe())
+        assert ("save" in slots.actions) == (fault != "unknown_slot_of_two"), slots.actions
+        assert list(slots.slot_dir.iterdir()) == []
+    finally:
+        await proxy.close()
+
+
+async def test_a_refused_restore_keeps_the_head_and_a_new_save_replaces_it(
+    fake: tuple[FakeSlots, TestServer], client: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """Its checksum holds: llama-server's refusal costs that server's restores of it this run, not the head."""
+    slots, server = fake
+    proxy = await start_proxy(_url(server), slots.slot_dir, tmp_path / "heads")
+    store = store_of(proxy)
+    try:
+        await chat(client, proxy, "s1", "Write hello.py.")
+        await store.settled()
+        (head,) = store.describe()["heads"]
+        slots.restore_fails = True
+        await erase(client, proxy)
+        refused = await chat(client, proxy, "s2", "Write hello.py.")
+        await store.settled()
+        assert "warm:" not in refused["record"]["reason"] and slots.actions.count("restore") == 1
+        assert store.counts["removed"] == 0 and any("failed to restore slot" in m for m in _warnings(caplog))
+        assert [h["id"] for h in store.describe()["heads"]] == [head["id"]]
+        assert slots.actions.count("save") == 2  # not counted as covering the prompt: saved again, replaced
+        slots.restore_fails = False
+        await erase(client, proxy)
+        warm = await chat(client, proxy, "s3", "Write hello.py.")  # the new file restores
+        assert "warm: head of" in warm["record"]["reason"] and slots.actions.count("restore") == 2
+    finally:
+        await proxy.close()
+
+
+async def test_a_restore_never_waits_for_the_store_or_a_hung_server(
+    fake: tuple[FakeSlots, TestServer], client: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    slots, server = fake
+    proxy = await start_proxy(_url(server), slots.slot_dir, tmp_path / "heads")
+    store = store_of(proxy)
+    upstream = Upstream("p", _url(server))
+    try:
+        await chat(client, proxy, "s1", "Write hello.py.")
+        await store.settled()
+        async with store._lock:  # a save or another restore under way
+            assert await store.restore(upstream, 0, [b"system".ljust(16)], 0, 1.0) is None
+        assert "restore" not in slots.actions
+        slots.slots_hang = True  # `/slots` unanswered: busy, after ASK_TIMEOUT, not an error
+        assert await idle_slots(client, upstream, 0.0) is None
+    finally:
+        slots.slots_hang = False
+        await proxy.close()
+
+
+@pytest.mark.parametrize("project_keys", [{}, {"key-a": "team-a"}])
+async def test_with_project_keys_a_fresh_server_is_not_warm_started(
+    fake: tuple[FakeSlots, TestServer], client: aiohttp.ClientSession, tmp_path: Path, project_keys: dict[str, str]
+) -> None:
+    """A slot warmed with a head would serve its KV to whichever project's request lands there."""
+    slots, server = fake
+    proxy = await start_proxy(_url(server), slots.slot_dir, tmp_path / "heads")
+    try:
+        await chat(client, proxy, "s1", "Write hello.py.")
+        await store_of(proxy).settled()
+    finally:
+        await proxy.close()
+    slots.actions.clear()
+    proxy = await start_proxy(_url(server), slots.slot_dir, tmp_path / "heads", project_keys=project_keys)
+    try:
+        await store_of(proxy).settled()  # the warm start at start, in the background
+        assert slots.actions.count("restore") == (0 if project_keys else 1), slots.actions
+        assert store_of(proxy).counts["warm_started"] == (0 if project_keys else 1)
     finally:
         await proxy.close()

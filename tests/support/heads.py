@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 from aiohttp.test_utils import TestServer
 
+from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.common.headers import REQUEST_ID_HEADER
 from adaptive_spec.kv.heads.store import HeadsConfig, HeadStore
 from adaptive_spec.requests.heads import HEADS
@@ -27,16 +28,24 @@ SYSTEM = "You are a coding agent. Rules:\n" + "\n".join(
 
 
 async def start_proxy(
-    url: str, slots: Path, heads: Path, max_bytes: int = 2**31, build: str = "", per_project: bool = False
+    url: str,
+    slots: Path,
+    heads: Path,
+    max_bytes: int = 2**31,
+    build: str = "",
+    project_keys: dict[str, str] | None = None,
+    main_key: str | None = None,
 ) -> TestServer:
     """The proxy in front of the llama-server at `url` (one profile "p", its slots as `serve` probes them), its
-    head store in `heads`."""
-    kv = KvSetup(slot_dir=slots, heads=HeadsConfig(heads, max_bytes, build=build, per_project=per_project))
-    sessions = SessionService(ContextTracker(NgramParams()), None)
+    head store in `heads`; with `project_keys` (and `main_key`) as `serve --project-key` (`--api-key`) sets them."""
+    keys = dict(project_keys or {})
+    kv = KvSetup(slot_dir=slots, heads=HeadsConfig(heads, max_bytes, build=build, project_keys=keys))
+    sessions = SessionService(ContextTracker(NgramParams()), None, key_projects=keys)
+    access = AccessPolicy(api_keys=(main_key, *keys)) if main_key else None
     upstream = Upstream("p", url)
     async with aiohttp.ClientSession() as client:
         info = await probe(client, upstream)
-    app = build_app(UpstreamTable([upstream]), ProxySettings(), sessions, kv=kv, profiles=[info])
+    app = build_app(UpstreamTable([upstream]), ProxySettings(), sessions, kv=kv, profiles=[info], access=access)
     proxy = TestServer(app, port=free_port())
     await proxy.start_server()
     return proxy
@@ -54,8 +63,9 @@ async def chat(
     system: str = SYSTEM,
     max_tokens: int = 4,
     project: str | None = None,
+    key: str | None = None,
 ) -> dict[str, Any]:
-    """One greedy chat turn as a session's request: {"text", "timings", "record"}."""
+    """One greedy chat turn as a session's request (sent with API key `key`): {"text", "timings", "record"}."""
     body = {
         "model": "m",
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
@@ -63,12 +73,13 @@ async def chat(
         "temperature": 0,
     }
     path = f"/p/{project}/v1/chat/completions" if project else "/v1/chat/completions"
-    async with client.post(proxy.make_url(path), json=body, headers={"x-session-id": session}) as r:
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
+    async with client.post(proxy.make_url(path), json=body, headers={"x-session-id": session, **auth}) as r:
         assert r.status == 200, await r.text()
         answer: dict[str, Any] = await r.json()
         request_id = r.headers[REQUEST_ID_HEADER]
     for _ in range(200):  # the record is kept just after the answer's last byte
-        async with client.get(proxy.make_url("/adaptive/requests")) as r:
+        async with client.get(proxy.make_url("/adaptive/requests"), headers=auth) as r:
             records = [x for x in (await r.json())["requests"] if x["request_id"] == request_id]
         if records:
             text = answer["choices"][0]["message"]["content"]
@@ -77,7 +88,8 @@ async def chat(
     raise AssertionError(f"no record of request {request_id}")
 
 
-async def erase(client: aiohttp.ClientSession, proxy: TestServer) -> None:
+async def erase(client: aiohttp.ClientSession, proxy: TestServer, key: str | None = None) -> None:
     """Another session took the slot: it holds nothing of the head (through the proxy, so the router knows)."""
-    async with client.post(proxy.make_url("/adaptive/profiles/p/erase")) as r:
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
+    async with client.post(proxy.make_url("/adaptive/profiles/p/erase"), headers=auth) as r:
         assert r.status == 200, await r.text()

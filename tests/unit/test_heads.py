@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 
 from adaptive_spec.kv.heads.plan import (
+    NO_TENANT,
     HeadEntry,
     Match,
     ServerKey,
@@ -17,6 +18,7 @@ from adaptive_spec.kv.heads.plan import (
     covered,
     evictions,
     price,
+    tenant_scope,
 )
 from adaptive_spec.kv.heads.store import HeadsConfig, HeadStore, Restored
 from adaptive_spec.servers.upstreams import Upstream
@@ -48,7 +50,8 @@ def test_a_new_prompt_finds_the_longest_stored_prefix_without_its_text() -> None
         ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t2"),  # another chat template
         ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t1", model_sample="rewritten"),  # the file re-made
         ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t1", build="/opt/llama-server:2:3|b0-unknown"),  # build
-        ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t1", kv_type="q8_0"),  # another KV cache type
+        ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t1", cache_type_k="q8_0"),  # another K cache type
+        ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t1", cache_type_v="q8_0"),  # another V cache type
     ],
 )
 def test_a_head_of_another_model_context_or_template_is_never_matched(other: ServerKey) -> None:
@@ -60,6 +63,26 @@ def test_with_projects_as_tenants_a_head_is_matched_within_its_project_only() ->
     assert best_match(chain(KEY, PIECES, scope="team-b"), [team_a]) is None
     assert best_match(chain(KEY, PIECES), [team_a]) is None
     assert best_match(chain(KEY, PIECES, scope="team-a"), [team_a]) is not None
+
+
+def test_the_tenant_scope_is_the_project_of_the_key_sent_never_of_the_path() -> None:
+    keys = {"key-a": "team-a", "key-b": "team-b"}
+    assert tenant_scope(["key-b"], keys) == "team-b"  # whatever /p/<project> the request names
+    assert tenant_scope(["main-key"], keys) == tenant_scope([], keys) == NO_TENANT  # the main key, or none
+    assert NO_TENANT not in keys.values() and chain(KEY, PIECES, NO_TENANT) != chain(KEY, PIECES)
+    assert tenant_scope(["key-a"], {}) == tenant_scope([], {}) == ""  # no project keys: heads are shared
+
+
+def test_a_launched_servers_key_names_its_k_and_v_cache_types(tmp_path: Path) -> None:
+    from adaptive_spec.kv.heads.options import launched_heads
+
+    config = HeadsConfig(None)
+    binary = tmp_path / "llama-server"
+    binary.write_text("")
+    launched = launched_heads(config, tmp_path, str(binary), ["-ctk", "q8_0", "--cache-type-v", "q4_0"], {"k": "p"})
+    assert launched.cache_types == ("q8_0", "q4_0") and launched.project_keys == {"k": "p"}
+    assert launched_heads(config, tmp_path, str(binary)).cache_types == ("f16", "f16")
+    assert launched_heads(config, tmp_path, None).cache_types == ("", "")  # attached: /props does not say
 
 
 def test_the_least_recently_used_heads_go_first_until_the_store_fits() -> None:
@@ -92,7 +115,9 @@ async def test_an_inert_restore_is_learned_and_not_tried_again_on_that_server(tm
         upstream = Upstream("p", "http://127.0.0.1:9")  # nothing listens: any HTTP would fail the restore loudly
         restored = Restored("abc", upstream.base_url, tokens=7000, restore_ms=20.0, forwards=0)
         store.forwarded(upstream)  # the request the head was restored for, and no other
-        store.served(upstream, 0, [], [], 0, 10, restored, "opencode", "default")  # the server reported cache_n 0
+        store.served(
+            upstream, 0, [], [], 0, (10, 2), restored, ("opencode", "default", "")
+        )  # the server reported cache_n 0
         assert store.describe()["inert_servers"] == [upstream.base_url] and store.counts["inert"] == 1
         assert await store.restore(upstream, 0, PIECES, 0, 1.0) is None
         assert store.counts["failed"] == 0  # refused before asking the server anything
@@ -106,7 +131,7 @@ async def test_a_restore_whose_slot_another_request_took_is_not_judged_inert(tmp
         restored = Restored("abc", upstream.base_url, tokens=7000, restore_ms=20.0, forwards=0)
         store.forwarded(upstream)  # another session's request took the slot after the restore
         store.forwarded(upstream)  # then the request the head was restored for: it re-prefilled
-        store.served(upstream, 0, [], [], 0, 10, restored, "opencode", "default")
+        store.served(upstream, 0, [], [], 0, (10, 2), restored, ("opencode", "default", ""))
         assert store.describe()["inert_servers"] == [] and store.counts == {**store.counts, "inert": 0, "taken": 1}
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from adaptive_spec.kv.heads.book import HeadBook
-from adaptive_spec.kv.heads.files import INDEX, checksum, load_index, model_sample, take, write_index
+from adaptive_spec.kv.heads.files import INDEX, checksum, load_index, model_sample, stage, take, write_index
 from adaptive_spec.kv.heads.plan import HeadEntry, ServerKey, chain
 
 KEY = ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t1")
@@ -86,7 +86,7 @@ def test_a_head_taken_across_filesystems_is_copied_whole_or_not_at_all(
 
     monkeypatch.setattr(os, "replace", cross_device)
     (slots / "head-a.bin").write_bytes(b"k" * 64)
-    assert take(slots / "head-a.bin", heads / "a.head") == 64
+    assert take(slots / "head-a.bin", heads / "a.head") == (64, checksum(heads / "a.head"))  # taken in its thread
     assert stat.S_IMODE((heads / "a.head").stat().st_mode) == 0o600
 
     def no_space(src: Any, dst: Any) -> None:
@@ -126,17 +126,20 @@ async def test_the_book_keeps_its_bound_and_refuses_a_save_without_free_disk(
     book = HeadBook(tmp_path, max_bytes=250, counts=counts)
     for n in range(4):
         (tmp_path / f"{_entry(n, 100).id}.head").write_bytes(b"x" * 100)
-        book.add(_entry(n, 100, used=float(n)))
+        await book.add(_entry(n, 100, used=float(n)))
         assert sum(e.bytes for e in book.entries.values()) <= 250
     assert [e.id for e in book.entries.values()] == [_entry(2, 100).id, _entry(3, 100).id]
     assert counts["evicted"] == 2 and len(_heads(tmp_path)) == 2
+    assert [e["id"] for e in json.loads((tmp_path / INDEX).read_text())] == list(book.entries)
 
     class Usage:
         free = 10 * 1024**2
 
     monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage())
     assert not await book.room(prompt_tokens=1000) and counts["refused"] == 1
-    assert len(book.entries) == 2  # nothing evicted for a save that is not made
+    Usage.free = 10 * 1024**4
+    assert await book.room(prompt_tokens=10**6)  # room for a head far above the bound ...
+    assert len(book.entries) == 2 and counts["evicted"] == 2  # ... and nothing evicted for a save not made yet
 
 
 @pytest.mark.asyncio(loop_scope="function")
@@ -150,6 +153,43 @@ async def test_a_truncated_or_damaged_head_is_removed_before_any_restore(tmp_pat
     counts = dict.fromkeys(("refused", "evicted", "removed"), 0)
     book = HeadBook(tmp_path, max_bytes=10**9, counts=counts)
     assert cut.id not in book.entries  # its size told at load
+    assert not await book.check(good)  # not restored before its checksum is verified (in the background)
+    await book.verify()
     assert await book.check(good) and not await book.check(flipped)
     assert list(book.entries) == [good.id] and counts["removed"] == 1
     assert _heads(tmp_path) == [f"{good.id}.head"]
+    assert [e["id"] for e in json.loads((tmp_path / INDEX).read_text())] == [good.id]
+
+
+def test_a_staged_copy_is_private_from_its_first_byte_and_the_heads_directory_is_made_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    head, staged = tmp_path / "a.head", tmp_path / "slots" / "head-a.bin"
+    staged.parent.mkdir()
+    head.write_bytes(b"kv" * 1000)
+    os.chmod(head, 0o644)
+    modes: list[int] = []
+    copy = shutil.copyfileobj
+
+    def watched(src: Any, out: Any, length: int = 0) -> None:
+        modes.append(stat.S_IMODE(os.fstat(out.fileno()).st_mode))  # as the copy begins
+        copy(src, out, length)
+
+    def other_filesystem(*_: Any) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", other_filesystem)
+    monkeypatch.setattr(shutil, "copyfileobj", watched)
+    old_umask = os.umask(0)
+    try:
+        stage(head, staged)
+    finally:
+        os.umask(old_umask)
+    assert modes == [0o600] and stat.S_IMODE(staged.stat().st_mode) == 0o600
+    assert staged.read_bytes() == head.read_bytes()
+
+    shared = tmp_path / "heads"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    HeadBook(shared, max_bytes=10**9, counts={})
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o700

@@ -104,13 +104,17 @@ class SharedDirMover:
     async def _check_file(self, source: Upstream, name: str, n_written: object) -> None:
         """The saved file must be whole before another server restores it: llama-server aborts (GGML_ASSERT in
         state_seq_load_file) on a slot file that is cut short, say by a full disk."""
-        if not isinstance(n_written, int):
-            return
-        size = await asyncio.to_thread(_size, self.slot_dir / name)
-        if size != n_written:
-            raise SlotError(
-                f"the slot file {source.label} saved has {size} of its {n_written} bytes (disk full?); not restoring it"
-            )
+        await asyncio.to_thread(check_written, self.slot_dir / name, n_written, source.label)
+
+
+def check_written(path: Path, n_written: object, label: str) -> None:
+    """A slot file holds the `n_written` bytes llama-server said it wrote (not said: nothing to check), else
+    SlotError: llama-server aborts on restoring a file cut short. Synchronous: callers run it in a thread."""
+    if not isinstance(n_written, int):
+        return
+    size = _size(path)
+    if size != n_written:
+        raise SlotError(f"the slot file {label} saved has {size} of its {n_written} bytes (disk full?): not used")
 
 
 async def save_slot(

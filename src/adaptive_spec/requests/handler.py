@@ -307,7 +307,7 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
             refused = answer(chosen)
             refused.headers[REQUEST_ID_HEADER] = req.request_id  # every answer names its record
             return refused
-        await before_forward(app, req, chosen)  # warm starts: a stored head restored into the slot (kv/heads/)
+        await before_forward(request, req, chosen)  # warm starts: a stored head restored into the slot (kv/heads/)
         lifecycle.announce(req)
         keepalive = _keepalive(request, req)
         resp, outcome = await _forward_once(request, req, chosen, keepalive)
@@ -321,7 +321,7 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
         if keepalive is not None and keepalive.owns(resp):  # failed over to no one: the stream ends with the error
             resp = await keepalive.end_with_error(outcome.error or "", outcome.code or "upstream_error")
         req.outcome = _client_gone(req, stopping=lifecycle.stopping) if outcome.client_gone else outcome
-        served(app, req, chosen)  # warm starts: learn from the restore, save a new head (kv/heads/)
+        served(request, req, chosen)  # warm starts: learn from the restore, save a new head (kv/heads/)
         if not resp.prepared:
             resp.headers[REQUEST_ID_HEADER] = req.request_id
         return resp

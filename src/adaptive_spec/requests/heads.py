@@ -1,7 +1,9 @@
 """The request path's calls into the head store (`kv/heads/`): before forwarding a session's first request, restore a
 stored head into its slot when that pays (the route's reason and its new-token estimate say so); after serving it,
 hand its timings back (an inert restore is learned, a new head saved in the background). Servers that start or come
-back after a restart get their most recent heads back (`watch_servers`). Also `GET`/`DELETE /adaptive/heads`."""
+back after a restart get their most recent heads back (`watch_servers`). Also `GET`/`DELETE /adaptive/heads`. With
+`--project-key`, every head is kept, found, listed and deleted within the tenant scope of the key the request was sent
+with (its path's project does not count: `kv/heads/plan.tenant_scope`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import replace
 
 from aiohttp import web
 
+from adaptive_spec.access.rules import sent_keys
 from adaptive_spec.kv.heads.store import HeadStore, Restored
 from adaptive_spec.requests.app_keys import BUS, ROUTER, UPSTREAMS
 from adaptive_spec.requests.lifecycle import ProxyRequest
@@ -24,10 +27,11 @@ HEADS = web.AppKey("heads", HeadStore)
 log = logging.getLogger(__name__)
 
 
-async def before_forward(app: web.Application, req: ProxyRequest, chosen: Upstream) -> None:
+async def before_forward(request: web.Request, req: ProxyRequest, chosen: Upstream) -> None:
     """Never raises: a store that fails leaves the request to prefill as it would have."""
+    app = request.app
     try:
-        await _before_forward(app, req, chosen)
+        await _before_forward(app, req, chosen, _scope(request))
     except Exception:  # the store's own failures are caught inside it; this is the last guard of the request
         log.exception("heads: request %s goes on without a warm start", req.request_id)
     store = app.get(HEADS)
@@ -35,18 +39,26 @@ async def before_forward(app: web.Application, req: ProxyRequest, chosen: Upstre
         store.forwarded(chosen)
 
 
-def served(app: web.Application, req: ProxyRequest, chosen: Upstream) -> None:
+def served(request: web.Request, req: ProxyRequest, chosen: Upstream) -> None:
     try:
-        _served(app, req, chosen)
+        _served(request.app, req, chosen, _scope(request))
     except Exception:  # as above: the request was served; only the head is lost
         log.exception("heads: request %s: its head is not kept", req.request_id)
+
+
+def _scope(request: web.Request) -> str:
+    """The tenant scope of the key the request was sent with ("": no project keys, heads are shared)."""
+    store = request.app.get(HEADS)
+    if store is None:
+        return ""
+    return store.scope_of(sent_keys(request.headers.get("Authorization"), request.headers.get("x-api-key")))
 
 
 def _policy(app: web.Application, req: ProxyRequest) -> HeadsPolicy:
     return app[ROUTER].policies.policy_for(req.project, req.workspace).heads
 
 
-async def _before_forward(app: web.Application, req: ProxyRequest, chosen: Upstream) -> None:
+async def _before_forward(app: web.Application, req: ProxyRequest, chosen: Upstream, scope: str) -> None:
     store, route = app.get(HEADS), req.route
     if store is None or route is None or req.assignment is None or route.decision.side or not route.pieces:
         return
@@ -56,7 +68,7 @@ async def _before_forward(app: web.Application, req: ProxyRequest, chosen: Upstr
     slot_tokens = decision.context_tokens - decision.new_tokens if decision.new_tokens is not None else 0
     prefill_s_per_token = app[ROUTER].speeds.prefill_s(decision.profile, 1.0)
     pieces = [p.digest for p in route.pieces]
-    restored = await store.restore(chosen, route.slot, pieces, slot_tokens, prefill_s_per_token, req.project)
+    restored = await store.restore(chosen, route.slot, pieces, slot_tokens, prefill_s_per_token, scope)
     store.begin(req.request_id, restored)
     if restored is not None:
         req.route = replace(route, decision=_warm_decision(decision, restored))
@@ -70,7 +82,7 @@ def _warm_decision(decision: Decision, restored: Restored) -> Decision:
     return replace(decision, reason=f"{decision.reason}; {restored.reason()}", new_tokens=new_tokens)
 
 
-def _served(app: web.Application, req: ProxyRequest, chosen: Upstream) -> None:
+def _served(app: web.Application, req: ProxyRequest, chosen: Upstream, scope: str) -> None:
     store, route, timings = app.get(HEADS), req.route, req.meter.timings
     if store is None or route is None:
         return
@@ -86,10 +98,9 @@ def _served(app: web.Application, req: ProxyRequest, chosen: Upstream) -> None:
         [p.digest for p in route.pieces],
         [p.chars for p in route.pieces],
         None if timings.from_usage else timings.cache_n,  # usage may leave cached tokens out: no judging on it
-        timings.prompt_n + timings.cache_n,
+        (timings.prompt_n + timings.cache_n, timings.predicted_n),
         restored,
-        req.client,
-        req.project,
+        (req.client, req.project, scope),
         policy.min_tokens,
     )
 
@@ -125,6 +136,12 @@ def watch_servers(app: web.Application) -> None:
             store.warm_start(upstream, "after a restart", erased, restore=which not in emptied)
             emptied.discard(which)
 
+    def displaced(upstream: Upstream) -> None:  # a slot action acted on a request's KV: the router must not count on it
+        app[ROUTER].slots_erased(upstream.name, upstream.replica)
+
+    store = app.get(HEADS)
+    if store is not None:
+        store.displaced = displaced
     app.cleanup_ctx.append(at_start)
     app[BUS].listen(on_event)
 
@@ -137,17 +154,22 @@ def _one_per_server(app: web.Application) -> list[Upstream]:
     return list(seen.values())
 
 
+def _view_scope(request: web.Request, store: HeadStore) -> str | None:
+    """The heads a caller sees and deletes: with project keys, its own scope's only; else all of them."""
+    return _scope(request) if store.config.project_keys else None
+
+
 async def _heads_view(request: web.Request) -> web.Response:
     store = request.app.get(HEADS)
     if store is None:
         return web.json_response({"enabled": False, "heads": []})
-    return web.json_response({"enabled": True, **store.describe()})
+    return web.json_response({"enabled": True, **store.describe(_view_scope(request, store))})
 
 
 async def _delete_view(request: web.Request) -> web.Response:
     store = request.app.get(HEADS)
     head = request.match_info.get("head_id")
-    removed = store.delete(head) if store is not None else 0
+    removed = await store.delete(head, _view_scope(request, store)) if store is not None else 0
     if head is not None and removed == 0:
         return web.json_response(
             {"error": {"message": f"no head {head!r}", "type": "not_found", "code": "no_head"}}, status=404

@@ -1,13 +1,17 @@
-"""The heads on disk as the store keeps them: the index in memory, each file's checks before a restore, the bound on
-bytes (least recently used first) and free disk before a save, and the repairs (a head that fails a check or that
-llama-server refuses is removed, with its reason logged). No HTTP: the store (`kv/heads/store.py`) does that."""
+"""The heads on disk as the store keeps them: the index in memory, each file's checks (its size before a restore, its
+checksum once a run, in the background: an unverified head is not restored), the bound on bytes (least recently used
+first, kept as a head is added) and free disk before a save, and the repairs (a head that fails a check is removed,
+with its reason logged). The index changes on the event loop only; a snapshot of it is written in a thread, one
+write at a time. No HTTP: the store (`kv/heads/store.py`) does that."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,94 +28,121 @@ class HeadBook:
     def __init__(self, directory: Path, max_bytes: int, counts: dict[str, int]) -> None:
         self.dir, self.max_bytes, self.counts = directory, max_bytes, counts
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.dir, 0o700)  # one made before (or by another umask) is private too: KV encodes prompts
         self.entries: dict[str, HeadEntry] = load_index(self.dir)
+        self.saving: set[str] = set()  # heads whose file a save is replacing: a checksum read meanwhile proves nothing
         self._verified: set[str] = set()  # heads whose checksum this run has checked (or wrote)
+        self._writing = asyncio.Lock()  # index writes one at a time, each of the index as it is when it starts
 
     def path(self, head: str) -> Path:
         return head_path(self.dir, head)
 
+    def verified(self, head: str) -> bool:
+        return head in self._verified
+
+    async def verify(self) -> None:
+        """Each head's checksum, once a run, in a thread (in the background: never on a request's path)."""
+        for entry in list(self.entries.values()):
+            if entry.id in self._verified:
+                continue
+            try:
+                crc = await asyncio.to_thread(checksum, self.path(entry.id)) if entry.crc else ""
+            except OSError as exc:
+                crc = f"unreadable ({exc})"
+            if self.entries.get(entry.id) is not entry or entry.id in self.saving:
+                continue  # replaced meanwhile by a new save, whose checksum was taken as it was written
+            if crc != entry.crc:
+                await self.drop(entry.id, f"its checksum is {crc}, not the {entry.crc} saved")
+            else:
+                self._verified.add(entry.id)
+
     async def check(self, entry: HeadEntry) -> bool:
-        """The head's file is whole: its size, and once a run its checksum (a damaged head is removed)."""
+        """The head's file is whole: its checksum verified this run, and its size (a damaged head is removed)."""
+        if entry.id not in self._verified:
+            return False
         size = await asyncio.to_thread(file_size, self.path(entry.id))
         if size != entry.bytes:
-            self.drop(entry.id, f"its file holds {size} bytes, not the {entry.bytes} saved")
+            await self.drop(entry.id, f"its file holds {size} bytes, not the {entry.bytes} saved")
             return False
-        if entry.crc and entry.id not in self._verified:
-            crc = await asyncio.to_thread(checksum, self.path(entry.id))
-            if crc != entry.crc:
-                self.drop(entry.id, f"its checksum is {crc}, not the {entry.crc} saved")
-                return False
-            self._verified.add(entry.id)
         return True
 
     async def room(self, prompt_tokens: int) -> bool:
-        """Free disk for a head of this size, and the bound kept while it is written (older heads go first)."""
+        """Free disk for a head of this size (the bound is kept as the head is added: a save may still be skipped)."""
         incoming = int(self.bytes_per_token() * prompt_tokens)
         free = await asyncio.to_thread(lambda: shutil.disk_usage(self.dir).free)
         if free < FREE_RESERVE_BYTES + incoming * 2:
             self.counts["refused"] += 1
-            log.warning("heads: %d MB free in %s; the head is not saved", free // 1_000_000, self.dir)
+            log.warning("heads: %d MB free in the heads directory; the head is not saved", free // 1_000_000)
             return False
-        self._evict(min(incoming, self.max_bytes))
         return True
 
-    def add(self, entry: HeadEntry) -> None:
+    async def add(self, entry: HeadEntry) -> None:
         """The new head in the index, the bound kept; a full disk loses the new head, not the index (OSError)."""
         self.entries[entry.id] = entry
         self._verified.add(entry.id)
-        self._evict(0)
+        evicted = evictions(self.entries.values(), self.max_bytes)
+        self.counts["evicted"] += sum(1 for head in evicted if head != entry.id)
+        await self.forget(evicted)
         try:
-            write_index(self.dir, self.entries.values())
+            await self._write_index()
         except OSError:
-            self.remove(entry.id)
+            await self.forget([entry.id])
             raise
 
-    def used(self, entry: HeadEntry) -> None:
-        self.entries[entry.id] = replace(entry, last_used_unix=time.time(), restores=entry.restores + 1)
-        self.write_index_logged()
+    async def used(self, entry: HeadEntry) -> None:
+        current = self.entries.get(entry.id, entry)
+        self.entries[entry.id] = replace(current, last_used_unix=time.time(), restores=current.restores + 1)
+        await self.write_index_logged()
 
-    def drop(self, head: str, why: str) -> None:
+    async def drop(self, head: str, why: str) -> None:
         """A head that cannot be restored, removed (the store repairs itself), with the reason logged."""
-        if self.remove(head):
+        if await self.forget([head]):
             self.counts["removed"] += 1
             log.warning("heads: %s removed: %s", head, why)
-            self.write_index_logged()
+            await self.write_index_logged()
 
-    def remove(self, head: str) -> bool:
-        self._verified.discard(head)
-        if self.entries.pop(head, None) is None:
-            return False
-        unlink(self.path(head))
-        return True
+    async def forget(self, heads: Iterable[str]) -> int:
+        """Out of the index (here, on the loop), their files removed in a thread: how many were in the index."""
+        gone = [head for head in heads if self.entries.pop(head, None) is not None]
+        self._verified.difference_update(gone)
+        if gone:
+            await asyncio.to_thread(_unlink_all, [self.path(head) for head in gone])
+        return len(gone)
 
-    def delete(self, head: str | None) -> int:
-        """Remove one head (or all, `None`): how many were removed."""
-        ids = [head] if head is not None else list(self.entries)
-        removed = sum(1 for i in ids if self.remove(i))
+    async def delete(self, heads: Iterable[str]) -> int:
+        """Remove these heads: how many were removed."""
+        removed = await self.forget(list(heads))
         if removed:
-            self.write_index_logged()
+            await self.write_index_logged()
         return removed
 
-    def write_index_logged(self) -> None:
+    async def write_index_logged(self) -> None:
         try:
-            write_index(self.dir, self.entries.values())
+            await self._write_index()
         except OSError as exc:  # the files stay; the next start drops what the index does not name
-            log.warning("heads: the index in %s was not written: %s", self.dir, exc)
+            log.warning("heads: the index was not written: %s", exc)
 
     def bytes_per_token(self) -> float:
         saved = sum(e.saved_tokens for e in self.entries.values())
         return sum(e.bytes for e in self.entries.values()) / saved if saved else _PRIOR_BYTES_PER_TOKEN
 
-    def describe(self) -> dict[str, Any]:
-        heads = sorted(self.entries.values(), key=lambda e: -e.last_used_unix)
+    def describe(self, scope: str | None = None) -> dict[str, Any]:
+        """The heads of `scope` (None: all); no path of this machine."""
+        heads = sorted(
+            (e for e in self.entries.values() if scope is None or e.scope == scope), key=lambda e: -e.last_used_unix
+        )
         return {
-            "directory": str(self.dir),
             "max_bytes": self.max_bytes,
             "bytes": sum(e.bytes for e in heads),
             "heads": [e.describe() for e in heads],
         }
 
-    def _evict(self, incoming_bytes: int) -> None:
-        for old in evictions(self.entries.values(), self.max_bytes, incoming_bytes):
-            self.remove(old)
-            self.counts["evicted"] += 1
+    async def _write_index(self) -> None:
+        async with self._writing:
+            snapshot = list(self.entries.values())  # taken on the loop: the thread never reads the live dict
+            await asyncio.to_thread(write_index, self.dir, snapshot)
+
+
+def _unlink_all(paths: Iterable[Path]) -> None:
+    for path in paths:
+        unlink(path)

@@ -75,13 +75,16 @@ def stage(head: Path, staged: Path) -> None:
     unlink(staged)
     try:
         os.link(head, staged)
-    except OSError:
-        shutil.copyfile(head, staged)
+    except OSError:  # a copy, private from its first byte (KV encodes the prompt)
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as out, head.open("rb") as src:
+            shutil.copyfileobj(src, out, _CHUNK)
 
 
-def take(saved: Path, head: Path) -> int:
-    """Move a slot file llama-server just wrote into the store, private to the user: its size. A copy (another
-    filesystem) goes to a temporary name first, so a full disk or a kill leaves no half head under the head's name."""
+def take(saved: Path, head: Path) -> tuple[int, str]:
+    """Move a slot file llama-server just wrote into the store, private to the user: its size and checksum (here,
+    in the caller's thread). A copy (another filesystem) goes to a temporary name first, so a full disk or a kill
+    leaves no half head under the head's name."""
     os.chmod(saved, 0o600)
     try:
         os.replace(saved, head)
@@ -93,7 +96,7 @@ def take(saved: Path, head: Path) -> int:
             os.replace(tmp, head)
         finally:
             unlink(tmp)
-    return head.stat().st_size
+    return head.stat().st_size, checksum(head)
 
 
 def checksum(path: Path) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,12 +47,24 @@ def launched_heads(
     default_dir: Path,
     binary: str | None,
     extra_args: Sequence[str] = (),
-    project_keys: bool = False,
+    project_keys: Mapping[str, str] | None = None,
 ) -> HeadsConfig:
     """The store's config for this run: its directory resolved, and what `serve` knows of the servers it launches
-    (the binary's identity, the KV cache type) for the key a head is valid under. Attached servers (`binary` None)
-    are known by what they report. With `--project-key` projects are tenants: a head is shared within one only."""
-    config = replace(config, directory=config.directory or default_dir, per_project=project_keys)
+    (the binary's identity, the K and V cache types) for the key a head is valid under. Attached servers (`binary`
+    None) are known by what they report. With `--project-key` projects are tenants: a head is shared within the
+    project of the key a request was sent with only."""
+    config = replace(config, directory=config.directory or default_dir, project_keys=dict(project_keys or {}))
     if binary is None:
         return config
-    return replace(config, build=build_identity(binary), kv_type=cache_type_k(extra_args))
+    return replace(
+        config, build=build_identity(binary), cache_types=(cache_type_k(extra_args), _cache_type_v(extra_args))
+    )
+
+
+def _cache_type_v(extra_args: Sequence[str]) -> str:
+    """The V cache type a server is launched with (`-ctv`), f16 when not named."""
+    args = list(extra_args)
+    for flag in ("-ctv", "--cache-type-v"):
+        if flag in args[:-1]:
+            return args[args.index(flag) + 1]
+    return "f16"

@@ -5,7 +5,8 @@ and whether a restore pays against a prefill. No file, no HTTP: the store (`kv/h
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+import hmac
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -22,7 +23,8 @@ class ServerKey:
     """What a slot file's KV depends on: the model file (path, size and `model_sample`, a digest of its modification
     time and its first and last MiB: a stable identity without reading the whole file), the slot's context, the chat
     template (a digest of it), the build that wrote it (the binary's identity where `serve` launched it, and the
-    server's own build_info) and the KV cache type. Two servers with equal keys can restore each other's heads."""
+    server's own build_info) and the K and V cache types (`-ctk`, `-ctv` of launched servers; "" for attached ones,
+    whose /props does not say). Two servers with equal keys can restore each other's heads."""
 
     model: str
     model_bytes: int
@@ -30,11 +32,12 @@ class ServerKey:
     template_digest: str
     model_sample: str = ""
     build: str = ""
-    kv_type: str = ""
+    cache_type_k: str = ""
+    cache_type_v: str = ""
 
     def digest(self) -> bytes:
         parts = (self.model, self.model_bytes, self.n_ctx, self.template_digest, self.model_sample, self.build)
-        text = "\0".join(str(p) for p in (*parts, self.kv_type))
+        text = "\0".join(str(p) for p in (*parts, self.cache_type_k, self.cache_type_v))
         return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
     def hex(self) -> str:
@@ -43,6 +46,23 @@ class ServerKey:
 
 def template_digest(template: str) -> str:
     return hashlib.blake2b(template.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+
+
+NO_TENANT = "\0"  # with project keys: the scope of a request sent with no project's key (no project is named so)
+
+
+def tenant_scope(sent_keys: Iterable[str], project_keys: Mapping[str, str]) -> str:
+    """The scope a request's heads are kept and found in: "" (shared) without project keys; with them, the project
+    of the project key the caller sent, whatever its path says, else `NO_TENANT` (the main key or none). Every key
+    is compared, in constant time, against every project key."""
+    if not project_keys:
+        return ""
+    found = NO_TENANT
+    for sent in sent_keys:
+        for key, project in project_keys.items():
+            if hmac.compare_digest(sent.encode("utf-8", "surrogateescape"), key.encode("utf-8", "surrogateescape")):
+                found = project
+    return found
 
 
 def chain(key: ServerKey, piece_digests: Iterable[bytes], scope: str = "") -> tuple[str, ...]:
@@ -76,6 +96,7 @@ class HeadEntry:
     key: str = ""  # the ServerKey's hex digest: the heads a restarted server can take back
     crc: str = ""  # the file's CRC-32 when saved: checked before the first restore of each run
     save_pause_ms: float = 0.0  # how long the save paused the server's slots (llama-server saves in its main loop)
+    scope: str = ""  # the tenant scope it was saved in (`tenant_scope`): only that scope finds, lists, deletes it
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -101,6 +122,7 @@ class HeadEntry:
                 key=str(raw.get("key", "")),
                 crc=str(raw.get("crc", "")),
                 save_pause_ms=float(raw.get("save_pause_ms", 0.0)),
+                scope=str(raw.get("scope", "")),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -162,9 +184,9 @@ def covered(links: Sequence[str], entries: Iterable[HeadEntry]) -> bool:
     return any(shared_links(links, e.links) == len(links) for e in entries)
 
 
-def most_recent(entries: Iterable[HeadEntry], key: str, count: int) -> list[HeadEntry]:
-    """The `count` heads most recently used under a server key: what a (re)started server gets back first."""
-    mine = sorted((e for e in entries if e.key == key), key=lambda e: -e.last_used_unix)
+def most_recent(entries: Iterable[HeadEntry], key: str, count: int, scope: str = "") -> list[HeadEntry]:
+    """The `count` heads of `scope` most recently used under a server key: what a (re)started server gets back."""
+    mine = sorted((e for e in entries if e.key == key and e.scope == scope), key=lambda e: -e.last_used_unix)
     return mine[: max(0, count)]
 
 

@@ -14,33 +14,40 @@ from adaptive_spec.kv.heads.files import file_size, model_sample
 from adaptive_spec.kv.heads.plan import ServerKey, template_digest
 from adaptive_spec.servers.upstreams import Upstream
 
-TIMEOUT = aiohttp.ClientTimeout(total=60)
+TIMEOUT = aiohttp.ClientTimeout(total=60)  # a slot action: a large head's save or restore reads or writes GBs
+ASK_TIMEOUT = aiohttp.ClientTimeout(total=3)  # /props, /slots, /metrics: a server that takes longer is hung or busy
 
 
-async def server_key(client: aiohttp.ClientSession, upstream: Upstream, build: str, kv_type: str) -> ServerKey:
-    """`build`, `kv_type`: what `serve` knows of the servers it launched ("" for attached ones)."""
-    async with client.get(f"{upstream.base_url}/props", timeout=TIMEOUT) as resp:
+async def server_key(
+    client: aiohttp.ClientSession, upstream: Upstream, build: str, cache_types: tuple[str, str]
+) -> ServerKey:
+    """`build`, `cache_types` (K, V): what `serve` knows of the servers it launched ("" for attached ones)."""
+    async with client.get(f"{upstream.base_url}/props", timeout=ASK_TIMEOUT) as resp:
         resp.raise_for_status()
         props = await resp.json(content_type=None)
-    return await asyncio.to_thread(key_of, props, build, kv_type)
+    return await asyncio.to_thread(key_of, props, build, cache_types)
 
 
-def key_of(props: Any, build: str, kv_type: str) -> ServerKey:
+def key_of(props: Any, build: str, cache_types: tuple[str, str]) -> ServerKey:
     settings = props.get("default_generation_settings") or {}
     model = str(props.get("model_path") or "")
     size = (file_size(Path(model)) or 0) if model else 0
     builds = f"{build}|{props.get('build_info') or ''}"
     template = template_digest(str(props.get("chat_template") or ""))
-    return ServerKey(model, size, int(settings.get("n_ctx") or 0), template, model_sample(model), builds, kv_type)
+    n_ctx = int(settings.get("n_ctx") or 0)
+    return ServerKey(model, size, n_ctx, template, model_sample(model), builds, *cache_types)
 
 
 async def idle_slots(client: aiohttp.ClientSession, upstream: Upstream, wait_s: float) -> int | None:
-    """How many slots the server has once none is processing, waiting up to `wait_s`; None: still busy, or no
-    `/slots` to ask."""
+    """How many slots the server has once none is processing, waiting up to `wait_s`; None: still busy (a `/slots`
+    that does not answer within `ASK_TIMEOUT` is busy too: it waits for the server's loop), or no `/slots` to ask."""
     deadline = time.monotonic() + wait_s
     while True:
-        async with client.get(f"{upstream.base_url}/slots", timeout=TIMEOUT) as resp:
-            slots = await resp.json(content_type=None) if resp.status == 200 else None
+        try:
+            async with client.get(f"{upstream.base_url}/slots", timeout=ASK_TIMEOUT) as resp:
+                slots = await resp.json(content_type=None) if resp.status == 200 else None
+        except TimeoutError:
+            slots = [{"is_processing": True}]
         if not isinstance(slots, list):
             return None
         if not any(isinstance(s, dict) and s.get("is_processing") for s in slots):
@@ -54,7 +61,7 @@ async def fresh(client: aiohttp.ClientSession, upstream: Upstream) -> bool:
     """Whether the server has prefilled nothing yet (its /metrics): a server that has holds sessions' KV, which a
     warm start must not displace. Without /metrics (an attached server started without them) it cannot be told:
     no warm start there; its first turns still get heads restored when they come."""
-    async with client.get(f"{upstream.base_url}/metrics", timeout=TIMEOUT) as resp:
+    async with client.get(f"{upstream.base_url}/metrics", timeout=ASK_TIMEOUT) as resp:
         text = await resp.text() if resp.status == 200 else ""
     for line in text.splitlines():
         if line.startswith("llamacpp:prompt_tokens_total"):

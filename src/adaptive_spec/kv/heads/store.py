@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import aiohttp
 
 from adaptive_spec.common.lru import LRU
 from adaptive_spec.kv.heads.book import HeadBook
-from adaptive_spec.kv.heads.files import checksum, stage, take, unlink
+from adaptive_spec.kv.heads.files import stage, take, unlink
 from adaptive_spec.kv.heads.plan import (
     DEFAULT_MAX_BYTES,
     MIN_HEAD_TOKENS,
@@ -35,14 +35,16 @@ from adaptive_spec.kv.heads.plan import (
     inert,
     most_recent,
     price,
+    tenant_scope,
 )
 from adaptive_spec.kv.heads.server import TIMEOUT, fresh, idle_slots, server_key
-from adaptive_spec.kv.slots import SlotError, slot_action
+from adaptive_spec.kv.slots import SlotError, check_written, restore_slot, save_slot
 from adaptive_spec.servers.upstreams import Upstream
 
 log = logging.getLogger(__name__)
 _SLOT_PREFIX = "head-"  # the name a head has in the slot directory while it is restored or saved
 _IDLE_WAIT_S = 20.0  # a save waits this long for the server to go idle, else it is skipped
+_SAVED_SLACK_TOKENS = 8  # a slot holds the prompt and the reply; a few more (a stop sequence's): still the request's
 _FAILURES = (SlotError, OSError, aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError)
 
 
@@ -51,9 +53,10 @@ class HeadsConfig:
     directory: Path | None  # None: heads/ in the state directory (resolved where `serve` starts)
     max_bytes: int = DEFAULT_MAX_BYTES
     build: str = ""  # the launched binary's identity ("": attached servers, known by their build_info alone)
-    kv_type: str = ""  # the launched servers' KV cache type ("": unknown; llama-server refuses another type itself)
+    cache_types: tuple[str, str] = ("", "")  # the launched servers' K and V cache types ("": unknown)
     warm_start: bool = True  # restore the most recent heads into a fresh server's idle slots (start, restart)
-    per_project: bool = False  # heads shared within a project only (projects are tenants: `serve --project-key`)
+    # `serve --project-key` (key: project): projects are tenants, a head is found within its key's project only.
+    project_keys: Mapping[str, str] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,19 @@ class Restored:
     def reason(self) -> str:
         when = " when the server started" if self.at_start else ""
         return f"warm: head of {self.tokens} tokens restored{when} in {self.restore_ms:.0f} ms"
+
+
+@dataclass(frozen=True, slots=True)
+class _Head:
+    """A served first turn to keep as a head: its prompt's pieces, its tokens and reply's, whose it is."""
+
+    pieces: tuple[bytes, ...]
+    chars: tuple[int, ...]
+    prompt_tokens: int
+    reply_tokens: int
+    agent: str | None
+    project: str | None
+    scope: str
 
 
 class HeadStore:
@@ -96,11 +112,19 @@ class HeadStore:
         self._seen: LRU[str, bool] = LRU(100_000)  # sessions whose first request the store has seen
         # First requests under way, and the head restored for each (bounded: one that raised never ends).
         self._firsts: LRU[str, Restored | None] = LRU(4096)
+        self._refused: set[tuple[str, str]] = set()  # (server, head): llama-server refused it there this run
         self._restore_s_per_byte: float | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._verifying: asyncio.Task[None] | None = None  # the checksums of the heads the last run left
         self._lock = asyncio.Lock()  # one save or restore at a time: each pauses the server's slots
+        # A slot action the server deferred behind a request acted on that request's KV: the router is told.
+        self.displaced: Callable[[Upstream], None] = lambda _upstream: None
 
     # -- the request path -----------------------------------------------------------------------------------------
+
+    def scope_of(self, sent_keys: Iterable[str]) -> str:
+        """The tenant scope of a request that sent these API keys (`tenant_scope`)."""
+        return tenant_scope(sent_keys, self.config.project_keys)
 
     def first_request(self, session_id: str | None) -> bool:
         """Whether this is the first request of its session the store sees (only those save or restore heads)."""
@@ -129,13 +153,17 @@ class HeadStore:
         pieces: Sequence[bytes],
         slot_tokens: int,
         prefill_s_per_token: float,
-        project: str | None = None,
+        scope: str = "",
     ) -> Restored | None:
-        """Restore the stored head sharing most with this prompt into `slot` when it pays; None otherwise."""
+        """Restore the stored head of `scope` sharing most with this prompt into `slot` when it pays; None otherwise
+        (and at once when another save or restore holds the store: a request never queues behind one)."""
+        self._verify()
         if upstream.upstream_model is not None or upstream.base_url in self._inert or not self._entries:
             return None
+        if self._lock.locked():
+            return None
         try:
-            links = chain(await self._key(upstream), pieces, self._scope(project))
+            links = chain(await self._key(upstream), pieces, scope)
             return await self._restore(upstream, slot, links, slot_tokens, prefill_s_per_token)
         except _FAILURES as exc:
             self.counts["failed"] += 1
@@ -149,20 +177,20 @@ class HeadStore:
         pieces: Sequence[bytes],
         chars: Sequence[int],
         cache_n: int | None,
-        prompt_tokens: int,
+        tokens: tuple[int, int],
         restored: Restored | None,
-        agent: str | None,
-        project: str | None,
+        owner: tuple[str | None, str | None, str],
         min_tokens: int = MIN_HEAD_TOKENS,
     ) -> None:
         """A session's first request was served: learn an inert restore (`cache_n` None: not reported), and save
-        its head in the background when it has `min_tokens` or more."""
+        its head in the background when it has `min_tokens` or more. `tokens`: its prompt's and its reply's;
+        `owner`: its agent, project and tenant scope."""
         if restored is not None and cache_n is not None and inert(restored.tokens, cache_n):
             self._judge(upstream, restored, cache_n)
-        if prompt_tokens < min_tokens or upstream.upstream_model is not None:
+        if tokens[0] < min_tokens or upstream.upstream_model is not None:
             return
-        save = self._save_logged(upstream, slot or 0, tuple(pieces), tuple(chars), prompt_tokens, agent, project)
-        self._spawn(save)
+        head = _Head(tuple(pieces), tuple(chars), tokens[0], tokens[1], owner[0], owner[1], owner[2])
+        self._spawn(self._save_logged(upstream, slot, head))
 
     def warm_start(
         self, upstream: Upstream, when: str, on_fresh: Callable[[], None] = lambda: None, restore: bool = True
@@ -170,6 +198,7 @@ class HeadStore:
         """A server (re)started: when it is fresh (`on_fresh` is told: its slots hold nothing), the heads most
         recently used under its key go into its idle slots (unless `restore` is False: a restart asked to empty it),
         in the background (a request never waits for it; one that comes first stops it)."""
+        self._verify()
         self._spawn(self._warm_logged(upstream, when, on_fresh, restore))
 
     def server_down(self, upstream: Upstream) -> None:
@@ -193,18 +222,30 @@ class HeadStore:
 
     # -- what /adaptive/heads shows and deletes -------------------------------------------------------------------
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self, scope: str | None = None) -> dict[str, Any]:
+        """The heads of `scope` (None: every scope), and the store's counts."""
         return {
-            **self.book.describe(),
+            **self.book.describe(scope),
             "counts": dict(self.counts),
             "pending": len(self._tasks),
             "inert_servers": sorted(self._inert),
         }
 
-    def delete(self, head: str | None) -> int:
-        return self.book.delete(head)
+    async def delete(self, head: str | None, scope: str | None = None) -> int:
+        """Remove one head (or all, `head` None) of `scope` (None: every scope): how many were removed."""
+        mine = [e.id for e in self._entries.values() if scope is None or e.scope == scope]
+        return await self.book.delete(mine if head is None else [h for h in mine if h == head])
 
     # -- inside ---------------------------------------------------------------------------------------------------
+
+    def _verify(self) -> asyncio.Task[None]:
+        """The checksums of the heads the last run left, checked once, in the background (a head is restored only
+        once its checksum is)."""
+        if self._verifying is None:
+            self._verifying = asyncio.get_running_loop().create_task(self.book.verify())
+            self._tasks.add(self._verifying)
+            self._verifying.add_done_callback(self._tasks.discard)
+        return self._verifying
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -231,9 +272,6 @@ class HeadStore:
             cache_n,
         )
 
-    def _scope(self, project: str | None) -> str:
-        return project or "" if self.config.per_project else ""
-
     async def _restore(
         self,
         upstream: Upstream,
@@ -242,7 +280,12 @@ class HeadStore:
         slot_tokens: int,
         prefill_s_per_token: float,
     ) -> Restored | None:
-        match = best_match(links, self._entries.values())
+        usable = (
+            e
+            for e in self._entries.values()
+            if self.book.verified(e.id) and (upstream.base_url, e.id) not in self._refused
+        )
+        match = best_match(links, usable)
         if match is None:
             return None
         held = self._held.get((upstream.base_url, slot or 0))
@@ -261,37 +304,47 @@ class HeadStore:
                 cost.prefill_s,
             )
             return None
+        if self._lock.locked():
+            return None  # a save or a warm start took it meanwhile: no waiting on the request's path
         async with self._lock:
+            forwards = self._forwards.get(upstream.base_url, 0)
             n_slots = await self._idle(upstream, wait_s=0.0)
             if n_slots is None or (slot is None and n_slots != 1):
                 return None  # busy, or several slots and none named: the request may land in another one
-            return await self._restore_file(upstream, slot or 0, match)
+            return await self._restore_file(upstream, slot or 0, match, forwards)
 
-    async def _restore_file(self, upstream: Upstream, slot: int, match: Match, used: bool = True) -> Restored | None:
+    async def _restore_file(
+        self, upstream: Upstream, slot: int, match: Match, forwards: int, used: bool = True
+    ) -> Restored | None:
+        """`forwards`: the requests forwarded to the server when it was found idle, before this restore."""
         entry = match.entry
         if not await self.book.check(entry):
             return None
         name = f"{_SLOT_PREFIX}{entry.id}.bin"
         staged = self.slot_dir / name
-        forwards = self._forwards.get(upstream.base_url, 0)
         t0 = time.perf_counter()
         try:
             await asyncio.to_thread(stage, self.book.path(entry.id), staged)
-            answer = await slot_action(self._client(), upstream, slot, "restore", name, TIMEOUT)
-            n_restored = int(answer.get("n_restored") or -1)
-            if n_restored != entry.saved_tokens:
-                raise SlotError(f"restored {n_restored} of the head's {entry.saved_tokens} tokens")
-        except SlotError as exc:  # llama-server refused the file (another build's, damaged): it is of no use
-            self.book.drop(entry.id, f"llama-server refused it: {exc}")
+            await restore_slot(self._client(), upstream, slot, name, TIMEOUT, entry.saved_tokens)
+        except SlotError:  # its checksum holds: refused here (another build's format, a server's error), kept
+            self._refused.add((upstream.base_url, entry.id))
             raise
         finally:
             await asyncio.to_thread(unlink, staged)
+            if self._forwards.get(upstream.base_url, 0) != forwards:
+                self._came_between(upstream, "restore")
         elapsed = time.perf_counter() - t0
         self._observe_restore(entry.bytes, elapsed)
         if used:
-            await asyncio.to_thread(self.book.used, entry)
+            await self.book.used(entry)
         self.counts["restored"] += 1
-        restored = Restored(entry.id, upstream.base_url, match.tokens, elapsed * 1000.0, forwards=forwards)
+        restored = Restored(
+            entry.id,
+            upstream.base_url,
+            match.tokens,
+            elapsed * 1000.0,
+            forwards=self._forwards.get(upstream.base_url, 0),
+        )
         log.info("heads: %s on %s slot %d (%s)", restored.reason(), upstream.label, slot, entry.id)
         return restored
 
@@ -307,18 +360,23 @@ class HeadStore:
         if upstream.upstream_model is not None or not await fresh(self._client(), upstream):
             return  # a server that has served prompts holds sessions' KV: a head must not displace it
         on_fresh()
+        if self.config.project_keys:
+            return  # projects are tenants: a slot warmed with one's head would serve it to any project's request
         if not (restore and self.config.warm_start) or upstream.base_url in self._inert or not self._entries:
             return
-        key, forwards, t0 = await self._key(upstream), self._forwards.get(upstream.base_url, 0), time.perf_counter()
+        await self._verify()
+        key, t0 = await self._key(upstream), time.perf_counter()
+        forwards = self._forwards.get(upstream.base_url, 0)
         n_slots = await self._idle(upstream, wait_s=0.0) or 0
-        heads = most_recent(self._entries.values(), key.hex(), n_slots)
+        verified = (e for e in self._entries.values() if self.book.verified(e.id))
+        heads = most_recent(verified, key.hex(), n_slots)
         done = 0
         for slot, entry in enumerate(heads):
             async with self._lock:
                 if self._forwards.get(upstream.base_url, 0) != forwards or await self._idle(upstream, 0.0) is None:
                     break  # requests came: they go first, and may have taken the slots
                 match = Match(entry, len(entry.links), entry.prompt_tokens)
-                restored = await self._restore_file(upstream, slot, match, used=False)
+                restored = await self._restore_file(upstream, slot, match, forwards, used=False)
             if restored is not None:
                 self._held[(upstream.base_url, slot)] = replace(restored, at_start=True)
                 self.counts["warm_started"] += 1
@@ -329,81 +387,88 @@ class HeadStore:
                 f"in {time.perf_counter() - t0:.2f} s (in the background)"
             )
 
-    async def _save_logged(
-        self,
-        upstream: Upstream,
-        slot: int,
-        pieces: tuple[bytes, ...],
-        chars: tuple[int, ...],
-        prompt_tokens: int,
-        agent: str | None,
-        project: str | None,
-    ) -> None:
+    async def _save_logged(self, upstream: Upstream, slot: int | None, head: _Head) -> None:
         try:
-            await self._save(upstream, slot, pieces, chars, prompt_tokens, agent, project)
+            await self._save(upstream, slot, head)
         except _FAILURES as exc:
             self.counts["failed"] += 1
             log.warning("heads: saving a head from %s failed (nothing kept): %s", upstream.label, exc)
 
-    async def _save(
-        self,
-        upstream: Upstream,
-        slot: int,
-        pieces: tuple[bytes, ...],
-        chars: tuple[int, ...],
-        prompt_tokens: int,
-        agent: str | None,
-        project: str | None,
-    ) -> None:
+    async def _save(self, upstream: Upstream, slot: int | None, head: _Head) -> None:
         key = await self._key(upstream)
-        links = chain(key, pieces, self._scope(project))
-        if not links or covered(links, self._entries.values()):
+        links = chain(key, head.pieces, head.scope)
+        if not links or self._covered(upstream, links):
             return
         # Wait for idle outside the lock: a new session's restore must not queue behind this wait.
         if await self._idle(upstream, wait_s=_IDLE_WAIT_S) is None:
             log.info("heads: %s stayed busy; the head is not saved", upstream.label)
             return
         async with self._lock:
-            if covered(links, self._entries.values()) or await self._idle(upstream, wait_s=0.0) is None:
-                return  # the same head was saved meanwhile, or a request came
-            if not await self.book.room(prompt_tokens):
-                return
-            hid = head_id(links)
-            name = f"{_SLOT_PREFIX}{hid}.bin"
-            t0 = time.perf_counter()
+            forwards = self._forwards.get(upstream.base_url, 0)
+            n_slots = await self._idle(upstream, wait_s=0.0)
+            if self._covered(upstream, links) or n_slots is None or (slot is None and n_slots != 1):
+                return  # the same head was saved meanwhile, a request came, or its slot is not known among several
+            if await self.book.room(head.prompt_tokens):
+                await self._save_file(upstream, slot or 0, head, (key, links), forwards)
+
+    async def _save_file(
+        self, upstream: Upstream, slot: int, head: _Head, keyed: tuple[ServerKey, tuple[str, ...]], forwards: int
+    ) -> None:
+        """`forwards`: the requests forwarded to the server when it was found idle; one more after the save means
+        llama-server may have deferred the save behind it, and saved that request's KV: not kept."""
+        links = keyed[1]
+        hid, most = head_id(links), head.prompt_tokens + head.reply_tokens + _SAVED_SLACK_TOKENS
+        name, t0 = f"{_SLOT_PREFIX}{hid}.bin", time.perf_counter()
+        self.book.saving.add(hid)
+        try:
             try:
-                saved = await slot_action(self._client(), upstream, slot, "save", name, TIMEOUT)
+                n_saved, n_written = await save_slot(self._client(), upstream, slot, name, TIMEOUT, head.prompt_tokens)
                 pause_ms = (time.perf_counter() - t0) * 1000.0
-                n_saved = int(saved.get("n_saved") or 0)
-                if n_saved < prompt_tokens:
-                    raise SlotError(f"the slot held {n_saved} tokens, not the {prompt_tokens} of the head (reused)")
-                size = await asyncio.to_thread(take, self.slot_dir / name, self.book.path(hid))
+                if self._forwards.get(upstream.base_url, 0) != forwards:
+                    raise SlotError("a request came during the save: the slot may have held its KV, not the head's")
+                if n_saved > most:
+                    raise SlotError(f"the slot held {n_saved} tokens, more than the head's turn ({most}): reused")
+                await asyncio.to_thread(check_written, self.slot_dir / name, n_written, upstream.label)
+                size, crc = await asyncio.to_thread(take, self.slot_dir / name, self.book.path(hid))
             finally:
                 await asyncio.to_thread(unlink, self.slot_dir / name)
-            crc = await asyncio.to_thread(checksum, self.book.path(hid))
             now = time.time()
             entry = HeadEntry(
-                hid, links, chars, prompt_tokens, n_saved, size, now, now, agent, project, 0, key.hex(), crc, pause_ms
+                hid, links, head.chars, head.prompt_tokens, n_saved, size, now, now, head.agent, head.project, 0,
+                keyed[0].hex(), crc, pause_ms, head.scope,
+            )  # fmt: skip
+            await self.book.add(entry)
+        finally:
+            self.book.saving.discard(hid)
+        self._refused = {r for r in self._refused if r[1] != hid}  # a new file under that id
+        if hid in self._entries:
+            self.counts["saved"] += 1
+            self._held[(upstream.base_url, slot)] = Restored(
+                hid, upstream.base_url, head.prompt_tokens, 0.0, False, self._forwards.get(upstream.base_url, 0)
             )
-            self.book.add(entry)
-            if hid in self._entries:
-                self.counts["saved"] += 1
-                forwards = self._forwards.get(upstream.base_url, 0)
-                self._held[(upstream.base_url, slot)] = Restored(
-                    hid, upstream.base_url, prompt_tokens, 0.0, False, forwards
-                )
-                log.info(
-                    "heads: saved a head of %d tokens (%d MB) from %s; the server paused %.0f ms",
-                    prompt_tokens,
-                    size // 1_000_000,
-                    upstream.label,
-                    pause_ms,
-                )
+            log.info(
+                "heads: saved a head of %d tokens (%d MB) from %s; the server paused %.0f ms",
+                head.prompt_tokens,
+                size // 1_000_000,
+                upstream.label,
+                pause_ms,
+            )
+
+    def _covered(self, upstream: Upstream, links: Sequence[str]) -> bool:
+        """A head already holds the prompt (one llama-server refused here does not count: a save replaces it)."""
+        mine = (e for e in self._entries.values() if (upstream.base_url, e.id) not in self._refused)
+        return covered(links, mine)
+
+    def _came_between(self, upstream: Upstream, action: str) -> None:
+        """A request was forwarded while a slot action waited: llama-server may have deferred the action behind it
+        and acted on that request's KV. The router is told the server's slots hold nothing it knows of."""
+        log.warning("heads: a request came to %s during a %s: its slots are counted as emptied", upstream.label, action)
+        self.displaced(upstream)
 
     async def _key(self, upstream: Upstream) -> ServerKey:
         key = self._keys.get(upstream.base_url)
         if key is None:
-            key = await server_key(self._client(), upstream, self.config.build, self.config.kv_type)
+            key = await server_key(self._client(), upstream, self.config.build, self.config.cache_types)
             self._keys[upstream.base_url] = key
         return key
 
