@@ -1,10 +1,10 @@
-"""Warm starts (issue 40): agents' first turns through a running `serve`, for three agent shapes (opencode, Claude
-Code, Qwen Code; synthetic bodies of their shape and size), in each case the issue names: cold, a new session in the
-same project, after a side request on the one slot, another project, a project seen before, after `serve` restarts
+"""Warm starts: agents' first turns through a running `serve`, for three agent shapes (opencode, Claude Code, Qwen Code;
+synthetic bodies of their shape and size), in seven cases: cold (an empty store), a new session in the same project,
+a new session after a side request took the one slot, another project, a project seen before, after `serve` restarts
 and after its llama-server is SIGKILLed and restarted by `serve`. Each first turn's time to first token, prompt_n,
-cache_n, the router's new-token estimate and the route's reason (which says "warm: head of N tokens restored in X ms")
-come from the proxy's own request records; the store's heads (tokens, bytes) from `/adaptive/heads`. Written to a
-JSON file and printed as a markdown table.
+cache_n, the router's new-token estimate and the route's reason (which says "warm: head of N tokens restored in
+X ms") come from the proxy's own request records; the store's heads (tokens, bytes) from `/adaptive/heads`. Written
+to a JSON file and printed as a markdown table.
 
 Run:  .venv/bin/python benchmarks/warm_starts.py [--model embedded:qwen2.5-coder-0.5b] [--out FILE.json]
       [--agents opencode,claude-code,qwen-code] [--no-heads] (the same cases without the store, llama-server's own
