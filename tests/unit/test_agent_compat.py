@@ -135,10 +135,26 @@ def test_an_anthropic_tool_use_counts_as_the_call_the_template_writes() -> None:
     from adaptive_spec.sessions.grouping import message_entry
 
     use = {"type": "tool_use", "id": "toolu_1", "name": "Write", "input": {"file_path": "hello.py", "content": "x"}}
-    role, assistant, text, calls = message_entry({"role": "assistant", "content": [use]})
+    role, assistant, text, calls = message_entry({"role": "assistant", "content": [use]}, spaced=True)
     assert (role, assistant, calls) == ("assistant", True, True)
     assert text == '{"name": "Write", "arguments": {"file_path": "hello.py", "content": "x"}}'
     said = {"role": "assistant", "content": [{"type": "text", "text": "Writing it."}, use]}
     assert message_entry(said)[2].startswith('Writing it.\n{"name": "Write"')
     result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "done"}]}
     assert message_entry(result)[2:] == ("done", False)
+
+
+def test_a_tool_use_is_spaced_only_when_asked_as_a_chat_tool_call_is() -> None:
+    """Unspaced (for the digests, which ignore whitespace, on the request path): the input compact, as a chat call's
+    arguments come from the client; spaced (what the statistics tokenize): as the template writes either."""
+    from adaptive_spec.sessions.grouping import message_digest, message_entry
+
+    use = {"type": "tool_use", "id": "toolu_1", "name": "Write", "input": {"file_path": "hello.py", "content": "é"}}
+    anthropic = {"role": "assistant", "content": [use]}
+    arguments = '{"file_path":"hello.py","content":"é"}'
+    chat = {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "Write", "arguments": arguments}}]}
+    unspaced, spaced = message_entry(anthropic)[2], message_entry(anthropic, spaced=True)[2]
+    assert unspaced == '{"name": "Write", "arguments": ' + arguments + "}" == message_entry(chat)[2]
+    assert spaced == '{"name": "Write", "arguments": {"file_path": "hello.py", "content": "é"}}'
+    assert spaced == message_entry(chat, spaced=True)[2]
+    assert message_digest("assistant", unspaced) == message_digest("assistant", spaced)

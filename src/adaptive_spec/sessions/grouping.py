@@ -14,6 +14,8 @@ from collections.abc import Callable, Container, Iterator, KeysView, Mapping, Se
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from adaptive_spec.common.headers import PARENT_SESSION_HEADERS, SESSION_HEADERS, SUBAGENT_HEADERS
 from adaptive_spec.common.lru import LRU
 from adaptive_spec.sessions.billing import normalised_system
@@ -354,10 +356,19 @@ def _tool_text(message: Mapping[str, Any], spaced: bool = False) -> str:
     content = message.get("content")
     for block in content if type(content) is list else ():  # Anthropic tool_use blocks: llama-server renders each
         if isinstance(block, dict) and block.get("type") == "tool_use":  # as a call, its input as `tojson` writes it
-            parts.append(
-                call_text(block.get("name"), json.dumps(block.get("input", {}), ensure_ascii=False), spaced=False)
-            )
+            parts.append(call_text(block.get("name"), _input_text(block.get("input", {}), spaced), spaced=False))
     return "\n".join(parts)
+
+
+def _input_text(value: Any, spaced: bool) -> str:
+    """A tool_use block's input as JSON: spaced as the template's `tojson` writes it, else compact (what ignores
+    whitespace; an order of magnitude cheaper, as `call_text`'s unspaced arguments are)."""
+    if not spaced:
+        try:
+            return orjson.dumps(value).decode()
+        except TypeError:  # orjson's JSONEncodeError: what it does not write (an integer past 64 bits)
+            pass
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _uses_tools(content: Any) -> bool:
