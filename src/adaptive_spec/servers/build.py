@@ -56,8 +56,9 @@ class SourceArchive:
 
 
 PINNED = SourceArchive(SDIST_NAME, SDIST_VERSION, SDIST_FILE, SDIST_SHA256, _SOURCE_ROOT, LLAMA_CPP_BUILD)
-# Not built: the patch series is kept applying to it (at --fuzz=0, tested) so the pin can move without a rewrite;
-# patches/README.md says what it would bring and why the pin stays. It vendors an unmodified llama.cpp.
+# Not the pin: the patch series is kept applying to it (at --fuzz=0, tested) so the pin can move without a rewrite;
+# patches/README.md ("The pin") has what a build of it measured here and why the pin stays. It vendors an unmodified
+# llama.cpp.
 B11549 = SourceArchive(
     "xllamacpp",
     "2026.10.11549",
