@@ -159,6 +159,9 @@ async def test_a_truncated_or_damaged_head_is_removed_before_any_restore(tmp_pat
     assert list(book.entries) == [good.id] and counts["removed"] == 1
     assert _heads(tmp_path) == [f"{good.id}.head"]
     assert [e["id"] for e in json.loads((tmp_path / INDEX).read_text())] == [good.id]
+    assert await book.delete([good.id]) == 1
+    await book.used(good)  # its restore ended after it was deleted: it is not brought back
+    assert book.entries == {} and json.loads((tmp_path / INDEX).read_text()) == []
 
 
 def test_a_staged_copy_is_private_from_its_first_byte_and_the_heads_directory_is_made_private(

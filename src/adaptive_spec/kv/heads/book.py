@@ -90,7 +90,9 @@ class HeadBook:
             raise
 
     async def used(self, entry: HeadEntry) -> None:
-        current = self.entries.get(entry.id, entry)
+        current = self.entries.get(entry.id)
+        if current is None:
+            return  # deleted while it was restored: not brought back
         self.entries[entry.id] = replace(current, last_used_unix=time.time(), restores=current.restores + 1)
         await self.write_index_logged()
 
