@@ -23,11 +23,8 @@ import json
 import os
 import random
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -36,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the tests' own process starters
+from tests.support.servers import ProxyProcess, llama_children  # noqa: E402
+
 _RULES = ("Prefer", "Never", "Always", "Before you", "When the user asks,", "If a tool fails,")
 _ACTS = ("edit a file", "run the tests", "read the file", "explain a change", "commit", "search the code")
 _WORDS = ("path", "pattern", "offset", "limit", "content", "command")
@@ -126,34 +126,19 @@ def side_body() -> dict[str, Any]:
     return {"model": "m", "stream": True, "max_tokens": 8, "temperature": 0, "messages": messages}
 
 
-class Serve:
-    def __init__(self, model: str, state: Path, threads: int, extra: list[str]) -> None:
-        env = {**os.environ, "ADAPTIVE_SPEC_STATE_DIR": str(state), "PYTHONUNBUFFERED": "1"}
-        argv = [sys.executable, "-m", "adaptive_spec", "serve", "--model", model, "--threads", str(threads)]
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        argv += ["--parallel", "1", "--ctx-size", "32768", "--port", str(port), *extra]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.base = ""
-        self.lines: list[str] = []
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            print("  serve:", line.rstrip(), flush=True)
-            self.lines.append(line.rstrip())
-            if line.startswith("OPENAI_BASE_URL="):
-                self.base = line.strip().split("=", 1)[1].removesuffix("/v1")
-                break
-        if not self.base:
-            raise SystemExit("serve did not start")
-        threading.Thread(target=self._drain, daemon=True).start()
+class Serve(ProxyProcess):
+    """`serve` on the state directory `state` (its head store in heads/ there), one slot, the tests' own starter."""
 
-    def _drain(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-            if "heads:" in line or "warm" in line or "restart" in line:
-                print("  serve:", line.rstrip(), flush=True)
+    def __init__(self, model: str, state: Path, threads: int, extra: list[str]) -> None:
+        args = ("--model", model, "--threads", str(threads), "--parallel", "1", "--ctx-size", "32768", *extra)
+        super().__init__(*args, env={"ADAPTIVE_SPEC_STATE_DIR": str(state)}, ready_timeout=1800.0)
+        for line in self.lines:
+            if "heads:" in line or "warm" in line:
+                print("  serve:", line, flush=True)
+
+    @property
+    def lines(self) -> list[str]:
+        return self.stdout_lines + self.stderr_lines
 
     def get(self, path: str) -> dict[str, Any]:
         with urllib.request.urlopen(self.base + path, timeout=60) as resp:
@@ -188,16 +173,10 @@ class Serve:
             time.sleep(1.0)
 
     def llama_pid(self) -> int:
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                    cmd = (entry / "cmdline").read_bytes().split(b"\0")[0]
-                except (OSError, IndexError, ValueError):
-                    continue
-                if ppid == self.proc.pid and cmd.endswith(b"llama-server"):
-                    return int(entry.name)
-        raise SystemExit("no llama-server under serve")
+        pids = llama_children(self)
+        if not pids:
+            raise SystemExit("no llama-server under serve")
+        return min(pids)
 
     def crash(self) -> float:
         """SIGKILL the llama-server; the seconds until `serve` has it serving again."""
@@ -213,10 +192,6 @@ class Serve:
                 pass
             time.sleep(0.2)
         raise SystemExit("llama-server did not come back")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
 
 
 def summary(record: dict[str, Any]) -> dict[str, Any]:
