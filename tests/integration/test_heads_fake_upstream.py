@@ -286,3 +286,28 @@ async def test_with_project_keys_a_fresh_server_is_not_warm_started(
         assert store_of(proxy).counts["warm_started"] == (0 if project_keys else 1)
     finally:
         await proxy.close()
+
+
+async def test_a_restore_on_a_hung_server_gives_up_at_its_files_pace_and_the_request_goes_on(
+    fake: tuple[FakeSlots, TestServer], client: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """The server hangs in the restore (its /slots answered): the request waits 5 s + the file's size at 50 MB/s,
+    not the 60 s a save may take. The bound below is generous (a shared machine); 60 s would pass it."""
+    slots, server = fake
+    proxy = await start_proxy(_url(server), slots.slot_dir, tmp_path / "heads")
+    store = store_of(proxy)
+
+    async def hang(action: str) -> None:
+        if action == "restore":
+            await asyncio.sleep(120)
+
+    try:
+        await chat(client, proxy, "s1", "Write hello.py.")
+        await store.settled()
+        await erase(client, proxy)
+        slots.during = hang
+        cold = await asyncio.wait_for(chat(client, proxy, "s2", "Write hello.py."), 45)
+        assert "warm:" not in cold["record"]["reason"] and store.counts["failed"] == 1, cold["record"]
+        assert store.counts["removed"] == 0 and len(store.describe()["heads"]) == 1
+    finally:
+        await proxy.close()

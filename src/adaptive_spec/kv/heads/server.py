@@ -16,6 +16,12 @@ from adaptive_spec.servers.upstreams import Upstream
 
 TIMEOUT = aiohttp.ClientTimeout(total=60)  # a slot action: a large head's save or restore reads or writes GBs
 ASK_TIMEOUT = aiohttp.ClientTimeout(total=3)  # /props, /slots, /metrics: a server that takes longer is hung or busy
+_RESTORE_FLOOR_BYTES_PER_S = 50e6  # a restore slower than this (8x below the prior) is a hung server's
+
+
+def restore_timeout(size: int) -> aiohttp.ClientTimeout:
+    """A restore on a request's path waits for its file's read at a slow disk's pace, not for a hung server."""
+    return aiohttp.ClientTimeout(total=5.0 + size / _RESTORE_FLOOR_BYTES_PER_S)
 
 
 async def server_key(

@@ -37,7 +37,7 @@ from adaptive_spec.kv.heads.plan import (
     price,
     tenant_scope,
 )
-from adaptive_spec.kv.heads.server import TIMEOUT, fresh, idle_slots, server_key
+from adaptive_spec.kv.heads.server import TIMEOUT, fresh, idle_slots, restore_timeout, server_key
 from adaptive_spec.kv.slots import SlotError, check_written, restore_slot, save_slot
 from adaptive_spec.servers.upstreams import Upstream
 
@@ -325,7 +325,8 @@ class HeadStore:
         t0 = time.perf_counter()
         try:
             await asyncio.to_thread(stage, self.book.path(entry.id), staged)
-            await restore_slot(self._client(), upstream, slot, name, TIMEOUT, entry.saved_tokens)
+            timeout = restore_timeout(entry.bytes)
+            await restore_slot(self._client(), upstream, slot, name, timeout, entry.saved_tokens)
         except SlotError:  # its checksum holds: refused here (another build's format, a server's error), kept
             self._refused.add((upstream.base_url, entry.id))
             raise
