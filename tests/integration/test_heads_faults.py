@@ -189,14 +189,14 @@ async def test_saves_and_a_restore_of_one_head_at_once(
         (entry,) = described["heads"]
         assert (heads / f"{entry['id']}.head").stat().st_size == entry["bytes"]
 
-        entered, gate, save_file = asyncio.Event(), asyncio.Event(), store._save_file
+        entered, gate, save_slot = asyncio.Event(), asyncio.Event(), store._save_slot
 
-        async def held_open(*args: Any) -> None:  # another head's save, holding the store's lock until told
+        async def held_open(*args: Any) -> tuple[int, object, float]:  # another head's save, holding the lock
             entered.set()
             await gate.wait()
-            await save_file(*args)
+            return await save_slot(*args)
 
-        monkeypatch.setattr(store, "_save_file", held_open)
+        monkeypatch.setattr(store, "_save_slot", held_open)
         await erase(client, proxy)
         await chat(client, proxy, "other-1", "Write hello.py.", system="You review code. " * 80)
         await entered.wait()

@@ -398,53 +398,48 @@ class HeadStore:
     async def _save(self, upstream: Upstream, slot: int | None, head: _Head) -> None:
         key = await self._key(upstream)
         links = chain(key, head.pieces, head.scope)
-        if not links or self._covered(upstream, links):
-            return
+        if not links or self._covered(upstream, links) or head_id(links) in self.book.saving:
+            return  # kept already, or being saved: one save of a head at a time, so its files are its own
+        hid = head_id(links)
+        self.book.saving.add(hid)
+        try:
+            await self._save_idle(upstream, slot, head, (key, links))
+        finally:
+            self.book.saving.discard(hid)
+            await asyncio.to_thread(unlink, self.slot_dir / f"{_SLOT_PREFIX}{hid}.bin")
+
+    async def _save_idle(
+        self, upstream: Upstream, slot: int | None, head: _Head, keyed: tuple[ServerKey, tuple[str, ...]]
+    ) -> None:
+        """The slot saved once the server is idle, under the lock; the file's move, its checksum and the index after
+        it, outside the lock (in threads): a restore is never skipped for them."""
         # Wait for idle outside the lock: a new session's restore must not queue behind this wait.
         if await self._idle(upstream, wait_s=_IDLE_WAIT_S) is None:
             log.info("heads: %s stayed busy; the head is not saved", upstream.label)
             return
+        key, links = keyed
+        hid = head_id(links)
         async with self._lock:
             forwards = self._forwards.get(upstream.base_url, 0)
             n_slots = await self._idle(upstream, wait_s=0.0)
             if self._covered(upstream, links) or n_slots is None or (slot is None and n_slots != 1):
                 return  # the same head was saved meanwhile, a request came, or its slot is not known among several
-            if await self.book.room(head.prompt_tokens):
-                await self._save_file(upstream, slot or 0, head, (key, links), forwards)
-
-    async def _save_file(
-        self, upstream: Upstream, slot: int, head: _Head, keyed: tuple[ServerKey, tuple[str, ...]], forwards: int
-    ) -> None:
-        """`forwards`: the requests forwarded to the server when it was found idle; one more after the save means
-        llama-server may have deferred the save behind it, and saved that request's KV: not kept."""
-        links = keyed[1]
-        hid, most = head_id(links), head.prompt_tokens + head.reply_tokens + _SAVED_SLACK_TOKENS
-        name, t0 = f"{_SLOT_PREFIX}{hid}.bin", time.perf_counter()
-        self.book.saving.add(hid)
-        try:
-            try:
-                n_saved, n_written = await save_slot(self._client(), upstream, slot, name, TIMEOUT, head.prompt_tokens)
-                pause_ms = (time.perf_counter() - t0) * 1000.0
-                if self._forwards.get(upstream.base_url, 0) != forwards:
-                    raise SlotError("a request came during the save: the slot may have held its KV, not the head's")
-                if n_saved > most:
-                    raise SlotError(f"the slot held {n_saved} tokens, more than the head's turn ({most}): reused")
-                await asyncio.to_thread(check_written, self.slot_dir / name, n_written, upstream.label)
-                size, crc = await asyncio.to_thread(take, self.slot_dir / name, self.book.path(hid))
-            finally:
-                await asyncio.to_thread(unlink, self.slot_dir / name)
-            now = time.time()
-            entry = HeadEntry(
-                hid, links, head.chars, head.prompt_tokens, n_saved, size, now, now, head.agent, head.project, 0,
-                keyed[0].hex(), crc, pause_ms, head.scope,
-            )  # fmt: skip
-            await self.book.add(entry)
-        finally:
-            self.book.saving.discard(hid)
+            if not await self.book.room(head.prompt_tokens):
+                return
+            n_saved, n_written, pause_ms = await self._save_slot(upstream, slot or 0, head, hid, forwards)
+        name = self.slot_dir / f"{_SLOT_PREFIX}{hid}.bin"
+        await asyncio.to_thread(check_written, name, n_written, upstream.label)
+        size, crc = await asyncio.to_thread(take, name, self.book.path(hid))
+        now = time.time()
+        entry = HeadEntry(
+            hid, links, head.chars, head.prompt_tokens, n_saved, size, now, now, head.agent, head.project, 0,
+            key.hex(), crc, pause_ms, head.scope,
+        )  # fmt: skip
+        await self.book.add(entry)
         self._refused = {r for r in self._refused if r[1] != hid}  # a new file under that id
         if hid in self._entries:
             self.counts["saved"] += 1
-            self._held[(upstream.base_url, slot)] = Restored(
+            self._held[(upstream.base_url, slot or 0)] = Restored(
                 hid, upstream.base_url, head.prompt_tokens, 0.0, False, self._forwards.get(upstream.base_url, 0)
             )
             log.info(
@@ -454,6 +449,22 @@ class HeadStore:
                 upstream.label,
                 pause_ms,
             )
+
+    async def _save_slot(
+        self, upstream: Upstream, slot: int, head: _Head, hid: str, forwards: int
+    ) -> tuple[int, object, float]:
+        """The slot saved as the head's file: (tokens, bytes written as llama-server says, ms the server paused).
+        `forwards`: the requests forwarded to the server when it was found idle; one more by the save's answer means
+        llama-server may have deferred the save behind it, and saved that request's KV: SlotError."""
+        most, t0 = head.prompt_tokens + head.reply_tokens + _SAVED_SLACK_TOKENS, time.perf_counter()
+        name = f"{_SLOT_PREFIX}{hid}.bin"
+        n_saved, n_written = await save_slot(self._client(), upstream, slot, name, TIMEOUT, head.prompt_tokens)
+        pause_ms = (time.perf_counter() - t0) * 1000.0
+        if self._forwards.get(upstream.base_url, 0) != forwards:
+            raise SlotError("a request came during the save: the slot may have held its KV, not the head's")
+        if n_saved > most:
+            raise SlotError(f"the slot held {n_saved} tokens, more than the head's turn ({most}): reused")
+        return n_saved, n_written, pause_ms
 
     def _covered(self, upstream: Upstream, links: Sequence[str]) -> bool:
         """A head already holds the prompt (one llama-server refused here does not count: a save replaces it)."""
