@@ -168,7 +168,9 @@ def test_llama_servers_own_errors_on_messages_are_anthropic_shaped(proxy: ProxyP
     too_long = "a " * 40_000  # beyond the tiny server's 32k context: llama-server's own 400
     body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": too_long}]}
     answer = request(_port(proxy), "POST", "/v1/messages", body)
-    assert "context" in _assert_anthropic_error(answer, 400, "invalid_request_error")
+    # In Anthropic's own words for an overflow, which is what makes Claude Code compact its history.
+    message = _assert_anthropic_error(answer, 400, "invalid_request_error")
+    assert message.startswith("prompt is too long: ") and message.endswith(" maximum"), message
 
 
 def test_valid_requests_still_pass(proxy: ProxyProcess) -> None:
