@@ -16,6 +16,7 @@ from adaptive_spec.kv.heads.plan import (
     best_match,
     chain,
     covered,
+    covered_but_last,
     evictions,
     price,
     tenant_scope,
@@ -56,6 +57,14 @@ def test_a_new_prompt_finds_the_longest_stored_prefix_without_its_text() -> None
 )
 def test_a_head_of_another_model_context_or_template_is_never_matched(other: ServerKey) -> None:
     assert best_match(chain(other, PIECES), [_entry(chain(KEY, PIECES))]) is None
+
+
+def test_another_first_message_after_a_kept_head_makes_no_head_of_its_own() -> None:
+    head = _entry(chain(KEY, PIECES))  # system, tools, user-1: 400, 500 and 100 characters
+    other_user = chain(KEY, [b"system", b"tools", b"user-2"])
+    assert covered_but_last(other_user, (400, 500, 10), [head])  # a short first message: the head is enough
+    assert not covered_but_last(other_user, (400, 500, 300), [head])  # a long one (a pasted file) is its own head
+    assert not covered_but_last(chain(KEY, [b"other system", b"tools", b"user-2"]), (400, 500, 10), [head])
 
 
 def test_with_projects_as_tenants_a_head_is_matched_within_its_project_only() -> None:

@@ -15,6 +15,7 @@ MIN_HEAD_TOKENS = 256  # a shorter first turn prefills in well under a second on
 MIN_GAIN_TOKENS = 64  # a restore must bring at least this many tokens more than the slot holds
 RESTORE_OVERHEAD_S = 0.05  # two slot actions and a link or copy, beyond reading the file
 RESTORE_PRIOR_BYTES_PER_S = 400e6  # until a restore is measured: a page-cached file read by llama-server
+LAST_PIECE_SHARE = 0.05  # a first message this small a share of its prompt does not make a head of its own
 INERT_SHARE = 0.5  # a restore whose next prompt reused less than this share of the expected tokens did nothing
 
 
@@ -182,6 +183,16 @@ def best_match(links: Sequence[str], entries: Iterable[HeadEntry]) -> Match | No
 def covered(links: Sequence[str], entries: Iterable[HeadEntry]) -> bool:
     """Whether a stored head already holds this whole prompt's pieces (saving it again would add nothing)."""
     return any(shared_links(links, e.links) == len(links) for e in entries)
+
+
+def covered_but_last(links: Sequence[str], chars: Sequence[int], entries: Iterable[HeadEntry]) -> bool:
+    """Whether a stored head holds all of this prompt but its last piece, and that piece is a small share of it
+    (`LAST_PIECE_SHARE`): another session's first message after the same head. Saving it would add a file of the
+    head's size for a few tokens, and push older heads out of the bound."""
+    total = sum(chars)
+    if len(links) < 2 or not total or chars[-1] > total * LAST_PIECE_SHARE:
+        return False
+    return any(shared_links(links, e.links) >= len(links) - 1 for e in entries)
 
 
 def most_recent(entries: Iterable[HeadEntry], key: str, count: int, scope: str = "") -> list[HeadEntry]:

@@ -31,6 +31,7 @@ from adaptive_spec.kv.heads.plan import (
     best_match,
     chain,
     covered,
+    covered_but_last,
     head_id,
     inert,
     most_recent,
@@ -400,6 +401,8 @@ class HeadStore:
         links = chain(key, head.pieces, head.scope)
         if not links or self._covered(upstream, links) or head_id(links) in self.book.saving:
             return  # kept already, or being saved: one save of a head at a time, so its files are its own
+        if covered_but_last(links, head.chars, self._usable(upstream)):
+            return  # the head is kept; this session's first message alone is not worth a file of its size
         hid = head_id(links)
         self.book.saving.add(hid)
         try:
@@ -468,8 +471,10 @@ class HeadStore:
 
     def _covered(self, upstream: Upstream, links: Sequence[str]) -> bool:
         """A head already holds the prompt (one llama-server refused here does not count: a save replaces it)."""
-        mine = (e for e in self._entries.values() if (upstream.base_url, e.id) not in self._refused)
-        return covered(links, mine)
+        return covered(links, self._usable(upstream))
+
+    def _usable(self, upstream: Upstream) -> list[HeadEntry]:
+        return [e for e in self._entries.values() if (upstream.base_url, e.id) not in self._refused]
 
     def _came_between(self, upstream: Upstream, action: str) -> None:
         """A request was forwarded while a slot action waited: llama-server may have deferred the action behind it
