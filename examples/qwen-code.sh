@@ -9,8 +9,8 @@ export OPENAI_MODEL="${OPENAI_MODEL:-local}"
 # minutes. adaptive-spec sends keep-alive chunks meanwhile (serve --prefill-keepalive, 10 s), which reset that guard;
 # raise it anyway if you turn them off.
 export QWEN_STREAM_IDLE_TIMEOUT_MS="${QWEN_STREAM_IDLE_TIMEOUT_MS:-600000}"
-# It also caps a stream's whole wait at 900 s, chunks or not, and gave up on a request after 600 s here (its request
-# timeout), keep-alives or not: a slow CPU's first turn (15-17k tokens) can take longer than either.
+# It also caps a stream's whole wait at 900 s, chunks or not, and gave up on its first request after 600 s and 860 s
+# here, keep-alives flowing: a slow CPU's first turn (15-17k tokens) can take longer. Both raised:
 export QWEN_STREAM_MAX_LIFETIME_MS="${QWEN_STREAM_MAX_LIFETIME_MS:-3600000}"
 export QWEN_CODE_API_TIMEOUT_MS="${QWEN_CODE_API_TIMEOUT_MS:-3600000}"
 exec qwen "$@"
