@@ -71,15 +71,18 @@ def _send(
 
 def _conversation(proxy: ProxyProcess, task: str, seed: int) -> list[dict[str, Any]]:
     """A first turn, its background request, a second turn and its background request: the four records."""
-    first = [
+    first: list[dict[str, Any]] = [
         {"role": "user", "content": [{"type": "text", "text": "<env>synthetic</env>"}, {"type": "text", "text": task}]}
     ]
     reply, main = _send(proxy, MAIN_SYSTEM, MAIN_TOOLS, first, seed)
     assert reply.strip(), "the model said nothing: the echo has nothing to group by"
     history = [*first, {"role": "assistant", "content": reply}]
-    memory = {"role": "user", "content": [{"type": "text", "text": "Save the memories worth keeping."}]}
+    memory: dict[str, Any] = {"role": "user", "content": [{"type": "text", "text": "Save the memories worth keeping."}]}
     _, side = _send(proxy, SIDE_SYSTEM, SIDE_TOOLS, [*history, memory])
-    follow = [*history, {"role": "user", "content": [{"type": "text", "text": "Now change it to print bye."}]}]
+    follow: list[dict[str, Any]] = [
+        *history,
+        {"role": "user", "content": [{"type": "text", "text": "Now change it to print bye."}]},
+    ]
     reply2, main2 = _send(proxy, MAIN_SYSTEM, MAIN_TOOLS, follow, seed + 1)
     _, side2 = _send(proxy, SIDE_SYSTEM, SIDE_TOOLS, [*follow, {"role": "assistant", "content": reply2}, memory])
     return [main, side, main2, side2]
