@@ -3,15 +3,17 @@ to create a file and then to change it, in one conversation.
 
 What must hold on any model: every request answered (no proxy 4xx where llama-server takes the body: Claude Code's
 mid-conversation system message, its betas and `?beta=true`), one session per conversation (Claude Code names it in
-`X-Claude-Code-Session-Id`; Qwen Code names none, so the reply echo groups it), the side requests recognised as side,
-the proxy's estimate of each follow-up turn's prefill within 15% of llama-server's `prompt_n`. Whether the file is
-made and changed is recorded (the embedded models are small for agents this size: examples/README.md says what they
-did).
+`X-Claude-Code-Session-Id`; Qwen Code names none, so the reply echo groups it), the proxy's estimate of the follow-up
+turns' prefill within 15% of llama-server's `prompt_n` (the median; no turn off by half). Qwen Code's memory request
+as a side request is checked on its shape (tests/integration/test_qwen_code.py): it did not come in the runs here.
+Whether the file is made and changed is recorded (the embedded models are small for agents this size:
+examples/README.md says what they did).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +29,27 @@ pytestmark = pytest.mark.timeout(3600)
 
 CREATE = "Create hello.py that prints hello."
 EDIT = "Change hello.py so it prints bye."
-# How far the estimate of a turn that continues its cached prefix may miss llama-server's prefilled tokens.
-ESTIMATE_ERROR = 0.15
+# The proxy's estimate of a follow-up turn's prefill against llama-server's prompt_n: the session's median within 15%,
+# and no turn off by more than half (or 64 tokens, for turns of a few dozen where the template's markers dominate) --
+# a whole prompt estimated again, as before the billing value was normalised, is off by thousands. A request right
+# after a cancelled one is left out: llama-server's slot holds the cancelled prompt, the proxy the one before it.
+MEDIAN_ERROR = 0.15
+TURN_ERROR, TURN_SLACK_TOKENS = 0.5, 64
 
 
-def _estimates_hold(recs: list[dict[str, Any]]) -> list[tuple[int, int]]:
-    """(estimate, prompt_n) of the main-line turns that continued their session's cached prefix and are off by more
-    than ESTIMATE_ERROR."""
-    off = []
-    for r in recs:
+def _estimates_off(recs: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """(estimate, prompt_n) of the main-line follow-ups that break the bounds above, and (-1, -1) if the median
+    does."""
+    pairs, after_cancel = [], False
+    for r in sorted(recs, key=lambda r: r["started_at_unix"]):
         timings = r.get("timings") or {}
         est, true = r.get("new_tokens_est"), timings.get("prompt_n")
-        if r.get("side") or est is None or not true or not timings.get("cache_n"):
-            continue
-        if abs(est - true) > ESTIMATE_ERROR * true:
-            off.append((est, true))
+        if not (r.get("side") or est is None or not true or not timings.get("cache_n") or after_cancel):
+            pairs.append((est, true))
+        after_cancel = r["status"] == 499
+    off = [(e, t) for e, t in pairs if abs(e - t) > max(TURN_ERROR * t, TURN_SLACK_TOKENS)]
+    if pairs and statistics.median(abs(e - t) / t for e, t in pairs) > MEDIAN_ERROR:
+        off.append((-1, -1))  # the median is off
     return off
 
 
@@ -80,15 +88,15 @@ def test_claude_code_creates_then_changes_a_file(proxy: ProxyProcess, workspace:
     assert {r["session_source"] for r in gen} == {"header:x-claude-code-session-id"}, out
     # Each `claude -p` run is a conversation of its own unless --continue carries it on: at most the two runs.
     assert 1 <= out["sessions_found"] <= 2, out
-    assert _estimates_hold(gen) == [], out
+    assert _estimates_off(gen) == [], out
 
 
 def _qwen_settings(home: Path) -> None:
     folder = home / ".qwen"
     folder.mkdir(parents=True, exist_ok=True)
     settings = {
-        # Its stream guard (240 s): the proxy's keep-alives reset it; this is only the safety net.
-        "generationConfig": {"streamIdleTimeoutMs": 3_600_000, "timeout": 3_600_000},
+        # Its stream guard (240 s) the proxy's keep-alives reset; its request timeout they do not (examples/README.md).
+        "model": {"generationConfig": {"streamIdleTimeoutMs": 3_600_000, "timeout": 3_600_000}},
         "usageStatisticsEnabled": False,
         "telemetry": {"enabled": False},
     }
@@ -105,6 +113,8 @@ def test_qwen_code_creates_then_changes_a_file(proxy: ProxyProcess, workspace: t
         "OPENAI_BASE_URL": f"{proxy.base}/p/{project}/v1",
         "OPENAI_API_KEY": "local",
         "OPENAI_MODEL": "local",
+        "QWEN_STREAM_MAX_LIFETIME_MS": "3600000",  # its 900 s cap on a stream's whole wait
+        "QWEN_CODE_API_TIMEOUT_MS": "3600000",
     }
     made = repo / "hello.py"
     made.unlink()
@@ -117,5 +127,7 @@ def test_qwen_code_creates_then_changes_a_file(proxy: ProxyProcess, workspace: t
     answered = [r for r in recs if r["status"] != 499]
     assert answered and all(r["status"] == 200 for r in answered), [(r["path"], r["status"], r["error"]) for r in recs]
     gen = [r for r in recs if r["api"] == "chat"]
-    assert out["sessions_found"] <= 2, out  # one per run at most: no session header, the echo groups each run
-    assert _estimates_hold(gen) == [], out
+    # No session header: the echo groups the answered requests, --continue's too (an attempt Qwen Code gave up on
+    # before any answer is a session of its own: nothing to group it by).
+    assert len({r["session_id"] for r in gen if r["status"] == 200}) == 1, out
+    assert _estimates_off(gen) == [], out
