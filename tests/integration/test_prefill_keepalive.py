@@ -62,10 +62,34 @@ def _error_after(delay_s: float) -> Handler:
     return handle
 
 
+def _overflow_after(delay_s: float) -> Handler:
+    """llama-server's answer to a prompt over its context, as it words it on any API, after `delay_s`."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        await asyncio.sleep(delay_s)
+        message = "request (40000 tokens) exceeds the available context size (32768 tokens), try increasing it"
+        error = {"code": 400, "message": message, "type": "exceed_context_size_error"}
+        return web.json_response({"error": {**error, "n_prompt_tokens": 40000, "n_ctx": 32768}}, status=400)
+
+    return handle
+
+
+def _messages(delay_s: float) -> Handler:
+    """/v1/messages: the stream, or the overflow for a body whose `max_tokens` is 40000."""
+    stream, overflow = _slow_stream(delay_s, ANTHROPIC_STREAM), _overflow_after(delay_s)
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        return await (overflow if body.get("max_tokens") == 40000 else stream)(request)
+
+    return handle
+
+
 def _routes(delay_s: float) -> dict[tuple[str, str], Handler]:
     return {
         ("POST", "/v1/chat/completions"): _slow_stream(delay_s, CHUNK + CHUNK + b"data: [DONE]\n\n"),
-        ("POST", "/v1/messages"): _slow_stream(delay_s, ANTHROPIC_STREAM),
+        ("POST", "/v1/messages"): _messages(delay_s),
         ("POST", "/v1/completions"): _error_after(delay_s),
     }
 
@@ -155,6 +179,24 @@ async def test_an_error_after_the_keepalives_is_the_streams_error_event(rig: Rig
     assert status == 200 and body.startswith(b": keep-alive\n\n")
     error = orjson.loads(events(body)[-1].data)["error"]
     assert "answered 400" in error["message"] and "context size" in error["message"]
+    record = proxy.app[HISTORY].latest(1)[0]
+    assert record.outcome == "failed" and record.status == 400
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_an_overflow_after_pings_is_anthropics_error_event(rig: Rig) -> None:
+    """On /v1/messages an overflow that comes after the keep-alives ends the stream in Anthropic's words, the ones
+    Claude Code reads as an overflow (quicker, it is the ordinary 400: test_claude_code.py)."""
+    proxy = await rig(DELAY_S, INTERVAL_S)
+    status, pieces = await _post(proxy, "/v1/messages", {**MESSAGES, "max_tokens": 40000})
+    body = b"".join(piece for _, piece in pieces)
+    assert status == 200 and body.startswith(ANTHROPIC_PING)
+    last = events(body)[-1]
+    assert last.event == "error"
+    assert orjson.loads(last.data) == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "prompt is too long: 40000 tokens > 32768 maximum"},
+    }
     record = proxy.app[HISTORY].latest(1)[0]
     assert record.outcome == "failed" and record.status == 400
 
