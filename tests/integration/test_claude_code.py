@@ -248,3 +248,32 @@ async def test_a_streamed_thinking_block_passes_as_it_is() -> None:
     assert status == 200 and got == THINKING_STREAM
     assert record.outcome == "finished" and record.status == 200
     assert record.timings is not None and record.timings.predicted_n == 7 and record.ttft_ms is not None
+
+
+def test_its_small_model_requests_are_side_requests_of_the_session(proxy: ProxyProcess) -> None:
+    """Claude Code's title, topic and other small-model requests carry the session's header but another system
+    prompt and no tools: recorded as side requests, not turns; the turn after them continues the main line."""
+    headers = {"X-Claude-Code-Session-Id": "cc-side"}
+    status, raw, main_id = _post(proxy.base + MESSAGES, BODY, headers)
+    assert status == 200, raw[:300]
+    title = {
+        "model": "local",
+        "max_tokens": 8,
+        "system": [
+            {"type": "text", "text": BILLING.format("9e8d7")},
+            {"type": "text", "text": "Write a five-word title for the conversation. Reply with the title only."},
+        ],
+        "messages": [{"role": "user", "content": "Create hello.py that prints hello."}],
+        "metadata": BODY["metadata"],
+    }
+    status, raw, title_id = _post(proxy.base + MESSAGES, title, headers)
+    assert status == 200, raw[:300]
+    follow = {
+        **BODY,
+        "messages": [*BODY["messages"], {"role": "assistant", "content": "ok"}, {"role": "user", "content": "Go on."}],
+    }
+    status, raw, next_id = _post(proxy.base + MESSAGES, follow, headers)
+    assert status == 200, raw[:300]
+    records = [_record(proxy, i) for i in (main_id, title_id, next_id)]
+    assert [r["session_id"] for r in records] == ["cc-side"] * 3
+    assert [r["side"] for r in records] == [False, True, False], records
