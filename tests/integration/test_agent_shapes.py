@@ -169,6 +169,8 @@ _DELIBERATE = {
     "system[N].text": "not a string: read as an empty text",
     "tools": "an item that is not an object: dropped",
     "tools[N].name": "not a string: a tool with an empty name",
+    "tools[N].input_schema": "not an object: the tiny model's template renders no tools, so its server ignores it; "
+    "on one that renders them (the embedded Qwen's) llama-server refuses it too (400, 'schema must be an object')",
 }
 
 
@@ -182,7 +184,7 @@ def test_seeded_variants_are_never_refused_where_llama_server_takes_them(
 ) -> None:
     rng = random.Random(38)
     compared, refused = 0, []
-    for _ in range(6):
+    for _ in range(20):
         for name, body in _bodies():
             kind, variant = _vary(body, rng)
             path = _path(name)
@@ -195,7 +197,7 @@ def test_seeded_variants_are_never_refused_where_llama_server_takes_them(
             else:
                 assert status < 500, (name, kind, direct_status, status, through[:300])
     assert refused == [], "\n".join(map(repr, refused))
-    assert compared >= 30, "too few variants that llama-server takes to say anything"
+    assert compared >= 100, "too few variants that llama-server takes to say anything"
 
 
 def test_claude_codes_session_header_groups_its_requests(proxy: ProxyProcess) -> None:

@@ -158,3 +158,15 @@ def test_a_tool_use_is_spaced_only_when_asked_as_a_chat_tool_call_is() -> None:
     assert spaced == '{"name": "Write", "arguments": {"file_path": "hello.py", "content": "é"}}'
     assert spaced == message_entry(chat, spaced=True)[2]
     assert message_digest("assistant", unspaced) == message_digest("assistant", spaced)
+
+
+@pytest.mark.parametrize("role", ["system", "user", "tool", "assistant"])
+def test_null_content_passes_as_llama_server_takes_it(role: str) -> None:
+    """llama-server b11434 answers `content: null` as empty content on any role (measured: 200 on chat/completions);
+    a missing `content` it refuses on a non-assistant message (400), and so does the proxy."""
+    from adaptive_spec.requests.shapes import check_shape
+
+    message: dict[str, Any] = {"role": role, "content": None}
+    assert check_shape("chat", {"messages": [message]}) is None
+    missing = check_shape("chat", {"messages": [{"role": role}]})
+    assert (missing is None) == (role == "assistant")

@@ -163,9 +163,10 @@ def _chat(body: Mapping[str, Any]) -> RequestProblem | None:
         if problem is not None:
             return problem
         calls = message.get("tool_calls")
-        optional = message["role"] == "assistant"  # an assistant turn may carry only tool calls
-        problem = _content(f"{where}.content", message.get("content"), _CHAT_TEXT, optional)
-        if problem is None and "content" not in message and not optional:
+        # `null` content is empty content to llama-server, whatever the role; only a missing one it refuses (but on
+        # an assistant turn, which may carry only tool calls).
+        problem = _content(f"{where}.content", message.get("content"), _CHAT_TEXT, optional=True)
+        if problem is None and "content" not in message and message["role"] != "assistant":
             problem = _problem(f"{where}.content", "every non-assistant message needs 'content'.")
         problem = problem or _strings(where, message, ("name", "tool_call_id", "reasoning_content"))
         problem = problem or _tool_calls(f"{where}.tool_calls", calls)
