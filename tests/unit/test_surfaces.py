@@ -1,0 +1,71 @@
+"""The user-facing surfaces, compared with a recorded copy (tests/data/surfaces.json): every command's options, the
+proxy's routes, its Prometheus metric names, the request record's and trace's fields, and the live feed's event
+types with their fields. Moving modules must leave them byte-identical; a deliberate change is recorded again with
+`ADAPTIVE_SPEC_RECORD_SURFACES=1 pytest tests/unit/test_surfaces.py` and shows in review as a diff of that file."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from adaptive_spec.cli import main as cli_main
+from adaptive_spec.server.app import ProxySettings, build_app
+from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+from adaptive_spec.telemetry import events, records
+from adaptive_spec.telemetry.metrics import ProxyMetrics
+
+RECORDED = Path(__file__).resolve().parents[1] / "data" / "surfaces.json"
+
+
+def _options(parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """Each command's option strings and their defaults (help wording may improve; a flag or default may not
+    change silently)."""
+    out: dict[str, Any] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in sorted(action.choices.items()):
+                out[name] = _options(sub)
+        elif action.option_strings:
+            default = action.default if isinstance(action.default, str | int | float | bool | type(None)) else "…"
+            out[" ".join(action.option_strings)] = default
+        else:
+            out[f"<{action.dest}>"] = None
+    return out
+
+
+def _fields(cls: Any) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def surfaces() -> dict[str, Any]:
+    app = build_app(UpstreamTable([Upstream("oneshot", "http://127.0.0.1:9")]), ProxySettings())
+    routes = sorted({f"{r.method} {r.resource.canonical}" for r in app.router.routes() if r.resource is not None})
+    metric_names = sorted(
+        {m.name for m in ProxyMetrics(frozenset({"oneshot"})).registry.collect()}  # the exposed families
+    )
+    feed = {
+        name: _fields(cls)
+        for name, cls in sorted(vars(events).items())
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls) and not name.startswith("_")
+    }
+    return {
+        "cli": _options(cli_main._parser()),
+        "routes": routes,
+        "metrics": metric_names,
+        "record": _fields(records.RequestRecord),
+        "timings": _fields(records.Timings),
+        "events": feed,
+    }
+
+
+def test_the_user_facing_surfaces_are_as_recorded() -> None:
+    now = json.dumps(surfaces(), indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+    if os.environ.get("ADAPTIVE_SPEC_RECORD_SURFACES"):
+        RECORDED.write_text(now, encoding="utf-8")
+    assert RECORDED.read_text(encoding="utf-8") == now, (
+        "a user-facing surface changed: if that is deliberate, record it again (see this module's docstring)"
+    )
