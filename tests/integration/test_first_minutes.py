@@ -125,7 +125,8 @@ def test_loading_the_gguf_tokenizer_logs_only_when_verbose(tiny_gguf: Path, verb
 
 def test_it_says_its_event_loop(started: tuple[ProxyProcess, Path]) -> None:
     proxy, _ = started
-    assert "event loop: asyncio" in proxy.stderr_lines  # the default: uvloop measured no faster
+    # stderr is read apart from stdout: the line may come in just after the ready line
+    wait_until(lambda: "event loop: asyncio" in proxy.stderr_lines, 30, "the event loop line")  # the default
     assert http_json(proxy.base + "/v1/models")["data"]
 
 
@@ -139,7 +140,7 @@ def test_it_serves_on_uvloop_when_asked(tiny_server: LlamaServer, tmp_path: Path
         env={"ADAPTIVE_SPEC_STATE_DIR": str(tmp_path)},
     )
     try:
-        assert "event loop: uvloop" in proxy.stderr_lines
+        wait_until(lambda: "event loop: uvloop" in proxy.stderr_lines, 30, "the event loop line")
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         assert http_json(proxy.base + "/v1/chat/completions", body)["choices"]
     finally:
