@@ -115,7 +115,6 @@ class PerRequestSupport:
         return None
 
 
-
 def merge_fields(
     body: Mapping[str, Any], settings: Speculation, by: str = "profile"
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
