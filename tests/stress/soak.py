@@ -1,8 +1,11 @@
 """A day of traffic, compressed: `adaptive-spec serve` (its own process, loopback only) on two launched profiles (the
 tiny random-weight model, -t 1, --parallel 4) for `--minutes`, with `--streams` clients sending one request after
-another over every API the proxy speaks (chat/completions streamed and not, completions, Responses, Anthropic
-Messages), a share of them hanging up mid-answer, the profiles' llama-server killed (SIGKILL) every
-`--kill-every` seconds (the launcher restarts it), and the policy file edited every `--edit-every` seconds.
+another (a think time between them, `--think-s`) over every API the proxy speaks (chat/completions streamed and not,
+completions, Responses, Anthropic Messages), every other one a new agent session in a recorded agent's shape opening
+with one of a few long synthetic heads (`soak_agents.py`), a share of them hanging up mid-answer, the profiles'
+llama-server killed (SIGKILL) every `--kill-every` seconds (the launcher restarts it), the policy file edited every
+`--edit-every` seconds (its [route] and [heads] tables), and the head store bounded small (`--heads-max-gb`) so
+that heads are saved, restored (into new sessions, and into the restarted server) and evicted all along.
 
 It checks what a day of use must leave true and writes the figures:
 - no error other than the expected ones: a request that fails is expected only while its server was down (from a
@@ -14,10 +17,12 @@ It checks what a day of use must leave true and writes the figures:
   allocator's high-water mark took ~45 minutes to settle, 11 MiB, while the Python heap stayed within 0.4 MiB);
   descriptors, threads and tasks with the proxy idle, before the clients start and once they have stopped (while
   streams run they follow the requests in flight, not what is left behind);
-- at the end nothing is left in flight in the router.
+- at the end nothing is left in flight in the router;
+- the head store's bytes (`GET /adaptive/heads`, and the head files on disk) within its bound at every sample, and
+  heads saved, restored and evicted during the run (its counts by outcome are reported).
 
 Run (from the repository root, on demand, not in CI):
-  python -m tests.stress.soak --minutes 60 --streams 64 --out soak.json
+  python -m tests.stress.soak --minutes 60 --streams 16 --kill-every 240 --out soak.json
   python -m tests.stress.soak --minutes 3 --streams 16 --kill-every 60 --edit-every 45   # a short look
 """
 
@@ -41,6 +46,7 @@ import aiohttp
 
 from tests.stress.load import trace_check
 from tests.stress.rig import process_figures, write_figures
+from tests.stress.soak_agents import load_shapes, session_turns, store_sample
 from tests.support.servers import ProxyProcess, http_json, http_text
 from tests.support.tiny_gguf import write_tiny_gguf
 
@@ -52,6 +58,11 @@ IDLE_S = 6.0  # after the last client: the proxy's idle upstream connections are
 # lines, ~70 MiB) it fills for ~40 minutes at 64 streams, growth that a shorter run could not tell from a leak.
 ECHO_FINGERPRINTS = 2048
 RSS_SLACK_KIB = 2048  # over the run's last third, growth beyond this is memory kept
+# 4 slots of 4,096 tokens: an agent head (~2,400 tokens on the tiny model) with the shape's tools and the reply fits
+CTX_SIZE = 16384
+# The head store's bound: ~1.2 MiB a head file on the tiny model (512 bytes of KV a token), so ~5 of the soak's heads
+HEADS_MAX_GB = 0.006
+MIN_TOKENS = (256, 128, 1024)  # the policy edits cycle the [heads] table's min_tokens through these
 _TASKS = re.compile(r"^adaptive_spec_event_loop_tasks (\S+)$", re.MULTILINE)
 APIS = ("chat-stream", "chat", "completions", "responses", "messages")
 MESSAGES = [{"role": "user", "content": "Say something about the sea."}]
@@ -76,6 +87,7 @@ class Soak:
     samples: list[dict[str, Any]] = field(default_factory=list)
     idle: list[dict[str, Any]] = field(default_factory=list)  # before the clients start, and after they stopped
     edits: int = 0
+    heads_dir: Path = Path()
 
     def expected_failure(self, o: Outcome) -> bool:
         return o.hung_up or any(start <= o.ended and o.started <= end + DOWN_GRACE_S for start, end in self.down)
@@ -93,9 +105,9 @@ def _request(api: str, max_tokens: int) -> tuple[str, dict[str, Any]]:
 
 
 async def _one(
-    session: aiohttp.ClientSession, base: str, api: str, sid: str, max_tokens: int, hang_up: bool
+    session: aiohttp.ClientSession, base: str, api: str, request: tuple[str, dict[str, Any]], sid: str, hang_up: bool
 ) -> Outcome:
-    path, body = _request(api, max_tokens)
+    path, body = request
     started = time.monotonic()
     status, request_id, error = 0, None, None
     ok = False
@@ -118,14 +130,27 @@ async def _one(
     return Outcome(api, status, ok, False, request_id, started, time.monotonic(), error)
 
 
-async def _client(n: int, session: aiohttp.ClientSession, base: str, deadline: float, soak: Soak, tokens: int) -> None:
-    rng = random.Random(n)
+async def _client(
+    n: int, session: aiohttp.ClientSession, base: str, deadline: float, soak: Soak, args: argparse.Namespace
+) -> None:
+    """Every other turn the plain APIs (six sessions a client, long-lived), else a new agent session (its turns);
+    after each request a think time (exponential, mean `--think-s`): the server has idle moments, as it has with
+    agents that run tools between turns, and the store saves heads only when it is idle (a save pauses it)."""
+    rng, shapes, tokens = random.Random(n), load_shapes(), args.max_tokens
     turn = 0
     while time.monotonic() < deadline:
-        api = APIS[(n + turn) % len(APIS)]
-        sid = f"soak-{n}-{turn % 6}"
         turn += 1
-        soak.outcomes.append(await _one(session, base, api, sid, tokens, rng.random() < HANG_UP_SHARE))
+        if turn % 2:
+            api = APIS[(n + turn // 2) % len(APIS)]
+            requests, sid = [(api, _request(api, tokens))], f"soak-{n}-{turn // 2 % 6}"
+        else:
+            label, turns = session_turns(shapes, rng, tokens)
+            requests, sid = [(label, t) for t in turns], f"agent-{n}-{turn}"
+        for api, request in requests:
+            if time.monotonic() >= deadline:
+                return
+            soak.outcomes.append(await _one(session, base, api, request, sid, rng.random() < HANG_UP_SHARE))
+            await asyncio.sleep(rng.expovariate(1 / args.think_s) if args.think_s > 0 else 0)
 
 
 def _children(pid: int) -> list[int]:
@@ -183,6 +208,7 @@ async def _editor(policy: Path, soak: Soak, every: float, deadline: float) -> No
         await asyncio.sleep(every)
         soak.edits += 1
         text = f"[route]\nhysteresis = {0.1 + 0.05 * (soak.edits % 3):.2f}\n"
+        text += f"[heads]\nmin_tokens = {MIN_TOKENS[soak.edits % len(MIN_TOKENS)]}\n"
         await asyncio.to_thread(policy.write_text, text)
 
 
@@ -193,12 +219,14 @@ async def _tasks(proxy: ProxyProcess) -> int:
 
 
 async def _sample(proxy: ProxyProcess, soak: Soak, started: float) -> dict[str, Any]:
+    heads = await asyncio.to_thread(http_json, proxy.base + "/adaptive/heads")
     return {
         "minute": round((time.monotonic() - started) / 60, 1),
         **process_figures(proxy.proc.pid),
         "threads": _threads(proxy.proc.pid),
         "tasks": await _tasks(proxy),
         "requests": len(soak.outcomes),
+        "store": store_sample(heads, soak.heads_dir),
     }
 
 
@@ -210,24 +238,42 @@ async def _sampler(proxy: ProxyProcess, soak: Soak, every: float, deadline: floa
         await asyncio.sleep(every)
 
 
+async def _warm_up(session: aiohttp.ClientSession, proxy: ProxyProcess, soak: Soak, args: argparse.Namespace) -> None:
+    """One agent session a stream at once, until the store has kept their heads, then a pause: the threads the
+    proxy's pools start on first use (the store's file work runs in them) are there before the first idle sample."""
+    shapes = load_shapes()
+
+    async def one(n: int) -> None:
+        label, turns = session_turns(shapes, random.Random(-1 - n), args.max_tokens)
+        soak.outcomes.append(await _one(session, proxy.base, label, turns[0], f"warm-up-{n}", False))
+
+    await asyncio.gather(*(one(n) for n in range(args.streams)))
+    for _ in range(60):
+        if (await asyncio.to_thread(http_json, proxy.base + "/adaptive/heads"))["pending"] == 0:
+            break
+        await asyncio.sleep(0.5)
+    await asyncio.sleep(IDLE_S)
+
+
 async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     model = write_tiny_gguf(workdir / "tiny-random-llama.gguf")
     trace, policy = workdir / "trace.jsonl", workdir / "policy.toml"
-    policy.write_text("[route]\nhysteresis = 0.15\n")
+    policy.write_text(f"[route]\nhysteresis = 0.15\n[heads]\nmin_tokens = {MIN_TOKENS[0]}\n")
     env = {"ADAPTIVE_SPEC_STATE_DIR": str(workdir / "state"), "ADAPTIVE_SPEC_CONFIG_DIR": str(workdir / "config")}
-    argv = ["--model", str(model), "--threads", "1", "--ctx-size", "8192", "--parallel", "4", "--policy", str(policy)]
+    argv = ["--model", str(model), "--threads", "1", "--ctx-size", str(CTX_SIZE), "--parallel", "4"]
+    argv += ["--policy", str(policy), "--heads-dir", str(workdir / "heads"), "--heads-max-gb", str(args.heads_max_gb)]
     argv += ["--trace", str(trace), "--trace-max-mb", "256", "--history", "1000"]
     argv += ["--echo-fingerprints", str(ECHO_FINGERPRINTS)]
     proxy = await asyncio.to_thread(ProxyProcess, *argv, env=env)
-    soak = Soak()
+    soak = Soak(heads_dir=workdir / "heads")
     try:
-        started = time.monotonic()
-        soak.idle.append(await _sample(proxy, soak, started))
-        deadline = started + args.minutes * 60
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            await _warm_up(session, proxy, soak, args)
+            started = time.monotonic()
+            soak.idle.append(await _sample(proxy, soak, started))
+            deadline = started + args.minutes * 60
             tasks = [
-                asyncio.create_task(_client(n, session, proxy.base, deadline, soak, args.max_tokens))
-                for n in range(args.streams)
+                asyncio.create_task(_client(n, session, proxy.base, deadline, soak, args)) for n in range(args.streams)
             ]
             tasks += [
                 asyncio.create_task(_killer(proxy, soak, args.kill_every, deadline)),
@@ -241,6 +287,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         return _figures(args, soak, trace, route, proxy)
     finally:
         await asyncio.to_thread(proxy.stop)
+        if args.out is not None:  # serve's own log beside the figures: the reasons behind them
+            args.out.with_suffix(".log").write_text(proxy.log())
 
 
 def _figures(
@@ -266,6 +314,7 @@ def _figures(
         "failed_expected_by_status": dict(Counter(str(o.status or o.error) for o in failed if o not in unexpected)),
         "failed_unexpected": len(unexpected),
         "unexpected_examples": [{"api": o.api, "status": o.status, "error": o.error} for o in unexpected[:5]],
+        "expected_examples": _examples([o for o in failed if o not in unexpected and not o.hung_up]),
         "trace": trace_check(trace, answered),
         "samples": soak.samples,
         "idle_samples": soak.idle,
@@ -276,9 +325,40 @@ def _figures(
         "tasks_growth": last["tasks"] - first["tasks"],
         "idle_growth": left,
         "flat": last["rss_kib"] - tail["rss_kib"] <= RSS_SLACK_KIB and all(v <= 0 for v in left.values()),
+        "store_ok": _store_ok(soak),
         "router_in_flight_after": route["in_flight"],
+        "store": _store_figures(soak),
         "policy_reloads_in_log": proxy.log().count("policy"),
     }
+
+
+def _examples(outcomes: list[Outcome]) -> list[dict[str, Any]]:
+    """One failure of each API and status: what the client was told."""
+    seen: dict[tuple[str, int], Outcome] = {}
+    for o in outcomes:
+        seen.setdefault((o.api, o.status), o)
+    return [{"api": o.api, "status": o.status, "error": (o.error or "")[-200:]} for o in list(seen.values())[:8]]
+
+
+def _store_figures(soak: Soak) -> dict[str, Any]:
+    """The head store over the run: its bytes at each sample against its bound, and its counts by outcome at the end
+    (saved, restored, evicted, warm_started after a restart, taken, inert, failed, refused)."""
+    samples = [s["store"] for s in soak.samples + soak.idle]
+    return {
+        "max_bytes": samples[-1]["max_bytes"],
+        "bytes_by_minute": [(s["minute"], s["store"]["bytes"], s["store"]["heads"]) for s in soak.samples],
+        "bytes_peak": max(s["bytes"] for s in samples),
+        "disk_bytes_peak": max(s["disk_bytes"] for s in samples),
+        "within_bound": all(s["bytes"] <= s["max_bytes"] and s["disk_bytes"] <= s["max_bytes"] for s in samples),
+        "counts": soak.idle[-1]["store"]["counts"],
+    }
+
+
+def _store_ok(soak: Soak) -> bool:
+    """The bound held at every sample, and the store was exercised: heads saved, restored and evicted."""
+    figures = _store_figures(soak)
+    counts = figures["counts"]
+    return bool(figures["within_bound"]) and all(counts.get(k, 0) > 0 for k in ("saved", "restored", "evicted"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--kill-every", type=float, default=300.0, help="seconds between llama-server kills")
     parser.add_argument("--edit-every", type=float, default=120.0, help="seconds between policy file edits")
+    parser.add_argument("--think-s", type=float, default=1.5, help="a client's mean pause after each request")
+    parser.add_argument("--heads-max-gb", type=float, default=HEADS_MAX_GB, help="the head store's bound (GiB)")
     parser.add_argument("--sample-every", type=float, default=60.0, help="seconds between process samples")
     parser.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = parser.parse_args(argv)
@@ -295,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         figures = asyncio.run(run(args, Path(tmp)))
     write_figures(figures, args.out)
     clean = figures["failed_unexpected"] == 0 and figures["trace"]["recorded_exactly_once"] and figures["flat"]
+    clean = clean and figures["store_ok"]
     return 0 if clean and not any(figures["router_in_flight_after"].values()) else 1
 
 
