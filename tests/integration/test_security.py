@@ -283,6 +283,11 @@ def test_a_foreign_host_is_refused(proxy: ProxyProcess) -> None:
     answer = request(_port(proxy), "POST", "/v1/messages", body, host="attacker.example")
     _assert_anthropic_error(answer, 403, "permission_error")
     assert request(_port(proxy), "GET", "/adaptive/health", host="localhost").status == 200
+    for method, path in (("GET", "/adaptive/heads"), ("DELETE", "/adaptive/heads")):
+        _assert_openai_error(request(_port(proxy), method, path, host="attacker.example"), 403, "host_not_allowed")
+    # A page in a browser cannot empty the head store: a foreign Origin on anything but GET/HEAD is refused.
+    deleted = request(_port(proxy), "DELETE", "/adaptive/heads", headers={"Origin": "http://evil.example"})
+    assert deleted.status == 403, (deleted.status, deleted.body[:200])
 
 
 # --- no open proxy --------------------------------------------------------------------------------------------------
@@ -323,6 +328,9 @@ EVERY_ROUTE = [
     ("POST", "/adaptive/profiles/plain/restart"),
     ("POST", "/adaptive/profiles/plain/erase"),
     ("POST", "/adaptive/sessions/s1/pin"),
+    ("GET", "/adaptive/heads"),
+    ("DELETE", "/adaptive/heads"),
+    ("DELETE", "/adaptive/heads/0123456789abcdef01234567"),
     ("GET", "/props"),
     ("POST", "/tokenize"),
     ("POST", "/v1/chat/completions"),
