@@ -85,7 +85,9 @@ def test_a_long_prompt_is_prefilled_remotely_and_decoded_here(rig: Rig) -> None:
     # The local server reused what the remote prefilled: only the last token is evaluated again.
     assert record["timings"]["cache_n"] >= pp["tokens"] - 2 and record["timings"]["prompt_n"] < 10, record["timings"]
     assert pp["bytes"] > 100 * pp["tokens"]
-    assert list(rig.local_slots.iterdir()) == [] and list(rig.remote_slots.iterdir()) == []
+    assert list(rig.remote_slots.iterdir()) == []
+    # The head store saves this session's head through the local slot directory after the answer, then moves it out.
+    wait_until(lambda: list(rig.local_slots.iterdir()) == [], 60, "the local slot directory to be empty again")
     learned = http_json(rig.proxy.base + "/adaptive/route")["remote_prefill"]
     assert learned["counts"] == {"ok": 1, "failed": 0}
     assert learned["estimates"]["bytes_per_token"] == pytest.approx(pp["bytes"] / pp["tokens"], rel=0.05)
