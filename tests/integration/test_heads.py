@@ -1,12 +1,14 @@
 """Warm starts on a REAL llama-server (tiny model, one slot, no RAM prompt cache, unless said): a session's first
 turn leaves a head in the store, a new session's first turn gets it restored into its slot (`cache_n` says so), and
-so does the first turn after the proxy is rebuilt from the same state (a restart); a head of another build is not
+so does the first turn after the proxy is rebuilt from the same state (a restart); an idle session's state is kept
+and a conversation resumed after a restart gets it back; a head of another build is not
 restored; the bound evicts the least recently used head; the sweep of left-over slot files leaves heads alone; side
 requests on a server of two slots leave the session's slot alone; and on the real 0.5B greedy output is the same
 restored as cold."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 from collections.abc import AsyncIterator, Iterator
@@ -18,8 +20,10 @@ import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
 from adaptive_spec.requests.app_keys import KV
+from adaptive_spec.routing.policy import HeadsPolicy, Policy
 from tests.support.heads import SYSTEM, chat, erase, start_proxy, store_of
 from tests.support.servers import LlamaServer
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 
@@ -88,6 +92,67 @@ async def test_a_head_is_saved_and_restored_into_a_new_session_and_after_a_resta
         async with client.get(proxy.make_url("/adaptive/heads")) as r:
             listed = await r.json()
         assert listed["enabled"] and listed["heads"][0]["restores"] == 2 and listed["heads"][0]["tokens"] == head_tokens
+    finally:
+        await proxy.close()
+
+
+async def test_an_idle_sessions_state_is_kept_and_the_conversation_resumed_after_a_restart_is_warm(
+    server: tuple[LlamaServer, Path], client: aiohttp.ClientSession
+) -> None:
+    llama, home = server
+    heads = home / "heads-sessions"
+    policy = Policy(heads=HeadsPolicy(session_idle_s=0.5))
+    proxy = await start_proxy(llama.url, home / "slots", heads, policy=policy)
+    try:
+        await erase(client, proxy)
+        first = await chat(client, proxy, "conv", "Write hello.py.", max_tokens=8)
+        await store_of(proxy).settled()
+        assert store_of(proxy).counts["saved"] == 1  # its first turn: the agent's head
+        history = [{"role": "user", "content": "Write hello.py."}, {"role": "assistant", "content": first["text"]}]
+        second = await chat(client, proxy, "conv", "Now add a docstring.", max_tokens=8, history=history)
+        assert second["timings"]["cache_n"] > 0  # its own slot: a session's later turn needs no store
+        # Another session's turn on the one slot before this one goes idle: its state is not the slot's any more.
+        other = await chat(client, proxy, "other", "Write bye.py.", max_tokens=8)
+        await asyncio.sleep(1.0)
+        await store_of(proxy).settled()
+        assert store_of(proxy).counts["session_saved"] == 0, store_of(proxy).describe()
+
+        # The conversation goes on (it prefills what the other session displaced), then stays idle: kept.
+        history += [
+            {"role": "user", "content": "Now add a docstring."},
+            {"role": "assistant", "content": second["text"]},
+        ]
+        third = await chat(client, proxy, "conv", "Add a test.", max_tokens=8, history=history)
+        prompt_tokens = third["timings"]["prompt_n"] + third["timings"]["cache_n"]
+        await until(lambda: store_of(proxy).counts["session_saved"] == 1, "the idle session's state", 60)
+        await store_of(proxy).settled()
+        states = [h for h in store_of(proxy).describe()["heads"] if h["session"] == "conv"]
+        assert len(states) == 1 and states[0]["tokens"] == prompt_tokens, states
+        assert other["record"]["reason"]  # the other session was served meanwhile
+    finally:
+        await proxy.close()
+
+    # `serve` restarts and the slot holds something else: the conversation's next turn gets its state back.
+    proxy = await start_proxy(llama.url, home / "slots", heads, policy=policy)
+    try:
+        await erase(client, proxy)
+        history += [{"role": "user", "content": "Add a test."}, {"role": "assistant", "content": third["text"]}]
+        resumed = await chat(client, proxy, "conv", "Run it.", max_tokens=8, history=history)
+        assert "warm: head of" in resumed["record"]["reason"], resumed["record"]
+        assert resumed["timings"]["cache_n"] >= prompt_tokens - 1, resumed
+        # Cold, the same turn prefills all of it; the greedy text is the same.
+        await erase(client, proxy)
+        async with client.post(
+            llama.url + "/v1/chat/completions",
+            json={
+                "messages": [{"role": "system", "content": SYSTEM}, *history, {"role": "user", "content": "Run it."}],
+                "max_tokens": 8,
+                "temperature": 0,
+                "cache_prompt": False,
+            },
+        ) as r:
+            cold = await r.json()
+        assert cold["choices"][0]["message"]["content"] == resumed["text"]
     finally:
         await proxy.close()
 
@@ -257,6 +322,32 @@ async def test_greedy_output_is_the_same_restored_and_cold_on_the_real_model(
         assert "warm: head of" in warm["record"]["reason"], warm["record"]
         assert warm["timings"]["cache_n"] == cold["timings"]["cache_n"], (cold["timings"], warm["timings"])
         assert warm["text"] == cold["text"] and head_turn["text"]
+    finally:
+        await proxy.close()
+        llama.stop()
+
+
+async def test_two_sessions_starting_at_once_on_two_slots_both_get_the_head(
+    llama_server_binary: str, tiny_gguf: Path, tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    """The second restore waits for the first (a fraction of a second) instead of prefilling, and goes into its own
+    slot while the first session's slot already processes."""
+    args = ("-c", "16384", "--parallel", "2", "--cache-ram", "0", "--spec-type", "none", "--slot-save-path")
+    llama = LlamaServer(llama_server_binary, tiny_gguf, *args, str(tmp_path), log_dir=tmp_path)
+    proxy = await start_proxy(llama.url, tmp_path, tmp_path / "heads")
+    try:
+        await chat(client, proxy, "first", "Write hello.py.")
+        await store_of(proxy).settled()
+        assert store_of(proxy).counts["saved"] == 1, store_of(proxy).describe()
+        await erase(client, proxy)
+        one, two = await asyncio.gather(
+            chat(client, proxy, "one", "Write bye.py.", max_tokens=64),
+            chat(client, proxy, "two", "Write ok.py.", max_tokens=64),
+        )
+        for turn in (one, two):
+            assert "warm: head of" in turn["record"]["reason"], turn["record"]
+            assert turn["timings"]["cache_n"] > 256, turn["timings"]
+        assert store_of(proxy).counts["restored"] == 2
     finally:
         await proxy.close()
         llama.stop()

@@ -246,7 +246,7 @@ async def test_a_refused_restore_keeps_the_head_and_a_new_save_replaces_it(
         await proxy.close()
 
 
-async def test_a_restore_never_waits_for_the_store_or_a_hung_server(
+async def test_a_restore_waits_for_the_store_a_bounded_time_and_never_for_a_hung_server(
     fake: tuple[FakeSlots, TestServer], client: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     slots, server = fake
@@ -256,7 +256,7 @@ async def test_a_restore_never_waits_for_the_store_or_a_hung_server(
     try:
         await chat(client, proxy, "s1", "Write hello.py.")
         await store.settled()
-        async with store._lock:  # a save or another restore under way
+        async with store._lock:  # a save or another restore under way that outlasts the wait: nothing restored
             assert await store.restore(upstream, 0, [b"system".ljust(16)], 0, 1.0) is None
         assert "restore" not in slots.actions
         slots.slots_hang = True  # `/slots` unanswered: busy, after ASK_TIMEOUT, not an error

@@ -4,6 +4,7 @@ first turn through it (its answer, timings and record), and a system prompt long
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.common.headers import REQUEST_ID_HEADER
 from adaptive_spec.kv.heads.store import HeadsConfig, HeadStore
 from adaptive_spec.requests.heads import HEADS
+from adaptive_spec.routing.api import FixedPolicy
+from adaptive_spec.routing.policy import Policy
 from adaptive_spec.server.app import KvSetup, ProxySettings, build_app
 from adaptive_spec.servers.probe import probe
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
@@ -35,9 +38,11 @@ async def start_proxy(
     build: str = "",
     project_keys: dict[str, str] | None = None,
     main_key: str | None = None,
+    policy: Policy | None = None,
 ) -> TestServer:
     """The proxy in front of the llama-server at `url` (one profile "p", its slots as `serve` probes them), its
-    head store in `heads`; with `project_keys` (and `main_key`) as `serve --project-key` (`--api-key`) sets them."""
+    head store in `heads`; with `project_keys` (and `main_key`) as `serve --project-key` (`--api-key`) sets them,
+    and `policy` for every project."""
     keys = dict(project_keys or {})
     kv = KvSetup(slot_dir=slots, heads=HeadsConfig(heads, max_bytes, build=build, project_keys=keys))
     sessions = SessionService(ContextTracker(NgramParams()), None, key_projects=keys)
@@ -45,7 +50,10 @@ async def start_proxy(
     upstream = Upstream("p", url)
     async with aiohttp.ClientSession() as client:
         info = await probe(client, upstream)
-    app = build_app(UpstreamTable([upstream]), ProxySettings(), sessions, kv=kv, profiles=[info], access=access)
+    policies = FixedPolicy(policy) if policy is not None else None
+    app = build_app(
+        UpstreamTable([upstream]), ProxySettings(), sessions, kv=kv, profiles=[info], access=access, policies=policies
+    )
     proxy = TestServer(app, port=free_port())
     await proxy.start_server()
     return proxy
@@ -64,11 +72,13 @@ async def chat(
     max_tokens: int = 4,
     project: str | None = None,
     key: str | None = None,
+    history: Sequence[dict[str, str]] = (),
 ) -> dict[str, Any]:
-    """One greedy chat turn as a session's request (sent with API key `key`): {"text", "timings", "record"}."""
+    """One greedy chat turn as a session's request (sent with API key `key`), after the conversation's `history`
+    (its earlier user and assistant messages): {"text", "timings", "record"}."""
     body = {
         "model": "m",
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "messages": [{"role": "system", "content": system}, *history, {"role": "user", "content": user}],
         "max_tokens": max_tokens,
         "temperature": 0,
     }

@@ -3,6 +3,8 @@ another model or template is never matched, and an inert restore is not tried ag
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -17,6 +19,7 @@ from adaptive_spec.kv.heads.plan import (
     chain,
     covered,
     covered_but_last,
+    earlier_states,
     evictions,
     price,
     tenant_scope,
@@ -165,3 +168,65 @@ def test_the_heads_policy_keys_load_and_a_misspelt_one_names_file_key_and_line()
     problems = str(caught.value)
     assert "p.toml:heads.min_tokns:3:" in problems and "min_tokens" in problems.split("\n")[0]
     assert "p.toml:heads.min_tokens:4:" in problems
+
+
+def test_only_the_newest_state_of_a_session_is_kept() -> None:
+    head = _entry(chain(KEY, PIECES[:2]))
+    older = replace(_entry(chain(KEY, PIECES)), session="s1")
+    newer = replace(_entry(chain(KEY, [*PIECES, b"reply", b"user-2"])), chars=(400, 500, 100, 80, 20), session="s1")
+    other = replace(_entry(chain(KEY, [b"x", b"y"])), session="s2")
+    assert earlier_states([head, older, newer, other], "s1", keep=newer.id) == [older.id]
+    assert earlier_states([head, older, newer, other], "", keep=newer.id) == []  # heads are not a session's
+    assert HeadEntry.from_json(newer.to_json()) == newer and newer.describe()["session"] == "s1"
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_a_restore_is_tried_on_a_sessions_first_request_and_its_first_after_its_server_restarted(
+    tmp_path: Path,
+) -> None:
+    async with aiohttp.ClientSession() as client:
+        store = HeadStore(HeadsConfig(tmp_path / "heads"), tmp_path / "slots", lambda: client)
+        one, two = Upstream("p", "http://127.0.0.1:9"), Upstream("q", "http://127.0.0.1:10")
+        assert store.arriving("s", one) and not store.arriving("s", one)
+        store.server_down(two)
+        assert not store.arriving("s", one)  # another server's restart: its slot still holds its KV
+        store.server_down(one)
+        assert store.arriving("s", one) and not store.arriving("s", one)
+        assert not store.arriving(None, one)
+
+
+async def _turn(store: HeadStore, upstream: Upstream, session: str, idle_s: float, first: bool = False) -> None:
+    store.served(
+        upstream, None, PIECES, [400, 500, 100], None, (1000, 8), None, ("agent", "p", ""),
+        first=first, session=session, idle_s=idle_s,
+    )  # fmt: skip
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_an_idle_sessions_state_is_saved_once_and_only_if_its_slot_served_nothing_else(tmp_path: Path) -> None:
+    # Nothing listens at the upstream: a save that is tried fails on its first question (/props), and is counted.
+    async with aiohttp.ClientSession() as client:
+        store = HeadStore(HeadsConfig(tmp_path / "heads"), tmp_path / "slots", lambda: client)
+        upstream = Upstream("p", "http://127.0.0.1:9")
+        await _turn(store, upstream, "s", idle_s=0.05)
+        await _turn(store, upstream, "s", idle_s=0.05)  # a newer turn: the older one's wait is dropped
+        await asyncio.sleep(0.3)
+        await store.settled()
+        assert store.counts["failed"] == 1, store.counts  # one save tried, for the newest turn
+
+        await _turn(store, upstream, "t", idle_s=0.05)
+        store.forwarded(upstream)  # another request used the one slot: it holds another prompt now
+        await asyncio.sleep(0.3)
+        await store.settled()
+        assert store.counts["failed"] == 1, store.counts  # not tried
+
+        await _turn(store, upstream, "u", idle_s=0.05)
+        store.server_down(upstream)  # the server restarted: its slots hold nothing of the session
+        await _turn(store, upstream, "v", idle_s=0.0)  # sessions are not kept with 0
+        await _turn(store, upstream, "w", idle_s=0.05, first=True)  # a first turn is a head, saved at once
+        await store.settled()
+        assert store.counts["failed"] == 2, store.counts  # the head's save, tried at once
+        await asyncio.sleep(0.3)
+        await store.settled()
+        assert store.counts["failed"] == 2, store.counts
+        await store.close()

@@ -1,9 +1,10 @@
 """The request path's calls into the head store (`kv/heads/`): before forwarding a session's first request, restore a
-stored head into its slot when that pays (the route's reason and its new-token estimate say so); after serving it,
-hand its timings back (an inert restore is learned, a new head saved in the background). Servers that start or come
-back after a restart get their most recent heads back (`watch_servers`). Also `GET`/`DELETE /adaptive/heads`. With
-`--project-key`, every head is kept, found, listed and deleted within the tenant scope of the key the request was sent
-with (its path's project does not count: `kv/heads/plan.tenant_scope`)."""
+stored head into its slot when that pays (the route's reason and its new-token estimate say so), and likewise for a
+session's first request after its server restarted; after serving a request, hand its timings back (an inert
+restore is learned, a first turn saved as a head in the background, a later turn's state saved once its session is
+idle). Servers that start or come back after a restart get their most recent heads back (`watch_servers`). Also
+`GET`/`DELETE /adaptive/heads`. With `--project-key`, every head is kept, found, listed and deleted within the tenant
+scope of the key the request was sent with (its path's project does not count: `kv/heads/plan.tenant_scope`)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ async def before_forward(request: web.Request, req: ProxyRequest, chosen: Upstre
         log.exception("heads: request %s goes on without a warm start", req.request_id)
     store = app.get(HEADS)
     if store is not None:
-        store.forwarded(chosen)
+        store.forwarded(chosen, req.route.slot if req.route is not None else None)
 
 
 def served(request: web.Request, req: ProxyRequest, chosen: Upstream) -> None:
@@ -62,7 +63,7 @@ async def _before_forward(app: web.Application, req: ProxyRequest, chosen: Upstr
     store, route = app.get(HEADS), req.route
     if store is None or route is None or req.assignment is None or route.decision.side or not route.pieces:
         return
-    if not store.first_request(req.assignment.session_id) or not _policy(app, req).enabled:
+    if not store.arriving(req.assignment.session_id, chosen) or not _policy(app, req).enabled:
         return
     decision = route.decision
     slot_tokens = decision.context_tokens - decision.new_tokens if decision.new_tokens is not None else 0
@@ -86,12 +87,13 @@ def _served(app: web.Application, req: ProxyRequest, chosen: Upstream, scope: st
     store, route, timings = app.get(HEADS), req.route, req.meter.timings
     if store is None or route is None:
         return
-    first, restored = store.end(req.request_id)
-    if not first or timings is None or req.outcome.status != 200:
+    arriving, restored = store.end(req.request_id)
+    if timings is None or req.outcome.status != 200 or req.assignment is None or not route.pieces:
         return
     policy = _policy(app, req)
     if not policy.enabled:
         return
+    history = any(p.assistant for p in route.pieces)  # a reply in the prompt: a session's state, not a head
     store.served(
         chosen,
         route.slot,
@@ -102,6 +104,9 @@ def _served(app: web.Application, req: ProxyRequest, chosen: Upstream, scope: st
         restored,
         (req.client, req.project, scope),
         policy.min_tokens,
+        first=arriving and not history,
+        session=None if route.decision.side else req.assignment.session_id,
+        idle_s=policy.session_idle_s,
     )
 
 

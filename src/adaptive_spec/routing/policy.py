@@ -145,6 +145,9 @@ class HeadsPolicy:
     min_tokens: int = _key(
         256, "a first turn of fewer prompt tokens is not kept (it prefills in well under a second)", 0
     )
+    session_idle_s: float = _key(
+        30.0, "seconds a session waits without a request before its state is kept (0: sessions are not kept)", 0
+    )
 
 
 @dataclass(frozen=True, slots=True)

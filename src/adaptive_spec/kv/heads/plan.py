@@ -98,6 +98,9 @@ class HeadEntry:
     crc: str = ""  # the file's CRC-32 when saved: checked before the first restore of each run
     save_pause_ms: float = 0.0  # how long the save paused the server's slots (llama-server saves in its main loop)
     scope: str = ""  # the tenant scope it was saved in (`tenant_scope`): only that scope finds, lists, deletes it
+    # "": an agent's head (a session's first turn). Else the session whose whole state this is, saved when the
+    # session went idle: a conversation resumed after a restart finds it as its longest match.
+    session: str = ""
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -124,6 +127,7 @@ class HeadEntry:
                 crc=str(raw.get("crc", "")),
                 save_pause_ms=float(raw.get("save_pause_ms", 0.0)),
                 scope=str(raw.get("scope", "")),
+                session=str(raw.get("session", "")),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -143,6 +147,7 @@ class HeadEntry:
             "last_used_unix": round(self.last_used_unix, 3),
             "restores": self.restores,
             "save_pause_ms": round(self.save_pause_ms, 1),
+            "session": self.session or None,
         }
 
 
@@ -199,6 +204,11 @@ def most_recent(entries: Iterable[HeadEntry], key: str, count: int, scope: str =
     """The `count` heads of `scope` most recently used under a server key: what a (re)started server gets back."""
     mine = sorted((e for e in entries if e.key == key and e.scope == scope), key=lambda e: -e.last_used_unix)
     return mine[: max(0, count)]
+
+
+def earlier_states(entries: Iterable[HeadEntry], session: str, keep: str) -> list[str]:
+    """A session's states saved before `keep`: each is a prefix of the newer one, so only the newest is kept."""
+    return [e.id for e in entries if session and e.session == session and e.id != keep]
 
 
 def evictions(entries: Iterable[HeadEntry], max_bytes: int, incoming_bytes: int = 0) -> list[str]:

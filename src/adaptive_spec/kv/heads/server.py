@@ -63,6 +63,19 @@ async def idle_slots(client: aiohttp.ClientSession, upstream: Upstream, wait_s: 
         await asyncio.sleep(0.25)
 
 
+async def slot_free(client: aiohttp.ClientSession, upstream: Upstream, slot: int) -> bool:
+    """Whether that slot is there and processing nothing: a slot action on it runs between the other slots' batches
+    (llama-server defers one only behind its own slot's work). A `/slots` that does not answer in time: not free."""
+    try:
+        async with client.get(f"{upstream.base_url}/slots", timeout=ASK_TIMEOUT) as resp:
+            slots = await resp.json(content_type=None) if resp.status == 200 else None
+    except TimeoutError:
+        return False
+    if not isinstance(slots, list):
+        return False
+    return any(isinstance(s, dict) and s.get("id") == slot and not s.get("is_processing") for s in slots)
+
+
 async def fresh(client: aiohttp.ClientSession, upstream: Upstream) -> bool:
     """Whether the server has prefilled nothing yet (its /metrics): a server that has holds sessions' KV, which a
     warm start must not displace. Without /metrics (an attached server started without them) it cannot be told:

@@ -32,19 +32,22 @@ from adaptive_spec.kv.heads.plan import (
     chain,
     covered,
     covered_but_last,
+    earlier_states,
     head_id,
     inert,
     most_recent,
     price,
     tenant_scope,
 )
-from adaptive_spec.kv.heads.server import TIMEOUT, fresh, idle_slots, restore_timeout, server_key
+from adaptive_spec.kv.heads.server import TIMEOUT, fresh, idle_slots, restore_timeout, server_key, slot_free
 from adaptive_spec.kv.slots import SlotError, check_written, restore_slot, save_slot
 from adaptive_spec.servers.upstreams import Upstream
 
 log = logging.getLogger(__name__)
 _SLOT_PREFIX = "head-"  # the name a head has in the slot directory while it is restored or saved
 _IDLE_WAIT_S = 20.0  # a save waits this long for the server to go idle, else it is skipped
+_LOCK_WAIT_S = 2.0  # a restore waits at most this long for another save or restore (each pauses the slots briefly)
+_MAX_IDLE_SAVES = 1024  # sessions waiting to go idle (the oldest wait is dropped beyond it)
 _SAVED_SLACK_TOKENS = 8  # a slot holds the prompt and the reply; a few more (a stop sequence's): still the request's
 _FAILURES = (SlotError, OSError, aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError)
 
@@ -88,6 +91,7 @@ class _Head:
     agent: str | None
     project: str | None
     scope: str
+    session: str = ""  # "": an agent's head; else the session whose state this is (saved once it went idle)
 
 
 class HeadStore:
@@ -102,7 +106,19 @@ class HeadStore:
             raise ValueError("HeadsConfig.directory: resolve the state directory's heads/ first")
         self.config, self.slot_dir, self._client, self._say = config, slot_dir, client, say
         self.counts = dict.fromkeys(
-            ("saved", "restored", "warm_started", "refused", "failed", "removed", "inert", "taken", "evicted"), 0
+            (
+                "saved",
+                "session_saved",
+                "restored",
+                "warm_started",
+                "refused",
+                "failed",
+                "removed",
+                "inert",
+                "taken",
+                "evicted",
+            ),
+            0,
         )
         self.book = HeadBook(config.directory, config.max_bytes, self.counts)
         self._entries = self.book.entries  # the book's own dict: it adds and removes, the store reads
@@ -110,7 +126,13 @@ class HeadStore:
         self._inert: set[str] = set()  # servers where a restore was reported and reused nothing
         self._held: dict[tuple[str, int], Restored] = {}  # the head each server's slot holds (warm start, save)
         self._forwards: dict[str, int] = {}  # requests forwarded to each server
-        self._seen: LRU[str, bool] = LRU(100_000)  # sessions whose first request the store has seen
+        self._unpinned: dict[str, int] = {}  # of those, the ones that named no slot (llama-server chose one)
+        self._pinned: dict[tuple[str, int], int] = {}  # and the ones that named a slot, by slot
+        self._generations: dict[str, int] = {}  # each server's restarts: a restarted server lost every session's KV
+        # Sessions the store has seen: the server and its generation at their latest request.
+        self._seen: LRU[str, tuple[str, int]] = LRU(100_000)
+        # Sessions whose state is saved once they have been idle a while: the timer, and the server it waits for.
+        self._idle_saves: dict[str, tuple[asyncio.TimerHandle, str]] = {}
         # First requests under way, and the head restored for each (bounded: one that raised never ends).
         self._firsts: LRU[str, Restored | None] = LRU(4096)
         self._refused: set[tuple[str, str]] = set()  # (server, head): llama-server refused it there this run
@@ -127,16 +149,26 @@ class HeadStore:
         """The tenant scope of a request that sent these API keys (`tenant_scope`)."""
         return tenant_scope(sent_keys, self.config.project_keys)
 
-    def first_request(self, session_id: str | None) -> bool:
-        """Whether this is the first request of its session the store sees (only those save or restore heads)."""
-        if session_id is None or self._seen.get(session_id) is not None:
+    def arriving(self, session_id: str | None, upstream: Upstream) -> bool:
+        """Whether a restore may be tried for this request of a session: the first the store sees of it (a new
+        session, or one resumed after `serve` restarted), or its first since its server restarted (which lost its
+        KV). Its other requests find their own KV in their slot."""
+        if session_id is None:
             return False
-        self._seen.put(session_id, True)
-        return True
+        now = (upstream.base_url, self._generations.get(upstream.base_url, 0))
+        before = self._seen.get(session_id)
+        self._seen.put(session_id, now)
+        return before is None or (before[0] == now[0] and before[1] != now[1])
 
-    def forwarded(self, upstream: Upstream) -> None:
-        """Every request forwarded to a server, counted: one between a restore and its request took the slot."""
-        self._forwards[upstream.base_url] = self._forwards.get(upstream.base_url, 0) + 1
+    def forwarded(self, upstream: Upstream, slot: int | None = None) -> None:
+        """Every request forwarded to a server, counted: one between a restore and its request took the slot, and
+        one since a session's turn (to its slot, or to no slot named) leaves that slot holding another prompt."""
+        base = upstream.base_url
+        self._forwards[base] = self._forwards.get(base, 0) + 1
+        if slot is None:
+            self._unpinned[base] = self._unpinned.get(base, 0) + 1
+        else:
+            self._pinned[(base, slot)] = self._pinned.get((base, slot), 0) + 1
 
     def begin(self, request_id: str, restored: Restored | None) -> None:
         self._firsts.put(request_id, restored)
@@ -156,12 +188,11 @@ class HeadStore:
         prefill_s_per_token: float,
         scope: str = "",
     ) -> Restored | None:
-        """Restore the stored head of `scope` sharing most with this prompt into `slot` when it pays; None otherwise
-        (and at once when another save or restore holds the store: a request never queues behind one)."""
+        """Restore the stored head of `scope` sharing most with this prompt into `slot` when it pays; None otherwise.
+        Another save or restore under way is waited for only while waiting costs less than the prefill the restore
+        saves, and `_LOCK_WAIT_S` at most (two sessions starting at once on two slots both get their head)."""
         self._verify()
         if upstream.upstream_model is not None or upstream.base_url in self._inert or not self._entries:
-            return None
-        if self._lock.locked():
             return None
         try:
             links = chain(await self._key(upstream), pieces, scope)
@@ -182,16 +213,27 @@ class HeadStore:
         restored: Restored | None,
         owner: tuple[str | None, str | None, str],
         min_tokens: int = MIN_HEAD_TOKENS,
+        *,
+        first: bool = True,
+        session: str | None = None,
+        idle_s: float = 0.0,
     ) -> None:
-        """A session's first request was served: learn an inert restore (`cache_n` None: not reported), and save
-        its head in the background when it has `min_tokens` or more. `tokens`: its prompt's and its reply's;
-        `owner`: its agent, project and tenant scope."""
+        """A session's request was served: learn an inert restore (`cache_n` None: not reported). Its `first` turn
+        (no reply in its prompt yet) is saved as a head in the background, when it has `min_tokens` or more; any
+        other turn of `session` that long is saved as the session's state once the session has been `idle_s`
+        seconds without a request and its slot served nothing else meanwhile (0: never). `tokens`: its prompt's
+        and its reply's; `owner`: its agent, project and tenant scope."""
         if restored is not None and cache_n is not None and inert(restored.tokens, cache_n):
             self._judge(upstream, restored, cache_n)
+        if session is not None:
+            self._cancel_idle(session)  # a newer turn: the older state is not the session's any more
         if tokens[0] < min_tokens or upstream.upstream_model is not None:
             return
         head = _Head(tuple(pieces), tuple(chars), tokens[0], tokens[1], owner[0], owner[1], owner[2])
-        self._spawn(self._save_logged(upstream, slot, head))
+        if first:
+            self._spawn(self._save_logged(upstream, slot, head))
+        elif session and idle_s > 0:
+            self._save_when_idle(upstream, slot, replace(head, session=session), idle_s)
 
     def warm_start(
         self, upstream: Upstream, when: str, on_fresh: Callable[[], None] = lambda: None, restore: bool = True
@@ -203,8 +245,12 @@ class HeadStore:
         self._spawn(self._warm_logged(upstream, when, on_fresh, restore))
 
     def server_down(self, upstream: Upstream) -> None:
-        """Its slots are gone, and its key is asked again when it is back."""
-        self._keys.pop(upstream.base_url, None)
+        """Its slots are gone (no session's state is saved from them), and its key is asked again when it is back."""
+        base = upstream.base_url
+        self._keys.pop(base, None)
+        self._generations[base] = self._generations.get(base, 0) + 1
+        for session in [s for s, (_, on) in self._idle_saves.items() if on == base]:
+            self._cancel_idle(session)
         self.emptied(upstream)
 
     def emptied(self, upstream: Upstream) -> None:
@@ -217,6 +263,8 @@ class HeadStore:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def close(self) -> None:
+        for session in list(self._idle_saves):
+            self._cancel_idle(session)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*list(self._tasks), return_exceptions=True)
@@ -252,6 +300,31 @@ class HeadStore:
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _mark(self, upstream: Upstream, slot: int | None) -> tuple[int, int]:
+        """What has been forwarded that could have used `slot` since: every request when no slot is named; else the
+        requests that named no slot and those that named this one."""
+        base = upstream.base_url
+        if slot is None:
+            return self._forwards.get(base, 0), 0
+        return self._unpinned.get(base, 0), self._pinned.get((base, slot), 0)
+
+    def _save_when_idle(self, upstream: Upstream, slot: int | None, head: _Head, idle_s: float) -> None:
+        if len(self._idle_saves) >= _MAX_IDLE_SAVES:
+            self._cancel_idle(next(iter(self._idle_saves)))
+        mark = self._mark(upstream, slot)
+
+        def fire() -> None:
+            self._idle_saves.pop(head.session, None)
+            self._spawn(self._save_state_logged(upstream, slot, head, mark))
+
+        handle = asyncio.get_running_loop().call_later(idle_s, fire)
+        self._idle_saves[head.session] = (handle, upstream.base_url)
+
+    def _cancel_idle(self, session: str) -> None:
+        waiting = self._idle_saves.pop(session, None)
+        if waiting is not None:
+            waiting[0].cancel()
 
     def _judge(self, upstream: Upstream, restored: Restored, cache_n: int) -> None:
         if self._forwards.get(upstream.base_url, 0) != restored.forwards + 1:
@@ -305,14 +378,21 @@ class HeadStore:
                 cost.prefill_s,
             )
             return None
-        if self._lock.locked():
-            return None  # a save or a warm start took it meanwhile: no waiting on the request's path
-        async with self._lock:
+        try:
+            async with asyncio.timeout(max(0.0, min(_LOCK_WAIT_S, cost.prefill_s - cost.restore_s))):
+                await self._lock.acquire()
+        except TimeoutError:
+            return None  # a long save or warm start holds the store: the request prefills rather than wait
+        try:
             forwards = self._forwards.get(upstream.base_url, 0)
-            n_slots = await self._idle(upstream, wait_s=0.0)
-            if n_slots is None or (slot is None and n_slots != 1):
-                return None  # busy, or several slots and none named: the request may land in another one
+            if slot is None:
+                if await self._idle(upstream, wait_s=0.0) != 1:
+                    return None  # busy, or several slots and none named: the request may land in another one
+            elif not await slot_free(self._client(), upstream, slot):
+                return None  # its slot is busy: the restore would wait behind that slot's request
             return await self._restore_file(upstream, slot or 0, match, forwards)
+        finally:
+            self._lock.release()
 
     async def _restore_file(
         self, upstream: Upstream, slot: int, match: Match, forwards: int, used: bool = True
@@ -396,23 +476,43 @@ class HeadStore:
             self.counts["failed"] += 1
             log.warning("heads: saving a head from %s failed (nothing kept): %s", upstream.label, exc)
 
-    async def _save(self, upstream: Upstream, slot: int | None, head: _Head) -> None:
+    async def _save_state_logged(
+        self, upstream: Upstream, slot: int | None, head: _Head, mark: tuple[int, int]
+    ) -> None:
+        if self._mark(upstream, slot) != mark:
+            log.info("heads: session %s's state is not saved: its slot served another request since", head.session)
+            return
+        try:
+            await self._save(upstream, slot, head, mark)
+        except _FAILURES as exc:
+            self.counts["failed"] += 1
+            log.warning("heads: saving session %s's state from %s failed: %s", head.session, upstream.label, exc)
+
+    async def _save(
+        self, upstream: Upstream, slot: int | None, head: _Head, mark: tuple[int, int] | None = None
+    ) -> None:
+        """`mark`: a session's state, saved only if its slot served nothing since its turn (`_mark`)."""
         key = await self._key(upstream)
         links = chain(key, head.pieces, head.scope)
         if not links or self._covered(upstream, links) or head_id(links) in self.book.saving:
             return  # kept already, or being saved: one save of a head at a time, so its files are its own
-        if covered_but_last(links, head.chars, self._usable(upstream)):
+        if not head.session and covered_but_last(links, head.chars, self._usable(upstream)):
             return  # the head is kept; this session's first message alone is not worth a file of its size
         hid = head_id(links)
         self.book.saving.add(hid)
         try:
-            await self._save_idle(upstream, slot, head, (key, links))
+            await self._save_idle(upstream, slot, head, (key, links), mark)
         finally:
             self.book.saving.discard(hid)
             await asyncio.to_thread(unlink, self.slot_dir / f"{_SLOT_PREFIX}{hid}.bin")
 
     async def _save_idle(
-        self, upstream: Upstream, slot: int | None, head: _Head, keyed: tuple[ServerKey, tuple[str, ...]]
+        self,
+        upstream: Upstream,
+        slot: int | None,
+        head: _Head,
+        keyed: tuple[ServerKey, tuple[str, ...]],
+        mark: tuple[int, int] | None = None,
     ) -> None:
         """The slot saved once the server is idle, under the lock; the file's move, its checksum and the index after
         it, outside the lock (in threads): a restore is never skipped for them."""
@@ -427,6 +527,8 @@ class HeadStore:
             n_slots = await self._idle(upstream, wait_s=0.0)
             if self._covered(upstream, links) or n_slots is None or (slot is None and n_slots != 1):
                 return  # the same head was saved meanwhile, a request came, or its slot is not known among several
+            if mark is not None and self._mark(upstream, slot) != mark:
+                return  # the session's slot served another request while the server was busy
             if not await self.book.room(head.prompt_tokens):
                 return
             n_saved, n_written, pause_ms = await self._save_slot(upstream, slot or 0, head, hid, forwards)
@@ -436,17 +538,20 @@ class HeadStore:
         now = time.time()
         entry = HeadEntry(
             hid, links, head.chars, head.prompt_tokens, n_saved, size, now, now, head.agent, head.project, 0,
-            key.hex(), crc, pause_ms, head.scope,
+            key.hex(), crc, pause_ms, head.scope, head.session,
         )  # fmt: skip
         await self.book.add(entry)
         self._refused = {r for r in self._refused if r[1] != hid}  # a new file under that id
+        if hid in self._entries and head.session:
+            await self.book.delete(earlier_states(self._entries.values(), head.session, hid))
         if hid in self._entries:
-            self.counts["saved"] += 1
+            self.counts["session_saved" if head.session else "saved"] += 1
             self._held[(upstream.base_url, slot or 0)] = Restored(
                 hid, upstream.base_url, head.prompt_tokens, 0.0, False, self._forwards.get(upstream.base_url, 0)
             )
             log.info(
-                "heads: saved a head of %d tokens (%d MB) from %s; the server paused %.0f ms",
+                "heads: saved %s of %d tokens (%d MB) from %s; the server paused %.0f ms",
+                f"session {head.session}'s state" if head.session else "a head",
                 head.prompt_tokens,
                 size // 1_000_000,
                 upstream.label,
