@@ -9,6 +9,10 @@ to a JSON file and printed as a markdown table.
 Run:  .venv/bin/python benchmarks/warm_starts.py [--model embedded:qwen2.5-coder-0.5b] [--out FILE.json]
       [--agents opencode,claude-code,qwen-code] [--no-heads] (the same cases without the store, llama-server's own
       RAM prompt cache alone; the restart and crash cases are skipped there: they are cold by construction)
+      [--scenario two-at-once] two new sessions of one agent start together on a server of two slots, after a first
+      one left its head in the store and both slots were emptied
+      [--scenario resume] a conversation's third turn after `serve` restarted, its second turn having been kept as
+      the session's state once it was idle (`[heads] session_idle_s`, 30 s)
 
 No vendor's prompt is used: system prompts and tools are generated text of each agent's measured size (opencode
 ~7.2k tokens and 12 tools, its working directory before the tools; Claude Code ~11.7k and 12 tools, the working
@@ -28,6 +32,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,8 +134,9 @@ def side_body() -> dict[str, Any]:
 class Serve(ProxyProcess):
     """`serve` on the state directory `state` (its head store in heads/ there), one slot, the tests' own starter."""
 
-    def __init__(self, model: str, state: Path, threads: int, extra: list[str]) -> None:
-        args = ("--model", model, "--threads", str(threads), "--parallel", "1", "--ctx-size", "32768", *extra)
+    def __init__(self, model: str, state: Path, threads: int, extra: list[str], parallel: int = 1) -> None:
+        ctx = str(32768 * parallel)
+        args = ("--model", model, "--threads", str(threads), "--parallel", str(parallel), "--ctx-size", ctx, *extra)
         super().__init__(*args, env={"ADAPTIVE_SPEC_STATE_DIR": str(state)}, ready_timeout=1800.0)
         for line in self.lines:
             if "heads:" in line or "warm" in line:
@@ -171,6 +177,13 @@ class Serve(ProxyProcess):
                 return
             last = heads["counts"]
             time.sleep(1.0)
+
+    def erase_all(self) -> None:
+        """Every slot emptied (through the proxy, so its router knows)."""
+        for name in self.get("/adaptive/health")["profiles"]:
+            req = urllib.request.Request(f"{self.base}/adaptive/profiles/{name}/erase", data=b"", method="POST")
+            with urllib.request.urlopen(req, timeout=60):
+                pass
 
     def llama_pid(self) -> int:
         pids = llama_children(self)
@@ -237,10 +250,63 @@ def after(serve: Serve, shapes: list[Shape], tag: str, case: str) -> dict[str, A
     return out
 
 
+def two_at_once(args: argparse.Namespace, shape: Shape, state: Path, extra: list[str]) -> dict[str, Any]:
+    """A first session leaves its head; both slots emptied; two new sessions start together."""
+    p1 = "/home/dev/projects/shop"
+    serve = Serve(args.model, state, args.threads, extra, parallel=2)
+    try:
+        out: dict[str, Any] = {
+            "cold": serve.send(shape, "first", first_body(shape, p1, "Add a /health endpoint.", "first"))
+        }
+        print(f"{shape.name} cold:", out["cold"], flush=True)
+        serve.settle()
+        serve.erase_all()
+        users = {"one": "Fix the failing test.", "two": "Explain the config loader."}
+        with ThreadPoolExecutor(2) as pool:
+            sent = {k: pool.submit(serve.send, shape, k, first_body(shape, p1, u, k)) for k, u in users.items()}
+            for key, future in sent.items():
+                out[f"at_once_{key}"] = future.result()
+                print(f"{shape.name} at once ({key}):", out[f"at_once_{key}"], flush=True)
+        return out
+    finally:
+        serve.stop()
+
+
+def resume(args: argparse.Namespace, shape: Shape, state: Path, extra: list[str]) -> dict[str, Any]:
+    """Two turns of a conversation, idle until its state is kept, `serve` restarted, then its third turn."""
+    p1, session = "/home/dev/projects/shop", "conversation"
+    body = first_body(shape, p1, "Add a /health endpoint.", session)
+    replies = ("I added the endpoint in server.py.", "The test is in tests/test_health.py.")
+    serve = Serve(args.model, state, args.threads, extra)
+    out: dict[str, Any] = {}
+    try:
+        out["turn_1"] = serve.send(shape, session, body)
+        body["messages"] += [{"role": "assistant", "content": replies[0]}, {"role": "user", "content": "Add a test."}]
+        out["turn_2"] = serve.send(shape, session, body)
+        print(f"{shape.name} turns 1, 2:", out["turn_1"], out["turn_2"], flush=True)
+        time.sleep(35.0)  # `[heads] session_idle_s` is 30 s by default
+        serve.settle()
+        out["kept"] = [h for h in serve.get("/adaptive/heads").get("heads", []) if h.get("session")]
+    finally:
+        serve.stop()
+    serve = Serve(args.model, state, args.threads, extra)
+    try:
+        time.sleep(5.0)
+        serve.erase_all()  # the start-up restore may have put the state back already: measure the restore itself
+        body["messages"] += [{"role": "assistant", "content": replies[1]}, {"role": "user", "content": "Run it."}]
+        out["turn_3_after_restart"] = serve.send(shape, session, body)
+        print(f"{shape.name} turn 3 after restart:", out["turn_3_after_restart"], flush=True)
+        return out
+    finally:
+        serve.stop()
+
+
 def table(results: dict[str, Any]) -> str:
     rows = ["| agent | case | prompt_n / cache_n | new-token estimate | TTFT | reason |", "|---|---|---|---|---|---|"]
     for agent, cases in results["agents"].items():
         for case, r in cases.items():
+            if not isinstance(r, dict) or "prompt_n" not in r:
+                continue  # not a request's record (the kept session states)
             reason = (r.get("reason") or "").split("; ")[-1] if "warm" in (r.get("reason") or "") else ""
             rows.append(
                 f"| {agent} | {case} | {r['prompt_n']} / {r['cache_n']} | {r['new_tokens_est']} | {r['ttft_s']} s |"
@@ -256,6 +322,7 @@ def main() -> int:
     parser.add_argument("--agents", default=",".join(SHAPES))
     parser.add_argument("--no-heads", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "warm_starts.json")
+    parser.add_argument("--scenario", choices=("cases", "two-at-once", "resume"), default="cases")
     args = parser.parse_args()
     shapes = [SHAPES[name] for name in args.agents.split(",")]
     extra = ["--no-heads"] if args.no_heads else []
@@ -264,6 +331,17 @@ def main() -> int:
     def write() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")
+
+    if args.scenario != "cases":
+        scenario = two_at_once if args.scenario == "two-at-once" else resume
+        results["scenario"] = args.scenario
+        for shape in shapes:
+            with tempfile.TemporaryDirectory(prefix="warm-starts-") as state:
+                results["agents"][shape.name] = scenario(args, shape, Path(state), extra)
+            write()
+        print(table(results))
+        print(f"written to {args.out}")
+        return 0
 
     with tempfile.TemporaryDirectory(prefix="warm-starts-") as state:
         serve = Serve(args.model, Path(state), args.threads, extra)
