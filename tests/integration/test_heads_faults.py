@@ -172,9 +172,9 @@ async def test_saves_and_a_restore_of_one_head_at_once(
     seen: list[tuple[Any, ...]] = []
     served = store.served
 
-    def keep(*args: Any) -> None:
+    def keep(*args: Any, **kwargs: Any) -> None:
         seen.append(args)
-        served(*args)
+        served(*args, **kwargs)
 
     monkeypatch.setattr(store, "served", keep)
     try:
