@@ -23,8 +23,8 @@ from kv_bench import KEY, model, prompt, run_main, server_args
 from tests.support.relay import RelayProcess
 from tests.support.servers import LlamaServer, http_json
 
-from adaptive_spec.kv.relay.client import RelayClient
-from adaptive_spec.kv.relay.model_hash import file_sha256
+from adaptive_spec.kv.relay_client import RelayClient
+from adaptive_spec.kv.slot_files import file_sha256
 from adaptive_spec.kv.slots import slot_action
 from adaptive_spec.servers.launcher import find_llama_server
 from adaptive_spec.servers.upstreams import Upstream

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from adaptive_spec.kv.relay.service import RATE_ENV, sweep_slot_files
+from adaptive_spec.relay.service import RATE_ENV, sweep_slot_files
 from tests.support.faulty_relay import FaultyRelay
 from tests.support.relay import RelayProcess
 from tests.support.servers import LlamaServer, ProxyProcess, http_json, wait_until

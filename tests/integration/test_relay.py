@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 
-from adaptive_spec.kv.relay.model_hash import file_sha256
-from adaptive_spec.kv.slot_files import MODEL_HEADER, SHA256_HEADER
+from adaptive_spec.kv.slot_files import MODEL_HEADER, SHA256_HEADER, file_sha256
 from tests.support.relay import RelayProcess, error_of
 from tests.support.servers import LlamaServer
 

@@ -20,11 +20,11 @@ from aiohttp.test_utils import TestServer
 from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.kv.prefill_costs import RemoteCosts, RemotePrefillPolicy
-from adaptive_spec.kv.relay.client import RelayClient
-from adaptive_spec.kv.relay.prefill import ROUTES, client_ctx
-from adaptive_spec.kv.relay.service import RelaySettings, build_relay_app
+from adaptive_spec.kv.relay_client import RelayClient
 from adaptive_spec.kv.remote_prefill import RemotePrefill
 from adaptive_spec.kv.slot_files import MODEL_HEADER
+from adaptive_spec.relay.prefill import ROUTES, client_ctx
+from adaptive_spec.relay.service import RelaySettings, build_relay_app
 from adaptive_spec.routing.api import FixedPolicy
 from adaptive_spec.routing.decide import Decision
 from adaptive_spec.routing.router import Router

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from adaptive_spec.kv.relay.model_hash import file_sha256
+from adaptive_spec.kv.slot_files import file_sha256
 from tests.support.relay import RelayProcess
 from tests.support.servers import LlamaServer, ProxyProcess, http_json
 

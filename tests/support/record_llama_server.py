@@ -22,7 +22,7 @@ from tests.support.tiny_gguf import write_tiny_gguf
 
 ARGS = ("-c", "16384", "--parallel", "4", "--metrics")
 REPEATS = [{"role": "user", "content": "abc abc abc abc abc abc abc abc abc abc abc abc"}]
-# What the kv-relay sends before it saves the slot (adaptive_spec.kv.relay.prefill).
+# What the kv-relay sends before it saves the slot (adaptive_spec.relay.prefill).
 PREFILL = {"messages": [{"role": "user", "content": "hi"}], "n_predict": 1, "stream": False, "id_slot": 0}
 
 

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.kv.relay.client import RelayClient
+from adaptive_spec.kv.relay_client import RelayClient
 from adaptive_spec.kv.relay_mover import PairMover, RelayMover
 from adaptive_spec.kv.relay_options import KEY_ENV, relay_plan
 from adaptive_spec.kv.slots import MoveRequest, MoveTimes, SharedDirMover

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from adaptive_spec.kv.prefill_costs import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy, choose
-from adaptive_spec.kv.relay.client import PARTIAL_PREFIX
+from adaptive_spec.kv.relay_client import PARTIAL_PREFIX
 from adaptive_spec.kv.remote_prefill import sweep_partial_downloads
 from adaptive_spec.kv.slot_files import model_mismatch, valid_relay_name, valid_slot_name
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from adaptive_spec.errors import ConfigError, ProfileMismatchError
-from adaptive_spec.kv.relay.client import RelayClient, RelayError
+from adaptive_spec.kv.relay_client import RelayClient, RelayError
 from adaptive_spec.kv.slot_files import model_mismatch
 from adaptive_spec.kv.slots import MoveRequest, MoveTimes, SlotError, SlotMover, restore_slot, save_slot
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable

@@ -22,9 +22,8 @@ from aiohttp import web
 from adaptive_spec.errors import ConfigError, ProfileMismatchError
 from adaptive_spec.kv.moves import PrefillAnswer, PrefillAsk, RemotePrefillResult
 from adaptive_spec.kv.prefill_costs import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy, choose
-from adaptive_spec.kv.relay.client import PARTIAL_PREFIX, RelayClient, RelayError
-from adaptive_spec.kv.relay.model_hash import file_sha256
-from adaptive_spec.kv.slot_files import model_mismatch, slot_file_name
+from adaptive_spec.kv.relay_client import PARTIAL_PREFIX, RelayClient, RelayError
+from adaptive_spec.kv.slot_files import file_sha256, model_mismatch, slot_file_name
 from adaptive_spec.kv.slots import SlotError, restore_slot
 from adaptive_spec.servers.upstreams import Upstream
 

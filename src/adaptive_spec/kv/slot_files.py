@@ -1,11 +1,15 @@
-"""Slot files that cross machines: which names a relay accepts, and the refusal when two servers' models differ.
+"""Slot files that cross machines: which names a relay accepts, the refusal when two servers' models differ, and the
+model file's sha256 both sides compare.
 
-Pure rules shared by the relay service (`kv/relay/service.py`) and its client in the proxy."""
+Rules shared by the relay service (`relay/service.py`) and its client in the proxy (`kv/relay_client.py`); pure
+but for `file_sha256`, which reads the model file (blocking: call it off the event loop)."""
 
 from __future__ import annotations
 
 import hashlib
 import re
+import threading
+from pathlib import Path
 
 # One plain file name inside the slot directory: no separators, no `..`, no hidden files (the relay's own partial
 # uploads are hidden, so they can never be named from outside).
@@ -52,3 +56,29 @@ def model_mismatch(there: str, here: str, where: str) -> str | None:
         f"the model files differ: this side runs sha256 {here}, {where} runs sha256 {there}; "
         "a KV cache moves only between servers running the same GGUF"
     )
+
+
+# The sha256 of a GGUF, read once per (path, size, mtime): both sides of a KV move compare it.
+_CHUNK = 4 << 20
+_cache: dict[tuple[str, int, int], str] = {}
+_lock = threading.Lock()
+
+
+def file_sha256(path: Path) -> str:
+    """Streaming (4 MiB at a time) and cached: a 16 GB model is hashed once per process, not per request.
+    Blocking file I/O: call it off the event loop."""
+    resolved = path.resolve()
+    stat = resolved.stat()
+    key = (str(resolved), stat.st_size, stat.st_mtime_ns)
+    with _lock:
+        known = _cache.get(key)
+    if known is not None:
+        return known
+    digest = hashlib.sha256()
+    with resolved.open("rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    value = digest.hexdigest()
+    with _lock:
+        _cache[key] = value
+    return value

@@ -11,7 +11,7 @@ the relay starts, all of them go, with any partial upload.
     GET    /relay/slots/{name}       download (its sha256 in x-adaptive-spec-sha256)
     PUT    /relay/slots/{name}       upload (x-adaptive-spec-sha256 required; a partial file is never visible)
     DELETE /relay/slots/{name}
-    POST   /relay/prefill            prefill a prompt on the llama-server and save its slot (`kv/relay/prefill.py`)
+    POST   /relay/prefill            prefill a prompt on the llama-server and save its slot (`relay/prefill.py`)
 """
 
 from __future__ import annotations
