@@ -181,7 +181,8 @@ class Serve(ProxyProcess):
     def erase_all(self) -> None:
         """Every slot emptied (through the proxy, so its router knows)."""
         for name in self.get("/adaptive/health")["profiles"]:
-            req = urllib.request.Request(f"{self.base}/adaptive/profiles/{name}/erase", data=b"", method="POST")
+            url, headers = f"{self.base}/adaptive/profiles/{name}/erase", {"Content-Type": "application/json"}
+            req = urllib.request.Request(url, data=b"{}", headers=headers, method="POST")
             with urllib.request.urlopen(req, timeout=60):
                 pass
 
