@@ -63,7 +63,7 @@ from adaptive_spec.servers.launcher import free_port
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.sessions import prefix
 from adaptive_spec.sessions.backends import Work
-from adaptive_spec.sessions.drafter import NgramParams
+from adaptive_spec.sessions.ngram_replay import NgramParams
 from adaptive_spec.sessions.pieces import Piece, prompt_pieces
 from adaptive_spec.sessions.project import workspace_path_from_request
 from adaptive_spec.sessions.service import SessionService

@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from adaptive_spec.sessions.drafter import NgramParams
+from adaptive_spec.sessions.ngram_replay import NgramParams
 from adaptive_spec.sessions.statistics import ContextTracker
 from adaptive_spec.sessions.tokenizers import CachingTokenizer, tiktoken_o200k
 

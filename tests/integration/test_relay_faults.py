@@ -19,9 +19,9 @@ from aiohttp.test_utils import TestServer
 
 from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.kv.effects import KvEffects
-from adaptive_spec.kv.prefill_costs import RemoteCosts, RemotePrefillPolicy
 from adaptive_spec.kv.relay_client import RelayClient
-from adaptive_spec.kv.remote_prefill import RemotePrefill
+from adaptive_spec.kv.remote_prefill.plan import RemoteCosts, RemotePrefillPolicy
+from adaptive_spec.kv.remote_prefill.shell import RemotePrefill
 from adaptive_spec.kv.slot_files import MODEL_HEADER
 from adaptive_spec.relay.prefill import ROUTES, client_ctx
 from adaptive_spec.relay.service import RelaySettings, build_relay_app

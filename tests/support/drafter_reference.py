@@ -1,11 +1,11 @@
 """The counterfactual drafter as it was first written (one method call per token): the oracle the faster one in
-`adaptive_spec.sessions.drafter` is checked against, token for token."""
+`adaptive_spec.sessions.ngram_replay` is checked against, token for token."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from adaptive_spec.sessions.drafter import SEPARATOR, DraftEstimate, NgramParams
+from adaptive_spec.sessions.ngram_replay import SEPARATOR, DraftEstimate, NgramParams
 
 _ADD_CHUNK = 32
 

@@ -20,7 +20,7 @@ from adaptive_spec.routing.policy import Policy
 from adaptive_spec.server.app import KvSetup, ProxySettings, build_app
 from adaptive_spec.servers.probe import probe
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
-from adaptive_spec.sessions.drafter import NgramParams
+from adaptive_spec.sessions.ngram_replay import NgramParams
 from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker
 from tests.support.servers import free_port

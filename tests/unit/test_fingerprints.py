@@ -140,8 +140,8 @@ def _served(text: str) -> Any:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("in_process", [False, True])
 async def test_waiting_updates_of_a_session_are_coalesced_and_the_rest_bounded(in_process: bool) -> None:
-    from adaptive_spec.sessions.drafter import NgramParams
     from adaptive_spec.sessions.grouping import SessionAssignment
+    from adaptive_spec.sessions.ngram_replay import NgramParams
     from adaptive_spec.sessions.service import SessionService
     from adaptive_spec.sessions.statistics import ContextTracker, closing, opening
 
@@ -191,7 +191,7 @@ async def test_the_worker_process_starts_with_the_worker_not_with_the_first_upda
     # Seen under serve: three quick turns of one session, the first update waiting for the process to spawn and the
     # second coalesced into the third (2 turns shown for 3 requests).
     from adaptive_spec.sessions.backends import ProcessStatistics
-    from adaptive_spec.sessions.drafter import NgramParams
+    from adaptive_spec.sessions.ngram_replay import NgramParams
     from adaptive_spec.sessions.service import SessionService
     from adaptive_spec.sessions.statistics import ContextTracker
 
@@ -213,8 +213,8 @@ async def test_the_worker_process_tokenizes_itself_and_gets_what_the_event_loop_
     """With a tokenizer it can make again (here tiktoken's), the worker process is sent the client's bytes and
     tokenizes them itself; its statistics are those of the update tokenized on the event loop."""
     from adaptive_spec.sessions.backends import ProcessStatistics
-    from adaptive_spec.sessions.drafter import NgramParams
     from adaptive_spec.sessions.grouping import SessionAssignment
+    from adaptive_spec.sessions.ngram_replay import NgramParams
     from adaptive_spec.sessions.service import SessionService
     from adaptive_spec.sessions.statistics import ContextTracker
     from adaptive_spec.sessions.tokenizers import CachingTokenizer, TokenizerSpec, tiktoken_o200k

@@ -14,8 +14,8 @@ from adaptive_spec.cli import main as cli
 from adaptive_spec.cli.relay import RELAY_KEY as KV_RELAY_KEY
 from adaptive_spec.cli.tui import PROXY_KEY
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.kv.prefill_options import PP_KEY
 from adaptive_spec.kv.relay_options import RELAY_KEY
+from adaptive_spec.kv.remote_prefill.options import PP_KEY
 
 KEY = KeyOption("TEST_KEY", flag="--key", file_flag="--key-file")
 FILES = {Path("k"): "from-file\nignored\n", Path("padded"): "  from-file \n", Path("blank"): " \n", Path("empty"): ""}

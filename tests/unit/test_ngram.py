@@ -3,7 +3,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from adaptive_spec.sessions.drafter import SEPARATOR, NgramIndex, NgramParams, estimate_drafts
+from adaptive_spec.sessions.ngram_replay import SEPARATOR, NgramIndex, NgramParams, estimate_drafts
 from adaptive_spec.sessions.statistics import ContextTracker, closing, opening
 
 PARAMS = NgramParams(n_match=4, n_min=3, n_max=8)

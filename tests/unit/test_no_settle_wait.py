@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestServer
 from adaptive_spec.requests.app_keys import HISTORY
 from adaptive_spec.server.app import ProxySettings, build_app
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
-from adaptive_spec.sessions.drafter import NgramParams
+from adaptive_spec.sessions.ngram_replay import NgramParams
 from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker
 from tests.support.fake_upstream import FakeUpstream

@@ -1,4 +1,4 @@
-"""The remote prefill cost model (`kv/prefill_costs.py`) and the relay's slot-file names, table-driven."""
+"""The remote prefill cost model (`kv/remote_prefill/plan.py`) and the relay's slot-file names, table-driven."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_spec.kv.prefill_costs import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy, choose
 from adaptive_spec.kv.relay_client import PARTIAL_PREFIX
-from adaptive_spec.kv.remote_prefill import sweep_partial_downloads
+from adaptive_spec.kv.remote_prefill.plan import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy, choose
+from adaptive_spec.kv.remote_prefill.shell import sweep_partial_downloads
 from adaptive_spec.kv.slot_files import model_mismatch, valid_relay_name, valid_slot_name
 
 LOCAL_10_TPS = 0.1  # seconds per token: the public proposal's weak local box

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
+from adaptive_spec.common.child_process import _drop_written
 from adaptive_spec.common.lru import LRU
 from adaptive_spec.routing import first_turn as copy_hint
 from adaptive_spec.routing.policy import Policy
 from adaptive_spec.sessions import grouping, prefix
 from adaptive_spec.sessions.grouping import SessionRegistry, message_text, messages_of
 from adaptive_spec.sessions.pieces import BLOCK_CHARS, Piece, PieceCache, prompt_pieces, shared_chars
-from adaptive_spec.sessions.worker_process import _drop_written
 
 _WORDS = ("value", "index", "result", "buffer", "parser", "session", "stream", "handler", "return", "config")
 

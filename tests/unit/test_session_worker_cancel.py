@@ -5,7 +5,7 @@ import asyncio
 import contextlib
 
 from adaptive_spec.sessions.backends import Work
-from adaptive_spec.sessions.drafter import NgramParams
+from adaptive_spec.sessions.ngram_replay import NgramParams
 from adaptive_spec.sessions.service import SessionService, run_worker
 from adaptive_spec.sessions.statistics import ContextTracker
 

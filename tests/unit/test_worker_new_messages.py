@@ -11,8 +11,8 @@ import orjson
 import pytest
 
 from adaptive_spec.sessions.backends import ProcessStatistics, _Sent
-from adaptive_spec.sessions.drafter import NgramParams
 from adaptive_spec.sessions.grouping import SessionAssignment
+from adaptive_spec.sessions.ngram_replay import NgramParams
 from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker
 from adaptive_spec.sessions.tokenizers import CachingTokenizer, tiktoken_o200k

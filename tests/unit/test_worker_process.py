@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from adaptive_spec.sessions.worker_process import WorkerDied, WorkerFailed, WorkerProcess
+from adaptive_spec.common.child_process import WorkerDied, WorkerFailed, WorkerProcess
 
 _STATE: dict[str, int] = {}
 

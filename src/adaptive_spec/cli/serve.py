@@ -17,8 +17,8 @@ from adaptive_spec.cli import tui as tui_command
 from adaptive_spec.cli.text import add_command
 from adaptive_spec.errors import ConfigError
 from adaptive_spec.kv.heads.options import add_heads_arguments, heads_config
-from adaptive_spec.kv.prefill_options import add_pp_arguments, pp_plan
 from adaptive_spec.kv.relay_options import add_relay_arguments, relay_plan
+from adaptive_spec.kv.remote_prefill.options import add_pp_arguments, pp_plan
 from adaptive_spec.server.app import ProxySettings
 from adaptive_spec.server.connection_book import ConnectionLimits
 from adaptive_spec.server.event_loop import EVENT_LOOPS
@@ -36,8 +36,8 @@ from adaptive_spec.servers.profiles import (
     check_profile_name,
     default_profiles,
 )
-from adaptive_spec.sessions.drafter import NgramParams
 from adaptive_spec.sessions.grouping import ECHO_FINGERPRINTS
+from adaptive_spec.sessions.ngram_replay import NgramParams
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 
 from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, SlotAt, SlotMove
-from adaptive_spec.kv.remote_prefill import RemotePrefill
+from adaptive_spec.kv.remote_prefill.shell import RemotePrefill
 from adaptive_spec.kv.slot_files import SLOT_FILE_PREFIX, slot_file_name
 from adaptive_spec.kv.slots import MoveRequest, SharedDirMover, SlotError, SlotMover
 from adaptive_spec.servers.upstreams import UpstreamTable

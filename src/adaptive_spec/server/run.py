@@ -25,7 +25,7 @@ from adaptive_spec.errors import ConfigError, LaunchError, ProfileMismatchError
 from adaptive_spec.kv.heads.options import launched_heads
 from adaptive_spec.kv.heads.store import HeadsConfig
 from adaptive_spec.kv.relay_mover import RelayMoverPlan, start_relay_mover
-from adaptive_spec.kv.remote_prefill import RemotePrefillPlan, start_remote_prefill
+from adaptive_spec.kv.remote_prefill.shell import RemotePrefillPlan, start_remote_prefill
 from adaptive_spec.kv.slots import SharedDirMover, SlotMover
 from adaptive_spec.requests.app_keys import LIFECYCLE
 from adaptive_spec.routing.policy_files import PolicyStore, config_dir
@@ -60,8 +60,8 @@ from adaptive_spec.servers.profiles import (
     speculation_problem,
 )
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
-from adaptive_spec.sessions.drafter import NgramParams
 from adaptive_spec.sessions.grouping import ECHO_FINGERPRINTS
+from adaptive_spec.sessions.ngram_replay import NgramParams
 from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker
 from adaptive_spec.telemetry.bus import EventBus

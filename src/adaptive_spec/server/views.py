@@ -15,7 +15,7 @@ from aiohttp import web
 
 from adaptive_spec.common.headers import PROFILE_HEADER
 from adaptive_spec.errors import LaunchError
-from adaptive_spec.kv.remote_prefill import REMOTE_PREFILL
+from adaptive_spec.kv.remote_prefill.shell import REMOTE_PREFILL
 from adaptive_spec.requests.app_keys import (
     BUS,
     HISTORY,

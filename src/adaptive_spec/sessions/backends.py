@@ -15,13 +15,13 @@ from typing import Any, Protocol
 
 import orjson
 
+from adaptive_spec.common.child_process import WorkerDied, WorkerFailed, WorkerProcess
 from adaptive_spec.common.lru import LRU
+from adaptive_spec.sessions import stats_child as session_worker
 from adaptive_spec.sessions import updates
-from adaptive_spec.sessions import worker as session_worker
 from adaptive_spec.sessions.grouping import messages_of, same_start
 from adaptive_spec.sessions.statistics import ContextTracker, SessionSnapshot, TurnStats
 from adaptive_spec.sessions.tokenizers import Tokenizer, tokenizer_spec
-from adaptive_spec.sessions.worker_process import WorkerDied, WorkerFailed, WorkerProcess
 
 log = logging.getLogger(__name__)
 _MIRROR_EXPIRY_EVERY_S = 5.0  # idle sessions' snapshots are dropped at most this often (their expiry is minutes)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from adaptive_spec.common.lru import LRU
-from adaptive_spec.sessions.drafter import SEPARATOR, DraftEstimate, NgramIndex, NgramParams, estimate_drafts
+from adaptive_spec.sessions.ngram_replay import SEPARATOR, DraftEstimate, NgramIndex, NgramParams, estimate_drafts
 
 
 @dataclass(frozen=True, slots=True)

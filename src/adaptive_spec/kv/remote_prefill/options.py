@@ -6,8 +6,8 @@ import argparse
 
 from adaptive_spec.access.keys import KeyOption
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.kv.prefill_costs import RemotePrefillPolicy
-from adaptive_spec.kv.remote_prefill import RemotePrefillPlan
+from adaptive_spec.kv.remote_prefill.plan import RemotePrefillPolicy
+from adaptive_spec.kv.remote_prefill.shell import RemotePrefillPlan
 from adaptive_spec.kv.slot_files import valid_sha256
 
 KEY_ENV = "ADAPTIVE_SPEC_PP_KEY"

@@ -1,7 +1,7 @@
 """Remote prefill's shell (`serve --pp-server`): a long prompt is prefilled on a bigger machine through its kv-relay,
 the slot file brought home and restored into the local slot, so the local profile prefills only the tail.
 
-The decision is `kv/prefill_costs.choose()`; this module checks the two models hash the same at start,
+The decision is `kv/remote_prefill/plan.choose()`; this module checks the two models hash the same at start,
 measures the link, performs the steps and learns from them. It never raises into the request: any failure means the
 local profile prefills the prompt itself (correct, only slower), and the reason line says so.
 """
@@ -21,8 +21,8 @@ from aiohttp import web
 
 from adaptive_spec.errors import ConfigError, ProfileMismatchError
 from adaptive_spec.kv.moves import PrefillAnswer, PrefillAsk, RemotePrefillResult
-from adaptive_spec.kv.prefill_costs import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy, choose
 from adaptive_spec.kv.relay_client import PARTIAL_PREFIX, RelayClient, RelayError
+from adaptive_spec.kv.remote_prefill.plan import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy, choose
 from adaptive_spec.kv.slot_files import file_sha256, model_mismatch, slot_file_name
 from adaptive_spec.kv.slots import SlotError, restore_slot
 from adaptive_spec.servers.upstreams import Upstream
