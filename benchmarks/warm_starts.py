@@ -268,6 +268,7 @@ def two_at_once(args: argparse.Namespace, shape: Shape, state: Path, extra: list
             for key, future in sent.items():
                 out[f"at_once_{key}"] = future.result()
                 print(f"{shape.name} at once ({key}):", out[f"at_once_{key}"], flush=True)
+        out["heads"] = serve.get("/adaptive/heads").get("heads", [])  # tokens and bytes of each head kept
         return out
     finally:
         serve.stop()
