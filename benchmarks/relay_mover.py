@@ -21,10 +21,9 @@ from kv_bench import KEY, model, prompt, run_main, server_args
 from tests.support.relay import RelayProcess
 from tests.support.servers import LlamaServer, http_json
 
+from adaptive_spec.kv.movers import MoveRequest, RelayMover
 from adaptive_spec.kv.relay_client import RelayClient
-from adaptive_spec.kv.relay_mover import RelayMover
 from adaptive_spec.kv.slot_files import file_sha256
-from adaptive_spec.kv.slots import MoveRequest
 from adaptive_spec.servers.launcher import find_llama_server
 from adaptive_spec.servers.upstreams import Upstream
 

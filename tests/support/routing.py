@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 
 from adaptive_spec.kv.effects import KvEffects
-from adaptive_spec.kv.slots import SlotMover
+from adaptive_spec.kv.movers import SlotMover
 from adaptive_spec.requests.handler import carry_out
 from adaptive_spec.routing.api import Completion, FixedPolicy, PolicySource, Route, RouteRequest
 from adaptive_spec.routing.router import Router

@@ -14,7 +14,7 @@ from adaptive_spec.cli import main as cli
 from adaptive_spec.cli.relay import RELAY_KEY as KV_RELAY_KEY
 from adaptive_spec.cli.tui import PROXY_KEY
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.kv.relay_options import RELAY_KEY
+from adaptive_spec.kv.movers_options import RELAY_KEY
 from adaptive_spec.kv.remote_prefill.options import PP_KEY
 
 KEY = KeyOption("TEST_KEY", flag="--key", file_flag="--key-file")

@@ -11,10 +11,9 @@ import aiohttp
 import pytest
 
 from adaptive_spec.errors import ConfigError
+from adaptive_spec.kv.movers import MoveRequest, MoveTimes, PairMover, RelayMover, SharedDirMover
+from adaptive_spec.kv.movers_options import KEY_ENV, relay_plan
 from adaptive_spec.kv.relay_client import RelayClient
-from adaptive_spec.kv.relay_mover import PairMover, RelayMover
-from adaptive_spec.kv.relay_options import KEY_ENV, relay_plan
-from adaptive_spec.kv.slots import MoveRequest, MoveTimes, SharedDirMover
 from adaptive_spec.routing.api import RouteRequest
 from adaptive_spec.routing.policy import Policy
 from adaptive_spec.routing.router import Router

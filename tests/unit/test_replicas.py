@@ -12,7 +12,7 @@ import pytest
 
 from adaptive_spec.cli.serve import attached_profiles
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.kv.slots import MoveRequest, MoveTimes
+from adaptive_spec.kv.movers import MoveRequest, MoveTimes
 from adaptive_spec.routing.api import Completion, RouteRequest
 from adaptive_spec.routing.replicas import MoveCosts, ReplicaState, choose_replica
 from adaptive_spec.routing.router import Router

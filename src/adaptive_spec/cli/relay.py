@@ -16,7 +16,7 @@ from adaptive_spec.access.options import allowed_hosts
 from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.cli.text import add_command
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.kv.relay_options import KEY_ENV
+from adaptive_spec.kv.movers_options import KEY_ENV
 from adaptive_spec.kv.slot_files import file_sha256
 from adaptive_spec.relay.prefill import ROUTES, client_ctx
 from adaptive_spec.relay.service import RATE_ENV, RelaySettings, build_relay_app, sweep_partials

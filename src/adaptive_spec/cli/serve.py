@@ -17,7 +17,7 @@ from adaptive_spec.cli import tui as tui_command
 from adaptive_spec.cli.text import add_command
 from adaptive_spec.errors import ConfigError
 from adaptive_spec.kv.heads.options import add_heads_arguments, heads_config
-from adaptive_spec.kv.relay_options import add_relay_arguments, relay_plan
+from adaptive_spec.kv.movers_options import add_relay_arguments, relay_plan
 from adaptive_spec.kv.remote_prefill.options import add_pp_arguments, pp_plan
 from adaptive_spec.server.app import ProxySettings
 from adaptive_spec.server.connection_book import ConnectionLimits

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import aiohttp
 
+from adaptive_spec.kv.movers import MoveRequest, SharedDirMover, SlotMover
 from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, SlotAt, SlotMove
 from adaptive_spec.kv.remote_prefill.shell import RemotePrefill
 from adaptive_spec.kv.slot_files import SLOT_FILE_PREFIX, slot_file_name
-from adaptive_spec.kv.slots import MoveRequest, SharedDirMover, SlotError, SlotMover
+from adaptive_spec.kv.slots import SlotError
 from adaptive_spec.servers.upstreams import UpstreamTable
 from adaptive_spec.telemetry.events import Event, RemotePrefillDone
 

@@ -1,19 +1,13 @@
-"""llama-server's slot API, and moving a session's KV slot from one llama-server to another through it.
-
-`slot_action` is the one client of `POST /slots/{id}?action=save|restore|erase` (handoffs, remote prefill, the erase
-endpoint and the kv-relay's prefill all go through it). A move saves the slot on the source, gets the file to the
-target and restores it there: `SlotMover` is the seam, `SharedDirMover` the case where both servers write slot
-files into one directory (the same host, or a shared filesystem); the mover between hosts (`kv/relay_mover.py`, a
-relay beside each server) implements the same protocol and is priced by the same cost model (`kv/costs.py`)."""
+"""llama-server's slot API: `slot_action` is the one client of `POST /slots/{id}?action=save|restore|erase`
+(handoffs, remote prefill, the head store, the erase endpoint and the kv-relay's prefill all go through it), with the
+checks of a save's and a restore's answers (`save_slot`, `restore_slot`, `check_written`). The movers that carry a
+slot from one server to another through it are `kv/movers.py`."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import quote
 
 import aiohttp
@@ -28,83 +22,6 @@ class SlotError(Exception):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
-
-
-@dataclass(frozen=True, slots=True)
-class MoveRequest:
-    """One slot file's move: saved from `from_slot` of `source` as `name`, restored into `into_slot` of `target`.
-    A save that wrote fewer than `min_tokens` tokens captured another session's KV, and is not restored."""
-
-    source: Upstream
-    from_slot: int
-    target: Upstream
-    into_slot: int
-    name: str
-    timeout_s: float  # each slot action's deadline
-    min_tokens: int
-
-    @property
-    def timeout(self) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=self.timeout_s)
-
-
-@dataclass(frozen=True, slots=True)
-class MoveTimes:
-    n_saved: int
-    save_s: float
-    restore_s: float
-    transfer_s: float = 0.0  # a mover between hosts: the file's trip from one host to the other
-    bytes: int = 0  # the slot file's size, when it crossed hosts (bytes per token, bandwidth: learned from it)
-
-
-class SlotMover(Protocol):
-    def can_move(self, source: Upstream, target: Upstream) -> bool:
-        """Whether a slot file saved by `source` can be restored by `target`."""
-        ...
-
-    def transfers(self, source: Upstream, target: Upstream) -> bool:
-        """Whether the file crosses hosts between these two (the cost model adds its transfer time)."""
-        ...
-
-    async def move(self, client: aiohttp.ClientSession, move: MoveRequest) -> MoveTimes:
-        """Save, transfer, restore; raises SlotError (or aiohttp's errors) on any failure."""
-        ...
-
-    async def discard(self, name: str) -> None:
-        """Remove the file wherever the move left it (whatever the outcome)."""
-        ...
-
-
-class SharedDirMover:
-    """Both servers save into and restore from one `--slot-save-path` directory."""
-
-    def __init__(self, slot_dir: Path) -> None:
-        self.slot_dir = slot_dir
-
-    def can_move(self, source: Upstream, target: Upstream) -> bool:
-        # A router-mode preset (`URL#MODEL`) takes no slot actions.
-        return source.upstream_model is None and target.upstream_model is None
-
-    def transfers(self, source: Upstream, target: Upstream) -> bool:
-        return False
-
-    async def move(self, client: aiohttp.ClientSession, move: MoveRequest) -> MoveTimes:
-        t0 = time.perf_counter()
-        n_saved, n_written = await save_slot(
-            client, move.source, move.from_slot, move.name, move.timeout, move.min_tokens
-        )
-        t1 = time.perf_counter()
-        await self._check_file(move.source, move.name, n_written)
-        await restore_slot(client, move.target, move.into_slot, move.name, move.timeout, n_saved)
-        return MoveTimes(n_saved, t1 - t0, time.perf_counter() - t1)
-
-    async def discard(self, name: str) -> None:
-        await asyncio.to_thread(_unlink, self.slot_dir / name)
-
-    async def _check_file(self, source: Upstream, name: str, n_written: object) -> None:
-        """The saved file must be whole before another server restores it: llama-server aborts (GGML_ASSERT in
-        state_seq_load_file) on a slot file that is cut short, say by a full disk."""
-        await asyncio.to_thread(check_written, self.slot_dir / name, n_written, source.label)
 
 
 def check_written(path: Path, n_written: object, label: str) -> None:
@@ -208,7 +125,3 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return -1
-
-
-def _unlink(path: Path) -> None:
-    path.unlink(missing_ok=True)

@@ -17,8 +17,8 @@ from aiohttp import web
 from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.kv.heads.store import HeadsConfig, HeadStore
+from adaptive_spec.kv.movers import SlotMover
 from adaptive_spec.kv.remote_prefill.shell import REMOTE_PREFILL, RemotePrefill
-from adaptive_spec.kv.slots import SlotMover
 from adaptive_spec.requests.app_keys import (
     BUS,
     CLIENT,

@@ -24,9 +24,8 @@ from adaptive_spec.common.dirs import state_dir
 from adaptive_spec.errors import ConfigError, LaunchError, ProfileMismatchError
 from adaptive_spec.kv.heads.options import launched_heads
 from adaptive_spec.kv.heads.store import HeadsConfig
-from adaptive_spec.kv.relay_mover import RelayMoverPlan, start_relay_mover
+from adaptive_spec.kv.movers import RelayMoverPlan, SharedDirMover, SlotMover, start_relay_mover
 from adaptive_spec.kv.remote_prefill.shell import RemotePrefillPlan, start_remote_prefill
-from adaptive_spec.kv.slots import SharedDirMover, SlotMover
 from adaptive_spec.requests.app_keys import LIFECYCLE
 from adaptive_spec.routing.policy_files import PolicyStore, config_dir
 from adaptive_spec.server.app import KvSetup, ProxySettings, build_app

@@ -7,7 +7,7 @@ from urllib.parse import urlsplit
 
 from adaptive_spec.access.keys import KeyOption
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.kv.relay_mover import RelayMoverPlan
+from adaptive_spec.kv.movers import RelayMoverPlan
 
 KEY_ENV = "ADAPTIVE_SPEC_RELAY_KEY"  # the variable kv-relay itself reads
 RELAY_KEY = KeyOption(KEY_ENV, file_flag="--relay-key-file")

@@ -1,10 +1,11 @@
-"""Moving a session's KV slot between llama-servers on different hosts, each with a kv-relay beside it
-(`serve --relay SERVER_URL=RELAY_URL`): save on the source into its own slot directory, stream the file from the
-source's relay into the target's (sha256-checked there, size-bounded), restore on the target, delete it on both sides.
-
-`PairMover` picks per pair of servers: those without a relay move through the proxy's shared slot directory (the
-same host, or a shared filesystem), those with one through their relays; a pair of one of each cannot hand over (the
-session re-prefills)."""
+"""Moving a session's KV slot from one llama-server to another: save it on the source, get the file to the target,
+restore it there. `SlotMover` is the seam the router's effects call; `SharedDirMover` is the case where both servers
+write slot files into one directory (the same host, or a shared filesystem); `RelayMover` moves between hosts, a
+kv-relay beside each server (`serve --relay SERVER_URL=RELAY_URL`): save on the source into its own slot directory,
+stream the file from the source's relay into the target's (sha256-checked there, size-bounded), restore on the target,
+delete it on both sides. `PairMover` picks per pair of servers: those without a relay move through the shared
+directory, those with one through their relays; a pair of one of each cannot hand over (the session re-prefills).
+Both are priced by the same cost model (`kv/costs.py`)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,98 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import aiohttp
 
 from adaptive_spec.errors import ConfigError, ProfileMismatchError
 from adaptive_spec.kv.relay_client import RelayClient, RelayError
 from adaptive_spec.kv.slot_files import model_mismatch
-from adaptive_spec.kv.slots import MoveRequest, MoveTimes, SlotError, SlotMover, restore_slot, save_slot
+from adaptive_spec.kv.slots import SlotError, check_written, restore_slot, save_slot
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 
 log = logging.getLogger(__name__)
 _PROBE_BYTES = 256 << 10
 _MIN_TRANSFER_BYTES_PER_S = 5e6  # the transfer's deadline assumes at least this (a slower link fails the move)
 _DELETE_S = 5.0  # a delete is one unlink; a file a relay kept then, it sweeps (in 5 minutes, or when it starts)
+
+
+@dataclass(frozen=True, slots=True)
+class MoveRequest:
+    """One slot file's move: saved from `from_slot` of `source` as `name`, restored into `into_slot` of `target`.
+    A save that wrote fewer than `min_tokens` tokens captured another session's KV, and is not restored."""
+
+    source: Upstream
+    from_slot: int
+    target: Upstream
+    into_slot: int
+    name: str
+    timeout_s: float  # each slot action's deadline
+    min_tokens: int
+
+    @property
+    def timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.timeout_s)
+
+
+@dataclass(frozen=True, slots=True)
+class MoveTimes:
+    n_saved: int
+    save_s: float
+    restore_s: float
+    transfer_s: float = 0.0  # a mover between hosts: the file's trip from one host to the other
+    bytes: int = 0  # the slot file's size, when it crossed hosts (bytes per token, bandwidth: learned from it)
+
+
+class SlotMover(Protocol):
+    def can_move(self, source: Upstream, target: Upstream) -> bool:
+        """Whether a slot file saved by `source` can be restored by `target`."""
+        ...
+
+    def transfers(self, source: Upstream, target: Upstream) -> bool:
+        """Whether the file crosses hosts between these two (the cost model adds its transfer time)."""
+        ...
+
+    async def move(self, client: aiohttp.ClientSession, move: MoveRequest) -> MoveTimes:
+        """Save, transfer, restore; raises SlotError (or aiohttp's errors) on any failure."""
+        ...
+
+    async def discard(self, name: str) -> None:
+        """Remove the file wherever the move left it (whatever the outcome)."""
+        ...
+
+
+class SharedDirMover:
+    """Both servers save into and restore from one `--slot-save-path` directory."""
+
+    def __init__(self, slot_dir: Path) -> None:
+        self.slot_dir = slot_dir
+
+    def can_move(self, source: Upstream, target: Upstream) -> bool:
+        # A router-mode preset (`URL#MODEL`) takes no slot actions.
+        return source.upstream_model is None and target.upstream_model is None
+
+    def transfers(self, source: Upstream, target: Upstream) -> bool:
+        return False
+
+    async def move(self, client: aiohttp.ClientSession, move: MoveRequest) -> MoveTimes:
+        t0 = time.perf_counter()
+        n_saved, n_written = await save_slot(
+            client, move.source, move.from_slot, move.name, move.timeout, move.min_tokens
+        )
+        t1 = time.perf_counter()
+        await self._check_file(move.source, move.name, n_written)
+        await restore_slot(client, move.target, move.into_slot, move.name, move.timeout, n_saved)
+        return MoveTimes(n_saved, t1 - t0, time.perf_counter() - t1)
+
+    async def discard(self, name: str) -> None:
+        await asyncio.to_thread((self.slot_dir / name).unlink, missing_ok=True)
+
+    async def _check_file(self, source: Upstream, name: str, n_written: object) -> None:
+        """The saved file must be whole before another server restores it: llama-server aborts (GGML_ASSERT in
+        state_seq_load_file) on a slot file that is cut short, say by a full disk."""
+        await asyncio.to_thread(check_written, self.slot_dir / name, n_written, source.label)
 
 
 @dataclass(frozen=True, slots=True)
