@@ -48,6 +48,7 @@ _SLOT_PREFIX = "head-"  # the name a head has in the slot directory while it is 
 _IDLE_WAIT_S = 20.0  # a save waits this long for the server to go idle, else it is skipped
 _LOCK_WAIT_S = 2.0  # a restore waits at most this long for another save or restore (each pauses the slots briefly)
 _MAX_IDLE_SAVES = 1024  # sessions waiting to go idle (the oldest wait is dropped beyond it)
+_INERT_STRIKES = 2  # inert restores in a row on a server before restores stop there (one may be a lost race)
 _SAVED_SLACK_TOKENS = 8  # a slot holds the prompt and the reply; a few more (a stop sequence's): still the request's
 _FAILURES = (SlotError, OSError, aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError)
 
@@ -123,7 +124,8 @@ class HeadStore:
         self.book = HeadBook(config.directory, config.max_bytes, self.counts)
         self._entries = self.book.entries  # the book's own dict: it adds and removes, the store reads
         self._keys: dict[str, ServerKey] = {}
-        self._inert: set[str] = set()  # servers where a restore was reported and reused nothing
+        self._inert: set[str] = set()  # servers where restores were reported and reused nothing, `_INERT_STRIKES` times
+        self._strikes: dict[str, int] = {}  # inert restores in a row, by server
         self._held: dict[tuple[str, int], Restored] = {}  # the head each server's slot holds (warm start, save)
         self._forwards: dict[str, int] = {}  # requests forwarded to each server
         self._unpinned: dict[str, int] = {}  # of those, the ones that named no slot (llama-server chose one)
@@ -223,8 +225,11 @@ class HeadStore:
         other turn of `session` that long is saved as the session's state once the session has been `idle_s`
         seconds without a request and its slot served nothing else meanwhile (0: never). `tokens`: its prompt's
         and its reply's; `owner`: its agent, project and tenant scope."""
-        if restored is not None and cache_n is not None and inert(restored.tokens, cache_n):
-            self._judge(upstream, restored, cache_n)
+        if restored is not None and cache_n is not None:
+            if inert(restored.tokens, cache_n):
+                self._judge(upstream, restored, cache_n)
+            else:
+                self._strikes.pop(upstream.base_url, None)
         if session is not None:
             self._cancel_idle(session)  # a newer turn: the older state is not the session's any more
         if tokens[0] < min_tokens or upstream.upstream_model is not None:
@@ -337,13 +342,25 @@ class HeadStore:
                 restored.tokens,
             )
             return
-        self._inert.add(upstream.base_url)
         self.counts["inert"] += 1
+        strikes = self._strikes[upstream.base_url] = self._strikes.get(upstream.base_url, 0) + 1
+        if strikes < _INERT_STRIKES:
+            log.warning(
+                "heads: %s restored a head of %d tokens but the prompt reused %d (once: another such and restores "
+                "stop there)",
+                upstream.label,
+                restored.tokens,
+                cache_n,
+            )
+            return
+        self._inert.add(upstream.base_url)
         log.warning(
-            "heads: %s restored a head of %d tokens but the prompt reused %d: no more restores there",
+            "heads: %s restored a head of %d tokens but the prompt reused %d, %d times in a row: no more restores "
+            "there",
             upstream.label,
             restored.tokens,
             cache_n,
+            strikes,
         )
 
     async def _restore(
