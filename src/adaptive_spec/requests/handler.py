@@ -31,12 +31,14 @@ from adaptive_spec.requests.parse import parse_body, with_fields
 from adaptive_spec.requests.repeats import guard, trailing_repeat
 from adaptive_spec.requests.shapes import RequestProblem
 from adaptive_spec.requests.stranded import STRANDED
+from adaptive_spec.requests.token_rate import first_turn_rate
 from adaptive_spec.routing.api import Completion, Refusal, Route, RouteRequest
 from adaptive_spec.routing.router import Router
 from adaptive_spec.servers.speculation import merge_fields
 from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.sessions.clients import client_name
 from adaptive_spec.sessions.project import DEFAULT_PROJECT, workspace_path_from_request
+from adaptive_spec.sessions.tokenizers import CachingTokenizer
 from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.streams.output import LiveText
 
@@ -229,6 +231,9 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
     client_slot = parsed.body.get("id_slot")
     takes_slot = traits(req.routed.api).takes_slot
     body, raw = req.sent if req.sent is not None else (parsed.body, req.body)
+    tokenizer = service.tokenizer if service is not None else None
+    counter = tokenizer if isinstance(tokenizer, CachingTokenizer) else None  # `serve`'s: a cache of counts
+    rate = await first_turn_rate(counter, app[ROUTER].knows(session_id), body)
     routed = app[ROUTER].route(
         RouteRequest(
             body=body,
@@ -246,6 +251,7 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
                 else None
             ),
             prefill_path=req.routed.upstream_path if takes_slot else None,
+            chars_per_token=rate,
         )
     )
     if isinstance(routed, Refusal):

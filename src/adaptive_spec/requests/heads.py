@@ -18,10 +18,12 @@ from adaptive_spec.access.rules import sent_keys
 from adaptive_spec.kv.heads.store import HeadStore, Restored
 from adaptive_spec.requests.app_keys import BUS, ROUTER, UPSTREAMS
 from adaptive_spec.requests.lifecycle import ProxyRequest
+from adaptive_spec.routing.api import Route
 from adaptive_spec.routing.decide import Decision
 from adaptive_spec.routing.policy import HeadsPolicy
 from adaptive_spec.servers.launcher import RESTART_ON_REQUEST
 from adaptive_spec.servers.upstreams import Upstream
+from adaptive_spec.sessions.prefix import tokens_beyond
 from adaptive_spec.telemetry.events import Event, ProfileDown, ProfileUp
 
 HEADS = web.AppKey("heads", HeadStore)
@@ -72,14 +74,17 @@ async def _before_forward(app: web.Application, req: ProxyRequest, chosen: Upstr
     restored = await store.restore(chosen, route.slot, pieces, slot_tokens, prefill_s_per_token, scope)
     store.begin(req.request_id, restored)
     if restored is not None:
-        req.route = replace(route, decision=_warm_decision(decision, restored))
+        req.route = replace(route, decision=_warm_decision(route, restored))
 
 
-def _warm_decision(decision: Decision, restored: Restored) -> Decision:
-    """The route's reason says what was restored, and its new-token estimate leaves out what the head holds."""
+def _warm_decision(route: Route, restored: Restored) -> Decision:
+    """The route's reason says what was restored, and its new-token estimate counts only the pieces after the head,
+    at the rate the route's estimate took (the head's own tokens are llama-server's count, on another scale)."""
+    decision = route.decision
     new_tokens = decision.new_tokens
     if new_tokens is not None:
-        new_tokens = max(1, min(new_tokens, decision.context_tokens - restored.tokens))
+        beyond = tokens_beyond(route.pieces, restored.pieces, route.chars_per_token)
+        new_tokens = min(new_tokens, beyond) if restored.pieces else max(1, new_tokens - restored.tokens)
     return replace(decision, reason=f"{decision.reason}; {restored.reason()}", new_tokens=new_tokens)
 
 

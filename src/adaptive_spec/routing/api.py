@@ -13,6 +13,7 @@ from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, Rem
 from adaptive_spec.routing.decide import Decision
 from adaptive_spec.routing.policy import Policy
 from adaptive_spec.sessions.pieces import Piece
+from adaptive_spec.sessions.prefix import DEFAULT_CHARS_PER_TOKEN
 from adaptive_spec.telemetry.events import Event
 from adaptive_spec.telemetry.records import Timings
 
@@ -135,6 +136,9 @@ class RouteRequest:
     takes_slot: bool = False  # the API passes `id_slot` on (chat, completions): the router may name a slot
     client_slot: int | None = None  # the client named one itself: the router follows it
     prefill_path: str | None = None  # the upstream path, when the request may be prefilled remotely
+    # This prompt's characters per token, counted with the model's tokenizer by the shell (a long first turn: no
+    # session state yet to take a rate from); None: the proxy's latest rate.
+    chars_per_token: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,8 +154,10 @@ class Route:
     move: SlotMove | PrefillAsk | None = None
     handoff: HandoffResult | None = None
     remote_prefill: RemotePrefillResult | None = None
-    # The prompt as the session's prefix state saw it, for the completion to update it.
+    # The prompt as the session's prefix state saw it, for the completion to update it, and the characters per token
+    # its estimate took.
     pieces: tuple[Piece, ...] = ()
+    chars_per_token: float = DEFAULT_CHARS_PER_TOKEN
     has_tools: bool = False
 
     @property

@@ -154,11 +154,12 @@ class Router:
     def choose(self, request: RouteRequest) -> tuple[Decision, Policy]:
         """The decision alone: what `route()` would decide now, with nothing counted in the load and no KV moved.
         (The pieces it reads are remembered, as for any request: a memo of the texts, not state a decision uses.)"""
-        decision, policy, _, _ = self._plan(request)
+        decision, policy, _, _, _ = self._plan(request)
         return decision, policy
 
-    def _plan(self, request: RouteRequest) -> tuple[Decision, Policy, tuple[Piece, ...], bool]:
-        """The decision, and the prompt's pieces as the session's prefix state sees them."""
+    def _plan(self, request: RouteRequest) -> tuple[Decision, Policy, tuple[Piece, ...], bool, float]:
+        """The decision, the prompt's pieces as the session's prefix state sees them, and the characters per token
+        the estimate took."""
         body, body_bytes, session_id, pinned = request.body, request.body_bytes, request.session_id, request.pinned
         policy = self.policies.policy_for(request.project, request.workspace)
         pinned_by = "the request header"
@@ -171,7 +172,7 @@ class Router:
         # Only texts never seen before (in any session) are hashed; the session's last messages are not read again.
         pieces = self.prefixes.pieces(body, state, session_id, body_bytes)
         placement = self.placements.get(session_id)
-        cpt = state.chars_per_token if state is not None else self.chars_per_token
+        cpt = state.chars_per_token if state is not None else request.chars_per_token or self.chars_per_token
         total = prefix.total_tokens(pieces, cpt)  # read once, for the session's state and each server's slot
         est = prefix.estimate(state, pieces, has_tools, cpt, total=total)
         own = est.shared_tokens  # against the session's own state alone (no slot given): what its KV holds
@@ -228,7 +229,7 @@ class Router:
         )
         decision = self._with_draft_cap(decision, placement, policy)
         decision = self._with_replica(decision, placement, policy, est.total_tokens, replicas_of[decision.profile])
-        return decision, policy, pieces, has_tools
+        return decision, policy, pieces, has_tools, cpt
 
     def _with_draft_cap(self, decision: Decision, placement: Placement | None, policy: Policy) -> Decision:
         """The draft length for a sequential drafter's request, from the session's measured acceptance
@@ -322,6 +323,10 @@ class Router:
         prefill = self.speeds.prefill_s(decision.profile, decision.new_tokens or 0)
         return prefill + max(1.0, placement.output_tokens) * per_token
 
+    def knows(self, session_id: str | None) -> bool:
+        """Whether the session has a prefix state here (its estimates take its own measured rate)."""
+        return session_id is not None and self.prefixes.get(session_id) is not None
+
     # --- the two calls ----------------------------------------------------------------------------------------
 
     def route(self, request: RouteRequest) -> Route | Refusal:
@@ -329,7 +334,7 @@ class Router:
         (`Route.move`): a handoff when it moves, else a remote prefill when that may be faster. Nothing is waited
         for here: the request path carries the move out through `effects` and reports it with `moved()`. Every
         route is completed once."""
-        decision, _, pieces, has_tools = self._plan(request)
+        decision, _, pieces, has_tools, cpt = self._plan(request)
         profile, replica = decision.profile, decision.replica
         health = self.health.replica_health(profile)
         if replica < len(health) and health[replica][1] is not None:
@@ -341,7 +346,15 @@ class Router:
             side = decision.side
             slot = self.load.slot_for(profile, request.session_id, replica, side) if request.takes_slot else None
         self.load.started(profile, slot, request.session_id, replica)
-        route = Route(decision, slot, request.session_id, request.body_bytes, pieces=pieces, has_tools=has_tools)
+        route = Route(
+            decision,
+            slot,
+            request.session_id,
+            request.body_bytes,
+            pieces=pieces,
+            has_tools=has_tools,
+            chars_per_token=cpt,
+        )
         if decision.handoff and request.session_id is not None:
             asked = self.moves.plan_handoff(decision, request.session_id, slot)
             if isinstance(asked, SlotMove):

@@ -63,6 +63,7 @@ from adaptive_spec.sessions.grouping import ECHO_FINGERPRINTS
 from adaptive_spec.sessions.ngram_replay import NgramParams
 from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker
+from adaptive_spec.sessions.tokenizers import CachingTokenizer
 from adaptive_spec.telemetry.bus import EventBus
 from adaptive_spec.telemetry.events import Event, ProfileDown, ProfileUp
 from adaptive_spec.telemetry.trace import TraceWriter
@@ -378,6 +379,8 @@ async def _sessions(
     tokenizer = await choose_tokenizer(
         plan.sessions.tokenizer, model_path, client, default.base_url, attached, verbose=plan.verbose, say=say
     )
+    if isinstance(tokenizer, CachingTokenizer):  # its first encode builds the encoder (~0.7 s): not on a request
+        await tokenizer.count(["warm up"])
     sp = plan.sessions
     tracker = ContextTracker(
         sp.ngram, max_sessions=sp.max_sessions, max_tokens=sp.max_tokens, idle_expiry_s=sp.idle_expiry_s

@@ -242,6 +242,21 @@ def _tool_template_tokens(message: Mapping[str, Any]) -> float:
     return tokens
 
 
+def prompt_texts(body: Mapping[str, Any]) -> list[str]:
+    """The texts whose characters a prompt's pieces count (`read_pieces`): a count of their tokens with the model's
+    own tokenizer turns those characters into tokens at this prompt's true rate."""
+    texts: list[str] = []
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        texts.append(prompt)
+    texts += [text for _, _, text, _ in system_entries(body)]
+    texts += [message_entry(message)[2] for message in messages_of(body)]
+    tools = _rendered_tools(body.get("tools"))
+    if tools:
+        texts.append(orjson.dumps(tools).decode("utf-8", "surrogatepass"))
+    return [text for text in texts if text]
+
+
 def _rendered_tools(tools: Any) -> list[Any]:
     """The tools a template renders: llama-server skips Responses-API tools that are not functions (Codex sends a
     `namespace` of 11,000 characters and `web_search`); entries without a type (Anthropic's) are kept."""

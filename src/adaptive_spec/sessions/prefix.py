@@ -88,6 +88,12 @@ def _tokens(pieces: Sequence[Piece], chars_per_token: float) -> float:
     return sum([p.chars for p in pieces]) / chars_per_token + _markup(pieces)
 
 
+def tokens_beyond(pieces: Sequence[Piece], n: int, chars_per_token: float) -> int:
+    """The tokens of a prompt after its first `n` pieces, what a restored head of those pieces leaves to prefill:
+    the rest's texts and markup, and the generation prompt (the tools preamble is the head's)."""
+    return max(1, round(_tokens(pieces[n:], chars_per_token) + PROMPT_OVERHEAD_TOKENS))
+
+
 def _fixed(pieces: Sequence[Piece]) -> float:
     """The template's tokens a prompt has whatever its text: the generation prompt, and the tools preamble."""
     return PROMPT_OVERHEAD_TOKENS + (TOOLS_OVERHEAD_TOKENS if any(p.tools for p in pieces) else 0.0)

@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # the statistics worker process makes tokenizers without aioh
 
 _O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 _CHUNK_CHARS = 16_000  # llama.cpp tokenizes one 1 MB call ~6x slower than many 16 KB calls
+_COUNTED_TEXTS = 16_384  # texts whose token counts are kept (`CachingTokenizer.count`)
 
 
 class Tokenizer(Protocol):
@@ -304,6 +305,17 @@ class CachingTokenizer:
         self.spec = tokenizer_spec(inner)
         self._inner = inner
         self._cache = _TokenCache(max_tokens)
+        self._counts: LRU[bytes, int] = LRU(_COUNTED_TEXTS)  # token counts alone, by content hash
+
+    async def count(self, texts: Sequence[str]) -> list[int]:
+        """How many tokens each text is, without keeping the tokens (an agent's head is counted once a run)."""
+        large = sum(len(t) for t in texts) > _INLINE_HASH_CHARS
+        keys = await asyncio.to_thread(_content_keys, texts) if large else _content_keys(texts)
+        missing = {k: t for k, t in zip(keys, texts, strict=True) if self._counts.get(k) is None}
+        if missing:
+            for key, tokens in zip(missing, await self._inner.encode(list(missing.values())), strict=True):
+                self._counts.put(key, len(tokens))
+        return [self._counts.get(k) or 0 for k in keys]
 
     async def encode(self, texts: Sequence[str]) -> list[list[int]]:
         # A session's first turn can bring a whole long history: hashing it is kept off the event loop.

@@ -75,6 +75,7 @@ class Restored:
     restore_ms: float
     at_start: bool = False
     forwards: int = 0
+    pieces: int = 0  # the request's leading pieces the head holds
 
     def reason(self) -> str:
         when = " when the server started" if self.at_start else ""
@@ -383,7 +384,7 @@ class HeadStore:
         if held is not None and held.head == match.entry.id and held.forwards == self._forwards.get(held.server, 0):
             # The slot holds that head (a warm start put it there, or it was saved from there) and no request came
             # since: nothing to restore.
-            return replace(held, tokens=match.tokens) if held.at_start else None
+            return replace(held, tokens=match.tokens, pieces=match.pieces) if held.at_start else None
         cost = price(match, slot_tokens, prefill_s_per_token, self._restore_bytes_per_s())
         if not cost.pays:
             log.info(
@@ -443,6 +444,7 @@ class HeadStore:
             match.tokens,
             elapsed * 1000.0,
             forwards=self._forwards.get(upstream.base_url, 0),
+            pieces=match.pieces,
         )
         log.info("heads: %s on %s slot %d (%s)", restored.reason(), upstream.label, slot, entry.id)
         return restored

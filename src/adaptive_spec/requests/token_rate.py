@@ -1,0 +1,40 @@
+"""A long first turn counted with the model's own tokenizer before it is routed. Its new-token estimate is otherwise
+characters over a rate learned from earlier sessions (3.5 before any), which missed an opencode-shaped first turn by
+a third; a count of its texts (`sessions/pieces.prompt_texts`) gives this prompt's own rate. Only for a session the
+router knows nothing of yet, and only for a prompt long enough that its prefill takes seconds: a short one never
+waits for it. The count has a deadline and falls back to the learned rate."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from adaptive_spec.sessions.pieces import prompt_texts
+
+log = logging.getLogger(__name__)
+MIN_CHARS = 8_000  # ~2k tokens: seconds of prefill on a CPU, against a count of a few milliseconds
+DEADLINE_S = 0.5  # a tokenizer slower than this (a busy server's /tokenize) is not waited for
+
+
+class Counter(Protocol):
+    async def count(self, texts: list[str]) -> list[int]: ...
+
+
+async def first_turn_rate(counter: Counter | None, known: bool, body: Mapping[str, Any]) -> float | None:
+    """This prompt's characters per token, or None (a known session, a short prompt, no tokenizer, or no answer in
+    time). `known`: the router already holds a prefix state for the session."""
+    if counter is None or known:
+        return None
+    texts = prompt_texts(body)
+    chars = sum(len(text) for text in texts)
+    if chars < MIN_CHARS:
+        return None
+    try:
+        async with asyncio.timeout(DEADLINE_S):
+            tokens = sum(await counter.count(texts))
+    except Exception as exc:  # any tokenizer's failure costs the estimate its accuracy, never the request
+        log.debug("first turn not counted (%s): estimated from the learned rate", exc or type(exc).__name__)
+        return None
+    return chars / tokens if tokens > 0 else None
