@@ -113,7 +113,7 @@ def build_problem(build_info: Mapping[str, object] | None) -> str | None:
 
 def installed_build_info() -> dict[str, object] | None:
     """The current build's manifest (what `adaptive-spec build-server --show` prints), as a dict."""
-    from adaptive_spec.servers.build import find_built
+    from adaptive_spec.llama.binary.pinned import find_built
 
     found = find_built()
     if found is None:

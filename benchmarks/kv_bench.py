@@ -12,7 +12,7 @@ from typing import Any
 
 from tests.support.tiny_gguf import write_tiny_gguf
 
-from adaptive_spec.servers.models import ensure_embedded
+from adaptive_spec.llama.models import ensure_embedded
 
 KEY = "bench-relay-key"
 

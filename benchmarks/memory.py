@@ -7,7 +7,7 @@ Two parts, printed and written to --out:
 1. Measured here (CPU): the embedded 0.5B as `serve` launches it — one llama-server with ngram-mod (both profiles
    as per-request settings) against two (`--spec-type none` and `ngram-mod`, today's stock-server design). After one
    warm-up request each, every server's PSS and private RSS (from /proc/PID/smaps_rollup), beside adaptive-spec's
-   estimate (servers/memory.py from the GGUF's own dimensions). On a CPU the mapped GGUF's pages are shared between the
+   estimate (llama/memory/plan.py, from the GGUF's dimensions). On a CPU the mapped GGUF's pages are shared between the
    processes (each is charged half in PSS), so the saving is the second KV cache and compute buffers, not the weights.
 2. Reasoned from published figures (no GPU here): the public benchmark's Qwen3.6-27B on one GPU held 33,256 MiB with
    no drafter and 38,810 MiB with DFlash at a 262,144-token f16 context. Its attention cache, from the Qwen3.5-27B
@@ -27,10 +27,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from adaptive_spec.servers.gguf_info import model_dims
-from adaptive_spec.servers.launcher import ServerProcess, find_llama_server, free_port
-from adaptive_spec.servers.memory import MIB, ModelDims, ServerPlan, footprint, largest_context
-from adaptive_spec.servers.models import ensure_embedded
+from adaptive_spec.llama.launch import ServerProcess, find_llama_server, free_port
+from adaptive_spec.llama.memory.gguf_info import model_dims
+from adaptive_spec.llama.memory.plan import MIB, ModelDims, ServerPlan, footprint, largest_context
+from adaptive_spec.llama.models import ensure_embedded
 
 CARDS_GIB = (24, 32, 48, 96)
 PUBLISHED = {"plain_mib": 33_256, "dflash_mib": 38_810, "ctx": 262_144}

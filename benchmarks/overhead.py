@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from agent_bodies import grown, load
 
-from adaptive_spec.servers.launcher import free_port
+from adaptive_spec.llama.launch import free_port
 from adaptive_spec.streams.meter import ResponseMeter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -717,7 +717,7 @@ def _model_path(args: argparse.Namespace) -> str:
     """The GGUF the fake upstream names in /props: the embedded default model with `--tokenizer gguf`."""
     if args.tokenizer == "endpoint":
         return "/nonexistent/fake.gguf"
-    from adaptive_spec.servers.models import DEFAULT_MODEL, ensure_embedded
+    from adaptive_spec.llama.models import DEFAULT_MODEL, ensure_embedded
 
     return str(ensure_embedded(DEFAULT_MODEL))
 

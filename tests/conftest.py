@@ -27,7 +27,7 @@ _missing = missing  # the one rule: skip here, fail in CI
 
 @pytest.fixture(scope="session")
 def llama_server_binary() -> str:
-    from adaptive_spec.servers.launcher import find_llama_server
+    from adaptive_spec.llama.launch import find_llama_server
 
     try:
         return find_llama_server(None)
@@ -43,7 +43,7 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def qwen_gguf() -> Path:
-    from adaptive_spec.servers.models import ensure_embedded
+    from adaptive_spec.llama.models import ensure_embedded
 
     try:
         return ensure_embedded("qwen2.5-coder-0.5b")
@@ -55,7 +55,7 @@ def qwen_gguf() -> Path:
 @pytest.fixture(scope="session")
 def qwen15_gguf() -> Path:
     """The real Qwen2.5-Coder-1.5B: with the 0.5B as its draft model, the real model-drafter pair on this CPU."""
-    from adaptive_spec.servers.models import ensure_embedded
+    from adaptive_spec.llama.models import ensure_embedded
 
     try:
         return ensure_embedded("qwen2.5-coder-1.5b")

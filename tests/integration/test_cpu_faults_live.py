@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from adaptive_spec.errors import LaunchError
-from adaptive_spec.servers.cpu_faults import CLEAR_HINT, REPACK_COST, RepackMode, VerdictStore
-from adaptive_spec.servers.launcher import Launcher, ServerProcess, free_port
-from adaptive_spec.servers.profiles import ModelSource, ProfileSpec, ServerSettings
+from adaptive_spec.llama.binary.cpu_faults import CLEAR_HINT, REPACK_COST, RepackMode, VerdictStore
+from adaptive_spec.llama.launch import Launcher, ServerProcess, free_port
+from adaptive_spec.llama.profiles import ModelSource, ProfileSpec, ServerSettings
 from tests.support.servers import ProxyProcess, chat_record
 
 FAULTS_UNLESS_NO_REPACK = """#!/bin/sh

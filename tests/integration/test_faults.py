@@ -16,11 +16,11 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
+from adaptive_spec.proxy.app import ProxySettings, build_app
 from adaptive_spec.requests.app_keys import HISTORY, LIFECYCLE, UPSTREAMS
 from adaptive_spec.requests.error_responses import RETRY_AFTER_S
 from adaptive_spec.requests.stranded import STRANDED
-from adaptive_spec.server.app import ProxySettings, build_app
-from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from tests.support.fake_upstream import CHUNK, FakeUpstream
 from tests.support.servers import free_port
 from tests.support.sse import events

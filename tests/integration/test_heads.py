@@ -19,8 +19,8 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
+from adaptive_spec.policy.model import HeadsPolicy, Policy
 from adaptive_spec.requests.app_keys import KV
-from adaptive_spec.routing.policy import HeadsPolicy, Policy
 from tests.support.heads import SYSTEM, chat, erase, start_proxy, store_of
 from tests.support.servers import LlamaServer
 from tests.support.waiting import until

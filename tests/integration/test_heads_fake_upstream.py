@@ -19,8 +19,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from adaptive_spec.kv.heads.server import idle_slots
+from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.requests.app_keys import ROUTER
-from adaptive_spec.servers.upstreams import Upstream
 from tests.support.heads import chat, erase, start_proxy, store_of
 from tests.support.servers import free_port
 

@@ -14,8 +14,8 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
-from adaptive_spec.server.app import ProxySettings, build_app
-from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
+from adaptive_spec.proxy.app import ProxySettings, build_app
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.servers import free_port
 

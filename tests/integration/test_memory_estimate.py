@@ -1,6 +1,6 @@
 """The memory estimate against llama-server's own figures: the KV cache it allocates (its `llama_kv_cache: size =`
-line) equals what servers/memory.py computes from the GGUF's header, for a dense and a hybrid tiny model; the hybrid's
-recurrent state is close to its `llama_memory_recurrent: size =` line."""
+line) equals what llama/memory/plan.py computes from the GGUF's header, for a dense and a hybrid tiny model; the
+hybrid's recurrent state is close to its `llama_memory_recurrent: size =` line."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_spec.servers.gguf_info import model_dims
-from adaptive_spec.servers.memory import MIB, ServerPlan, footprint
+from adaptive_spec.llama.memory.gguf_info import model_dims
+from adaptive_spec.llama.memory.plan import MIB, ServerPlan, footprint
 from tests.support.servers import LlamaServer
 from tests.support.tiny_drafters import write_tiny_mtp_target
 

@@ -1,4 +1,4 @@
-"""The patched llama-server itself (src/adaptive_spec/servers/patches/), with no proxy in front: per-request
+"""The patched llama-server itself (src/adaptive_spec/llama/binary/patches/), with no proxy in front: per-request
 `speculative.n_max` and `speculative.types` on an ngram-mod server and on model-drafter + ngram-mod servers (tiny
 random-weight DFlash and MTP), the 400s for values outside the server's settings, `/props`' field, the per-type
 draft counts, and that a request naming nothing is served as before.

@@ -18,10 +18,10 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
+from adaptive_spec.proxy.app import ProxySettings, build_app
 from adaptive_spec.requests.app_keys import HISTORY
 from adaptive_spec.requests.keepalive import ANTHROPIC_PING, CHAT_EMPTY_CHUNK
-from adaptive_spec.server.app import ProxySettings, build_app
-from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from tests.support.fake_upstream import CHUNK, FakeUpstream
 from tests.support.servers import LlamaServer, ProxyProcess, free_port
 from tests.support.sse import events

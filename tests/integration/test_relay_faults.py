@@ -23,12 +23,12 @@ from adaptive_spec.kv.relay_client import RelayClient
 from adaptive_spec.kv.remote_prefill.plan import RemoteCosts, RemotePrefillPolicy
 from adaptive_spec.kv.remote_prefill.shell import RemotePrefill
 from adaptive_spec.kv.slot_files import MODEL_HEADER
+from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.relay.prefill import ROUTES, client_ctx
 from adaptive_spec.relay.service import RelaySettings, build_relay_app
-from adaptive_spec.routing.api import FixedPolicy
+from adaptive_spec.routing.contract import FixedPolicy
 from adaptive_spec.routing.decide import Decision
 from adaptive_spec.routing.router import Router
-from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.telemetry.events import Event, RemotePrefillDone
 from tests.support.fake_upstream import FakeUpstream, Handler
 from tests.support.recorded import recorded

@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 
-from adaptive_spec.servers.models import embedded_chat_template
+from adaptive_spec.llama.models import embedded_chat_template
 from tests.support.json_schema import schema_errors
 from tests.support.outside import agent_traffic, missing
 from tests.support.servers import LlamaServer, ProxyProcess, http_json

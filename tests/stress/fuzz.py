@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from adaptive_spec.server.app import ProxySettings
-from adaptive_spec.server.run import ServePlan, SessionPlan, _run
-from adaptive_spec.servers.profiles import AttachedProfile
+from adaptive_spec.llama.profiles import AttachedProfile
+from adaptive_spec.proxy.app import ProxySettings
+from adaptive_spec.proxy.run import ServePlan, SessionPlan, _run
 from tests.stress.fuzz_cases import Case, Generator, Target
 from tests.support.servers import LlamaServer, free_port, http_json, wait_until
 from tests.support.tiny_gguf import write_tiny_gguf
@@ -257,7 +257,7 @@ def run_fuzz(upstream_url: str, count: int, seed: int = 1) -> Figures:
 
 @contextlib.contextmanager
 def tiny_llama_server(workdir: Path) -> Iterator[LlamaServer]:
-    from adaptive_spec.servers.launcher import find_llama_server
+    from adaptive_spec.llama.launch import find_llama_server
 
     model = write_tiny_gguf(workdir / "tiny-random-llama.gguf")
     server = LlamaServer(

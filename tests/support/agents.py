@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from adaptive_spec.errors import ModelError
-from adaptive_spec.servers.models import ensure_embedded
+from adaptive_spec.llama.models import ensure_embedded
 from tests.support.servers import ProxyProcess, http_json
 
 ROOT = Path(__file__).resolve().parents[2]

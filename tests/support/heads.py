@@ -14,12 +14,12 @@ from aiohttp.test_utils import TestServer
 from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.common.headers import REQUEST_ID_HEADER
 from adaptive_spec.kv.heads.store import HeadsConfig, HeadStore
+from adaptive_spec.llama.probe import probe
+from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
+from adaptive_spec.policy.model import Policy
+from adaptive_spec.proxy.app import KvSetup, ProxySettings, build_app
 from adaptive_spec.requests.heads import HEADS
-from adaptive_spec.routing.api import FixedPolicy
-from adaptive_spec.routing.policy import Policy
-from adaptive_spec.server.app import KvSetup, ProxySettings, build_app
-from adaptive_spec.servers.probe import probe
-from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+from adaptive_spec.routing.contract import FixedPolicy
 from adaptive_spec.sessions.ngram_replay import NgramParams
 from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker

@@ -12,10 +12,10 @@ import aiohttp
 
 from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.kv.movers import SlotMover
+from adaptive_spec.llama.upstreams import UpstreamTable
 from adaptive_spec.requests.handler import carry_out
-from adaptive_spec.routing.api import Completion, FixedPolicy, PolicySource, Route, RouteRequest
+from adaptive_spec.routing.contract import Completion, FixedPolicy, PolicySource, Route, RouteRequest
 from adaptive_spec.routing.router import Router
-from adaptive_spec.servers.upstreams import UpstreamTable
 from adaptive_spec.telemetry.records import Timings
 
 

@@ -16,8 +16,8 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from adaptive_spec.servers import launcher
-from adaptive_spec.servers.launcher import ServerProcess
+from adaptive_spec.llama import launch as launcher
+from adaptive_spec.llama.launch import ServerProcess
 
 
 def free_port() -> int:

@@ -24,7 +24,7 @@ import sys
 import aiohttp
 from aiohttp import web
 
-from adaptive_spec.servers.launcher import free_port
+from adaptive_spec.llama.launch import free_port
 
 _HOP = {"content-length", "transfer-encoding", "connection", "content-encoding"}
 

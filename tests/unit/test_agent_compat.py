@@ -10,10 +10,10 @@ import orjson
 import pytest
 
 from adaptive_spec.requests.compat import anthropic_overflow
+from adaptive_spec.routing.pieces import prompt_pieces
+from adaptive_spec.routing.prefix import estimate
 from adaptive_spec.sessions.billing import normalised_billing_line, normalised_system
 from adaptive_spec.sessions.grouping import SessionRegistry, explicit_session, system_entries
-from adaptive_spec.sessions.pieces import prompt_pieces
-from adaptive_spec.sessions.prefix import estimate
 
 LINE = "x-anthropic-billing-header: cc_version=2.1.328.a1b; cc_entrypoint=sdk-cli; cch={};"
 
@@ -63,7 +63,7 @@ def test_a_changed_billing_value_leaves_the_system_text_and_pieces_the_same() ->
 
 
 def test_a_changed_billing_value_is_neither_a_new_prompt_nor_a_side_request() -> None:
-    from adaptive_spec.sessions.prefix import observe
+    from adaptive_spec.routing.prefix import observe
     from adaptive_spec.telemetry.records import Timings
 
     first = _claude_body("1a2b3")

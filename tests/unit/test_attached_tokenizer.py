@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from adaptive_spec.server import session_tokens
+from adaptive_spec.sessions import token_source as session_tokens
 from adaptive_spec.sessions.tokenizers import GgufTokenizer, llama_vocab_tokenizer
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.tiny_gguf import write_tiny_gguf

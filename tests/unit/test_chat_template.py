@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from adaptive_spec.errors import ModelError
-from adaptive_spec.servers.models import EMBEDDED, embedded_chat_template
-from adaptive_spec.servers.profiles import ModelSource, ProfileSpec, ServerSettings, server_argv
+from adaptive_spec.llama.models import EMBEDDED, embedded_chat_template
+from adaptive_spec.llama.profiles import ModelSource, ProfileSpec, ServerSettings, server_argv
 
 
 def _argv(extra: tuple[str, ...], template: str | None = "/t/tools.jinja") -> list[str]:
@@ -63,7 +63,7 @@ def test_other_models_keep_their_own_template(model: str) -> None:
 
 
 def test_serve_says_which_embedded_model_suits_agents(monkeypatch: pytest.MonkeyPatch) -> None:
-    from adaptive_spec.servers import models
+    from adaptive_spec.llama import models
 
     assert models.agents_advice("embedded:qwen2.5-coder-1.5b") == (
         "agents: qwen2.5-coder-1.5b is the embedded model for tool-using agents (opencode, Codex CLI)"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from adaptive_spec.server.connection_book import ConnectionBook, ConnectionLimits, Phase, descriptor_budget
+from adaptive_spec.proxy.connection_book import ConnectionBook, ConnectionLimits, Phase, descriptor_budget
 
 
 def test_the_book_bounds_receipt_not_answers() -> None:

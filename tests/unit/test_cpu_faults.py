@@ -1,4 +1,4 @@
-"""servers/cpu_faults.py: which exit statuses are a CPU-kernel fault, the CPU's identity, and the verdict file."""
+"""llama/binary/cpu_faults.py: which exit statuses are a CPU-kernel fault, the CPU's identity, and the verdict file."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_spec.servers.cpu_faults import VerdictStore, build_identity, cpu_identity, fault_signal
+from adaptive_spec.llama.binary.cpu_faults import VerdictStore, build_identity, cpu_identity, fault_signal
 
 CPUINFO = """processor\t: 0
 model name\t: Intel(R) Xeon(R) Platinum 8480+

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.server.event_loop import loop_factory, loop_name
+from adaptive_spec.proxy.event_loop import loop_factory, loop_name
 
 
 def _name_on(choice: str) -> str:

@@ -13,9 +13,9 @@ import orjson
 import pytest
 
 from adaptive_spec.requests.parse import with_fields
-from adaptive_spec.sessions import prefix
+from adaptive_spec.routing import prefix
+from adaptive_spec.routing.pieces import Piece, prompt_pieces
 from adaptive_spec.sessions.grouping import context_messages, message_digest
-from adaptive_spec.sessions.pieces import Piece, prompt_pieces
 from adaptive_spec.telemetry.records import Timings
 from tests.support.waiting import until
 

@@ -25,7 +25,7 @@ from adaptive_spec.kv.heads.plan import (
     tenant_scope,
 )
 from adaptive_spec.kv.heads.store import HeadsConfig, HeadStore, Restored
-from adaptive_spec.servers.upstreams import Upstream
+from adaptive_spec.llama.upstreams import Upstream
 
 KEY = ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t1")
 PIECES = [b"system", b"tools", b"user-1"]
@@ -148,9 +148,9 @@ async def test_a_restore_whose_slot_another_request_took_is_not_judged_inert(tmp
 
 
 def test_an_unusable_heads_directory_costs_the_warm_starts_not_the_proxy(tmp_path: Path) -> None:
+    from adaptive_spec.llama.upstreams import UpstreamTable
+    from adaptive_spec.proxy.app import KvSetup, ProxySettings, build_app
     from adaptive_spec.requests.heads import HEADS
-    from adaptive_spec.server.app import KvSetup, ProxySettings, build_app
-    from adaptive_spec.servers.upstreams import UpstreamTable
 
     (tmp_path / "not-a-dir").write_text("")
     kv = KvSetup(slot_dir=tmp_path, heads=HeadsConfig(tmp_path / "not-a-dir" / "heads"))
@@ -159,7 +159,7 @@ def test_an_unusable_heads_directory_costs_the_warm_starts_not_the_proxy(tmp_pat
 
 
 def test_the_heads_policy_keys_load_and_a_misspelt_one_names_file_key_and_line() -> None:
-    from adaptive_spec.routing.policy import PolicyError, load_policy
+    from adaptive_spec.policy.model import PolicyError, load_policy
 
     policy = load_policy([("p.toml", "[heads]\nenabled = false\nmin_tokens = 1024\n")])
     assert (policy.heads.enabled, policy.heads.min_tokens) == (False, 1024)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from adaptive_spec.errors import ConfigError, LaunchError
-from adaptive_spec.server.run import base_url, listen
-from adaptive_spec.server.session_tokens import local_model
+from adaptive_spec.proxy.run import base_url, listen
+from adaptive_spec.sessions.token_source import local_model
 
 
 def test_a_taken_port_is_refused_naming_host_and_port() -> None:

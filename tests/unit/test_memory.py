@@ -1,4 +1,4 @@
-"""servers/memory.py: a setup's memory from the GGUF's dimensions, and the verdict against a device report."""
+"""llama/memory/plan.py: a setup's memory from the GGUF's dimensions, and the verdict against a device report."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from adaptive_spec.errors import ModelError
-from adaptive_spec.servers.gguf_info import model_dims
-from adaptive_spec.servers.memory import (
+from adaptive_spec.llama.memory.gguf_info import model_dims
+from adaptive_spec.llama.memory.plan import (
     MIB,
     DeviceReport,
     ModelDims,
@@ -84,7 +84,7 @@ def test_a_file_that_is_not_a_gguf_is_a_model_error_naming_it(tmp_path: Path) ->
 
 
 def test_the_device_report_comes_from_the_user_or_nvidia_smi_or_nowhere() -> None:
-    from adaptive_spec.servers.footprint import device_report
+    from adaptive_spec.llama.memory.footprint import device_report
 
     stated = device_report(24576, query=lambda: "ignored")
     assert stated is not None and stated.total_bytes == 24576 * MIB
@@ -95,8 +95,8 @@ def test_the_device_report_comes_from_the_user_or_nvidia_smi_or_nowhere() -> Non
 
 
 def test_launch_lines_size_each_server_from_its_files(tiny_gguf: Path) -> None:
-    from adaptive_spec.servers.footprint import launch_lines
-    from adaptive_spec.servers.profiles import ModelSource, ProfileSpec, ServerSettings
+    from adaptive_spec.llama.memory.footprint import launch_lines
+    from adaptive_spec.llama.profiles import ModelSource, ProfileSpec, ServerSettings
 
     settings = ServerSettings(ModelSource(path=str(tiny_gguf)), ctx_size=4096, extra_args=("-ctk", "q8_0"))
     specs = [ProfileSpec("oneshot", ("none",)), ProfileSpec("iterative", ("ngram-mod",))]

@@ -11,9 +11,9 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestServer
 
+from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
+from adaptive_spec.proxy.app import ProxySettings, build_app
 from adaptive_spec.requests.app_keys import HISTORY
-from adaptive_spec.server.app import ProxySettings, build_app
-from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.sessions.ngram_replay import NgramParams
 from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.routing.policy import (
+from adaptive_spec.policy.files import default_policy_text
+from adaptive_spec.policy.model import (
     TABLES,
     EstimatorPolicy,
     FirstTurnPolicy,
@@ -24,7 +25,6 @@ from adaptive_spec.routing.policy import (
     policy_to_toml,
     policy_to_toml_dict,
 )
-from adaptive_spec.routing.policy_files import default_policy_text
 
 REPO_POLICIES = Path(__file__).resolve().parents[2] / "policies"
 

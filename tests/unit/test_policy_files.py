@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from adaptive_spec.cli import main as cli
-from adaptive_spec.routing import policy_files
-from adaptive_spec.routing.policy import Policy, PolicyError, RoutePolicy
-from adaptive_spec.routing.policy_files import SHIPPED, WORKSPACE_FILE, PolicyStore, config_dir
+from adaptive_spec.policy import files as policy_files
+from adaptive_spec.policy.files import SHIPPED, WORKSPACE_FILE, PolicyStore, config_dir
+from adaptive_spec.policy.model import Policy, PolicyError, RoutePolicy
 from adaptive_spec.sessions.project import workspace_from_request, workspace_path_from_request
 
 PROFILES = ("oneshot", "iterative")
@@ -266,7 +266,7 @@ def test_serve_refuses_a_bad_policy_before_touching_any_server(
 
 
 def test_a_fifo_or_a_huge_file_in_a_workspace_is_refused_without_blocking(tmp_path: Path) -> None:
-    from adaptive_spec.routing.policy_files import MAX_POLICY_BYTES, read_policy_file
+    from adaptive_spec.policy.files import MAX_POLICY_BYTES, read_policy_file
 
     fifo = tmp_path / "fifo.toml"
     os.mkfifo(fifo)
@@ -279,7 +279,7 @@ def test_a_fifo_or_a_huge_file_in_a_workspace_is_refused_without_blocking(tmp_pa
 
 
 def test_the_example_project_policy_is_valid() -> None:
-    from adaptive_spec.routing.policy import load_policy
+    from adaptive_spec.policy.model import load_policy
 
     example = Path(__file__).parents[2] / "examples" / "project-policy.toml"
     policy = load_policy([(str(example), example.read_text())], known_profiles=["oneshot", "iterative"])

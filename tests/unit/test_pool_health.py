@@ -9,8 +9,8 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from adaptive_spec.servers import pool_health
-from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+from adaptive_spec.llama import health as pool_health
+from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.servers import free_port
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.servers.profiles import (
+from adaptive_spec.llama.profiles import (
     AttachedProfile,
     ModelSource,
     NgramModParams,

@@ -14,11 +14,11 @@ from adaptive_spec.errors import ConfigError
 from adaptive_spec.kv.movers import MoveRequest, MoveTimes, PairMover, RelayMover, SharedDirMover
 from adaptive_spec.kv.movers_options import KEY_ENV, relay_plan
 from adaptive_spec.kv.relay_client import RelayClient
-from adaptive_spec.routing.api import RouteRequest
-from adaptive_spec.routing.policy import Policy
+from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
+from adaptive_spec.policy.model import Policy
+from adaptive_spec.routing.contract import RouteRequest
 from adaptive_spec.routing.router import Router
 from adaptive_spec.routing.speeds import SpeedModel
-from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.telemetry.records import Timings
 from tests.support.routing import make_router, request, routed, serve
 

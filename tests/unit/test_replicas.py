@@ -13,11 +13,11 @@ import pytest
 from adaptive_spec.cli.serve import attached_profiles
 from adaptive_spec.errors import ConfigError
 from adaptive_spec.kv.movers import MoveRequest, MoveTimes
-from adaptive_spec.routing.api import Completion, RouteRequest
+from adaptive_spec.llama.profiles import ProfileInfo, replica_mismatch
+from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
+from adaptive_spec.routing.contract import Completion, RouteRequest
 from adaptive_spec.routing.replicas import MoveCosts, ReplicaState, choose_replica
 from adaptive_spec.routing.router import Router
-from adaptive_spec.servers.profiles import ProfileInfo, replica_mismatch
-from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.telemetry.events import Event, ProfileDown, ProfileUp
 from adaptive_spec.telemetry.records import Timings
 from tests.support.routing import make_router, request, routed, served

@@ -14,11 +14,11 @@ import pytest
 
 from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.kv.moves import HandoffResult, SlotAt, SlotMove
+from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.requests.handler import carry_out
-from adaptive_spec.routing.api import Completion, FixedPolicy, NoEffects, Route
+from adaptive_spec.routing.contract import Completion, FixedPolicy, NoEffects, Route
 from adaptive_spec.routing.placements import observe
 from adaptive_spec.routing.router import Router
-from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.telemetry.records import Timings
 from tests.support.routing import make_router, request, route, served
 
@@ -198,7 +198,7 @@ def test_a_handoff_that_cannot_be_made_asks_for_no_move() -> None:
 def test_the_router_and_its_move_planner_never_wait() -> None:
     """llama-swap's scheduler rule: slow work leaves as an effect. No method of the router or of its KV move planner
     is a coroutine; the request path awaits the effects (`carry_out`) and reports back."""
-    from adaptive_spec.routing.kv_moves import KvMoves
+    from adaptive_spec.routing.handoffs import KvMoves
 
     for cls in (Router, KvMoves):
         waiting = [n for n, f in vars(cls).items() if inspect.iscoroutinefunction(f)]

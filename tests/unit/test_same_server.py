@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from adaptive_spec.llama.speculation import Speculation
+from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
+from adaptive_spec.policy.model import Policy
 from adaptive_spec.routing.decide import Decision, decide
 from adaptive_spec.routing.estimate import ProfileState, RequestState, SessionState
 from adaptive_spec.routing.placements import Placement
-from adaptive_spec.routing.policy import Policy
 from adaptive_spec.routing.router import Router
 from adaptive_spec.routing.speeds import SpeedModel
-from adaptive_spec.servers.speculation import Speculation
-from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.telemetry.records import Timings
 from tests.support.routing import make_router, request, served
 
@@ -145,7 +145,7 @@ def test_a_pair_whose_handoffs_reused_nothing_re_prefills() -> None:
 
 def test_the_router_learns_what_a_handoff_reused_from_the_next_prompts_cache_n() -> None:
     from adaptive_spec.kv.moves import HandoffResult
-    from adaptive_spec.routing.api import Completion, Route
+    from adaptive_spec.routing.contract import Completion, Route
 
     table = UpstreamTable([Upstream("oneshot", "http://127.0.0.1:1"), Upstream("iterative", "http://127.0.0.1:2")])
     router = make_router(table, {"oneshot": 1, "iterative": 1}, KINDS)

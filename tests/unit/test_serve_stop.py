@@ -1,4 +1,4 @@
-"""`serve`'s stop of its own app (server/run.py, server/app_stop.py): a connection aiohttp does not close within its
+"""`serve`'s stop of its own app (proxy/run.py, proxy/app_stop.py): a connection aiohttp does not close within its
 bound costs neither the app's cleanup contexts (the trace file, the statistics worker, the head store) nor the close
 of the proxy's client session."""
 
@@ -12,10 +12,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from adaptive_spec.server import run
-from adaptive_spec.server.app import ProxySettings
-from adaptive_spec.server.app_stop import CONNECTIONS_STOP_S
-from adaptive_spec.server.run import ServePlan, base_url, listen
+from adaptive_spec.proxy import run
+from adaptive_spec.proxy.app import ProxySettings
+from adaptive_spec.proxy.app_stop import CONNECTIONS_STOP_S
+from adaptive_spec.proxy.run import ServePlan, base_url, listen
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 PER_CONNECTION_S = 30.0  # aiohttp's own wait for a handler, long (its default is 60 s): only the bound ends it

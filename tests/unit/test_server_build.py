@@ -13,7 +13,7 @@ import pytest
 
 from adaptive_spec.cli.build_server import check_patches
 from adaptive_spec.errors import BuildError
-from adaptive_spec.servers import build
+from adaptive_spec.llama.binary import pinned as build
 
 
 def _patch(name: str, body: bytes = b"") -> build.Patch:
@@ -194,8 +194,8 @@ def test_show_says_the_build_the_remembered_verdict_how_to_clear_it_and_what_it_
     import signal
 
     from adaptive_spec.cli.main import main
-    from adaptive_spec.servers.cpu_faults import CLEAR_HINT, REPACK_COST
-    from adaptive_spec.servers.launcher import verdict_store
+    from adaptive_spec.llama.binary.cpu_faults import CLEAR_HINT, REPACK_COST
+    from adaptive_spec.llama.launch import verdict_store
 
     monkeypatch.setenv("ADAPTIVE_SPEC_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("ADAPTIVE_SPEC_STATE_DIR", str(tmp_path / "state"))

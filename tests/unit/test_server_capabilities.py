@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from adaptive_spec.servers import capabilities
-from adaptive_spec.servers.capabilities import Capabilities
-from adaptive_spec.servers.profiles import ModelSource, ProfileSpec, ServerSettings, server_argv
+from adaptive_spec.llama.binary import capabilities
+from adaptive_spec.llama.binary.capabilities import Capabilities
+from adaptive_spec.llama.profiles import ModelSource, ProfileSpec, ServerSettings, server_argv
 
 # Shaped like llama-server's own help lines; the additive form as upstream's open #28391 proposes it.
 STOCK_HELP = """\

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from adaptive_spec.kv.slots import slot_action
-from adaptive_spec.servers.upstreams import Upstream
+from adaptive_spec.llama.upstreams import Upstream
 
 ANSWER = b'{"id_slot": 0, "n_erased": 12}'
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from adaptive_spec.errors import BuildError
-from adaptive_spec.servers import build, source_build
+from adaptive_spec.llama.binary import pinned as build
+from adaptive_spec.llama.binary import source as source_build
 from tests.support.outside import missing
 
 

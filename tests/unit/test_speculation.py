@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.servers.profile_servers import ONE_SERVER, first_servers, startup_lines
-from adaptive_spec.servers.profiles import (
+from adaptive_spec.llama.placement import ONE_SERVER, first_servers, startup_lines
+from adaptive_spec.llama.profiles import (
     AttachedProfile,
     NgramModParams,
     ProfileInfo,
@@ -20,7 +20,7 @@ from adaptive_spec.servers.profiles import (
     shared_servers,
     speculation_problem,
 )
-from adaptive_spec.servers.speculation import PerRequestSupport, Speculation, merge_fields
+from adaptive_spec.llama.speculation import PerRequestSupport, Speculation, merge_fields
 from tests.support.recorded import recorded
 
 NGRAM = NgramModParams(24, 48, 64)

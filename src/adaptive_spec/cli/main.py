@@ -17,8 +17,8 @@ from adaptive_spec.cli import text
 from adaptive_spec.cli import tui as tui_command
 from adaptive_spec.cli.text import add_command
 from adaptive_spec.errors import AdaptiveSpecError, ConfigError
-from adaptive_spec.server.run import say
-from adaptive_spec.servers.models import DEFAULT_MODEL, EMBEDDED, ensure_embedded
+from adaptive_spec.llama.models import DEFAULT_MODEL, EMBEDDED, ensure_embedded
+from adaptive_spec.proxy.run import say
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -54,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
     """`policy check` and `policy show`; exit 1 when a file has problems."""
     import json
 
-    from adaptive_spec.routing.policy import policy_to_toml
-    from adaptive_spec.routing.policy_files import PolicyStore, check_files, config_dir
+    from adaptive_spec.policy.files import PolicyStore, check_files, config_dir
+    from adaptive_spec.policy.model import policy_to_toml
 
     known = [p for p in args.profiles.split(",") if p] if args.profiles else None
     if args.policy_command == "check":

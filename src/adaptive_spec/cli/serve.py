@@ -19,15 +19,10 @@ from adaptive_spec.errors import ConfigError
 from adaptive_spec.kv.heads.options import add_heads_arguments, heads_config
 from adaptive_spec.kv.movers_options import add_relay_arguments, relay_plan
 from adaptive_spec.kv.remote_prefill.options import add_pp_arguments, pp_plan
-from adaptive_spec.server.app import ProxySettings
-from adaptive_spec.server.connection_book import ConnectionLimits
-from adaptive_spec.server.event_loop import EVENT_LOOPS
-from adaptive_spec.server.run import LaunchPlan, ServePlan, SessionPlan, say
-from adaptive_spec.server.run import run as run_server
-from adaptive_spec.servers.cpu_faults import REPACK_MODES
-from adaptive_spec.servers.launcher import HUNG_RESTART_S, KILL_AFTER_S
-from adaptive_spec.servers.models import DEFAULT_MODEL, agents_advice, embedded_chat_template, resolve_model
-from adaptive_spec.servers.profiles import (
+from adaptive_spec.llama.binary.cpu_faults import REPACK_MODES
+from adaptive_spec.llama.launch import HUNG_RESTART_S, KILL_AFTER_S
+from adaptive_spec.llama.models import DEFAULT_MODEL, agents_advice, embedded_chat_template, resolve_model
+from adaptive_spec.llama.profiles import (
     DRAFT_TYPES,
     AttachedProfile,
     ModelSource,
@@ -36,6 +31,11 @@ from adaptive_spec.servers.profiles import (
     check_profile_name,
     default_profiles,
 )
+from adaptive_spec.proxy.app import ProxySettings
+from adaptive_spec.proxy.connection_book import ConnectionLimits
+from adaptive_spec.proxy.event_loop import EVENT_LOOPS
+from adaptive_spec.proxy.run import LaunchPlan, ServePlan, SessionPlan, say
+from adaptive_spec.proxy.run import run as run_server
 from adaptive_spec.sessions.grouping import ECHO_FINGERPRINTS
 from adaptive_spec.sessions.ngram_replay import NgramParams
 
@@ -239,7 +239,7 @@ def _add_server_arguments(launch: argparse._ArgumentGroup) -> None:
 
 
 def _ngram_params(given: str | None) -> NgramModParams:
-    from adaptive_spec.servers.profiles import SMALL_MODEL_NGRAM_MOD
+    from adaptive_spec.llama.profiles import SMALL_MODEL_NGRAM_MOD
 
     if given is None:
         return SMALL_MODEL_NGRAM_MOD
@@ -253,7 +253,7 @@ def _ngram_params(given: str | None) -> NgramModParams:
 
 
 def _launch_plan(args: argparse.Namespace) -> LaunchPlan:
-    from adaptive_spec.servers.launcher import find_llama_server
+    from adaptive_spec.llama.launch import find_llama_server
 
     if args.draft_type and not args.draft and args.draft_type != "mtp":
         raise ConfigError(f"--draft-type {args.draft_type} needs --draft D.gguf")

@@ -17,7 +17,7 @@ from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, Slo
 from adaptive_spec.kv.remote_prefill.shell import RemotePrefill
 from adaptive_spec.kv.slot_files import SLOT_FILE_PREFIX, slot_file_name
 from adaptive_spec.kv.slots import SlotError
-from adaptive_spec.servers.upstreams import UpstreamTable
+from adaptive_spec.llama.upstreams import UpstreamTable
 from adaptive_spec.telemetry.events import Event, RemotePrefillDone
 
 log = logging.getLogger(__name__)

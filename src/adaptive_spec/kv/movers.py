@@ -23,7 +23,7 @@ from adaptive_spec.errors import ConfigError, ProfileMismatchError
 from adaptive_spec.kv.relay_client import RelayClient, RelayError
 from adaptive_spec.kv.slot_files import model_mismatch
 from adaptive_spec.kv.slots import SlotError, check_written, restore_slot, save_slot
-from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 
 log = logging.getLogger(__name__)
 _PROBE_BYTES = 256 << 10

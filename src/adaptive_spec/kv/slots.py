@@ -12,7 +12,7 @@ from urllib.parse import quote
 
 import aiohttp
 
-from adaptive_spec.servers.upstreams import Upstream
+from adaptive_spec.llama.upstreams import Upstream
 
 
 class SlotError(Exception):

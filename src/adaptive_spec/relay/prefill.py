@@ -22,8 +22,8 @@ from aiohttp import web
 
 from adaptive_spec.kv.slot_files import valid_relay_name
 from adaptive_spec.kv.slots import SlotError, slot_action
+from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.relay.service import NAME_RULE, SETTINGS, check_model, error
-from adaptive_spec.servers.upstreams import Upstream
 
 log = logging.getLogger(__name__)
 PREFILL_PATHS = frozenset(

@@ -9,10 +9,10 @@ import aiohttp
 from aiohttp import web
 
 from adaptive_spec.kv.effects import KvEffects
+from adaptive_spec.llama.profiles import ProfileInfo
+from adaptive_spec.llama.upstreams import UpstreamTable
 from adaptive_spec.requests.lifecycle import RequestLifecycle
 from adaptive_spec.routing.router import Router
-from adaptive_spec.servers.profiles import ProfileInfo
-from adaptive_spec.servers.upstreams import UpstreamTable
 from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.telemetry.bus import EventBus
 from adaptive_spec.telemetry.history import RequestHistory

@@ -13,6 +13,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from adaptive_spec.common.headers import PROFILE_HEADER
+from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.requests.apis import traits
 from adaptive_spec.requests.compat import anthropic_overflow
 from adaptive_spec.requests.error_responses import answer, as_anthropic, as_client_error, sse_error_event
@@ -20,7 +21,6 @@ from adaptive_spec.requests.gate import hidden_headers
 from adaptive_spec.requests.keepalive import PrefillKeepAlive
 from adaptive_spec.requests.outcome import SHUTDOWN, Outcome
 from adaptive_spec.requests.stranded import Booking, StrandedRequests
-from adaptive_spec.servers.upstreams import Upstream
 from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.streams.tap import StreamTap
 

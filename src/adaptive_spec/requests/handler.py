@@ -17,6 +17,8 @@ from aiohttp import web
 from adaptive_spec.access.rules import with_model
 from adaptive_spec.common.headers import PROFILE_HEADER, REPLICA_HEADER, REQUEST_ID_HEADER, ROUTE_HEADER
 from adaptive_spec.kv.moves import SlotMove
+from adaptive_spec.llama.speculation import merge_fields
+from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.requests.apis import traits
 from adaptive_spec.requests.app_keys import CLIENT, FRESH_CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
 from adaptive_spec.requests.compat import repaired
@@ -32,10 +34,8 @@ from adaptive_spec.requests.repeats import guard, trailing_repeat
 from adaptive_spec.requests.shapes import RequestProblem
 from adaptive_spec.requests.stranded import STRANDED
 from adaptive_spec.requests.token_rate import first_turn_rate
-from adaptive_spec.routing.api import Completion, Refusal, Route, RouteRequest
+from adaptive_spec.routing.contract import Completion, Refusal, Route, RouteRequest
 from adaptive_spec.routing.router import Router
-from adaptive_spec.servers.speculation import merge_fields
-from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.sessions.clients import client_name
 from adaptive_spec.sessions.project import DEFAULT_PROJECT, workspace_path_from_request
 from adaptive_spec.sessions.tokenizers import CachingTokenizer

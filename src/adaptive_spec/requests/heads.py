@@ -16,14 +16,14 @@ from aiohttp import web
 
 from adaptive_spec.access.rules import sent_keys
 from adaptive_spec.kv.heads.store import HeadStore, Restored
+from adaptive_spec.llama.launch import RESTART_ON_REQUEST
+from adaptive_spec.llama.upstreams import Upstream
+from adaptive_spec.policy.model import HeadsPolicy
 from adaptive_spec.requests.app_keys import BUS, ROUTER, UPSTREAMS
 from adaptive_spec.requests.lifecycle import ProxyRequest
-from adaptive_spec.routing.api import Route
+from adaptive_spec.routing.contract import Route
 from adaptive_spec.routing.decide import Decision
-from adaptive_spec.routing.policy import HeadsPolicy
-from adaptive_spec.servers.launcher import RESTART_ON_REQUEST
-from adaptive_spec.servers.upstreams import Upstream
-from adaptive_spec.sessions.prefix import tokens_beyond
+from adaptive_spec.routing.prefix import tokens_beyond
 from adaptive_spec.telemetry.events import Event, ProfileDown, ProfileUp
 
 HEADS = web.AppKey("heads", HeadStore)

@@ -14,7 +14,7 @@ from adaptive_spec.requests.apis import traits
 from adaptive_spec.requests.outcome import NOT_ANSWERED, Outcome
 from adaptive_spec.requests.parse import ParsedRequest, RoutedPath
 from adaptive_spec.requests.repeats import Guarded
-from adaptive_spec.routing.api import Completion, Refusal, Route
+from adaptive_spec.routing.contract import Completion, Refusal, Route
 from adaptive_spec.routing.decide import Decision
 from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.grouping import SessionAssignment

@@ -1,7 +1,7 @@
 """Requests waiting on a server that stopped answering, ended rather than waited out.
 
 Each forwarded request is booked under the server it waits on for as long as `forward` runs. When the health poll
-marks a server down because it stopped answering (servers/pool_health.py: a SIGSTOPped or wedged llama-server, whose
+marks a server down because it stopped answering (llama/health.py: a SIGSTOPped or wedged llama-server, whose
 socket still accepts), every request booked on it is ended there and then: its task is cancelled with the reason
 written on its booking, and `forward` takes that cancellation back and answers the client as it would a failed
 upstream (a 503 before any byte went out, else its stream's error event). Without this a request that reached the

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from adaptive_spec.policy.model import Policy
 from adaptive_spec.routing.estimate import (
     Estimate,
     ProfileState,
@@ -32,7 +33,6 @@ from adaptive_spec.routing.estimate import (
     reason_text,
 )
 from adaptive_spec.routing.placements import Placement
-from adaptive_spec.routing.policy import Policy
 from adaptive_spec.routing.replicas import ReplicaKind
 from adaptive_spec.routing.speeds import SpeedModel
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from adaptive_spec.servers.profiles import ProfileInfo
+from adaptive_spec.llama.profiles import ProfileInfo
 
 SEQUENTIAL_DRAFTERS = frozenset({"draft-simple", "draft-eagle3", "draft-mtp"})
 # The longest draft the router chooses (a draft model's default --spec-draft-n-max is 16).

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from adaptive_spec.common.lru import LRU
-from adaptive_spec.routing.policy import FirstTurnPolicy
+from adaptive_spec.policy.model import FirstTurnPolicy
 from adaptive_spec.sessions.grouping import message_text, messages_of
 
 _HINT_MESSAGES = 12  # how far back a pasted file is looked for

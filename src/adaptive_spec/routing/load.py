@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from adaptive_spec.routing.api import ProfileHealth
+from adaptive_spec.routing.contract import ProfileHealth
 from adaptive_spec.routing.placements import Placements, SlotBook
 from adaptive_spec.routing.replicas import ReplicaState
 from adaptive_spec.telemetry.records import Timings

@@ -2,8 +2,8 @@
 it through two calls, neither of which waits: `route()` (what to do with this request: profile, replica, slot, the
 KV move it asks for — a handoff or a remote prefill — and the reason) and `complete()` (what happened: the load
 comes down, it learns from llama-server's timings). Between them the shell carries the asked move out through the
-router's injected `Effects` (`routing/api.py`) and reports it with `moved()` (`routing/kv_moves.py` plans and learns);
-everything else is pure state: the learned speeds, where sessions' KV caches live, each server's slots and load
+router's injected `Effects` (`routing/contract.py`) and reports it with `moved()` (`routing/handoffs.py` plans and
+learns); everything else is pure state: the learned speeds, where sessions' KV caches live, each server's slots and load
 (`routing/load.py`), the pins. `choose()` is the decision alone (`decide()` for the profile, then `choose_replica()`
 for its replica), without side effects."""
 
@@ -16,7 +16,10 @@ from typing import Any
 
 from adaptive_spec.common.lru import LRU
 from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, SlotMove
-from adaptive_spec.routing.api import (
+from adaptive_spec.llama.profiles import uses_draft_model
+from adaptive_spec.policy.model import Policy
+from adaptive_spec.routing import prefix
+from adaptive_spec.routing.contract import (
     Completion,
     Effects,
     NoEffects,
@@ -30,15 +33,12 @@ from adaptive_spec.routing.decide import Decision, decide
 from adaptive_spec.routing.draft_length import draft_cap, per_token_acceptance
 from adaptive_spec.routing.estimate import ProfileState, RequestState, SessionState
 from adaptive_spec.routing.first_turn import pasted_file_chars, text_kind
-from adaptive_spec.routing.kv_moves import KvMoves
+from adaptive_spec.routing.handoffs import KvMoves
 from adaptive_spec.routing.load import ServerLoad
+from adaptive_spec.routing.pieces import Piece
 from adaptive_spec.routing.placements import Placement, Placements, observe
-from adaptive_spec.routing.policy import Policy
 from adaptive_spec.routing.replicas import MoveCosts, ReplicaChoice, ReplicaState, choose_replica, least_loaded
 from adaptive_spec.routing.speeds import SpeedModel
-from adaptive_spec.servers.profiles import uses_draft_model
-from adaptive_spec.sessions import prefix
-from adaptive_spec.sessions.pieces import Piece
 from adaptive_spec.telemetry.events import PolicyChanged
 
 MAX_PINS = 4096

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from adaptive_spec.common.means import RunningMean
 from adaptive_spec.kv.costs import LinkCosts
-from adaptive_spec.routing.policy import EstimatorPolicy, HandoffPolicy
+from adaptive_spec.policy.model import EstimatorPolicy, HandoffPolicy
 from adaptive_spec.telemetry.records import Timings
 
 # Shorter responses measure per-request overheads, not decode speed. An n-gram profile learns its gain from the same

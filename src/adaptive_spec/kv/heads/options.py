@@ -10,8 +10,8 @@ from pathlib import Path
 from adaptive_spec.errors import ConfigError
 from adaptive_spec.kv.heads.plan import DEFAULT_MAX_BYTES
 from adaptive_spec.kv.heads.store import HeadsConfig
-from adaptive_spec.servers.cpu_faults import build_identity
-from adaptive_spec.servers.footprint import cache_type_k
+from adaptive_spec.llama.binary.cpu_faults import build_identity
+from adaptive_spec.llama.memory.footprint import cache_type_k
 
 
 def add_heads_arguments(serve: argparse.ArgumentParser) -> None:

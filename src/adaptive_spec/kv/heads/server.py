@@ -12,7 +12,7 @@ import aiohttp
 
 from adaptive_spec.kv.heads.files import file_size, model_sample
 from adaptive_spec.kv.heads.plan import ServerKey, template_digest
-from adaptive_spec.servers.upstreams import Upstream
+from adaptive_spec.llama.upstreams import Upstream
 
 TIMEOUT = aiohttp.ClientTimeout(total=60)  # a slot action: a large head's save or restore reads or writes GBs
 ASK_TIMEOUT = aiohttp.ClientTimeout(total=3)  # /props, /slots, /metrics: a server that takes longer is hung or busy

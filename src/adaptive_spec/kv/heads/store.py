@@ -41,7 +41,7 @@ from adaptive_spec.kv.heads.plan import (
 )
 from adaptive_spec.kv.heads.server import TIMEOUT, fresh, idle_slots, restore_timeout, server_key, slot_free
 from adaptive_spec.kv.slots import SlotError, check_written, restore_slot, save_slot
-from adaptive_spec.servers.upstreams import Upstream
+from adaptive_spec.llama.upstreams import Upstream
 
 log = logging.getLogger(__name__)
 _SLOT_PREFIX = "head-"  # the name a head has in the slot directory while it is restored or saved

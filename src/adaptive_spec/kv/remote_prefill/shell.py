@@ -25,7 +25,7 @@ from adaptive_spec.kv.relay_client import PARTIAL_PREFIX, RelayClient, RelayErro
 from adaptive_spec.kv.remote_prefill.plan import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy, choose
 from adaptive_spec.kv.slot_files import file_sha256, model_mismatch, slot_file_name
 from adaptive_spec.kv.slots import SlotError, restore_slot
-from adaptive_spec.servers.upstreams import Upstream
+from adaptive_spec.llama.upstreams import Upstream
 
 log = logging.getLogger(__name__)
 _PROBE_BYTES = 256 << 10

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adaptive_spec.errors import BuildError
-from adaptive_spec.servers import build
+from adaptive_spec.llama.binary import pinned as build
 
 # What `patch` answers: its exit status and everything it printed.
 PatchRun = Callable[[Sequence[str], Path], tuple[int, str]]

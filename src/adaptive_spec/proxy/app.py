@@ -19,6 +19,12 @@ from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.kv.heads.store import HeadsConfig, HeadStore
 from adaptive_spec.kv.movers import SlotMover
 from adaptive_spec.kv.remote_prefill.shell import REMOTE_PREFILL, RemotePrefill
+from adaptive_spec.llama.health import ServerLoad, health_poll, replica_watch
+from adaptive_spec.llama.probe import other_model
+from adaptive_spec.llama.profiles import ProfileInfo
+from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
+from adaptive_spec.proxy.control import add_control_views
+from adaptive_spec.proxy.views import add_views
 from adaptive_spec.requests.app_keys import (
     BUS,
     CLIENT,
@@ -41,15 +47,9 @@ from adaptive_spec.requests.handler import proxy_view
 from adaptive_spec.requests.heads import HEADS, add_heads_views, watch_servers
 from adaptive_spec.requests.lifecycle import RequestLifecycle
 from adaptive_spec.requests.stranded import STRANDED, StrandedRequests
-from adaptive_spec.routing.api import FixedPolicy, PolicySource
+from adaptive_spec.routing.contract import FixedPolicy, PolicySource
 from adaptive_spec.routing.draft_length import capped_profiles
 from adaptive_spec.routing.router import Router
-from adaptive_spec.server.control import add_control_views
-from adaptive_spec.server.views import add_views
-from adaptive_spec.servers.pool_health import ServerLoad, health_poll, replica_watch
-from adaptive_spec.servers.probe import other_model
-from adaptive_spec.servers.profiles import ProfileInfo
-from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
 from adaptive_spec.sessions.service import SessionService, run_worker
 from adaptive_spec.telemetry.bus import EventBus
 from adaptive_spec.telemetry.history import RequestHistory
@@ -168,7 +168,7 @@ async def _close_feeds(app: web.Application) -> None:
 
 
 async def _drain(app: web.Application) -> None:
-    if app[LIFECYCLE].stopping:  # `serve` ended its requests itself before stopping the app (server/run.py)
+    if app[LIFECYCLE].stopping:  # `serve` ended its requests itself before stopping the app (proxy/run.py)
         return
     ended = await app[LIFECYCLE].drain(app[SETTINGS].shutdown_grace_s)
     if ended:
@@ -252,7 +252,7 @@ _slot_sweep = _every(_SLOT_SWEEP_S, "slot file sweep", _sweep_slot_files)
 
 
 async def _health_poll(app: web.Application) -> AsyncIterator[None]:
-    """Every server's /health, every few seconds (servers/pool_health.py): a dead or hung one is marked down, and
+    """Every server's /health, every few seconds (llama/health.py): a dead or hung one is marked down, and
     the requests waiting on it are ended (requests/stranded.py)."""
     load = _server_load(app[ROUTER], app[UPSTREAMS])
     async with health_poll(app[UPSTREAMS], app[FRESH_CLIENT], load, app[STRANDED].end):

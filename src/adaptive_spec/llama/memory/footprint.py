@@ -1,5 +1,5 @@
 """The memory a launch will hold, said before it is spent: the GGUFs' dimensions read here, the GPU asked through
-`nvidia-smi` (or stated by the user), the sums and the verdict from `servers/memory.py`."""
+`nvidia-smi` (or stated by the user), the sums and the verdict from `llama/memory/plan.py`."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from adaptive_spec.errors import ModelError
-from adaptive_spec.servers.gguf_info import model_dims
-from adaptive_spec.servers.memory import MIB, DeviceReport, ServerPlan, describe, verdict
-from adaptive_spec.servers.profiles import ProfileSpec, ServerSettings
+from adaptive_spec.llama.memory.gguf_info import model_dims
+from adaptive_spec.llama.memory.plan import MIB, DeviceReport, ServerPlan, describe, verdict
+from adaptive_spec.llama.profiles import ProfileSpec, ServerSettings
 
 Query = Callable[[], str | None]
 
@@ -58,8 +58,8 @@ def cache_type_k(extra_args: Sequence[str]) -> str:
 
 
 def server_plans(specs: Sequence[ProfileSpec], settings: ServerSettings) -> list[ServerPlan] | None:
-    """Each server to launch as `servers/memory.py` sizes it; None when a model is not a local file (`hf:`: llama-server
-    downloads it) or its header cannot be read."""
+    """Each server to launch as `llama/memory/plan.py` sizes it; None when a model is not a local file (`hf:`:
+    llama-server downloads it) or its header cannot be read."""
     if settings.model.path is None:
         return None
     try:

@@ -18,7 +18,7 @@ from typing import Any
 import platformdirs
 
 from adaptive_spec.common.lru import LRU
-from adaptive_spec.routing.policy import (
+from adaptive_spec.policy.model import (
     Overlay,
     Policy,
     PolicyError,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from adaptive_spec.servers.speculation import Speculation
+from adaptive_spec.llama.speculation import Speculation
 from adaptive_spec.telemetry.events import Event, ProfileDown, ProfileUp
 
 

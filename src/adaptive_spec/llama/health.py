@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 
-from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 
 log = logging.getLogger(__name__)
 # A hung server is found in 2 x (POLL_S + TIMEOUT_S) = 10 s at most (8 s at least). llama-server answers /health from
@@ -36,7 +36,7 @@ WATCH_TIMEOUT_S = 2.0
 
 # A server's URL -> (requests the proxy has in flight on it, its slots), as the router counts them.
 ServerLoad = Callable[[str], tuple[int, int]]
-# Why a replica that answers /health again may not take sessions (None: it may): servers/probe.py other_model.
+# Why a replica that answers /health again may not take sessions (None: it may): llama/probe.py other_model.
 Admit = Callable[[aiohttp.ClientSession, Upstream], Awaitable[str | None]]
 # Told once per server the poll marks down (its URL, the reason): the requests waiting on it are ended there.
 OnDown = Callable[[str, str], object]

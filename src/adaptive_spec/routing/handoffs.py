@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from adaptive_spec.common.means import RunningMean
 from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, SlotAt, SlotMove
-from adaptive_spec.routing.api import Effects, Route, RouteRequest
+from adaptive_spec.routing.contract import Effects, Route, RouteRequest
 from adaptive_spec.routing.decide import Decision
 from adaptive_spec.routing.load import ServerLoad
 from adaptive_spec.routing.placements import Placements

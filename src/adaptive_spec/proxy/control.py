@@ -12,10 +12,10 @@ import orjson
 from aiohttp import web
 
 from adaptive_spec.kv.slots import SlotError, slot_action
+from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.requests.app_keys import CLIENT, ROUTER, UPSTREAMS
 from adaptive_spec.requests.error_responses import error_response
 from adaptive_spec.requests.heads import HEADS
-from adaptive_spec.servers.upstreams import Upstream
 
 _ERASE_TIMEOUT_S = 30.0
 

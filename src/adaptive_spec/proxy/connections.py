@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
+from adaptive_spec.proxy.connection_book import ConnectionBook, ConnectionLimits, descriptor_budget
 from adaptive_spec.requests.error_responses import error_response
-from adaptive_spec.server.connection_book import ConnectionBook, ConnectionLimits, descriptor_budget
 
 __all__ = ["ConnectionWatch", "WatchedSite", "watch_connections"]
 log = logging.getLogger(__name__)

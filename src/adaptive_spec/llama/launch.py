@@ -19,8 +19,7 @@ import aiohttp
 
 from adaptive_spec.common.dirs import state_dir
 from adaptive_spec.errors import ConfigError, LaunchError
-from adaptive_spec.servers.build import find_built
-from adaptive_spec.servers.cpu_faults import (
+from adaptive_spec.llama.binary.cpu_faults import (
     CLEAR_HINT,
     NO_REPACK,
     REPACK_COST,
@@ -29,7 +28,8 @@ from adaptive_spec.servers.cpu_faults import (
     VerdictStore,
     fault_signal,
 )
-from adaptive_spec.servers.profiles import ProfileSpec, ServerSettings, server_argv
+from adaptive_spec.llama.binary.pinned import find_built
+from adaptive_spec.llama.profiles import ProfileSpec, ServerSettings, server_argv
 
 Say = Callable[[str], None]
 _PR_SET_PDEATHSIG = 1
@@ -102,7 +102,7 @@ def _die_with_parent() -> None:
 
 
 def verdict_store() -> VerdictStore:
-    """This machine's CPU verdicts (servers/cpu_faults.py), in the state directory."""
+    """This machine's CPU verdicts (llama/binary/cpu_faults.py), in the state directory."""
     return VerdictStore(state_dir() / VERDICTS_FILE)
 
 

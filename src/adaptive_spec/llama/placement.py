@@ -10,10 +10,10 @@ from typing import Any
 
 import aiohttp
 
-from adaptive_spec.servers.launcher import Launcher
-from adaptive_spec.servers.probe import probe, probe_spec_types
-from adaptive_spec.servers.profiles import ProfileInfo, ProfileSpec, one_server, shared_servers
-from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+from adaptive_spec.llama.launch import Launcher
+from adaptive_spec.llama.probe import probe, probe_spec_types
+from adaptive_spec.llama.profiles import ProfileInfo, ProfileSpec, one_server, shared_servers
+from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 
 ONE_SERVER = "one llama-server, speculation per request"
 PER_PROFILE = "one llama-server per profile"

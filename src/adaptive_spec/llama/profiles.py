@@ -9,9 +9,9 @@ from pathlib import PurePath
 from urllib.parse import urlsplit
 
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.servers import capabilities
-from adaptive_spec.servers.capabilities import Capabilities
-from adaptive_spec.servers.speculation import PerRequestSupport, Speculation
+from adaptive_spec.llama.binary import capabilities
+from adaptive_spec.llama.binary.capabilities import Capabilities
+from adaptive_spec.llama.speculation import PerRequestSupport, Speculation
 
 DRAFT_TYPES = {"dflash": "draft-dflash", "mtp": "draft-mtp", "eagle3": "draft-eagle3", "simple": "draft-simple"}
 # Drafters that read a separate draft GGUF (-md); MTP drafts with the target model's own heads.

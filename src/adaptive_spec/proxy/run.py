@@ -26,18 +26,10 @@ from adaptive_spec.kv.heads.options import launched_heads
 from adaptive_spec.kv.heads.store import HeadsConfig
 from adaptive_spec.kv.movers import RelayMoverPlan, SharedDirMover, SlotMover, start_relay_mover
 from adaptive_spec.kv.remote_prefill.shell import RemotePrefillPlan, start_remote_prefill
-from adaptive_spec.requests.app_keys import LIFECYCLE
-from adaptive_spec.routing.policy_files import PolicyStore, config_dir
-from adaptive_spec.server.app import KvSetup, ProxySettings, build_app
-from adaptive_spec.server.app_stop import stop_app
-from adaptive_spec.server.connection_book import ConnectionLimits
-from adaptive_spec.server.connections import WatchedSite, watch_connections
-from adaptive_spec.server.event_loop import loop_factory, loop_name
-from adaptive_spec.server.session_tokens import choose_tokenizer
-from adaptive_spec.servers.cpu_faults import RepackMode
-from adaptive_spec.servers.footprint import device_report, launch_lines
-from adaptive_spec.servers.launcher import HUNG_RESTART_S, KILL_AFTER_S, Launcher, describe_binary
-from adaptive_spec.servers.profile_servers import (
+from adaptive_spec.llama.binary.cpu_faults import RepackMode
+from adaptive_spec.llama.launch import HUNG_RESTART_S, KILL_AFTER_S, Launcher, describe_binary
+from adaptive_spec.llama.memory.footprint import device_report, launch_lines
+from adaptive_spec.llama.placement import (
     STOCK,
     Launched,
     first_servers,
@@ -49,7 +41,7 @@ from adaptive_spec.servers.profile_servers import (
     settle,
     startup_lines,
 )
-from adaptive_spec.servers.profiles import (
+from adaptive_spec.llama.profiles import (
     AttachedProfile,
     ProfileInfo,
     ProfileSpec,
@@ -58,11 +50,19 @@ from adaptive_spec.servers.profiles import (
     replica_mismatch,
     speculation_problem,
 )
-from adaptive_spec.servers.upstreams import Upstream, UpstreamTable
+from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
+from adaptive_spec.policy.files import PolicyStore, config_dir
+from adaptive_spec.proxy.app import KvSetup, ProxySettings, build_app
+from adaptive_spec.proxy.app_stop import stop_app
+from adaptive_spec.proxy.connection_book import ConnectionLimits
+from adaptive_spec.proxy.connections import WatchedSite, watch_connections
+from adaptive_spec.proxy.event_loop import loop_factory, loop_name
+from adaptive_spec.requests.app_keys import LIFECYCLE
 from adaptive_spec.sessions.grouping import ECHO_FINGERPRINTS
 from adaptive_spec.sessions.ngram_replay import NgramParams
 from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker
+from adaptive_spec.sessions.token_source import choose_tokenizer
 from adaptive_spec.sessions.tokenizers import CachingTokenizer
 from adaptive_spec.telemetry.bus import EventBus
 from adaptive_spec.telemetry.events import Event, ProfileDown, ProfileUp
@@ -76,7 +76,7 @@ def say(message: str) -> None:
 # The stop after the grace, each phase bounded so that `serve` exits within the grace + 5 s whatever llama-server is
 # computing: the requests ended at the grace write their error (ms), then at once the proxy's own tasks stop (event
 # feeds, health poll, statistics worker) beside the children's SIGTERM, SIGKILL after KILL_AFTER_S. The proxy's
-# steps are bounded apart (server/app_stop.py): 3.5 s at most.
+# steps are bounded apart (proxy/app_stop.py): 3.5 s at most.
 _ENDED_WRITE_S = 0.5  # the ended requests' errors going out
 _AIOHTTP_SHUTDOWN_S = 0.5  # aiohttp's own wait per connection (twice at most): the handlers have ended already
 
@@ -89,7 +89,7 @@ class LaunchPlan:
     start_timeout_s: float = 600.0  # each profile's time to become healthy
     device_memory_mib: int | None = None  # fit the launch to a device of this size instead of asking nvidia-smi
     one_server: bool = True  # the profiles as per-request settings of one llama-server, when it takes them
-    repack: RepackMode = "auto"  # CPU weight repacking (servers/cpu_faults.py): --cpu-repack
+    repack: RepackMode = "auto"  # CPU weight repacking (llama/binary/cpu_faults.py): --cpu-repack
     hung_restart_s: float = HUNG_RESTART_S  # a server marked down this long is killed and restarted
 
 
@@ -125,7 +125,7 @@ class ServePlan:
     relays: RelayMoverPlan | None = None  # --relay SERVER_URL=RELAY_URL: KV moves between hosts
     heads: HeadsConfig | None = None  # warm starts (kv/heads/): None with --no-heads
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)  # slow and idle clients, the cap
-    event_loop: str = "asyncio"  # server/event_loop.py: asyncio or uvloop
+    event_loop: str = "asyncio"  # proxy/event_loop.py: asyncio or uvloop
     agents_note: str | None = None  # which embedded model suits coding agents, said after start
 
 

@@ -10,9 +10,9 @@ from urllib.parse import quote
 import aiohttp
 
 from adaptive_spec.errors import LaunchError
-from adaptive_spec.servers.profiles import ProfileInfo
-from adaptive_spec.servers.speculation import PerRequestSupport
-from adaptive_spec.servers.upstreams import Upstream
+from adaptive_spec.llama.profiles import ProfileInfo
+from adaptive_spec.llama.speculation import PerRequestSupport
+from adaptive_spec.llama.upstreams import Upstream
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str, timeout_s: float = 30.0) -> Any:
