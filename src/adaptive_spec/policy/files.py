@@ -198,13 +198,13 @@ class PolicyStore:
         with self._lock:
             messages, self._pending = self._pending, []
             changed = [m for f in self._all_files() if (m := f.check(self._known))]
-            for message in changed:
-                self._log(message)
             if changed or self._stale:
                 # The base policy stays published: the router reads it on the event loop after a refresh.
                 keys = {_BASE, *([] if self._stale else self._snapshot)}
                 self._stale = False
                 self._snapshot = MappingProxyType({k: self._merge(self._files_of(*k)) for k in keys})
+            for message in changed:  # said once the new snapshot is in force: "reloaded" means it applies
+                self._log(message)
         return messages + changed
 
     def problems(self) -> list[Problem]:
