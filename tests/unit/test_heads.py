@@ -230,3 +230,29 @@ async def test_an_idle_sessions_state_is_saved_once_and_only_if_its_slot_served_
         await store.settled()
         assert store.counts["failed"] == 2, store.counts
         await store.close()
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_a_request_forwarded_while_a_turn_ran_keeps_that_turn_from_being_saved(tmp_path: Path) -> None:
+    """One slot: a request sent while the session's turn was still generating runs after it, in the same slot."""
+    async with aiohttp.ClientSession() as client:
+        store = HeadStore(HeadsConfig(tmp_path / "heads"), tmp_path / "slots", lambda: client)
+        upstream = Upstream("p", "http://127.0.0.1:9")  # a save that is tried fails at once, and is counted
+        store.forwarded(upstream, None, "turn")
+        store.forwarded(upstream, None, "other")  # queued behind the turn by llama-server
+        store.served(
+            upstream, None, PIECES, [400, 500, 100], None, (1000, 8), None, ("agent", "p", ""),
+            first=False, session="s", idle_s=0.05, mark=store.mark_of("turn"),
+        )  # fmt: skip
+        await asyncio.sleep(0.3)
+        await store.settled()
+        assert store.counts["failed"] == 0, store.counts  # not tried: the slot holds the other prompt
+        store.forwarded(upstream, None, "next")
+        store.served(
+            upstream, None, PIECES, [400, 500, 100], None, (1000, 8), None, ("agent", "p", ""),
+            first=False, session="s", idle_s=0.05, mark=store.mark_of("next"),
+        )  # fmt: skip
+        await asyncio.sleep(0.3)
+        await store.settled()
+        assert store.counts["failed"] == 1, store.counts  # nothing after it: tried
+        await store.close()

@@ -39,7 +39,7 @@ async def before_forward(request: web.Request, req: ProxyRequest, chosen: Upstre
         log.exception("heads: request %s goes on without a warm start", req.request_id)
     store = app.get(HEADS)
     if store is not None:
-        store.forwarded(chosen, req.route.slot if req.route is not None else None)
+        store.forwarded(chosen, req.route.slot if req.route is not None else None, req.request_id)
 
 
 def served(request: web.Request, req: ProxyRequest, chosen: Upstream) -> None:
@@ -93,6 +93,7 @@ def _served(app: web.Application, req: ProxyRequest, chosen: Upstream, scope: st
     if store is None or route is None:
         return
     arriving, restored = store.end(req.request_id)
+    mark = store.mark_of(req.request_id)
     if timings is None or req.outcome.status != 200 or req.assignment is None or not route.pieces:
         return
     policy = _policy(app, req)
@@ -112,6 +113,7 @@ def _served(app: web.Application, req: ProxyRequest, chosen: Upstream, scope: st
         first=arriving and not history,
         session=None if route.decision.side else req.assignment.session_id,
         idle_s=policy.session_idle_s,
+        mark=mark,
     )
 
 

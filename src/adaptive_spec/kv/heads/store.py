@@ -134,6 +134,9 @@ class HeadStore:
         self._generations: dict[str, int] = {}  # each server's restarts: a restarted server lost every session's KV
         # Sessions the store has seen: the server and its generation at their latest request.
         self._seen: LRU[str, tuple[str, int]] = LRU(100_000)
+        # What had been forwarded that could use each request's slot, its own forward included (`_mark`): a later
+        # one, even one sent while the request still ran, leaves that slot holding another prompt.
+        self._marks: LRU[str, tuple[int, int]] = LRU(4096)
         # Sessions whose state is saved once they have been idle a while: the timer, and the server it waits for.
         self._idle_saves: dict[str, tuple[asyncio.TimerHandle, str]] = {}
         # First requests under way, and the head restored for each (bounded: one that raised never ends).
@@ -163,15 +166,21 @@ class HeadStore:
         self._seen.put(session_id, now)
         return before is None or (before[0] == now[0] and before[1] != now[1])
 
-    def forwarded(self, upstream: Upstream, slot: int | None = None) -> None:
+    def forwarded(self, upstream: Upstream, slot: int | None = None, request_id: str | None = None) -> None:
         """Every request forwarded to a server, counted: one between a restore and its request took the slot, and
-        one since a session's turn (to its slot, or to no slot named) leaves that slot holding another prompt."""
+        one after a session's turn (to its slot, or to no slot named) leaves that slot holding another prompt."""
         base = upstream.base_url
         self._forwards[base] = self._forwards.get(base, 0) + 1
         if slot is None:
             self._unpinned[base] = self._unpinned.get(base, 0) + 1
         else:
             self._pinned[(base, slot)] = self._pinned.get((base, slot), 0) + 1
+        if request_id is not None:
+            self._marks.put(request_id, self._mark(upstream, slot))
+
+    def mark_of(self, request_id: str) -> tuple[int, int] | None:
+        """The request's `_mark` as it was forwarded (None: not forwarded through `forwarded`)."""
+        return self._marks.pop(request_id)
 
     def begin(self, request_id: str, restored: Restored | None) -> None:
         self._firsts.put(request_id, restored)
@@ -220,12 +229,13 @@ class HeadStore:
         first: bool = True,
         session: str | None = None,
         idle_s: float = 0.0,
+        mark: tuple[int, int] | None = None,
     ) -> None:
         """A session's request was served: learn an inert restore (`cache_n` None: not reported). Its `first` turn
         (no reply in its prompt yet) is saved as a head in the background, when it has `min_tokens` or more; any
         other turn of `session` that long is saved as the session's state once the session has been `idle_s`
-        seconds without a request and its slot served nothing else meanwhile (0: never). `tokens`: its prompt's
-        and its reply's; `owner`: its agent, project and tenant scope."""
+        seconds without a request and its slot served nothing else since it was forwarded (`mark`, from `mark_of`;
+        0: never). `tokens`: its prompt's and its reply's; `owner`: its agent, project and tenant scope."""
         if restored is not None and cache_n is not None:
             if inert(restored.tokens, cache_n):
                 self._judge(upstream, restored, cache_n)
@@ -239,7 +249,7 @@ class HeadStore:
         if first:
             self._spawn(self._save_logged(upstream, slot, head))
         elif session and idle_s > 0:
-            self._save_when_idle(upstream, slot, replace(head, session=session), idle_s)
+            self._save_when_idle(upstream, slot, replace(head, session=session), idle_s, mark)
 
     def warm_start(
         self, upstream: Upstream, when: str, on_fresh: Callable[[], None] = lambda: None, restore: bool = True
@@ -315,10 +325,13 @@ class HeadStore:
             return self._forwards.get(base, 0), 0
         return self._unpinned.get(base, 0), self._pinned.get((base, slot), 0)
 
-    def _save_when_idle(self, upstream: Upstream, slot: int | None, head: _Head, idle_s: float) -> None:
+    def _save_when_idle(
+        self, upstream: Upstream, slot: int | None, head: _Head, idle_s: float, mark: tuple[int, int] | None
+    ) -> None:
         if len(self._idle_saves) >= _MAX_IDLE_SAVES:
             self._cancel_idle(next(iter(self._idle_saves)))
-        mark = self._mark(upstream, slot)
+        if mark is None:
+            mark = self._mark(upstream, slot)
 
         def fire() -> None:
             self._idle_saves.pop(head.session, None)
