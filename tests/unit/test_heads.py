@@ -195,10 +195,17 @@ async def test_a_restore_is_tried_on_a_sessions_first_request_and_its_first_afte
         assert not store.arriving(None, one)
 
 
-async def _turn(store: HeadStore, upstream: Upstream, session: str, idle_s: float, first: bool = False) -> None:
+async def _turn(
+    store: HeadStore,
+    upstream: Upstream,
+    session: str,
+    idle_s: float,
+    first: bool = False,
+    mark: tuple[int, int] | None = None,
+) -> None:
     store.served(
         upstream, None, PIECES, [400, 500, 100], None, (1000, 8), None, ("agent", "p", ""),
-        first=first, session=session, idle_s=idle_s,
+        first=first, session=session, idle_s=idle_s, mark=mark,
     )  # fmt: skip
 
 
@@ -240,18 +247,12 @@ async def test_a_request_forwarded_while_a_turn_ran_keeps_that_turn_from_being_s
         upstream = Upstream("p", "http://127.0.0.1:9")  # a save that is tried fails at once, and is counted
         store.forwarded(upstream, None, "turn")
         store.forwarded(upstream, None, "other")  # queued behind the turn by llama-server
-        store.served(
-            upstream, None, PIECES, [400, 500, 100], None, (1000, 8), None, ("agent", "p", ""),
-            first=False, session="s", idle_s=0.05, mark=store.mark_of("turn"),
-        )  # fmt: skip
+        await _turn(store, upstream, "s", idle_s=0.05, mark=store.mark_of("turn"))
         await asyncio.sleep(0.3)
         await store.settled()
         assert store.counts["failed"] == 0, store.counts  # not tried: the slot holds the other prompt
         store.forwarded(upstream, None, "next")
-        store.served(
-            upstream, None, PIECES, [400, 500, 100], None, (1000, 8), None, ("agent", "p", ""),
-            first=False, session="s", idle_s=0.05, mark=store.mark_of("next"),
-        )  # fmt: skip
+        await _turn(store, upstream, "s", idle_s=0.05, mark=store.mark_of("next"))
         await asyncio.sleep(0.3)
         await store.settled()
         assert store.counts["failed"] == 1, store.counts  # nothing after it: tried
