@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -233,6 +234,59 @@ def test_a_third_identical_call_is_answered_in_text_on_the_cached_prefix(
     assert record["repeat_guard"] == "write_file ×3 in a row, same arguments: note added, text answer asked"
     # tool_choice "none" keeps the tools in the prompt: the earlier turn's prefix is reused, not prefilled again.
     assert record["timings"]["cache_n"] >= first["timings"]["prompt_n"] + first["timings"]["cache_n"] - 8
+
+
+def _anthropic_looping(times: int) -> dict[str, Any]:
+    """`_looping` as an Anthropic /v1/messages body: each write a `tool_use` block, each result a `tool_result`."""
+    messages: list[Any] = [{"role": "user", "content": "Create hello.py that prints hello."}]
+    for i in range(times):
+        use = {"type": "tool_use", "id": f"c{i}", "name": "write_file", "input": {"path": "hello.py", "content": "x"}}
+        messages.append({"role": "assistant", "content": [use]})
+        result = {"type": "tool_result", "tool_use_id": f"c{i}", "content": "Wrote file successfully."}
+        messages.append({"role": "user", "content": [result]})
+    tools = [
+        {
+            "name": t["function"]["name"],
+            "description": t["function"]["description"],
+            "input_schema": t["function"]["parameters"],
+        }
+        for t in TOOLS
+    ]
+    return {
+        "model": "m",
+        "max_tokens": 120,
+        "temperature": 0,
+        "system": SYSTEM["content"],
+        "tools": tools,
+        "messages": messages,
+    }
+
+
+def test_the_patched_server_answers_anthropic_tool_choice_none_in_text(server: LlamaServer) -> None:
+    """Patch 0005: the same first turn that ends in a call under {"type": "auto"} is text under {"type": "none"}."""
+
+    def ask(choice: str) -> dict[str, Any]:
+        body = {**_anthropic_looping(0), "tool_choice": {"type": choice}}
+        return dict(http_json(server.url + "/v1/messages", body, timeout=600))
+
+    auto, none = ask("auto"), ask("none")
+    assert "tool_use" in [b["type"] for b in auto["content"]], auto
+    assert [b["type"] for b in none["content"]] == ["text"] and none["stop_reason"] == "end_turn", none
+
+
+def test_a_third_identical_call_on_messages_is_answered_in_text(guarded_proxy: ProxyProcess) -> None:
+    """Claude Code's loop: on /v1/messages the guard asks for {"type": "none"}, which the patched server honours."""
+    url = guarded_proxy.base + "/v1/messages"
+    session = {"x-session-id": "loop-messages"}
+    request = urllib.request.Request(
+        url, json.dumps(_anthropic_looping(3)).encode(), {"content-type": "application/json", **session}
+    )
+    with urllib.request.urlopen(request, timeout=600) as resp:
+        reply = json.loads(resp.read())
+    assert reply["stop_reason"] == "end_turn", reply
+    assert [b["type"] for b in reply["content"]] == ["text"] and reply["content"][0]["text"].strip(), reply
+    record = guarded_proxy.requests()[-1]
+    assert record["repeat_guard"] == "write_file ×3 in a row, same arguments: note added, text answer asked"
 
 
 def test_a_second_identical_call_gets_the_note_and_keeps_its_tools(guarded_proxy: ProxyProcess) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from adaptive_spec.requests.apis import TRAITS, Api, traits
-from adaptive_spec.requests.parse import split_path
+from adaptive_spec.requests.body.parse import split_path
 
 
 @pytest.mark.parametrize(
@@ -38,5 +38,6 @@ def test_the_columns_say_what_llama_server_does_with_each_api() -> None:
     assert {a for a in Api if traits(a).takes_slot} == {Api.CHAT, Api.COMPLETIONS}
     # the Anthropic stream carries no timings at all: no live draft progress there
     assert {a for a in Api if traits(a).progress} == {Api.CHAT, Api.COMPLETIONS, Api.RESPONSES}
-    assert {a for a in Api if traits(a).text_choice} == {Api.CHAT, Api.RESPONSES}
+    # tool_choice none: on /v1/messages a patched server maps {"type": "none"} (0005); a stock one ignores it
+    assert {a for a in Api if traits(a).text_choice} == {Api.CHAT, Api.RESPONSES, Api.MESSAGES}
     assert {a for a in Api if traits(a).speculation} == generating

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from adaptive_spec.requests.repeats import RepeatedCall, guard, trailing_repeat
+from adaptive_spec.requests.body.repeats import RepeatedCall, guard, trailing_repeat
 
 WRITE = {"name": "write", "arguments": '{"filePath": "hello.py", "content": "Hello world!"}'}
 # The same arguments, its keys in another order and spaced differently: the same call.
@@ -95,18 +95,29 @@ def test_responses_and_messages_get_the_note_in_their_own_shape() -> None:
     assert responses.body["input"][-1]["content"][0]["type"] == "input_text"
     body = _messages(WRITE, WRITE, WRITE)
     messages = guard("messages", body, RepeatedCall("write", 3), 2, 3)
-    # llama-server's Anthropic conversion drops tool_choice "none": the note alone, inside the last user message
-    # (the API wants user and assistant turns to alternate).
-    assert messages is not None and not messages.text_only and "tool_choice" not in messages.body
+    # The note inside the last user message (the API wants user and assistant turns to alternate), and a text answer
+    # asked in Anthropic's words (a patched llama-server maps it to "none"; a stock one ignores it).
+    assert messages is not None and messages.text_only and messages.body["tool_choice"] == {"type": "none"}
     last = messages.body["messages"][-1]
     assert last["role"] == "user" and [b["type"] for b in last["content"]] == ["tool_result", "text"]
     assert body["messages"][-1]["content"] == [b for b in last["content"] if b["type"] == "tool_result"]
 
 
+def test_an_anthropic_choice_of_a_call_is_kept() -> None:
+    for choice in ({"type": "any"}, {"type": "tool", "name": "write"}):
+        body = {**_messages(WRITE, WRITE, WRITE), "tool_choice": choice}
+        guarded = guard("messages", body, RepeatedCall("write", 3), 2, 3)
+        assert guarded is not None and not guarded.text_only and guarded.body["tool_choice"] == choice
+    auto = guard(
+        "messages", {**_messages(WRITE, WRITE, WRITE), "tool_choice": {"type": "auto"}}, RepeatedCall("write", 3), 2, 3
+    )
+    assert auto is not None and auto.body["tool_choice"] == {"type": "none"}
+
+
 def test_a_long_run_of_different_calls_is_read_only_to_the_first_difference(monkeypatch: pytest.MonkeyPatch) -> None:
     # An agent's turn after 200 different calls (each with a file's content) is on the request path: the history's
     # calls are not all parsed.
-    from adaptive_spec.requests import repeats
+    from adaptive_spec.requests.body import repeats
 
     read: list[Any] = []
     canonical = repeats._canonical

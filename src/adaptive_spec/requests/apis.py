@@ -1,6 +1,6 @@
 """The APIs the proxy tells apart, and what each one does, in one table: a question about a request's API ("does it
 generate?", "are its errors Anthropic's?") is a column here, not a set of names kept in the module that asks.
-The names are the proxy's own words; a request's path decides its API once (`requests/parse.py`)."""
+The names are the proxy's own words; a request's path decides its API once (`requests/body/parse.py`)."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ class Traits:
     # llama-server can annotate its stream with per-token timings (the live draft progress). Its Anthropic stream
     # carries no timings at all, asked or not (b11434): only usage at the end.
     progress: bool = False
-    # llama-server takes `tool_choice: "none"` (tools still rendered, so the prompt's cached prefix stays, but no
-    # call is parsed); its Anthropic conversion drops {"type": "none"}, so the repeat guard's /v1/messages gets its
-    # note alone.
+    # llama-server takes `tool_choice` none (tools still rendered, so the prompt's cached prefix stays, but no call
+    # is parsed). On /v1/messages ({"type": "none"}) only a patched server honours it (patch 0005): a stock one's
+    # conversion drops it, and the repeat guard's note then comes alone.
     text_choice: bool = False
     checked_errors: bool = False  # an error body from llama-server is read and put in the API's shape
 
@@ -53,7 +53,7 @@ TRAITS: dict[str, Traits] = {
     Api.COMPLETIONS: Traits(generates=True, speculation=True, takes_slot=True, progress=True, checked_errors=True),
     Api.COMPLETION: _GENERATING,
     Api.RESPONSES: Traits(generates=True, speculation=True, progress=True, text_choice=True, checked_errors=True),
-    Api.MESSAGES: Traits(generates=True, speculation=True, anthropic=True, checked_errors=True),
+    Api.MESSAGES: Traits(generates=True, speculation=True, anthropic=True, text_choice=True, checked_errors=True),
     Api.COUNT_TOKENS: Traits(anthropic=True, checked_errors=True),
     Api.MODELS: Traits(),
     Api.OTHER: Traits(),
