@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import LlamaServer, ProxyProcess
+from tests.support.servers import LlamaServer, ProxyProcess, wait_until
 
 USER_AGENT = "QwenCode/0.24.4 (linux; x64)"
 
@@ -97,3 +97,40 @@ def test_one_session_per_conversation_and_its_background_requests_are_side(proxy
         assert records[0]["session_source"] == "new" and records[1]["session_source"].startswith("echo:")
         assert {r["client"] for r in records} == {"qwen-code"} and {r["status"] for r in records} == {200}
     assert one[0]["session_id"] != two[0]["session_id"]
+
+
+def test_a_first_request_given_up_on_and_sent_again_stays_one_conversation(proxy: ProxyProcess) -> None:
+    """Qwen Code ends a first request when its timeout runs out before an answer and sends it again: the retry joins
+    the abandoned attempt's session (`retry`), so the conversation is one session, not one per attempt."""
+    first: list[dict[str, Any]] = [
+        {"role": "user", "content": [{"type": "text", "text": "Create retry.py that prints hello."}]}
+    ]
+    body = {
+        "model": "local",
+        "max_tokens": 4000,
+        "ignore_eos": True,  # still writing when the client gives up
+        "stream": True,
+        "messages": [{"role": "system", "content": MAIN_SYSTEM}, *first],
+        "tools": MAIN_TOOLS,
+    }
+    req = urllib.request.Request(
+        proxy.base + "/p/qwen/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "User-Agent": USER_AGENT},
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:  # given up on at the first chunk
+        request_id = resp.headers["x-adaptive-spec-request-id"]
+        resp.readline()
+    wait_until(lambda: any(r["request_id"] == request_id for r in proxy.requests()), 60, "the abandoned record")
+    abandoned = next(r for r in proxy.requests() if r["request_id"] == request_id)
+    assert (abandoned["status"], abandoned["session_source"]) == (499, "new"), abandoned
+    reply, again = _send(proxy, MAIN_SYSTEM, MAIN_TOOLS, first, seed=3)
+    assert (again["session_id"], again["session_source"]) == (abandoned["session_id"], "retry"), again
+    # Answered now: the conversation goes on by the reply echo, in the same session.
+    follow: list[dict[str, Any]] = [
+        *first,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "Now print bye."},
+    ]
+    _, next_turn = _send(proxy, MAIN_SYSTEM, MAIN_TOOLS, follow, seed=4)
+    assert next_turn["session_id"] == abandoned["session_id"], next_turn

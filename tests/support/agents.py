@@ -91,6 +91,39 @@ def records(proxy: ProxyProcess, project: str) -> list[dict[str, Any]]:
     return sorted((r for r in got if r["project"] == project), key=lambda r: r["started_at_unix"])
 
 
+def _first_request(gen: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The conversation's first answered request: its prompt (llama-server's count), the estimate and time to the
+    first token, and how many attempts before it were given up on."""
+    answered = [r for r in gen if r["status"] == 200]
+    if not answered:
+        return None
+    first, timings = answered[0], answered[0]["timings"] or {}
+    return {
+        "prompt_tokens": timings.get("prompt_n", 0) + timings.get("cache_n", 0),
+        "cached": timings.get("cache_n"),
+        "estimate": first.get("new_tokens_est"),
+        "ttft_ms": first.get("ttft_ms"),
+        "attempts_before": sum(r["status"] == 499 and r["started_at_unix"] < first["started_at_unix"] for r in gen),
+    }
+
+
+def _followup_error(gen: list[dict[str, Any]]) -> dict[str, Any]:
+    """The estimate of the new prompt tokens against llama-server's prompt_n on the answered follow-ups: median
+    relative error and how many within 15%."""
+    pairs = [
+        (r["new_tokens_est"], (r["timings"] or {})["prompt_n"])
+        for r in gen
+        if r["status"] == 200 and r.get("new_tokens_est") is not None and (r["timings"] or {}).get("cache_n")
+        if (r["timings"] or {}).get("prompt_n")
+    ]
+    errors = sorted(abs(e - t) / t for e, t in pairs)
+    return {
+        "turns": len(pairs),
+        "median": round(errors[len(errors) // 2], 3) if errors else None,
+        "within_15": sum(e <= 0.15 for e in errors),
+    }
+
+
 def summary(
     agent: str, recs: list[dict[str, Any]], expected_sessions: int, done: list[Any], notes: str = ""
 ) -> dict[str, Any]:
@@ -110,6 +143,8 @@ def summary(
         "drafted": sum((r["timings"] or {}).get("draft_n", 0) for r in gen),
         "accepted": sum((r["timings"] or {}).get("draft_n_accepted", 0) for r in gen),
         "new_tokens": [{"est": r.get("new_tokens_est"), "true": (r["timings"] or {}).get("prompt_n")} for r in gen],
+        "first_request": _first_request(gen),
+        "followup_error": _followup_error(gen),
         "client_exit": [getattr(d, "returncode", None) for d in done],
         "notes": notes,
     }

@@ -102,6 +102,27 @@ def test_clients_without_ids_are_grouped_by_reply_echo_not_by_shared_prompts() -
     assert c1.source == "new" and c1.session_id not in (a1.session_id, b1.session_id)
 
 
+def test_a_first_request_given_up_on_and_sent_again_keeps_its_session() -> None:
+    """Qwen Code ends a first request after its timeout and sends it again: one conversation, not one per attempt."""
+    registry = SessionRegistry()
+    first = _chat(SYSTEM, ("user", "Create hello.py that prints hello."))
+    gave_up = registry.assign({}, first)
+    registry.note_unanswered(gave_up, first)
+    again = registry.assign({}, json.loads(json.dumps(first)))  # the same bytes, parsed anew
+    assert (again.session_id, again.source) == (gave_up.session_id, "retry")
+    # Answered this time: a later identical first request is a new conversation (the user asked again).
+    registry.note_reply(again.session_id, REPLY_A, [])
+    later = registry.assign({}, first)
+    assert later.source == "new" and later.session_id != gave_up.session_id
+    # Only a conversation's first request is kept for a retry, and only a body that holds a conversation.
+    other = _chat(SYSTEM, ("user", "something else"))
+    registry.note_unanswered(again, other)  # its source is "retry", not "new"
+    assert registry.assign({}, other).source == "new"
+    empty = registry.assign({}, {"model": "m"})
+    registry.note_unanswered(empty, {"model": "m"})
+    assert registry.assign({}, {"model": "m"}).source == "new"
+
+
 def test_reply_served_to_two_sessions_groups_neither() -> None:
     registry = SessionRegistry()
     registry.note_reply("s1", "Sure, here is the complete updated file for you.", [])

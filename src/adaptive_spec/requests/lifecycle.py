@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from adaptive_spec.requests.apis import traits
+from adaptive_spec.requests.body.parse import ParsedRequest, RoutedPath
+from adaptive_spec.requests.body.repeats import Guarded
 from adaptive_spec.requests.outcome import NOT_ANSWERED, Outcome
-from adaptive_spec.requests.parse import ParsedRequest, RoutedPath
-from adaptive_spec.requests.repeats import Guarded
 from adaptive_spec.routing.contract import Completion, Refusal, Route
 from adaptive_spec.routing.decide import Decision
 from adaptive_spec.routing.router import Router
@@ -55,7 +55,7 @@ class ProxyRequest:
     pool_size: int = 1  # how many servers that profile has
     speculation: dict[str, Any] | None = None  # the per-request speculation fields it was sent with
     guard: Guarded | None = None  # what was done to break a loop of one tool call
-    repaired: str | None = None  # what was rewritten of a shape llama-server refuses (requests/compat.py)
+    repaired: str | None = None  # what was rewritten of a shape llama-server refuses (requests/body/compat.py)
     sent: tuple[dict[str, Any], bytes] | None = None  # the body sent upstream instead of the client's (parsed, bytes)
 
     @property
@@ -166,7 +166,11 @@ class RequestLifecycle:
         line_moved = False
         if req.route is not None:
             line_moved = self.router.complete(req.route, Completion(finished, meter.timings, meter.output.text))
-        if finished and self.sessions is not None and assignment is not None and req.parsed is not None:
+        if self.sessions is None or assignment is None or req.parsed is None:
+            return
+        if not finished:
+            self.sessions.unanswered(assignment, req.parsed.body)
+        else:
             self.sessions.finished(
                 assignment,
                 req.project,

@@ -39,12 +39,15 @@ _SCAN_CACHE_TEXTS = 32_768
 _SCAN_CACHE_KEYS = 1_000_000
 # Sessions whose id the fingerprints share (one string a session, not a copy per reply: see `SessionRegistry`).
 _SHARED_IDS = 10_000
+# First requests that got no answer (the client gave up), kept so that the client's retry joins their session.
+_UNANSWERED = 1024
 
 
 @dataclass(frozen=True, slots=True)
 class SessionAssignment:
     session_id: str
-    source: str  # "header:<name>", "body:<field>", "echo:reply", "echo:tool-call", "echo:lines", "new"
+    # "header:<name>", "body:<field>", "echo:reply", "echo:tool-call", "echo:lines", "retry", "new"
+    source: str
     parent_id: str | None = None
     subagent: bool = False
 
@@ -109,6 +112,19 @@ def _echo_lines(text: str) -> Iterator[str]:
 # An echo line's key in the served-lines table: Python's keyed string hash (process-local, as the table is), ~10x
 # cheaper than a digest; 64 bits, so a false match among 200,000 served lines is ~1e-14 a line.
 _line_key = hash
+
+
+def _conversation_digest(body: Mapping[str, Any]) -> bytes | None:
+    """The digest of a request's conversation as the client sent it (its system field, messages, input, prompt);
+    None for a body with none of them."""
+    parts = [body.get(name) for name in ("system", "messages", "input", "prompt")]
+    if not any(parts):
+        return None
+    try:
+        text = orjson.dumps(parts)
+    except TypeError:
+        text = repr(parts).encode()
+    return hashlib.blake2b(text, digest_size=12).digest()
 
 
 def echo_line_keys(text: str) -> array[int]:
@@ -207,6 +223,7 @@ class SessionRegistry:
         self._served_log: array[int] = array("q")
         self._log_start = 0
         self._log_limit = 2 * max(1, max_fingerprints)  # 8 bytes a key; past it the older half goes
+        self._unanswered: LRU[bytes, str] = LRU(_UNANSWERED)
         self._counter = itertools.count(1)
 
     def assign(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> SessionAssignment:
@@ -220,7 +237,17 @@ class SessionRegistry:
             return SessionAssignment(echoed[0], echoed[1], parent, subagent)
         if parent is not None:
             return SessionAssignment(parent, "header:parent", parent, True)
+        retried = self._unanswered.pop(digest) if self._unanswered and (digest := _conversation_digest(body)) else None
+        if retried is not None:
+            return SessionAssignment(retried, "retry", None, subagent)
         return SessionAssignment(f"s{next(self._counter):06d}", "new", None, subagent)
+
+    def note_unanswered(self, assignment: SessionAssignment, body: Mapping[str, Any]) -> None:
+        """A conversation's first request ended with no answer (an agent that gives up on a long prefill sends it
+        again): the same request, sent again, joins its session instead of starting one. Once, then forgotten."""
+        digest = _conversation_digest(body) if assignment.source == "new" else None
+        if digest is not None:
+            self._unanswered.put(digest, assignment.session_id)
 
     def note_reply(self, session_id: str, text: str, tool_call_ids: list[str]) -> None:
         """Remember what the proxy served, so a later request that carries it back is grouped with it."""

@@ -95,6 +95,10 @@ class SessionService:
         self._projects.put(assignment.session_id, project)
         return assignment, project
 
+    def unanswered(self, assignment: SessionAssignment, body: Mapping[str, Any]) -> None:
+        """A request ended with nothing served: a conversation's first one may be sent again (`note_unanswered`)."""
+        self.registry.note_unanswered(assignment, body)
+
     def finished(
         self,
         assignment: SessionAssignment,
