@@ -11,7 +11,7 @@ recorded request then carries the stub's reply, so the cache breaks there as it 
 The server runs the chat template `serve` launches the embedded model with (`--gguf-template`: the GGUF's own).
 
 Before: the router's estimate until now (body bytes / learned bytes per token, minus the session's cached tokens when
-its KV lives there). After: `routing/prefix.py` (pieces compared with what the session's slot holds,
+its KV lives there). After: `routing/prompt/prefix.py` (pieces compared with what the session's slot holds,
 llama-server's own counts). Prints both and writes them to `--out` (JSON).
 
     python benchmarks/estimates.py [--fixtures DIR] [--out benchmarks/results/estimates.json]
@@ -33,8 +33,8 @@ from tests.support.servers import LlamaServer, http_json
 
 from adaptive_spec.llama.models import embedded_chat_template, ensure_embedded
 from adaptive_spec.policy.model import Policy
-from adaptive_spec.routing import prefix
-from adaptive_spec.routing.pieces import prompt_pieces
+from adaptive_spec.routing.prompt import prefix
+from adaptive_spec.routing.prompt.pieces import prompt_pieces
 from adaptive_spec.routing.speeds import SpeedModel
 from adaptive_spec.streams.output import body_output
 from adaptive_spec.streams.timings import find_timings, find_usage, timings_from_usage

@@ -56,12 +56,12 @@ from adaptive_spec.common.headers import PARENT_SESSION_HEADERS, SESSION_HEADERS
 from adaptive_spec.llama.launch import free_port
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.requests import handler
+from adaptive_spec.requests.body.parse import ParsedRequest, parse_body, split_path
 from adaptive_spec.requests.lifecycle import ProxyRequest, RequestLifecycle
 from adaptive_spec.requests.outcome import SERVED
-from adaptive_spec.requests.parse import ParsedRequest, parse_body, split_path
-from adaptive_spec.routing import prefix
 from adaptive_spec.routing.contract import FixedPolicy, Route, RouteRequest
-from adaptive_spec.routing.pieces import Piece, prompt_pieces
+from adaptive_spec.routing.prompt import prefix
+from adaptive_spec.routing.prompt.pieces import Piece, prompt_pieces
 from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.backends import Work
 from adaptive_spec.sessions.ngram_replay import NgramParams

@@ -176,7 +176,7 @@ def test_codex_exec_then_resume(proxy: ProxyProcess, workspace: tuple[Path, dict
     """Codex CLI through the Responses API, measured as far as it gets: on the 1.5B it cycles through its goal and
     terminal tools (create_goal, write_stdin to a process it never started, update_goal) without writing a file,
     so each turn is stopped after a while; what must hold is that every request is answered (its goal feature's
-    call-less outputs rewritten, requests/compat.py), in one session, in its project."""
+    call-less outputs rewritten, requests/body/compat.py), in one session, in its project."""
     repo, env = workspace
     project = "e2e-codex"
     codex = client("codex")

@@ -123,7 +123,7 @@ def test_each_recorded_agent_request_is_answered_as_llama_server_answers_it(
     status, through = _post(proxy.base + path, body, headers)
     if 200 <= direct_status < 300:
         assert 200 <= status < 300, (name, through[:300])
-    else:  # llama-server refuses it: the proxy may repair it (requests/compat.py) or refuse it as well
+    else:  # llama-server refuses it: the proxy may repair it (requests/body/compat.py) or refuse it as well
         assert status == 200 or 400 <= status < 500, (name, direct_status, through[:300])
 
 
@@ -157,8 +157,8 @@ def _vary(body: dict[str, Any], rng: random.Random) -> tuple[str, dict[str, Any]
 
 # Where the proxy refuses on purpose what llama-server answers 2xx: a value llama-server reads without checking its
 # type (its `json_value` gives the default for a wrong type, a non-array `messages` is skipped), so it serves another
-# request than the one sent: the client's mistake answered as one (requests/shapes.py, parse.py). The fields, by the
-# name the proxy's 400 gives (indices as N), each seen in these variants.
+# request than the one sent: the client's mistake answered as one (requests/body/shapes.py, parse.py). The fields, by
+# the name the proxy's 400 gives (indices as N), each seen in these variants.
 _DELIBERATE = {
     "model": "a non-string name: a label to a single-model server, the preset a router-mode one loads",
     "messages": "not an array: llama-server's Anthropic conversion skips it and answers the system prompt alone",

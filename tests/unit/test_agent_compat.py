@@ -9,9 +9,9 @@ from typing import Any
 import orjson
 import pytest
 
-from adaptive_spec.requests.compat import anthropic_overflow
-from adaptive_spec.routing.pieces import prompt_pieces
-from adaptive_spec.routing.prefix import estimate
+from adaptive_spec.requests.body.compat import anthropic_overflow
+from adaptive_spec.routing.prompt.pieces import prompt_pieces
+from adaptive_spec.routing.prompt.prefix import estimate
 from adaptive_spec.sessions.billing import normalised_billing_line, normalised_system
 from adaptive_spec.sessions.grouping import SessionRegistry, explicit_session, system_entries
 
@@ -63,7 +63,7 @@ def test_a_changed_billing_value_leaves_the_system_text_and_pieces_the_same() ->
 
 
 def test_a_changed_billing_value_is_neither_a_new_prompt_nor_a_side_request() -> None:
-    from adaptive_spec.routing.prefix import observe
+    from adaptive_spec.routing.prompt.prefix import observe
     from adaptive_spec.telemetry.records import Timings
 
     first = _claude_body("1a2b3")
@@ -164,7 +164,7 @@ def test_a_tool_use_is_spaced_only_when_asked_as_a_chat_tool_call_is() -> None:
 def test_null_content_passes_as_llama_server_takes_it(role: str) -> None:
     """llama-server b11434 answers `content: null` as empty content on any role (measured: 200 on chat/completions);
     a missing `content` it refuses on a non-assistant message (400), and so does the proxy."""
-    from adaptive_spec.requests.shapes import check_shape
+    from adaptive_spec.requests.body.shapes import check_shape
 
     message: dict[str, Any] = {"role": role, "content": None}
     assert check_shape("chat", {"messages": [message]}) is None

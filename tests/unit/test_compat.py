@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from adaptive_spec.requests.compat import repaired
+from adaptive_spec.requests.body.compat import repaired
 
 GOAL = {"type": "function_call_output", "name": "goal_objective", "namespace": "agent", "output": "Create hello.py."}
 CALL = {"type": "function_call", "name": "create_goal", "arguments": "{}", "call_id": "c1"}

@@ -12,9 +12,9 @@ from typing import Any
 import orjson
 import pytest
 
-from adaptive_spec.requests.parse import with_fields
-from adaptive_spec.routing import prefix
-from adaptive_spec.routing.pieces import Piece, prompt_pieces
+from adaptive_spec.requests.body.parse import with_fields
+from adaptive_spec.routing.prompt import prefix
+from adaptive_spec.routing.prompt.pieces import Piece, prompt_pieces
 from adaptive_spec.sessions.grouping import context_messages, message_digest
 from adaptive_spec.telemetry.records import Timings
 from tests.support.waiting import until

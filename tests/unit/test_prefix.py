@@ -1,4 +1,4 @@
-"""The new-prompt-token estimate from what a session's slot holds (routing/prefix.py)."""
+"""The new-prompt-token estimate from what a session's slot holds (routing/prompt/prefix.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 import orjson
 import pytest
 
-from adaptive_spec.routing import prefix
-from adaptive_spec.routing.pieces import BLOCK_CHARS, TOOL_CALL_TOKENS, TOOL_RESULT_TOKENS, prompt_pieces
+from adaptive_spec.routing.prompt import prefix
+from adaptive_spec.routing.prompt.pieces import BLOCK_CHARS, TOOL_CALL_TOKENS, TOOL_RESULT_TOKENS, prompt_pieces
 from adaptive_spec.sessions.grouping import message_entry
 from adaptive_spec.telemetry.records import Timings
 
@@ -223,7 +223,7 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         read.append(str(message.get("content")))
         return message_entry(message, spaced)
 
-    monkeypatch.setattr("adaptive_spec.routing.pieces.message_entry", counted)
+    monkeypatch.setattr("adaptive_spec.routing.prompt.pieces.message_entry", counted)
     return read
 
 

@@ -15,9 +15,9 @@ import pytest
 from adaptive_spec.common.child_process import _drop_written
 from adaptive_spec.common.lru import LRU
 from adaptive_spec.policy.model import Policy
-from adaptive_spec.routing import first_turn as copy_hint
-from adaptive_spec.routing import prefix
-from adaptive_spec.routing.pieces import BLOCK_CHARS, Piece, PieceCache, prompt_pieces, shared_chars
+from adaptive_spec.routing.prompt import first_turn as copy_hint
+from adaptive_spec.routing.prompt import prefix
+from adaptive_spec.routing.prompt.pieces import BLOCK_CHARS, Piece, PieceCache, prompt_pieces, shared_chars
 from adaptive_spec.sessions import grouping
 from adaptive_spec.sessions.grouping import SessionRegistry, message_text, messages_of
 
@@ -158,7 +158,7 @@ def test_pieces_of_texts_another_session_sent_are_taken_not_hashed(monkeypatch: 
         hashed.append(text)
         return grouping.message_digest(role, text)
 
-    monkeypatch.setattr("adaptive_spec.routing.pieces.message_digest", counted)
+    monkeypatch.setattr("adaptive_spec.routing.prompt.pieces.message_digest", counted)
     # Another session (no state of its own) whose request carries the same history: only its new message is hashed.
     reused = table.pieces(later, None)
     assert hashed == ["and now the tests"]

@@ -8,9 +8,9 @@ import orjson
 import pytest
 
 from adaptive_spec.requests.apis import Api
-from adaptive_spec.requests.parse import ParsedRequest, RoutedPath, parse_body
+from adaptive_spec.requests.body.parse import ParsedRequest, RoutedPath, parse_body
+from adaptive_spec.requests.body.shapes import RequestProblem
 from adaptive_spec.requests.paths import decide_path
-from adaptive_spec.requests.shapes import RequestProblem
 
 
 def _problem(api: str, body: dict[str, Any]) -> RequestProblem:
@@ -70,7 +70,7 @@ def test_deep_nesting_is_refused_without_recursion() -> None:
 
 
 def test_nesting_is_refused_from_one_level_past_the_limit() -> None:
-    from adaptive_spec.requests.shapes import _MAX_NESTING, check_shape
+    from adaptive_spec.requests.body.shapes import _MAX_NESTING, check_shape
 
     def body(levels: int) -> dict[str, object]:
         value: object = "leaf"

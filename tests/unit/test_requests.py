@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from adaptive_spec.requests.parse import ParsedRequest, parse_body, split_path
-from adaptive_spec.requests.shapes import RequestProblem
+from adaptive_spec.requests.body.parse import ParsedRequest, parse_body, split_path
+from adaptive_spec.requests.body.shapes import RequestProblem
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ import pytest
 from adaptive_spec.policy.model import FirstTurnPolicy, HandoffPolicy, Policy, RoutePolicy
 from adaptive_spec.routing.decide import decide
 from adaptive_spec.routing.estimate import ProfileState, RequestState, SessionState
-from adaptive_spec.routing.first_turn import looks_copy_heavy
 from adaptive_spec.routing.placements import Placement, Placements
+from adaptive_spec.routing.prompt.first_turn import looks_copy_heavy
 from adaptive_spec.routing.speeds import SpeedModel
 from adaptive_spec.telemetry.records import Timings
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from adaptive_spec.bench.runner import load_workload, main_simulate
-from adaptive_spec.bench.simulator import CPU, GPU, public_mix, requests_from_workload, simulate_targets
+from adaptive_spec.bench.simulate.routing import CPU, GPU, public_mix, requests_from_workload, simulate_targets
 
 
 def test_public_mix_at_gpu_speeds_matches_the_published_arithmetic() -> None:

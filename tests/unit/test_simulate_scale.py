@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from adaptive_spec.bench.runner import load_workload, main_simulate
-from adaptive_spec.bench.sim_pool import PoolAssumptions, simulate_pool
-from adaptive_spec.bench.sim_remote import ARCH_27B, QWEN_05B, Assumptions, remote_row
-from adaptive_spec.bench.simulator import SimRequest, requests_from_workload
+from adaptive_spec.bench.simulate.pool import PoolAssumptions, simulate_pool
+from adaptive_spec.bench.simulate.remote import ARCH_27B, QWEN_05B, Assumptions, remote_row
+from adaptive_spec.bench.simulate.routing import SimRequest, requests_from_workload
 
 
 def test_kv_bytes_per_token_follow_the_architecture() -> None:

@@ -12,8 +12,8 @@ from adaptive_spec.policy.model import Policy, RoutePolicy
 from adaptive_spec.routing.decide import decide
 from adaptive_spec.routing.draft_length import accepted_share, draft_cap, per_token_acceptance
 from adaptive_spec.routing.estimate import ProfileState, RequestState, SessionState
-from adaptive_spec.routing.first_turn import text_kind
 from adaptive_spec.routing.placements import Placement, Placements, observe
+from adaptive_spec.routing.prompt.first_turn import text_kind
 from adaptive_spec.routing.speeds import SpeedModel
 from adaptive_spec.streams.timings import parse_timings
 from adaptive_spec.telemetry.records import Timings

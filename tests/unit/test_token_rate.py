@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from adaptive_spec.requests.token_rate import MIN_CHARS, first_turn_rate
-from adaptive_spec.routing.pieces import prompt_pieces, prompt_texts
-from adaptive_spec.routing.prefix import tokens_beyond
+from adaptive_spec.requests.body.token_rate import MIN_CHARS, first_turn_rate
+from adaptive_spec.routing.prompt.pieces import prompt_pieces, prompt_texts
+from adaptive_spec.routing.prompt.prefix import tokens_beyond
 
 TOOLS = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
 

@@ -309,8 +309,8 @@ def main_bench(
 def main_simulate(scenario_name: str, specs: list[str], out: Path | None) -> str:
     """`bench --simulate`: the routing policy replayed at a scenario's speeds, on the public benchmark's mix and on
     the given (or built-in) workloads; no proxy, no model."""
-    from adaptive_spec.bench.simulator import SCENARIOS, public_mix, requests_from_workload, simulate_targets
-    from adaptive_spec.bench.simulator import to_markdown as sim_markdown
+    from adaptive_spec.bench.simulate.routing import SCENARIOS, public_mix, requests_from_workload, simulate_targets
+    from adaptive_spec.bench.simulate.routing import to_markdown as sim_markdown
 
     if scenario_name in ("pp-remote", "pool"):
         return _simulate_scale(scenario_name, specs, out)
@@ -333,9 +333,9 @@ def main_simulate(scenario_name: str, specs: list[str], out: Path | None) -> str
 def _simulate_scale(name: str, specs: list[str], out: Path | None) -> str:
     """The arithmetic beyond one machine: remote prefill (`pp-remote`), a pool of replicas (`pool`, on the sessions
     of the given workloads, `mixed` by default)."""
-    from adaptive_spec.bench.sim_pool import pool_tables
-    from adaptive_spec.bench.sim_remote import remote_tables
-    from adaptive_spec.bench.simulator import SimRequest, requests_from_workload
+    from adaptive_spec.bench.simulate.pool import pool_tables
+    from adaptive_spec.bench.simulate.remote import remote_tables
+    from adaptive_spec.bench.simulate.routing import SimRequest, requests_from_workload
 
     if name == "pp-remote":
         text = remote_tables()

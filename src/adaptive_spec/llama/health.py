@@ -35,7 +35,7 @@ WATCH_S = 1.0
 WATCH_TIMEOUT_S = 2.0
 
 # A server's URL -> (requests the proxy has in flight on it, its slots), as the router counts them.
-ServerLoad = Callable[[str], tuple[int, int]]
+SlotUse = Callable[[str], tuple[int, int]]
 # Why a replica that answers /health again may not take sessions (None: it may): llama/probe.py other_model.
 Admit = Callable[[aiohttp.ClientSession, Upstream], Awaitable[str | None]]
 # Told once per server the poll marks down (its URL, the reason): the requests waiting on it are ended there.
@@ -86,7 +86,7 @@ async def poll_round(
     table: UpstreamTable,
     client: aiohttp.ClientSession,
     timeouts: dict[str, int],
-    load: ServerLoad = _unknown_load,
+    load: SlotUse = _unknown_load,
     on_down: OnDown = _nobody,
 ) -> None:
     """One round: each server with a profile up on it, asked once. `timeouts`: consecutive timeouts per server URL,
@@ -150,7 +150,7 @@ async def _every(seconds: float, work: Callable[[], Awaitable[None]], what: str)
 
 
 def health_poll(
-    table: UpstreamTable, client: aiohttp.ClientSession, load: ServerLoad = _unknown_load, on_down: OnDown = _nobody
+    table: UpstreamTable, client: aiohttp.ClientSession, load: SlotUse = _unknown_load, on_down: OnDown = _nobody
 ) -> contextlib.AbstractAsyncContextManager[None]:
     """The poll of every server, for as long as the context is open."""
     timeouts: dict[str, int] = {}

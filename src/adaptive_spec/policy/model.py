@@ -127,7 +127,7 @@ class HandoffPolicy:
 
 @dataclass(frozen=True, slots=True)
 class AgentsPolicy:
-    """What the proxy does when an agent loops on one tool call (requests/repeats.py)."""
+    """What the proxy does when an agent loops on one tool call (requests/body/repeats.py)."""
 
     repeat_note_after: int = _key(
         2, "identical tool calls in a row after which a note says the call was made already (0 = never)", 0

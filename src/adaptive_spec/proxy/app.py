@@ -19,7 +19,7 @@ from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.kv.heads.store import HeadsConfig, HeadStore
 from adaptive_spec.kv.movers import SlotMover
 from adaptive_spec.kv.remote_prefill.shell import REMOTE_PREFILL, RemotePrefill
-from adaptive_spec.llama.health import ServerLoad, health_poll, replica_watch
+from adaptive_spec.llama.health import SlotUse, health_poll, replica_watch
 from adaptive_spec.llama.probe import other_model
 from adaptive_spec.llama.profiles import ProfileInfo
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
@@ -259,7 +259,7 @@ async def _health_poll(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
-def _server_load(router: Router, table: UpstreamTable) -> ServerLoad:
+def _server_load(router: Router, table: UpstreamTable) -> SlotUse:
     """A server URL's requests in flight and slots as the router counts them, over every profile on it."""
 
     def load(url: str) -> tuple[int, int]:

@@ -15,7 +15,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from adaptive_spec.common.headers import PROFILE_HEADER
 from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.requests.apis import traits
-from adaptive_spec.requests.compat import anthropic_overflow
+from adaptive_spec.requests.body.compat import anthropic_overflow
 from adaptive_spec.requests.error_responses import answer, as_anthropic, as_client_error, sse_error_event
 from adaptive_spec.requests.gate import hidden_headers
 from adaptive_spec.requests.keepalive import PrefillKeepAlive

@@ -22,10 +22,10 @@ from adaptive_spec.access.rules import (
     sent_keys,
 )
 from adaptive_spec.requests.apis import Api, traits
+from adaptive_spec.requests.body.parse import RoutedPath, split_path
+from adaptive_spec.requests.body.shapes import RequestProblem
 from adaptive_spec.requests.error_responses import as_anthropic, error_response
-from adaptive_spec.requests.parse import RoutedPath, split_path
 from adaptive_spec.requests.paths import decide_path
-from adaptive_spec.requests.shapes import RequestProblem
 
 __all__ = ["ACCESS", "hidden_headers", "install_security", "routed_path"]
 ACCESS = web.AppKey("access", AccessPolicy)

@@ -21,7 +21,11 @@ from adaptive_spec.llama.speculation import merge_fields
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.requests.apis import traits
 from adaptive_spec.requests.app_keys import CLIENT, FRESH_CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
-from adaptive_spec.requests.compat import repaired
+from adaptive_spec.requests.body.compat import repaired
+from adaptive_spec.requests.body.parse import parse_body, with_fields
+from adaptive_spec.requests.body.repeats import guard, trailing_repeat
+from adaptive_spec.requests.body.shapes import RequestProblem
+from adaptive_spec.requests.body.token_rate import first_turn_rate
 from adaptive_spec.requests.error_responses import answer
 from adaptive_spec.requests.forward import forward
 from adaptive_spec.requests.gate import routed_path
@@ -29,11 +33,7 @@ from adaptive_spec.requests.heads import before_forward, served
 from adaptive_spec.requests.keepalive import PrefillKeepAlive
 from adaptive_spec.requests.lifecycle import ProxyRequest
 from adaptive_spec.requests.outcome import CLIENT_GONE, SERVED, SHUTDOWN, Outcome
-from adaptive_spec.requests.parse import parse_body, with_fields
-from adaptive_spec.requests.repeats import guard, trailing_repeat
-from adaptive_spec.requests.shapes import RequestProblem
 from adaptive_spec.requests.stranded import STRANDED
-from adaptive_spec.requests.token_rate import first_turn_rate
 from adaptive_spec.routing.contract import Completion, Refusal, Route, RouteRequest
 from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.clients import client_name

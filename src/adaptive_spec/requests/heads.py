@@ -23,7 +23,7 @@ from adaptive_spec.requests.app_keys import BUS, ROUTER, UPSTREAMS
 from adaptive_spec.requests.lifecycle import ProxyRequest
 from adaptive_spec.routing.contract import Route
 from adaptive_spec.routing.decide import Decision
-from adaptive_spec.routing.prefix import tokens_beyond
+from adaptive_spec.routing.prompt.prefix import tokens_beyond
 from adaptive_spec.telemetry.events import Event, ProfileDown, ProfileUp
 
 HEADS = web.AppKey("heads", HeadStore)

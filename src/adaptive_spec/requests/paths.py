@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from urllib.parse import quote, unquote
 
-from adaptive_spec.requests.parse import RoutedPath, split_path
-from adaptive_spec.requests.shapes import RequestProblem
+from adaptive_spec.requests.body.parse import RoutedPath, split_path
+from adaptive_spec.requests.body.shapes import RequestProblem
 
 # Kept as they are when the decided path is encoded again for llama-server (RFC 3986 pchar plus "/").
 _PATH_SAFE = "/-._~!$&'()*+,;=:@"

@@ -56,11 +56,11 @@ class RequestState:
     pinned: str | None = None  # the x-adaptive-spec-profile header, or the session's pin
     pinned_by: str = "the request header"  # or "the session's pin" (POST /adaptive/sessions/{id}/pin)
     explore_draw: float = 1.0  # uniform in [0, 1): below policy.route.explore, try another profile
-    # From the session's prefix state (routing/prefix.py); None: estimate from the body's size.
+    # From the session's prefix state (routing/prompt/prefix.py); None: estimate from the body's size.
     prompt_tokens: int | None = None  # the whole prompt, in the model's tokens
     shared_tokens: int | None = None  # its prefix that the session's KV cache holds
     shared_on: Mapping[str, int] | None = None  # per profile: its prefix that the slot it would use holds now
-    text_kind: str = "code"  # edit | code | prose (routing/first_turn.py): the drafter's prior acceptance
+    text_kind: str = "code"  # edit | code | prose (routing/prompt/first_turn.py): the drafter's prior acceptance
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from adaptive_spec.common.means import RunningMean
 from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, SlotAt, SlotMove
 from adaptive_spec.routing.contract import Effects, Route, RouteRequest
 from adaptive_spec.routing.decide import Decision
-from adaptive_spec.routing.load import ServerLoad
+from adaptive_spec.routing.load import ServerBooks
 from adaptive_spec.routing.placements import Placements
 from adaptive_spec.routing.speeds import SpeedModel
 from adaptive_spec.telemetry.events import HandoffDone
@@ -20,7 +20,7 @@ _REUSE_PRIOR_WEIGHT = 0.5  # one handoff whose prompt reused nothing brings a pa
 
 
 class KvMoves:
-    def __init__(self, effects: Effects, load: ServerLoad, placements: Placements, speeds: SpeedModel) -> None:
+    def __init__(self, effects: Effects, load: ServerBooks, placements: Placements, speeds: SpeedModel) -> None:
         """The router's load, placements and speeds: a move checks the slots it touches, displaces what it
         overwrote and teaches the speeds what it cost."""
         self.effects, self.load, self.placements, self.speeds = effects, load, placements, speeds

@@ -14,7 +14,7 @@ from adaptive_spec.routing.replicas import ReplicaState
 from adaptive_spec.telemetry.records import Timings
 
 
-class ServerLoad:
+class ServerBooks:
     def __init__(
         self,
         health: ProfileHealth,

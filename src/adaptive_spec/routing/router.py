@@ -18,7 +18,6 @@ from adaptive_spec.common.lru import LRU
 from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, SlotMove
 from adaptive_spec.llama.profiles import uses_draft_model
 from adaptive_spec.policy.model import Policy
-from adaptive_spec.routing import prefix
 from adaptive_spec.routing.contract import (
     Completion,
     Effects,
@@ -32,11 +31,12 @@ from adaptive_spec.routing.contract import (
 from adaptive_spec.routing.decide import Decision, decide
 from adaptive_spec.routing.draft_length import draft_cap, per_token_acceptance
 from adaptive_spec.routing.estimate import ProfileState, RequestState, SessionState
-from adaptive_spec.routing.first_turn import pasted_file_chars, text_kind
 from adaptive_spec.routing.handoffs import KvMoves
-from adaptive_spec.routing.load import ServerLoad
-from adaptive_spec.routing.pieces import Piece
+from adaptive_spec.routing.load import ServerBooks
 from adaptive_spec.routing.placements import Placement, Placements, observe
+from adaptive_spec.routing.prompt import prefix
+from adaptive_spec.routing.prompt.first_turn import pasted_file_chars, text_kind
+from adaptive_spec.routing.prompt.pieces import Piece
 from adaptive_spec.routing.replicas import MoveCosts, ReplicaChoice, ReplicaState, choose_replica, least_loaded
 from adaptive_spec.routing.speeds import SpeedModel
 from adaptive_spec.telemetry.events import PolicyChanged
@@ -69,7 +69,7 @@ class Router:
         self._draft_caps = dict(draft_caps or {})
         base = policies.policy_for("default", None)
         self.speeds = SpeedModel(base.estimator, base.handoff, {n: spec_types.get(n) for n in health.names()})
-        self.load = ServerLoad(health, slots, replica_slots, servers)
+        self.load = ServerBooks(health, slots, replica_slots, servers)
         self.placements = Placements(home=self.load.home)
         self.moves = KvMoves(self.effects, self.load, self.placements, self.speeds)
         self._rng = random.Random(seed)

@@ -60,9 +60,9 @@ class RequestRecord:
     # The per-request speculation it ran with: {"types", "n_max", "set_by": profile|client|profile+client}; None:
     # nothing named, the server's own (a stock server, or a profile that names nothing).
     speculation: dict[str, Any] | None = None
-    # The body was changed to break an agent's loop on one tool call (requests/repeats.py): what was done, else None.
+    # The body was changed to break an agent's loop on one tool call (requests/body/repeats.py): what, else None.
     repeat_guard: str | None = None
-    # A shape llama-server refuses (an agent's), rewritten into one it takes (requests/compat.py): what, else None.
+    # A shape llama-server refuses (an agent's), rewritten into one it takes (requests/body/compat.py): what, else None.
     repaired: str | None = None
 
     def to_json(self) -> dict[str, Any]:

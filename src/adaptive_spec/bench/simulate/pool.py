@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from adaptive_spec.bench.simulator import SimRequest
+from adaptive_spec.bench.simulate.routing import SimRequest
 from adaptive_spec.routing.replicas import MoveCosts, ReplicaState, choose_replica
 
 

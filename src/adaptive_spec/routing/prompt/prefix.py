@@ -9,7 +9,7 @@ character, so no tokenizer runs on the request path.
 
 One record per session (`PrefixState`), bounded by an LRU: the design the proxy's per-request cost work builds on
 (the digests of the previous request are the incremental fingerprints a new request is compared against). How a
-prompt is read into pieces, each text hashed once, is `routing/pieces.py`.
+prompt is read into pieces, each text hashed once, is `routing/prompt/pieces.py`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adaptive_spec.common.lru import LRU
-from adaptive_spec.routing.pieces import (
+from adaptive_spec.routing.prompt.pieces import (
     SEEN_BYTES,
     Piece,
     PieceCache,

@@ -2,7 +2,7 @@
 again, each answered by its result. Small models do this (opencode made 78 identical `write` calls in one turn on the
 embedded 0.5B, Codex CLI 19 identical failing calls) and no agent stops it. This module finds the loop in a request
 body and writes the body that breaks it: a note after the last result and, from a second threshold, a request for a
-text answer (`tool_choice: "none"`), which ends the agent's turn. Pure: the request path decides when to apply it."""
+text answer (`tool_choice` none), which ends the agent's turn. Pure: the request path decides when to apply it."""
 
 from __future__ import annotations
 
@@ -94,13 +94,16 @@ def guarded_body(api: str, body: Mapping[str, Any], repeat: RepeatedCall, *, tex
         messages[-1] = last
         out["messages"] = messages
     if text_asked(api, body, text_only):
-        out["tool_choice"] = "none"
+        out["tool_choice"] = {"type": "none"} if api == "messages" else "none"
     return out
 
 
 def text_asked(api: str, body: Mapping[str, Any], text_only: bool) -> bool:
     """Whether `guarded_body(..., text_only=text_only)` asks for a text answer."""
-    return text_only and traits(api).text_choice and body.get("tool_choice", "auto") == "auto"
+    choice = body.get("tool_choice", "auto")
+    if isinstance(choice, Mapping):  # Anthropic's {"type": "auto"}
+        choice = choice.get("type")
+    return text_only and traits(api).text_choice and choice == "auto"
 
 
 # A call's identity: (name, arguments as canonical JSON). One assistant turn may make several calls: its calls

@@ -20,8 +20,8 @@ from adaptive_spec.bench.workload import Workload
 from adaptive_spec.policy.model import Policy
 from adaptive_spec.routing.decide import decide
 from adaptive_spec.routing.estimate import ProfileState, RequestState, SessionState
-from adaptive_spec.routing.first_turn import looks_copy_heavy
 from adaptive_spec.routing.placements import Placements, observe
+from adaptive_spec.routing.prompt.first_turn import looks_copy_heavy
 from adaptive_spec.routing.speeds import SpeedModel
 from adaptive_spec.telemetry.records import Timings
 

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 
 from adaptive_spec.requests.apis import Api
-from adaptive_spec.requests.shapes import RequestProblem, check_shape
+from adaptive_spec.requests.body.shapes import RequestProblem, check_shape
 
 _PROJECT_PREFIX = re.compile(r"^/p/([A-Za-z0-9][A-Za-z0-9._-]{0,127})(/.*)?$")
 

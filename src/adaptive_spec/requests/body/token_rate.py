@@ -11,7 +11,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from adaptive_spec.routing.pieces import prompt_texts
+from adaptive_spec.routing.prompt.pieces import prompt_texts
 
 log = logging.getLogger(__name__)
 MIN_CHARS = 8_000  # ~2k tokens: seconds of prefill on a CPU, against a count of a few milliseconds
