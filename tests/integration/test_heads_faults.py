@@ -18,7 +18,8 @@ import pytest
 import pytest_asyncio
 
 from adaptive_spec.kv.heads.files import checksum
-from adaptive_spec.kv.heads.store import HeadStore, Restored
+from adaptive_spec.kv.heads.store import HeadStore
+from adaptive_spec.kv.heads.values import Restored
 from tests.support.heads import chat, erase, start_proxy, store_of
 from tests.support.servers import LlamaServer
 
@@ -74,7 +75,7 @@ def _bound_holds(store: HeadStore) -> None:
     assert len(_files(store.book.dir, "*.head")) == len(described["heads"])
 
 
-@pytest.mark.parametrize("write", ["adaptive_spec.kv.heads.store.take", "adaptive_spec.kv.heads.book.write_index"])
+@pytest.mark.parametrize("write", ["adaptive_spec.kv.heads.slot_io.take", "adaptive_spec.kv.heads.book.write_index"])
 async def test_a_full_disk_while_the_store_writes_costs_the_head_not_the_request(
     server: tuple[LlamaServer, Path],
     client: aiohttp.ClientSession,
@@ -189,14 +190,14 @@ async def test_saves_and_a_restore_of_one_head_at_once(
         (entry,) = described["heads"]
         assert (heads / f"{entry['id']}.head").stat().st_size == entry["bytes"]
 
-        entered, gate, save_slot = asyncio.Event(), asyncio.Event(), store._save_slot
+        entered, gate, save_slot = asyncio.Event(), asyncio.Event(), store._io.save_slot
 
         async def held_open(*args: Any) -> tuple[int, object, float]:  # another head's save, holding the lock
             entered.set()
             await gate.wait()
             return await save_slot(*args)
 
-        monkeypatch.setattr(store, "_save_slot", held_open)
+        monkeypatch.setattr(store._io, "save_slot", held_open)
         await erase(client, proxy)
         await chat(client, proxy, "other-1", "Write hello.py.", system="You review code. " * 80)
         await entered.wait()

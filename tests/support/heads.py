@@ -13,7 +13,8 @@ from aiohttp.test_utils import TestServer
 
 from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.common.headers import REQUEST_ID_HEADER
-from adaptive_spec.kv.heads.store import HeadsConfig, HeadStore
+from adaptive_spec.kv.heads.store import HeadStore
+from adaptive_spec.kv.heads.values import HeadsConfig
 from adaptive_spec.llama.probe import probe
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.policy.model import Policy

@@ -24,7 +24,8 @@ from adaptive_spec.kv.heads.plan import (
     price,
     tenant_scope,
 )
-from adaptive_spec.kv.heads.store import HeadsConfig, HeadStore, Restored
+from adaptive_spec.kv.heads.store import HeadStore
+from adaptive_spec.kv.heads.values import HeadsConfig, Restored
 from adaptive_spec.llama.upstreams import Upstream
 
 KEY = ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t1")

@@ -16,7 +16,8 @@ from aiohttp import web
 
 from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.kv.effects import KvEffects
-from adaptive_spec.kv.heads.store import HeadsConfig, HeadStore
+from adaptive_spec.kv.heads.store import HeadStore
+from adaptive_spec.kv.heads.values import HeadsConfig
 from adaptive_spec.kv.movers import SlotMover
 from adaptive_spec.kv.remote_prefill.shell import REMOTE_PREFILL, RemotePrefill
 from adaptive_spec.llama.health import SlotUse, health_poll, replica_watch

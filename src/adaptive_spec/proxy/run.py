@@ -23,7 +23,7 @@ from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.common.dirs import state_dir
 from adaptive_spec.errors import ConfigError, LaunchError, ProfileMismatchError
 from adaptive_spec.kv.heads.options import launched_heads
-from adaptive_spec.kv.heads.store import HeadsConfig
+from adaptive_spec.kv.heads.values import HeadsConfig
 from adaptive_spec.kv.movers import RelayMoverPlan, SharedDirMover, SlotMover, start_relay_mover
 from adaptive_spec.kv.remote_prefill.shell import RemotePrefillPlan, start_remote_prefill
 from adaptive_spec.llama.binary.cpu_faults import RepackMode

@@ -15,7 +15,8 @@ from dataclasses import replace
 from aiohttp import web
 
 from adaptive_spec.access.rules import sent_keys
-from adaptive_spec.kv.heads.store import HeadStore, Restored
+from adaptive_spec.kv.heads.store import HeadStore
+from adaptive_spec.kv.heads.values import Restored
 from adaptive_spec.llama.launch import RESTART_ON_REQUEST
 from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.policy.model import HeadsPolicy

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from adaptive_spec.errors import ConfigError
 from adaptive_spec.kv.heads.plan import DEFAULT_MAX_BYTES
-from adaptive_spec.kv.heads.store import HeadsConfig
+from adaptive_spec.kv.heads.values import HeadsConfig
 from adaptive_spec.llama.binary.cpu_faults import build_identity
 from adaptive_spec.llama.memory.footprint import cache_type_k
 

@@ -1,0 +1,89 @@
+"""What the head store knows of each llama-server's traffic, as counts: the requests forwarded to it (all, those that
+named no slot, those that named each slot), its restarts, the sessions seen on it, and the restores it made inert.
+The store compares these counts before and after each save or restore: a request forwarded in between may have
+taken the slot. Pure and synchronous: the store calls it on the event loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from adaptive_spec.common.lru import LRU
+
+INERT_STRIKES = 2  # inert restores in a row on a server before restores stop there (one may be a lost race)
+_SESSIONS = 100_000
+_MARKS = 4096
+
+# What had been forwarded that could have used a slot: (requests, 0) when no slot is named; else (the requests that
+# named no slot, those that named this one).
+Mark = tuple[int, int]
+
+
+class Verdict(Enum):
+    TAKEN = "taken"  # another request came between the restore and its own: not the restore's fault
+    STRIKE = "strike"  # inert, once: one more such in a row and restores stop there
+    INERT = "inert"  # inert `INERT_STRIKES` times in a row: no more restores on that server
+
+
+@dataclass
+class ServerActivity:
+    """The counts, by server (its base URL)."""
+
+    forwards: dict[str, int] = field(default_factory=dict)  # requests forwarded to each server
+    unpinned: dict[str, int] = field(default_factory=dict)  # of those, the ones that named no slot
+    pinned: dict[tuple[str, int], int] = field(default_factory=dict)  # and the ones that named a slot, by slot
+    generations: dict[str, int] = field(default_factory=dict)  # restarts: a restarted server lost every session's KV
+    # Sessions seen: the server and its generation at their latest request.
+    seen: LRU[str, tuple[str, int]] = field(default_factory=lambda: LRU(_SESSIONS))
+    # What had been forwarded that could use each request's slot, its own forward included (`mark`): a later one,
+    # even one sent while the request still ran, leaves that slot holding another prompt.
+    marks: LRU[str, Mark] = field(default_factory=lambda: LRU(_MARKS))
+    inert: set[str] = field(default_factory=set)  # servers where restores stopped (`judge`)
+    strikes: dict[str, int] = field(default_factory=dict)  # inert restores in a row, by server
+
+    def arriving(self, session_id: str, server: str) -> bool:
+        """Whether this is the first request seen of the session, or its first since its server restarted."""
+        now = (server, self.generations.get(server, 0))
+        before = self.seen.get(session_id)
+        self.seen.put(session_id, now)
+        return before is None or (before[0] == now[0] and before[1] != now[1])
+
+    def forwarded(self, server: str, slot: int | None, request_id: str | None) -> None:
+        self.forwards[server] = self.forwards.get(server, 0) + 1
+        if slot is None:
+            self.unpinned[server] = self.unpinned.get(server, 0) + 1
+        else:
+            self.pinned[(server, slot)] = self.pinned.get((server, slot), 0) + 1
+        if request_id is not None:
+            self.marks.put(request_id, self.mark(server, slot))
+
+    def forwarded_to(self, server: str) -> int:
+        return self.forwards.get(server, 0)
+
+    def mark(self, server: str, slot: int | None) -> Mark:
+        """What has been forwarded that could have used `slot` so far: every request when no slot is named; else
+        the requests that named no slot and those that named this one."""
+        if slot is None:
+            return self.forwards.get(server, 0), 0
+        return self.unpinned.get(server, 0), self.pinned.get((server, slot), 0)
+
+    def mark_of(self, request_id: str) -> Mark | None:
+        """The request's `mark` as it was forwarded (None: not forwarded through `forwarded`)."""
+        return self.marks.pop(request_id)
+
+    def restarted(self, server: str) -> None:
+        self.generations[server] = self.generations.get(server, 0) + 1
+
+    def reused(self, server: str) -> None:
+        """A restore there was reused: the strikes start again."""
+        self.strikes.pop(server, None)
+
+    def judge(self, server: str, forwards_at_restore: int) -> tuple[Verdict, int]:
+        """A restore there was not reused by its request: whose fault, and the strikes in a row so far."""
+        if self.forwards.get(server, 0) != forwards_at_restore + 1:
+            return Verdict.TAKEN, self.strikes.get(server, 0)
+        strikes = self.strikes[server] = self.strikes.get(server, 0) + 1
+        if strikes < INERT_STRIKES:
+            return Verdict.STRIKE, strikes
+        self.inert.add(server)
+        return Verdict.INERT, strikes

@@ -1,0 +1,199 @@
+"""The head store's slot I/O: a head's file staged into the slot directory and restored into a slot, a slot saved and
+its file moved out, each checked against what llama-server says it did, with what the store learns from them (the
+restore rate, heads a server refused, the head each slot holds). `HeadStore` decides when; this does it, and raises
+what went wrong for the store to log."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import aiohttp
+
+from adaptive_spec.kv.heads.activity import Mark, ServerActivity
+from adaptive_spec.kv.heads.book import HeadBook
+from adaptive_spec.kv.heads.files import stage, take, unlink
+from adaptive_spec.kv.heads.plan import (
+    RESTORE_PRIOR_BYTES_PER_S,
+    HeadEntry,
+    Match,
+    ServerKey,
+    covered,
+    earlier_states,
+    head_id,
+)
+from adaptive_spec.kv.heads.server import TIMEOUT, idle_slots, restore_timeout, server_key
+from adaptive_spec.kv.heads.values import HeadsConfig, Restored, SavedTurn
+from adaptive_spec.kv.slots import SlotError, check_written, restore_slot, save_slot
+from adaptive_spec.llama.upstreams import Upstream
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 20.0  # a save waits this long for the server to go idle, else it is skipped
+SLOT_PREFIX = "head-"  # the name a head has in the slot directory while it is restored or saved
+_SAVED_SLACK_TOKENS = 8  # a slot holds the prompt and the reply; a few more (a stop sequence's): still the request's
+
+
+class SlotIO:
+    """One store's slot actions and what they taught it; the store holds the lock that runs one at a time."""
+
+    def __init__(
+        self,
+        config: HeadsConfig,
+        slot_dir: Path,
+        client: Callable[[], aiohttp.ClientSession],
+        book: HeadBook,
+        counts: dict[str, int],
+        on_displaced: Callable[[Upstream], None],
+    ) -> None:
+        self.config, self.slot_dir, self._client, self.book, self.counts = config, slot_dir, client, book, counts
+        self.on_displaced = on_displaced
+        self.activity = ServerActivity()  # what was forwarded to each server, its restarts, its inert restores
+        self.held: dict[tuple[str, int], Restored] = {}  # the head each server's slot holds (warm start, save)
+        self.refused: set[tuple[str, str]] = set()  # (server, head): llama-server refused it there this run
+        self.lock = asyncio.Lock()  # one save or restore at a time: each pauses the server's slots
+        self._keys: dict[str, ServerKey] = {}
+        self._restore_s_per_byte: float | None = None
+
+    def forget_key(self, server: str) -> None:
+        self._keys.pop(server, None)
+
+    async def restore_file(
+        self, upstream: Upstream, slot: int, match: Match, forwards: int, used: bool = True
+    ) -> Restored | None:
+        """`forwards`: the requests forwarded to the server when it was found idle, before this restore."""
+        entry = match.entry
+        if not await self.book.check(entry):
+            return None
+        name = f"{SLOT_PREFIX}{entry.id}.bin"
+        staged = self.slot_dir / name
+        t0 = time.perf_counter()
+        try:
+            await asyncio.to_thread(stage, self.book.path(entry.id), staged)
+            timeout = restore_timeout(entry.bytes)
+            await restore_slot(self._client(), upstream, slot, name, timeout, entry.saved_tokens)
+        except SlotError:  # its checksum holds: refused here (another build's format, a server's error), kept
+            self.refused.add((upstream.base_url, entry.id))
+            raise
+        finally:
+            await asyncio.to_thread(unlink, staged)
+            if self.activity.forwarded_to(upstream.base_url) != forwards:
+                self.came_between(upstream, "restore")
+        elapsed = time.perf_counter() - t0
+        self.observe_restore(entry.bytes, elapsed)
+        if used:
+            await self.book.used(entry)
+        self.counts["restored"] += 1
+        restored = Restored(
+            entry.id,
+            upstream.base_url,
+            match.tokens,
+            elapsed * 1000.0,
+            forwards=self.activity.forwarded_to(upstream.base_url),
+            pieces=match.pieces,
+        )
+        log.info("heads: %s on %s slot %d (%s)", restored.reason(), upstream.label, slot, entry.id)
+        return restored
+
+    async def save_idle(
+        self,
+        upstream: Upstream,
+        slot: int | None,
+        head: SavedTurn,
+        keyed: tuple[ServerKey, tuple[str, ...]],
+        mark: Mark | None = None,
+    ) -> None:
+        """The slot saved once the server is idle, under the lock; the file's move, its checksum and the index after
+        it, outside the lock (in threads): a restore is never skipped for them."""
+        # Wait for idle outside the lock: a new session's restore must not queue behind this wait.
+        if await self.idle(upstream, wait_s=_IDLE_WAIT_S) is None:
+            log.info("heads: %s stayed busy; the head is not saved", upstream.label)
+            return
+        key, links = keyed
+        hid = head_id(links)
+        async with self.lock:
+            forwards = self.activity.forwarded_to(upstream.base_url)
+            n_slots = await self.idle(upstream, wait_s=0.0)
+            if self.covered(upstream, links) or n_slots is None or (slot is None and n_slots != 1):
+                return  # the same head was saved meanwhile, a request came, or its slot is not known among several
+            if mark is not None and self.activity.mark(upstream.base_url, slot) != mark:
+                return  # the session's slot served another request while the server was busy
+            if not await self.book.room(head.prompt_tokens):
+                return
+            n_saved, n_written, pause_ms = await self.save_slot(upstream, slot or 0, head, hid, forwards)
+        name = self.slot_dir / f"{SLOT_PREFIX}{hid}.bin"
+        await asyncio.to_thread(check_written, name, n_written, upstream.label)
+        size, crc = await asyncio.to_thread(take, name, self.book.path(hid))
+        now = time.time()
+        entry = HeadEntry(
+            hid, links, head.chars, head.prompt_tokens, n_saved, size, now, now, head.agent, head.project, 0,
+            key.hex(), crc, pause_ms, head.scope, head.session,
+        )  # fmt: skip
+        await self.book.add(entry)
+        self.refused = {r for r in self.refused if r[1] != hid}  # a new file under that id
+        if hid in self.book.entries and head.session:
+            await self.book.delete(earlier_states(self.book.entries.values(), head.session, hid))
+        if hid in self.book.entries:
+            self.counts["session_saved" if head.session else "saved"] += 1
+            self.held[(upstream.base_url, slot or 0)] = Restored(
+                hid, upstream.base_url, head.prompt_tokens, 0.0, False, self.activity.forwarded_to(upstream.base_url)
+            )
+            log.info(
+                "heads: saved %s of %d tokens (%d MB) from %s; the server paused %.0f ms",
+                f"session {head.session}'s state" if head.session else "a head",
+                head.prompt_tokens,
+                size // 1_000_000,
+                upstream.label,
+                pause_ms,
+            )
+
+    async def save_slot(
+        self, upstream: Upstream, slot: int, head: SavedTurn, hid: str, forwards: int
+    ) -> tuple[int, object, float]:
+        """The slot saved as the head's file: (tokens, bytes written as llama-server says, ms the server paused).
+        `forwards`: the requests forwarded to the server when it was found idle; one more by the save's answer means
+        llama-server may have deferred the save behind it, and saved that request's KV: SlotError."""
+        most, t0 = head.prompt_tokens + head.reply_tokens + _SAVED_SLACK_TOKENS, time.perf_counter()
+        name = f"{SLOT_PREFIX}{hid}.bin"
+        n_saved, n_written = await save_slot(self._client(), upstream, slot, name, TIMEOUT, head.prompt_tokens)
+        pause_ms = (time.perf_counter() - t0) * 1000.0
+        if self.activity.forwarded_to(upstream.base_url) != forwards:
+            raise SlotError("a request came during the save: the slot may have held its KV, not the head's")
+        if n_saved > most:
+            raise SlotError(f"the slot held {n_saved} tokens, more than the head's turn ({most}): reused")
+        return n_saved, n_written, pause_ms
+
+    def covered(self, upstream: Upstream, links: Sequence[str]) -> bool:
+        """A head already holds the prompt (one llama-server refused here does not count: a save replaces it)."""
+        return covered(links, self.usable(upstream))
+
+    def usable(self, upstream: Upstream) -> list[HeadEntry]:
+        return [e for e in self.book.entries.values() if (upstream.base_url, e.id) not in self.refused]
+
+    def came_between(self, upstream: Upstream, action: str) -> None:
+        """A request was forwarded while a slot action waited: llama-server may have deferred the action behind it
+        and acted on that request's KV. The router is told the server's slots hold nothing it knows of."""
+        log.warning("heads: a request came to %s during a %s: its slots are counted as emptied", upstream.label, action)
+        self.on_displaced(upstream)
+
+    async def key(self, upstream: Upstream) -> ServerKey:
+        key = self._keys.get(upstream.base_url)
+        if key is None:
+            key = await server_key(self._client(), upstream, self.config.build, self.config.cache_types)
+            self._keys[upstream.base_url] = key
+        return key
+
+    async def idle(self, upstream: Upstream, wait_s: float) -> int | None:
+        return await idle_slots(self._client(), upstream, wait_s)
+
+    def restore_bytes_per_s(self) -> float:
+        return 1.0 / self._restore_s_per_byte if self._restore_s_per_byte else RESTORE_PRIOR_BYTES_PER_S
+
+    def observe_restore(self, size: int, seconds: float) -> None:
+        if size >= 1_000_000 and seconds > 0:
+            s_per_byte = seconds / size
+            old = self._restore_s_per_byte
+            self._restore_s_per_byte = s_per_byte if old is None else 0.7 * old + 0.3 * s_per_byte

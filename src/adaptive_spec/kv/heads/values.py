@@ -1,0 +1,52 @@
+"""The head store's values: its settings, a head restored for a request, and a served turn to keep."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from adaptive_spec.kv.heads.plan import DEFAULT_MAX_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class HeadsConfig:
+    directory: Path | None  # None: heads/ in the state directory (resolved where `serve` starts)
+    max_bytes: int = DEFAULT_MAX_BYTES
+    build: str = ""  # the launched binary's identity ("": attached servers, known by their build_info alone)
+    cache_types: tuple[str, str] = ("", "")  # the launched servers' K and V cache types ("": unknown)
+    warm_start: bool = True  # restore the most recent heads into a fresh server's idle slots (start, restart)
+    # `serve --project-key` (key: project): projects are tenants, a head is found within its key's project only.
+    project_keys: Mapping[str, str] = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """A head restored for one request: checked against that request's `cache_n` when it ends. `forwards`: the
+    requests forwarded to that server before the restore (another one in between may have taken the slot)."""
+
+    head: str
+    server: str
+    tokens: int
+    restore_ms: float
+    at_start: bool = False
+    forwards: int = 0
+    pieces: int = 0  # the request's leading pieces the head holds
+
+    def reason(self) -> str:
+        when = " when the server started" if self.at_start else ""
+        return f"warm: head of {self.tokens} tokens restored{when} in {self.restore_ms:.0f} ms"
+
+
+@dataclass(frozen=True, slots=True)
+class SavedTurn:
+    """A served first turn to keep as a head: its prompt's pieces, its tokens and reply's, whose it is."""
+
+    pieces: tuple[bytes, ...]
+    chars: tuple[int, ...]
+    prompt_tokens: int
+    reply_tokens: int
+    agent: str | None
+    project: str | None
+    scope: str
+    session: str = ""  # "": an agent's head; else the session whose state this is (saved once it went idle)
