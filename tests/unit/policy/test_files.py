@@ -281,7 +281,7 @@ def test_a_fifo_or_a_huge_file_in_a_workspace_is_refused_without_blocking(tmp_pa
 def test_the_example_project_policy_is_valid() -> None:
     from adaptive_spec.policy.model import load_policy
 
-    example = Path(__file__).parents[2] / "examples" / "project-policy.toml"
+    example = Path(__file__).parents[3] / "examples" / "project-policy.toml"
     policy = load_policy([(str(example), example.read_text())], known_profiles=["oneshot", "iterative"])
     assert (policy.route.hysteresis, policy.route.min_dwell_turns, policy.first_turn.min_lines) == (0.10, 1, 10)
 

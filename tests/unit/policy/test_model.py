@@ -26,7 +26,7 @@ from adaptive_spec.policy.model import (
     policy_to_toml_dict,
 )
 
-REPO_POLICIES = Path(__file__).resolve().parents[2] / "policies"
+REPO_POLICIES = Path(__file__).resolve().parents[3] / "policies"
 
 
 def _problems(text: str, known: list[str] | None = None) -> list[str]:

@@ -11,7 +11,7 @@ from types import ModuleType
 
 from tests.support.scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "benchmarks" / "gpu_bench.py"
 
 

@@ -27,7 +27,7 @@ from adaptive_spec.telemetry.events import (
 )
 from adaptive_spec.telemetry.records import RequestRecord, Timings
 
-FEED = Path(__file__).parents[1] / "tui" / "data" / "feed.jsonl"
+FEED = Path(__file__).parents[2] / "tui" / "data" / "feed.jsonl"
 T0 = 1_800_000_000.0
 
 ONE_OF_EACH: list[Event] = [
