@@ -34,3 +34,25 @@ def test_the_unit_tests_mirror_the_packages() -> None:
         assert (package / "__init__.py").is_file(), f"tests/unit/{folder.relative_to(tests)} names no package"
     top = sorted(p.name for p in tests.glob("test_*.py"))
     assert top == ["test_agent_replay.py", "test_design_notes.py", "test_request_path_cost.py", "test_surfaces.py"]
+
+
+def test_the_architecture_map_lists_every_module_once_by_its_own_summary() -> None:
+    """docs/architecture.md's map: a line per module, saying what the module's docstring opens with."""
+    import ast
+    import re
+
+    text = (ROOT.parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    listed = re.findall(r"^- `([\w/]+\.py)` — (.*)$", text, flags=re.M)
+    names = [name for name, _ in listed]
+    assert len(names) == len(set(names)), "a module listed twice"
+    modules = {
+        p.relative_to(ROOT).as_posix()
+        for p in ROOT.rglob("*.py")
+        if p.parent != ROOT
+        and not (p.name == "__init__.py" and p.parent.parent == ROOT)
+        and ast.get_docstring(ast.parse(p.read_text(encoding="utf-8")))
+    }
+    assert set(names) == modules, (sorted(modules - set(names)), sorted(set(names) - modules))
+    for name, summary in listed:
+        doc = " ".join((ast.get_docstring(ast.parse((ROOT / name).read_text(encoding="utf-8"))) or "").split())
+        assert doc.startswith(summary), f"{name}: the map says {summary[:60]!r}, its docstring opens otherwise"
