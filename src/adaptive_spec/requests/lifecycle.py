@@ -165,7 +165,8 @@ class RequestLifecycle:
         finished, meter, assignment = req.outcome.finished, req.meter, req.assignment
         line_moved = False
         if req.route is not None:
-            line_moved = self.router.complete(req.route, Completion(finished, meter.timings, meter.output.text))
+            done = Completion(finished, meter.timings, meter.output.text, meter.output.kept_share())
+            line_moved = self.router.complete(req.route, done)
         if self.sessions is None or assignment is None or req.parsed is None:
             return
         if not finished:

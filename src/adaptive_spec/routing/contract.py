@@ -187,3 +187,6 @@ class Completion:
     ok: bool
     timings: Timings | None = None
     reply: str = ""
+    # The share of the reply its slot keeps reusable when it is sent back (`OutputCollector.kept_share`): a call
+    # whose arguments the model spaced otherwise than the template does is prefilled again from there.
+    reply_kept: float = 1.0

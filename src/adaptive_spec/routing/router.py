@@ -399,7 +399,9 @@ class Router:
         if not route.pieces:
             return False
         own = self.prefixes.get(session_id)
-        state = prefix.observe(own, route.pieces, route.has_tools, done.reply, timings, self.chars_per_token)
+        state = prefix.observe(
+            own, route.pieces, route.has_tools, done.reply, timings, self.chars_per_token, reply_kept=done.reply_kept
+        )
         several = self.load.slot_count(profile, replica) > 1
         self.slot_prefixes.put((*self.home(profile, replica), slot if several else None), state)
         if session_id is not None and not decision.side:

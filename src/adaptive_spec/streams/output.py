@@ -64,6 +64,24 @@ def call_text(name: Any, arguments: str, *, spaced: bool = True) -> str:
     return call_head(name) + written + "}"
 
 
+def _spaced(arguments: str) -> str:
+    """A call's arguments as a template writes them (`call_text`), or as given when they are not JSON."""
+    try:
+        return json.dumps(orjson.loads(arguments), ensure_ascii=False)
+    except (orjson.JSONDecodeError, TypeError, ValueError):
+        return arguments
+
+
+def _same_start(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
 def _chat_message(message: dict[str, Any], texts: list[str], ids: list[str]) -> None:
     texts += [_str(message.get("reasoning_content")), _str(message.get("content"))]
     calls = message.get("tool_calls")
@@ -240,3 +258,32 @@ class OutputCollector:
     @property
     def text(self) -> str:
         return "".join(self._parts) + ("}" if self._in_call else "")
+
+    def kept_share(self) -> float:
+        """The share of `text` that the same reply, sent back in the next request, renders as it was generated:
+        llama-server renders a call's arguments as `call_text` spaces them, so a model that wrote them otherwise
+        (on several lines, say) finds its slot's copy of the reply reused only up to the first character that
+        differs (its text before the call, the call's name). 1.0: all of it."""
+        if not self.calls:
+            return 1.0
+        total = len(self.text)
+        kept, i, parts = 0, 0, self._parts
+        while i < len(parts):
+            part = parts[i]
+            if type(part) is not CallHead:
+                kept += len(part)
+                i += 1
+                continue
+            j = i + 1
+            while j < len(parts) and type(parts[j]) is CallArguments:
+                j += 1
+            raw = "".join(parts[i + 1 : j])
+            if raw[1:2].isspace():
+                return kept / total  # arguments on lines of their own: the model wrote the whole call so
+            kept += len(part)
+            same = _same_start(raw, _spaced(raw))
+            kept += same
+            if same < len(raw):
+                return kept / total
+            i = j
+        return 1.0

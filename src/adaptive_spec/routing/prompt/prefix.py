@@ -62,13 +62,14 @@ class PrefixState:
     pieces: tuple[Piece, ...]
     reply: bytes  # digest of the served reply's text, whitespace removed
     prompt_tokens: int  # llama-server's prompt_n + cache_n for that request
-    reply_tokens: int  # its predicted_n
+    reply_tokens: int  # of its predicted_n, those the reply sent back reuses (all unless a call was respaced)
     chars_per_token: float  # this session's, from llama-server's counts
     line: bytes | None = None  # the system prompt digest of the session's main line
     line_tools: bool = False
     # llama-server's prefilled tokens over this estimate's, on turns that continued a held prefix (EWMA): the
     # template's cost of tool calls and tool results, which characters alone miss.
     new_ratio: float = 1.0
+    reply_again: int = 0  # the rest of its predicted_n: prefilled again when the reply comes back
 
 
 _NO_STATE = PrefixState((), b"", 0, 0, DEFAULT_CHARS_PER_TOKEN)
@@ -121,12 +122,14 @@ def _against(held: PrefixState, pieces: Sequence[Piece], cpt: float, total: floa
         k = n
         while k < len(pieces) and pieces[k].assistant:
             k += 1
-        if k > n and held.reply_tokens and held.reply in {p.digest for p in pieces[n:k]}:
+        again = 0.0
+        if k > n and (held.reply_tokens or held.reply_again) and held.reply in {p.digest for p in pieces[n:k]}:
             shared += held.reply_tokens
+            again = float(held.reply_again)
             n = k
         rest = pieces[n:]
         preamble = TOOLS_OVERHEAD_TOKENS if any(p.tools for p in rest) else 0.0
-        return shared, _tokens(rest, cpt) + PROMPT_OVERHEAD_TOKENS + preamble
+        return shared, _tokens(rest, cpt) + again + PROMPT_OVERHEAD_TOKENS + preamble
     # The first differing piece still shares its leading characters: llama-server reuses tokens up to the first one
     # that differs, wherever it falls inside a piece.
     within = shared_chars(prev[n], pieces[n]) if n < len(prev) and n < len(pieces) else 0
@@ -189,9 +192,12 @@ def observe(
     reply_text: str,
     timings: Timings,
     chars_per_token: float = DEFAULT_CHARS_PER_TOKEN,
+    *,
+    reply_kept: float = 1.0,
 ) -> PrefixState:
     """The session's slot after a request served in full: its pieces, its reply, and llama-server's counts.
-    `chars_per_token` is the rate a new session starts from (the proxy's latest)."""
+    `chars_per_token` is the rate a new session starts from (the proxy's latest); `reply_kept`, the share of the
+    reply that stays reusable when it is sent back (`Completion.reply_kept`)."""
     prompt_tokens = timings.prompt_n + timings.cache_n
     chars = sum(p.chars for p in pieces)
     templated = prompt_tokens - _markup(pieces) - _fixed(pieces)
@@ -215,7 +221,8 @@ def observe(
         pieces=tuple(pieces),
         reply=reply_digest(reply_text),
         prompt_tokens=prompt_tokens,
-        reply_tokens=timings.predicted_n,
+        reply_tokens=round(timings.predicted_n * reply_kept),
+        reply_again=timings.predicted_n - round(timings.predicted_n * reply_kept),
         chars_per_token=cpt,
         line=line,
         line_tools=line_tools,

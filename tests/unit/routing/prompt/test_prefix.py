@@ -53,6 +53,44 @@ def test_an_appended_turn_costs_only_what_follows_the_echoed_reply() -> None:
     assert 15 <= est.new_tokens <= 40
 
 
+def test_a_call_the_model_spaced_otherwise_is_reused_only_up_to_where_it_differs() -> None:
+    """Claude Code on the 0.5B: the model wrote a call on several lines (its arguments indented under the call's
+    own keys); llama-server renders the call sent back on one, so the slot's copy of the reply is reused up to the
+    call (3 of 431 tokens there) and the rest is prefilled again."""
+    from adaptive_spec.streams.output import CallArguments, OutputCollector, call_head
+
+    arguments = '{\n    "description": "' + "d" * 2000 + '"\n}'
+    out = OutputCollector()
+    out.add([call_head("Agent"), CallArguments(arguments)], ["c1"])
+    kept = out.kept_share()
+    assert kept == 0.0
+    after = OutputCollector()  # text after a call that differed is not reached either
+    after.add([call_head("Agent"), CallArguments(arguments), "Done."], ["c1"])
+    assert after.kept_share() == 0.0
+    one_line = OutputCollector()  # a call on one line whose arguments differ inside: kept up to there
+    one_line.add(["Here.", call_head("Write"), CallArguments('{"path":"a.py", "content": "x"}')], ["c3"])
+    assert one_line.kept_share() == pytest.approx(
+        (len("Here.\n") + len(call_head("Write")) + len('{"path":')) / len(one_line.text)
+    )
+    user1 = {"role": "user", "content": "Create hello.py"}
+    timings = Timings(prompt_n=300, cache_n=0, predicted_n=700)
+    state = prefix.observe(None, prompt_pieces(body(user1, tools=True)), True, out.text, timings, reply_kept=kept)
+    assert state.reply_tokens + state.reply_again == 700 and state.reply_again > 680
+    call = {"id": "c1", "type": "function", "function": {"name": "Agent", "arguments": arguments}}
+    history = [user1, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    est = estimate(state, body(*history, {"role": "tool", "tool_call_id": "c1", "content": "ok"}, tools=True))
+    assert est.new_tokens > 680  # the reply again, then the result
+    # Written as the template writes it, the whole reply stays.
+    spaced = OutputCollector()
+    spaced.add([call_head("Agent"), CallArguments('{"description": "' + "d" * 2000 + '"}')], ["c1"])
+    assert spaced.kept_share() == 1.0
+    # Text before the call is kept; arguments that are not JSON are rendered as given.
+    broken = OutputCollector()
+    broken.add(["Writing it now.", call_head("Write"), CallArguments("{not json")], ["c2"])
+    assert broken.kept_share() == 1.0
+    assert OutputCollector().kept_share() == 1.0
+
+
 def test_a_reply_the_client_rewrote_is_prefilled_again() -> None:
     user1 = {"role": "user", "content": "Fix the bug"}
     state = served(None, body(user1), "the served answer " * 20, prompt_n=300, cache_n=0, out=80)
