@@ -77,7 +77,7 @@ def test_a_call_the_model_spaced_otherwise_is_reused_only_up_to_where_it_differs
     state = prefix.observe(None, prompt_pieces(body(user1, tools=True)), True, out.text, timings, reply_kept=kept)
     assert state.reply_tokens + state.reply_again == 700 and state.reply_again > 680
     call = {"id": "c1", "type": "function", "function": {"name": "Agent", "arguments": arguments}}
-    history = [user1, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    history: list[dict[str, Any]] = [user1, {"role": "assistant", "content": "", "tool_calls": [call]}]
     est = estimate(state, body(*history, {"role": "tool", "tool_call_id": "c1", "content": "ok"}, tools=True))
     assert est.new_tokens > 680  # the reply again, then the result
     # Written as the template writes it, the whole reply stays.
