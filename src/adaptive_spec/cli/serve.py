@@ -68,7 +68,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     serve.add_argument("--default-profile", help="profile for requests without a pin (default: the first)")
     serve.add_argument("--max-body-mb", type=float, default=32.0)
     serve.add_argument(
-        "--read-timeout", type=float, default=600.0, help="seconds of upstream silence before a request fails (504)"
+        "--read-timeout",
+        type=float,
+        default=600.0,
+        help="seconds of upstream silence before a request fails (504); a request waiting its turn while the server "
+        "answers another one is not met with silence, and its count starts when that answer ends",
     )
     serve.add_argument(
         "--prefill-keepalive",

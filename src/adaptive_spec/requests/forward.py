@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import aiohttp
 import orjson
@@ -44,6 +45,7 @@ _DROP_RESPONSE = _HOP_BY_HOP | {"content-length", "server", "date"}
 # Non-streamed bodies up to this size are parsed for their timings; larger ones just pass through.
 _METER_BODY_LIMIT = 8 * 1024 * 1024
 _ERROR_BODY_LIMIT = 64 * 1024
+_T = TypeVar("_T")
 # A failure of the relay after the headers went out: the message and the code of the stream's last error event.
 _Failure = tuple[str, str]
 
@@ -79,13 +81,19 @@ async def forward(
     url = upstream.base_url + path_qs
     headers = upstream_headers(request.headers, hidden_headers(request))
     relay = _Relay(upstream, api, meter, started, strip, progress, _Answering())
-    with (stranded or StrandedRequests()).book(upstream.base_url, upstream.label) as booking:
+    book = stranded or StrandedRequests()
+    with book.book(upstream.base_url, upstream.label) as booking:
         try:
-            sent = _send(sessions, request.method, url, body, headers, timeout)
+            # The answer's first byte is waited for here, not by aiohttp's read timeout: a request queued behind
+            # another the server is answering (`_first_byte`) is not facing a silent server.
+            sent = _send(sessions, request.method, url, body, headers, _unread(timeout))
             waited = keepalive.during(sent) if keepalive is not None else sent
-            outcome = await _sent_or_failed(waited, upstream, timeout)
+            first = _first_byte(waited, timeout.sock_read, lambda: book.answered_at(upstream.base_url, booking))
+            outcome = await _sent_or_failed(first, upstream, timeout)
             if isinstance(outcome, Outcome):
                 return await _failed(outcome, keepalive)
+            booking.answered = True
+            _read_timeout(outcome, timeout.sock_read)
             return await _answered(request, outcome, relay, extra_headers, keepalive)
         except asyncio.CancelledError:
             # The proxy's own cancellation (the server stopped answering, the shutdown) may land at any await of
@@ -95,6 +103,56 @@ async def forward(
             if ended is None:
                 raise
             return await _ended(request, ended, keepalive, relay)
+
+
+async def _first_byte(sending: Awaitable[_T], silence_s: float | None, answered_at: Callable[[], float | None]) -> _T:
+    """The server's answer, or TimeoutError once the server has been silent `silence_s` for this request: counted
+    from the later of its start and the end of the server's last answer to another request (`answered_at`, None
+    while it is answering one: this request waits its turn behind a long answer, on a server of one slot). A hung
+    server is ended sooner by the health poll (`StrandedRequests.end`)."""
+    if silence_s is None:
+        return await sending
+    loop, started = asyncio.get_running_loop(), time.monotonic()
+    # Awaited directly (no task in between: the answer's first chunks are read as soon as they come); a check at
+    # each deadline either moves it or lets it fire.
+    async with asyncio.timeout(None) as deadline:
+        handle: asyncio.TimerHandle
+
+        def check() -> None:
+            nonlocal handle
+            last = answered_at()
+            since = max(started, last) if last is not None else time.monotonic()
+            left = since + silence_s - time.monotonic()
+            if left > 0:
+                handle = loop.call_later(left, check)
+            else:
+                deadline.reschedule(loop.time())
+
+        handle = loop.call_later(silence_s, check)
+        try:
+            return await sending
+        finally:
+            handle.cancel()
+
+
+def _unread(timeout: aiohttp.ClientTimeout) -> aiohttp.ClientTimeout:
+    """`timeout` without its read timeout (`_first_byte`, then `_read_timeout`, take its place)."""
+    return aiohttp.ClientTimeout(
+        total=timeout.total,
+        connect=timeout.connect,
+        sock_connect=timeout.sock_connect,
+        sock_read=None,
+        ceil_threshold=timeout.ceil_threshold,
+    )
+
+
+def _read_timeout(upstream_resp: aiohttp.ClientResponse, silence_s: float | None) -> None:
+    """The body's reads time out after `silence_s` of silence, as aiohttp's `sock_read` would have timed them."""
+    connection = upstream_resp.connection
+    protocol = connection.protocol if connection is not None else None
+    if protocol is not None and silence_s:
+        protocol.read_timeout = silence_s
+        protocol.start_timeout()
 
 
 async def _answered(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ class Booking:
     server: str
     label: str  # the profile (and replica) the request was sent to, for the message
     ended: str | None = None
+    answered: bool = False  # the server's answer to it has begun (its headers came)
 
     def outcome(self) -> Outcome:
         """How the request ended, for its record and its answer: another replica may take it (nothing was sent)."""
@@ -45,6 +47,7 @@ class StrandedRequests:
 
     def __init__(self) -> None:
         self._by_server: dict[str, set[Booking]] = {}
+        self._answered_until: dict[str, float] = {}  # when each server last ended an answer (time.monotonic)
 
     @contextlib.contextmanager
     def book(self, server: str, label: str) -> Iterator[Booking]:
@@ -56,11 +59,21 @@ class StrandedRequests:
             yield booking
         finally:
             on_server.discard(booking)
+            if booking.answered:
+                self._answered_until[server] = time.monotonic()
             if not on_server:
                 self._by_server.pop(server, None)
 
     def waiting_on(self, server: str) -> int:
         return len(self._by_server.get(server, ()))
+
+    def answered_at(self, server: str, besides: Booking) -> float | None:
+        """When `server` last answered another request than `besides` (time.monotonic; None: it is answering one
+        now). A request without an answer yet is queued behind such answers (one slot, or all of them busy): its
+        server's silence counts from their end, not from its own start."""
+        if any(b.answered and b is not besides for b in self._by_server.get(server, ())):
+            return None
+        return self._answered_until.get(server, float("-inf"))
 
     def end(self, server: str, reason: str) -> int:
         """End every request waiting on `server` (once each); returns how many were ended."""
