@@ -133,7 +133,7 @@ class SlotIO:
             key.hex(), crc, pause_ms, head.scope, head.session,
         )  # fmt: skip
         await self.book.add(entry)
-        self.refused = {r for r in self.refused if r[1] != hid}  # a new file under that id
+        self.refused.difference_update([r for r in self.refused if r[1] == hid])  # a new file under that id
         if hid in self.book.entries and head.session:
             await self.book.delete(earlier_states(self.book.entries.values(), head.session, hid))
         if hid in self.book.entries:

@@ -196,7 +196,8 @@ class HeadStore:
 
     def emptied(self, upstream: Upstream) -> None:
         """Its slots were erased: no head is held there any more."""
-        self._held = {k: v for k, v in self._held.items() if k[0] != upstream.base_url}
+        for key in [k for k in self._held if k[0] == upstream.base_url]:
+            del self._held[key]  # in place: the slot I/O holds the same table
 
     async def settled(self) -> None:
         """Wait for the saves and warm starts under way (tests, shutdown)."""
