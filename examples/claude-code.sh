@@ -8,6 +8,10 @@ export ANTHROPIC_SMALL_FAST_MODEL="${ANTHROPIC_SMALL_FAST_MODEL:-$ANTHROPIC_MODE
 # It does not know a local model's window and assumes 1M tokens, so it never compacts before llama-server's limit:
 # name the context of one slot (serve --ctx-size / --parallel; 32768 by default).
 export CLAUDE_CODE_MAX_CONTEXT_TOKENS="${CLAUDE_CODE_MAX_CONTEXT_TOKENS:-32768}"
+# It keeps room in that window for its largest answer (32,000 tokens by default): with a 32k window and its ~12k-token
+# first turn that room is gone, and it stops with "Prompt is too long" before compacting (measured with 2.1.328 on
+# the 1.5B). A local model's answers are short: keep 8k for them.
+export CLAUDE_CODE_MAX_OUTPUT_TOKENS="${CLAUDE_CODE_MAX_OUTPUT_TOKENS:-8192}"
 # A first turn on a CPU prefills ~12k tokens before its first byte: minutes (the proxy's keep-alives meanwhile are
 # Anthropic `ping` events).
 export API_TIMEOUT_MS="${API_TIMEOUT_MS:-3600000}"

@@ -71,6 +71,9 @@ def test_claude_code_creates_then_changes_a_file(proxy: ProxyProcess, workspace:
         "DISABLE_AUTOUPDATER": "1",
         "IS_SANDBOX": "1",  # --dangerously-skip-permissions as root
         "API_TIMEOUT_MS": "3600000",  # a first turn prefills ~12k tokens: minutes on a CPU
+        # As examples/claude-code.sh sets them: the window of one slot, and room in it for an 8k answer.
+        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": "32768",
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "8192",
     }
     argv: list[str | Path] = [claude, "-p", "--dangerously-skip-permissions", "--max-turns", "6"]
     made = repo / "hello.py"
