@@ -122,8 +122,8 @@ def embedded_chat_template(model: str) -> str | None:
 
 
 # The embedded model tool-using agents should run on. Measured (examples/README.md, "Which embedded model for
-# agents"): on the 1.5B opencode created a file and then edited it; on the 0.5B neither opencode nor Codex CLI
-# finished a create or an edit (wrong tools, wrong content, one call repeated).
+# agents"): on the 1.5B opencode created a file and then edited it, Claude Code created one; on the 0.5B neither
+# opencode nor Codex CLI finished a create or an edit (wrong tools, wrong content, one call repeated).
 AGENTS_MODEL = "qwen2.5-coder-1.5b"
 
 
@@ -133,9 +133,9 @@ def agents_advice(model: str) -> str | None:
     if name is None or name not in EMBEDDED:
         return None
     if name == AGENTS_MODEL:
-        return f"agents: {name} is the embedded model for tool-using agents (opencode, Codex CLI)"
+        return f"agents: {name} is the embedded model for tool-using agents (opencode, Codex CLI, Claude Code)"
     advice = (
-        f"agents: tool-using agents (opencode, Codex CLI) finish no edit on {name}; "
+        f"agents: tool-using agents (opencode, Codex CLI, Claude Code) finish no edit on {name}; "
         f"serve --model embedded:{AGENTS_MODEL} for them (examples/README.md)"
     )
     try:

@@ -66,7 +66,7 @@ def test_serve_says_which_embedded_model_suits_agents(monkeypatch: pytest.Monkey
     from adaptive_spec.llama import models
 
     assert models.agents_advice("embedded:qwen2.5-coder-1.5b") == (
-        "agents: qwen2.5-coder-1.5b is the embedded model for tool-using agents (opencode, Codex CLI)"
+        "agents: qwen2.5-coder-1.5b is the embedded model for tool-using agents (opencode, Codex CLI, Claude Code)"
     )
     monkeypatch.setattr(models, "_part_files", lambda model: [])  # the 1.5B installed
     small = models.agents_advice("embedded:qwen2.5-coder-0.5b")
