@@ -38,6 +38,15 @@ def proxy(tiny_server: LlamaServer) -> Iterator[ProxyProcess]:
     proc.stop()
 
 
+def _as_qwen_code(proxy: ProxyProcess, body: dict[str, Any]) -> urllib.request.Request:
+    """A chat request as Qwen Code sends it: its path under a project, its User-Agent."""
+    return urllib.request.Request(
+        proxy.base + "/p/qwen/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "User-Agent": USER_AGENT},
+    )
+
+
 def _send(
     proxy: ProxyProcess, system: str, tools: list[dict[str, Any]], messages: list[dict[str, Any]], seed: int = 1
 ) -> tuple[str, dict[str, Any]]:
@@ -53,12 +62,7 @@ def _send(
         "messages": [{"role": "system", "content": system}, *messages],
         "tools": tools,
     }
-    req = urllib.request.Request(
-        proxy.base + "/p/qwen/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "User-Agent": USER_AGENT},
-    )
-    with urllib.request.urlopen(req, timeout=120) as resp:
+    with urllib.request.urlopen(_as_qwen_code(proxy, body), timeout=120) as resp:
         raw = resp.read().decode()
         request_id = resp.headers["x-adaptive-spec-request-id"]
     text = ""
@@ -113,12 +117,7 @@ def test_a_first_request_given_up_on_and_sent_again_stays_one_conversation(proxy
         "messages": [{"role": "system", "content": MAIN_SYSTEM}, *first],
         "tools": MAIN_TOOLS,
     }
-    req = urllib.request.Request(
-        proxy.base + "/p/qwen/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "User-Agent": USER_AGENT},
-    )
-    with urllib.request.urlopen(req, timeout=120) as resp:  # given up on at the first chunk
+    with urllib.request.urlopen(_as_qwen_code(proxy, body), timeout=120) as resp:  # given up on at the first chunk
         request_id = resp.headers["x-adaptive-spec-request-id"]
         resp.readline()
     wait_until(lambda: any(r["request_id"] == request_id for r in proxy.requests()), 60, "the abandoned record")
