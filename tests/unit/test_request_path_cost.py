@@ -18,8 +18,9 @@ from adaptive_spec.policy.model import Policy
 from adaptive_spec.routing.prompt import first_turn as copy_hint
 from adaptive_spec.routing.prompt import prefix
 from adaptive_spec.routing.prompt.pieces import BLOCK_CHARS, Piece, PieceCache, prompt_pieces, shared_chars
-from adaptive_spec.sessions import grouping
-from adaptive_spec.sessions.grouping import SessionRegistry, message_text, messages_of
+from adaptive_spec.sessions import grouping, messages
+from adaptive_spec.sessions.grouping import SessionRegistry
+from adaptive_spec.sessions.messages import message_text, messages_of
 
 _WORDS = ("value", "index", "result", "buffer", "parser", "session", "stream", "handler", "return", "config")
 
@@ -156,7 +157,7 @@ def test_pieces_of_texts_another_session_sent_are_taken_not_hashed(monkeypatch: 
 
     def counted(role: str, text: str) -> bytes:
         hashed.append(text)
-        return grouping.message_digest(role, text)
+        return messages.message_digest(role, text)
 
     monkeypatch.setattr("adaptive_spec.routing.prompt.pieces.message_digest", counted)
     # Another session (no state of its own) whose request carries the same history: only its new message is hashed.

@@ -19,7 +19,7 @@ from adaptive_spec.common.child_process import WorkerDied, WorkerFailed, WorkerP
 from adaptive_spec.common.lru import LRU
 from adaptive_spec.sessions import stats_child as session_worker
 from adaptive_spec.sessions import updates
-from adaptive_spec.sessions.grouping import messages_of, same_start
+from adaptive_spec.sessions.messages import messages_of, same_start
 from adaptive_spec.sessions.statistics import ContextTracker, SessionSnapshot, TurnStats
 from adaptive_spec.sessions.tokenizers import Tokenizer, tokenizer_spec
 

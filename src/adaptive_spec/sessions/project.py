@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from adaptive_spec.sessions.grouping import message_text, messages_of
+from adaptive_spec.sessions.messages import message_text, messages_of
 
 DEFAULT_PROJECT = "default"
 _CWD_TAG = re.compile(r"<cwd>\s*([^<\n]+?)\s*</cwd>")

@@ -16,11 +16,7 @@ from typing import Any
 
 from adaptive_spec.common.lru import LRU
 from adaptive_spec.sessions.backends import ProcessStatistics, StatisticsBackend, ThreadStatistics, Work
-from adaptive_spec.sessions.grouping import (
-    ECHO_FINGERPRINTS,
-    SessionAssignment,
-    SessionRegistry,
-)
+from adaptive_spec.sessions.grouping import ECHO_FINGERPRINTS, SessionAssignment, SessionRegistry
 from adaptive_spec.sessions.project import resolve_project
 from adaptive_spec.sessions.statistics import ContextTracker, SessionSnapshot
 from adaptive_spec.sessions.tokenizers import Tokenizer

@@ -17,7 +17,7 @@ import orjson
 
 from adaptive_spec.common.lru import LRU
 from adaptive_spec.sessions import updates
-from adaptive_spec.sessions.grouping import KnownDigests, message_entry, messages_of, system_entries
+from adaptive_spec.sessions.messages import KnownDigests, message_entry, messages_of, system_entries
 from adaptive_spec.sessions.statistics import SessionSnapshot, TurnStats
 from adaptive_spec.sessions.tokenizers import SyncTokenizer, TokenizerSpec
 

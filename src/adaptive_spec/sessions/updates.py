@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from adaptive_spec.sessions.grouping import context_entries, context_messages, message_digest
+from adaptive_spec.sessions.messages import context_entries, context_messages, message_digest
 from adaptive_spec.sessions.statistics import ContextTracker, SessionSnapshot, TurnStats
 
 

@@ -12,8 +12,8 @@ import pytest
 from adaptive_spec.requests.body.compat import anthropic_overflow
 from adaptive_spec.routing.prompt.pieces import prompt_pieces
 from adaptive_spec.routing.prompt.prefix import estimate
-from adaptive_spec.sessions.billing import normalised_billing_line, normalised_system
-from adaptive_spec.sessions.grouping import SessionRegistry, explicit_session, system_entries
+from adaptive_spec.sessions.grouping import SessionRegistry, explicit_session
+from adaptive_spec.sessions.messages import normalised_billing_line, normalised_system, system_entries
 
 LINE = "x-anthropic-billing-header: cc_version=2.1.328.a1b; cc_entrypoint=sdk-cli; cch={};"
 
@@ -132,7 +132,7 @@ def test_anything_else_is_not_an_overflow(body: bytes) -> None:
 
 
 def test_an_anthropic_tool_use_counts_as_the_call_the_template_writes() -> None:
-    from adaptive_spec.sessions.grouping import message_entry
+    from adaptive_spec.sessions.messages import message_entry
 
     use = {"type": "tool_use", "id": "toolu_1", "name": "Write", "input": {"file_path": "hello.py", "content": "x"}}
     role, assistant, text, calls = message_entry({"role": "assistant", "content": [use]}, spaced=True)
@@ -147,7 +147,7 @@ def test_an_anthropic_tool_use_counts_as_the_call_the_template_writes() -> None:
 def test_a_tool_use_is_spaced_only_when_asked_as_a_chat_tool_call_is() -> None:
     """Unspaced (for the digests, which ignore whitespace, on the request path): the input compact, as a chat call's
     arguments come from the client; spaced (what the statistics tokenize): as the template writes either."""
-    from adaptive_spec.sessions.grouping import message_digest, message_entry
+    from adaptive_spec.sessions.messages import message_digest, message_entry
 
     use = {"type": "tool_use", "id": "toolu_1", "name": "Write", "input": {"file_path": "hello.py", "content": "é"}}
     anthropic = {"role": "assistant", "content": [use]}

@@ -15,7 +15,7 @@ import pytest
 from adaptive_spec.requests.body.parse import with_fields
 from adaptive_spec.routing.prompt import prefix
 from adaptive_spec.routing.prompt.pieces import Piece, prompt_pieces
-from adaptive_spec.sessions.grouping import context_messages, message_digest
+from adaptive_spec.sessions.messages import context_messages, message_digest
 from adaptive_spec.telemetry.records import Timings
 from tests.support.waiting import until
 
@@ -251,27 +251,27 @@ async def test_the_worker_process_tokenizes_itself_and_gets_what_the_event_loop_
 
 
 def test_known_digests_give_message_digest_and_digest_only_new_messages(monkeypatch: pytest.MonkeyPatch) -> None:
-    from adaptive_spec.sessions import grouping
+    from adaptive_spec.sessions import messages
 
     computed: list[str] = []
-    real = grouping.message_digest
+    real = messages.message_digest
 
     def counting(role: str, text: str) -> bytes:
         computed.append(text)
         return real(role, text)
 
-    monkeypatch.setattr(grouping, "message_digest", counting)
-    known = grouping.KnownDigests()
+    monkeypatch.setattr(messages, "message_digest", counting)
+    known = messages.KnownDigests()
     turn1 = {"messages": [{"role": "system", "content": "rules"}, {"role": "user", "content": "edit a.py"}]}
     new = [{"role": "assistant", "content": "done"}, {"role": "user", "content": "edit b.py"}]
     turn2 = {"messages": [*turn1["messages"], *new]}
     for turn in (turn1, turn2):
         computed.clear()
-        got = grouping.context_messages(turn, known)
+        got = messages.context_messages(turn, known)
         known.turn()
         assert [d for d, _, _ in got] == [real(m["role"], m["content"]) for m in turn["messages"]]
     assert computed == ["done", "edit b.py"]  # the second turn digested only its two new messages
     same_length = {"messages": [{"role": "system", "content": "RULES"}, {"role": "user", "content": "edit a.py"}]}
     computed.clear()
-    got = grouping.context_messages(same_length, known)
+    got = messages.context_messages(same_length, known)
     assert got[0][0] == real("system", "RULES") and computed == ["RULES"]  # same length, other text: digested

@@ -223,7 +223,7 @@ def test_a_served_tool_call_reads_as_the_model_wrote_it_and_the_same_when_sent_b
     """Streamed (chat, Responses, Anthropic) or whole, a call reads `{"name": ..., "arguments": ...}`, as the
     templates render it; sent back with other spacing (opencode's compact JSON) it reads the same, so the
     statistics' stream repeats where the server's does, and the reply is known when it comes back."""
-    from adaptive_spec.sessions.grouping import context_entries, context_texts, message_digest
+    from adaptive_spec.sessions.messages import context_entries, context_texts, message_digest
     from adaptive_spec.streams.output import OutputCollector, event_output
 
     args = '{"filePath": "/r/a.py", "limit": 20}'

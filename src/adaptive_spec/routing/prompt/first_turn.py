@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from adaptive_spec.common.lru import LRU
 from adaptive_spec.policy.model import FirstTurnPolicy
-from adaptive_spec.sessions.grouping import message_text, messages_of
+from adaptive_spec.sessions.messages import message_text, messages_of
 
 _HINT_MESSAGES = 12  # how far back a pasted file is looked for
 

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from adaptive_spec.common.lru import LRU
-from adaptive_spec.sessions.grouping import (
+from adaptive_spec.sessions.messages import (
     message_digest,
     message_entry,
     message_key,

@@ -9,7 +9,7 @@ import pytest
 
 from adaptive_spec.routing.prompt import prefix
 from adaptive_spec.routing.prompt.pieces import BLOCK_CHARS, TOOL_CALL_TOKENS, TOOL_RESULT_TOKENS, prompt_pieces
-from adaptive_spec.sessions.grouping import message_entry
+from adaptive_spec.sessions.messages import message_entry
 from adaptive_spec.telemetry.records import Timings
 
 SYSTEM = {"role": "system", "content": "You are a coding assistant. " * 40}
