@@ -26,7 +26,8 @@ from typing import Any
 
 from adaptive_spec.llama.profiles import AttachedProfile
 from adaptive_spec.proxy.app import ProxySettings
-from adaptive_spec.proxy.run import ServePlan, SessionPlan, _run
+from adaptive_spec.proxy.plan import ServePlan, SessionPlan
+from adaptive_spec.proxy.run import _run
 from tests.stress.fuzz_cases import Case, Generator, Target
 from tests.support.servers import LlamaServer, free_port, http_json, wait_until
 from tests.support.tiny_gguf import write_tiny_gguf

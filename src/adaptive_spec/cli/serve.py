@@ -34,8 +34,9 @@ from adaptive_spec.llama.profiles import (
 from adaptive_spec.proxy.app import ProxySettings
 from adaptive_spec.proxy.connection_book import ConnectionLimits
 from adaptive_spec.proxy.event_loop import EVENT_LOOPS
-from adaptive_spec.proxy.run import LaunchPlan, ServePlan, SessionPlan, say
+from adaptive_spec.proxy.plan import LaunchPlan, ServePlan, SessionPlan
 from adaptive_spec.proxy.run import run as run_server
+from adaptive_spec.proxy.run import say
 from adaptive_spec.sessions.grouping import ECHO_FINGERPRINTS
 from adaptive_spec.sessions.ngram_replay import NgramParams
 

@@ -19,15 +19,12 @@ import aiohttp
 from aiohttp import web
 
 from adaptive_spec.access.options import describe_access
-from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.common.dirs import state_dir
 from adaptive_spec.errors import ConfigError, LaunchError, ProfileMismatchError
 from adaptive_spec.kv.heads.options import launched_heads
-from adaptive_spec.kv.heads.values import HeadsConfig
-from adaptive_spec.kv.movers import RelayMoverPlan, SharedDirMover, SlotMover, start_relay_mover
-from adaptive_spec.kv.remote_prefill.shell import RemotePrefillPlan, start_remote_prefill
-from adaptive_spec.llama.binary.cpu_faults import RepackMode
-from adaptive_spec.llama.launch import HUNG_RESTART_S, KILL_AFTER_S, Launcher, describe_binary
+from adaptive_spec.kv.movers import SharedDirMover, SlotMover, start_relay_mover
+from adaptive_spec.kv.remote_prefill.shell import start_remote_prefill
+from adaptive_spec.llama.launch import KILL_AFTER_S, Launcher, describe_binary
 from adaptive_spec.llama.memory.footprint import device_report, launch_lines
 from adaptive_spec.llama.placement import (
     STOCK,
@@ -42,24 +39,19 @@ from adaptive_spec.llama.placement import (
     startup_lines,
 )
 from adaptive_spec.llama.profiles import (
-    AttachedProfile,
     ProfileInfo,
-    ProfileSpec,
-    ServerSettings,
     model_mismatch,
     replica_mismatch,
     speculation_problem,
 )
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.policy.files import PolicyStore, config_dir
-from adaptive_spec.proxy.app import KvSetup, ProxySettings, build_app
+from adaptive_spec.proxy.app import KvSetup, build_app
 from adaptive_spec.proxy.app_stop import stop_app
-from adaptive_spec.proxy.connection_book import ConnectionLimits
 from adaptive_spec.proxy.connections import WatchedSite, watch_connections
 from adaptive_spec.proxy.event_loop import loop_factory, loop_name
+from adaptive_spec.proxy.plan import LaunchPlan, ServePlan
 from adaptive_spec.requests.app_keys import LIFECYCLE
-from adaptive_spec.sessions.grouping import ECHO_FINGERPRINTS
-from adaptive_spec.sessions.ngram_replay import NgramParams
 from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker
 from adaptive_spec.sessions.token_source import choose_tokenizer
@@ -79,54 +71,6 @@ def say(message: str) -> None:
 # steps are bounded apart (proxy/app_stop.py): 3.5 s at most.
 _ENDED_WRITE_S = 0.5  # the ended requests' errors going out
 _AIOHTTP_SHUTDOWN_S = 0.5  # aiohttp's own wait per connection (twice at most): the handlers have ended already
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    binary: str
-    specs: list[ProfileSpec]
-    settings: ServerSettings
-    start_timeout_s: float = 600.0  # each profile's time to become healthy
-    device_memory_mib: int | None = None  # fit the launch to a device of this size instead of asking nvidia-smi
-    one_server: bool = True  # the profiles as per-request settings of one llama-server, when it takes them
-    repack: RepackMode = "auto"  # CPU weight repacking (llama/binary/cpu_faults.py): --cpu-repack
-    hung_restart_s: float = HUNG_RESTART_S  # a server marked down this long is killed and restarted
-
-
-@dataclass(frozen=True)
-class SessionPlan:
-    tokenizer: str = "auto"  # auto | gguf | endpoint | tiktoken | off
-    ngram: NgramParams = field(default_factory=NgramParams)
-    key_projects: dict[str, str] = field(default_factory=dict)
-    max_sessions: int = 64
-    max_tokens: int = 131_072
-    idle_expiry_s: float = 3600.0
-    echo_fingerprints: int = ECHO_FINGERPRINTS  # the reply echo's bound (sessions/grouping.py)
-
-
-@dataclass(frozen=True)
-class ServePlan:
-    host: str
-    port: int
-    proxy: ProxySettings
-    default_profile: str | None
-    launch: LaunchPlan | None = None
-    attach: list[AttachedProfile] = field(default_factory=list)
-    sessions: SessionPlan = field(default_factory=SessionPlan)
-    trace_path: Path | None = None
-    trace_content: bool = False
-    trace_max_bytes: int = 64 * 1024 * 1024
-    policy_file: Path | None = None  # None: the shipped policies/default.toml
-    workspace_policies: bool = True  # read .adaptive-spec.toml in the workspace an agent reveals
-    slot_dir: Path | None = None  # attached profiles' shared --slot-save-path (launched ones get their own)
-    verbose: bool = False  # let native libraries (llama.cpp loading the tokenizer) log to the terminal
-    access: AccessPolicy = field(default_factory=AccessPolicy)
-    remote_prefill: RemotePrefillPlan | None = None  # --pp-server
-    relays: RelayMoverPlan | None = None  # --relay SERVER_URL=RELAY_URL: KV moves between hosts
-    heads: HeadsConfig | None = None  # warm starts (kv/heads/): None with --no-heads
-    connections: ConnectionLimits = field(default_factory=ConnectionLimits)  # slow and idle clients, the cap
-    event_loop: str = "asyncio"  # proxy/event_loop.py: asyncio or uvloop
-    agents_note: str | None = None  # which embedded model suits coding agents, said after start
 
 
 def listen(host: str, port: int) -> list[socket.socket]:

@@ -15,7 +15,8 @@ from aiohttp import web
 from adaptive_spec.proxy import run
 from adaptive_spec.proxy.app import ProxySettings
 from adaptive_spec.proxy.app_stop import CONNECTIONS_STOP_S
-from adaptive_spec.proxy.run import ServePlan, base_url, listen
+from adaptive_spec.proxy.plan import ServePlan
+from adaptive_spec.proxy.run import base_url, listen
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 PER_CONNECTION_S = 30.0  # aiohttp's own wait for a handler, long (its default is 60 s): only the bound ends it
