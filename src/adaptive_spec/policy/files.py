@@ -18,15 +18,8 @@ from typing import Any
 import platformdirs
 
 from adaptive_spec.common.lru import LRU
-from adaptive_spec.policy.model import (
-    Overlay,
-    Policy,
-    PolicyError,
-    Problem,
-    apply,
-    parse_overlay,
-    policy_to_toml_dict,
-)
+from adaptive_spec.policy.model import Overlay, Policy, apply, policy_to_toml_dict
+from adaptive_spec.policy.reading import PolicyError, Problem, parse_overlay
 
 SHIPPED = "built-in default.toml"
 WORKSPACE_FILE = ".adaptive-spec.toml"

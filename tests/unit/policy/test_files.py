@@ -9,7 +9,8 @@ import pytest
 from adaptive_spec.cli import main as cli
 from adaptive_spec.policy import files as policy_files
 from adaptive_spec.policy.files import SHIPPED, WORKSPACE_FILE, PolicyStore, config_dir
-from adaptive_spec.policy.model import Policy, PolicyError, RoutePolicy
+from adaptive_spec.policy.model import Policy, RoutePolicy
+from adaptive_spec.policy.reading import PolicyError
 from adaptive_spec.sessions.project import workspace_from_request, workspace_path_from_request
 
 PROFILES = ("oneshot", "iterative")
@@ -279,7 +280,7 @@ def test_a_fifo_or_a_huge_file_in_a_workspace_is_refused_without_blocking(tmp_pa
 
 
 def test_the_example_project_policy_is_valid() -> None:
-    from adaptive_spec.policy.model import load_policy
+    from adaptive_spec.policy.reading import load_policy
 
     example = Path(__file__).parents[3] / "examples" / "project-policy.toml"
     policy = load_policy([(str(example), example.read_text())], known_profiles=["oneshot", "iterative"])

@@ -14,17 +14,12 @@ from adaptive_spec.policy.model import (
     EstimatorPolicy,
     FirstTurnPolicy,
     Policy,
-    PolicyError,
-    Problem,
     RoutePolicy,
     apply,
-    line_of,
-    load_policy,
-    locate_keys,
-    parse_overlay,
     policy_to_toml,
     policy_to_toml_dict,
 )
+from adaptive_spec.policy.reading import PolicyError, Problem, line_of, load_policy, locate_keys, parse_overlay
 
 REPO_POLICIES = Path(__file__).resolve().parents[3] / "policies"
 

@@ -160,7 +160,7 @@ def test_an_unusable_heads_directory_costs_the_warm_starts_not_the_proxy(tmp_pat
 
 
 def test_the_heads_policy_keys_load_and_a_misspelt_one_names_file_key_and_line() -> None:
-    from adaptive_spec.policy.model import PolicyError, load_policy
+    from adaptive_spec.policy.reading import PolicyError, load_policy
 
     policy = load_policy([("p.toml", "[heads]\nenabled = false\nmin_tokens = 1024\n")])
     assert (policy.heads.enabled, policy.heads.min_tokens) == (False, 1024)
