@@ -21,7 +21,7 @@ from adaptive_spec.requests.error_responses import answer, as_anthropic, as_clie
 from adaptive_spec.requests.gate import hidden_headers
 from adaptive_spec.requests.keepalive import PrefillKeepAlive
 from adaptive_spec.requests.outcome import SHUTDOWN, Outcome
-from adaptive_spec.requests.stranded import Booking, StrandedRequests
+from adaptive_spec.requests.stranded import Booking, StrandedRequests, first_byte, read_timeout, unread
 from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.streams.tap import StreamTap
 
@@ -85,15 +85,15 @@ async def forward(
     with book.book(upstream.base_url, upstream.label) as booking:
         try:
             # The answer's first byte is waited for here, not by aiohttp's read timeout: a request queued behind
-            # another the server is answering (`_first_byte`) is not facing a silent server.
-            sent = _send(sessions, request.method, url, body, headers, _unread(timeout))
+            # another the server is answering (`first_byte`) is not facing a silent server.
+            sent = _send(sessions, request.method, url, body, headers, unread(timeout))
             waited = keepalive.during(sent) if keepalive is not None else sent
-            first = _first_byte(waited, timeout.sock_read, lambda: book.answered_at(upstream.base_url, booking))
+            first = first_byte(waited, timeout.sock_read, lambda: book.answered_at(upstream.base_url, booking))
             outcome = await _sent_or_failed(first, upstream, timeout)
             if isinstance(outcome, Outcome):
                 return await _failed(outcome, keepalive)
             booking.answered = True
-            _read_timeout(outcome, timeout.sock_read)
+            read_timeout(outcome, timeout.sock_read)
             return await _answered(request, outcome, relay, extra_headers, keepalive)
         except asyncio.CancelledError:
             # The proxy's own cancellation (the server stopped answering, the shutdown) may land at any await of
@@ -103,56 +103,6 @@ async def forward(
             if ended is None:
                 raise
             return await _ended(request, ended, keepalive, relay)
-
-
-async def _first_byte(sending: Awaitable[_T], silence_s: float | None, answered_at: Callable[[], float | None]) -> _T:
-    """The server's answer, or TimeoutError once the server has been silent `silence_s` for this request: counted
-    from the later of its start and the end of the server's last answer to another request (`answered_at`, None
-    while it is answering one: this request waits its turn behind a long answer, on a server of one slot). A hung
-    server is ended sooner by the health poll (`StrandedRequests.end`)."""
-    if silence_s is None:
-        return await sending
-    loop, started = asyncio.get_running_loop(), time.monotonic()
-    # Awaited directly (no task in between: the answer's first chunks are read as soon as they come); a check at
-    # each deadline either moves it or lets it fire.
-    async with asyncio.timeout(None) as deadline:
-        handle: asyncio.TimerHandle
-
-        def check() -> None:
-            nonlocal handle
-            last = answered_at()
-            since = max(started, last) if last is not None else time.monotonic()
-            left = since + silence_s - time.monotonic()
-            if left > 0:
-                handle = loop.call_later(left, check)
-            else:
-                deadline.reschedule(loop.time())
-
-        handle = loop.call_later(silence_s, check)
-        try:
-            return await sending
-        finally:
-            handle.cancel()
-
-
-def _unread(timeout: aiohttp.ClientTimeout) -> aiohttp.ClientTimeout:
-    """`timeout` without its read timeout (`_first_byte`, then `_read_timeout`, take its place)."""
-    return aiohttp.ClientTimeout(
-        total=timeout.total,
-        connect=timeout.connect,
-        sock_connect=timeout.sock_connect,
-        sock_read=None,
-        ceil_threshold=timeout.ceil_threshold,
-    )
-
-
-def _read_timeout(upstream_resp: aiohttp.ClientResponse, silence_s: float | None) -> None:
-    """The body's reads time out after `silence_s` of silence, as aiohttp's `sock_read` would have timed them."""
-    connection = upstream_resp.connection
-    protocol = connection.protocol if connection is not None else None
-    if protocol is not None and silence_s:
-        protocol.read_timeout = silence_s
-        protocol.start_timeout()
 
 
 async def _answered(

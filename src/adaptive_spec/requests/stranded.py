@@ -5,7 +5,11 @@ marks a server down because it stopped answering (llama/health.py: a SIGSTOPped 
 socket still accepts), every request booked on it is ended there and then: its task is cancelled with the reason
 written on its booking, and `forward` takes that cancellation back and answers the client as it would a failed
 upstream (a 503 before any byte went out, else its stream's error event). Without this a request that reached the
-server before the poll found it hung waited out the read timeout (600 s by default)."""
+server before the poll found it hung waited out the read timeout (600 s by default).
+
+The read timeout itself (`--read-timeout`) counts a server's silence towards this request: from the later of its
+start and the end of the server's last answer to another one (`first_byte`), so a wait in llama-server's queue
+behind a long answer is not taken for a hung server."""
 
 from __future__ import annotations
 
@@ -13,14 +17,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
+import aiohttp
 from aiohttp import web
 
 from adaptive_spec.requests.outcome import Outcome
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 @dataclass(eq=False, slots=True)
@@ -90,3 +97,53 @@ class StrandedRequests:
 
 
 STRANDED = web.AppKey("stranded", StrandedRequests)
+
+
+async def first_byte(sending: Awaitable[_T], silence_s: float | None, answered_at: Callable[[], float | None]) -> _T:
+    """The server's answer, or TimeoutError once the server has been silent `silence_s` for this request: counted
+    from the later of its start and the end of the server's last answer to another request (`answered_at`, None
+    while it is answering one: this request waits its turn behind a long answer, on a server of one slot). A hung
+    server is ended sooner by the health poll (`StrandedRequests.end`)."""
+    if silence_s is None:
+        return await sending
+    loop, started = asyncio.get_running_loop(), time.monotonic()
+    # Awaited directly (no task in between: the answer's first chunks are read as soon as they come); a check at
+    # each deadline either moves it or lets it fire.
+    async with asyncio.timeout(None) as deadline:
+        handle: asyncio.TimerHandle
+
+        def check() -> None:
+            nonlocal handle
+            last = answered_at()
+            since = max(started, last) if last is not None else time.monotonic()
+            left = since + silence_s - time.monotonic()
+            if left > 0:
+                handle = loop.call_later(left, check)
+            else:
+                deadline.reschedule(loop.time())
+
+        handle = loop.call_later(silence_s, check)
+        try:
+            return await sending
+        finally:
+            handle.cancel()
+
+
+def unread(timeout: aiohttp.ClientTimeout) -> aiohttp.ClientTimeout:
+    """`timeout` without its read timeout (`first_byte`, then `read_timeout`, take its place)."""
+    return aiohttp.ClientTimeout(
+        total=timeout.total,
+        connect=timeout.connect,
+        sock_connect=timeout.sock_connect,
+        sock_read=None,
+        ceil_threshold=timeout.ceil_threshold,
+    )
+
+
+def read_timeout(upstream_resp: aiohttp.ClientResponse, silence_s: float | None) -> None:
+    """The body's reads time out after `silence_s` of silence, as aiohttp's `sock_read` would have timed them."""
+    connection = upstream_resp.connection
+    protocol = connection.protocol if connection is not None else None
+    if protocol is not None and silence_s:
+        protocol.read_timeout = silence_s
+        protocol.start_timeout()

@@ -1,4 +1,4 @@
-"""The wait for a server's first byte (requests/forward.py `_first_byte`, requests/stranded.py `answered_at`): the
+"""The wait for a server's first byte (requests/stranded.py `first_byte`, `StrandedRequests.answered_at`): the
 read timeout counts the server's silence, not a wait in its queue behind another request's answer."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-from adaptive_spec.requests.forward import _first_byte
-from adaptive_spec.requests.stranded import StrandedRequests
+from adaptive_spec.requests.stranded import StrandedRequests, first_byte
 
 SILENCE = 0.1
 
@@ -28,7 +27,7 @@ async def _after(seconds: float) -> str:
 async def test_a_silent_server_times_out_after_the_silence() -> None:
     t0 = time.monotonic()
     with pytest.raises(TimeoutError):
-        await _first_byte(_never(), SILENCE, lambda: float("-inf"))
+        await first_byte(_never(), SILENCE, lambda: float("-inf"))
     assert SILENCE <= time.monotonic() - t0 < 3 * SILENCE
 
 
@@ -40,17 +39,17 @@ async def test_a_request_queued_behind_an_answer_waits_and_its_silence_counts_fr
     def answered_at() -> float | None:
         return None if time.monotonic() < ends else ends
 
-    assert await _first_byte(_after(3 * SILENCE), SILENCE, answered_at) == "answer"
+    assert await first_byte(_after(3 * SILENCE), SILENCE, answered_at) == "answer"
     t0 = time.monotonic()
     ends = t0 + 3 * SILENCE
     with pytest.raises(TimeoutError):
-        await _first_byte(_never(), SILENCE, answered_at)
+        await first_byte(_never(), SILENCE, answered_at)
     assert time.monotonic() - t0 >= 3 * SILENCE + SILENCE * 0.9  # not before the other answer's end + the silence
 
 
 @pytest.mark.asyncio
 async def test_no_read_timeout_waits_as_long_as_it_takes() -> None:
-    assert await _first_byte(_after(2 * SILENCE), None, lambda: None) == "answer"
+    assert await first_byte(_after(2 * SILENCE), None, lambda: None) == "answer"
 
 
 @pytest.mark.asyncio
