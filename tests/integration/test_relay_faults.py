@@ -27,7 +27,7 @@ from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.relay.prefill import ROUTES, client_ctx
 from adaptive_spec.relay.service import RelaySettings, build_relay_app
 from adaptive_spec.routing.contract import FixedPolicy
-from adaptive_spec.routing.decide import Decision
+from adaptive_spec.routing.decision import Decision
 from adaptive_spec.routing.router import Router
 from adaptive_spec.telemetry.events import Event, RemotePrefillDone
 from tests.support.fake_upstream import FakeUpstream, Handler

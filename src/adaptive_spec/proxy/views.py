@@ -29,6 +29,7 @@ from adaptive_spec.requests.app_keys import (
     UPSTREAMS,
 )
 from adaptive_spec.requests.error_responses import error_response
+from adaptive_spec.routing.router import Router
 from adaptive_spec.telemetry.events import SessionPinned
 
 _HEARTBEAT_S = 15.0
@@ -184,10 +185,32 @@ async def _pin_view(request: web.Request) -> web.Response:
     return _json({"session_id": session_id, "profile": profile, "pinned": profile is not None})
 
 
+def _router_state(router: Router) -> dict[str, Any]:
+    """The router's state as JSON: learned speeds, load, replicas, handoffs and what they bought, KV prices,
+    placements, the policy in force and its problems, pins."""
+    return {
+        "speeds": [asdict(s) for s in router.speeds.describe()],
+        "in_flight": dict(router.load.in_flight),
+        "replicas": {n: [asdict(r) for r in router.replica_states(n, True)] for n in router.health.names()},
+        "handoffs": dict(router.moves.handoffs),
+        # What handoffs bought: per profile pair, the share of restored tokens the next prompt reused.
+        "handoff_reuse": [
+            {"from": a, "to": b, "reused_share": round(m.value(1.0), 3), "measured": round(m.n, 2)}
+            for (a, b), m in router.moves.reuse.items()
+        ],
+        # How a KV handoff between hosts is priced (the prior until a move has measured it).
+        "kv_transfer": router.speeds.link.describe(),
+        "placements": [{"session_id": sid, **asdict(p)} for sid, p in router.placements.items()[-100:]],
+        "policy": router.policies.describe("default", None),
+        "policy_problems": [str(p) for p in router.policies.problems()],  # every file's, the last good in force
+        "pins": dict(router.pins.items()),
+    }
+
+
 async def _route_view(request: web.Request) -> web.Response:
     """The router's state: learned speeds, where sessions' KV caches live, the policy, recent decisions; and remote
     prefill's learned terms and counts, with --pp-server."""
-    body = request.app[ROUTER].to_json()
+    body = _router_state(request.app[ROUTER])
     routed = [r for r in request.app[HISTORY].latest(None) if r.route is not None][-50:]
     body["recent_decisions"] = [
         {

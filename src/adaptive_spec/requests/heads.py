@@ -23,7 +23,7 @@ from adaptive_spec.policy.model import HeadsPolicy
 from adaptive_spec.requests.app_keys import BUS, ROUTER, UPSTREAMS
 from adaptive_spec.requests.lifecycle import ProxyRequest
 from adaptive_spec.routing.contract import Route
-from adaptive_spec.routing.decide import Decision
+from adaptive_spec.routing.decision import Decision, Moved
 from adaptive_spec.routing.prompt.prefix import tokens_beyond
 from adaptive_spec.telemetry.events import Event, ProfileDown, ProfileUp
 
@@ -86,7 +86,7 @@ def _warm_decision(route: Route, restored: Restored) -> Decision:
     if new_tokens is not None:
         beyond = tokens_beyond(route.pieces, restored.pieces, route.chars_per_token)
         new_tokens = min(new_tokens, beyond) if restored.pieces else max(1, new_tokens - restored.tokens)
-    return replace(decision, reason=f"{decision.reason}; {restored.reason()}", new_tokens=new_tokens)
+    return decision.after(Moved(restored.reason(), new_tokens))
 
 
 def _served(app: web.Application, req: ProxyRequest, chosen: Upstream, scope: str) -> None:

@@ -15,7 +15,7 @@ from adaptive_spec.requests.body.parse import ParsedRequest, RoutedPath
 from adaptive_spec.requests.body.repeats import Guarded
 from adaptive_spec.requests.outcome import NOT_ANSWERED, Outcome
 from adaptive_spec.routing.contract import Completion, Refusal, Route
-from adaptive_spec.routing.decide import Decision
+from adaptive_spec.routing.decision import Decision
 from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.grouping import SessionAssignment
 from adaptive_spec.sessions.project import DEFAULT_PROJECT

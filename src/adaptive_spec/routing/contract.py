@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, RemotePrefillResult, SlotAt, SlotMove
 from adaptive_spec.policy.model import Policy
-from adaptive_spec.routing.decide import Decision
+from adaptive_spec.routing.decision import Decision
 from adaptive_spec.routing.prompt.pieces import Piece
 from adaptive_spec.routing.prompt.prefix import DEFAULT_CHARS_PER_TOKEN
 from adaptive_spec.telemetry.events import Event

@@ -1,8 +1,9 @@
-"""The routing decision: which profile will finish this request soonest, counting the cost of moving a session.
+"""The profile stage of a routing decision: which profile will finish this request soonest, moves counted.
 
 `decide` is pure: it sees the request, the session (its copyability and where its KV cache lives), the profiles'
-health and load, the learned speeds and the policy in force, and returns a Decision with one human line of reason.
-Each profile's cost is estimated in `routing/estimate.py`; this module owns the rules that weigh the estimates.
+health and load, the learned speeds and the policy in force, and returns a `Choice` (routing/decision.py) with one
+human line of reason. Each profile's cost is estimated in `routing/estimate.py`; this module owns the rules that
+weigh the estimates.
 
 A session stays where its KV lives unless another profile is estimated faster by more than the hysteresis, and not
 before it has dwelt `min_dwell_turns` there. Profiles that are per-request settings of one llama-server share its
@@ -18,9 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
 
 from adaptive_spec.policy.model import Policy
+from adaptive_spec.routing.decision import Choice, DecisionKind
 from adaptive_spec.routing.estimate import (
     Estimate,
     ProfileState,
@@ -33,35 +34,7 @@ from adaptive_spec.routing.estimate import (
     reason_text,
 )
 from adaptive_spec.routing.placements import Placement
-from adaptive_spec.routing.replicas import ReplicaKind
 from adaptive_spec.routing.speeds import SpeedModel
-
-# How the profile was decided: a pin, the policy (forced, the only one allowed), the estimates (estimate, explore,
-# stay where the KV lives, held back by the load rule), or a fallback when the rules' choice cannot serve.
-DecisionKind = Literal["pinned", "forced", "only", "estimate", "explore", "stay", "load", "fallback"]
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    profile: str
-    kind: DecisionKind
-    reason: str
-    copy_share: float  # the copyability the estimate used
-    context_tokens: int  # prompt tokens, estimated from the body
-    acceptance: float = 0.0  # the drafter acceptance the estimate used (model-drafter profiles)
-    moved_from: str | None = None  # the session's KV lived on this other profile
-    handoff: bool = False  # save the slot on moved_from and restore it on `profile` before forwarding
-    handoff_tokens: int = 0
-    estimates: tuple[Estimate, ...] = ()
-    new_tokens: int | None = None  # estimated tokens the profile's KV does not hold (None: no estimate)
-    side: bool = False  # a side request of its session (title, commit message): not a turn of its main line
-    line_moved: bool = False  # this request starts the session's main line: the requests before it were side ones
-    # Which replica of the profile (routing/replicas.py chooses it after the profile is decided).
-    replica: int = 0
-    replica_kind: ReplicaKind = "only"
-    replica_moved_from: int | None = None  # the session's KV lived on this other replica of the same profile
-    # The draft length the router caps this request at (`speculative.n_max`; None: the profile's own setting).
-    n_max: int | None = None
 
 
 def _overloaded(p: ProfileState, policy: Policy) -> bool:
@@ -103,7 +76,7 @@ class _Deciding:
             return ""
         return f", drafter accepts {self.acceptance:.0%} ({self.acceptance_src})"
 
-    def decision(
+    def choice(
         self,
         name: str,
         kind: DecisionKind,
@@ -111,8 +84,8 @@ class _Deciding:
         estimates: tuple[Estimate, ...] = (),
         *,
         move_said: bool = False,
-    ) -> Decision:
-        """The decision for `name`. `move_said`: the reason already says what the session's KV costs there
+    ) -> Choice:
+        """The choice of `name`. `move_said`: the reason already says what the session's KV costs there
         (`move_text`); else what a move keeps or loses is added here."""
         placement = self.session.placement
         moved = placement.profile if placement is not None and placement.profile != name else None
@@ -126,7 +99,7 @@ class _Deciding:
                 f"; re-prefills: handoffs from {moved} reused {measured[0]:.0%} of what they restored, "
                 f"{measured[1]} measured"
             )
-        return Decision(
+        return Choice(
             profile=name,
             kind=kind,
             reason=reason,
@@ -156,7 +129,7 @@ def decide(
     profiles: Sequence[ProfileState],
     speeds: SpeedModel,
     policy: Policy,
-) -> Decision:
+) -> Choice:
     """The profile for this request, and why. The rules apply in order, and reading them top to bottom is reading
     the policy: a pin; healthy and not overloaded; a forced profile; the only one allowed (`_by_policy`); a plain
     first turn, the estimates, where the KV lives, dwell and hysteresis, exploration (`_by_estimate`)."""
@@ -170,7 +143,7 @@ def decide(
         c = _Deciding(
             request, session, by_name, speeds, policy, copy_share, copy_src, accepts, accepts_src, prompt_tokens, {}
         )
-        return c.decision(request.pinned, "pinned", f"{request.pinned}: pinned by {request.pinned_by}")
+        return c.choice(request.pinned, "pinned", f"{request.pinned}: pinned by {request.pinned_by}")
     allowed = [by_name[n] for n in policy.route.profiles if n in by_name] or list(profiles)
     usable = _usable(allowed, profiles, policy)
     held = _held_by_load(usable, policy)
@@ -179,7 +152,7 @@ def decide(
     )
     if not usable:
         first = allowed[0] if allowed else profiles[0]
-        return c.decision(first.name, "fallback", f"{first.name}: every profile is down")
+        return c.choice(first.name, "fallback", f"{first.name}: every profile is down")
     return _by_policy(c, allowed, usable) or _by_load(c, allowed, usable) or _by_estimate(c, allowed, usable)
 
 
@@ -206,19 +179,17 @@ def _held_by_load(usable: list[ProfileState], policy: Policy) -> dict[str, str]:
     return held
 
 
-def _by_load(c: _Deciding, allowed: list[ProfileState], usable: list[ProfileState]) -> Decision | None:
+def _by_load(c: _Deciding, allowed: list[ProfileState], usable: list[ProfileState]) -> Choice | None:
     """The estimates among the profiles the load rule leaves, when it holds back the one they would choose; None:
     it holds back nothing that mattered (the estimates decide as usual)."""
     if not c.held:
         return None
     left = [p for p in usable if p.name not in c.held]
-    decision = _by_estimate(c, [p for p in allowed if p.name not in c.held], left)
+    chosen = _by_estimate(c, [p for p in allowed if p.name not in c.held], left)
     unheld = _by_estimate(replace(c, held={}), allowed, usable)
     if unheld.profile not in c.held:
         return unheld
-    return replace(
-        decision, kind="load", reason=f"{decision.reason}; {unheld.profile} held back: {c.held[unheld.profile]}"
-    )
+    return replace(chosen, kind="load", reason=f"{chosen.reason}; {unheld.profile} held back: {c.held[unheld.profile]}")
 
 
 def _usable(allowed: list[ProfileState], profiles: Sequence[ProfileState], policy: Policy) -> list[ProfileState]:
@@ -232,21 +203,21 @@ def _usable(allowed: list[ProfileState], profiles: Sequence[ProfileState], polic
     return usable
 
 
-def _by_policy(c: _Deciding, allowed: list[ProfileState], usable: list[ProfileState]) -> Decision | None:
+def _by_policy(c: _Deciding, allowed: list[ProfileState], usable: list[ProfileState]) -> Choice | None:
     """A profile the policy forces, or the only one it allows; None: the estimates decide."""
     force = c.policy.route.force
     if force is not None and force in c.by_name:
         why = c.passed_over(force, load=False)  # what the policy forces is not held back by load
         if why is None:
-            return c.decision(force, "forced", f"{force}: forced by the policy")
+            return c.choice(force, "forced", f"{force}: forced by the policy")
         alt = min((c.estimate(p) for p in usable), key=lambda e: e.total_s).profile
-        return c.decision(alt, "fallback", f"{alt}: the policy forces {force}, but {why}")
+        return c.choice(alt, "fallback", f"{alt}: the policy forces {force}, but {why}")
     if len(allowed) == 1 and usable[0].name == allowed[0].name:
-        return c.decision(usable[0].name, "only", f"{usable[0].name}: the only profile the policy allows")
+        return c.choice(usable[0].name, "only", f"{usable[0].name}: the only profile the policy allows")
     return None
 
 
-def _by_estimate(c: _Deciding, allowed: list[ProfileState], usable: list[ProfileState]) -> Decision:
+def _by_estimate(c: _Deciding, allowed: list[ProfileState], usable: list[ProfileState]) -> Choice:
     """The estimated fastest profile, unless the session stays where its KV lives (dwell, hysteresis)."""
     placement, copy_share, copy_src = c.session.placement, c.copy_share, c.copy_src
     if placement is None and copy_share <= 0.0:
@@ -265,7 +236,7 @@ def _by_estimate(c: _Deciding, allowed: list[ProfileState], usable: list[Profile
 
     if placement is not None and here is None:  # its KV lives on a profile that is down or overloaded
         why = c.passed_over(placement.profile) or f"{placement.profile} is not allowed by the policy"
-        return c.decision(
+        return c.choice(
             best.profile,
             "fallback",
             f"{best.profile}: {why}; {move_text(best, c.session, c.policy.handoff.min_reuse)}",
@@ -276,11 +247,11 @@ def _by_estimate(c: _Deciding, allowed: list[ProfileState], usable: list[Profile
     if placement is None and ideal.profile != best.profile:  # the estimated best is down or overloaded
         why = f"{c.passed_over(ideal.profile)}, the estimate's choice"
         reason = f"{best.profile}: {why}; copyable {copy_share:.0%} ({copy_src})"
-        return c.decision(best.profile, "fallback", reason, estimates)
+        return c.choice(best.profile, "fallback", reason, estimates)
     if here is not None and placement is not None and best.profile != here.profile:
         stays = _stays(c, placement, here, best)
         if stays is not None:
-            return c.decision(here.profile, "stay", stays, estimates)
+            return c.choice(here.profile, "stay", stays, estimates)
 
     chosen: Estimate = best
     kind: DecisionKind = "estimate"
@@ -288,7 +259,7 @@ def _by_estimate(c: _Deciding, allowed: list[ProfileState], usable: list[Profile
         chosen, kind = sorted(estimates, key=lambda e: e.total_s)[1], "explore"
     drafter = c.drafter_text([e.profile for e in estimates])
     reason = reason_text(chosen, estimates, copy_share, copy_src, c.session, kind, drafter, c.policy.handoff.min_reuse)
-    return c.decision(chosen.profile, kind, reason, estimates, move_said=True)
+    return c.choice(chosen.profile, kind, reason, estimates, move_said=True)
 
 
 def _stays(c: _Deciding, placement: Placement, here: Estimate, best: Estimate) -> str | None:

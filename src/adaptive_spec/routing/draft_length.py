@@ -19,6 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from adaptive_spec.llama.profiles import ProfileInfo
+from adaptive_spec.policy.model import Policy
+from adaptive_spec.routing.decision import DraftCap
+from adaptive_spec.routing.placements import Placement
 
 SEQUENTIAL_DRAFTERS = frozenset({"draft-simple", "draft-eagle3", "draft-mtp"})
 # The longest draft the router chooses (a draft model's default --spec-draft-n-max is 16).
@@ -72,3 +75,20 @@ def draft_cap(share: float, drafted_at: float, server_n_max: int, token_cost: fl
     drafts, `drafted_at` tokens long on average, had `share` of their tokens accepted."""
     alpha = per_token_acceptance(share, max(1.0, drafted_at))
     return max(range(1, max(1, server_n_max) + 1), key=lambda n: (tokens_per_cost(alpha, n, token_cost), -n))
+
+
+def session_cap(longest: int | None, placement: Placement | None, policy: Policy) -> DraftCap | None:
+    """The draft-length stage of a decision: the cap for a session on a profile the router may cap (`longest`, from
+    `capped_profiles`), from the acceptance it measured there; None before it has one, or where the policy turns
+    it off."""
+    if not policy.route.adapt_draft_length or longest is None or placement is None:
+        return None
+    share = placement.drafter_acceptance
+    if share is None:
+        return None
+    at = placement.drafted_per_step or float(longest)
+    cap = draft_cap(share, at, longest, policy.estimator.draft_token_cost)
+    alpha = per_token_acceptance(share, at)
+    return DraftCap(
+        cap, f"draft length {cap} (drafter accepted {share:.0%} of drafts {at:.1f} tokens long: per token {alpha:.2f})"
+    )

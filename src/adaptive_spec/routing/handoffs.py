@@ -9,7 +9,7 @@ from dataclasses import replace
 from adaptive_spec.common.means import RunningMean
 from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, SlotAt, SlotMove
 from adaptive_spec.routing.contract import Effects, Route, RouteRequest
-from adaptive_spec.routing.decide import Decision
+from adaptive_spec.routing.decision import Decision, Moved
 from adaptive_spec.routing.load import ServerBooks
 from adaptive_spec.routing.placements import Placements
 from adaptive_spec.routing.speeds import SpeedModel
@@ -137,5 +137,5 @@ class KvMoves:
         if answer.result is not None:  # the slot was overwritten (or half so) whatever the outcome
             self.placements.displace(decision.profile, route.slot, keep=route.session_id, replica=decision.replica)
         if answer.note:
-            decision = replace(decision, reason=f"{decision.reason}; {answer.note}")
+            decision = decision.after(Moved(answer.note))
         return replace(route, decision=decision, remote_prefill=answer.result)

@@ -6,9 +6,11 @@ on it."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
+from adaptive_spec.llama.profiles import uses_draft_model
 from adaptive_spec.routing.contract import ProfileHealth
+from adaptive_spec.routing.estimate import ProfileState
 from adaptive_spec.routing.placements import Placements, SlotBook
 from adaptive_spec.routing.replicas import ReplicaState
 from adaptive_spec.telemetry.records import Timings
@@ -133,3 +135,40 @@ class ServerBooks:
         counts["requests"] = counts.get("requests", 0) + 1
         for field in ("predicted_n", "draft_n", "draft_n_accepted"):
             counts[field] = counts.get(field, 0) + getattr(timings, field)
+
+    def profile_states(
+        self,
+        replicas_of: Mapping[str, list[ReplicaState]],
+        speculates: Callable[[str], bool],
+        can_save: Callable[[str], bool],
+        spec_types: Mapping[str, tuple[str, ...] | None],
+    ) -> list[ProfileState]:
+        """Each profile as decide() sees it: its healthy replicas' slots together (a pool is one bigger profile), its
+        servers' load (on a server shared with other profiles, theirs counts too), and the requests decoding
+        without speculation beside it."""
+        names = self.health.names()
+        homes = {n: self.home(n, 0) for n in names}
+        shared = {h for h in homes.values() if sum(1 for other in homes.values() if other == h) > 1}
+        plain_in_flight: dict[tuple[str, int], int] = {}
+        for n in names:
+            if not speculates(n):
+                plain_in_flight[homes[n]] = plain_in_flight.get(homes[n], 0) + self.in_flight.get(n, 0)
+        out = []
+        for n in names:
+            replicas = replicas_of[n]
+            healthy = [r for r in replicas if r.down_reason is None] or replicas
+            home = homes[n]
+            out.append(
+                ProfileState(
+                    name=n,
+                    down_reason=self.health.down_reason(n),
+                    in_flight=sum(r.in_flight for r in replicas),
+                    slots=sum(r.slots for r in healthy),
+                    handoff=can_save(n),
+                    draft_model=uses_draft_model(spec_types.get(n)),
+                    speculates=speculates(n),
+                    server=f"{home[0]}#{home[1]}" if home in shared else "",
+                    plain_beside=plain_in_flight.get(home, 0),
+                )
+            )
+        return out

@@ -4,19 +4,18 @@ KV move it asks for — a handoff or a remote prefill — and the reason) and `c
 comes down, it learns from llama-server's timings). Between them the shell carries the asked move out through the
 router's injected `Effects` (`routing/contract.py`) and reports it with `moved()` (`routing/handoffs.py` plans and
 learns); everything else is pure state: the learned speeds, where sessions' KV caches live, each server's slots and load
-(`routing/load.py`), the pins. `choose()` is the decision alone (`decide()` for the profile, then `choose_replica()`
-for its replica), without side effects."""
+(`routing/load.py`), the pins. `choose()` is the decision alone, without side effects: its stages decided apart
+(`decide()` the profile, the prompt's new tokens, `session_cap()` the draft cap, `choose_replica()` the replica) and
+composed once (`routing/decision.py`)."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from dataclasses import asdict, replace
-from typing import Any
+from dataclasses import replace
 
 from adaptive_spec.common.lru import LRU
 from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, SlotMove
-from adaptive_spec.llama.profiles import uses_draft_model
 from adaptive_spec.policy.model import Policy
 from adaptive_spec.routing.contract import (
     Completion,
@@ -28,8 +27,9 @@ from adaptive_spec.routing.contract import (
     Route,
     RouteRequest,
 )
-from adaptive_spec.routing.decide import Decision, decide
-from adaptive_spec.routing.draft_length import draft_cap, per_token_acceptance
+from adaptive_spec.routing.decide import decide
+from adaptive_spec.routing.decision import Choice, Decision, PromptPart, ReplicaPart
+from adaptive_spec.routing.draft_length import session_cap
 from adaptive_spec.routing.estimate import ProfileState, RequestState, SessionState
 from adaptive_spec.routing.handoffs import KvMoves
 from adaptive_spec.routing.load import ServerBooks
@@ -37,7 +37,7 @@ from adaptive_spec.routing.placements import Placement, Placements, observe
 from adaptive_spec.routing.prompt import prefix
 from adaptive_spec.routing.prompt.first_turn import pasted_file_chars, text_kind
 from adaptive_spec.routing.prompt.pieces import Piece
-from adaptive_spec.routing.replicas import MoveCosts, ReplicaChoice, ReplicaState, choose_replica, least_loaded
+from adaptive_spec.routing.replicas import MoveCosts, ReplicaState, choose_replica, least_loaded
 from adaptive_spec.routing.speeds import SpeedModel
 from adaptive_spec.telemetry.events import PolicyChanged
 
@@ -107,35 +107,10 @@ class Router:
             self.slot_prefixes.pop(key)
 
     def states(self, replicas_of: Mapping[str, list[ReplicaState]] | None = None) -> list[ProfileState]:
-        """Each profile as decide() sees it: its healthy replicas' slots together (a pool is one bigger profile).
-        `replicas_of`: each profile's `replica_states`, when the caller has them already."""
-        names = self.health.names()
-        homes = {n: self.home(n, 0) for n in names}
-        shared = {h for h in homes.values() if sum(1 for other in homes.values() if other == h) > 1}
-        plain_in_flight: dict[tuple[str, int], int] = {}
-        for n in names:
-            if not self.speeds.speculates(n):
-                plain_in_flight[homes[n]] = plain_in_flight.get(homes[n], 0) + self.load.in_flight.get(n, 0)
-        out = []
-        for n in names:
-            replicas = replicas_of[n] if replicas_of is not None else self.replica_states(n)
-            healthy = [r for r in replicas if r.down_reason is None] or replicas
-            home = homes[n]
-            out.append(
-                ProfileState(
-                    name=n,
-                    down_reason=self.health.down_reason(n),
-                    # Its servers' load: on a server shared with other profiles, theirs counts too.
-                    in_flight=sum(r.in_flight for r in replicas),
-                    slots=sum(r.slots for r in healthy),
-                    handoff=self.moves.can_save(n),
-                    draft_model=uses_draft_model(self._spec_types.get(n)),
-                    speculates=self.speeds.speculates(n),
-                    server=f"{home[0]}#{home[1]}" if home in shared else "",
-                    plain_beside=plain_in_flight.get(home, 0),
-                )
-            )
-        return out
+        """Each profile as decide() sees it (`ServerBooks.profile_states`). `replicas_of`: each profile's
+        `replica_states`, when the caller has them already."""
+        replicas = replicas_of or {n: self.replica_states(n) for n in self.health.names()}
+        return self.load.profile_states(replicas, self.speeds.speculates, self.moves.can_save, self._spec_types)
 
     def _held_on(self, profile: str, placement: Placement | None) -> int | None:
         """The replica of `profile` whose server holds the session's KV (its own profile's, or one sharing it)."""
@@ -218,109 +193,100 @@ class Router:
             same_server=same,
             handoff_reuse=self.moves.reuse_from(placement.profile) if placement is not None else {},
         )
-        decision = decide(state_of_request, session, self.states(replicas_of), self.speeds, policy)
-        chosen = next((e for e in decision.estimates if e.profile == decision.profile), None)
-        here = placement is None or placement.profile == decision.profile or decision.profile in same
-        decision = replace(
-            decision,
+        choice = decide(state_of_request, session, self.states(replicas_of), self.speeds, policy)
+        chosen = next((e for e in choice.estimates if e.profile == choice.profile), None)
+        here = placement is None or placement.profile == choice.profile or choice.profile in same
+        prompt = PromptPart(
             new_tokens=chosen.prefill_tokens if chosen is not None else (est.new_tokens if here else est.total_tokens),
             side=est.side,
             line_moved=state is not None and est.line_moved,
         )
-        decision = self._with_draft_cap(decision, placement, policy)
-        decision = self._with_replica(decision, placement, policy, est.total_tokens, replicas_of[decision.profile])
+        decision = Decision(
+            choice,
+            prompt,
+            session_cap(self._draft_caps.get(choice.profile), placement, policy),
+            self._replica_part(choice, prompt, placement, policy, est.total_tokens, replicas_of[choice.profile]),
+        )
         return decision, policy, pieces, has_tools, cpt
 
-    def _with_draft_cap(self, decision: Decision, placement: Placement | None, policy: Policy) -> Decision:
-        """The draft length for a sequential drafter's request, from the session's measured acceptance
-        (routing/draft_length.py); unchanged before the session has one, or where the policy turns it off."""
-        longest = self._draft_caps.get(decision.profile)
-        if not policy.route.adapt_draft_length or longest is None or placement is None:
-            return decision
-        share = placement.drafter_acceptance
-        if share is None:
-            return decision
-        at = placement.drafted_per_step or float(longest)
-        cap = draft_cap(share, at, longest, policy.estimator.draft_token_cost)
-        alpha = per_token_acceptance(share, at)
-        why = (
-            f"; draft length {cap} (drafter accepted {share:.0%} of drafts {at:.1f} tokens long: per token {alpha:.2f})"
-        )
-        return replace(decision, n_max=cap, reason=decision.reason + why)
-
-    def _with_replica(
+    def _replica_part(
         self,
-        decision: Decision,
+        choice: Choice,
+        prompt: PromptPart,
         placement: Placement | None,
         policy: Policy,
         total_tokens: int,
         replicas: list[ReplicaState],
-    ) -> Decision:
-        """The replica of the decided profile (`choose_replica`), folded into the decision: a session whose replica
-        is down re-prefills elsewhere; one moved off an overloaded replica takes its KV along when it can."""
-        profile = decision.profile
+    ) -> ReplicaPart:
+        """The replica of the chosen profile (`choose_replica`), and whether the session's KV can follow it there: a
+        session whose replica is down re-prefills elsewhere; one moved off an overloaded replica takes its KV along
+        when it can."""
+        profile = choice.profile
         held = self._held_on(profile, placement)
         costs = None
         if placement is not None and held is not None:
-            chosen = next((e for e in decision.estimates if e.profile == profile), None)
-            idle = least_loaded([r for r in replicas if r.index != held])
-            can_move = (
-                idle is not None
-                and policy.handoff.enabled
-                and placement.in_slot
-                # A busy slot cannot be saved (llama-server would save whatever it holds once the running request
-                # ends): under load the session's slot is usually serving another session, and a move re-prefills.
-                and not self.load.slot_busy(profile, placement.slot, mine=0, replica=held)
-                and self.moves.can_move(profile, held, profile, idle.index)
+            costs = self._move_costs(choice, prompt, placement, policy, held, replicas)
+        picked = choose_replica(profile, replicas, held, costs)
+        if picked.moved_from is not None and placement is not None:
+            return ReplicaPart(
+                picked.replica,
+                picked.kind,
+                picked.reason,
+                picked.moved_from,
+                handoff=picked.handoff,
+                handoff_tokens=placement.cached_tokens if picked.handoff else 0,
+                new_tokens=None if picked.handoff else total_tokens,  # its KV is out of reach: the whole prompt
             )
-            costs = MoveCosts(
-                cached_tokens=placement.cached_tokens,
-                handoff_s=(
-                    self.speeds.handoff_s(
-                        placement.cached_tokens, self.moves.transfers(profile, held, profile, idle.index)
-                    )
-                    if can_move and idle is not None
-                    else None
-                ),
-                reprefill_s=self.speeds.prefill_s(profile, placement.cached_tokens),
-                # A request queued ahead is taken to last about as long as this one is estimated to.
-                wait_s=chosen.total_s if chosen is not None else self._turn_s(decision, placement),
-            )
-        choice: ReplicaChoice = choose_replica(profile, replicas, held, costs)
-        if (choice.replica, choice.kind, choice.reason, choice.moved_from, decision.handoff) == (
-            0,
-            "only",
-            "",
-            None,
-            False,
-        ):
-            return decision  # one replica and no move across profiles: nothing to fold in (the defaults say so)
-        changes: dict[str, Any] = {"replica": choice.replica, "replica_kind": choice.kind}
-        if choice.reason:
-            changes["reason"] = f"{decision.reason}; {choice.reason}"
-        if choice.moved_from is not None and placement is not None:
-            changes["replica_moved_from"] = choice.moved_from
-            changes["handoff"] = choice.handoff
-            changes["handoff_tokens"] = placement.cached_tokens if choice.handoff else 0
-            if not choice.handoff:
-                changes["new_tokens"] = total_tokens  # its KV is out of reach: the whole prompt is prefilled
-        elif decision.handoff and placement is not None:
+        if choice.handoff and placement is not None:
             # Across profiles: the KV goes from its replica (if that one is up) to the chosen one, when they can.
             source = self.health.replica_health(placement.profile)
             source_up = placement.replica < len(source) and source[placement.replica][1] is None
-            changes["handoff"] = source_up and self.moves.can_move(
-                placement.profile, placement.replica, profile, choice.replica
+            handoff = source_up and self.moves.can_move(placement.profile, placement.replica, profile, picked.replica)
+            return ReplicaPart(
+                picked.replica, picked.kind, picked.reason, handoff=handoff, handoff_tokens=None if handoff else 0
             )
-            if not changes["handoff"]:
-                changes["handoff_tokens"] = 0
-        return replace(decision, **changes)
+        return ReplicaPart(picked.replica, picked.kind, picked.reason)
 
-    def _turn_s(self, decision: Decision, placement: Placement) -> float:
-        """This turn's estimated time where the session is (a decision without estimates: pinned, forced, only)."""
-        per_token = self.speeds.decode_s_per_token(
-            decision.profile, decision.copy_share, decision.context_tokens, decision.acceptance
+    def _move_costs(
+        self,
+        choice: Choice,
+        prompt: PromptPart,
+        placement: Placement,
+        policy: Policy,
+        held: int,
+        replicas: list[ReplicaState],
+    ) -> MoveCosts:
+        """What moving the session off its replica `held` would cost, against waiting there."""
+        profile = choice.profile
+        chosen = next((e for e in choice.estimates if e.profile == profile), None)
+        idle = least_loaded([r for r in replicas if r.index != held])
+        can_move = (
+            idle is not None
+            and policy.handoff.enabled
+            and placement.in_slot
+            # A busy slot cannot be saved (llama-server would save whatever it holds once the running request
+            # ends): under load the session's slot is usually serving another session, and a move re-prefills.
+            and not self.load.slot_busy(profile, placement.slot, mine=0, replica=held)
+            and self.moves.can_move(profile, held, profile, idle.index)
         )
-        prefill = self.speeds.prefill_s(decision.profile, decision.new_tokens or 0)
+        return MoveCosts(
+            cached_tokens=placement.cached_tokens,
+            handoff_s=(
+                self.speeds.handoff_s(placement.cached_tokens, self.moves.transfers(profile, held, profile, idle.index))
+                if can_move and idle is not None
+                else None
+            ),
+            reprefill_s=self.speeds.prefill_s(profile, placement.cached_tokens),
+            # A request queued ahead is taken to last about as long as this one is estimated to.
+            wait_s=chosen.total_s if chosen is not None else self._turn_s(choice, prompt, placement),
+        )
+
+    def _turn_s(self, choice: Choice, prompt: PromptPart, placement: Placement) -> float:
+        """This turn's estimated time where the session is (a choice without estimates: pinned, forced, only)."""
+        per_token = self.speeds.decode_s_per_token(
+            choice.profile, choice.copy_share, choice.context_tokens, choice.acceptance
+        )
+        prefill = self.speeds.prefill_s(choice.profile, prompt.new_tokens or 0)
         return prefill + max(1.0, placement.output_tokens) * per_token
 
     def knows(self, session_id: str | None) -> bool:
@@ -411,7 +377,7 @@ class Router:
         # Known only now when the earlier request was still in flight at this one's start (opencode's title).
         return decision.line_moved or (own is not None and own.line is not None and state.line != own.line)
 
-    # --- pins, policy files, the state as JSON ----------------------------------------------------------------
+    # --- pins and policy files ------------------------------------------------------------------------------
 
     def pin(self, session_id: str, profile: str | None) -> None:
         """Keep the session's requests on `profile` (its KV follows on the next turn); None: automatic again."""
@@ -430,22 +396,3 @@ class Router:
         self.speeds.set_policy(base.estimator, base.handoff)
         for message in messages:
             self.effects.publish(PolicyChanged(message=message))
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "speeds": [asdict(s) for s in self.speeds.describe()],
-            "in_flight": dict(self.load.in_flight),
-            "replicas": {n: [asdict(r) for r in self.replica_states(n, True)] for n in self.health.names()},
-            "handoffs": dict(self.moves.handoffs),
-            # What handoffs bought: per profile pair, the share of restored tokens the next prompt reused.
-            "handoff_reuse": [
-                {"from": a, "to": b, "reused_share": round(m.value(1.0), 3), "measured": round(m.n, 2)}
-                for (a, b), m in self.moves.reuse.items()
-            ],
-            # How a KV handoff between hosts is priced (the prior until a move has measured it).
-            "kv_transfer": self.speeds.link.describe(),
-            "placements": [{"session_id": sid, **asdict(p)} for sid, p in self.placements.items()[-100:]],
-            "policy": self.policies.describe("default", None),
-            "policy_problems": [str(p) for p in self.policies.problems()],  # every file's, the last good in force
-            "pins": dict(self.pins.items()),
-        }

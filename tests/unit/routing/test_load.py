@@ -12,7 +12,8 @@ import pytest
 from adaptive_spec.llama.speculation import Speculation
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.policy.model import Policy
-from adaptive_spec.routing.decide import Decision, decide
+from adaptive_spec.routing.decide import decide
+from adaptive_spec.routing.decision import Choice, Decision
 from adaptive_spec.routing.estimate import ProfileState, RequestState, SessionState
 from adaptive_spec.routing.placements import Placement
 from adaptive_spec.routing.router import Router
@@ -149,7 +150,7 @@ def test_the_router_learns_what_a_handoff_reused_from_the_next_prompts_cache_n()
 
     table = UpstreamTable([Upstream("oneshot", "http://127.0.0.1:1"), Upstream("iterative", "http://127.0.0.1:2")])
     router = make_router(table, {"oneshot": 1, "iterative": 1}, KINDS)
-    decision = Decision("iterative", "pinned", "pinned", 0.9, 6000, moved_from="oneshot", handoff=True)
+    decision = Decision(Choice("iterative", "pinned", "pinned", 0.9, 6000, moved_from="oneshot", handoff=True))
     restored = HandoffResult(True, 6000, 0.2, 0.02)
     for cache_n in (0, 5990):
         route = Route(decision, None, f"s{cache_n}", 20000, handoff=restored)
@@ -158,6 +159,7 @@ def test_the_router_learns_what_a_handoff_reused_from_the_next_prompts_cache_n()
             reuse = router.moves.reuse_from("oneshot")["iterative"]
             share, count = reuse
             assert share == pytest.approx(1 / 3) and count == 1  # the prior (1, worth half a handoff) and one 0
-    after = router.to_json()["handoff_reuse"]
-    expected = {"from": "oneshot", "to": "iterative", "reused_share": pytest.approx(0.6, abs=0.01)}
-    assert after == [{**expected, "measured": pytest.approx(2.0, abs=0.02)}]
+    after = router.moves.reuse
+    assert list(after) == [("oneshot", "iterative")]
+    measured = after[("oneshot", "iterative")]
+    assert measured.value(1.0) == pytest.approx(0.6, abs=0.01) and measured.n == pytest.approx(2.0, abs=0.02)
