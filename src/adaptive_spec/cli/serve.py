@@ -32,7 +32,7 @@ from adaptive_spec.llama.profiles import (
     default_profiles,
 )
 from adaptive_spec.proxy.app import ProxySettings
-from adaptive_spec.proxy.connection_book import ConnectionLimits
+from adaptive_spec.proxy.connection_options import add_connection_arguments, connection_limits
 from adaptive_spec.proxy.event_loop import EVENT_LOOPS
 from adaptive_spec.proxy.plan import LaunchPlan, ServePlan, SessionPlan
 from adaptive_spec.proxy.run import run as run_server
@@ -101,7 +101,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="the event loop the proxy runs on: Python's own, or uvloop's (pip install uvloop; measured: less CPU per "
         "request, no sooner answers) (default: %(default)s)",
     )
-    _add_connection_arguments(serve)
+    add_connection_arguments(serve)
     _add_routing_arguments(serve)
     add_pp_arguments(serve)
     add_relay_arguments(serve)
@@ -145,7 +145,7 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
             event_loop=args.event_loop,
             access=access,
             **profiles,
-            connections=_connection_limits(args),
+            connections=connection_limits(args),
             **_trace_options(args),
             **_routing_options(args),
         )
@@ -296,56 +296,6 @@ def attached_profiles(texts: Sequence[str]) -> list[AttachedProfile]:
             raise ConfigError(f"--profile {a.name}={a.base_url} is given twice; each replica is a different server")
         seen.add(key)
     return attached
-
-
-_CONNECTIONS = ConnectionLimits()
-
-
-def _add_connection_arguments(serve: argparse.ArgumentParser) -> None:
-    group = serve.add_argument_group("slow and idle clients (answers, however long, are never cut)")
-    group.add_argument(
-        "--header-timeout",
-        type=float,
-        default=_CONNECTIONS.header_timeout_s,
-        metavar="S",
-        help="seconds a client may take to send a request's headers, from connecting (on a kept-alive connection: "
-        "from the next request's first byte); then the connection is closed (default: %(default)s)",
-    )
-    group.add_argument(
-        "--body-timeout",
-        type=float,
-        default=_CONNECTIONS.body_timeout_s,
-        metavar="S",
-        help="seconds a client may take to send a request's body once its headers are in (default: %(default)s)",
-    )
-    group.add_argument(
-        "--keepalive-timeout",
-        type=float,
-        default=_CONNECTIONS.keepalive_timeout_s,
-        metavar="S",
-        help="seconds an idle keep-alive connection is kept (default: %(default)s)",
-    )
-    group.add_argument(
-        "--max-connections",
-        type=int,
-        default=_CONNECTIONS.max_connections,
-        metavar="N",
-        help="client connections held at once; past it the one that has been sending its request the longest, else "
-        "the longest idle one, is closed, never one being answered (default: %(default)s; lowered to what "
-        "ulimit -n allows)",
-    )
-
-
-def _connection_limits(args: argparse.Namespace) -> ConnectionLimits:
-    for flag, value in (
-        ("--header-timeout", args.header_timeout),
-        ("--body-timeout", args.body_timeout),
-        ("--keepalive-timeout", args.keepalive_timeout),
-        ("--max-connections", args.max_connections),
-    ):
-        if not value > 0:
-            raise ConfigError(f"{flag} {value}: must be more than 0")
-    return ConnectionLimits(args.header_timeout, args.body_timeout, args.keepalive_timeout, args.max_connections)
 
 
 def _add_routing_arguments(serve: argparse.ArgumentParser) -> None:
