@@ -55,7 +55,7 @@ from sweep_server import SweepServer  # benchmarks/, the script's own folder
 from adaptive_spec.bench import machine
 from adaptive_spec.bench.stats import Interval, paired_ratio, throughput, verdict
 from adaptive_spec.bench.workload import Workload, parse_workload
-from adaptive_spec.llama.launch import find_llama_server
+from adaptive_spec.llama.binary.which import find_llama_server
 from adaptive_spec.llama.models import DEFAULT_MODEL, EMBEDDED, embedded_chat_template, ensure_embedded
 from adaptive_spec.llama.profiles import (
     SMALL_MODEL_NGRAM_MOD,

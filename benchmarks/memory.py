@@ -27,7 +27,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from adaptive_spec.llama.launch import ServerProcess, find_llama_server, free_port
+from adaptive_spec.llama.binary.which import find_llama_server
+from adaptive_spec.llama.launch import ServerProcess, free_port
 from adaptive_spec.llama.memory.gguf_info import model_dims
 from adaptive_spec.llama.memory.plan import MIB, ModelDims, ServerPlan, footprint, largest_context
 from adaptive_spec.llama.models import ensure_embedded

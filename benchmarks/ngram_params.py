@@ -48,7 +48,8 @@ from ngram_workload import (
 )
 
 from adaptive_spec.bench.stream import stream_chat as read_stream
-from adaptive_spec.llama.launch import ServerProcess, find_llama_server, free_port
+from adaptive_spec.llama.binary.which import find_llama_server
+from adaptive_spec.llama.launch import ServerProcess, free_port
 from adaptive_spec.llama.models import ensure_embedded
 
 SERVER_FLAGS = ("-t", "1", "--parallel", "1", "-c", "16384", "--jinja")

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from adaptive_spec.llama.launch import find_llama_server
+from adaptive_spec.llama.binary.which import find_llama_server
 from adaptive_spec.llama.models import ensure_embedded
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' own server starter and tiny models

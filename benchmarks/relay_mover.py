@@ -24,7 +24,7 @@ from tests.support.servers import LlamaServer, http_json
 from adaptive_spec.kv.movers import MoveRequest, RelayMover
 from adaptive_spec.kv.relay_client import RelayClient
 from adaptive_spec.kv.slot_files import file_sha256
-from adaptive_spec.llama.launch import find_llama_server
+from adaptive_spec.llama.binary.which import find_llama_server
 from adaptive_spec.llama.upstreams import Upstream
 
 

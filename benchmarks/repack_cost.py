@@ -25,7 +25,8 @@ from typing import Any
 
 from adaptive_spec.errors import LaunchError
 from adaptive_spec.llama.binary.cpu_faults import RepackMode, VerdictStore
-from adaptive_spec.llama.launch import ServerProcess, find_llama_server, free_port
+from adaptive_spec.llama.binary.which import find_llama_server
+from adaptive_spec.llama.launch import ServerProcess, free_port
 from adaptive_spec.llama.models import ensure_embedded
 
 MODES: tuple[RepackMode, ...] = ("always", "never")  # repacking on, off

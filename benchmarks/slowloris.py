@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "slowloris.json")
     args = parser.parse_args(argv)
     from adaptive_spec.bench import machine
-    from adaptive_spec.llama.launch import find_llama_server
+    from adaptive_spec.llama.binary.which import find_llama_server
 
     work = Path(tempfile.mkdtemp(prefix="slowloris-"))
     model = write_tiny_gguf(work / "tiny-random-llama.gguf")

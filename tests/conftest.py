@@ -27,7 +27,7 @@ _missing = missing  # the one rule: skip here, fail in CI
 
 @pytest.fixture(scope="session")
 def llama_server_binary() -> str:
-    from adaptive_spec.llama.launch import find_llama_server
+    from adaptive_spec.llama.binary.which import find_llama_server
 
     try:
         return find_llama_server(None)

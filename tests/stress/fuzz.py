@@ -258,7 +258,7 @@ def run_fuzz(upstream_url: str, count: int, seed: int = 1) -> Figures:
 
 @contextlib.contextmanager
 def tiny_llama_server(workdir: Path) -> Iterator[LlamaServer]:
-    from adaptive_spec.llama.launch import find_llama_server
+    from adaptive_spec.llama.binary.which import find_llama_server
 
     model = write_tiny_gguf(workdir / "tiny-random-llama.gguf")
     server = LlamaServer(

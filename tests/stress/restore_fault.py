@@ -79,7 +79,7 @@ def _chat(base: str, messages: list[dict[str, str]], headers: dict[str, str]) ->
 
 
 async def run_slot_fault(workdir: Path, mode: str) -> dict[str, Any]:
-    from adaptive_spec.llama.launch import find_llama_server
+    from adaptive_spec.llama.binary.which import find_llama_server
 
     binary, model = find_llama_server(None), write_tiny_gguf(workdir / "tiny-random-llama.gguf")
     slots = workdir / "slots"

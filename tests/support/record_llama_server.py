@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from adaptive_spec.llama.launch import find_llama_server
+from adaptive_spec.llama.binary.which import find_llama_server
 from tests.support.recorded import RECORDED
 from tests.support.servers import LlamaServer, http_json, http_text
 from tests.support.tiny_gguf import write_tiny_gguf

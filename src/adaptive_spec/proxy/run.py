@@ -24,7 +24,8 @@ from adaptive_spec.errors import ConfigError, LaunchError, ProfileMismatchError
 from adaptive_spec.kv.heads.options import launched_heads
 from adaptive_spec.kv.movers import SharedDirMover, SlotMover, start_relay_mover
 from adaptive_spec.kv.remote_prefill.shell import start_remote_prefill
-from adaptive_spec.llama.launch import KILL_AFTER_S, Launcher, describe_binary
+from adaptive_spec.llama.binary.which import describe_binary
+from adaptive_spec.llama.launch import KILL_AFTER_S, Launcher
 from adaptive_spec.llama.memory.footprint import device_report, launch_lines
 from adaptive_spec.llama.placement import (
     STOCK,
