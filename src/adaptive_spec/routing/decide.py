@@ -90,19 +90,20 @@ class _Deciding:
         placement = self.session.placement
         moved = placement.profile if placement is not None and placement.profile != name else None
         handoff = moved is not None and self.estimate(self.by_name[name]).handoff_s > 0
+        parts = [reason]
         if moved is not None and name in self.session.same_server and not move_said:
-            reason += f"; same server as {moved}: keeps its KV cache, no handoff"
+            parts.append(f"same server as {moved}: keeps its KV cache, no handoff")
         measured = self.session.handoff_reuse.get(name)
         low = measured is not None and measured[0] < self.policy.handoff.min_reuse
         if moved is not None and not handoff and low and measured is not None and not move_said:
-            reason += (
-                f"; re-prefills: handoffs from {moved} reused {measured[0]:.0%} of what they restored, "
+            parts.append(
+                f"re-prefills: handoffs from {moved} reused {measured[0]:.0%} of what they restored, "
                 f"{measured[1]} measured"
             )
         return Choice(
             profile=name,
             kind=kind,
-            reason=reason,
+            reasons=tuple(parts),
             copy_share=self.copy_share,
             context_tokens=self.prompt_tokens,
             acceptance=self.acceptance,
@@ -189,7 +190,8 @@ def _by_load(c: _Deciding, allowed: list[ProfileState], usable: list[ProfileStat
     unheld = _by_estimate(replace(c, held={}), allowed, usable)
     if unheld.profile not in c.held:
         return unheld
-    return replace(chosen, kind="load", reason=f"{chosen.reason}; {unheld.profile} held back: {c.held[unheld.profile]}")
+    held_back = f"{unheld.profile} held back: {c.held[unheld.profile]}"
+    return replace(chosen, kind="load", reasons=(*chosen.reasons, held_back))
 
 
 def _usable(allowed: list[ProfileState], profiles: Sequence[ProfileState], policy: Policy) -> list[ProfileState]:

@@ -2,10 +2,11 @@
 
 Each stage is decided apart and says only what it decides: `decide()` the profile (`Choice`), the prompt's estimate
 what the chosen server must prefill (`PromptPart`), the draft-length rule the cap (`DraftCap`), `choose_replica()`
-and the KV's reach the replica (`ReplicaPart`); what the KV moves did before forwarding (a warm start, a remote
-prefill) comes after as `Moved` notes. `Decision` holds them and reads them out: a later stage's figure stands over
-an earlier one's (a replica whose KV is out of reach prefills the whole prompt), and the reason is the stages' parts,
-joined only where it is shown (`reason`), so no code reads a decision's text to learn what was decided.
+and the KV's reach the replica (`ReplicaPart`). `compose` builds the `Decision` from them in one step: a later
+stage's figure stands over an earlier one's (a replica whose KV is out of reach prefills the whole prompt). What a
+KV move did before forwarding (a warm start, a remote prefill) comes after it as a `Moved` stage (`Decision.after`).
+A reason is the stages' parts (`reasons`), joined only where people read it (`reason`), so no code reads a
+decision's text to learn what was decided.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class Choice:
 
     profile: str
     kind: DecisionKind
-    reason: str
+    reasons: tuple[str, ...]  # the reason's parts, in the order they were found
     copy_share: float  # the copyability the estimate used
     context_tokens: int  # prompt tokens, estimated from the body
     acceptance: float = 0.0  # the drafter acceptance the estimate used (model-drafter profiles)
@@ -35,6 +36,11 @@ class Choice:
     handoff: bool = False  # save the slot on moved_from and restore it on `profile` before forwarding
     handoff_tokens: int = 0
     estimates: tuple[Estimate, ...] = ()
+
+    @property
+    def reason(self) -> str:
+        """The reason as people read it: its parts joined."""
+        return "; ".join(self.reasons)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,103 +83,50 @@ class Moved:
     new_tokens: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Decision(Choice):
+    """Where a request goes and why: the profile stage's choice, with what the later stages decided (`compose`)."""
+
+    new_tokens: int | None = None  # estimated tokens the profile's KV does not hold (None: no estimate)
+    side: bool = False
+    line_moved: bool = False
+    # Which replica of the profile (routing/replicas.py chooses it after the profile is decided).
+    replica: int = 0
+    replica_kind: ReplicaKind = "only"
+    replica_moved_from: int | None = None  # the session's KV lived on this other replica of the same profile
+    # The draft length the router caps this request at (`speculative.n_max`; None: the profile's own setting).
+    n_max: int | None = None
+
+    def after(self, moved: Moved) -> Decision:
+        """This decision with what a KV move did as its last stage."""
+        tokens = self.new_tokens if moved.new_tokens is None else moved.new_tokens
+        return replace(self, reasons=(*self.reasons, moved.note), new_tokens=tokens)
+
+
 _ONE_REPLICA = ReplicaPart()
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """Where a request goes and why: its stages, composed. Read it through the properties below."""
-
-    choice: Choice
-    prompt: PromptPart = PromptPart()
-    draft: DraftCap | None = None
-    placed: ReplicaPart = _ONE_REPLICA
-    moves: tuple[Moved, ...] = ()
-
-    def after(self, moved: Moved) -> Decision:
-        """This decision with what a KV move did added as its last stage."""
-        return replace(self, moves=(*self.moves, moved))
-
-    @property
-    def profile(self) -> str:
-        return self.choice.profile
-
-    @property
-    def kind(self) -> DecisionKind:
-        return self.choice.kind
-
-    @property
-    def reasons(self) -> tuple[str, ...]:
-        """The reason's parts, stage by stage: the profile's, then each later stage that had something to say."""
-        later = (
-            self.draft.reason if self.draft is not None else "",
-            self.placed.reason,
-            *(m.note for m in self.moves),
-        )
-        return (self.choice.reason, *(part for part in later if part))
-
-    @property
-    def reason(self) -> str:
-        """The reason as people read it: its parts joined."""
-        return "; ".join(self.reasons)
-
-    @property
-    def copy_share(self) -> float:
-        return self.choice.copy_share
-
-    @property
-    def context_tokens(self) -> int:
-        return self.choice.context_tokens
-
-    @property
-    def acceptance(self) -> float:
-        return self.choice.acceptance
-
-    @property
-    def moved_from(self) -> str | None:
-        return self.choice.moved_from
-
-    @property
-    def estimates(self) -> tuple[Estimate, ...]:
-        return self.choice.estimates
-
-    @property
-    def handoff(self) -> bool:
-        return self.choice.handoff if self.placed.handoff is None else self.placed.handoff
-
-    @property
-    def handoff_tokens(self) -> int:
-        placed = self.placed.handoff_tokens
-        return self.choice.handoff_tokens if placed is None else placed
-
-    @property
-    def new_tokens(self) -> int | None:
-        """The tokens to prefill: the latest stage's figure (a move's, the replica's, else the prompt's estimate)."""
-        for moved in reversed(self.moves):
-            if moved.new_tokens is not None:
-                return moved.new_tokens
-        return self.prompt.new_tokens if self.placed.new_tokens is None else self.placed.new_tokens
-
-    @property
-    def side(self) -> bool:
-        return self.prompt.side
-
-    @property
-    def line_moved(self) -> bool:
-        return self.prompt.line_moved
-
-    @property
-    def replica(self) -> int:
-        return self.placed.replica
-
-    @property
-    def replica_kind(self) -> ReplicaKind:
-        return self.placed.kind
-
-    @property
-    def replica_moved_from(self) -> int | None:
-        return self.placed.moved_from
-
-    @property
-    def n_max(self) -> int | None:
-        return self.draft.n_max if self.draft is not None else None
+def compose(
+    choice: Choice, prompt: PromptPart = PromptPart(), draft: DraftCap | None = None, placed: ReplicaPart = _ONE_REPLICA
+) -> Decision:
+    """The decision of these stages: each figure from the latest stage that has one, the reason's parts in order."""
+    later = (draft.reason if draft is not None else "", placed.reason)
+    return Decision(
+        profile=choice.profile,
+        kind=choice.kind,
+        reasons=(*choice.reasons, *(part for part in later if part)),
+        copy_share=choice.copy_share,
+        context_tokens=choice.context_tokens,
+        acceptance=choice.acceptance,
+        moved_from=choice.moved_from,
+        handoff=choice.handoff if placed.handoff is None else placed.handoff,
+        handoff_tokens=choice.handoff_tokens if placed.handoff_tokens is None else placed.handoff_tokens,
+        estimates=choice.estimates,
+        new_tokens=prompt.new_tokens if placed.new_tokens is None else placed.new_tokens,
+        side=prompt.side,
+        line_moved=prompt.line_moved,
+        replica=placed.replica,
+        replica_kind=placed.kind,
+        replica_moved_from=placed.moved_from,
+        n_max=draft.n_max if draft is not None else None,
+    )

@@ -28,7 +28,7 @@ from adaptive_spec.routing.contract import (
     RouteRequest,
 )
 from adaptive_spec.routing.decide import decide
-from adaptive_spec.routing.decision import Choice, Decision, PromptPart, ReplicaPart
+from adaptive_spec.routing.decision import Choice, Decision, PromptPart, ReplicaPart, compose
 from adaptive_spec.routing.draft_length import session_cap
 from adaptive_spec.routing.estimate import ProfileState, RequestState, SessionState
 from adaptive_spec.routing.handoffs import KvMoves
@@ -201,7 +201,7 @@ class Router:
             side=est.side,
             line_moved=state is not None and est.line_moved,
         )
-        decision = Decision(
+        decision = compose(
             choice,
             prompt,
             session_cap(self._draft_caps.get(choice.profile), placement, policy),

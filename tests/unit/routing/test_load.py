@@ -13,7 +13,7 @@ from adaptive_spec.llama.speculation import Speculation
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.policy.model import Policy
 from adaptive_spec.routing.decide import decide
-from adaptive_spec.routing.decision import Choice, Decision
+from adaptive_spec.routing.decision import Choice, Decision, compose
 from adaptive_spec.routing.estimate import ProfileState, RequestState, SessionState
 from adaptive_spec.routing.placements import Placement
 from adaptive_spec.routing.router import Router
@@ -150,7 +150,7 @@ def test_the_router_learns_what_a_handoff_reused_from_the_next_prompts_cache_n()
 
     table = UpstreamTable([Upstream("oneshot", "http://127.0.0.1:1"), Upstream("iterative", "http://127.0.0.1:2")])
     router = make_router(table, {"oneshot": 1, "iterative": 1}, KINDS)
-    decision = Decision(Choice("iterative", "pinned", "pinned", 0.9, 6000, moved_from="oneshot", handoff=True))
+    decision = compose(Choice("iterative", "pinned", ("pinned",), 0.9, 6000, moved_from="oneshot", handoff=True))
     restored = HandoffResult(True, 6000, 0.2, 0.02)
     for cache_n in (0, 5990):
         route = Route(decision, None, f"s{cache_n}", 20000, handoff=restored)
