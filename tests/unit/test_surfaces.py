@@ -1,20 +1,27 @@
 """The user-facing surfaces, compared with a recorded copy (tests/data/surfaces.json): every command's options, the
-proxy's routes, its Prometheus metric names, the request record's and trace's fields, and the live feed's event
-types with their fields. Moving modules must leave them byte-identical; a deliberate change is recorded again with
+proxy's routes, its Prometheus metric names, the request record's and trace's fields, the live feed's event
+types with their fields, and the keys of each `/adaptive/*` JSON view as a fresh proxy answers it. Moving modules
+must leave them byte-identical; a deliberate change is recorded again with
 `ADAPTIVE_SPEC_RECORD_SURFACES=1 pytest tests/unit/test_surfaces.py` and shows in review as a diff of that file."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import os
 from pathlib import Path
 from typing import Any
 
+from aiohttp.test_utils import TestClient, TestServer
+
 from adaptive_spec.cli import main as cli_main
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.proxy.app import ProxySettings, build_app
+from adaptive_spec.sessions.ngram_replay import NgramParams
+from adaptive_spec.sessions.service import SessionService
+from adaptive_spec.sessions.statistics import ContextTracker
 from adaptive_spec.telemetry import events, records
 from adaptive_spec.telemetry.metrics import ProxyMetrics
 
@@ -41,6 +48,31 @@ def _fields(cls: Any) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
+def _keys(value: Any) -> Any:
+    """A JSON value's shape by its keys: an object's keys with their values' shapes, a list's first item's."""
+    if isinstance(value, dict):
+        return {key: _keys(item) for key, item in sorted(value.items())}
+    if isinstance(value, list):
+        return [_keys(value[0])] if value else []
+    return None
+
+
+_VIEWS = ("/adaptive/health", "/adaptive/profiles", "/adaptive/requests", "/adaptive/route", "/adaptive/sessions")
+
+
+async def _views() -> dict[str, Any]:
+    """What a fresh proxy (one profile that answers nothing, sessions on, no request served yet) says at each JSON
+    view."""
+    sessions = SessionService(ContextTracker(NgramParams()), None)
+    app = build_app(UpstreamTable([Upstream("oneshot", "http://127.0.0.1:9")]), ProxySettings(), sessions)
+    async with TestClient(TestServer(app)) as client:
+        out = {}
+        for path in _VIEWS:
+            async with client.get(path) as resp:
+                out[path] = _keys(await resp.json())
+        return out
+
+
 def surfaces() -> dict[str, Any]:
     app = build_app(UpstreamTable([Upstream("oneshot", "http://127.0.0.1:9")]), ProxySettings())
     routes = sorted({f"{r.method} {r.resource.canonical}" for r in app.router.routes() if r.resource is not None})
@@ -59,6 +91,7 @@ def surfaces() -> dict[str, Any]:
         "record": _fields(records.RequestRecord),
         "timings": _fields(records.Timings),
         "events": feed,
+        "views": asyncio.run(_views()),
     }
 
 
