@@ -56,3 +56,21 @@ def test_the_architecture_map_lists_every_module_once_by_its_own_summary() -> No
     for name, summary in listed:
         doc = " ".join((ast.get_docstring(ast.parse((ROOT / name).read_text(encoding="utf-8"))) or "").split())
         assert doc.startswith(summary), f"{name}: the map says {summary[:60]!r}, its docstring opens otherwise"
+
+
+def test_every_module_docstring_opens_with_one_summary_sentence() -> None:
+    """A module's docstring opens with a paragraph of one sentence (what the map shows); the detail follows it."""
+    import ast
+    import re
+
+    openings = []
+    for path in sorted(ROOT.rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        if doc:
+            openings.append((path.relative_to(ROOT).as_posix(), " ".join(doc.split("\n\n")[0].split())))
+    assert len(openings) > 100
+    # A sentence ends at . ? or ! before a capital, a backtick or a bracket ("e.g." and "i.e." end none).
+    more = [name for name, first in openings if re.search(r"(?<!e\.g)(?<!i\.e)[.!?]\s+[A-Z`(]", first)]
+    unended = [name for name, first in openings if not first.endswith((".", "?", "!"))]
+    assert not more, f"docstrings whose opening paragraph holds more than one sentence: {more}"
+    assert not unended, f"docstrings whose opening paragraph does not end a sentence: {unended}"

@@ -1,5 +1,7 @@
-"""Who may drive the proxy: the API keys it accepts, the Host names it answers to, the browser origins it lets in,
-and the llama-server control endpoints it keeps to itself. Pure checks; `requests/gate.py` applies them."""
+"""Who may drive the proxy: the API keys it accepts, the Host names it answers to, the browser origins it lets in, and
+the llama-server control endpoints it keeps to itself.
+
+Pure checks; `requests/gate.py` applies them."""
 
 from __future__ import annotations
 

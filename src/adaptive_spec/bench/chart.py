@@ -1,5 +1,6 @@
-"""bench.png: decode tok/s, median TTST and output from drafts side by side, one group of bars per workload and one
-bar per target, the 95% intervals as error bars, and × the baseline profile above the speed bars where there is one.
+"""bench.png: decode tok/s, median TTST and output from drafts side by side, one group of bars per workload and one bar
+per target, the 95% intervals as error bars, and × the baseline profile above the speed bars where there is one.
+
 The legend sits below the panels, outside every axis, so it never covers a bar."""
 
 from __future__ import annotations

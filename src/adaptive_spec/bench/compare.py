@@ -1,5 +1,7 @@
 """The bench's reference rows and its verdicts: adaptive against each static profile and the references, every ratio
-with a 95% interval (bench/stats.py). Pure: records in, values and text out.
+with a 95% interval (bench/stats.py).
+
+Pure: records in, values and text out.
 
 Two references are built from the passes (docs/benchmarks.md, "Routing: what this machine can show"):
 

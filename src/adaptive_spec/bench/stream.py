@@ -1,5 +1,7 @@
 """One streamed chat request, read the way the proxy reads streams: bytes as they arrive through the SSE parser
-(`streams/sse.py`), timed at the client. The bench and the benchmark scripts share it."""
+(`streams/sse.py`), timed at the client.
+
+The bench and the benchmark scripts share it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
 """`adaptive-spec serve`: its options and the plan they make (the profiles it launches or attaches to, and the rest).
+
 Serve's own groups are declared here beside their readers; the access, remote prefill and relay groups beside their
 features."""
 

@@ -1,7 +1,8 @@
 """The bounded cache of the project: a dict that keeps at most `max_items` entries (and, optionally, at most
-`max_weight` in total), dropping the least recently used first. Tables keyed by session, slot or file use it; a few
-bounded structures that are not caches are not LRUs (the history's and feeds' deques, the sessions service's
-capped queue of waiting updates, the metrics' capped project labels)."""
+`max_weight` in total), dropping the least recently used first.
+
+Tables keyed by session, slot or file use it; a few bounded structures that are not caches are not LRUs (the history's
+and feeds' deques, the sessions service's capped queue of waiting updates, the metrics' capped project labels)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""What a slot file's trip between two hosts costs: KV bytes per token × tokens ÷ the link's bandwidth. Pure, and
-the one model both KV moves use: a handoff between hosts (the router's speed model prices it) and remote prefill
-(its cost model), each over its own link.
+"""What a slot file's trip between two hosts costs: KV bytes per token × tokens ÷ the link's bandwidth.
+
+Pure, and the one model both KV moves use: a handoff between hosts (the router's speed model prices it) and remote
+prefill (its cost model), each over its own link.
 
 KV bytes per token is a fact of the model and its cache type, not a noisy figure: the first file measured replaces
 the prior. The link is averaged as seconds per byte (time is what adds up); its prior is the start-up probe of the

@@ -1,7 +1,9 @@
 """The router's effects on the KV layer: what `routing/router.py` calls back through (its `Effects` protocol) when it
-decides a handoff or a remote prefill. This module resolves profiles to servers, runs the movers and remote prefill,
-and never raises into a request: any failure comes back as a result that says so (the request then re-prefills,
-which is always correct). It also sweeps slot files left behind."""
+decides a handoff or a remote prefill.
+
+This module resolves profiles to servers, runs the movers and remote prefill, and never raises into a request: any
+failure comes back as a result that says so (the request then re-prefills, which is always correct). It also sweeps slot
+files left behind."""
 
 from __future__ import annotations
 

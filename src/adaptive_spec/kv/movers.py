@@ -1,11 +1,13 @@
 """Moving a session's KV slot from one llama-server to another: save it on the source, get the file to the target,
-restore it there. `SlotMover` is the seam the router's effects call; `SharedDirMover` is the case where both servers
-write slot files into one directory (the same host, or a shared filesystem); `RelayMover` moves between hosts, a
-kv-relay beside each server (`serve --relay SERVER_URL=RELAY_URL`): save on the source into its own slot directory,
-stream the file from the source's relay into the target's (sha256-checked there, size-bounded), restore on the target,
-delete it on both sides. `PairMover` picks per pair of servers: those without a relay move through the shared
-directory, those with one through their relays; a pair of one of each cannot hand over (the session re-prefills).
-Both are priced by the same cost model (`kv/costs.py`)."""
+restore it there.
+
+`SlotMover` is the seam the router's effects call; `SharedDirMover` is the case where both servers write slot files into
+one directory (the same host, or a shared filesystem); `RelayMover` moves between hosts, a kv-relay beside each server
+(`serve --relay SERVER_URL=RELAY_URL`): save on the source into its own slot directory, stream the file from the
+source's relay into the target's (sha256-checked there, size-bounded), restore on the target, delete it on both sides.
+`PairMover` picks per pair of servers: those without a relay move through the shared directory, those with one through
+their relays; a pair of one of each cannot hand over (the session re-prefills). Both are priced by the same cost model
+(`kv/costs.py`)."""
 
 from __future__ import annotations
 

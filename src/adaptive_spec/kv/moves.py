@@ -1,6 +1,7 @@
-"""What the router asks the KV layer to do, and what comes back: values only (pure). The router decides a handoff
-or a remote prefill and hands one of these to its effects (`kv/effects.py` performs them); the results go into the
-request's record."""
+"""What the router asks the KV layer to do, and what comes back: values only (pure).
+
+The router decides a handoff or a remote prefill and hands one of these to its effects (`kv/effects.py` performs them);
+the results go into the request's record."""
 
 from __future__ import annotations
 

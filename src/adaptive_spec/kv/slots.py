@@ -1,7 +1,8 @@
-"""llama-server's slot API: `slot_action` is the one client of `POST /slots/{id}?action=save|restore|erase`
-(handoffs, remote prefill, the head store, the erase endpoint and the kv-relay's prefill all go through it), with the
-checks of a save's and a restore's answers (`save_slot`, `restore_slot`, `check_written`). The movers that carry a
-slot from one server to another through it are `kv/movers.py`."""
+"""llama-server's slot API: `slot_action` is the one client of `POST /slots/{id}?action=save|restore|erase` (handoffs,
+remote prefill, the head store, the erase endpoint and the kv-relay's prefill all go through it), with the checks of a
+save's and a restore's answers (`save_slot`, `restore_slot`, `check_written`).
+
+The movers that carry a slot from one server to another through it are `kv/movers.py`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Starting, watching and stopping the llama-server processes behind launched profiles. No orphans, ever."""
+"""Starting, watching and stopping the llama-server processes behind launched profiles.
+
+No orphans, ever."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """Speculation chosen per request: the settings a profile's requests carry to a llama-server that takes them (the
 project's patched build says so in `/props`), and the plan that runs several launched profiles as settings of one
-server. Pure: what to send and what the server offers, no HTTP.
+server.
+
+Pure: what to send and what the server offers, no HTTP.
 
 A patched server takes, in a chat/completions or completions body, `"speculative.types"` (the subset of its
 `--spec-type` list that may draft for this request; `[]`: none) and `"speculative.n_max"` (a cap on the tokens

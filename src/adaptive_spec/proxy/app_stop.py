@@ -1,6 +1,8 @@
 """The proxy's aiohttp app stopped after its requests ended: what `AppRunner.cleanup()` does, in its order, but each
-step bounded on its own. Under one bound for all, connections aiohttp was slow to close cut off the app's cleanup
-part-way: the trace file, the statistics worker and the head store were left as they were."""
+step bounded on its own.
+
+Under one bound for all, connections aiohttp was slow to close cut off the app's cleanup part-way: the trace file, the
+statistics worker and the head store were left as they were."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The connections the proxy holds, as pure bookkeeping: each connection's phase (sending headers, sending its body,
-being answered, idle) and since when, which of them are past their phase's bound, which to close past the cap, and
-the cap that fits the process's descriptors. No aiohttp, no clock of its own (the shell in `proxy/connections.py`
-passes the time in)."""
+being answered, idle) and since when, which of them are past their phase's bound, which to close past the cap, and the
+cap that fits the process's descriptors.
+
+No aiohttp, no clock of its own (the shell in `proxy/connections.py` passes the time in)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""`POST /relay/prefill`: the relay's one door to its llama-server. It prefills a prompt into a free slot (one token
-generated: llama-server b11434 samples one even with `n_predict: 0`, and the slot then holds the prompt alone) and
-saves that slot under the name the caller chose, so the caller can download it. The llama-server itself need not be
-reachable from anywhere but the relay.
+"""`POST /relay/prefill`: the relay's one door to its llama-server.
+
+It prefills a prompt into a free slot (one token generated: llama-server b11434 samples one even with `n_predict: 0`,
+and the slot then holds the prompt alone) and saves that slot under the name the caller chose, so the caller can
+download it. The llama-server itself need not be reachable from anywhere but the relay.
 
 Request: `{"path": "/v1/chat/completions", "body": {...}, "filename": "NAME.bin"}` (path: the chat or completions
 API); answer: the server's `timings`, `n_saved`, `n_written`, `save_ms`, the slot used and the call's `elapsed_ms`.

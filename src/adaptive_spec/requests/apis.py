@@ -1,5 +1,6 @@
 """The APIs the proxy tells apart, and what each one does, in one table: a question about a request's API ("does it
 generate?", "are its errors Anthropic's?") is a column here, not a set of names kept in the module that asks.
+
 The names are the proxy's own words; a request's path decides its API once (`requests/body/parse.py`)."""
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""The gate every request passes, whatever route answers it (routes added later included): Host allow-list, the
-request path decided once, CORS, the API key, foreign origins and form posts, llama-server's control endpoints; and
-Anthropic-shaped errors for /v1/messages clients. Also keeps a flood of malformed HTTP out of the log."""
+"""The gate every request passes, whatever route answers it (routes added later included): Host allow-list, the request
+path decided once, CORS, the API key, foreign origins and form posts, llama-server's control endpoints; and
+Anthropic-shaped errors for /v1/messages clients.
+
+Also keeps a flood of malformed HTTP out of the log."""
 
 from __future__ import annotations
 

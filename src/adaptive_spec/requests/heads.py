@@ -1,10 +1,11 @@
 """The request path's calls into the head store (`kv/heads/`): before forwarding a session's first request, restore a
 stored head into its slot when that pays (the route's reason and its new-token estimate say so), and likewise for a
-session's first request after its server restarted; after serving a request, hand its timings back (an inert
-restore is learned, a first turn saved as a head in the background, a later turn's state saved once its session is
-idle). Servers that start or come back after a restart get their most recent heads back (`watch_servers`). Also
-`GET`/`DELETE /adaptive/heads`. With `--project-key`, every head is kept, found, listed and deleted within the tenant
-scope of the key the request was sent with (its path's project does not count: `kv/heads/plan.tenant_scope`)."""
+session's first request after its server restarted; after serving a request, hand its timings back (an inert restore is
+learned, a first turn saved as a head in the background, a later turn's state saved once its session is idle).
+
+Servers that start or come back after a restart get their most recent heads back (`watch_servers`). Also `GET`/`DELETE
+/adaptive/heads`. With `--project-key`, every head is kept, found, listed and deleted within the tenant scope of the key
+the request was sent with (its path's project does not count: `kv/heads/plan.tenant_scope`)."""
 
 from __future__ import annotations
 

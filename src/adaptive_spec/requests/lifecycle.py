@@ -1,6 +1,8 @@
-"""The request lifecycle: one request's own state while the proxy handles it, its announcement, its live draft
-progress and its end. The one owner of "every request ends with exactly one record and one finished-or-failed event"
-(and the router's load coming down, the session learning from it, the trace line)."""
+"""The request lifecycle: one request's own state while the proxy handles it, its announcement, its live draft progress
+and its end.
+
+The one owner of "every request ends with exactly one record and one finished-or-failed event" (and the router's load
+coming down, the session learning from it, the trace line)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""How a request ended: one value from the first refusal to the last chunk. Its status, the error as the client is
-told it (message, code, parameter), whether the client went away and whether the server was never reached; the
-request's record, its finished-or-failed event and a refusal's answer are all made from it. Pure."""
+"""How a request ended: one value from the first refusal to the last chunk.
+
+Its status, the error as the client is told it (message, code, parameter), whether the client went away and whether the
+server was never reached; the request's record, its finished-or-failed event and a refusal's answer are all made from
+it. Pure."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
-"""The router's API as the shell sees it: what a request asks (`RouteRequest`), what the router answers (`Route`, or
-a `Refusal`), what the shell reports at the end (`Completion`), and what the router needs from outside, injected as
-protocols: the profiles' health, the policy files, and its `Effects` — the KV moves it asks for (llama-swap's
-scheduler "calls back through Effects", its syscall table). Values and protocols only."""
+"""The router's API as the shell sees it: what a request asks (`RouteRequest`), what the router answers (`Route`, or a
+`Refusal`), what the shell reports at the end (`Completion`), and what the router needs from outside, injected as
+protocols: the profiles' health, the policy files, and its `Effects` — the KV moves it asks for (llama-swap's scheduler
+"calls back through Effects", its syscall table).
+
+Values and protocols only."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""What a routing decision sees (the request, its session, each profile) and what serving the request on one profile
-is estimated to cost, with the text that explains a move. Pure.
+"""What a routing decision sees (the request, its session, each profile) and what serving the request on one profile is
+estimated to cost, with the text that explains a move.
+
+Pure.
 
 Cost of serving the request on profile p:
 

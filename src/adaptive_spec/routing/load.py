@@ -1,7 +1,8 @@
 """Each llama-server's slots and load, as the router counts them: which (profile, replica) runs on which server
 (profiles that are per-request settings of one server share it), each server's slot book, the requests in flight per
-server and per session, and the acceptance counts per replica. Pure bookkeeping: `Router` starts and ends requests
-on it."""
+server and per session, and the acceptance counts per replica.
+
+Pure bookkeeping: `Router` starts and ends requests on it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Placements: where each session's KV cache lives (profile, slot, cached tokens), which slot of a several-slot
-profile a session holds, and `observe()`, the one step that learns from a request served in full. The proxy's router
-shell and the simulator both call `observe()`, so the simulator learns exactly as the proxy does."""
+"""Placements: where each session's KV cache lives (profile, slot, cached tokens), which slot of a several-slot profile
+a session holds, and `observe()`, the one step that learns from a request served in full.
+
+The proxy's router shell and the simulator both call `observe()`, so the simulator learns exactly as the proxy does."""
 
 from __future__ import annotations
 

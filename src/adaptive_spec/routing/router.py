@@ -1,12 +1,13 @@
-"""The router: which profile, replica and slot serve a request, and the KV moves that go with it. The shell drives
-it through two calls, neither of which waits: `route()` (what to do with this request: profile, replica, slot, the
-KV move it asks for — a handoff or a remote prefill — and the reason) and `complete()` (what happened: the load
-comes down, it learns from llama-server's timings). Between them the shell carries the asked move out through the
-router's injected `Effects` (`routing/contract.py`) and reports it with `moved()` (`routing/handoffs.py` plans and
-learns); everything else is pure state: the learned speeds, where sessions' KV caches live, each server's slots and load
-(`routing/load.py`), the pins. `choose()` is the decision alone, without side effects: its stages decided apart
-(`decide()` the profile, the prompt's new tokens, `session_cap()` the draft cap, `choose_replica()` the replica) and
-composed once (`routing/decision.py`)."""
+"""The router: which profile, replica and slot serve a request, and the KV moves that go with it.
+
+The shell drives it through two calls, neither of which waits: `route()` (what to do with this request: profile,
+replica, slot, the KV move it asks for — a handoff or a remote prefill — and the reason) and `complete()` (what
+happened: the load comes down, it learns from llama-server's timings). Between them the shell carries the asked move out
+through the router's injected `Effects` (`routing/contract.py`) and reports it with `moved()` (`routing/handoffs.py`
+plans and learns); everything else is pure state: the learned speeds, where sessions' KV caches live, each server's
+slots and load (`routing/load.py`), the pins. `choose()` is the decision alone, without side effects: its stages decided
+apart (`decide()` the profile, the prompt's new tokens, `session_cap()` the draft cap, `choose_replica()` the replica)
+and composed once (`routing/decision.py`)."""
 
 from __future__ import annotations
 

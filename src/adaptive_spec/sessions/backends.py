@@ -1,7 +1,9 @@
-"""Where a session-statistics update's history-sized work runs (digests, the plan, indexing, the drafter's replay):
-one interface, `StatisticsBackend`, with two implementations. `ProcessStatistics` (what `serve` uses) holds the
-tracker in a child process and keeps the sessions' latest snapshots here; `ThreadStatistics` holds it here, behind
-a lock, and works in a thread, which holds the GIL while it works, so the streams' chunks wait for it."""
+"""Where a session-statistics update's history-sized work runs (digests, the plan, indexing, the drafter's replay): one
+interface, `StatisticsBackend`, with two implementations.
+
+`ProcessStatistics` (what `serve` uses) holds the tracker in a child process and keeps the sessions' latest snapshots
+here; `ThreadStatistics` holds it here, behind a lock, and works in a thread, which holds the GIL while it works, so the
+streams' chunks wait for it."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""Sessions for the proxy: grouping each request, and updating the repeated-context statistics after each
-response in one background task (tokenizing off the request path, in arrival order). The updates' own work (digests,
-indexing, the drafter's replay: pure Python that grows with the history) runs in a statistics backend
-(`sessions/backends.py`): a child process that holds the tracker (`worker_process=True`, what `serve` uses), or a
-thread (see docs/architecture.md, "Per-request cost")."""
+"""Sessions for the proxy: grouping each request, and updating the repeated-context statistics after each response in
+one background task (tokenizing off the request path, in arrival order).
+
+The updates' own work (digests, indexing, the drafter's replay: pure Python that grows with the history) runs in a
+statistics backend (`sessions/backends.py`): a child process that holds the tracker (`worker_process=True`, what `serve`
+uses), or a thread (see docs/architecture.md, "Per-request cost")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Turning text into the model's tokens for the session statistics, from the best source at hand:
+"""Turning text into the model's tokens for the session statistics, from the best source at hand.
+
+The sources, best first:
 
 1. the GGUF's own tokenizer via llama-cpp-python (`vocab_only=True`), when the model file is local and the package
    is installed; for a byte-level BPE vocabulary whose pre-tokenizer we know (Qwen2's), its tokens and merge ranks

@@ -1,7 +1,8 @@
-"""One session-statistics update in two steps, wherever the proxy runs it: which messages are new (`plan_update`),
-then indexing them and replaying the response (`fold_update`); tokenizing the new texts happens in between, in the
-proxy. Everything here grows with the history, so the proxy keeps it off its event loop: in a worker process that
-holds the tracker (the `process_*` functions, called through a one-process pool), or in a thread.
+"""One session-statistics update in two steps, wherever the proxy runs it: which messages are new (`plan_update`), then
+indexing them and replaying the response (`fold_update`); tokenizing the new texts happens in between, in the proxy.
+
+Everything here grows with the history, so the proxy keeps it off its event loop: in a worker process that holds the
+tracker (the `process_*` functions, called through a one-process pool), or in a thread.
 """
 
 from __future__ import annotations

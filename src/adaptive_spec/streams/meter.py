@@ -1,6 +1,7 @@
-"""`ResponseMeter`: what one response tells about itself as it passes (token arrival times, timings, usage, the
-reply's text, the server's own error, the stream's end), read event by event while the times matter and in batches
-after that. Pure: the caller passes the clock readings."""
+"""`ResponseMeter`: what one response tells about itself as it passes (token arrival times, timings, usage, the reply's
+text, the server's own error, the stream's end), read event by event while the times matter and in batches after that.
+
+Pure: the caller passes the clock readings."""
 
 from __future__ import annotations
 

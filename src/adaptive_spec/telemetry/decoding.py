@@ -1,7 +1,9 @@
-"""Reading the proxy's own values back from JSON: a feed message as its event type (`decode_event`), a request
-record as a `RequestRecord` (`decode_record`). Lenient both ways, so a TUI of one version reads a proxy of another:
-fields it does not know are ignored; a missing field, or one of the wrong JSON type, takes its default, or the empty
-value of its type (0, "", False, None, {}) when it has none. Pure."""
+"""Reading the proxy's own values back from JSON: a feed message as its event type (`decode_event`), a request record as
+a `RequestRecord` (`decode_record`).
+
+Lenient both ways, so a TUI of one version reads a proxy of another: fields it does not know are ignored; a missing
+field, or one of the wrong JSON type, takes its default, or the empty value of its type (0, "", False, None, {}) when it
+has none. Pure."""
 
 from __future__ import annotations
 

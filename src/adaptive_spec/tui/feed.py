@@ -1,5 +1,7 @@
-"""Where the TUI's events come from: a live proxy over HTTP (its event feed, request history and control endpoints),
-or a recorded file replayed on its own clock. Nothing here imports the proxy: the TUI is one more HTTP client."""
+"""Where the TUI's events come from: a live proxy over HTTP (its event feed, request history and control endpoints), or
+a recorded file replayed on its own clock.
+
+Nothing here imports the proxy: the TUI is one more HTTP client."""
 
 from __future__ import annotations
 

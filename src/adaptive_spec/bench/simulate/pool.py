@@ -1,7 +1,8 @@
-"""`bench --simulate pool`: a pool of replicas of one profile under a day of mixed agent traffic, replica choice by
-the same `choose_replica()` the proxy runs, against two simpler ways to spread sessions (round robin per request,
-and a sticky hash of the session with no moves). A discrete-event simulation: every figure comes from an assumption
-printed with the table.
+"""`bench --simulate pool`: a pool of replicas of one profile under a day of mixed agent traffic, replica choice by the
+same `choose_replica()` the proxy runs, against two simpler ways to spread sessions (round robin per request, and a
+sticky hash of the session with no moves).
+
+A discrete-event simulation: every figure comes from an assumption printed with the table.
 
 Sessions are drawn from a workload's sessions (their turns' new prompt tokens and outputs, via the simulator's
 `requests_from_workload`); each agent session adds a system prompt and tools on its first turn. Each replica has a

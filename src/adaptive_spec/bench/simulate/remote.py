@@ -1,6 +1,8 @@
-"""`bench --simulate pp-remote`: the arithmetic of prefilling a long prompt on a faster remote server and moving its
-KV cache back for local decode, at scales this machine cannot run. Pure arithmetic: every figure comes from a
-stated assumption (printed with the tables), none from a measurement here except where marked "measured".
+"""`bench --simulate pp-remote`: the arithmetic of prefilling a long prompt on a faster remote server and moving its KV
+cache back for local decode, at scales this machine cannot run.
+
+Pure arithmetic: every figure comes from a stated assumption (printed with the tables), none from a measurement here
+except where marked "measured".
 
 Local path:  prompt tokens ÷ local prefill speed.
 Remote path: start-up (round trips, opening the slot) + prompt ÷ remote prefill speed + slot save (bytes ÷ write

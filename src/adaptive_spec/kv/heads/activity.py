@@ -1,7 +1,8 @@
 """What the head store knows of each llama-server's traffic, as counts: the requests forwarded to it (all, those that
 named no slot, those that named each slot), its restarts, the sessions seen on it, and the restores it made inert.
-The store compares these counts before and after each save or restore: a request forwarded in between may have
-taken the slot. Pure and synchronous: the store calls it on the event loop."""
+
+The store compares these counts before and after each save or restore: a request forwarded in between may have taken the
+slot. Pure and synchronous: the store calls it on the event loop."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""The head store's files: the index (`index.json`, written whole and renamed into place), the head files
-(`<id>.head`, mode 0600: KV encodes the prompt), their checks (size, a CRC-32 of the whole file) and the repairs a
-store needs after a crash, a full disk or a damaged file. Synchronous: the store runs these in a thread."""
+"""The head store's files: the index (`index.json`, written whole and renamed into place), the head files (`<id>.head`,
+mode 0600: KV encodes the prompt), their checks (size, a CRC-32 of the whole file) and the repairs a store needs after a
+crash, a full disk or a damaged file.
+
+Synchronous: the store runs these in a thread."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""Pure: what a stored head is (`HeadEntry`), what makes its KV reusable on a server (`ServerKey`), the chain of
-digests a prompt's leading pieces make under that key, the longest stored match of a new prompt, the LRU eviction
-and whether a restore pays against a prefill. No file, no HTTP: the store (`kv/heads/store.py`) does those."""
+"""Pure: what a stored head is (`HeadEntry`), what makes its KV reusable on a server (`ServerKey`), the chain of digests
+a prompt's leading pieces make under that key, the longest stored match of a new prompt, the LRU eviction and whether a
+restore pays against a prefill.
+
+No file, no HTTP: the store (`kv/heads/store.py`) does those."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The head store's slot I/O: a head's file staged into the slot directory and restored into a slot, a slot saved and
 its file moved out, each checked against what llama-server says it did, with what the store learns from them (the
-restore rate, heads a server refused, the head each slot holds). `HeadStore` decides when; this does it, and raises
-what went wrong for the store to log."""
+restore rate, heads a server refused, the head each slot holds).
+
+`HeadStore` decides when; this does it, and raises what went wrong for the store to log."""
 
 from __future__ import annotations
 

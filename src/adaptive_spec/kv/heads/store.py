@@ -1,10 +1,11 @@
-"""The head store's shell: head files and their index in a directory of the state directory (`kv/heads/book.py`),
-saved from an idle llama-server's slot after a session's first turn, restored into a new session's slot before its
-first turn is forwarded, and into a fresh server's idle slots when it (re)starts. Every failure here is logged with
-its reason and ends in an ordinary request (a re-prefill): nothing raises into the request path, and a head that
-llama-server refuses or that fails its checks is removed. llama-server only reads and writes `--slot-save-path`, so a
-head is linked (or copied) there as `head-<id>.bin` only for the restore, and moved out of it after the save: the
-sweeps of `as-*` files never see a head."""
+"""The head store's shell: head files and their index in a directory of the state directory (`kv/heads/book.py`), saved
+from an idle llama-server's slot after a session's first turn, restored into a new session's slot before its first turn
+is forwarded, and into a fresh server's idle slots when it (re)starts.
+
+Every failure here is logged with its reason and ends in an ordinary request (a re-prefill): nothing raises into the
+request path, and a head that llama-server refuses or that fails its checks is removed. llama-server only reads and
+writes `--slot-save-path`, so a head is linked (or copied) there as `head-<id>.bin` only for the restore, and moved out
+of it after the save: the sweeps of `as-*` files never see a head."""
 
 from __future__ import annotations
 

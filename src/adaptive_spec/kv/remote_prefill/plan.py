@@ -1,5 +1,7 @@
-"""Remote prefill: whether a long prompt is prefilled on a bigger machine (`serve --pp-server`) and its KV cache
-brought back, or prefilled here. Pure: the proxy's shell (`kv/remote_prefill/shell.py`) measures, this decides.
+"""Remote prefill: whether a long prompt is prefilled on a bigger machine (`serve --pp-server`) and its KV cache brought
+back, or prefilled here.
+
+Pure: the proxy's shell (`kv/remote_prefill/shell.py`) measures, this decides.
 
     local:   new prompt tokens × local prefill seconds/token            (the router's speed model)
     remote:  round trip + all prompt tokens × remote prefill seconds/token

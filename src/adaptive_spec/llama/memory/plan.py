@@ -1,6 +1,8 @@
-"""What a setup of llama-servers will hold in memory, said before it is launched: each server's model file, drafter
-file and KV cache at the context asked for (from the GGUF's own dimensions), and, given a device report, whether
-it fits and what would. Pure: the GGUF is read and the device asked elsewhere.
+"""What a setup of llama-servers will hold in memory, said before it is launched: each server's model file, drafter file
+and KV cache at the context asked for (from the GGUF's own dimensions), and, given a device report, whether it fits and
+what would.
+
+Pure: the GGUF is read and the device asked elsewhere.
 
 On a GPU every llama-server process holds its own copy of the weights (CUDA does not share a mapped file between
 processes), so a second profile process doubles them; on a CPU the mapped file's pages are shared."""

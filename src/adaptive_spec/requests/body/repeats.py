@@ -1,8 +1,10 @@
-"""An agent stuck on one tool call: the history ends with the same call (its name and arguments) made again and
-again, each answered by its result. Small models do this (opencode made 78 identical `write` calls in one turn on the
-embedded 0.5B, Codex CLI 19 identical failing calls) and no agent stops it. This module finds the loop in a request
-body and writes the body that breaks it: a note after the last result and, from a second threshold, a request for a
-text answer (`tool_choice` none), which ends the agent's turn. Pure: the request path decides when to apply it."""
+"""An agent stuck on one tool call: the history ends with the same call (its name and arguments) made again and again,
+each answered by its result.
+
+Small models do this (opencode made 78 identical `write` calls in one turn on the embedded 0.5B, Codex CLI 19 identical
+failing calls) and no agent stops it. This module finds the loop in a request body and writes the body that breaks it: a
+note after the last result and, from a second threshold, a request for a text answer (`tool_choice` none), which ends
+the agent's turn. Pure: the request path decides when to apply it."""
 
 from __future__ import annotations
 

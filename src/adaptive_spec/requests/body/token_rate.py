@@ -1,8 +1,9 @@
-"""A long first turn counted with the model's own tokenizer before it is routed. Its new-token estimate is otherwise
-characters over a rate learned from earlier sessions (3.5 before any), which missed an opencode-shaped first turn by
-a third; a count of its texts (`sessions/pieces.prompt_texts`) gives this prompt's own rate. Only for a session the
-router knows nothing of yet, and only for a prompt long enough that its prefill takes seconds: a short one never
-waits for it. The count has a deadline and falls back to the learned rate."""
+"""A long first turn counted with the model's own tokenizer before it is routed.
+
+Its new-token estimate is otherwise characters over a rate learned from earlier sessions (3.5 before any), which missed
+an opencode-shaped first turn by a third; a count of its texts (`sessions/pieces.prompt_texts`) gives this prompt's own
+rate. Only for a session the router knows nothing of yet, and only for a prompt long enough that its prefill takes
+seconds: a short one never waits for it. The count has a deadline and falls back to the learned rate."""
 
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
 """A prompt read as the pieces a chat template renders (the tools, the system prompt, each message), each with its
 digest and the chained keys of its blocks: what a session's prefix state compares a new request with
-(`routing/prompt/prefix.py`). A text is hashed once: a session's next turn takes its unchanged messages' pieces whole
-from its last request (`SeenRequest`), and any request takes a piece made for the same text before, in any session
-(`PieceCache`: a conversation's first request, another session's system prompt)."""
+(`routing/prompt/prefix.py`).
+
+A text is hashed once: a session's next turn takes its unchanged messages' pieces whole from its last request
+(`SeenRequest`), and any request takes a piece made for the same text before, in any session (`PieceCache`: a
+conversation's first request, another session's system prompt)."""
 
 from __future__ import annotations
 
