@@ -57,7 +57,7 @@ from adaptive_spec.llama.launch import free_port
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.requests import handler
 from adaptive_spec.requests.body.parse import ParsedRequest, parse_body, split_path
-from adaptive_spec.requests.lifecycle import ProxyRequest, RequestLifecycle
+from adaptive_spec.requests.lifecycle import Prepared, ProxyRequest, RequestLifecycle
 from adaptive_spec.requests.outcome import SERVED
 from adaptive_spec.routing.contract import FixedPolicy, Route, RouteRequest
 from adaptive_spec.routing.prompt import prefix
@@ -167,10 +167,10 @@ async def _serve(
     headers = {k.lower(): v for k, v in agent.headers.items() if not (ids_off and _is_session_header(k.lower()))}
     parsed = c.time("parse", lambda: parse_body(req.routed.api, raw))
     assert isinstance(parsed, ParsedRequest)
-    req.parsed = parsed
-    req.workspace = c.time("workspace", lambda: workspace_path_from_request(headers, parsed.body))
-    req.assignment, req.project = c.time("group", lambda: service.assign(headers, parsed.body, None, req.workspace))
-    sid = req.assignment.session_id
+    workspace = c.time("workspace", lambda: workspace_path_from_request(headers, parsed.body))
+    assignment, project = c.time("group", lambda: service.assign(headers, parsed.body, None, workspace))
+    req.prepared = Prepared(parsed, workspace, assignment, project)
+    sid = assignment.session_id
     state = router.prefixes.get(sid)
     cache = copy.deepcopy(getattr(router.prefixes, "cache", None))  # the route below finds the cache as it was
     pieces = c.time("pieces", lambda: _pieces(parsed.body, state, cache))
@@ -188,8 +188,8 @@ async def _serve(
             session_id=sid,
             session_turns=turns,
             copy_share=share,
-            project=req.project,
-            workspace=req.workspace,
+            project=project,
+            workspace=workspace,
             pinned=None,
             takes_slot=True,
         )

@@ -22,7 +22,7 @@ from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.requests.apis import traits
 from adaptive_spec.requests.app_keys import CLIENT, FRESH_CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
 from adaptive_spec.requests.body.compat import repaired
-from adaptive_spec.requests.body.parse import parse_body, with_fields
+from adaptive_spec.requests.body.parse import ParsedRequest, parse_body, with_fields
 from adaptive_spec.requests.body.repeats import guard, trailing_repeat
 from adaptive_spec.requests.body.shapes import RequestProblem
 from adaptive_spec.requests.body.token_rate import first_turn_rate
@@ -31,13 +31,13 @@ from adaptive_spec.requests.forward import forward
 from adaptive_spec.requests.gate import routed_path
 from adaptive_spec.requests.heads import before_forward, served
 from adaptive_spec.requests.keepalive import PrefillKeepAlive
-from adaptive_spec.requests.lifecycle import ProxyRequest
+from adaptive_spec.requests.lifecycle import Prepared, ProxyRequest, Rewrite
 from adaptive_spec.requests.outcome import CLIENT_GONE, SERVED, SHUTDOWN, Outcome
 from adaptive_spec.requests.stranded import STRANDED
 from adaptive_spec.routing.contract import Completion, Refusal, Route, RouteRequest
 from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.clients import client_name
-from adaptive_spec.sessions.project import DEFAULT_PROJECT, workspace_path_from_request
+from adaptive_spec.sessions.project import workspace_path_from_request
 from adaptive_spec.sessions.tokenizers import CachingTokenizer
 from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.streams.output import LiveText
@@ -106,7 +106,7 @@ def upstream_body(req: ProxyRequest, upstream: Upstream, watched: bool) -> tuple
     if parsed is None:
         preset = upstream.upstream_model
         return (with_model(req.body, preset) if preset is not None and req.body else req.body), False
-    body, raw = req.sent if req.sent is not None else (parsed.body, req.body)
+    body, raw = (req.rewrite.body, req.rewrite.raw) if req.rewrite is not None else (parsed.body, req.body)
     added: dict[str, Any] = {}
     if traits(req.routed.api).speculation:
         settings = upstream.speculation
@@ -146,24 +146,19 @@ async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | Outcom
         result = parse_body(req.routed.api, req.body)
         if isinstance(result, RequestProblem):
             return Outcome(400, result.message, result.code, result.param)
-        req.parsed = result
         large = len(req.body) >= _LARGE_BODY
         if large:  # a long history's parse took a millisecond: other streams' chunks go out before it is grouped
             await asyncio.sleep(0)
-        service = request.app[SESSIONS]
-        headers = {k.lower(): v for k, v in request.headers.items()}
-        req.workspace = workspace_path_from_request(headers, result.body)  # scanned once: project and policy
-        if service is not None:
-            req.assignment, req.project = service.assign(headers, result.body, req.routed.project, req.workspace)
+        req.prepared = prepared = _grouped(request, req, result)
         policies = request.app[ROUTER].policies
-        if not policies.known(req.project, req.workspace):  # its files are read once, off the event loop
-            await asyncio.to_thread(policies.load, req.project, req.workspace)
+        if not policies.known(prepared.project, prepared.workspace):  # its files are read once, off the event loop
+            await asyncio.to_thread(policies.load, prepared.project, prepared.workspace)
         if large:  # ... and before it is routed
             await asyncio.sleep(0)
         pinned = choose_upstream(request, request.app[UPSTREAMS]) if request.headers.get(PROFILE_HEADER) else None
         if isinstance(pinned, Outcome):
             return pinned
-        _rewrite(request, req, result.body)  # before routing: the prompt the server will see is the one estimated
+        req.rewrite = _rewrite(request, req, prepared)  # before routing: the server sees what is estimated
         return await _route(request, req)
     chosen = choose_upstream(request, request.app[UPSTREAMS])
     if isinstance(chosen, Upstream):
@@ -171,24 +166,38 @@ async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | Outcom
     return chosen
 
 
-def _rewrite(request: web.Request, req: ProxyRequest, body: dict[str, Any]) -> None:
+def _grouped(request: web.Request, req: ProxyRequest, parsed: ParsedRequest) -> Prepared:
+    """The parsed request with the workspace its agent reveals (scanned once: for the project and the policy), its
+    session and its project."""
+    service = request.app[SESSIONS]
+    headers = {k.lower(): v for k, v in request.headers.items()}
+    workspace = workspace_path_from_request(headers, parsed.body)
+    if service is None:
+        return Prepared(parsed, workspace, None, req.project)
+    assignment, project = service.assign(headers, parsed.body, req.routed.project, workspace)
+    return Prepared(parsed, workspace, assignment, project)
+
+
+def _rewrite(request: web.Request, req: ProxyRequest, prepared: Prepared) -> Rewrite | None:
     """The body to send upstream when it is not the client's: a shape llama-server refuses rewritten, an agent's
     loop on one tool call broken. The router estimates and places that body (it is what the server's cache will
     hold); the client's body still goes to the session statistics."""
-    api = req.routed.api
+    api, body = req.routed.api, prepared.parsed.body
     fixed = repaired(api, body)
     if fixed is not None:
-        body, req.repaired = fixed.body, fixed.note
+        body = fixed.body
         log.info("request %s: %s", req.request_id, fixed.note)
     repeat = trailing_repeat(api, body)
+    guarded = None
     if repeat is not None:
-        agents = request.app[ROUTER].policies.policy_for(req.project, req.workspace).agents
-        req.guard = guard(api, body, repeat, agents.repeat_note_after, agents.repeat_text_after)
-        if req.guard is not None:
-            body = req.guard.body
-            log.info("request %s: %s", req.request_id, req.guard.describe())
-    if fixed is not None or req.guard is not None:
-        req.sent = (body, orjson.dumps(body))
+        agents = request.app[ROUTER].policies.policy_for(prepared.project, prepared.workspace).agents
+        guarded = guard(api, body, repeat, agents.repeat_note_after, agents.repeat_text_after)
+        if guarded is not None:
+            body = guarded.body
+            log.info("request %s: %s", req.request_id, guarded.describe())
+    if fixed is None and guarded is None:
+        return None
+    return Rewrite(body, orjson.dumps(body), fixed.note if fixed is not None else None, guarded)
 
 
 async def _failover(request: web.Request, req: ProxyRequest, failed: Upstream, outcome: Outcome) -> Upstream | None:
@@ -230,7 +239,7 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
         turns, copy_share = service.copy_state(session_id)
     client_slot = parsed.body.get("id_slot")
     takes_slot = traits(req.routed.api).takes_slot
-    body, raw = req.sent if req.sent is not None else (parsed.body, req.body)
+    body, raw = (req.rewrite.body, req.rewrite.raw) if req.rewrite is not None else (parsed.body, req.body)
     tokenizer = service.tokenizer if service is not None else None
     counter = tokenizer if isinstance(tokenizer, CachingTokenizer) else None  # `serve`'s: a cache of counts
     rate = await first_turn_rate(counter, app[ROUTER].knows(session_id), body)
@@ -299,7 +308,6 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
         uuid.uuid4().hex[:16],
         routed,
         request.headers.get(PROFILE_HEADER) or app[UPSTREAMS].default,
-        project=routed.project or DEFAULT_PROJECT,
         client=client_name(request.headers.get("User-Agent")),
     )
     lifecycle = app[LIFECYCLE]

@@ -32,9 +32,33 @@ from adaptive_spec.telemetry.trace import TraceWriter
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A generating request as the proxy read it, once: its parsed body, the workspace its agent revealed, its session
+    and its project."""
+
+    parsed: ParsedRequest
+    workspace: str | None = None
+    assignment: SessionAssignment | None = None
+    project: str = DEFAULT_PROJECT
+
+
+@dataclass(frozen=True, slots=True)
+class Rewrite:
+    """The body sent upstream instead of the client's, and why: a shape llama-server refuses repaired
+    (requests/body/compat.py), an agent's loop on one tool call broken (requests/body/repeats.py)."""
+
+    body: dict[str, Any]
+    raw: bytes
+    repaired: str | None = None
+    guard: Guarded | None = None
+
+
 @dataclass
 class ProxyRequest:
-    """One request's own state while it is handled (never shared between tasks)."""
+    """One request's own state while it is handled (never shared between tasks): what it is (its id, path, client),
+    what the proxy read of it (`prepared`, once) and sends instead (`rewrite`, once), where it went (`route` or
+    `refusal`) and how it ended (`outcome`), each a value of its own, and the meter of its answer."""
 
     request_id: str
     routed: RoutedPath
@@ -42,23 +66,35 @@ class ProxyRequest:
     started: float = field(default_factory=time.perf_counter)
     started_unix: float = field(default_factory=time.time)
     body: bytes = b""
-    parsed: ParsedRequest | None = None
-    assignment: SessionAssignment | None = None
-    project: str = DEFAULT_PROJECT
+    client: str | None = None  # the agent, from its User-Agent
+    prepared: Prepared | None = None  # a generating request, once parsed and grouped
+    rewrite: Rewrite | None = None  # None: the client's body is what goes upstream
+    route: Route | None = None  # routed: counted in the router's load until it is completed
+    refusal: Refusal | None = None  # the router could not route it
+    replica: int = 0  # which server of the profile's pool it was sent to
+    pool_size: int = 1  # how many servers that profile has
     outcome: Outcome = NOT_ANSWERED  # how it ended, from the first refusal to the last chunk
     announced: bool = False
     meter: ResponseMeter = field(default_factory=ResponseMeter)
     last_progress: tuple[float, Timings | None] = (0.0, None)
-    workspace: str | None = None  # the workspace path the agent reveals, if any
-    route: Route | None = None  # routed: counted in the router's load until it is completed
-    refusal: Refusal | None = None  # the router could not route it
-    client: str | None = None  # the agent, from its User-Agent
-    replica: int = 0  # which server of the profile's pool it was sent to
-    pool_size: int = 1  # how many servers that profile has
     speculation: dict[str, Any] | None = None  # the per-request speculation fields it was sent with
-    guard: Guarded | None = None  # what was done to break a loop of one tool call
-    repaired: str | None = None  # what was rewritten of a shape llama-server refuses (requests/body/compat.py)
-    sent: tuple[dict[str, Any], bytes] | None = None  # the body sent upstream instead of the client's (parsed, bytes)
+
+    @property
+    def parsed(self) -> ParsedRequest | None:
+        return self.prepared.parsed if self.prepared is not None else None
+
+    @property
+    def assignment(self) -> SessionAssignment | None:
+        return self.prepared.assignment if self.prepared is not None else None
+
+    @property
+    def workspace(self) -> str | None:
+        return self.prepared.workspace if self.prepared is not None else None
+
+    @property
+    def project(self) -> str:
+        """Its session's project; before it is grouped (or for a request that is not), its path's or the default."""
+        return self.prepared.project if self.prepared is not None else self.routed.project or DEFAULT_PROJECT
 
     @property
     def decision(self) -> Decision | None:
@@ -238,8 +274,8 @@ def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> Reques
         replica=req.replica,
         replica_moved_from=decision.replica_moved_from if decision else None,
         speculation=req.speculation,
-        repeat_guard=req.guard.describe() if req.guard is not None else None,
-        repaired=req.repaired,
+        repeat_guard=req.rewrite.guard.describe() if req.rewrite is not None and req.rewrite.guard else None,
+        repaired=req.rewrite.repaired if req.rewrite is not None else None,
     )
 
 
