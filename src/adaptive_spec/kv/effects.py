@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import aiohttp
@@ -96,21 +97,9 @@ class KvEffects:
         answer = await self.remote.maybe(self._client(), ask, upstream)
         result = answer.result
         if result is not None:
+            relay = self.remote.relay.base_url  # the event is the result, and where it was made
             self._publish(
-                RemotePrefillDone(
-                    session_id=ask.session_id,
-                    profile=ask.at.profile,
-                    relay=self.remote.relay.base_url,
-                    ok=result.ok,
-                    reason=result.reason,
-                    tokens=result.tokens,
-                    bytes=result.bytes,
-                    remote_prefill_s=result.remote_prefill_s,
-                    save_s=result.save_s,
-                    transfer_s=result.transfer_s,
-                    restore_s=result.restore_s,
-                    error=result.error,
-                )
+                RemotePrefillDone(session_id=ask.session_id, profile=ask.at.profile, relay=relay, **asdict(result))
             )
         return answer
 

@@ -302,11 +302,7 @@ def _build_locked(
     root: Path, key: str, args: tuple[str, ...], patches: list[Patch], jobs: int | None, run: Run, say: Say
 ) -> Built:
     sdist = fetch_sdist(root, run, say)
-    # Always the same folder, emptied first: with ccache, a changed patch then recompiles only what it touches.
-    work = root / "work"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
-    try:
+    with work_dir(root / "work") as work:
         say(f"extracting llama.cpp {LLAMA_CPP_BUILD} and applying {len(patches)} patches")
         source = extract_source(sdist, work / "src")
         apply_patches(source, patches, run)
@@ -322,8 +318,18 @@ def _build_locked(
             built_unix=0.0,
         )
         return compile_and_install(root, work, source, manifest, patches, jobs, run, say)
+
+
+@contextlib.contextmanager
+def work_dir(path: Path) -> Iterator[Path]:
+    """An empty folder for one build, removed after it. Always the same path: with ccache, a changed patch then
+    recompiles only what it touches."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir()
+    try:
+        yield path
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def compile_and_install(

@@ -164,10 +164,7 @@ def _build_locked(
     patch_run: PatchRun,
     say: build.Say,
 ) -> build.Built:
-    work = root / "work-source"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
-    try:
+    with build.work_dir(root / "work-source") as work:
         say(f"copying {given} and applying {len(patches)} patches")
         source = copy_source(given, work / "src")
         tree = tree_sha256(source)
@@ -190,5 +187,3 @@ def _build_locked(
             built_unix=0.0,
         )
         return build.compile_and_install(root, work, source, manifest, patches, jobs, run, say)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
