@@ -48,7 +48,9 @@ class TurnRow:
 
     @property
     def accepted_share(self) -> float | None:
-        return self.draft_n_accepted / self.predicted_n if self.predicted_n else None
+        """The share of its output that came from drafts; None when nothing was drafted (shown as "—", as the
+        profiles panel shows a profile that drafts nothing)."""
+        return self.draft_n_accepted / self.predicted_n if self.predicted_n and self.draft_n else None
 
 
 @dataclass(slots=True)
@@ -105,8 +107,9 @@ class SessionView:
 
     @property
     def accepted_share(self) -> float | None:
+        """The share of the session's output that came from drafts; None when none of its turns drafted."""
         out = self.predicted_n
-        return self.draft_n_accepted / out if out else None
+        return self.draft_n_accepted / out if out and self.draft_n else None
 
     @property
     def last_turn(self) -> TurnRow | None:

@@ -336,3 +336,14 @@ def test_a_turn_says_which_speculation_it_ran_with() -> None:
     text = turn_reason(2, turn_row(record)).plain
     assert text.startswith("turn 2 → oneshot (estimate): ran with speculation draft-simple n_max=4 (set by the router)")
     assert text.endswith("drafter accepts 80% (2-turn avg)")
+
+
+def test_a_session_that_drafted_nothing_shows_no_acceptance_rather_than_none_accepted() -> None:
+    board = Dashboard()
+    board.load_snapshot(_snapshot(), T0)
+    _feed(board, "RequestFinished", {"record": _record("r1", profile="oneshot", drafted=0, accepted=0)}, T0)
+    session = board.sessions["s1"]
+    assert session.predicted_n == 100 and session.accepted_share is None
+    assert session.turns[-1].accepted_share is None
+    _feed(board, "RequestFinished", {"record": _record("r2", drafted=80, accepted=0)}, T0 + 1)
+    assert session.accepted_share == 0.0  # drafted and none accepted: 0%, not "—"
