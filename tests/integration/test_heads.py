@@ -19,9 +19,10 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestServer
 
+from adaptive_spec.llama.binary.which import passes_messages_slot
 from adaptive_spec.policy.model import HeadsPolicy, Policy
 from adaptive_spec.requests.app_keys import KV
-from tests.support.heads import SYSTEM, chat, erase, start_proxy, store_of
+from tests.support.heads import SYSTEM, chat, erase, messages, start_proxy, store_of
 from tests.support.servers import LlamaServer
 from tests.support.waiting import until
 
@@ -348,6 +349,51 @@ async def test_two_sessions_starting_at_once_on_two_slots_both_get_the_head(
             assert "warm: head of" in turn["record"]["reason"], turn["record"]
             assert turn["timings"]["cache_n"] > 256, turn["timings"]
         assert store_of(proxy).counts["restored"] == 2
+    finally:
+        await proxy.close()
+        llama.stop()
+
+
+async def test_the_patched_build_runs_a_messages_request_in_the_slot_it_names(
+    llama_server_binary: str, tiny_gguf: Path, tmp_path: Path, client: aiohttp.ClientSession
+) -> None:
+    """Patch 0006: `id_slot` passes through the Anthropic conversion. A first request naming slot 1 runs there (a
+    server that drops the field puts it in slot 0, the first of two unused ones)."""
+    llama = LlamaServer(llama_server_binary, tiny_gguf, "-c", "4096", "--parallel", "2", log_dir=tmp_path)
+    try:
+        body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}], "id_slot": 1}
+        async with client.post(f"{llama.url}/v1/messages", json=body) as r:
+            assert r.status == 200, await r.text()
+        async with client.get(f"{llama.url}/slots") as r:
+            tasks = {s["id"]: s.get("id_task") for s in await r.json()}
+        assert tasks[1] is not None and tasks[0] is None, tasks
+    finally:
+        llama.stop()
+
+
+@pytest.mark.parametrize("names_slot", [True, False], ids=["patched", "no-slot-on-messages"])
+async def test_a_claude_code_session_on_two_slots_keeps_its_head_where_messages_name_their_slot(
+    llama_server_binary: str, tiny_gguf: Path, tmp_path: Path, client: aiohttp.ClientSession, names_slot: bool
+) -> None:
+    """Claude Code's /v1/messages requests on a server of two slots: the patched build passes `id_slot` through
+    (patch 0006), so its session has a slot of its own, its first turn is kept as a head and the next session starts
+    warm. A server that drops the field (or one the proxy cannot tell passes it) names no slot: nothing is kept, as
+    the head store cannot tell which slot the request used."""
+    assert passes_messages_slot(llama_server_binary)  # the suite's server is the patched build
+    args = ("-c", "16384", "--parallel", "2", "--cache-ram", "0", "--spec-type", "none", "--slot-save-path")
+    llama = LlamaServer(llama_server_binary, tiny_gguf, *args, str(tmp_path), log_dir=tmp_path)
+    proxy = await start_proxy(llama.url, tmp_path, tmp_path / "heads", messages_slot=names_slot)
+    try:
+        first = await messages(client, proxy, "cc-first", "Write hello.py.")
+        assert first["record"]["status"] == 200
+        await store_of(proxy).settled()
+        assert store_of(proxy).counts["saved"] == (1 if names_slot else 0), store_of(proxy).describe()
+        await erase(client, proxy)
+        second = await messages(client, proxy, "cc-second", "Write bye.py.")
+        warm = "warm: head of" in second["record"]["reason"]
+        assert warm == names_slot, second["record"]
+        if names_slot:
+            assert second["record"]["timings"]["cache_n"] > 256, second["record"]["timings"]
     finally:
         await proxy.close()
         llama.stop()

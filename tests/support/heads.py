@@ -40,15 +40,17 @@ async def start_proxy(
     project_keys: dict[str, str] | None = None,
     main_key: str | None = None,
     policy: Policy | None = None,
+    messages_slot: bool = False,
 ) -> TestServer:
     """The proxy in front of the llama-server at `url` (one profile "p", its slots as `serve` probes them), its
     head store in `heads`; with `project_keys` (and `main_key`) as `serve --project-key` (`--api-key`) sets them,
-    and `policy` for every project."""
+    and `policy` for every project; `messages_slot`: its server passes `id_slot` through `/v1/messages`, as `serve`
+    says of the patched build."""
     keys = dict(project_keys or {})
     kv = KvSetup(slot_dir=slots, heads=HeadsConfig(heads, max_bytes, build=build, project_keys=keys))
     sessions = SessionService(ContextTracker(NgramParams()), None, key_projects=keys)
     access = AccessPolicy(api_keys=(main_key, *keys)) if main_key else None
-    upstream = Upstream("p", url)
+    upstream = Upstream("p", url, messages_slot=messages_slot)
     async with aiohttp.ClientSession() as client:
         info = await probe(client, upstream)
     policies = FixedPolicy(policy) if policy is not None else None
@@ -95,6 +97,33 @@ async def chat(
         if records:
             text = answer["choices"][0]["message"]["content"]
             return {"text": text, "timings": answer["timings"], "record": records[0]}
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no record of request {request_id}")
+
+
+async def messages(
+    client: aiohttp.ClientSession, proxy: TestServer, session: str, user: str, system: str = SYSTEM, max_tokens: int = 4
+) -> dict[str, Any]:
+    """One greedy turn as Claude Code sends it (`/v1/messages`, its session header, the system prompt apart):
+    {"text", "record"}, the record with llama-server's timings."""
+    body = {
+        "model": "m",
+        "system": [{"type": "text", "text": system}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": user}]}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    headers = {"x-claude-code-session-id": session, "anthropic-version": "2023-06-01"}
+    async with client.post(proxy.make_url("/v1/messages?beta=true"), json=body, headers=headers) as r:
+        assert r.status == 200, await r.text()
+        answer: dict[str, Any] = await r.json()
+        request_id = r.headers[REQUEST_ID_HEADER]
+    for _ in range(200):  # the record is kept just after the answer's last byte
+        async with client.get(proxy.make_url("/adaptive/requests")) as r:
+            records = [x for x in (await r.json())["requests"] if x["request_id"] == request_id]
+        if records:
+            text = "".join(b.get("text", "") for b in answer["content"] if isinstance(b, dict))
+            return {"text": text, "record": records[0]}
         await asyncio.sleep(0.05)
     raise AssertionError(f"no record of request {request_id}")
 

@@ -18,6 +18,8 @@ class Upstream:
     replica: int = 0  # its place in the profile's pool (0 for a profile of one server)
     # Sent in each generating request's body to a server that takes speculation settings per request.
     speculation: Speculation = field(default_factory=Speculation)
+    # Its server passes `id_slot` through `/v1/messages` (patch 0006): an Anthropic request there may name its slot.
+    messages_slot: bool = False
 
     @property
     def label(self) -> str:
@@ -44,6 +46,8 @@ class UpstreamTable:
         self.default = default or upstreams[0].name
         if self.default not in self._pools:
             raise ValueError(f"default profile {self.default!r} is not one of {self.names()}")
+        # Every server takes a slot named on /v1/messages: the router may name one for an Anthropic request too.
+        self.messages_slot = all(u.messages_slot for u in upstreams)
         self._down: dict[tuple[str, int], str] = {}
         self.watched: set[tuple[str, int]] = set()  # marked down by the proxy itself: the health watch asks them
         self._publish = publish

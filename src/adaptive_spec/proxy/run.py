@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from adaptive_spec.errors import ConfigError, LaunchError, ProfileMismatchError
 from adaptive_spec.kv.heads.options import launched_heads
 from adaptive_spec.kv.movers import SharedDirMover, SlotMover, start_relay_mover
 from adaptive_spec.kv.remote_prefill.shell import start_remote_prefill
-from adaptive_spec.llama.binary.which import describe_binary
+from adaptive_spec.llama.binary.which import describe_binary, passes_messages_slot
 from adaptive_spec.llama.launch import KILL_AFTER_S, Launcher
 from adaptive_spec.llama.memory.footprint import device_report, launch_lines
 from adaptive_spec.llama.placement import (
@@ -277,7 +277,8 @@ async def _launch(run: _Run, launch: LaunchPlan, stop: asyncio.Event) -> list[Up
     except LaunchError:
         run.keep_logs = True  # the error names a log file: it must still be there to be read
         raise
-    return run.launched.upstreams
+    slot = passes_messages_slot(launch.binary)
+    return [replace(u, messages_slot=slot) for u in run.launched.upstreams]
 
 
 async def _app(run: _Run, policies: PolicyStore, table: UpstreamTable, bus: EventBus) -> web.Application:

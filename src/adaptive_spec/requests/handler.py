@@ -238,7 +238,9 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
         # (a whole history to index: 100 ms and more) is routed on the turns before it.
         turns, copy_share = service.copy_state(session_id)
     client_slot = parsed.body.get("id_slot")
-    takes_slot = traits(req.routed.api).takes_slot
+    api = traits(req.routed.api)
+    # An Anthropic request names its slot only where every server passes `id_slot` on (llama/upstreams.py).
+    takes_slot = api.takes_slot or (api.anthropic and app[UPSTREAMS].messages_slot)
     body, raw = (req.rewrite.body, req.rewrite.raw) if req.rewrite is not None else (parsed.body, req.body)
     tokenizer = service.tokenizer if service is not None else None
     counter = tokenizer if isinstance(tokenizer, CachingTokenizer) else None  # `serve`'s: a cache of counts
@@ -259,7 +261,7 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
                 if isinstance(client_slot, int) and not isinstance(client_slot, bool) and client_slot >= 0
                 else None
             ),
-            prefill_path=req.routed.upstream_path if takes_slot else None,
+            prefill_path=req.routed.upstream_path if api.takes_slot else None,
             chars_per_token=rate,
         )
     )

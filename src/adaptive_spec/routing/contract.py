@@ -135,7 +135,7 @@ class RouteRequest:
     project: str
     workspace: str | None
     pinned: str | None  # the request header's profile; without one, the session's pin (if any) applies
-    takes_slot: bool = False  # the API passes `id_slot` on (chat, completions): the router may name a slot
+    takes_slot: bool = False  # the request passes `id_slot` on (chat, completions; messages where 0006 is): a slot
     client_slot: int | None = None  # the client named one itself: the router follows it
     prefill_path: str | None = None  # the upstream path, when the request may be prefilled remotely
     # This prompt's characters per token, counted with the model's tokenizer by the shell (a long first turn: no

@@ -53,3 +53,16 @@ def describe_binary(binary: str) -> str:
         state = "" if built.current else "; built from older patch files"
         return f"{binary} ({built.manifest.describe()}{state})"
     return f"{binary} (not adaptive-spec's patched build: speculation per request only if it offers it)"
+
+
+# The patch that lets a /v1/messages request name its slot (patches/README.md).
+MESSAGES_SLOT_PATCH = "0006-server-anthropic-id-slot.patch"
+
+
+def passes_messages_slot(binary: str) -> bool:
+    """Whether `binary` is the patched build and carries the patch that passes `id_slot` through `/v1/messages` (a
+    build from older patch files, or any other binary, may not: its Anthropic requests name no slot)."""
+    built = find_built()
+    if built is None or Path(binary).resolve() != built.binary.resolve():
+        return False
+    return MESSAGES_SLOT_PATCH in built.manifest.patches

@@ -22,7 +22,7 @@ def _patch(name: str, body: bytes = b"") -> build.Patch:
 
 def test_every_shipped_patch_is_read_in_order_and_named_in_the_readme() -> None:
     patches = build.shipped_patches()
-    assert [p.name[:4] for p in patches] == ["0001", "0002", "0003", "0004", "0005"]
+    assert [p.name[:4] for p in patches] == ["0001", "0002", "0003", "0004", "0005", "0006"]
     readme = (build.PATCH_DIR / "README.md").read_text()
     for p in patches:
         assert f"`{p.name}`" in readme, f"{p.name} is not explained in patches/README.md"
