@@ -175,9 +175,9 @@ class _Run:
 
 
 async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
+    policies = _policies(plan)  # a bad policy file stops us first: before we listen, before any server starts
     run = _Run(plan, listen(plan.host, plan.port), aiohttp.ClientSession())
     try:
-        policies = _policies(plan)  # a bad policy file stops us before any server starts
         upstreams = [Upstream(a.name, a.base_url, a.upstream_model, speculation=a.speculation) for a in plan.attach]
         if plan.launch is not None:
             launched = await _launch(run, plan.launch, stop)

@@ -246,21 +246,23 @@ def test_cli_show_prints_the_effective_policy(
 def test_serve_refuses_a_bad_policy_before_touching_any_server(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    import socket
+
     from adaptive_spec.cli.main import main
 
     bad = tmp_path / "bad.toml"
     bad.write_text('[route]\nhysterisis = 0.2\nforce = "iterativ"\n')
-    argv = [
-        "serve",
-        "--policy",
-        str(bad),
-        "--profile",
-        "oneshot=http://127.0.0.1:9",
-        "--profile",
-        "iterative=http://127.0.0.1:9",
-    ]
-    assert main(argv) == 2
+    # The port it would listen on is taken (as the default one is while a user's own `serve` runs): the bad policy
+    # is still what it says, before it tries to listen.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = str(taken.getsockname()[1])
+        argv = ["serve", "--port", port, "--policy", str(bad)]
+        argv += ["--profile", "oneshot=http://127.0.0.1:9", "--profile", "iterative=http://127.0.0.1:9"]
+        assert main(argv) == 2
     err = capsys.readouterr().err
+    assert "cannot listen" not in err, err
     assert f"{bad}:route.hysterisis:2: unknown key; did you mean 'hysteresis'?" in err
     assert f"{bad}:route.force:3: unknown profile 'iterativ'; did you mean 'iterative'?" in err
     assert "cannot be reached" not in err  # the policy was checked first
