@@ -168,15 +168,15 @@ def test_a_move_between_drafter_profiles_follows_the_handoff_rule(launched: Laun
     context = first["timings"]["prompt_n"] + first["timings"]["cache_n"]
     if launched.kind == "mtp":
         assert moved["handoff"] and moved["handoff"]["ok"] and moved["handoff"]["tokens"] > context, moved["handoff"]
-        # ...but the tiny MTP target is hybrid (a recurrent layer, as in Qwen3.5/3.6): the new prompt shares a
-        # prefix a few tokens shorter than the restored state, a recurrent state cannot be rolled back without the
-        # server's context checkpoints, and those are not in the slot file, so llama-server re-prefills it all.
-        assert moved["timings"]["cache_n"] == 0, moved["timings"]
-        # The record says so, and the router learns it: the next move between the pair re-prefills, no handoff.
-        assert moved["handoff"]["reused"] == 0, moved["handoff"]
-        _, again, _ = _move(launched, "after-a-handoff-that-bought-nothing")
-        assert again["handoff"] is None, again["handoff"]
-        assert "re-prefills: handoffs from oneshot reused 33% of what they restored, 1 measured" in again["reason"]
+        # The tiny MTP target is hybrid (a recurrent layer, as in Qwen3.5/3.6): a recurrent state cannot be rolled
+        # back, so the new prompt resumes at a context checkpoint, which llama.cpp b11549 keeps in the slot file (it
+        # makes one a few tokens before each prompt's end): all of the first turn's prompt but those is reused.
+        assert context - 8 <= moved["timings"]["cache_n"] <= context, (moved["timings"], context)
+        assert moved["handoff"]["reused"] == moved["timings"]["cache_n"], moved["handoff"]
+        # The router learns that it paid: the next move between the pair hands the cache over again.
+        _, again, _ = _move(launched, "after-a-handoff-that-paid")
+        assert again["handoff"] and again["handoff"]["ok"], again["handoff"]
+        assert again["timings"]["cache_n"] > 0, again["timings"]
     else:
         assert moved["handoff"] is None
         assert moved["timings"]["cache_n"] < context // 2, moved["timings"]  # re-prefilled

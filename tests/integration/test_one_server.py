@@ -229,8 +229,9 @@ def test_attached_stock_servers_keep_their_meaning(attached: tuple[str, str, Pat
 def test_the_hybrid_target_keeps_its_prefix_across_a_switch(
     patched_binary: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """The tiny qwen35 target (a recurrent layer beside attention, as in Qwen3.5/3.6): a slot restore re-prefills it
-    all (test_drafters.py); on one server the slot and its checkpoints stay, and the prefix is reused."""
+    """The tiny qwen35 target (a recurrent layer beside attention, as in Qwen3.5/3.6): on one server the slot and its
+    checkpoints stay, and the prefix is reused (between two servers b11549's slot files carry the checkpoints too:
+    test_drafters.py)."""
     home = tmp_path_factory.mktemp("hybrid")
     model = write_tiny_mtp_target(home / "tiny-random-qwen35-mtp.gguf")
     proxy = _serve(home, patched_binary, model, "--draft-type", "mtp")
