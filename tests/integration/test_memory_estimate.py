@@ -1,6 +1,7 @@
 """The memory estimate against llama-server's own figures: the KV cache it allocates (its `llama_kv_cache: size =`
-line) equals what llama/memory/plan.py computes from the GGUF's header, for a dense and a hybrid tiny model; the
-hybrid's recurrent state is close to its `llama_memory_recurrent: size =` line."""
+line) equals what llama/memory/plan.py computes from the GGUF's header, for a dense and a hybrid tiny model and for
+Gemma 3 270M's real sliding-window weights (two cache lines: the full layers' and the window's); the hybrid's
+recurrent state is close to its `llama_memory_recurrent: size =` line."""
 
 from __future__ import annotations
 
@@ -37,3 +38,23 @@ def test_the_kv_estimate_equals_what_llama_server_allocates(
         logged = _logged_mib(log, "llama_memory_recurrent")
         assert estimate.recurrent_bytes > 0
         assert logged / 2 <= estimate.recurrent_bytes / MIB <= logged * 2
+
+
+def test_the_sliding_window_estimate_equals_both_of_llama_server_s_caches(
+    llama_server_binary: str, gemma_gguf: Path, tmp_path: Path
+) -> None:
+    server = LlamaServer(
+        llama_server_binary, gemma_gguf, "-c", "8192", "--parallel", "2", "-v", log_dir=tmp_path / "logs"
+    )
+    try:
+        log = server.log_path.read_text()
+    finally:
+        server.stop()
+    # The full layers' cache, then the window's (llama.cpp sizes a context once to fit it, then makes it: the last two).
+    sizes = [float(m) for m in re.findall(r"llama_kv_cache: size =\s+([0-9.]+) MiB", log)][-2:]
+    assert len(sizes) == 2 and "creating     SWA KV cache" in log, sizes
+    dims = model_dims(gemma_gguf)
+    assert (dims.kv_layers, dims.swa_layers, dims.swa_window) == (18, 15, 512)
+    estimate = footprint(ServerPlan("s", dims, 8192, slots=2))
+    assert sum(sizes) == pytest.approx(estimate.kv_bytes / MIB, abs=0.01), (sizes, estimate)
+    assert "context checkpoints enabled, max = 32" in log

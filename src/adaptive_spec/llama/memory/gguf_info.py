@@ -77,6 +77,24 @@ def _first(value: Any) -> int:
     return int(value or 0)
 
 
+# The sliding-window pattern llama.cpp gives an architecture whose GGUF names none (its load_arch_hparams): every n-th
+# layer attends to the whole context, the others to the window. An architecture not listed here is counted as full
+# attention (its KV cache overestimated, never under).
+_SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "gemma3n": 5, "cohere2": 4}
+
+
+def _sliding_window(meta: dict[str, Any], arch: str, layers: int) -> tuple[int, int]:
+    """(layers with a sliding window, the window in tokens) as llama.cpp's `set_swa_pattern` lays them out."""
+    window = int(meta.get(f"{arch}.attention.sliding_window", 0) or 0)
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", _SWA_PATTERNS.get(arch))
+    if window <= 0 or pattern is None:
+        return 0, 0
+    if isinstance(pattern, list):  # one flag per layer
+        return sum(1 for flag in pattern[:layers] if flag), window
+    n = int(pattern)
+    return sum(1 for il in range(layers) if n == 0 or il % n < n - 1), window
+
+
 def model_dims(path: Path) -> ModelDims:
     """A model's cache dimensions from its GGUF; raises ModelError naming the file when they cannot be read."""
     try:
@@ -106,6 +124,7 @@ def model_dims(path: Path) -> ModelDims:
             state = max(0, kernel - 1) * (inner + 2 * groups * d_state) + inner * d_state // max(1, groups)
         else:
             kv_layers = layers
+        swa_layers, window = _sliding_window(meta, arch, kv_layers)
         return ModelDims(
             name=path.name,
             file_bytes=path.stat().st_size,
@@ -116,6 +135,8 @@ def model_dims(path: Path) -> ModelDims:
             recurrent_layers=max(0, recurrent_layers),
             recurrent_state_elems=state,
             max_context=int(meta.get(f"{arch}.context_length", 0)),
+            swa_layers=swa_layers,
+            swa_window=window,
         )
     except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
         raise ModelError(f"{path}: cannot read its dimensions from the GGUF header ({exc})") from exc

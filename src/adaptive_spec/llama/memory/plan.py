@@ -26,6 +26,8 @@ KV_TYPE_BYTES = {
 KV_TYPE_BYTES["q4_0"] = 18 / 32
 # llama.cpp's own --fit-target default: what it leaves free on each device.
 DEFAULT_MARGIN_MIB = 1024
+N_UBATCH = 512  # llama-server's default -ub: the batch a sliding-window cache keeps room for beside its window
+N_CTX_CHECKPOINTS = 32  # llama-server's default --ctx-checkpoints: context checkpoints kept per slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,10 +43,34 @@ class ModelDims:
     recurrent_layers: int = 0
     recurrent_state_elems: int = 0  # f32 elements of one recurrent layer's state, per sequence
     max_context: int = 0  # the model's trained context (0: unknown)
+    # Of the kv_layers, those with sliding-window attention (Gemma: 5 of every 6) and their window in tokens: their
+    # cache holds the window and a batch per sequence, not the context (llama.cpp's `llama_kv_cache_iswa`).
+    swa_layers: int = 0
+    swa_window: int = 0
 
     def kv_bytes_per_token(self, kv_type: str = "f16") -> float:
+        """Every attention layer's bytes per cached token (a slot file's KV per token, the window's layers included)."""
         per_elem = KV_TYPE_BYTES.get(kv_type, 2.0)
         return self.kv_layers * self.kv_heads * (self.key_length + self.value_length) * per_elem
+
+    def full_kv_bytes_per_token(self, kv_type: str = "f16") -> float:
+        """The bytes per token of the layers whose cache spans the whole context (all of them without SWA)."""
+        return self.kv_bytes_per_token(kv_type) * (self.kv_layers - self.swa_layers) / max(1, self.kv_layers)
+
+    def swa_cells(self, ctx_size: int, slots: int, n_ubatch: int = N_UBATCH) -> int:
+        """The cells llama.cpp gives the sliding-window layers, over all slots (one stream each): the window and a
+        batch per slot, padded to 256, at most the slot's context (`llama_kv_cache_iswa`, b11549)."""
+        if not self.swa_layers:
+            return 0
+        per_slot = min(ctx_size // max(1, slots), self.swa_window + n_ubatch)
+        return -(-per_slot // 256) * 256 * max(1, slots)
+
+    def checkpoint_bytes(self, ctx_size: int, slots: int, kv_type: str = "f16") -> int:
+        """What one context checkpoint of a slot holds at most (llama-server keeps up to 32 per slot, in RAM, and
+        b11549 writes them into slot files): the recurrent state, and the sliding-window layers' cache."""
+        swa_per_token = self.kv_bytes_per_token(kv_type) - self.full_kv_bytes_per_token(kv_type)
+        swa = swa_per_token * self.swa_cells(ctx_size, slots) / max(1, slots)
+        return round(self.recurrent_bytes_per_slot() + swa)
 
     def recurrent_bytes_per_slot(self) -> int:
         return self.recurrent_layers * self.recurrent_state_elems * 4
@@ -70,6 +96,9 @@ class Footprint:
     kv_bytes: int
     recurrent_bytes: int
     kv_bytes_per_token: float
+    # One context checkpoint of every slot (recurrent state, sliding-window cache): llama-server keeps up to
+    # N_CTX_CHECKPOINTS per slot in RAM, beside the device's memory; 0 for a dense model (it makes none).
+    checkpoint_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -77,20 +106,21 @@ class Footprint:
 
 
 def footprint(plan: ServerPlan) -> Footprint:
-    per_token = plan.model.kv_bytes_per_token(plan.kv_type)
-    recurrent = plan.model.recurrent_bytes_per_slot() * plan.slots
-    drafter_bytes = 0
-    if plan.drafter is not None:
-        per_token += plan.drafter.kv_bytes_per_token(plan.kv_type)
-        recurrent += plan.drafter.recurrent_bytes_per_slot() * plan.slots
-        drafter_bytes = plan.drafter.file_bytes
+    """`kv_bytes_per_token`: what each token of context adds (the sliding-window layers' fixed cache is in
+    `kv_bytes`, not in it)."""
+    per_token, kv, recurrent, drafter_bytes, checkpoint = 0.0, 0.0, 0, 0, 0
+    for dims in (plan.model, plan.drafter):
+        if dims is None:
+            continue
+        full = dims.full_kv_bytes_per_token(plan.kv_type)
+        window = dims.kv_bytes_per_token(plan.kv_type) - full
+        per_token += full
+        kv += full * plan.ctx_size + window * dims.swa_cells(plan.ctx_size, plan.slots)
+        recurrent += dims.recurrent_bytes_per_slot() * plan.slots
+        checkpoint += dims.checkpoint_bytes(plan.ctx_size, plan.slots, plan.kv_type)
+        drafter_bytes += dims.file_bytes if dims is plan.drafter else 0
     return Footprint(
-        plan.name,
-        plan.model.file_bytes,
-        drafter_bytes,
-        round(per_token * plan.ctx_size),
-        recurrent,
-        per_token,
+        plan.name, plan.model.file_bytes, drafter_bytes, round(kv), recurrent, per_token, checkpoint * plan.slots
     )
 
 
@@ -119,7 +149,8 @@ def largest_context(plans: Sequence[ServerPlan], free_bytes: int, margin_bytes: 
     """The largest -c every server could be given (the same for each) and still fit in `free_bytes`; 0 if none."""
     if not plans:
         return 0
-    fixed = sum(footprint(p).total_bytes - footprint(p).kv_bytes for p in plans)
+    # What does not grow with -c: weights, recurrent state, a sliding window's cache.
+    fixed = sum(footprint(p).total_bytes - round(footprint(p).kv_bytes_per_token * p.ctx_size) for p in plans)
     per_token = sum(footprint(p).kv_bytes_per_token for p in plans)
     room = free_bytes - margin_bytes - fixed
     if room <= 0 or per_token <= 0:
@@ -167,7 +198,13 @@ def describe(plans: Sequence[ServerPlan], shared_file_pages: bool) -> list[str]:
         )
         if f.recurrent_bytes:
             parts.append(f"recurrent state {_mib(f.recurrent_bytes)}")
-        lines.append(f"  {p.name}: " + ", ".join(parts) + f" = {_mib(f.total_bytes)}")
+        line = f"  {p.name}: " + ", ".join(parts) + f" = {_mib(f.total_bytes)}"
+        if f.checkpoint_bytes:
+            line += (
+                f"; context checkpoints up to {N_CTX_CHECKPOINTS} × {_mib(f.checkpoint_bytes)} "
+                f"= {_mib(N_CTX_CHECKPOINTS * f.checkpoint_bytes)} in RAM"
+            )
+        lines.append(line)
     total = sum(footprint(p).total_bytes for p in plans)
     note = ""
     if len(plans) > 1 and shared_file_pages:

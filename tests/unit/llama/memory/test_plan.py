@@ -107,3 +107,23 @@ def test_launch_lines_size_each_server_from_its_files(tiny_gguf: Path) -> None:
     assert "does not fit GPU" in launch_lines(specs, settings, small, "x")[-1]
     remote = ServerSettings(ModelSource(hf_repo="org/repo:Q4_K_M"))
     assert launch_lines(specs, remote, None, "x") == ["memory: not estimated (the model is not a local GGUF here)"]
+
+
+def test_a_sliding_window_s_layers_hold_the_window_and_a_batch_per_slot_not_the_context() -> None:
+    # Gemma 3 270M's shape: 18 layers, 15 of them with a 512-token window, one KV head of 256 + 256 (1 KiB a token a
+    # layer in f16). llama-server b11549 at -c 8192 --parallel 2 logged 24.00 MiB for the 3 full layers (4,096
+    # cells a slot) and 30.00 MiB for the 15 windowed ones (1,024 cells a slot: 512 + 512 padded to 256).
+    gemma = ModelDims("g", 253_113_024, 18, 1, 256, 256, swa_layers=15, swa_window=512)
+    f = footprint(ServerPlan("s", gemma, 8192, slots=2))
+    assert f.kv_bytes == (24 + 30) * MIB
+    assert f.kv_bytes_per_token == 3 * 1024  # only the full layers grow with the context
+    assert gemma.swa_cells(8192, 2) == 2048 and gemma.swa_cells(600, 1) == 768  # the slot's context at most
+    assert f.checkpoint_bytes == 2 * 15 * MIB  # a checkpoint of each slot: its windowed layers' cache
+    line = describe([ServerPlan("s", gemma, 8192, slots=2)], shared_file_pages=True)[0]
+    assert "context checkpoints up to 32 × 30 MiB = 960 MiB in RAM" in line, line
+
+
+def test_a_dense_model_makes_no_checkpoints() -> None:
+    dense = ModelDims("d", 1000, 24, 2, 64, 64)
+    assert footprint(ServerPlan("a", dense, 4096)).checkpoint_bytes == 0
+    assert "checkpoints" not in describe([ServerPlan("a", dense, 4096)], shared_file_pages=True)[0]
