@@ -191,8 +191,10 @@ def describe(plans: Sequence[ServerPlan], shared_file_pages: bool) -> list[str]:
         parts = [f"model {_mib(f.model_bytes)}"]
         if f.drafter_bytes:
             parts.append(f"drafter {_mib(f.drafter_bytes)}")
+        window = f.kv_bytes - round(f.kv_bytes_per_token * p.ctx_size)
+        windowed = f" + {p.model.swa_window}-token windows {_mib(window)}" if p.model.swa_layers and window else ""
         parts.append(
-            f"KV {_mib(f.kv_bytes)} ({p.ctx_size} tokens × {f.kv_bytes_per_token / 1024:.1f} KiB, {p.kv_type}"
+            f"KV {_mib(f.kv_bytes)} ({p.ctx_size} tokens × {f.kv_bytes_per_token / 1024:.1f} KiB{windowed}, {p.kv_type}"
             + (f", {p.slots} slots of {p.ctx_size // p.slots}" if p.slots > 1 else "")
             + ")"
         )

@@ -120,6 +120,7 @@ def test_a_sliding_window_s_layers_hold_the_window_and_a_batch_per_slot_not_the_
     assert gemma.swa_cells(8192, 2) == 2048 and gemma.swa_cells(600, 1) == 768  # the slot's context at most
     assert f.checkpoint_bytes == 2 * 15 * MIB  # a checkpoint of each slot: its windowed layers' cache
     line = describe([ServerPlan("s", gemma, 8192, slots=2)], shared_file_pages=True)[0]
+    assert "KV 54 MiB (8192 tokens × 3.0 KiB + 512-token windows 30 MiB, f16, 2 slots of 4096)" in line, line
     assert "context checkpoints up to 32 × 30 MiB = 960 MiB in RAM" in line, line
 
 
