@@ -40,6 +40,8 @@ class FakeSlots:
     n_written: int | None = None  # reported in a save's answer (None: not reported)
     slots_hang: bool = False
     during: Callable[[str], Awaitable[None]] | None = None  # runs inside each slot action, before its answer
+    busy_polls: int = 0  # the next `/slots` answers say a slot is processing (`on_busy` runs in each)
+    on_busy: Callable[[], None] | None = None
     actions: list[str] = field(default_factory=list)
 
     def app(self) -> web.Application:
@@ -67,7 +69,12 @@ class FakeSlots:
     async def _slots(self, _: web.Request) -> web.Response:
         if self.slots_hang:
             await asyncio.sleep(30)
-        return web.json_response([{"id": i, "is_processing": False, "n_ctx": 8192} for i in range(self.n_slots)])
+        busy = self.busy_polls > 0
+        if busy:
+            self.busy_polls -= 1
+            if self.on_busy is not None:
+                self.on_busy()
+        return web.json_response([{"id": i, "is_processing": busy, "n_ctx": 8192} for i in range(self.n_slots)])
 
     async def _action(self, request: web.Request) -> web.Response:
         action, body = request.query["action"], await request.json() if request.can_read_body else {}
@@ -192,6 +199,30 @@ async def test_a_slot_action_deferred_behind_a_request_that_came_meanwhile_is_no
         slots.during = a_request_comes
         warm = await chat(client, proxy, "s3", "Write hello.py.")
         assert "warm: head of" in warm["record"]["reason"] and erased == [("p", 0)], (warm["record"], erased)
+    finally:
+        await proxy.close()
+
+
+async def test_a_first_turn_is_not_saved_after_another_request_used_its_slot_while_the_save_waited(
+    fake: tuple[FakeSlots, TestServer], client: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """Tenant A's first turn ends; tenant B's request is forwarded to the same one-slot server and runs while A's save
+    waits for the server to go idle. The slot then holds B's KV: it must not be kept under A's prompt (A's later
+    sessions would restore B's tokens, and `cache_n` would tell A how far a probe matches B's prompt)."""
+    slots, server = fake
+    proxy = await start_proxy(_url(server), slots.slot_dir, tmp_path / "heads")
+    store = store_of(proxy)
+    try:
+        slots.busy_polls = 1  # the save's first look finds B being served...
+        slots.on_busy = lambda: store.forwarded(Upstream("p", _url(server)))  # ...B having been forwarded
+        await chat(client, proxy, "a1", "Write hello.py.")
+        await store.settled()
+        assert "save" not in slots.actions and store.describe()["heads"] == [], slots.actions
+        assert list((tmp_path / "heads").glob("*.head")) == []
+        slots.on_busy = None
+        await chat(client, proxy, "a2", "Write hello.py.")  # nothing came after this one: it is kept
+        await store.settled()
+        assert slots.actions.count("save") == 1 and len(store.describe()["heads"]) == 1, slots.actions
     finally:
         await proxy.close()
 

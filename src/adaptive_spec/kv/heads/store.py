@@ -158,7 +158,8 @@ class HeadStore:
         mark: Mark | None = None,
     ) -> None:
         """A session's request was served: learn an inert restore (`cache_n` None: not reported). Its `first` turn
-        (no reply in its prompt yet) is saved as a head in the background, when it has `min_tokens` or more; any
+        (no reply in its prompt yet) is saved as a head in the background, when it has `min_tokens` or more and its
+        slot served nothing else since (`mark`); any
         other turn of `session` that long is saved as the session's state once the session has been `idle_s`
         seconds without a request and its slot served nothing else since it was forwarded (`mark`, from `mark_of`;
         0: never). `tokens`: its prompt's and its reply's; `owner`: its agent, project and tenant scope."""
@@ -173,7 +174,9 @@ class HeadStore:
             return
         head = SavedTurn(tuple(pieces), tuple(chars), tokens[0], tokens[1], owner[0], owner[1], owner[2])
         if first:
-            self._spawn(self._save_logged(upstream, slot, head))
+            # The turn's own mark: a request forwarded to its slot after it (even one served while the save waits for
+            # the server to go idle) leaves the slot holding that request's KV, which is not this prompt's head.
+            self._spawn(self._save_logged(upstream, slot, head, mark))
         elif session and idle_s > 0:
             self._save_when_idle(upstream, slot, replace(head, session=session), idle_s, mark)
 
@@ -369,9 +372,9 @@ class HeadStore:
                 f"in {time.perf_counter() - t0:.2f} s (in the background)"
             )
 
-    async def _save_logged(self, upstream: Upstream, slot: int | None, head: SavedTurn) -> None:
+    async def _save_logged(self, upstream: Upstream, slot: int | None, head: SavedTurn, mark: Mark | None) -> None:
         try:
-            await self._save(upstream, slot, head)
+            await self._save(upstream, slot, head, mark)
         except _FAILURES as exc:
             self.counts["failed"] += 1
             log.warning("heads: saving a head from %s failed (nothing kept): %s", upstream.label, exc)
@@ -387,7 +390,8 @@ class HeadStore:
             log.warning("heads: saving session %s's state from %s failed: %s", head.session, upstream.label, exc)
 
     async def _save(self, upstream: Upstream, slot: int | None, head: SavedTurn, mark: Mark | None = None) -> None:
-        """`mark`: a session's state, saved only if its slot served nothing since its turn (`_mark`)."""
+        """`mark`: the turn's (`mark_of`); the slot is saved only if it served nothing since that turn (None: a turn
+        not forwarded through `forwarded`, judged by the requests forwarded during the save alone)."""
         key = await self._io.key(upstream)
         links = chain(key, head.pieces, head.scope)
         if not links or self._io.covered(upstream, links) or head_id(links) in self.book.saving:
