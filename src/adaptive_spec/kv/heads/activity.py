@@ -24,6 +24,9 @@ class Verdict(Enum):
     TAKEN = "taken"  # another request came between the restore and its own: not the restore's fault
     STRIKE = "strike"  # inert, once: one more such in a row and restores stop there
     INERT = "inert"  # inert `INERT_STRIKES` times in a row: no more restores on that server
+    # Inert on a server that has reused restores this run (it restores): that head alone is not restored there again.
+    # One client's prompts (a whitespace variant of a head, say) cannot switch restores off for everyone.
+    HEAD = "head"
 
 
 @dataclass
@@ -41,6 +44,8 @@ class ServerActivity:
     marks: LRU[str, Mark] = field(default_factory=lambda: LRU(_MARKS))
     inert: set[str] = field(default_factory=set)  # servers where restores stopped (`judge`)
     strikes: dict[str, int] = field(default_factory=dict)  # inert restores in a row, by server
+    proven: set[str] = field(default_factory=set)  # servers where a restore was reused this run
+    inert_heads: set[tuple[str, str]] = field(default_factory=set)  # (server, head): not restored there again
 
     def arriving(self, session_id: str, server: str) -> bool:
         """Whether this is the first request seen of the session, or its first since its server restarted."""
@@ -76,13 +81,17 @@ class ServerActivity:
         self.generations[server] = self.generations.get(server, 0) + 1
 
     def reused(self, server: str) -> None:
-        """A restore there was reused: the strikes start again."""
+        """A restore there was reused: the strikes start again, and the server is known to restore."""
         self.strikes.pop(server, None)
+        self.proven.add(server)
 
-    def judge(self, server: str, forwards_at_restore: int) -> tuple[Verdict, int]:
-        """A restore there was not reused by its request: whose fault, and the strikes in a row so far."""
+    def judge(self, server: str, forwards_at_restore: int, head: str = "") -> tuple[Verdict, int]:
+        """A restore of `head` there was not reused by its request: whose fault, and the strikes in a row so far."""
         if self.forwards.get(server, 0) != forwards_at_restore + 1:
             return Verdict.TAKEN, self.strikes.get(server, 0)
+        if server in self.proven:
+            self.inert_heads.add((server, head))
+            return Verdict.HEAD, self.strikes.get(server, 0)
         strikes = self.strikes[server] = self.strikes.get(server, 0) + 1
         if strikes < INERT_STRIKES:
             return Verdict.STRIKE, strikes

@@ -268,7 +268,7 @@ class HeadStore:
             waiting[0].cancel()
 
     def _judge(self, upstream: Upstream, restored: Restored, cache_n: int) -> None:
-        verdict, strikes = self._activity.judge(upstream.base_url, restored.forwards)
+        verdict, strikes = self._activity.judge(upstream.base_url, restored.forwards, restored.head)
         if verdict is Verdict.TAKEN:
             self.counts["taken"] += 1
             log.warning(
@@ -277,6 +277,13 @@ class HeadStore:
             )
             return
         self.counts["inert"] += 1
+        if verdict is Verdict.HEAD:
+            log.warning(
+                "heads: %s restored %s (%d tokens) but the prompt reused %d; the server reuses others, so only that "
+                "head is not restored there again",
+                *(upstream.label, restored.head, restored.tokens, cache_n),
+            )
+            return
         then = "once: another such and restores stop there" if verdict is Verdict.STRIKE else "no more restores there"
         log.warning(
             "heads: %s restored a head of %d tokens but the prompt reused %d (%d in a row; %s)",
@@ -294,7 +301,9 @@ class HeadStore:
         usable = (
             e
             for e in self._entries.values()
-            if self.book.verified(e.id) and (upstream.base_url, e.id) not in self._io.refused
+            if self.book.verified(e.id)
+            and (upstream.base_url, e.id) not in self._io.refused
+            and (upstream.base_url, e.id) not in self._activity.inert_heads
         )
         match = best_match(links, usable)
         if match is None:

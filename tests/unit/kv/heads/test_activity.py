@@ -54,6 +54,26 @@ def test_a_reused_restore_clears_the_strikes() -> None:
     seen.forwarded(A, None, None)
     assert seen.judge(A, at_restore) == (Verdict.STRIKE, 1)
     seen.reused(A)
+    assert A not in seen.strikes
     at_restore = seen.forwarded_to(A)
     seen.forwarded(A, None, None)
-    assert seen.judge(A, at_restore) == (Verdict.STRIKE, 1) and A not in seen.inert
+    # The server is known to restore now: an inert restore there is the head's, not the server's.
+    assert seen.judge(A, at_restore, "h") == (Verdict.HEAD, 0) and A not in seen.inert
+
+
+def test_on_a_server_that_has_reused_restores_an_inert_one_stops_that_head_alone() -> None:
+    """One client's prompts that match a head but not its tokens (a whitespace variant) cannot switch restores off
+    for everyone on a server known to restore; on a server that never reused one (a stock build that restores
+    nothing) the strikes still stop them all."""
+    seen = ServerActivity()
+    seen.reused(A)
+    for _ in range(INERT_STRIKES + 1):
+        at_restore = seen.forwarded_to(A)
+        seen.forwarded(A, None, None)
+        assert seen.judge(A, at_restore, "h1") == (Verdict.HEAD, 0)
+    assert A not in seen.inert and (A, "h1") in seen.inert_heads and (A, "h2") not in seen.inert_heads
+    for strike in range(1, INERT_STRIKES + 1):
+        at_restore = seen.forwarded_to(B)
+        seen.forwarded(B, None, None)
+        assert seen.judge(B, at_restore, f"h{strike}")[1] == strike
+    assert B in seen.inert
