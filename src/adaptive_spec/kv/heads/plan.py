@@ -208,9 +208,20 @@ def most_recent(entries: Iterable[HeadEntry], key: str, count: int, scope: str =
     return mine[: max(0, count)]
 
 
-def earlier_states(entries: Iterable[HeadEntry], session: str, keep: str) -> list[str]:
-    """A session's states saved before `keep`: each is a prefix of the newer one, so only the newest is kept."""
-    return [e.id for e in entries if session and e.session == session and e.id != keep]
+def earlier_states(entries: Iterable[HeadEntry], keep: HeadEntry) -> list[str]:
+    """The states of `keep`'s session saved before it: only those its own chain extends (the same server key,
+    scope and leading pieces), so the newest alone is kept. A session id is a run's own count (`s000001` again after a
+    restart): another run's session of that id, or another tenant's, is another conversation and stays."""
+    return [
+        e.id
+        for e in entries
+        if keep.session
+        and e.session == keep.session
+        and e.id != keep.id
+        and e.scope == keep.scope
+        and e.key == keep.key
+        and shared_links(e.links, keep.links) == len(e.links)
+    ]
 
 
 def evictions(entries: Iterable[HeadEntry], max_bytes: int, incoming_bytes: int = 0) -> list[str]:

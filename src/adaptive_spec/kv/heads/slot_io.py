@@ -136,7 +136,7 @@ class SlotIO:
         await self.book.add(entry)
         self.refused.difference_update([r for r in self.refused if r[1] == hid])  # a new file under that id
         if hid in self.book.entries and head.session:
-            await self.book.delete(earlier_states(self.book.entries.values(), head.session, hid))
+            await self.book.delete(earlier_states(self.book.entries.values(), self.book.entries[hid]))
         if hid in self.book.entries:
             self.counts["session_saved" if head.session else "saved"] += 1
             self.held[(upstream.base_url, slot or 0)] = Restored(

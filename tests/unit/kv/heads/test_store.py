@@ -176,8 +176,12 @@ def test_only_the_newest_state_of_a_session_is_kept() -> None:
     older = replace(_entry(chain(KEY, PIECES)), session="s1")
     newer = replace(_entry(chain(KEY, [*PIECES, b"reply", b"user-2"])), chars=(400, 500, 100, 80, 20), session="s1")
     other = replace(_entry(chain(KEY, [b"x", b"y"])), session="s2")
-    assert earlier_states([head, older, newer, other], "s1", keep=newer.id) == [older.id]
-    assert earlier_states([head, older, newer, other], "", keep=newer.id) == []  # heads are not a session's
+    # Another run's session numbered s1 too (its own conversation), and another tenant's s1: both stay.
+    another_run = replace(_entry(chain(KEY, [b"z", b"w"])), session="s1")
+    another_tenant = replace(_entry(chain(KEY, PIECES, "team-b")), session="s1", scope="team-b")
+    entries = [head, older, newer, other, another_run, another_tenant]
+    assert earlier_states(entries, newer) == [older.id]
+    assert earlier_states(entries, replace(newer, session="")) == []  # heads are not a session's
     assert HeadEntry.from_json(newer.to_json()) == newer and newer.describe()["session"] == "s1"
 
 
