@@ -56,9 +56,44 @@ def launched_heads(
     config = replace(config, directory=config.directory or default_dir, project_keys=dict(project_keys or {}))
     if binary is None:
         return config
-    return replace(
-        config, build=build_identity(binary), cache_types=(cache_type_k(extra_args), _cache_type_v(extra_args))
-    )
+    build = build_identity(binary)
+    if changing := kv_changing_arguments(extra_args):
+        build += "|" + " ".join(changing)
+    return replace(config, build=build, cache_types=(cache_type_k(extra_args), _cache_type_v(extra_args)))
+
+
+# llama-server options that change what a slot's KV holds for the same tokens: adapters and control vectors, the
+# positional encoding's scaling, tensor overrides, the sliding window's cache. A head saved under one is not another's.
+_KV_CHANGING = {  # each with the number of values it takes
+    "--lora": 1,
+    "--lora-scaled": 2,
+    "--control-vector": 1,
+    "--control-vector-scaled": 2,
+    "--control-vector-layer-range": 2,
+    "--override-kv": 1,
+    "--rope-scaling": 1,
+    "--rope-scale": 1,
+    "--rope-freq-base": 1,
+    "--rope-freq-scale": 1,
+    "--yarn-orig-ctx": 1,
+    "--yarn-ext-factor": 1,
+    "--yarn-attn-factor": 1,
+    "--yarn-beta-slow": 1,
+    "--yarn-beta-fast": 1,
+    "--swa-full": 0,
+}
+
+
+def kv_changing_arguments(extra_args: Sequence[str]) -> list[str]:
+    """The launch arguments among `_KV_CHANGING`, with their values, as given (`--flag value` or `--flag=value`)."""
+    args, out = list(extra_args), []
+    for i, arg in enumerate(args):
+        flag = arg.partition("=")[0]
+        if flag not in _KV_CHANGING:
+            continue
+        n = 0 if "=" in arg else _KV_CHANGING[flag]
+        out.append(" ".join(args[i : i + 1 + n]))
+    return out
 
 
 def _cache_type_v(extra_args: Sequence[str]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,14 @@ async def server_key(
     async with client.get(f"{upstream.base_url}/props", timeout=ASK_TIMEOUT) as resp:
         resp.raise_for_status()
         props = await resp.json(content_type=None)
-    return await asyncio.to_thread(key_of, props, build, cache_types)
+    key = await asyncio.to_thread(key_of, props, build, cache_types)
+    if key.model_sample:
+        return key
+    # The model's file cannot be read here (an attached server's): what the server says of the weights it loaded
+    # stands in, so a file replaced at the same path is another key.
+    async with client.get(f"{upstream.base_url}/v1/models", timeout=ASK_TIMEOUT) as resp:
+        models = await resp.json(content_type=None) if resp.status == 200 else None
+    return replace(key, model_sample=served_weights(models))
 
 
 def key_of(props: Any, build: str, cache_types: tuple[str, str]) -> ServerKey:
@@ -42,6 +50,18 @@ def key_of(props: Any, build: str, cache_types: tuple[str, str]) -> ServerKey:
     template = template_digest(str(props.get("chat_template") or ""))
     n_ctx = int(settings.get("n_ctx") or 0)
     return ServerKey(model, size, n_ctx, template, model_sample(model), builds, *cache_types)
+
+
+def served_weights(models: Any) -> str:
+    """The weights a llama-server says it loaded (`/v1/models`' `meta`: parameters, bytes, vocabulary, width, trained
+    context), as a sample for the key; "unknown" when it says none. Not a digest of the weights: two files of the same
+    shape and size (a fine-tune of one base) are not told apart by it."""
+    data = models.get("data") if isinstance(models, dict) else None
+    meta = data[0].get("meta") if isinstance(data, list) and data and isinstance(data[0], dict) else None
+    if not isinstance(meta, dict):
+        return "unknown"
+    fields = ("n_params", "size", "n_vocab", "n_embd", "n_ctx_train", "vocab_type")
+    return "served:" + ",".join(f"{k}={meta.get(k)}" for k in fields)
 
 
 async def idle_slots(client: aiohttp.ClientSession, upstream: Upstream, wait_s: float) -> int | None:
