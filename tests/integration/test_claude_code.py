@@ -71,7 +71,7 @@ def test_a_context_overflow_is_worded_as_anthropic_words_it(
     tiny_server: LlamaServer, proxy: ProxyProcess, stream: bool
 ) -> None:
     """llama-server answers an overflow in its own words; Claude Code compacts its conversation on Anthropic's."""
-    body = {**BODY, "stream": stream, "messages": [{"role": "user", "content": "x " * 24_000}]}
+    body = {**BODY, "stream": stream, "messages": [{"role": "user", "content": "x " * 40_000}]}
     status, direct, _ = _post(tiny_server.url + MESSAGES, body)
     error = json.loads(direct)["error"]
     assert status == 400 and error["type"] == "exceed_context_size_error", direct[:300]
@@ -89,7 +89,7 @@ async def test_an_overflow_answered_after_the_keep_alives_is_anthropics_error_ev
     server busy with another request first) ends the stream with Anthropic's error event in the same words, and the
     request's outcome has the code the client got. The overflow is llama-server's own answer, sent late by the fake
     upstream."""
-    body = {**BODY, "stream": True, "messages": [{"role": "user", "content": "x " * 24_000}]}
+    body = {**BODY, "stream": True, "messages": [{"role": "user", "content": "x " * 40_000}]}
     status, overflow, _ = await asyncio.to_thread(_post, tiny_server.url + MESSAGES, body)
     error = json.loads(overflow)["error"]
     assert status == 400 and error["type"] == "exceed_context_size_error", overflow[:300]

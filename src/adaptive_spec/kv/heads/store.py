@@ -401,6 +401,8 @@ class HeadStore:
     async def _save(self, upstream: Upstream, slot: int | None, head: SavedTurn, mark: Mark | None = None) -> None:
         """`mark`: the turn's (`mark_of`); the slot is saved only if it served nothing since that turn (None: a turn
         not forwarded through `forwarded`, judged by the requests forwarded during the save alone)."""
+        if mark is not None and self._activity.mark(upstream.base_url, slot) != mark:
+            return  # its slot served another request already: a later turn of the same head may be kept instead
         key = await self._io.key(upstream)
         links = chain(key, head.pieces, head.scope)
         if not links or self._io.covered(upstream, links) or head_id(links) in self.book.saving:

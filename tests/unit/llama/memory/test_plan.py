@@ -70,7 +70,7 @@ def test_describe_names_each_server_and_says_when_a_cpu_shares_the_file() -> Non
 def test_the_header_reader_reads_the_shipped_tiny_models(tiny_gguf: Path) -> None:
     dims = model_dims(tiny_gguf)
     assert (dims.kv_layers, dims.kv_heads, dims.key_length, dims.value_length) == (2, 4, 16, 16)
-    assert dims.file_bytes == tiny_gguf.stat().st_size and dims.max_context == 4096
+    assert dims.file_bytes == tiny_gguf.stat().st_size and dims.max_context == 32768
 
 
 def test_a_file_that_is_not_a_gguf_is_a_model_error_naming_it(tmp_path: Path) -> None:
