@@ -30,6 +30,10 @@ def test_a_stopped_profile_times_out_and_frees_its_slot_when_continued(
     assert figures["other_profile_status"] == 200 and figures["request_after_sigcont"] == 200, figures
     assert [status for status, _, _ in figures["records"]] == [200, 504], figures
     assert all(outcome == "failed" for _, outcome, _ in figures["records"]), figures
+    # Silence for the read timeout ends each: not sooner (a stopped server is not a slow one), and not much later.
+    timeout_s = figures["read_timeout_s"]
+    for waited in (figures["stream_error_after_s"], figures["new_request_after_s"]):
+        assert timeout_s * 0.9 <= waited <= timeout_s + 5.0, figures
 
 
 def test_a_profile_that_never_becomes_healthy(tmp_path: Path) -> None:
