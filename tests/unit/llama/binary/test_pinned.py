@@ -132,7 +132,8 @@ def test_a_machine_with_the_old_pin_s_build_builds_once_and_says_why(tmp_path: P
 
     with pytest.raises(BuildError, match="stop here"):
         build.build(tmp_path, (), run=refuse, say=said.append)
-    assert said[0] == "building llama-server once more: the build in use was built from llama.cpp b11434; the pin is now b11549"
+    why = "the build in use was built from llama.cpp b11434; the pin is now b11549"
+    assert said[0] == f"building llama-server once more: {why}"
 
 
 def test_find_built_ignores_a_missing_or_broken_build(tmp_path: Path) -> None:
