@@ -55,7 +55,7 @@ from agent_bodies import AgentRequest, grown, load, next_turn
 from adaptive_spec.common.headers import PARENT_SESSION_HEADERS, SESSION_HEADERS
 from adaptive_spec.llama.launch import free_port
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
-from adaptive_spec.requests import handler
+from adaptive_spec.requests import outgoing
 from adaptive_spec.requests.body.parse import ParsedRequest, parse_body, split_path
 from adaptive_spec.requests.lifecycle import Prepared, ProxyRequest, RequestLifecycle
 from adaptive_spec.requests.outcome import SERVED
@@ -199,7 +199,7 @@ async def _serve(
     req.route = routed
     upstream = table.get("plain")
     assert upstream is not None
-    c.time("upstream body", lambda: handler.upstream_body(req, upstream, False))
+    c.time("upstream body", lambda: outgoing.upstream_body(req, upstream, False))
     req.meter.output.add([served[0]], served[1])
     req.meter._take({"timings": {"prompt_n": max(1, prompt_tokens - cached), "cache_n": cached, "predicted_n": 40}})
     req.outcome = SERVED

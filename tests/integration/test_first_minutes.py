@@ -149,8 +149,12 @@ def test_it_serves_on_uvloop_when_asked(tiny_server: LlamaServer, tmp_path: Path
 
 def test_after_serving_it_says_what_to_do_next(started: tuple[ProxyProcess, Path]) -> None:
     proxy, _ = started
-    wait_until(lambda: len(proxy.stdout_lines) >= 2, 5, "the second base-URL line")
-    assert proxy.stdout_lines == [f"OPENAI_BASE_URL={proxy.base}/v1", f"ANTHROPIC_BASE_URL={proxy.base}"]
+    wait_until(lambda: len(proxy.stdout_lines) >= 3, 5, "the third base-URL line")
+    assert proxy.stdout_lines == [
+        f"OPENAI_BASE_URL={proxy.base}/v1",
+        f"ANTHROPIC_BASE_URL={proxy.base}",
+        f"GOOGLE_GEMINI_BASE_URL={proxy.base}",
+    ]
     after = proxy.stderr_lines[next(i for i, s in enumerate(proxy.stderr_lines) if "is serving" in s) + 1 :]
     assert f"adaptive-spec tui --url {proxy.base}" in after[0]
     assert f"agent setups: {ROOT / 'examples'} (" in after[1]

@@ -1,6 +1,7 @@
 """The user-facing surfaces, compared with a recorded copy (tests/data/surfaces.json): every command's options, the
-proxy's routes, its Prometheus metric names, the request record's and trace's fields, the live feed's event
-types with their fields, and the keys of each `/adaptive/*` JSON view as a fresh proxy answers it. Moving modules
+proxy's routes, the APIs it tells apart (the record's `api`) with what each does, its Prometheus metric names, the
+request record's and trace's fields, the live feed's event types with their fields, and the keys of each `/adaptive/*`
+JSON view as a fresh proxy answers it. Moving modules
 must leave them byte-identical; a deliberate change is recorded again with
 `ADAPTIVE_SPEC_RECORD_SURFACES=1 pytest tests/unit/test_surfaces.py` and shows in review as a diff of that file."""
 
@@ -19,6 +20,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from adaptive_spec.cli import main as cli_main
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.proxy.app import ProxySettings, build_app
+from adaptive_spec.requests.apis import Api, traits
 from adaptive_spec.sessions.ngram_replay import NgramParams
 from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker
@@ -84,9 +86,11 @@ def surfaces() -> dict[str, Any]:
         for name, cls in sorted(vars(events).items())
         if isinstance(cls, type) and dataclasses.is_dataclass(cls) and not name.startswith("_")
     }
+    apis = {api.value: {k: v for k, v in dataclasses.asdict(traits(api)).items() if v} for api in Api}
     return {
         "cli": _options(cli_main._parser()),
         "routes": routes,
+        "apis": apis,
         "metrics": metric_names,
         "record": _fields(records.RequestRecord),
         "timings": _fields(records.Timings),

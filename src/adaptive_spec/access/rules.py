@@ -18,7 +18,9 @@ import orjson
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 ANY = "*"
 # Headers that carry the client's key: not sent on to llama-server while the proxy checks keys itself.
-KEY_HEADERS = ("authorization", "x-api-key")
+KEY_HEADERS = ("authorization", "x-api-key", "x-goog-api-key")
+# The query parameter Gemini clients may send their key in: never sent on to llama-server (which reads none).
+KEY_PARAMETER = "key"
 # A browser can send these cross-origin without a preflight (an HTML form can): never accepted where state changes.
 SIMPLE_FORM_TYPES = frozenset({"application/x-www-form-urlencoded", "multipart/form-data", "text/plain"})
 _HOST = re.compile(r"^(?P<name>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]+)(?::(?P<port>[0-9]{1,5}))?$")
@@ -54,15 +56,17 @@ def key_accepted(policy: AccessPolicy, sent: list[str]) -> bool:
     return accepted
 
 
-def sent_keys(authorization: str | None, x_api_key: str | None) -> list[str]:
-    """The keys a client sent: `Authorization: Bearer KEY` (OpenAI clients) and `x-api-key: KEY` (Anthropic's)."""
+def sent_keys(authorization: str | None, x_api_key: str | None, *plain: str | None) -> list[str]:
+    """The keys a client sent: `Authorization: Bearer KEY` (OpenAI clients), `x-api-key: KEY` (Anthropic's) and
+    any other key sent as it is (`plain`: Gemini's `x-goog-api-key` header and `?key=` parameter)."""
     keys = []
     if authorization:
         scheme, _, token = authorization.strip().partition(" ")
         if scheme.lower() == "bearer" and token.strip():
             keys.append(token.strip())
-    if x_api_key and x_api_key.strip():
-        keys.append(x_api_key.strip())
+    for key in (x_api_key, *plain):
+        if key and key.strip():
+            keys.append(key.strip())
     return keys
 
 

@@ -44,6 +44,7 @@ from adaptive_spec.requests.app_keys import (
     ProxySettings,
 )
 from adaptive_spec.requests.gate import install_security
+from adaptive_spec.requests.gemini.views import add_gemini_views
 from adaptive_spec.requests.handler import proxy_view
 from adaptive_spec.requests.heads import HEADS, add_heads_views, watch_servers
 from adaptive_spec.requests.lifecycle import RequestLifecycle
@@ -160,6 +161,7 @@ def build_app(
     app.on_shutdown.append(_drain)
     add_views(app, proxy_view)
     add_control_views(app)
+    add_gemini_views(app, proxy_view)
     app.router.add_route("*", "/{tail:.*}", proxy_view)
     return app
 

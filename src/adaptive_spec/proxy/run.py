@@ -117,8 +117,9 @@ def announce(root: str, default_profile: str, agents_note: str | None = None) ->
     """What a person does next: the base URLs for their agent (on stdout, for scripts), how to watch, where the agent
     setups are."""
     say(f"adaptive-spec is serving; default profile {default_profile!r}. Point your editor at:")
-    # One write: a script reading the first line gets the OpenAI one; Anthropic clients (Claude Code) take the second.
-    print(f"OPENAI_BASE_URL={root}/v1\nANTHROPIC_BASE_URL={root}", flush=True)
+    # One write: a script reading the first line gets the OpenAI one; Anthropic clients (Claude Code) take the second,
+    # Gemini CLI the third.
+    print(f"OPENAI_BASE_URL={root}/v1\nANTHROPIC_BASE_URL={root}\nGOOGLE_GEMINI_BASE_URL={root}", flush=True)
     examples = _examples_dir()
     say(f"watch it:     adaptive-spec tui --url {root}")
     say(

@@ -17,6 +17,9 @@ class Api(StrEnum):
     MESSAGES = "messages"  # Anthropic's /v1/messages
     COUNT_TOKENS = "count_tokens"  # Anthropic's /v1/messages/count_tokens
     MODELS = "models"
+    GEMINI = "gemini"  # Gemini's /v1beta/models/{model}:generateContent and :streamGenerateContent
+    GEMINI_COUNT_TOKENS = "gemini_count_tokens"  # Gemini's :countTokens, answered by the proxy
+    GEMINI_MODELS = "gemini_models"  # Gemini's GET /v1beta/models and /v1beta/models/{model}, answered by the proxy
     OTHER = "other"  # any other llama-server path, passed through
 
 
@@ -37,6 +40,10 @@ class Traits:
     # conversion drops it, and the repeat guard's note then comes alone.
     text_choice: bool = False
     checked_errors: bool = False  # an error body from llama-server is read and put in the API's shape
+    google: bool = False  # its errors take Google's shape
+    # Its body is translated into this API's for llama-server (Gemini's into a chat completion): the proxy's rules
+    # for that API's bodies (repairs, the repeat guard) apply to what is sent, and the answer is translated back.
+    translated_to: str | None = None
 
 
 _GENERATING = Traits(generates=True, speculation=True, checked_errors=True)
@@ -57,6 +64,18 @@ TRAITS: dict[str, Traits] = {
     Api.MESSAGES: Traits(generates=True, speculation=True, anthropic=True, text_choice=True, checked_errors=True),
     Api.COUNT_TOKENS: Traits(anthropic=True, checked_errors=True),
     Api.MODELS: Traits(),
+    Api.GEMINI: Traits(
+        generates=True,
+        speculation=True,
+        takes_slot=True,
+        progress=True,
+        text_choice=True,
+        checked_errors=True,
+        google=True,
+        translated_to=Api.CHAT,
+    ),
+    Api.GEMINI_COUNT_TOKENS: Traits(google=True),
+    Api.GEMINI_MODELS: Traits(google=True),
     Api.OTHER: Traits(),
 }
 
@@ -67,3 +86,8 @@ _NOTHING = Traits()
 def traits(api: str) -> Traits:
     """What `api` does; a name the proxy does not know does what `other` does (nothing of its own)."""
     return TRAITS.get(api, _NOTHING)
+
+
+def sent_as(api: str) -> str:
+    """The API whose body llama-server is sent for a request of `api`: its own, or the one it is translated to."""
+    return TRAITS.get(api, _NOTHING).translated_to or api

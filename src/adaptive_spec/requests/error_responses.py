@@ -1,4 +1,5 @@
-"""Error bodies in the shapes clients parse: OpenAI's `{"error": {...}}`, and Anthropic's for /v1/messages."""
+"""Error bodies in the shapes clients parse: OpenAI's `{"error": {...}}`, Anthropic's for /v1/messages, and Google's
+for the Gemini API."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from adaptive_spec.requests.apis import traits
+from adaptive_spec.requests.gemini.reply import SSE_END, google_error, stream_error
 from adaptive_spec.requests.outcome import Outcome
 
 
@@ -44,6 +47,8 @@ def sse_error_event(api: str, message: str, *, code: str) -> bytes:
     if api == "messages":
         payload = {"type": "error", "error": {"type": "api_error", "message": message}}
         return b"event: error\ndata: " + orjson.dumps(payload) + b"\n\n"
+    if traits(api).google:  # Gemini's Server-Sent Events (alt=sse): its error as a chunk of its own
+        return b"data: " + orjson.dumps(stream_error(message, code)) + SSE_END
     body = error_body(message, type_="upstream_error", code=code)
     if api == "responses":
         return b"event: error\ndata: " + orjson.dumps({"type": "error", **body}) + b"\n\n"
@@ -79,6 +84,18 @@ def as_anthropic(status: int, body: bytes) -> bytes | None:
     if not isinstance(error, dict) or obj.get("type") == "error" or not isinstance(error.get("message"), str):
         return None
     return orjson.dumps(anthropic_error_body(status, error["message"]))
+
+
+def as_google(status: int, body: bytes) -> bytes | None:
+    """An OpenAI-shaped error body in Google's shape, for Gemini clients; None if it is not one."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    error = obj.get("error") if isinstance(obj, dict) else None
+    if not isinstance(error, dict) or "status" in error or not isinstance(error.get("message"), str):
+        return None
+    return orjson.dumps(google_error(status, error["message"]))
 
 
 # How llama-server words the request problems it reports as 500 (a body it could not parse or cannot serve).

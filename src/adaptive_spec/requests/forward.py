@@ -1,10 +1,11 @@
-"""Forwarding one request to a profile and relaying its response chunk by chunk while metering it."""
+"""Forwarding one request to a profile and relaying its response chunk by chunk while metering it (and translating it
+back into the client's API when its body was translated: requests/gemini/reply.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -17,10 +18,12 @@ from adaptive_spec.common.headers import PROFILE_HEADER
 from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.requests.apis import traits
 from adaptive_spec.requests.body.compat import anthropic_overflow
-from adaptive_spec.requests.error_responses import answer, as_anthropic, as_client_error, sse_error_event
+from adaptive_spec.requests.error_responses import answer, as_anthropic, as_client_error, as_google, sse_error_event
 from adaptive_spec.requests.gate import hidden_headers
+from adaptive_spec.requests.gemini.reply import GeminiAnswer, google_error
 from adaptive_spec.requests.keepalive import PrefillKeepAlive
 from adaptive_spec.requests.outcome import SHUTDOWN, Outcome
+from adaptive_spec.requests.sending import send, sent_or_failed
 from adaptive_spec.requests.stranded import Booking, StrandedRequests, first_byte, read_timeout, unread
 from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.streams.tap import StreamTap
@@ -71,25 +74,27 @@ async def forward(
     shutting_down: Callable[[], bool] = lambda: False,
     keepalive: PrefillKeepAlive | None = None,
     stranded: StrandedRequests | None = None,
+    reply: GeminiAnswer | None = None,
 ) -> tuple[web.StreamResponse, Outcome]:
     """`strip`: the client did not ask for the per-token timings the proxy asked for, so they are taken out of the
     stream again; `progress` is called after each relayed chunk; `shutting_down` says whether a cancellation is the
     shutdown's (the client is told so) rather than the client's own disconnect; `keepalive`: a streamed request's
     keep-alives while the server has not answered (requests/keepalive.py); `stranded`: where the request is booked
-    while it waits on the server, so the health poll can end it if that server stops answering."""
+    while it waits on the server, so the health poll can end it if that server stops answering; `reply`: the
+    translation of a translated request's answer back into its client's API."""
     # Send the request upstream and relay the answer; upstream faults become errors, never exceptions.
     url = upstream.base_url + path_qs
     headers = upstream_headers(request.headers, hidden_headers(request))
-    relay = _Relay(upstream, api, meter, started, strip, progress, _Answering())
+    relay = _Relay(upstream, api, meter, started, strip, progress, _Answering(), reply)
     book = stranded or StrandedRequests()
     with book.book(upstream.base_url, upstream.label) as booking:
         try:
             # The answer's first byte is waited for here, not by aiohttp's read timeout: a request queued behind
             # another the server is answering (`first_byte`) is not facing a silent server.
-            sent = _send(sessions, request.method, url, body, headers, unread(timeout))
+            sent = send(sessions, request.method, url, body, headers, unread(timeout))
             waited = keepalive.during(sent) if keepalive is not None else sent
             first = first_byte(waited, timeout.sock_read, lambda: book.answered_at(upstream.base_url, booking))
-            outcome = await _sent_or_failed(first, upstream, timeout)
+            outcome = await sent_or_failed(first, upstream, timeout)
             if isinstance(outcome, Outcome):
                 return await _failed(outcome, keepalive)
             booking.answered = True
@@ -129,59 +134,6 @@ async def _answered(
     return resp, Outcome(resp.status, relay.meter.error, client_gone=client_gone)
 
 
-async def _sent_or_failed(
-    sending: Awaitable[aiohttp.ClientResponse],
-    upstream: Upstream,
-    timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - aiohttp's per-phase timeouts, not one deadline
-) -> aiohttp.ClientResponse | Outcome:
-    """The upstream's answer, or the fault before it as an Outcome."""
-    try:
-        return await sending
-    except aiohttp.ClientConnectorError as exc:
-        # 503, not 502: nothing answered wrongly, the server is not there (crashed, restarting); the client may try
-        # again after Retry-After, and a pool fails the request over first.
-        message = f"profile {upstream.name!r} at {upstream.base_url} is unreachable: {exc.os_error or exc}"
-        return Outcome(503, message, "upstream_unreachable", unreachable=True)
-    except aiohttp.ConnectionTimeoutError:
-        message = (
-            f"profile {upstream.name!r} at {upstream.base_url} did not accept a connection within "
-            f"{timeout.sock_connect} s"
-        )
-        return Outcome(504, message, "upstream_timeout")
-    except TimeoutError:
-        message = f"profile {upstream.name!r} at {upstream.base_url} did not answer within {timeout.sock_read} s"
-        return Outcome(504, message, "upstream_timeout")
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-        # Dropped again on a fresh connection (`_send` retried once): a server dying under it (the socket of a
-        # SIGKILLed one resets what its backlog held). Nothing was answered: as unreachable.
-        message = f"profile {upstream.name!r} at {upstream.base_url} dropped the connection before answering: {exc}"
-        return Outcome(503, message, "upstream_unreachable", unreachable=True)
-    except aiohttp.ClientError as exc:
-        message = f"profile {upstream.name!r} at {upstream.base_url} failed before answering: {exc}"
-        return Outcome(502, message, "upstream_error")
-
-
-async def _send(
-    sessions: tuple[aiohttp.ClientSession, aiohttp.ClientSession],
-    method: str,
-    url: str,
-    body: bytes,
-    headers: CIMultiDict[str],
-    timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - aiohttp's per-phase timeouts
-) -> aiohttp.ClientResponse:
-    """One request on the first (pooling) session; sent again once, on the second session's new connection, if the
-    server dropped the connection before answering: a pooled keep-alive connection the server had just closed
-    ("server disconnected", "can not write request body"), which the request never reached. A refused connection is
-    not retried: the profile is down."""
-    pooled, fresh = sessions
-    try:
-        return await pooled.request(method, url, data=body or None, headers=headers, timeout=timeout)
-    except aiohttp.ClientConnectorError:
-        raise
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-        return await fresh.request(method, url, data=body or None, headers=headers, timeout=timeout)
-
-
 def _taken_back(shutting_down: Callable[[], bool], booking: Booking | None) -> Outcome | None:
     """How the request ends when the cancellation being handled is the proxy's own (its server stopped answering,
     or the shutdown ended it): then it is taken back, so the client can still be told. None: the client's."""
@@ -207,8 +159,8 @@ async def _ended(
     if resp is None or not resp.prepared:
         return await _failed(ended, keepalive)
     message, code = ended.error or "", ended.code or ""
-    if resp.content_type == "text/event-stream":
-        await _end_stream_with_error(resp, relay.api, message, code)
+    if resp.content_type == "text/event-stream" or (relay.reply is not None and relay.reply.stream):
+        await _end_stream_with_error(resp, relay, message, code)
     elif request.transport is not None:
         request.transport.close()
     return resp, Outcome(resp.status, message, code)
@@ -266,6 +218,7 @@ class _Relay:
     strip: bool
     progress: Callable[[], None] | None
     answering: _Answering
+    reply: GeminiAnswer | None = None  # a translated request's answer, translated back as it is relayed
 
     def where(self) -> str:
         return f"profile {self.upstream.name!r} at {self.upstream.base_url}"
@@ -293,7 +246,9 @@ async def _relay(
             resp.headers.add(key, value)
     resp.headers.update(extra_headers)
     is_sse = upstream_resp.content_type == "text/event-stream"
-    if upstream_resp.content_length is not None and not is_sse:
+    if relay.reply is not None:  # the translation's own type, and a length of its own
+        resp.content_type = relay.reply.content_type if is_sse else "application/json"
+    elif upstream_resp.content_length is not None and not is_sse:
         resp.content_length = upstream_resp.content_length
     error = await _error_body(upstream_resp, relay.api) if not is_sse else None
     try:
@@ -308,6 +263,8 @@ async def _relay(
         await resp.prepare(request)
         if is_sse:
             failure = await _relay_sse(resp, upstream_resp, relay)
+        elif relay.reply is not None:
+            failure = await _relay_translated_body(request, resp, upstream_resp, relay)
         else:
             failure = await _relay_body(request, resp, upstream_resp, relay)
     except ConnectionResetError:
@@ -327,6 +284,10 @@ async def _error_body(upstream_resp: aiohttp.ClientResponse, api: str) -> tuple[
     except (aiohttp.ClientError, asyncio.IncompleteReadError, TimeoutError):
         return None
     status, body = as_client_error(upstream_resp.status, body)
+    if traits(api).google:
+        return status, as_google(status, body) or orjson.dumps(
+            google_error(status, body[:1000].decode(errors="replace"))
+        )
     if not traits(api).anthropic:
         return status, body
     overflow = anthropic_overflow(body) if api == "messages" else None  # worded so that Claude Code compacts
@@ -334,20 +295,22 @@ async def _error_body(upstream_resp: aiohttp.ClientResponse, api: str) -> tuple[
 
 
 async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResponse, relay: _Relay) -> _Failure | None:
-    meter, progress = relay.meter, relay.progress
+    meter, progress, reply = relay.meter, relay.progress, relay.reply
     tap = StreamTap(meter, strip=relay.strip)
     started, clock = relay.started, time.perf_counter
     try:
         chunks = upstream_resp.content.iter_any()
         async for chunk in chunks:
             out = tap.feed(chunk, (clock() - started) * 1000.0)
+            if reply is not None:
+                out = reply.feed(out)
             if out:
                 await resp.write(out)
             if progress is not None:
                 progress()
-            elif tap.passes_through:
+            elif tap.passes_through and reply is None:
                 break
-        if tap.passes_through and progress is None:  # the rest as it comes, kept for the meter: no work per chunk
+        if tap.passes_through and progress is None and reply is None:  # the rest as it comes, for the meter
             keep, write, last = relay.meter.keep, resp.write, (b"", b"")
             async for chunk in chunks:
                 keep(chunk)
@@ -356,20 +319,24 @@ async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResp
             tap.passed(last)
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
         message = f"{relay.where()} closed the stream before it ended: {exc}"
-        return await _end_stream_with_error(resp, relay.api, message, "upstream_disconnected")
+        return await _end_stream_with_error(resp, relay, message, "upstream_disconnected")
     except TimeoutError:
         message = f"{relay.where()} stopped sending (read timeout)"
-        return await _end_stream_with_error(resp, relay.api, message, "upstream_timeout")
+        return await _end_stream_with_error(resp, relay, message, "upstream_timeout")
     if tap.close() and meter.error is None:
         message = f"{relay.where()} ended the stream in the middle of an event"
-        return await _end_stream_with_error(resp, relay.api, message, "upstream_truncated")
+        return await _end_stream_with_error(resp, relay, message, "upstream_truncated")
+    if reply is not None:
+        await resp.write(reply.close())
     await resp.write_eof()
     return None
 
 
-async def _end_stream_with_error(resp: web.StreamResponse, api: str, message: str, code: str) -> _Failure:
-    # The partial event (if any) is cut off by a blank line first, so the error is an event of its own.
-    await resp.write(b"\n\n" + sse_error_event(api, message, code=code))
+async def _end_stream_with_error(resp: web.StreamResponse, relay: _Relay, message: str, code: str) -> _Failure:
+    if relay.reply is not None:  # its translation frames the error as its stream's last element
+        await resp.write(relay.reply.error(message, code))
+    else:  # the partial event (if any) is cut off by a blank line first, so the error is an event of its own
+        await resp.write(b"\n\n" + sse_error_event(relay.api, message, code=code))
     await resp.write_eof()
     return message, code
 
@@ -398,5 +365,22 @@ async def _relay_body(
         return f"profile {upstream.name!r} at {upstream.base_url} broke off the response: {exc!r}", "upstream_error"
     if keep:
         meter.on_body(b"".join(parts))
+    await resp.write_eof()
+    return None
+
+
+async def _relay_translated_body(
+    request: web.Request, resp: web.StreamResponse, upstream_resp: aiohttp.ClientResponse, relay: _Relay
+) -> _Failure | None:
+    """A whole answer read, metered and written translated (one object to translate: it cannot go out in pieces)."""
+    assert relay.reply is not None
+    try:
+        data = await upstream_resp.read()
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, TimeoutError) as exc:
+        if request.transport is not None:
+            request.transport.close()
+        return f"{relay.where()} broke off the response: {exc!r}", "upstream_error"
+    relay.meter.on_body(data)
+    await resp.write(relay.reply.body(upstream_resp.status, data))
     await resp.write_eof()
     return None

@@ -1,6 +1,6 @@
 """The gate every request passes, whatever route answers it (routes added later included): Host allow-list, the request
 path decided once, CORS, the API key, foreign origins and form posts, llama-server's control endpoints; and
-Anthropic-shaped errors for /v1/messages clients.
+errors in Anthropic's shape for /v1/messages clients and in Google's for Gemini's.
 
 Also keeps a flood of malformed HTTP out of the log."""
 
@@ -14,6 +14,7 @@ from aiohttp import http_exceptions, web
 
 from adaptive_spec.access.rules import (
     KEY_HEADERS,
+    KEY_PARAMETER,
     SIMPLE_FORM_TYPES,
     AccessPolicy,
     control_refusal,
@@ -26,10 +27,10 @@ from adaptive_spec.access.rules import (
 from adaptive_spec.requests.apis import Api, traits
 from adaptive_spec.requests.body.parse import RoutedPath, split_path
 from adaptive_spec.requests.body.shapes import RequestProblem
-from adaptive_spec.requests.error_responses import as_anthropic, error_response
+from adaptive_spec.requests.error_responses import as_anthropic, as_google, error_response
 from adaptive_spec.requests.paths import decide_path
 
-__all__ = ["ACCESS", "hidden_headers", "install_security", "routed_path"]
+__all__ = ["ACCESS", "hidden_headers", "install_security", "request_keys", "routed_path"]
 ACCESS = web.AppKey("access", AccessPolicy)
 _ROUTED = web.RequestKey("routed", RoutedPath)
 _HIDDEN: web.RequestKey[tuple[str, ...]] = web.RequestKey("hidden_headers")
@@ -53,6 +54,18 @@ def routed_path(request: web.Request) -> RoutedPath:
     return request[_ROUTED] if _ROUTED in request else split_path(request.path)
 
 
+def request_keys(request: web.Request) -> list[str]:
+    """The keys a request carries, however its client sends one: `Authorization: Bearer`, `x-api-key`, and
+    Gemini's `x-goog-api-key` or `?key=`."""
+    headers = request.headers
+    return sent_keys(
+        headers.get("Authorization"),
+        headers.get("x-api-key"),
+        headers.get("x-goog-api-key"),
+        *request.query.getall(KEY_PARAMETER, []),
+    )
+
+
 def hidden_headers(request: web.Request) -> tuple[str, ...]:
     """Request headers not to send on to llama-server (the client's key, when the proxy checks keys itself)."""
     hidden: tuple[str, ...] = request.get(_HIDDEN, ())
@@ -62,10 +75,8 @@ def hidden_headers(request: web.Request) -> tuple[str, ...]:
 @web.middleware
 async def _gate(request: web.Request, handler: Handler) -> web.StreamResponse:
     decided = decide_path(request.raw_path)
-    if isinstance(decided, RoutedPath):
-        api = decided.api
-    else:  # a refused path: an Anthropic client still parses only its own error shape
-        api = Api.MESSAGES if request.path.rstrip("/").endswith(("/v1/messages", "/count_tokens")) else Api.OTHER
+    # A refused path: an Anthropic or Gemini client still parses only its own error shape.
+    api = decided.api if isinstance(decided, RoutedPath) else _refused_api(request.path)
     refusal = _refusal(request, decided)
     if refusal is not None:
         return _shaped(api, refusal)
@@ -76,6 +87,14 @@ async def _gate(request: web.Request, handler: Handler) -> web.StreamResponse:
             raise
         response = error_response(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
     return _shaped(api, response)
+
+
+def _refused_api(path: str) -> Api:
+    """The API a refused path looks like it was meant for: Anthropic's and Gemini's clients parse only their own
+    error shape."""
+    if path.rstrip("/").endswith(("/v1/messages", "/count_tokens")):
+        return Api.MESSAGES
+    return Api.GEMINI if "/v1beta/models" in path else Api.OTHER
 
 
 def _refusal(request: web.Request, decided: RoutedPath | RequestProblem) -> web.StreamResponse | None:
@@ -105,10 +124,11 @@ def _refusal(request: web.Request, decided: RoutedPath | RequestProblem) -> web.
             code="origin_not_allowed",
         )
     if policy.keys_required:
-        if not key_accepted(policy, sent_keys(headers.get("Authorization"), headers.get("x-api-key"))):
+        if not key_accepted(policy, request_keys(request)):
             response = error_response(
                 401,
-                "Missing or wrong API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'.",
+                "Missing or wrong API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY' (Gemini "
+                "clients: 'x-goog-api-key: KEY' or '?key=KEY').",
                 code="invalid_api_key",
             )
             response.headers["WWW-Authenticate"] = "Bearer"
@@ -146,7 +166,7 @@ def _preflight(policy: AccessPolicy, origin: str, wanted_headers: str | None) ->
             f"cross-origin requests from {origin[:100]!r} are not allowed (--cors-origin)",
             code="origin_not_allowed",
         )
-    allowed = wanted_headers or "authorization, content-type, x-api-key, x-adaptive-spec-profile"
+    allowed = wanted_headers or "authorization, content-type, x-api-key, x-goog-api-key, x-adaptive-spec-profile"
     return web.Response(
         status=204,
         headers={
@@ -158,10 +178,13 @@ def _preflight(policy: AccessPolicy, origin: str, wanted_headers: str | None) ->
 
 
 def _shaped(api: str, response: web.StreamResponse) -> web.StreamResponse:
-    """/v1/messages clients parse Anthropic's error shape; the proxy's own errors are OpenAI-shaped until here."""
-    if traits(api).anthropic and isinstance(response, web.Response) and response.status >= 400:
+    """/v1/messages clients parse Anthropic's error shape, Gemini's Google's; the proxy's own errors are
+    OpenAI-shaped until here."""
+    shape = traits(api)
+    if (shape.anthropic or shape.google) and isinstance(response, web.Response) and response.status >= 400:
         body = response.body
-        converted = as_anthropic(response.status, body) if isinstance(body, bytes) else None
+        convert = as_anthropic if shape.anthropic else as_google
+        converted = convert(response.status, body) if isinstance(body, bytes) else None
         if converted is not None:
             response.body = converted
     return response

@@ -6,33 +6,41 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import replace
-from typing import Any
-from urllib.parse import quote
+from urllib.parse import unquote
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from adaptive_spec.access.rules import with_model
-from adaptive_spec.common.headers import PROFILE_HEADER, REPLICA_HEADER, REQUEST_ID_HEADER, ROUTE_HEADER
+from adaptive_spec.access.rules import KEY_PARAMETER
+from adaptive_spec.common.headers import PROFILE_HEADER, REQUEST_ID_HEADER
 from adaptive_spec.kv.moves import SlotMove
-from adaptive_spec.llama.speculation import merge_fields
-from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
-from adaptive_spec.requests.apis import traits
+from adaptive_spec.llama.upstreams import Upstream
+from adaptive_spec.requests.apis import sent_as, traits
 from adaptive_spec.requests.app_keys import CLIENT, FRESH_CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
 from adaptive_spec.requests.body.compat import repaired
-from adaptive_spec.requests.body.parse import ParsedRequest, parse_body, with_fields
+from adaptive_spec.requests.body.parse import ParsedRequest, parse_body
 from adaptive_spec.requests.body.repeats import guard, trailing_repeat
 from adaptive_spec.requests.body.shapes import RequestProblem
 from adaptive_spec.requests.body.token_rate import first_turn_rate
 from adaptive_spec.requests.error_responses import answer
 from adaptive_spec.requests.forward import forward
 from adaptive_spec.requests.gate import routed_path
+from adaptive_spec.requests.gemini.reply import GeminiAnswer
+from adaptive_spec.requests.gemini.request import gemini_target, to_chat
 from adaptive_spec.requests.heads import before_forward, served
 from adaptive_spec.requests.keepalive import PrefillKeepAlive
 from adaptive_spec.requests.lifecycle import Prepared, ProxyRequest, Rewrite
 from adaptive_spec.requests.outcome import CLIENT_GONE, SERVED, SHUTDOWN, Outcome
+from adaptive_spec.requests.outgoing import (
+    BodyTooLarge,
+    choose_upstream,
+    extra_headers,
+    read_body,
+    upstream_body,
+    upstream_path,
+    upstream_target,
+)
 from adaptive_spec.requests.stranded import STRANDED
 from adaptive_spec.routing.contract import Completion, Refusal, Route, RouteRequest
 from adaptive_spec.routing.router import Router
@@ -47,93 +55,6 @@ log = logging.getLogger(__name__)
 _LARGE_BODY = 128 * 1024
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    if request.content_length is not None and request.content_length > limit:
-        raise BodyTooLarge
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in request.content.iter_any():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge
-        parts.append(chunk)
-    return b"".join(parts)
-
-
-def choose_upstream(
-    request: web.Request, table: UpstreamTable, name: str | None = None, replica: int | None = None
-) -> Upstream | Outcome:
-    """The upstream of profile `name` (default: the one the header pins, else the default), or the refusal.
-    `replica`: which server of its pool (None: the first one up)."""
-    name = name or request.headers.get(PROFILE_HEADER) or table.default
-    if replica is None:
-        up = [u for u in table.replicas(name) if table.replica_down_reason(name, u.replica) is None]
-        replica = up[0].replica if up else 0
-    upstream = table.get(name, replica)
-    if upstream is None:
-        known = ", ".join(table.names())
-        message = f"unknown profile {name!r} in {PROFILE_HEADER}; known profiles: {known}"
-        return Outcome(400, message, "unknown_profile", PROFILE_HEADER)
-    reason = table.replica_down_reason(name, replica)
-    if reason is not None:
-        return Outcome(503, f"profile {name!r} at {upstream.base_url} is down: {reason}", "profile_unavailable")
-    return upstream
-
-
-def _upstream_query(request: web.Request, upstream: Upstream, api: str) -> str:
-    """Router-mode servers take the preset as `?model=` on GET endpoints such as /props and /slots: always the
-    profile's own (a client's `model` would make the router load another model)."""
-    qs = request.rel_url.raw_query_string  # as sent: decoding it could turn an encoded '&' into a separator
-    preset = upstream.upstream_model
-    if preset is not None:
-        kept = [p for p in qs.split("&") if p and p.split("=", 1)[0] != "model"]
-        add = ["model=" + quote(preset, safe="")] if request.method == "GET" and api == "other" else []
-        qs = "&".join(kept + add)
-    return f"?{qs}" if qs else ""
-
-
-def upstream_body(req: ProxyRequest, upstream: Upstream, watched: bool) -> tuple[bytes, bool]:
-    """The bytes to send: the client's, unless a router preset must be named or per-token timings are wanted (for
-    the live draft progress, only while a live view is `watched`: otherwise the answer's bytes pass on untouched).
-
-    Returns (body, strip): strip says the client did not ask for per-token timings, so they are removed again.
-    """
-    parsed = req.parsed
-    if parsed is None:
-        preset = upstream.upstream_model
-        return (with_model(req.body, preset) if preset is not None and req.body else req.body), False
-    body, raw = (req.rewrite.body, req.rewrite.raw) if req.rewrite is not None else (parsed.body, req.body)
-    added: dict[str, Any] = {}
-    if traits(req.routed.api).speculation:
-        settings = upstream.speculation
-        cap = req.decision.n_max if req.decision is not None else None
-        if cap is not None:  # the router's draft length for this session (routing/draft_length.py)
-            settings = replace(settings, n_max=cap)
-        added, req.speculation = merge_fields(body, settings, by="router" if cap is not None else "profile")
-    strip = watched and parsed.stream and traits(req.routed.api).progress and "timings_per_token" not in body
-    if strip:
-        added["timings_per_token"] = True
-    if req.slot is not None and "id_slot" not in body:
-        added["id_slot"] = req.slot
-    if upstream.upstream_model is not None and parsed.model != upstream.upstream_model:
-        return orjson.dumps({**body, **added, "model": upstream.upstream_model}), strip
-    return (with_fields(raw, added) if added else raw), strip
-
-
-def _extra_headers(req: ProxyRequest, chosen: Upstream) -> dict[str, str]:
-    """Sent upstream and back to the client: which request this is, the profile that served it, and why."""
-    headers = {REQUEST_ID_HEADER: req.request_id, PROFILE_HEADER: chosen.name}
-    if req.decision is not None:
-        headers[ROUTE_HEADER] = req.decision.kind
-    if req.pool_size > 1:
-        headers[REPLICA_HEADER] = str(chosen.replica)
-    return headers
-
-
 async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
     """Read and check the body, find the session, choose the profile: an upstream, or the refusal to answer."""
     settings = request.app[SETTINGS]
@@ -142,8 +63,10 @@ async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | Outcom
     except BodyTooLarge:
         message = f"request body is larger than the limit of {settings.max_body_bytes} bytes"
         return Outcome(413, message, "request_too_large")
+    if request.method != "POST" and traits(req.routed.api).translated_to:  # nothing llama-server could answer
+        return Outcome(405, f"{request.method} is not allowed here: send the request as a POST", "method_not_allowed")
     if request.method == "POST" and traits(req.routed.api).generates:
-        result = parse_body(req.routed.api, req.body)
+        result = _read(request, req)
         if isinstance(result, RequestProblem):
             return Outcome(400, result.message, result.code, result.param)
         large = len(req.body) >= _LARGE_BODY
@@ -166,11 +89,27 @@ async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | Outcom
     return chosen
 
 
+def _read(request: web.Request, req: ProxyRequest) -> ParsedRequest | RequestProblem:
+    """The body parsed and checked; a Gemini body translated into the chat completion llama-server is sent, whose
+    bytes then stand for the request's (routing, sessions and the trace read what llama-server reads)."""
+    api = req.routed.api
+    target = gemini_target(unquote(req.routed.upstream_path)) if traits(api).translated_to else None
+    if target is None:
+        return parse_body(api, req.body)
+    translated = to_chat(req.body, target, sse=request.query.get("alt") == "sse")
+    if isinstance(translated, RequestProblem):
+        return translated
+    req.gemini, req.body = translated.call, orjson.dumps(translated.chat)
+    return ParsedRequest(translated.chat, translated.call.stream, translated.call.model)
+
+
 def _grouped(request: web.Request, req: ProxyRequest, parsed: ParsedRequest) -> Prepared:
     """The parsed request with the workspace its agent reveals (scanned once: for the project and the policy), its
     session and its project."""
     service = request.app[SESSIONS]
     headers = {k.lower(): v for k, v in request.headers.items()}
+    if KEY_PARAMETER in request.query:  # Gemini's key in the query: a project key names its project as the header does
+        headers.setdefault("x-goog-api-key", request.query[KEY_PARAMETER])
     workspace = workspace_path_from_request(headers, parsed.body)
     if service is None:
         return Prepared(parsed, workspace, None, req.project)
@@ -182,7 +121,7 @@ def _rewrite(request: web.Request, req: ProxyRequest, prepared: Prepared) -> Rew
     """The body to send upstream when it is not the client's: a shape llama-server refuses rewritten, an agent's
     loop on one tool call broken. The router estimates and places that body (it is what the server's cache will
     hold); the client's body still goes to the session statistics."""
-    api, body = req.routed.api, prepared.parsed.body
+    api, body = sent_as(req.routed.api), prepared.parsed.body  # a translated body's rules are its new API's
     fixed = repaired(api, body)
     if fixed is not None:
         body = fixed.body
@@ -261,7 +200,7 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
                 if isinstance(client_slot, int) and not isinstance(client_slot, bool) and client_slot >= 0
                 else None
             ),
-            prefill_path=req.routed.upstream_path if api.takes_slot else None,
+            prefill_path=upstream_path(req.routed) if api.takes_slot else None,
             chars_per_token=rate,
         )
     )
@@ -359,6 +298,8 @@ def _keepalive(request: web.Request, req: ProxyRequest) -> PrefillKeepAlive | No
     interval_s = request.app[SETTINGS].prefill_keepalive_s
     if interval_s <= 0 or req.parsed is None or not req.parsed.stream or not traits(req.routed.api).generates:
         return None
+    if req.gemini is not None and not req.gemini.sse:  # a JSON array stream has no room for a keep-alive
+        return None
     return PrefillKeepAlive(request, req.routed.api, interval_s, {REQUEST_ID_HEADER: req.request_id})
 
 
@@ -378,17 +319,18 @@ async def _forward_once(
         request,
         (app[CLIENT], app[FRESH_CLIENT]),
         chosen,
-        path_qs=routed.upstream_path + _upstream_query(request, chosen, routed.api),
+        path_qs=upstream_target(request, chosen, routed),
         body=body,
         api=routed.api,
         timeout=timeout,
         started=req.started,
         meter=req.meter,
-        extra_headers=_extra_headers(req, chosen),
+        extra_headers=extra_headers(req, chosen),
         strip=strip,
         # Nothing to publish per chunk when nobody watched at the start (no per-token timings were asked for).
         progress=(lambda: lifecycle.progress(req)) if watched else None,
         shutting_down=lambda: lifecycle.stopping,
         keepalive=keepalive,
         stranded=app[STRANDED],
+        reply=GeminiAnswer(call.model, stream=call.stream, sse=call.sse) if (call := req.gemini) else None,
     )

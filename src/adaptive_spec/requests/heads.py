@@ -15,13 +15,13 @@ from dataclasses import replace
 
 from aiohttp import web
 
-from adaptive_spec.access.rules import sent_keys
 from adaptive_spec.kv.heads.store import HeadStore
 from adaptive_spec.kv.heads.values import Restored
 from adaptive_spec.llama.launch import RESTART_ON_REQUEST
 from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.policy.model import HeadsPolicy
 from adaptive_spec.requests.app_keys import BUS, ROUTER, UPSTREAMS
+from adaptive_spec.requests.gate import request_keys
 from adaptive_spec.requests.lifecycle import ProxyRequest
 from adaptive_spec.routing.contract import Route
 from adaptive_spec.routing.decision import Decision, Moved
@@ -56,7 +56,7 @@ def _scope(request: web.Request) -> str:
     store = request.app.get(HEADS)
     if store is None:
         return ""
-    return store.scope_of(sent_keys(request.headers.get("Authorization"), request.headers.get("x-api-key")))
+    return store.scope_of(request_keys(request))
 
 
 def _policy(app: web.Application, req: ProxyRequest) -> HeadsPolicy:

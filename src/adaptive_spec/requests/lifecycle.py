@@ -15,6 +15,7 @@ from typing import Any
 from adaptive_spec.requests.apis import traits
 from adaptive_spec.requests.body.parse import ParsedRequest, RoutedPath
 from adaptive_spec.requests.body.repeats import Guarded
+from adaptive_spec.requests.gemini.request import GeminiCall
 from adaptive_spec.requests.outcome import NOT_ANSWERED, Outcome
 from adaptive_spec.routing.contract import Completion, Refusal, Route
 from adaptive_spec.routing.decision import Decision
@@ -78,6 +79,7 @@ class ProxyRequest:
     meter: ResponseMeter = field(default_factory=ResponseMeter)
     last_progress: tuple[float, Timings | None] = (0.0, None)
     speculation: dict[str, Any] | None = None  # the per-request speculation fields it was sent with
+    gemini: GeminiCall | None = None  # a Gemini request, sent as a chat completion: what it asked for
 
     @property
     def parsed(self) -> ParsedRequest | None:
@@ -276,6 +278,8 @@ def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> Reques
         speculation=req.speculation,
         repeat_guard=req.rewrite.guard.describe() if req.rewrite is not None and req.rewrite.guard else None,
         repaired=req.rewrite.repaired if req.rewrite is not None else None,
+        model=req.parsed.model if req.parsed is not None else None,
+        not_honoured=", ".join(req.gemini.not_honoured) if req.gemini and req.gemini.not_honoured else None,
     )
 
 

@@ -80,6 +80,7 @@ class SessionService:
         assignment = self.registry.assign(headers, body)
         auth = headers.get("authorization", "")
         api_key = auth[7:] if auth.lower().startswith("bearer ") else headers.get("x-api-key")
+        api_key = api_key or headers.get("x-goog-api-key")  # Gemini's (its `?key=` comes as this header)
         project, _ = resolve_project(
             path_project,
             api_key,

@@ -64,6 +64,11 @@ class RequestRecord:
     repeat_guard: str | None = None
     # A shape llama-server refuses (an agent's), rewritten into one it takes (requests/body/compat.py): what, else None.
     repaired: str | None = None
+    # The model the client asked for, as it named it (a Gemini request's from its path); None: it named none.
+    model: str | None = None
+    # A translated request's fields (Gemini's) taken but not honoured by a local model, comma-separated
+    # ("generationConfig.thinkingConfig, safetySettings"); else None.
+    not_honoured: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """As `asdict` makes it, field by field (asdict's deep copy of every value cost a tenth of a request's own

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from adaptive_spec.requests.apis import TRAITS, Api, traits
+from adaptive_spec.requests.apis import TRAITS, Api, sent_as, traits
 from adaptive_spec.requests.body.parse import split_path
 
 
@@ -16,6 +16,10 @@ from adaptive_spec.requests.body.parse import split_path
         ("/v1/messages/count_tokens", Api.COUNT_TOKENS),
         ("/completion", Api.COMPLETION),
         ("/tokenize", Api.OTHER),
+        ("/p/gem/v1beta/models/gemini-3.5-flash-lite:generateContent", Api.GEMINI),
+        ("/v1beta/models/gemini-3.1-pro-preview:streamGenerateContent", Api.GEMINI),
+        ("/v1beta/models/gemini-3.1-pro-preview:countTokens", Api.GEMINI_COUNT_TOKENS),
+        ("/p/gem/v1beta/models", Api.GEMINI_MODELS),
     ],
 )
 def test_a_path_decides_its_api_once(path: str, api: Api) -> None:
@@ -32,12 +36,16 @@ def test_every_api_has_a_row_and_a_name_it_does_not_know_does_nothing() -> None:
 
 def test_the_columns_say_what_llama_server_does_with_each_api() -> None:
     generating = {a for a in Api if traits(a).generates}
-    assert generating == {Api.CHAT, Api.COMPLETIONS, Api.COMPLETION, Api.RESPONSES, Api.MESSAGES}
+    assert generating == {Api.CHAT, Api.COMPLETIONS, Api.COMPLETION, Api.RESPONSES, Api.MESSAGES, Api.GEMINI}
     assert {a for a in Api if traits(a).anthropic} == {Api.MESSAGES, Api.COUNT_TOKENS}
-    # id_slot survives only where llama-server does not rebuild the body (its Anthropic and Responses conversions do)
-    assert {a for a in Api if traits(a).takes_slot} == {Api.CHAT, Api.COMPLETIONS}
+    assert {a for a in Api if traits(a).google} == {Api.GEMINI, Api.GEMINI_COUNT_TOKENS, Api.GEMINI_MODELS}
+    # id_slot survives only where llama-server does not rebuild the body (its Anthropic and Responses conversions do);
+    # a Gemini body reaches llama-server as a chat completion, which keeps it
+    assert {a for a in Api if traits(a).takes_slot} == {Api.CHAT, Api.COMPLETIONS, Api.GEMINI}
     # the Anthropic stream carries no timings at all: no live draft progress there
-    assert {a for a in Api if traits(a).progress} == {Api.CHAT, Api.COMPLETIONS, Api.RESPONSES}
+    assert {a for a in Api if traits(a).progress} == {Api.CHAT, Api.COMPLETIONS, Api.RESPONSES, Api.GEMINI}
     # tool_choice none: on /v1/messages a patched server maps {"type": "none"} (0005); a stock one ignores it
-    assert {a for a in Api if traits(a).text_choice} == {Api.CHAT, Api.RESPONSES, Api.MESSAGES}
+    assert {a for a in Api if traits(a).text_choice} == {Api.CHAT, Api.RESPONSES, Api.MESSAGES, Api.GEMINI}
     assert {a for a in Api if traits(a).speculation} == generating
+    # What the proxy does to a Gemini body it does to a chat body: it is one by the time it is sent.
+    assert {a: sent_as(a) for a in Api if sent_as(a) != a} == {Api.GEMINI: Api.CHAT}

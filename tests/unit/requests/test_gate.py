@@ -10,7 +10,7 @@ from adaptive_spec.access.rules import KEY_HEADERS, AccessPolicy
 from adaptive_spec.requests.apis import Api
 from adaptive_spec.requests.body.parse import RoutedPath
 from adaptive_spec.requests.forward import upstream_headers
-from adaptive_spec.requests.gate import ACCESS, _refusal, hidden_headers, routed_path
+from adaptive_spec.requests.gate import ACCESS, _refusal, hidden_headers, request_keys, routed_path
 from adaptive_spec.requests.paths import decide_path
 
 
@@ -40,3 +40,25 @@ def test_the_key_goes_on_when_configured_or_when_no_key_is_checked() -> None:
         assert isinstance(decided, RoutedPath)
         assert _refusal(request, decided) is None
         assert "Authorization" in upstream_headers(CIMultiDictProxy(CIMultiDict(headers)), hidden_headers(request))
+
+
+def test_a_gemini_client_may_send_its_key_as_its_own_header_or_in_the_query() -> None:
+    policy = AccessPolicy(api_keys=("k",))
+    app = web.Application()
+    app[ACCESS] = policy
+    for target, headers in (
+        ("/v1beta/models/gemini-3.1-pro-preview:generateContent", {"x-goog-api-key": "k"}),
+        ("/p/gem/v1beta/models/gemini-3.1-pro-preview:generateContent?alt=sse&key=k", {}),
+        ("/adaptive/requests?key=k", {}),
+    ):
+        request = make_mocked_request("POST", target, headers={"Host": "127.0.0.1", **headers}, app=app)
+        assert request_keys(request) == ["k"]
+        decided = decide_path(request.raw_path)
+        assert isinstance(decided, RoutedPath)
+        assert _refusal(request, decided) is None
+        assert "x-goog-api-key" in hidden_headers(request)
+    wrong = make_mocked_request("GET", "/v1beta/models?key=nope", headers={"Host": "127.0.0.1"}, app=app)
+    decided = decide_path(wrong.raw_path)
+    assert isinstance(decided, RoutedPath) and decided.api is Api.GEMINI_MODELS
+    refused = _refusal(wrong, decided)
+    assert refused is not None and refused.status == 401

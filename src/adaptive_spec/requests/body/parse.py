@@ -10,6 +10,7 @@ import orjson
 
 from adaptive_spec.requests.apis import Api
 from adaptive_spec.requests.body.shapes import RequestProblem, check_shape
+from adaptive_spec.requests.gemini.request import gemini_api
 
 _PROJECT_PREFIX = re.compile(r"^/p/([A-Za-z0-9][A-Za-z0-9._-]{0,127})(/.*)?$")
 
@@ -66,7 +67,8 @@ def split_path(path: str) -> RoutedPath:
     if match:
         project = match.group(1)
         path = match.group(2) or "/"
-    return RoutedPath(project, path, _APIS.get(path.rstrip("/") or "/", Api.OTHER))
+    api = _APIS.get(path.rstrip("/") or "/") or gemini_api(path) or Api.OTHER
+    return RoutedPath(project, path, api)
 
 
 @dataclass(frozen=True, slots=True)
