@@ -5,7 +5,7 @@ The names are the proxy's own words; a request's path decides its API once (`req
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 
@@ -47,33 +47,19 @@ class Traits:
 
 
 _GENERATING = Traits(generates=True, speculation=True, checked_errors=True)
+_CHAT = Traits(generates=True, speculation=True, takes_slot=True, progress=True, text_choice=True, checked_errors=True)
 
 # Keyed by the names as strings too (an Api is a str): a lookup needs no conversion on the request path.
 TRAITS: dict[str, Traits] = {
-    Api.CHAT: Traits(
-        generates=True,
-        speculation=True,
-        takes_slot=True,
-        progress=True,
-        text_choice=True,
-        checked_errors=True,
-    ),
+    Api.CHAT: _CHAT,
     Api.COMPLETIONS: Traits(generates=True, speculation=True, takes_slot=True, progress=True, checked_errors=True),
     Api.COMPLETION: _GENERATING,
     Api.RESPONSES: Traits(generates=True, speculation=True, progress=True, text_choice=True, checked_errors=True),
     Api.MESSAGES: Traits(generates=True, speculation=True, anthropic=True, text_choice=True, checked_errors=True),
     Api.COUNT_TOKENS: Traits(anthropic=True, checked_errors=True),
     Api.MODELS: Traits(),
-    Api.GEMINI: Traits(
-        generates=True,
-        speculation=True,
-        takes_slot=True,
-        progress=True,
-        text_choice=True,
-        checked_errors=True,
-        google=True,
-        translated_to=Api.CHAT,
-    ),
+    # Sent to llama-server as a chat request: chat's traits, with Google's errors.
+    Api.GEMINI: replace(_CHAT, google=True, translated_to=Api.CHAT),
     Api.GEMINI_COUNT_TOKENS: Traits(google=True),
     Api.GEMINI_MODELS: Traits(google=True),
     Api.OTHER: Traits(),
