@@ -121,6 +121,7 @@ class SlotIO:
             if self.covered(upstream, links) or n_slots is None or (slot is None and n_slots != 1):
                 return  # the same head was saved meanwhile, a request came, or its slot is not known among several
             if mark is not None and self.activity.mark(upstream.base_url, slot) != mark:
+                self.counts["dropped"] += 1
                 return  # the session's slot served another request while the server was busy
             if not await self.book.room(head.prompt_tokens):
                 return

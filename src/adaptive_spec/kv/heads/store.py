@@ -70,6 +70,7 @@ class HeadStore:
                 "inert",
                 "taken",
                 "evicted",
+                "dropped",  # a save given up: its slot served another request after the turn
             ),
             0,
         )
@@ -223,6 +224,7 @@ class HeadStore:
             **self.book.describe(scope),
             "counts": dict(self.counts),
             "pending": len(self._tasks),
+            "idle_waits": len(self._idle_saves),  # sessions whose state is saved when they have been idle a while
             "inert_servers": sorted(self._activity.inert),
         }
 
@@ -390,6 +392,7 @@ class HeadStore:
 
     async def _save_state_logged(self, upstream: Upstream, slot: int | None, head: SavedTurn, mark: Mark) -> None:
         if self._activity.mark(upstream.base_url, slot) != mark:
+            self.counts["dropped"] += 1
             log.info("heads: session %s's state is not saved: its slot served another request since", head.session)
             return
         try:
@@ -402,6 +405,7 @@ class HeadStore:
         """`mark`: the turn's (`mark_of`); the slot is saved only if it served nothing since that turn (None: a turn
         not forwarded through `forwarded`, judged by the requests forwarded during the save alone)."""
         if mark is not None and self._activity.mark(upstream.base_url, slot) != mark:
+            self.counts["dropped"] += 1
             return  # its slot served another request already: a later turn of the same head may be kept instead
         key = await self._io.key(upstream)
         links = chain(key, head.pieces, head.scope)

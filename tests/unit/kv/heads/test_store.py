@@ -214,6 +214,17 @@ async def _turn(
     )  # fmt: skip
 
 
+async def _decided(store: HeadStore, **counts: int) -> None:
+    """Wait until no idle wait is left and the store's counts say `counts`: the event a negative check waits for is
+    the wait's own end (a save tried, or dropped), so a late timer cannot pass it."""
+    for _ in range(2000):
+        await store.settled()
+        if store.describe()["idle_waits"] == 0 and all(store.counts[k] == v for k, v in counts.items()):
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError((store.describe()["idle_waits"], store.counts))
+
+
 @pytest.mark.asyncio(loop_scope="function")
 async def test_an_idle_sessions_state_is_saved_once_and_only_if_its_slot_served_nothing_else(tmp_path: Path) -> None:
     # Nothing listens at the upstream: a save that is tried fails on its first question (/props), and is counted.
@@ -222,25 +233,21 @@ async def test_an_idle_sessions_state_is_saved_once_and_only_if_its_slot_served_
         upstream = Upstream("p", "http://127.0.0.1:9")
         await _turn(store, upstream, "s", idle_s=0.05)
         await _turn(store, upstream, "s", idle_s=0.05)  # a newer turn: the older one's wait is dropped
-        await asyncio.sleep(0.3)
-        await store.settled()
-        assert store.counts["failed"] == 1, store.counts  # one save tried, for the newest turn
+        assert store.describe()["idle_waits"] == 1
+        await _decided(store, failed=1, dropped=0)  # one save tried, for the newest turn
 
         await _turn(store, upstream, "t", idle_s=0.05)
         store.forwarded(upstream)  # another request used the one slot: it holds another prompt now
-        await asyncio.sleep(0.3)
-        await store.settled()
-        assert store.counts["failed"] == 1, store.counts  # not tried
+        await _decided(store, failed=1, dropped=1)  # its wait ended, and the save was not tried
 
         await _turn(store, upstream, "u", idle_s=0.05)
         store.server_down(upstream)  # the server restarted: its slots hold nothing of the session
+        assert store.describe()["idle_waits"] == 0  # its wait is gone: nothing is left to be tried
         await _turn(store, upstream, "v", idle_s=0.0)  # sessions are not kept with 0
+        assert store.describe()["idle_waits"] == 0
         await _turn(store, upstream, "w", idle_s=0.05, first=True)  # a first turn is a head, saved at once
-        await store.settled()
-        assert store.counts["failed"] == 2, store.counts  # the head's save, tried at once
-        await asyncio.sleep(0.3)
-        await store.settled()
-        assert store.counts["failed"] == 2, store.counts
+        assert store.describe()["idle_waits"] == 0
+        await _decided(store, failed=2, dropped=1)  # the head's save, tried at once
         await store.close()
 
 
@@ -253,12 +260,8 @@ async def test_a_request_forwarded_while_a_turn_ran_keeps_that_turn_from_being_s
         store.forwarded(upstream, None, "turn")
         store.forwarded(upstream, None, "other")  # queued behind the turn by llama-server
         await _turn(store, upstream, "s", idle_s=0.05, mark=store.mark_of("turn"))
-        await asyncio.sleep(0.3)
-        await store.settled()
-        assert store.counts["failed"] == 0, store.counts  # not tried: the slot holds the other prompt
+        await _decided(store, failed=0, dropped=1)  # not tried: the slot holds the other prompt
         store.forwarded(upstream, None, "next")
         await _turn(store, upstream, "s", idle_s=0.05, mark=store.mark_of("next"))
-        await asyncio.sleep(0.3)
-        await store.settled()
-        assert store.counts["failed"] == 1, store.counts  # nothing after it: tried
+        await _decided(store, failed=1, dropped=1)  # nothing after it: tried
         await store.close()
