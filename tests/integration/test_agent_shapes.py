@@ -164,11 +164,14 @@ _DELIBERATE = {
     ("model", "expected a string"): "a label to a single-model server, the preset a router-mode one loads",
     ("messages", "expected an array"): "llama-server's Anthropic conversion skips it and answers the system alone",
     ("messages[N].content[N].type", "expected a string."): "not a string: the block is dropped",
+    ("system", "expected a string or an array of text blocks."): "another type: the system prompt is dropped",
     ("system[N]", "expected a content part object."): "not an object: the block is dropped",
     ("system[N].type", "expected a string."): "not a string: the block is dropped",
     ("system[N].text", "expected a string."): "not a string: read as an empty text",
     ("tools", "expected an array of objects."): "an item that is not an object: dropped",
     ("tools[N].name", "expected a string."): "not a string: a tool with an empty name",
+    ("stream_options", "expected an object"): "another type: read as none, the usage chunk asked for is not sent",
+    ("tools[N].parameters", "expected an object (a JSON schema)."): "as input_schema below, on chat completions",
     ("tools[N].input_schema", "expected an object (a JSON schema)."): "the tiny model's template renders no tools, so "
     "its server ignores it; on one that renders them (the embedded Qwen's) llama-server refuses it too (400, 'schema "
     "must be an object')",
@@ -240,7 +243,16 @@ _EACH_EXCUSE: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {
         "/v1/messages",
         {**_MESSAGES, "messages": [{"role": "user", "content": [{"type": 5, "text": "Hi."}]}]},
     ),
+    ("system", "expected a string or an array of text blocks."): ("/v1/messages", {**_MESSAGES, "system": 5}),
     ("system[N]", "expected a content part object."): ("/v1/messages", {**_MESSAGES, "system": ["Be brief."]}),
+    ("stream_options", "expected an object"): (
+        "/v1/chat/completions",
+        {**_CHAT, "stream": True, "stream_options": "include_usage"},
+    ),
+    ("tools[N].parameters", "expected an object (a JSON schema)."): (
+        "/v1/chat/completions",
+        {**_CHAT, "tools": [{"type": "function", "function": {"name": "t", "parameters": 5}}]},
+    ),
     ("system[N].type", "expected a string."): ("/v1/messages", {**_MESSAGES, "system": [{"type": 5, "text": "B."}]}),
     ("system[N].text", "expected a string."): ("/v1/messages", {**_MESSAGES, "system": [{"type": "text", "text": 5}]}),
     ("tools", "expected an array of objects."): ("/v1/messages", {**_MESSAGES, "tools": [5]}),
