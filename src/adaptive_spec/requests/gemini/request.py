@@ -16,7 +16,7 @@ from adaptive_spec.requests.apis import Api
 from adaptive_spec.requests.body.shapes import RequestProblem
 from adaptive_spec.requests.gemini.contents import messages
 from adaptive_spec.requests.gemini.fields import Untranslatable, camel, field
-from adaptive_spec.requests.gemini.schema import openapi_to_json_schema
+from adaptive_spec.requests.gemini.schema import lower_type_names, openapi_to_json_schema
 
 # After any /p/<project> prefix: the version, then `models/<model>` and the method after a colon.
 _METHOD_PATH = re.compile(r"^/v1beta/models/([^/:]+):(generateContent|streamGenerateContent|countTokens)$")
@@ -141,7 +141,7 @@ def _add_tools(chat: dict[str, Any], obj: dict[str, Any], notes: list[str]) -> N
 def _function(declaration: Any, where: str) -> dict[str, Any]:
     if not isinstance(declaration, dict) or not isinstance(declaration.get("name"), str):
         raise Untranslatable.wrong(where, "a FunctionDeclaration with a string 'name'")
-    schema = field(declaration, "parametersJsonSchema")
+    schema = lower_type_names(field(declaration, "parametersJsonSchema"))
     if schema is None:
         schema = openapi_to_json_schema(declaration.get("parameters"))
     function: dict[str, Any] = {"name": declaration["name"]}
@@ -202,7 +202,7 @@ def _number(value: Any, types: tuple[type, ...], where: str) -> int | float:
 def _response_format(config: dict[str, Any], notes: list[str]) -> dict[str, Any] | None:
     """`responseMimeType: application/json` with its schema in either dialect, as llama-server's `response_format`."""
     mime = field(config, "responseMimeType")
-    schema = field(config, "responseJsonSchema")
+    schema = lower_type_names(field(config, "responseJsonSchema"))
     if schema is None and field(config, "responseSchema") is not None:
         schema = openapi_to_json_schema(field(config, "responseSchema"))
     if mime not in (None, "text/plain", "application/json"):

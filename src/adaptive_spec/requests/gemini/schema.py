@@ -1,6 +1,8 @@
 """Gemini's two schema dialects read as the JSON Schema llama-server turns into a grammar: `parametersJsonSchema` and
 `responseJsonSchema` are JSON Schema already; `parameters` and `responseSchema` are Google's OpenAPI subset, with
 upper-case types (`"OBJECT"`, `"STRING"`), `nullable`, and keys no grammar needs (`propertyOrdering`, `example`).
+Google reads the upper-case type names in the JSON Schema dialect too (Gemini CLI 0.61's router classifier sends its
+`responseJsonSchema` so), which llama-server's grammar refuses ("unrecognized type OBJECT"): they are lower-cased there.
 
 Pure."""
 
@@ -21,6 +23,37 @@ _RENAMED = {
     "min_properties": "minProperties",
 }
 _MAX_DEPTH = 64
+# Google's type names (its `Type` enum): upper case, as nothing in JSON Schema spells a type.
+_GOOGLE_TYPES = frozenset({"STRING", "NUMBER", "INTEGER", "BOOLEAN", "ARRAY", "OBJECT", "NULL"})
+
+
+def lower_type_names(schema: Any, depth: int = 0) -> Any:
+    """A JSON Schema with Google's upper-case type names (`"OBJECT"`, or one in a list of types) in lower case, at any
+    depth; everything else as it came. A schema that has none comes back as the same object."""
+    if depth > _MAX_DEPTH:
+        return schema
+    if isinstance(schema, list):
+        items = [lower_type_names(item, depth + 1) for item in schema]
+        return schema if all(a is b for a, b in zip(items, schema, strict=True)) else items
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    changed = False
+    for key, value in schema.items():
+        if key == "type" and isinstance(value, str | list):
+            new = _lower_type(value)
+        else:
+            new = lower_type_names(value, depth + 1) if isinstance(value, dict | list) else value
+        changed = changed or new is not value
+        out[key] = new
+    return out if changed else schema
+
+
+def _lower_type(value: str | list[Any]) -> Any:
+    if isinstance(value, str):
+        return value.lower() if value in _GOOGLE_TYPES else value
+    lowered = [_lower_type(v) if isinstance(v, str) else v for v in value]
+    return lowered if lowered != value else value
 
 
 def openapi_to_json_schema(schema: Any, depth: int = 0) -> Any:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from adaptive_spec.requests.gemini.schema import openapi_to_json_schema
+from adaptive_spec.requests.gemini.schema import lower_type_names, openapi_to_json_schema
 
 
 @pytest.mark.parametrize(
@@ -60,3 +60,34 @@ def test_a_deeply_nested_schema_is_converted_down_to_its_leaves() -> None:
         assert out["type"] == "object"
         out = out["properties"]["x"]
     assert out == {"type": "boolean"}
+
+
+@pytest.mark.parametrize(
+    ("sent", "read"),
+    [
+        # Gemini CLI 0.61's classifier: a responseJsonSchema in Google's type names.
+        (
+            {"type": "OBJECT", "properties": {"score": {"type": "INTEGER"}, "why": {"type": "STRING"}}},
+            {"type": "object", "properties": {"score": {"type": "integer"}, "why": {"type": "string"}}},
+        ),
+        ({"type": ["STRING", "NULL"]}, {"type": ["string", "null"]}),
+        (
+            {"anyOf": [{"type": "ARRAY", "items": {"type": "BOOLEAN"}}]},
+            {"anyOf": [{"type": "array", "items": {"type": "boolean"}}]},
+        ),
+        # A property named "type", an enum of upper-case words, a type llama-server judges: as they came.
+        (
+            {"type": "object", "properties": {"type": {"type": "string", "enum": ["OBJECT", "STRING"]}}},
+            {"type": "object", "properties": {"type": {"type": "string", "enum": ["OBJECT", "STRING"]}}},
+        ),
+        ({"type": "Object"}, {"type": "Object"}),
+        (None, None),
+    ],
+)
+def test_google_type_names_in_json_schema_are_lower_cased(sent: Any, read: Any) -> None:
+    assert lower_type_names(sent) == read
+
+
+def test_a_json_schema_without_google_type_names_is_the_same_object() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": ["string", "null"]}}, "required": ["a"]}
+    assert lower_type_names(schema) is schema
