@@ -1,4 +1,5 @@
-"""Which session a request belongs to: explicit ids first, then the reply echo, else a new session.
+"""Which session a request belongs to: explicit ids first, then the reply echo, then an opening turn seen under another
+system prompt moments before, else a new session.
 
 Pure and synchronous: the proxy hands in headers and the parsed body, and tells the registry what it served.
 """
@@ -9,8 +10,9 @@ import bisect
 import hashlib
 import itertools
 import json
+import time
 from array import array
-from collections.abc import Iterator, KeysView, Mapping, Sequence
+from collections.abc import Callable, Iterator, KeysView, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +40,17 @@ _SCAN_CACHE_KEYS = 1_000_000
 _SHARED_IDS = 10_000
 # First requests that got no answer (the client gave up), kept so that the client's retry joins their session.
 _UNANSWERED = 1024
+# Conversations' opening turns (their user messages, no reply yet), kept this long so that a request opening with the
+# same turn under another system prompt joins them: Gemini CLI asks its model router's classifier about the user's
+# first message, then sends the conversation itself (neither names a session).
+_OPENINGS = 1024
+OPENING_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
 class SessionAssignment:
     session_id: str
-    # "header:<name>", "body:<field>", "echo:reply", "echo:tool-call", "echo:lines", "retry", "new"
+    # "header:<name>", "body:<field>", "echo:reply", "echo:tool-call", "echo:lines", "retry", "opening", "new"
     source: str
     parent_id: str | None = None
     subagent: bool = False
@@ -72,6 +79,31 @@ def _conversation_digest(body: Mapping[str, Any]) -> bytes | None:
     except TypeError:
         text = repr(parts).encode()
     return hashlib.blake2b(text, digest_size=12).digest()
+
+
+def _opening(body: Mapping[str, Any]) -> tuple[bytes, bytes] | None:
+    """(digest of a conversation's opening turn, digest of its system prompt) for a request that holds user turns
+    and nothing served yet (no assistant or tool message); None otherwise. The user messages' texts are joined as one
+    turn of several parts is (`message_text`), so an opening sent as two messages reads as the same turn."""
+    messages = messages_of(body)
+    users, system = [], []
+    for message in messages:
+        role = message.get("role", "user")
+        text = message_text(message.get("content"))
+        if role in ("system", "developer"):
+            system.append(text)
+        elif role == "user":
+            users.append(text)
+        else:
+            return None
+    for name in ("system", "instructions"):
+        if isinstance(body.get(name), str | list):
+            system.append(message_text(body.get(name)))
+    turn = "\n".join(users)
+    if len(turn.strip()) < _MIN_ECHO_LINE:
+        return None  # "hi": too common an opening to say which conversation it is
+    digest = hashlib.blake2b(turn.encode("utf-8", "surrogatepass"), digest_size=12).digest()
+    return digest, hashlib.blake2b("\0".join(system).encode("utf-8", "surrogatepass"), digest_size=12).digest()
 
 
 def echo_line_keys(text: str) -> array[int]:
@@ -158,7 +190,7 @@ class SessionRegistry:
     little as it can: its key, and the one id string of its session (a session id arrives as a new string with
     every request's headers or body; a copy per entry was a quarter of the maps' memory)."""
 
-    def __init__(self, max_fingerprints: int = ECHO_FINGERPRINTS) -> None:
+    def __init__(self, max_fingerprints: int = ECHO_FINGERPRINTS, clock: Callable[[], float] = time.monotonic) -> None:
         self._replies: LRU[bytes | tuple[str, int], str] = LRU(max(1, max_fingerprints))
         self._lines: LRU[int, str] = LRU(max(1, max_fingerprints))
         self._ids: LRU[str, str] = LRU(_SHARED_IDS)  # a session id -> the string its entries share
@@ -171,6 +203,9 @@ class SessionRegistry:
         self._log_start = 0
         self._log_limit = 2 * max(1, max_fingerprints)  # 8 bytes a key; past it the older half goes
         self._unanswered: LRU[bytes, str] = LRU(_UNANSWERED)
+        # An opening turn -> (its session, the system prompt it came with, when).
+        self._openings: LRU[bytes, tuple[str, bytes, float]] = LRU(_OPENINGS)
+        self._clock = clock
         self._counter = itertools.count(1)
 
     def assign(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> SessionAssignment:
@@ -187,7 +222,23 @@ class SessionRegistry:
         retried = self._unanswered.pop(digest) if self._unanswered and (digest := _conversation_digest(body)) else None
         if retried is not None:
             return SessionAssignment(retried, "retry", None, subagent)
-        return SessionAssignment(f"s{next(self._counter):06d}", "new", None, subagent)
+        opening = _opening(body)
+        joined = self._opened(opening) if opening is not None else None
+        if joined is not None:
+            return SessionAssignment(joined, "opening", None, subagent)
+        session_id = f"s{next(self._counter):06d}"
+        if opening is not None:
+            self._openings.put(opening[0], (session_id, opening[1], self._clock()))
+        return SessionAssignment(session_id, "new", None, subagent)
+
+    def _opened(self, opening: tuple[bytes, bytes]) -> str | None:
+        """The session a recent conversation opened with this turn under another system prompt (a side request of it
+        sent first, or the conversation after its side request). Under the same system prompt it is the user asking
+        again: a conversation of its own."""
+        known = self._openings.get(opening[0])
+        if known is None or known[1] == opening[1] or self._clock() - known[2] > OPENING_S:
+            return None
+        return known[0]
 
     def note_unanswered(self, assignment: SessionAssignment, body: Mapping[str, Any]) -> None:
         """A conversation's first request ended with no answer (an agent that gives up on a long prefill sends it

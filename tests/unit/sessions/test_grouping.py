@@ -283,3 +283,44 @@ def test_a_served_tool_call_reads_as_the_model_wrote_it_and_the_same_when_sent_b
     assert next(context_entries(both, spaced={0}))[2] == read[0]
     odd = {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "w", "arguments": "{not json"}}]}]}
     assert next(context_entries(odd, spaced={0}))[2] == '{"name": "w", "arguments": {not json}'  # not JSON: as given
+
+
+CONTEXT = "<session_context>\nToday's date is Friday, December 4, 2026.\nWorkspace: /work/demo\n</session_context>"
+ASK = "Create hello.py that prints hello."
+
+
+def test_a_side_request_about_the_opening_turn_joins_the_conversation() -> None:
+    """Gemini CLI's router classifier is sent the user's first turn (as two messages) under a system prompt of its
+    own, before the conversation itself (one message of two parts): neither names a session."""
+    clock = [100.0]
+    registry = SessionRegistry(clock=lambda: clock[0])
+    classifier = _chat("You are a task router. Answer with JSON.", ("user", CONTEXT), ("user", ASK))
+    first = registry.assign({}, classifier)
+    registry.note_reply(first.session_id, '{"complexity_score": 20}', [])
+    clock[0] += 5
+    main = {
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": [{"type": "text", "text": CONTEXT}, {"type": "text", "text": ASK}]},
+        ],
+        "tools": [{"type": "function", "function": {"name": "write_file", "parameters": {"type": "object"}}}],
+    }
+    joined = registry.assign({}, main)
+    assert (first.source, joined.source) == ("new", "opening") and joined.session_id == first.session_id
+
+
+def test_an_opening_asked_again_or_long_after_is_a_conversation_of_its_own() -> None:
+    clock = [0.0]
+    registry = SessionRegistry(clock=lambda: clock[0])
+    opening = _chat(SYSTEM, ("user", CONTEXT), ("user", ASK))
+    first = registry.assign({}, opening)
+    again = registry.assign({}, opening)  # the same system prompt: the user asking again
+    assert again.source == "new" and again.session_id != first.session_id
+    clock[0] += 301
+    late = registry.assign({}, _chat("You are a task router.", ("user", CONTEXT), ("user", ASK)))
+    assert late.source == "new"
+    # A short opening ("hi") says nothing about which conversation it is; a request with a reply in it is no opening.
+    hi = registry.assign({}, _chat(SYSTEM, ("user", "hi")))
+    assert registry.assign({}, _chat("Another system prompt.", ("user", "hi"))).session_id != hi.session_id
+    served = _chat("Another.", ("user", CONTEXT), ("assistant", "ok"), ("user", ASK))
+    assert registry.assign({}, served).source == "new"
