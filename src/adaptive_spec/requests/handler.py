@@ -249,7 +249,7 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
         uuid.uuid4().hex[:16],
         routed,
         request.headers.get(PROFILE_HEADER) or app[UPSTREAMS].default,
-        client=client_name(request.headers.get("User-Agent")),
+        client=client_name(request.headers.get("User-Agent"), request.headers),
     )
     lifecycle = app[LIFECYCLE]
     task = asyncio.current_task()
