@@ -66,6 +66,10 @@ class PrefixState:
     chars_per_token: float  # this session's, from llama-server's counts
     line: bytes | None = None  # the system prompt digest of the session's main line
     line_tools: bool = False
+    # The digest of the main line's tools: a request with the same tools under another system prompt is the line
+    # going on (an agent that writes the workspace's state into its system prompt each run: Continue CLI's --resume),
+    # and `line` stays the first one's (a changed line would read as the line starting only now).
+    line_tools_digest: bytes | None = None
     # llama-server's prefilled tokens over this estimate's, on turns that continued a held prefix (EWMA): the
     # template's cost of tool calls and tool results, which characters alone miss.
     new_ratio: float = 1.0
@@ -78,6 +82,15 @@ _NO_STATE = PrefixState((), b"", 0, 0, DEFAULT_CHARS_PER_TOKEN)
 def _system(pieces: Sequence[Piece], has_tools: bool) -> bytes | None:
     first = next((p for p in pieces if not p.tools), None)
     return first.digest if first is not None and not first.assistant else None
+
+
+def _tools_digest(pieces: Sequence[Piece]) -> bytes | None:
+    return next((p.digest for p in pieces if p.tools), None)
+
+
+def _line_goes_on(state: PrefixState, pieces: Sequence[Piece]) -> bool:
+    """The request has the main line's tools: its own line, whatever its system prompt says now."""
+    return state.line_tools_digest is not None and _tools_digest(pieces) == state.line_tools_digest
 
 
 def _markup(pieces: Sequence[Piece]) -> float:
@@ -170,7 +183,7 @@ def estimate(
     if state is not None and state.line is not None:
         system = _system(pieces, has_tools)
         line_moved = system != state.line and has_tools and not state.line_tools
-        side = system != state.line and not line_moved
+        side = system != state.line and not line_moved and not _line_goes_on(state, pieces)
     return PromptEstimate(round(shared + new), round(shared), round(new), side, line_moved)
 
 
@@ -215,8 +228,9 @@ def observe(
         cpt = weight * (chars / templated) + (1 - weight) * cpt
     system = _system(pieces, has_tools)
     line, line_tools = (state.line, state.line_tools) if state is not None else (None, False)
+    line_tools_digest = state.line_tools_digest if state is not None else None
     if line is None or (has_tools and not line_tools):
-        line, line_tools = system, has_tools
+        line, line_tools, line_tools_digest = system, has_tools, _tools_digest(pieces)
     return PrefixState(
         pieces=tuple(pieces),
         reply=reply_digest(reply_text),
@@ -226,6 +240,7 @@ def observe(
         chars_per_token=cpt,
         line=line,
         line_tools=line_tools,
+        line_tools_digest=line_tools_digest,
         new_ratio=ratio,
     )
 

@@ -311,3 +311,19 @@ def test_the_tools_piece_counts_the_spaces_a_templates_tojson_adds() -> None:
     ]
     (piece,) = [p for p in prompt_pieces({"messages": [{"role": "user", "content": "x"}], "tools": tools}) if p.tools]
     assert piece.extra == sum(len(json.dumps(t)) - len(orjson.dumps(t)) for t in tools)
+
+
+def test_the_main_line_goes_on_under_a_new_system_prompt_with_the_same_tools() -> None:
+    """Continue CLI writes the workspace into its system prompt each run: its --resume turn has a new system prompt,
+    the same tools and the history. That is the line going on, not a side request; a title request still is one."""
+    ask = {"role": "user", "content": "Create hello.py"}
+    state = served(None, body(ask, tools=True), "done", prompt_n=900, cache_n=0, out=10)
+    resumed_system = {"role": "system", "content": "You are a coding assistant. Files: hello.py. " * 40}
+    resumed = body(ask, {"role": "assistant", "content": "done"}, {"role": "user", "content": "now bye"}, tools=True)
+    resumed["messages"][0] = resumed_system
+    est = estimate(state, resumed)
+    assert not est.side and not est.line_moved
+    after = served(state, resumed, "ok", prompt_n=300, cache_n=700, out=2)
+    assert not estimate(after, resumed).side
+    title = body(ask, system={"role": "system", "content": "Write a title."})
+    assert estimate(after, title).side
