@@ -16,6 +16,7 @@ from adaptive_spec.access.rules import KEY_PARAMETER
 from adaptive_spec.common.headers import PROFILE_HEADER, REQUEST_ID_HEADER
 from adaptive_spec.kv.moves import SlotMove
 from adaptive_spec.llama.upstreams import Upstream
+from adaptive_spec.requests.accounting import counts_of
 from adaptive_spec.requests.apis import sent_as, traits
 from adaptive_spec.requests.app_keys import CLIENT, FRESH_CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
 from adaptive_spec.requests.body.compat import repaired
@@ -49,6 +50,7 @@ from adaptive_spec.sessions.project import workspace_path_from_request
 from adaptive_spec.sessions.tokenizers import CachingTokenizer
 from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.streams.output import LiveText
+from adaptive_spec.telemetry.ledger import Counts
 
 log = logging.getLogger(__name__)
 # A body from this size on (a ~40k-token history) is parsed, grouped and routed in turns with the other streams' chunks.
@@ -308,13 +310,48 @@ async def _forward_once(
 ) -> tuple[web.StreamResponse, Outcome]:
     app, routed, lifecycle = request.app, req.routed, request.app[LIFECYCLE]
     settings = app[SETTINGS]
-    timeout = aiohttp.ClientTimeout(
-        total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
-    )
     watched = lifecycle.watched or settings.feed_content
     body, strip = upstream_body(req, chosen, watched)
     if settings.feed_content and req.parsed is not None and req.parsed.stream and traits(routed.api).progress:
         req.meter.live = LiveText()
+    await lifecycle.accounting.before_forward(app[CLIENT], chosen.base_url)
+    lifecycle.accounting.forwarded(chosen.base_url)
+    outcome: Outcome | None = None
+    try:
+        answered = await _forward_counted(request, req, chosen, keepalive, body, strip, watched)
+        outcome = answered[1]
+        return answered
+    finally:
+        unseen = lifecycle.accounting.ended(app[CLIENT], chosen.base_url, req.request_id, _counted(req, outcome))
+        if unseen is not None:
+            req.unseen.append(unseen)
+
+
+def _counted(req: ProxyRequest, outcome: Outcome | None) -> Counts | None:
+    """What the answer said llama-server counted for this forward; None where it may have done work the answer did
+    not show (a client that hung up, a stream cut, a task ended): the ledger's next quiet reading says it."""
+    if not traits(req.routed.api).generates:
+        return Counts()
+    if outcome is not None and outcome.finished:
+        return counts_of(req.meter.timings, True)
+    if outcome is not None and not outcome.client_gone and outcome.status >= 400 and req.meter.pieces == 0:
+        return Counts()  # refused before any work (a 4xx from llama-server, nothing reached): nothing counted
+    return None
+
+
+async def _forward_counted(
+    request: web.Request,
+    req: ProxyRequest,
+    chosen: Upstream,
+    keepalive: PrefillKeepAlive | None,
+    body: bytes,
+    strip: bool,
+    watched: bool,
+) -> tuple[web.StreamResponse, Outcome]:
+    app, routed, lifecycle, settings = request.app, req.routed, request.app[LIFECYCLE], request.app[SETTINGS]
+    timeout = aiohttp.ClientTimeout(
+        total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
+    )
     return await forward(
         request,
         (app[CLIENT], app[FRESH_CLIENT]),

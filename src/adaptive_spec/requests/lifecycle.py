@@ -9,9 +9,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from adaptive_spec.requests.accounting import SETTLE_S, Accounting, with_counts
 from adaptive_spec.requests.apis import traits
 from adaptive_spec.requests.body.parse import ParsedRequest, RoutedPath
 from adaptive_spec.requests.body.repeats import Guarded
@@ -27,6 +28,7 @@ from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.telemetry.bus import EventBus
 from adaptive_spec.telemetry.events import DraftProgress, RequestFailed, RequestFinished, RequestStarted
 from adaptive_spec.telemetry.history import RequestHistory
+from adaptive_spec.telemetry.ledger import Counts
 from adaptive_spec.telemetry.records import RequestRecord, Timings
 from adaptive_spec.telemetry.trace import TraceWriter
 
@@ -80,6 +82,8 @@ class ProxyRequest:
     last_progress: tuple[float, Timings | None] = (0.0, None)
     speculation: dict[str, Any] | None = None  # the per-request speculation fields it was sent with
     gemini: GeminiCall | None = None  # a Gemini request, sent as a chat completion: what it asked for
+    # Each forward whose answer was not seen to its end: llama-server's counts for it, once a quiet reading says them.
+    unseen: list[asyncio.Future[Counts | None]] = field(default_factory=list)
 
     @property
     def parsed(self) -> ParsedRequest | None:
@@ -127,6 +131,8 @@ class RequestLifecycle:
         self.in_flight: dict[str, RequestStarted] = {}  # announced, not ended: the feed's snapshot lists them
         self.handlers: dict[str, asyncio.Task[object]] = {}  # every request being handled, for the shutdown
         self.stopping = False  # the shutdown grace is over: requests still running are being ended
+        self.accounting = Accounting()  # what llama-server counted for answers not seen to their end
+        self._settling: set[asyncio.Task[None]] = set()  # records held until those counts are known
 
     async def drain(self, grace_s: float) -> int:
         """On shutdown: let requests in flight run for up to `grace_s`, then end the rest (each answers 503, or ends
@@ -137,6 +143,11 @@ class RequestLifecycle:
         left = list(self.handlers.values())
         for task in left:
             task.cancel("adaptive-spec is shutting down")
+        if left:
+            await asyncio.wait(left, timeout=5.0)
+        await self.accounting.close()  # the held records go out with what their streams showed
+        if self._settling:
+            await asyncio.wait(set(self._settling), timeout=5.0)
         return len(left)
 
     def announce(self, req: ProxyRequest) -> None:
@@ -195,6 +206,23 @@ class RequestLifecycle:
         served in full, then exactly one record goes to the history, the bus and the trace."""
         self._learn(req)
         record = _record(method, path, req, req.outcome.finished)
+        if req.unseen:  # held until llama-server's counters say what it did for the request
+            task = asyncio.get_running_loop().create_task(self._settled(req, record))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+            return
+        as_json = record.to_json()
+        self._publish(req, record, as_json)
+        self._trace(req, as_json)
+
+    async def _settled(self, req: ProxyRequest, record: RequestRecord) -> None:
+        try:
+            counts = await asyncio.wait_for(asyncio.gather(*req.unseen), SETTLE_S + 5.0)
+        except TimeoutError:
+            counts = [None]
+        if all(c is not None for c in counts):
+            total = sum((c for c in counts if c is not None), Counts())
+            record = replace(record, timings=with_counts(record.timings, total))
         as_json = record.to_json()
         self._publish(req, record, as_json)
         self._trace(req, as_json)

@@ -1,0 +1,177 @@
+"""The ledger's shell: each forward and its end told to it, the record of an answer not seen to its end held until
+llama-server's counters (read when the server is quiet: before the next forward, or in the background) say its
+prompt, tokens and drafts.
+
+So the records, and the proxy's /metrics made from them, add up to llama-server's own counts (telemetry/ledger.py).
+A record waits at most `SETTLE_S` for a quiet moment (a server that is never quiet: the record keeps what the stream
+showed); a server without `--metrics` (an attached one may have none) is never asked twice."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+
+import aiohttp
+
+from adaptive_spec.telemetry.ledger import Counts, Ledger, busy, from_metrics
+from adaptive_spec.telemetry.records import Timings
+
+log = logging.getLogger(__name__)
+
+SETTLE_S = 30.0
+BEFORE_S = 0.5
+_POLL_S = 0.05
+_TIMEOUT = aiohttp.ClientTimeout(total=5)
+
+
+def counts_of(timings: Timings | None, generating: bool) -> Counts | None:
+    """What an answer said llama-server counted; None when it did not say it all (no final timings, or only the
+    usage object, which has no draft counts)."""
+    if not generating:
+        return Counts()
+    if timings is None or timings.from_usage:
+        return None
+    return Counts(
+        timings.prompt_n,
+        timings.cache_n,
+        timings.predicted_n,
+        timings.draft_n,
+        timings.draft_n_accepted,
+        timings.prompt_ms,
+        timings.predicted_ms,
+    )
+
+
+def with_counts(timings: Timings | None, counts: Counts) -> Timings:
+    """The record's timings with what llama-server counted for the request (speeds from its own seconds)."""
+    base = timings or Timings()
+    speed = counts.predicted_n / (counts.predicted_ms / 1000.0) if counts.predicted_ms > 0 else 0.0
+    return replace(
+        base,
+        prompt_n=counts.prompt_n,
+        cache_n=counts.cache_n,
+        predicted_n=counts.predicted_n,
+        draft_n=counts.draft_n,
+        draft_n_accepted=counts.draft_n_accepted,
+        prompt_ms=round(counts.prompt_ms, 3),
+        predicted_ms=round(counts.predicted_ms, 3),
+        predicted_per_second=speed,
+        from_usage=False,
+    )
+
+
+class Accounting:
+    def __init__(self) -> None:
+        self.ledger = Ledger()
+        self._waiting: dict[str, asyncio.Future[Counts | None]] = {}
+        self._readers: dict[str, asyncio.Task[None]] = {}
+        self._no_metrics: set[str] = set()
+        self._baselined: set[str] = set()
+
+    def forwarded(self, server: str) -> None:
+        self.ledger.forwarded(server)
+
+    def ended(
+        self, client: aiohttp.ClientSession, server: str, request_id: str, counts: Counts | None
+    ) -> asyncio.Future[Counts | None] | None:
+        """A forwarded request ended. A future when its counts wait for the next quiet reading (its record waits on
+        it), else None."""
+        if server in self._no_metrics:
+            self.ledger.ended(server, request_id, Counts() if counts is None else counts)
+            return None
+        held = self.ledger.ended(server, request_id, counts)
+        future: asyncio.Future[Counts | None] | None = None
+        if held:
+            future = asyncio.get_running_loop().create_future()
+            self._waiting[request_id] = future
+        if (held or server not in self._baselined) and self.ledger.quiet(server) is not None:
+            self._read_soon(client, server)
+        return future
+
+    def _read_soon(self, client: aiohttp.ClientSession, server: str) -> None:
+        if server in self._readers:
+            return
+        task = asyncio.get_running_loop().create_task(self._read(client, server))
+        self._readers[server] = task
+        task.add_done_callback(lambda _t: self._readers.pop(server, None))
+
+    async def before_forward(self, client: aiohttp.ClientSession, server: str) -> None:
+        """Before a request goes to a server whose last answers were not seen to their end, and that is quiet for the
+        proxy: one reading first (a millisecond; up to `BEFORE_S` while the server ends a cancelled task), so the
+        next request's counts do not mix with theirs. A server that stays busy is left to the background reading."""
+        if not self.ledger.waiting(server) or server in self._no_metrics or self.ledger.quiet(server) is None:
+            return
+        deadline = time.monotonic() + BEFORE_S
+        for _ in range(int(BEFORE_S / (_POLL_S / 2)) + 1):  # polled: llama-server tells no event of its counters
+            if await self._read_once(client, server) or time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(_POLL_S / 2)
+
+    async def _read(self, client: aiohttp.ClientSession, server: str) -> None:
+        deadline = time.monotonic() + SETTLE_S
+        while time.monotonic() < deadline:
+            if await self._read_once(client, server) and not self.ledger.waiting(server):
+                return
+            if server in self._no_metrics:
+                break
+            await asyncio.sleep(_POLL_S)
+        if self.ledger.waiting(server):  # never quiet for long enough: its counters start from the next reading
+            self._baselined.discard(server)
+            for request_id in self.ledger.forget(server):
+                self._settle(request_id, None)
+
+    async def _read_once(self, client: aiohttp.ClientSession, server: str) -> bool:
+        """One reading, if the server is quiet; True when it was (and settled what waited)."""
+        started_at = self.ledger.quiet(server)
+        if started_at is None:
+            return False
+        values = await self._metrics(client, server)
+        if values is None:  # no /metrics: what the streams showed is all there is
+            self._no_metrics.add(server)
+            for request_id in self.ledger.forget(server):
+                self._settle(request_id, None)
+            return False
+        counters = from_metrics(values) if values and not busy(values) else None
+        settled = self.ledger.read(server, started_at, counters) if counters is not None else None
+        if settled is None:
+            return False
+        self._baselined.add(server)
+        if settled.other is not None:
+            log.debug("%s counted %s that no request through the proxy did", server, settled.other)
+        for request_id in settled.requests:
+            self._settle(request_id, settled.counts if len(settled.requests) == 1 else None)
+        return True
+
+    async def _metrics(self, client: aiohttp.ClientSession, server: str) -> dict[str, float] | None:
+        try:
+            async with client.get(f"{server}/metrics", timeout=_TIMEOUT) as resp:
+                if resp.status in (404, 501):
+                    return None
+                if resp.status != 200:
+                    return {}
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError):
+            return {}
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("llamacpp:"):
+                name, _, value = line.partition(" ")
+                try:
+                    values[name] = float(value)
+                except ValueError:
+                    continue
+        return values
+
+    def _settle(self, request_id: str, counts: Counts | None) -> None:
+        future = self._waiting.pop(request_id, None)
+        if future is not None and not future.done():
+            future.set_result(counts)
+
+    async def close(self) -> None:
+        for task in list(self._readers.values()):
+            task.cancel()
+        await asyncio.gather(*self._readers.values(), return_exceptions=True)
+        for request_id in list(self._waiting):
+            self._settle(request_id, None)
