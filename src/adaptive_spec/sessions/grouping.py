@@ -81,10 +81,11 @@ def _conversation_digest(body: Mapping[str, Any]) -> bytes | None:
     return hashlib.blake2b(text, digest_size=12).digest()
 
 
-def _opening(body: Mapping[str, Any]) -> tuple[bytes, bytes] | None:
-    """(digest of a conversation's opening turn, digest of its system prompt) for a request that holds user turns
-    and nothing served yet (no assistant or tool message); None otherwise. The user messages' texts are joined as one
-    turn of several parts is (`message_text`), so an opening sent as two messages reads as the same turn."""
+def _opening(headers: Mapping[str, str], body: Mapping[str, Any]) -> tuple[bytes, bytes] | None:
+    """(digest of a conversation's opening turn as this client sent it, digest of its system prompt) for a request
+    that holds user turns and nothing served yet (no assistant or tool message); None otherwise. The user messages'
+    texts are joined as one turn of several parts is (`message_text`), so an opening sent as two messages reads as the
+    same turn. The client's User-Agent is part of it: two agents given the same first prompt are two conversations."""
     messages = messages_of(body)
     users, system = [], []
     for message in messages:
@@ -102,7 +103,8 @@ def _opening(body: Mapping[str, Any]) -> tuple[bytes, bytes] | None:
     turn = "\n".join(users)
     if len(turn.strip()) < _MIN_ECHO_LINE:
         return None  # "hi": too common an opening to say which conversation it is
-    digest = hashlib.blake2b(turn.encode("utf-8", "surrogatepass"), digest_size=12).digest()
+    sent = f"{headers.get('user-agent', '')}\0{turn}"
+    digest = hashlib.blake2b(sent.encode("utf-8", "surrogatepass"), digest_size=12).digest()
     return digest, hashlib.blake2b("\0".join(system).encode("utf-8", "surrogatepass"), digest_size=12).digest()
 
 
@@ -222,7 +224,7 @@ class SessionRegistry:
         retried = self._unanswered.pop(digest) if self._unanswered and (digest := _conversation_digest(body)) else None
         if retried is not None:
             return SessionAssignment(retried, "retry", None, subagent)
-        opening = _opening(body)
+        opening = _opening(headers, body)
         joined = self._opened(opening) if opening is not None else None
         if joined is not None:
             return SessionAssignment(joined, "opening", None, subagent)

@@ -324,3 +324,17 @@ def test_an_opening_asked_again_or_long_after_is_a_conversation_of_its_own() -> 
     assert registry.assign({}, _chat("Another system prompt.", ("user", "hi"))).session_id != hi.session_id
     served = _chat("Another.", ("user", CONTEXT), ("assistant", "ok"), ("user", ASK))
     assert registry.assign({}, served).source == "new"
+
+
+def test_two_agents_given_the_same_first_prompt_are_two_conversations() -> None:
+    """Continue CLI and then Cline, each asked "Create hello.py that prints hello." a minute apart, under their own
+    system prompts: measured through serve, Cline's first request joined Continue's session before the User-Agent
+    was part of the opening."""
+    registry = SessionRegistry(clock=lambda: 0.0)
+    continue_cli = registry.assign({"user-agent": "ls/JS 5.23.2"}, _chat("You are Continue.", ("user", ASK)))
+    cline_ua = {"user-agent": "ai-sdk/openai-compatible/3.0.37 ai-sdk/provider-utils/5.0.30 runtime/bun/1.3.13"}
+    cline = registry.assign(cline_ua, _chat("You are Cline.", ("user", ASK)))
+    assert cline.source == "new" and cline.session_id != continue_cli.session_id
+    # The same client's side request about that opening still joins it.
+    side = registry.assign(cline_ua, _chat("Write a title.", ("user", ASK)))
+    assert (side.source, side.session_id) == ("opening", cline.session_id)
