@@ -1,5 +1,6 @@
 """What a slot file's trip between two hosts costs: KV bytes per token × tokens ÷ the link's bandwidth.
 
+What prefilling the tokens instead costs is the router's speed model's to say: it hands it over as a `PrefillRate`.
 Pure, and the one model both KV moves use: a handoff between hosts (the router's speed model prices it) and remote
 prefill (its cost model), each over its own link.
 
@@ -10,6 +11,8 @@ link when there was one, else ~1 Gbit/s.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from adaptive_spec.common.means import RunningMean
 
 # Until measured: a 27B-class model's f16 KV per token, over ~1 Gbit/s.
@@ -17,6 +20,22 @@ KV_BYTES_PER_TOKEN_PRIOR = 120_000.0
 BANDWIDTH_PRIOR_BYTES_PER_S = 100e6
 MIN_TRANSFER_BYTES = 65_536  # smaller files time the round trip, not the link
 _LINK_PRIOR_WEIGHT = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRate:
+    """A server's prefill cost as the speed model has it now (`routing/prefill_line.py`): a prompt token at position
+    p takes `a_s + b_s_per_1k · p/1000` seconds. What every KV move compares its cost with (a head restore, a remote
+    prefill), so each prices the prefill it saves at the positions it saves it."""
+
+    a_s: float
+    b_s_per_1k: float = 0.0
+
+    def seconds(self, new: float, cached: float = 0.0) -> float:
+        """Prefilling `new` tokens after `cached` ones the slot holds."""
+        if new <= 0:
+            return 0.0
+        return new * (self.a_s + self.b_s_per_1k * (max(0.0, cached) + (new - 1) / 2.0) / 1000.0)
 
 
 class LinkCosts:

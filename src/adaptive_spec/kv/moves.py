@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from adaptive_spec.kv.costs import PrefillRate
+
 _HANDOFF_BASE_TIMEOUT_S = 10.0
 _HANDOFF_TIMEOUT_S_PER_TOKEN = 0.0005  # a save of N tokens takes milliseconds per thousand here
 _MIN_SAVED_SHARE = 0.9  # a save that wrote less of the session's tokens captured another session's KV
@@ -65,7 +67,7 @@ class PrefillAsk:
     body: dict[str, Any]
     new_tokens: int
     context_tokens: int
-    local_s_per_token: float  # the router's prefill speed here
+    local: PrefillRate  # the router's prefill cost here
     slot_busy: bool  # the slot is serving another request (a restore into it now would be overwritten)
 
 

@@ -265,6 +265,11 @@ class Launcher:
     def endpoints(self) -> dict[str, str]:
         return {c.name: c.base_url for c in self._children}
 
+    @property
+    def commands(self) -> dict[str, list[str]]:
+        """Each launched server's command line, by its URL (profiles that are settings of one server share it)."""
+        return {c.base_url: list(c.argv) for c in self._children}
+
     def pids(self) -> dict[str, int]:
         return {c.name: c.process.pid for c in self._children if c.process is not None}
 

@@ -48,6 +48,7 @@ from adaptive_spec.requests.gemini.views import add_gemini_views
 from adaptive_spec.requests.handler import proxy_view
 from adaptive_spec.requests.heads import HEADS, add_heads_views, watch_servers
 from adaptive_spec.requests.lifecycle import RequestLifecycle
+from adaptive_spec.requests.measured_speeds import KeptSpeeds, keep_speeds
 from adaptive_spec.requests.stranded import STRANDED, StrandedRequests
 from adaptive_spec.routing.contract import FixedPolicy, PolicySource
 from adaptive_spec.routing.draft_length import capped_profiles
@@ -109,9 +110,11 @@ def build_app(
     kv: KvSetup | None = None,
     restart: Callable[[str], Awaitable[None]] | None = None,
     access: AccessPolicy | None = None,
+    speeds: KeptSpeeds | None = None,
 ) -> web.Application:
     """The proxy. `upstreams` and `sessions` publish on `bus`: build them with its `publish` (the router made here
-    does). `servers`: which profiles share a llama-server (routing/router.py)."""
+    does). `servers`: which profiles share a llama-server (routing/router.py). `speeds`: where the speed model is
+    kept, and the launched servers to measure when nothing is kept there."""
     # The body limit is enforced by read_body (to answer in the OpenAI error shape), not by aiohttp.
     app = web.Application(client_max_size=settings.max_body_bytes + 1)
     install_security(app, access or AccessPolicy())  # every route, later ones included
@@ -156,6 +159,8 @@ def build_app(
     app.cleanup_ctx.append(_slot_sweep)
     app.cleanup_ctx.append(_replica_watch)
     app.cleanup_ctx.append(_health_poll)
+    if speeds is not None:
+        keep_speeds(app, speeds, kv.say or log.info)  # before the warm starts: they follow its measurements
     watch_servers(app)  # warm starts at start and after a restart: once the client above exists
     app.on_shutdown.append(_close_feeds)
     app.on_shutdown.append(_drain)

@@ -53,6 +53,8 @@ from adaptive_spec.proxy.connections import WatchedSite, watch_connections
 from adaptive_spec.proxy.event_loop import loop_factory, loop_name
 from adaptive_spec.proxy.plan import LaunchPlan, ServePlan
 from adaptive_spec.requests.app_keys import LIFECYCLE
+from adaptive_spec.requests.measured_speeds import KeptSpeeds, machine_identity
+from adaptive_spec.requests.measured_speeds import identity as speeds_identity
 from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker
 from adaptive_spec.sessions.token_source import choose_tokenizer
@@ -313,7 +315,18 @@ async def _app(run: _Run, policies: PolicyStore, table: UpstreamTable, bus: Even
         kv=kv,
         restart=restarter(launched, launcher) if launcher is not None and launched is not None else None,
         access=plan.access,
+        speeds=_kept_speeds(launcher),
     )
+
+
+def _kept_speeds(launcher: Launcher | None) -> KeptSpeeds | None:
+    """Launched servers' speeds: kept in the state folder under what they depend on, measured at start when none
+    are (attached servers' are learned from their requests alone: the proxy knows nothing of how they were run)."""
+    if launcher is None:
+        return None
+    commands = launcher.commands
+    path = state_dir() / "speeds" / f"{speeds_identity(commands, machine_identity())}.json"
+    return KeptSpeeds(path, tuple(commands))
 
 
 async def _sessions(

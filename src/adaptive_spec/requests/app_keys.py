@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -46,3 +47,6 @@ ROUTER = web.AppKey("router", Router)
 RESTART: web.AppKey[Callable[[str], Awaitable[None]] | None] = web.AppKey("restart")  # launched profiles only
 LIFECYCLE = web.AppKey("lifecycle", RequestLifecycle)
 KV = web.AppKey("kv", KvEffects)  # the router's effects: slot moves, remote prefill, the sweep of slot files
+# Base URL -> the speed measurement of that launched server at start (requests/measured_speeds.py), under way or done:
+# its task ends with the prompt tokens it prefilled (0: none).
+MEASURING: web.AppKey[dict[str, asyncio.Task[int]]] = web.AppKey("measuring")

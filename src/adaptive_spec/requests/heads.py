@@ -20,7 +20,7 @@ from adaptive_spec.kv.heads.values import Restored
 from adaptive_spec.llama.launch import RESTART_ON_REQUEST
 from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.policy.model import HeadsPolicy
-from adaptive_spec.requests.app_keys import BUS, ROUTER, UPSTREAMS
+from adaptive_spec.requests.app_keys import BUS, MEASURING, ROUTER, UPSTREAMS
 from adaptive_spec.requests.gate import request_keys
 from adaptive_spec.requests.lifecycle import ProxyRequest
 from adaptive_spec.routing.contract import Route
@@ -71,9 +71,9 @@ async def _before_forward(app: web.Application, req: ProxyRequest, chosen: Upstr
         return
     decision = route.decision
     slot_tokens = decision.context_tokens - decision.new_tokens if decision.new_tokens is not None else 0
-    prefill_s_per_token = app[ROUTER].speeds.prefill_s(decision.profile, 1.0)
+    prefill = app[ROUTER].speeds.prefill_rate()
     pieces = [p.digest for p in route.pieces]
-    restored = await store.restore(chosen, route.slot, pieces, slot_tokens, prefill_s_per_token, scope)
+    restored = await store.restore(chosen, route.slot, pieces, slot_tokens, prefill, scope)
     store.begin(req.request_id, restored)
     if restored is not None:
         req.route = replace(route, decision=_warm_decision(route, restored))
@@ -125,8 +125,9 @@ def watch_servers(app: web.Application) -> None:
     async def at_start(app: web.Application) -> AsyncIterator[None]:
         store = app.get(HEADS)
         if store is not None:
+            measuring = app.get(MEASURING) or {}  # the speed measurements at start go first (measured_speeds.py)
             for upstream in _one_per_server(app):
-                store.warm_start(upstream, "at start")
+                store.warm_start(upstream, "at start", after=measuring.get(upstream.base_url))
         yield
 
     emptied: set[tuple[str, int]] = set()  # restarts asked for to empty the server: no head goes back into it

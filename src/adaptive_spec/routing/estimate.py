@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from adaptive_spec.kv.costs import PrefillRate
 from adaptive_spec.policy.model import Policy
 from adaptive_spec.routing.placements import Placement
-from adaptive_spec.routing.speeds import SpeedModel
+from adaptive_spec.routing.speeds import Basis, SpeedModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,13 @@ class Estimate:
     decode_tps: float
     speedup: float  # decode speed over decoding without speculation, at this context
     total_s: float
+    basis: Basis = "prior"  # whether the prefill figure is the policy's prior or measured (`SpeedModel.basis`)
+    prefill_rate: PrefillRate = field(default_factory=lambda: PrefillRate(0.0))  # the prefill line the figure took
+
+    @property
+    def prefill_text(self) -> str:
+        """The prefill's figure as a reason shows it: its seconds and where its speed came from."""
+        return f"≈ {self.prefill_s:.2f} s ({self.basis})"
 
 
 def _fmt_tokens(n: int) -> str:
@@ -107,7 +115,7 @@ def estimate_on(
             # Priced by the prefix the new prompt shares with the saved slot, and only when restoring that prefix is
             # cheaper than prefilling it (a rewritten history may reuse little of a large slot).
             cost = speeds.handoff_s(placement.cached_tokens)
-            if reuse > held_here and cost < speeds.prefill_s(p.name, reuse - held_here):
+            if reuse > held_here and cost < speeds.prefill_s(p.name, reuse - held_here, held_here):
                 prefill_tokens = prompt_tokens - reuse
                 handoff_s = cost
     out = placement.output_tokens if placement is not None else float(policy.estimator.output_tokens)
@@ -116,7 +124,7 @@ def estimate_on(
     out_tokens = max(1, int(min(out, request.max_tokens) if request.max_tokens else out))
     context = prompt_tokens + out_tokens / 2
     s_per_token = speeds.decode_s_per_token(p.name, copy_share, context, acceptance)
-    prefill_s = speeds.prefill_s(p.name, prefill_tokens)
+    prefill_s = speeds.prefill_s(p.name, prefill_tokens, prompt_tokens - prefill_tokens)
     return Estimate(
         profile=p.name,
         prefill_tokens=prefill_tokens,
@@ -126,6 +134,8 @@ def estimate_on(
         decode_tps=1.0 / s_per_token,
         speedup=speeds.plain_s_per_token(context) / s_per_token,
         total_s=prefill_s + handoff_s + out_tokens * s_per_token,
+        basis=speeds.basis(),
+        prefill_rate=speeds.prefill_rate(),
     )
 
 
@@ -189,23 +199,23 @@ def move_text(chosen: Estimate, session: SessionState, min_reuse: float = 0.0) -
     if placement is None and in_flight_on is not None:  # not new: its first request has not finished yet
         return (
             f"its earlier request is still in flight on {in_flight_on}; prefills "
-            f"{_fmt_tokens(chosen.prefill_tokens)} tok ≈ {chosen.prefill_s:.2f} s"
+            f"{_fmt_tokens(chosen.prefill_tokens)} tok {chosen.prefill_text}"
         )
     if placement is None:
-        return f"new session, prefills {_fmt_tokens(chosen.prefill_tokens)} tok ≈ {chosen.prefill_s:.2f} s"
+        return f"new session, prefills {_fmt_tokens(chosen.prefill_tokens)} tok {chosen.prefill_text}"
     if placement.profile == chosen.profile:
-        return f"stays on its KV cache ({_fmt_tokens(chosen.prefill_tokens)} new tok ≈ {chosen.prefill_s:.2f} s)"
+        return f"stays on its KV cache ({_fmt_tokens(chosen.prefill_tokens)} new tok {chosen.prefill_text})"
     if chosen.profile in session.same_server:
         return (
             f"same server as {placement.profile}: keeps its KV cache, no handoff "
-            f"({_fmt_tokens(chosen.prefill_tokens)} new tok ≈ {chosen.prefill_s:.2f} s)"
+            f"({_fmt_tokens(chosen.prefill_tokens)} new tok {chosen.prefill_text})"
         )
     if chosen.handoff_s > 0:
         return (
             f"hands its KV over from {placement.profile} ({_fmt_tokens(placement.cached_tokens)} tok ≈ "
             f"{chosen.handoff_s:.2f} s)"
         )
-    text = f"switch re-prefills {_fmt_tokens(chosen.prefill_tokens)} tok ≈ {chosen.prefill_s:.2f} s"
+    text = f"switch re-prefills {_fmt_tokens(chosen.prefill_tokens)} tok {chosen.prefill_text}"
     measured = session.handoff_reuse.get(chosen.profile)
     if measured is not None and measured[0] < min_reuse:
         share, count = measured

@@ -125,7 +125,7 @@ class KvMoves:
             body=dict(request.body),
             new_tokens=decision.new_tokens,
             context_tokens=decision.context_tokens,
-            local_s_per_token=self.speeds.prefill_s(profile, 1.0),
+            local=self.speeds.prefill_rate(),
             slot_busy=self.load.slot_busy(profile, slot, mine=1, replica=replica),
         )
 

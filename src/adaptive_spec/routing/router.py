@@ -287,7 +287,8 @@ class Router:
         per_token = self.speeds.decode_s_per_token(
             choice.profile, choice.copy_share, choice.context_tokens, choice.acceptance
         )
-        prefill = self.speeds.prefill_s(choice.profile, prompt.new_tokens or 0)
+        new = prompt.new_tokens or 0
+        prefill = self.speeds.prefill_s(choice.profile, new, max(0, choice.context_tokens - new))
         return prefill + max(1.0, placement.output_tokens) * per_token
 
     def knows(self, session_id: str | None) -> bool:

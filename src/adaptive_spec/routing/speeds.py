@@ -21,19 +21,26 @@ costs its drafting and verification (llama.cpp #23052: prose at 0.68-0.91×), an
 the hardware (3.7× for DFlash on a GPU; a loss at 97% acceptance for a 0.5B drafting for a 1.5B on 2 CPU cores). Each
 request's own acceptance, from llama-server's counts, is the point it adds. On a server with a model drafter, the
 setting without speculation still pays for keeping the drafter's cache in step: it is measured there as its own `b_p`.
-Prefill speed (one figure: every profile serves the same model), slot save/restore cost and prompt bytes per token are
-running averages with priors. A KV handoff between hosts also pays the slot file's transfer, priced by `kv/costs.py`
-(`self.link`). Old measurements fade (half-life in requests).
+Prefill is one line for all profiles (they serve the same model): a prompt token at position p costs a + b·p seconds
+(attention reads every token before it), so N new tokens after C cached ones cost a·N + b·N·(C + (N−1)/2), fitted from
+llama-server's own (cache_n, prompt_n, prompt_ms) by ridge regression toward the prior (a from `prefill_tps`, b = a ×
+`prefill_slowdown_per_1k`). A measurement at start (`calibrate`) replaces the priors of a and of the plain decode
+speed, and the model's state is kept across runs (`snapshot`, `restore`); `basis()` says whether a figure is still the
+prior's (`routing/prefill_line.py`). Slot save/restore cost and prompt bytes per token are running averages with
+priors. A KV handoff between hosts also pays the slot file's transfer, priced by `kv/costs.py` (`self.link`). Old
+measurements fade (half-life in requests).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Literal
 
 from adaptive_spec.common.means import RunningMean
-from adaptive_spec.kv.costs import LinkCosts
+from adaptive_spec.kv.costs import LinkCosts, PrefillRate
 from adaptive_spec.policy.model import EstimatorPolicy, HandoffPolicy
+from adaptive_spec.routing.prefill_line import PrefillLine
 from adaptive_spec.telemetry.records import Timings
 
 # Shorter responses measure per-request overheads, not decode speed. An n-gram profile learns its gain from the same
@@ -134,6 +141,10 @@ class _Line:
         return min(_MAX_FACTOR, max(1.0 / _MAX_FACTOR, c + m * a))
 
 
+Basis = Literal["prior", "measured"]
+SNAPSHOT_VERSION = 1
+
+
 class SpeedModel:
     def __init__(
         self,
@@ -151,9 +162,12 @@ class SpeedModel:
         # drafter + n-gram) share what it was measured to do.
         self._line: dict[tuple[str, ...], _Line] = {}
         self._drafter_key: dict[str, tuple[str, ...]] = {}
-        # Prefill speed is one figure for all profiles: they serve the same model (the proxy refuses otherwise), and
-        # two servers' noise must not make one look faster at reading prompts.
-        self._prefill = RunningMean(estimator.prior_weight, self.forget)
+        # Prefill is one line for all profiles: they serve the same model (the proxy refuses otherwise), and two
+        # servers' noise must not make one look faster at reading prompts.
+        self._prefill = PrefillLine()
+        # Measured at start (`calibrate`, or kept from an earlier run): they stand in for the policy's priors.
+        self._measured_prefill_s: float | None = None  # seconds per prompt token at position 0
+        self._measured_decode_s: float | None = None  # plain decoding's seconds per token at no context
         for name, types in kinds.items():
             self.set_kind(name, types)
         self._implied_ref = RunningMean(estimator.prior_weight, self.forget)  # what n-gram measurements imply
@@ -166,7 +180,7 @@ class SpeedModel:
         """A reloaded policy changes the priors, their weight and the half-life; what was measured stays."""
         self.estimator, self.handoff = estimator, handoff
         self.forget = 0.5 ** (1.0 / estimator.half_life)
-        for avg in (*self._own.values(), self._prefill, self._implied_ref, self._bytes_per_token):
+        for avg in (*self._own.values(), self._implied_ref, self._bytes_per_token):
             avg.weight, avg.forget = estimator.prior_weight, self.forget
         for avg in (self._save_s_per_token, self._restore_s):
             avg.forget = self.forget
@@ -196,10 +210,16 @@ class SpeedModel:
     def _context_factor(self, context_tokens: float) -> float:
         return 1.0 + self.estimator.context_slowdown_per_1k * max(0.0, context_tokens) / 1000.0
 
+    def _decode_prior(self) -> float:
+        """Plain decoding's seconds per token at no context before any request is measured: the start-up
+        measurement's, else the policy's prior."""
+        measured = self._measured_decode_s
+        return measured if measured is not None else 1.0 / self.estimator.decode_tps
+
     def reference_s_per_token(self) -> float:
         """Decoding without n-gram drafting at no context: the plain profiles' measurements, else what the
         n-gram profiles' measurements imply, else the prior."""
-        prior = self._implied_ref.value(1.0 / self.estimator.decode_tps)
+        prior = self._implied_ref.value(self._decode_prior())
         measured = [a for name, a in self._own.items() if a.n > 0.5 and not self.speculates(name)]
         if not measured:
             return prior
@@ -238,15 +258,28 @@ class SpeedModel:
             return self.reference_s_per_token() * ctx * self._shape(profile, copy_share, acceptance)
         own = self._own.get(profile)
         if own is not None and own.n > 0.5:
-            return own.value(self._implied_ref.value(1.0 / self.estimator.decode_tps)) * ctx
+            return own.value(self._implied_ref.value(self._decode_prior())) * ctx
         return self.reference_s_per_token() * ctx
 
     def plain_s_per_token(self, context_tokens: float) -> float:
         """Decoding without n-gram drafting: the yardstick the decisions' `×` figures are quoted against."""
         return self.reference_s_per_token() * self._context_factor(context_tokens)
 
-    def prefill_s(self, profile: str, tokens: float) -> float:
-        return max(0.0, tokens) * self._prefill.value(1.0 / self.estimator.prefill_tps)
+    def prefill_rate(self) -> PrefillRate:
+        """The prefill line now: a prompt token at position p prefills in a + b·p/1000 seconds."""
+        e = self.estimator
+        measured = self._measured_prefill_s
+        a0 = measured if measured is not None else 1.0 / e.prefill_tps
+        return self._prefill.solve(a0, e.prefill_slowdown_per_1k, e.prior_weight)
+
+    def prefill_s(self, profile: str, tokens: float, cached: float = 0.0) -> float:
+        """Prefilling `tokens` new prompt tokens after `cached` ones the slot holds."""
+        return self.prefill_rate().seconds(tokens, cached)
+
+    def basis(self) -> Basis:
+        """Whether the prefill figures come from measurements (at start, kept from an earlier run, or of requests
+        served) or still from the policy's prior alone."""
+        return "measured" if self._measured_prefill_s is not None or self._prefill.n > 0.5 else "prior"
 
     def handoff_s(self, tokens: float, across_hosts: bool = False) -> float:
         """Slot save + restore; `across_hosts`: plus the slot file's transfer (`transfer_s`)."""
@@ -267,7 +300,7 @@ class SpeedModel:
         if context > 0 and body_bytes > 0:
             self._bytes_per_token.add(body_bytes / context)
         if timings.prompt_n >= _MIN_PREFILL_TOKENS and timings.prompt_ms > 0:
-            self._prefill.add(timings.prompt_ms / 1000.0 / timings.prompt_n)
+            self._prefill.add(timings.cache_n, timings.prompt_n, timings.prompt_ms / 1000.0, self.forget)
         if timings.predicted_n < _MIN_DECODE_TOKENS or timings.predicted_ms <= 0:
             return
         y = timings.predicted_ms / 1000.0 / timings.predicted_n
@@ -297,6 +330,72 @@ class SpeedModel:
         if ngram:
             self._gain.setdefault(profile, _Gain()).add(x, r / self.drafter_factor(profile, a), self.forget)
         self._implied_ref.add(at_no_context / self._shape(profile, x, a))
+
+    def calibrate(self, timings: Timings, plain: bool) -> bool:
+        """A server's speeds measured at start on a fixed prompt (the proxy's own request): its prefill, brought to
+        position 0 along the prior's slope, replaces the prior `prefill_tps`; with `plain` (sent without
+        speculation) its decode, brought to no context, replaces `decode_tps`. False: too short to say."""
+        if timings.from_usage or timings.prompt_n < _MIN_PREFILL_TOKENS or timings.prompt_ms <= 0:
+            return False
+        m = PrefillLine.mean_position_k(timings.cache_n, timings.prompt_n)
+        y = timings.prompt_ms / 1000.0 / timings.prompt_n
+        self._measured_prefill_s = y / (1.0 + self.estimator.prefill_slowdown_per_1k * m)
+        if plain and timings.predicted_n >= _MIN_DECODE_TOKENS and timings.predicted_ms > 0:
+            context = timings.prompt_n + timings.cache_n + timings.predicted_n / 2
+            per_token = timings.predicted_ms / 1000.0 / timings.predicted_n
+            self._measured_decode_s = per_token / self._context_factor(context)
+        return True
+
+    def snapshot(self) -> dict[str, Any]:
+        """What was measured, as JSON, to be kept under the servers' identity and `restore`d at the next start."""
+
+        def mean(avg: RunningMean) -> list[float]:
+            return [avg.total, avg.n]
+
+        return {
+            "version": SNAPSHOT_VERSION,
+            "measured_prefill_s": self._measured_prefill_s,
+            "measured_decode_s": self._measured_decode_s,
+            "prefill": self._prefill.state(),
+            "own": {name: mean(avg) for name, avg in self._own.items()},
+            "implied_ref": mean(self._implied_ref),
+            "bytes_per_token": mean(self._bytes_per_token),
+            "gain": {name: [g.sxr, g.sxx, g.n] for name, g in self._gain.items()},
+            "line": {",".join(key): [ln.s1, ln.sa, ln.saa, ln.sr, ln.sar, ln.n] for key, ln in self._line.items()},
+        }
+
+    def restore(self, data: Mapping[str, Any]) -> bool:
+        """A `snapshot` from an earlier run; profiles not served now are left out. False (nothing changed): not a
+        snapshot of this version."""
+        if data.get("version") != SNAPSHOT_VERSION:
+            return False
+        try:
+            self._restore(data)
+        except (KeyError, TypeError, ValueError):
+            return False
+        return True
+
+    def _restore(self, data: Mapping[str, Any]) -> None:
+        def load(avg: RunningMean, values: list[float]) -> None:
+            avg.total, avg.n = float(values[0]), float(values[1])
+
+        prefill, decode = data.get("measured_prefill_s"), data.get("measured_decode_s")
+        self._prefill.load(list(data["prefill"]))
+        self._measured_prefill_s = float(prefill) if prefill is not None else None
+        self._measured_decode_s = float(decode) if decode is not None else None
+        for name, values in data.get("own", {}).items():
+            if name in self._own:
+                load(self._own[name], values)
+        load(self._implied_ref, data["implied_ref"])
+        load(self._bytes_per_token, data["bytes_per_token"])
+        for name, (sxr, sxx, n) in data.get("gain", {}).items():
+            if name in self._gain:
+                gain = self._gain[name]
+                gain.sxr, gain.sxx, gain.n = float(sxr), float(sxx), float(n)
+        for joined, values in data.get("line", {}).items():
+            line = self._line.get(tuple(t for t in joined.split(",") if t))
+            if line is not None:
+                line.s1, line.sa, line.saa, line.sr, line.sar, line.n = (float(v) for v in values)
 
     def observe_handoff(self, tokens: int, save_s: float, restore_s: float) -> None:
         if tokens > 0:

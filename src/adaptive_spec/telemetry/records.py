@@ -69,6 +69,9 @@ class RequestRecord:
     # A translated request's fields (Gemini's) taken but not honoured by a local model, comma-separated
     # ("generationConfig.thinkingConfig, safetySettings"); else None.
     not_honoured: str | None = None
+    # The proxy's own request, not a client's: what it was for ("speed measurement": a launched server's speeds
+    # measured at start, requests/measured_speeds.py); None for a client's.
+    own: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """As `asdict` makes it, field by field (asdict's deep copy of every value cost a tenth of a request's own

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from adaptive_spec.kv.costs import PrefillRate
 from adaptive_spec.kv.relay_client import PARTIAL_PREFIX
 from adaptive_spec.kv.remote_prefill.plan import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy, choose
 from adaptive_spec.kv.remote_prefill.shell import sweep_partial_downloads
@@ -20,7 +21,7 @@ def _costs(**policy: float) -> RemoteCosts:
 
 def test_the_proposals_case_goes_remote_and_says_by_how_much() -> None:
     # 50k tokens at 10 tok/s here (5,000 s) vs a 2,000 tok/s remote, 120 kB/token over 1 Gbit/s (~60 s).
-    choice = choose(50_000, 50_000, LOCAL_10_TPS, _costs())
+    choice = choose(50_000, 50_000, PrefillRate(LOCAL_10_TPS), _costs())
     assert choice.remote and choice.local_s == pytest.approx(5000.0)
     assert 60 < choice.remote_s < 120 and choice.transfer_s == pytest.approx(60.0)
     assert choice.reason.startswith("remote prefill of 50,000 tokens saves 4,9") and "transfer 60.0 s" in choice.reason
@@ -38,7 +39,7 @@ def test_the_proposals_case_goes_remote_and_says_by_how_much() -> None:
 def test_the_choice_follows_the_terms(
     new_tokens: int, local_s_per_token: float, bandwidth: float, remote: bool
 ) -> None:
-    choice = choose(new_tokens, new_tokens, local_s_per_token, _costs(bandwidth_bytes_per_s=bandwidth))
+    choice = choose(new_tokens, new_tokens, PrefillRate(local_s_per_token), _costs(bandwidth_bytes_per_s=bandwidth))
     assert choice.remote is remote, choice.reason
 
 
@@ -46,14 +47,24 @@ def test_the_margin_keeps_a_near_tie_here() -> None:
     costs = _costs(margin=0.25)
     tokens = 50_000
     remote_s = costs.remote_s(tokens)
-    assert not choose(tokens, tokens, remote_s * 1.2 / tokens, costs).remote
-    assert choose(tokens, tokens, remote_s * 1.3 / tokens, costs).remote
+    assert not choose(tokens, tokens, PrefillRate(remote_s * 1.2 / tokens), costs).remote
+    assert choose(tokens, tokens, PrefillRate(remote_s * 1.3 / tokens), costs).remote
 
 
 def test_the_remote_prices_the_whole_context_a_slot_file_carries() -> None:
     # 2,000 new tokens after 48,000 already cached here: the file holds 50,000.
-    choice = choose(2_000, 50_000, LOCAL_10_TPS, _costs())
+    choice = choose(2_000, 50_000, PrefillRate(LOCAL_10_TPS), _costs())
     assert not choice.remote and choice.local_s == pytest.approx(200.0) and choice.remote_s > 60
+
+
+def test_the_local_cost_grows_with_the_positions_it_prefills_at() -> None:
+    # The 0.5B on 2 CPU cores: a token at 16k costs several times one at the start (docs/benchmarks.md).
+    slowing = PrefillRate(1 / 100, (1 / 100) * 0.25)
+    late = choose(4_000, 20_000, slowing, _costs())
+    early = choose(4_000, 4_000, slowing, _costs())
+    # 4,000 tokens at a mean position of 18k against 2k: 1 + 0.25·18 against 1 + 0.25·2, per token.
+    assert late.local_s == pytest.approx(40.0 * 5.5, rel=1e-3) and early.local_s == pytest.approx(40.0 * 1.5, rel=1e-3)
+    assert late.remote and not choose(4_000, 20_000, PrefillRate(1 / 100), _costs()).remote, late.reason
 
 
 def test_measurements_replace_the_priors() -> None:
@@ -74,7 +85,7 @@ def test_measurements_replace_the_priors() -> None:
         costs.observe(slow_link)
     assert costs.link.bandwidth_bytes_per_s() == pytest.approx(1e6, rel=0.2)
     assert 6_000 < 1 / costs.s_per_token() < 10_000  # from the 2,000 prior toward the measured 10,000
-    assert not choose(50_000, 50_000, 1 / 100, costs).remote  # 615 s of transfer vs 500 s here
+    assert not choose(50_000, 50_000, PrefillRate(1 / 100), costs).remote  # 615 s of transfer vs 500 s here
 
 
 def test_a_probe_of_the_link_counts_before_any_transfer() -> None:
@@ -84,7 +95,7 @@ def test_a_probe_of_the_link_counts_before_any_transfer() -> None:
 
 
 def test_forced_goes_remote_whatever_the_estimate() -> None:
-    choice = choose(10, 10, 1 / 1e6, _costs(force=True))
+    choice = choose(10, 10, PrefillRate(1 / 1e6), _costs(force=True))
     assert choice.remote and "forced" in choice.reason
 
 

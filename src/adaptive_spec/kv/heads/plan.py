@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from adaptive_spec.kv.costs import PrefillRate
+
 DEFAULT_MAX_BYTES = 2 * 1024**3  # 2 GiB: ~23 opencode heads of the 0.5B (~88 MB each)
 MIN_HEAD_TOKENS = 256  # a shorter first turn prefills in well under a second on the slowest machine here
 MIN_GAIN_TOKENS = 64  # a restore must bring at least this many tokens more than the slot holds
@@ -245,12 +247,12 @@ class RestorePrice:
     gain_tokens: int
 
 
-def price(match: Match, slot_tokens: int, prefill_s_per_token: float, restore_bytes_per_s: float) -> RestorePrice:
+def price(match: Match, slot_tokens: int, prefill: PrefillRate, restore_bytes_per_s: float) -> RestorePrice:
     """A restore pays when it brings `MIN_GAIN_TOKENS` more than the slot holds and reading the file (the whole
-    slot: the head and the turn after it) takes less than prefilling those tokens."""
+    slot: the head and the turn after it) takes less than prefilling those tokens (after the ones the slot holds)."""
     gain = match.tokens - max(0, slot_tokens)
     restore_s = RESTORE_OVERHEAD_S + match.entry.bytes / max(1.0, restore_bytes_per_s)
-    prefill_s = max(0, gain) * max(0.0, prefill_s_per_token)
+    prefill_s = prefill.seconds(max(0, gain), max(0, slot_tokens))
     return RestorePrice(gain >= MIN_GAIN_TOKENS and restore_s < prefill_s, restore_s, prefill_s, gain)
 
 

@@ -96,13 +96,13 @@ async def slot_free(client: aiohttp.ClientSession, upstream: Upstream, slot: int
     return any(isinstance(s, dict) and s.get("id") == slot and not s.get("is_processing") for s in slots)
 
 
-async def fresh(client: aiohttp.ClientSession, upstream: Upstream) -> bool:
-    """Whether the server has prefilled nothing yet (its /metrics): a server that has holds sessions' KV, which a
-    warm start must not displace. Without /metrics (an attached server started without them) it cannot be told:
-    no warm start there; its first turns still get heads restored when they come."""
+async def fresh(client: aiohttp.ClientSession, upstream: Upstream, own_tokens: int = 0) -> bool:
+    """Whether the server has prefilled nothing yet but the proxy's own `own_tokens` (its /metrics): a server that has
+    holds sessions' KV, which a warm start must not displace. Without /metrics (an attached server started without
+    them) it cannot be told: no warm start there; its first turns still get heads restored when they come."""
     async with client.get(f"{upstream.base_url}/metrics", timeout=ASK_TIMEOUT) as resp:
         text = await resp.text() if resp.status == 200 else ""
     for line in text.splitlines():
         if line.startswith("llamacpp:prompt_tokens_total"):
-            return float(line.split()[-1]) == 0
+            return float(line.split()[-1]) <= own_tokens
     return False

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 
 from adaptive_spec.common.lru import LRU
+from adaptive_spec.kv.costs import PrefillRate
 from adaptive_spec.kv.heads.activity import Mark, Verdict
 from adaptive_spec.kv.heads.book import HeadBook
 from adaptive_spec.kv.heads.files import unlink
@@ -124,7 +125,7 @@ class HeadStore:
         slot: int | None,
         pieces: Sequence[bytes],
         slot_tokens: int,
-        prefill_s_per_token: float,
+        prefill: PrefillRate,
         scope: str = "",
     ) -> Restored | None:
         """Restore the stored head of `scope` sharing most with this prompt into `slot` when it pays; None otherwise.
@@ -135,7 +136,7 @@ class HeadStore:
             return None
         try:
             links = chain(await self._io.key(upstream), pieces, scope)
-            return await self._restore(upstream, slot, links, slot_tokens, prefill_s_per_token)
+            return await self._restore(upstream, slot, links, slot_tokens, prefill)
         except _FAILURES as exc:
             self.counts["failed"] += 1
             log.warning("heads: restore on %s failed (the request prefills): %s", upstream.label, exc)
@@ -182,13 +183,20 @@ class HeadStore:
             self._save_when_idle(upstream, slot, replace(head, session=session), idle_s, mark)
 
     def warm_start(
-        self, upstream: Upstream, when: str, on_fresh: Callable[[], None] = lambda: None, restore: bool = True
+        self,
+        upstream: Upstream,
+        when: str,
+        on_fresh: Callable[[], None] = lambda: None,
+        restore: bool = True,
+        after: Awaitable[int] | None = None,
     ) -> None:
         """A server (re)started: when it is fresh (`on_fresh` is told: its slots hold nothing), the heads most
         recently used under its key go into its idle slots (unless `restore` is False: a restart asked to empty it),
-        in the background (a request never waits for it; one that comes first stops it)."""
+        in the background (a request never waits for it; one that comes first stops it). `after`: the proxy's own
+        work on the server to wait for first, ending with the prompt tokens it prefilled (a speed measurement's:
+        still fresh, as no session's KV is there)."""
         self._verify()
-        self._spawn(self._warm_logged(upstream, when, on_fresh, restore))
+        self._spawn(self._warm_logged(upstream, when, on_fresh, restore, after))
 
     def server_down(self, upstream: Upstream) -> None:
         """Its slots are gone (no session's state is saved from them), and its key is asked again when it is back."""
@@ -298,7 +306,7 @@ class HeadStore:
         slot: int | None,
         links: Sequence[str],
         slot_tokens: int,
-        prefill_s_per_token: float,
+        prefill: PrefillRate,
     ) -> Restored | None:
         usable = (
             e
@@ -316,7 +324,7 @@ class HeadStore:
             # The slot holds that head (a warm start put it there, or it was saved from there) and no request came
             # since: nothing to restore.
             return replace(held, tokens=match.tokens, pieces=match.pieces) if held.at_start else None
-        cost = price(match, slot_tokens, prefill_s_per_token, self._io.restore_bytes_per_s())
+        cost = price(match, slot_tokens, prefill, self._io.restore_bytes_per_s())
         if not cost.pays:
             log.info(
                 "heads: not restoring %s on %s: %d tokens more than the slot holds, restore %.2f s vs prefill %.2f s",
@@ -343,16 +351,26 @@ class HeadStore:
         finally:
             self._lock.release()
 
-    async def _warm_logged(self, upstream: Upstream, when: str, on_fresh: Callable[[], None], restore: bool) -> None:
+    async def _warm_logged(
+        self,
+        upstream: Upstream,
+        when: str,
+        on_fresh: Callable[[], None],
+        restore: bool,
+        after: Awaitable[int] | None,
+    ) -> None:
         try:
-            await self._warm(upstream, when, on_fresh, restore)
+            own_tokens = await asyncio.shield(after) if after is not None else 0
+            await self._warm(upstream, when, on_fresh, restore, own_tokens)
         except _FAILURES as exc:
             self.counts["failed"] += 1
             log.warning("heads: the warm start of %s %s stopped: %s", upstream.label, when, exc)
 
-    async def _warm(self, upstream: Upstream, when: str, on_fresh: Callable[[], None], restore: bool) -> None:
+    async def _warm(
+        self, upstream: Upstream, when: str, on_fresh: Callable[[], None], restore: bool, own_tokens: int = 0
+    ) -> None:
         self.server_down(upstream)
-        if upstream.upstream_model is not None or not await fresh(self._client(), upstream):
+        if upstream.upstream_model is not None or not await fresh(self._client(), upstream, own_tokens):
             return  # a server that has served prompts holds sessions' KV: a head must not displace it
         on_fresh()
         if self.config.project_keys:

@@ -3,7 +3,7 @@ back, or prefilled here.
 
 Pure: the proxy's shell (`kv/remote_prefill/shell.py`) measures, this decides.
 
-    local:   new prompt tokens × local prefill seconds/token            (the router's speed model)
+    local:   the new prompt tokens after the cached ones, on the local prefill line   (the router's speed model)
     remote:  round trip + all prompt tokens × remote prefill seconds/token
              + save + slot file bytes ÷ bandwidth + restore             (bytes = bytes/token × all prompt tokens)
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from adaptive_spec.common.means import RunningMean
-from adaptive_spec.kv.costs import LinkCosts
+from adaptive_spec.kv.costs import LinkCosts, PrefillRate
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +109,11 @@ class RemoteCosts:
         }
 
 
-def choose(new_tokens: int, prompt_tokens: int, local_s_per_token: float, costs: RemoteCosts) -> RemotePrefillChoice:
-    """Prefill `new_tokens` here, or all `prompt_tokens` remotely and bring the slot back? One line of reason."""
+def choose(new_tokens: int, prompt_tokens: int, local: PrefillRate, costs: RemoteCosts) -> RemotePrefillChoice:
+    """Prefill `new_tokens` here (after the rest of `prompt_tokens`, cached), or all `prompt_tokens` remotely and bring
+    the slot back? One line of reason."""
     p = costs.policy
-    local_s = new_tokens * local_s_per_token
+    local_s = local.seconds(new_tokens, max(0, prompt_tokens - new_tokens))
     tokens = max(prompt_tokens, new_tokens)
     remote_s, transfer_s = costs.remote_s(tokens), costs.link.transfer_s(tokens)
     figures = f"local {local_s:,.1f} s vs remote {remote_s:,.1f} s (of which transfer {transfer_s:,.1f} s)"

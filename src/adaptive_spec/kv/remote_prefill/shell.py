@@ -71,7 +71,7 @@ class RemotePrefill:
 
     async def maybe(self, client: aiohttp.ClientSession, ask: PrefillAsk, upstream: Upstream) -> PrefillAnswer:
         """Prefill the request remotely when the cost model says so; the answer's note extends the reason line."""
-        choice = choose(ask.new_tokens, ask.context_tokens, ask.local_s_per_token, self.costs)
+        choice = choose(ask.new_tokens, ask.context_tokens, ask.local, self.costs)
         if not choice.remote:
             return PrefillAnswer(choice.reason if ask.new_tokens >= self.costs.policy.min_tokens else "", None)
         # Past twice the time a local prefill was estimated to take, the remote path has lost even if that estimate

@@ -10,6 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from adaptive_spec.kv.costs import PrefillRate
 from adaptive_spec.kv.heads.plan import (
     NO_TENANT,
     HeadEntry,
@@ -107,10 +108,10 @@ def test_the_least_recently_used_heads_go_first_until_the_store_fits() -> None:
 
 def test_a_restore_pays_only_when_it_beats_prefilling_what_the_slot_lacks() -> None:
     match = Match(_entry(chain(KEY, PIECES), tokens=7200, size=88_000_000), 3, 7200)
-    slow_cpu = price(match, slot_tokens=0, prefill_s_per_token=1 / 60, restore_bytes_per_s=400e6)
+    slow_cpu = price(match, slot_tokens=0, prefill=PrefillRate(1 / 60), restore_bytes_per_s=400e6)
     assert slow_cpu.pays and slow_cpu.restore_s < 0.5 < 100 < slow_cpu.prefill_s
-    assert not price(match, slot_tokens=7180, prefill_s_per_token=1 / 60, restore_bytes_per_s=400e6).pays
-    fast_gpu = price(match, slot_tokens=0, prefill_s_per_token=1 / 50_000, restore_bytes_per_s=400e6)
+    assert not price(match, slot_tokens=7180, prefill=PrefillRate(1 / 60), restore_bytes_per_s=400e6).pays
+    fast_gpu = price(match, slot_tokens=0, prefill=PrefillRate(1 / 50_000), restore_bytes_per_s=400e6)
     assert not fast_gpu.pays  # 0.14 s of prefill against 0.27 s of reading
 
 
@@ -132,7 +133,7 @@ async def test_an_inert_restore_is_learned_and_not_tried_again_on_that_server(tm
             store.served(upstream, 0, [], [], 0, (10, 2), restored, ("opencode", "default", ""))
             assert store.describe()["inert_servers"] == ([upstream.base_url] if n == 2 else [])
         assert store.counts["inert"] == 2
-        assert await store.restore(upstream, 0, PIECES, 0, 1.0) is None
+        assert await store.restore(upstream, 0, PIECES, 0, PrefillRate(1.0)) is None
         assert store.counts["failed"] == 0  # refused before asking the server anything
 
 

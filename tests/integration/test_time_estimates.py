@@ -1,0 +1,70 @@
+"""Time estimates true from the first request, on the real Qwen2.5-Coder-0.5B behind `adaptive-spec serve` as a user
+runs it: a fresh `serve` measures its launched server once in the background (the proxy's own request, recorded as
+such), keeps the speed model in the state folder under the server's identity, and a restarted `serve` loads it
+instead of measuring again; a route's reason says which it used."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support.servers import ProxyProcess, chat_record, wait_until
+
+MEASURED = "speeds: measured on"
+KEPT = "speeds: measured before"
+MESSAGES = [
+    {"role": "system", "content": "You are a careful coding assistant. Answer with code only."},
+    {"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number."},
+]
+
+
+def _serve(state: Path) -> ProxyProcess:
+    return ProxyProcess("--threads", "1", "--ctx-size", "8192", env={"ADAPTIVE_SPEC_STATE_DIR": str(state)})
+
+
+def _line(proxy: ProxyProcess, start: str) -> str:
+    found: list[str] = []
+
+    def said() -> bool:
+        found[:] = [line for line in proxy.stdout_lines + proxy.stderr_lines if line.startswith(start)]
+        return bool(found)
+
+    wait_until(said, 300, f"a line starting {start!r}")
+    return found[0]
+
+
+@pytest.fixture
+def state(qwen_gguf: Path, tmp_path: Path) -> Path:  # qwen_gguf: serve's default model, assembled
+    return tmp_path / "state"
+
+
+def test_a_fresh_serve_measures_once_and_a_restarted_one_loads_what_it_kept(state: Path) -> None:
+    proxy = _serve(state)
+    try:
+        said = _line(proxy, MEASURED)
+        assert "prefill" in said and "tok/s" in said, said
+        own = [r for r in proxy.requests() if r["own"] is not None]
+        assert len(own) == 1, own
+        (measurement,) = own
+        assert measurement["own"] == "speed measurement" and measurement["client"] == "adaptive-spec"
+        assert measurement["outcome"] == "finished" and measurement["session_id"] is None
+        assert measurement["timings"]["prompt_n"] >= 64 and measurement["timings"]["predicted_n"] >= 32
+        record = chat_record(proxy, MESSAGES, 8)
+        assert "(measured)" in str(record["reason"]) and "(prior)" not in str(record["reason"]), record["reason"]
+    finally:
+        proxy.stop()
+    (kept,) = (state / "speeds").glob("*.json")
+    snapshot = json.loads(kept.read_text())["speeds"]
+    assert snapshot["measured_prefill_s"] > 0 and snapshot["measured_decode_s"] > 0
+
+    proxy = _serve(state)
+    try:
+        assert str(kept) in _line(proxy, KEPT)
+        record = chat_record(proxy, MESSAGES, 8)
+        assert "(measured)" in str(record["reason"]), record["reason"]
+        assert not [r for r in proxy.requests() if r["own"] is not None]  # nothing measured again
+        assert not any(line.startswith(MEASURED) for line in proxy.stdout_lines + proxy.stderr_lines)
+    finally:
+        proxy.stop()
