@@ -1,7 +1,8 @@
 """Time estimates true from the first request, on the real Qwen2.5-Coder-0.5B behind `adaptive-spec serve` as a user
 runs it: a fresh `serve` measures its launched server once in the background (the proxy's own request, recorded as
 such), keeps the speed model in the state folder under the server's identity, and a restarted `serve` loads it
-instead of measuring again; a route's reason says which it used."""
+instead of measuring again; a route's reason says which it used; every record keeps its estimated and measured
+prefill and decode seconds."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.servers import ProxyProcess, chat_record, wait_until
+from tests.support.servers import ProxyProcess, chat_record, http_json, wait_until
 
 MEASURED = "speeds: measured on"
 KEPT = "speeds: measured before"
@@ -53,6 +54,13 @@ def test_a_fresh_serve_measures_once_and_a_restarted_one_loads_what_it_kept(stat
         assert measurement["timings"]["prompt_n"] >= 64 and measurement["timings"]["predicted_n"] >= 32
         record = chat_record(proxy, MESSAGES, 8)
         assert "(measured)" in str(record["reason"]) and "(prior)" not in str(record["reason"]), record["reason"]
+        estimate, timings = record["time_estimate"], record["timings"]
+        assert estimate["basis"] == "measured" and estimate["prefill_s_est"] > 0 and estimate["decode_s_est"] > 0
+        assert estimate["prefill_s"] == pytest.approx(timings["prompt_ms"] / 1000, abs=1e-3)
+        assert estimate["decode_s"] == pytest.approx(timings["predicted_ms"] / 1000, abs=1e-3)
+        assert estimate["decode_error"] == pytest.approx(estimate["decode_s_est"] / estimate["decode_s"] - 1, abs=1e-3)
+        shown = http_json(proxy.base + "/adaptive/requests")["time_estimates"]
+        assert shown["measured"]["decode"]["n"] == 1, shown  # the proxy's own request is not judged
     finally:
         proxy.stop()
     (kept,) = (state / "speeds").glob("*.json")

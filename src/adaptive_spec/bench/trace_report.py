@@ -9,6 +9,7 @@ import orjson
 
 from adaptive_spec.bench.table import ReportRow, baseline_profile, summarize, to_csv, to_markdown
 from adaptive_spec.errors import ConfigError
+from adaptive_spec.telemetry import estimate_errors
 
 
 def read_trace(paths: list[Path]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -65,6 +66,9 @@ def run_report(paths: list[Path], out_dir: Path | None, baseline: str | None) ->
     baseline = baseline or baseline_profile(profiles)
     rows = summarize(records, baseline)
     table = to_markdown(rows, baseline)
+    errors = estimate_errors.summarize(records)
+    if errors:  # traces from before the records kept their estimates have none
+        table += "\n\n" + estimate_errors.to_markdown(errors)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "report.csv").write_text(to_csv(rows))

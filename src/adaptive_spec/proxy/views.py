@@ -30,6 +30,7 @@ from adaptive_spec.requests.app_keys import (
 )
 from adaptive_spec.requests.error_responses import error_response
 from adaptive_spec.routing.router import Router
+from adaptive_spec.telemetry import estimate_errors
 from adaptive_spec.telemetry.events import SessionPinned
 
 _HEARTBEAT_S = 15.0
@@ -66,7 +67,9 @@ async def _requests_view(request: web.Request) -> web.Response:
     limit_text = request.query.get("limit")
     limit = int(limit_text) if limit_text and limit_text.isdigit() else None
     history = request.app[HISTORY]
-    return _json({"total": history.total, "requests": [r.to_json() for r in history.latest(limit)]})
+    records = [r.to_json() for r in history.latest(limit)]
+    # How far the routes' time estimates were from llama-server's timings, over the records shown.
+    return _json({"total": history.total, "requests": records, "time_estimates": estimate_errors.summarize(records)})
 
 
 def _replicas(app: web.Application, name: str) -> list[dict[str, Any]]:

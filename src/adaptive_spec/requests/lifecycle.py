@@ -308,7 +308,13 @@ def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> Reques
         repaired=req.rewrite.repaired if req.rewrite is not None else None,
         model=req.parsed.model if req.parsed is not None else None,
         not_honoured=", ".join(req.gemini.not_honoured) if req.gemini and req.gemini.not_honoured else None,
+        time_estimate=_time_estimate(decision, meter.timings if finished else None),
     )
+
+
+def _time_estimate(decision: Decision | None, timings: Timings | None) -> dict[str, Any] | None:
+    estimate = decision.time_estimate(timings) if decision is not None else None
+    return estimate.to_json() if estimate is not None else None
 
 
 def _handoff_record(route: Route | None, timings: Timings | None) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ from typing import Literal
 
 from adaptive_spec.routing.estimate import Estimate
 from adaptive_spec.routing.replicas import ReplicaKind
+from adaptive_spec.telemetry.records import TimeEstimate, Timings
 
 # How the profile was decided: a pin, the policy (forced, the only one allowed), the estimates (estimate, explore,
 # stay where the KV lives, held back by the load rule), or a fallback when the rules' choice cannot serve.
@@ -96,6 +97,23 @@ class Decision(Choice):
     replica_moved_from: int | None = None  # the session's KV lived on this other replica of the same profile
     # The draft length the router caps this request at (`speculative.n_max`; None: the profile's own setting).
     n_max: int | None = None
+
+    def time_estimate(self, timings: Timings | None) -> TimeEstimate | None:
+        """The chosen profile's estimate against what llama-server measured: the prefill of the tokens this decision
+        left to prefill (after a warm start's or a remote prefill's, fewer), the decode at the answer's true length.
+        None without an estimate (pinned, forced, the only profile) or llama-server's timings."""
+        chosen = next((e for e in self.estimates if e.profile == self.profile), None)
+        if chosen is None or timings is None or timings.from_usage:
+            return None
+        new = chosen.prefill_tokens if self.new_tokens is None else self.new_tokens
+        prefill_s = chosen.prefill_rate.seconds(new, max(0, self.context_tokens - new))
+        return TimeEstimate(
+            basis=chosen.basis,
+            prefill_s_est=prefill_s,
+            prefill_s=timings.prompt_ms / 1000.0,
+            decode_s_est=timings.predicted_n / chosen.decode_tps,
+            decode_s=timings.predicted_ms / 1000.0,
+        )
 
     def after(self, moved: Moved) -> Decision:
         """This decision with what a KV move did as its last stage."""

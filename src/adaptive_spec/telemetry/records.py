@@ -26,6 +26,36 @@ class Timings:
 
 
 @dataclass(frozen=True, slots=True)
+class TimeEstimate:
+    """A request's prefill and decode time as the router estimated them, against llama-server's own (`prompt_ms`,
+    `predicted_ms`). The decode estimate is at the answer's true length (its seconds per token × `predicted_n`): the
+    speed is the router's to know, not how long an answer will be. `basis`: the speeds the estimate took were the
+    policy's priors, or measured (at start, kept from an earlier run, or learned from requests served)."""
+
+    basis: str
+    prefill_s_est: float
+    prefill_s: float
+    decode_s_est: float
+    decode_s: float
+
+    @staticmethod
+    def error(estimated: float, measured: float) -> float | None:
+        """Estimated over measured, less 1 (+0.5: estimated half as long again; −0.8: a fifth of the time)."""
+        return round(estimated / measured - 1.0, 4) if measured > 0 else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "basis": self.basis,
+            "prefill_s_est": round(self.prefill_s_est, 4),
+            "prefill_s": round(self.prefill_s, 4),
+            "prefill_error": self.error(self.prefill_s_est, self.prefill_s),
+            "decode_s_est": round(self.decode_s_est, 4),
+            "decode_s": round(self.decode_s, 4),
+            "decode_error": self.error(self.decode_s_est, self.decode_s),
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class RequestRecord:
     """One request as the proxy saw it, from arrival to the last byte sent to the client."""
 
@@ -72,6 +102,9 @@ class RequestRecord:
     # The proxy's own request, not a client's: what it was for ("speed measurement": a launched server's speeds
     # measured at start, requests/measured_speeds.py); None for a client's.
     own: str | None = None
+    # The route's prefill and decode time estimates against llama-server's timings (TimeEstimate.to_json, with
+    # each one's error); None without an estimate (a pinned or forced route) or without timings.
+    time_estimate: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """As `asdict` makes it, field by field (asdict's deep copy of every value cost a tenth of a request's own
