@@ -185,7 +185,7 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
     body, raw = (req.rewrite.body, req.rewrite.raw) if req.rewrite is not None else (parsed.body, req.body)
     tokenizer = service.tokenizer if service is not None else None
     counter = tokenizer if isinstance(tokenizer, CachingTokenizer) else None  # `serve`'s: a cache of counts
-    rate = await first_turn_rate(counter, app[ROUTER].knows(session_id), body)
+    rate = await first_turn_rate(counter, app[ROUTER].measured_chars(session_id), body)
     routed = app[ROUTER].route(
         RouteRequest(
             body=body,

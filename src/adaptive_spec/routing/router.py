@@ -148,7 +148,8 @@ class Router:
         # Only texts never seen before (in any session) are hashed; the session's last messages are not read again.
         pieces = self.prefixes.pieces(body, state, session_id, body_bytes)
         placement = self.placements.get(session_id)
-        cpt = state.chars_per_token if state is not None else request.chars_per_token or self.chars_per_token
+        # A rate counted for this prompt (a first turn, or one far larger than any the session measured) comes first.
+        cpt = request.chars_per_token or (state.chars_per_token if state is not None else self.chars_per_token)
         total = prefix.total_tokens(pieces, cpt)  # read once, for the session's state and each server's slot
         est = prefix.estimate(state, pieces, has_tools, cpt, total=total)
         own = est.shared_tokens  # against the session's own state alone (no slot given): what its KV holds
@@ -291,9 +292,10 @@ class Router:
         prefill = self.speeds.prefill_s(choice.profile, new, max(0, choice.context_tokens - new))
         return prefill + max(1.0, placement.output_tokens) * per_token
 
-    def knows(self, session_id: str | None) -> bool:
-        """Whether the session has a prefix state here (its estimates take its own measured rate)."""
-        return session_id is not None and self.prefixes.get(session_id) is not None
+    def measured_chars(self, session_id: str | None) -> int:
+        """The characters of the session's last served prompt, on which its rate was measured (0: none yet)."""
+        state = self.prefixes.get(session_id)
+        return sum(p.chars for p in state.pieces) if state is not None else 0
 
     # --- the two calls ----------------------------------------------------------------------------------------
 
