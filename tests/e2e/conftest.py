@@ -4,9 +4,9 @@ The agents are installed by `tests/e2e/install_clients.sh` into `.e2e-clients/` 
 whose client is missing is skipped with the reason. Each runs in a scratch git repository under a temporary HOME,
 through `/p/<project>/v1`, against the embedded Qwen2.5-Coder-1.5B where it is installed (the `test` extras install it;
 the model agents should use), else the 0.5B; ADAPTIVE_SPEC_E2E_MODEL names another (two profiles: oneshot and
-iterative). Each
-test writes what it saw (requests, APIs, sessions, projects, profiles and reasons, drafted/accepted, estimated vs
-measured new prompt tokens) to ADAPTIVE_SPEC_E2E_OUT (default: a temporary folder) as `<agent>.json`.
+iterative); ADAPTIVE_SPEC_E2E_THREADS its llama-server's threads (2). Each test writes what it saw (requests, APIs,
+sessions, projects, profiles and reasons, drafted/accepted, estimated vs measured new prompt tokens) to
+ADAPTIVE_SPEC_E2E_OUT (default: a temporary folder) as `<agent>.json`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,20 @@ def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
     state = tmp_path_factory.mktemp("state")
     trace = state / "trace.jsonl"
     # Two threads: an agent's first turn prefills ~7,000 tokens (the 1.5B: minutes even so on 2 cores).
+    # ADAPTIVE_SPEC_E2E_THREADS=1 where the cores are shared (2 threads beside another busy process: decode collapses).
+    threads = os.environ.get("ADAPTIVE_SPEC_E2E_THREADS") or "2"
     proc = ProxyProcess(
-        *("--model", e2e_model(), "--threads", "2", "--ctx-size", "32768", "--trace", str(trace), "--trace-content"),
+        *(
+            "--model",
+            e2e_model(),
+            "--threads",
+            threads,
+            "--ctx-size",
+            "32768",
+            "--trace",
+            str(trace),
+            "--trace-content",
+        ),
         env={"ADAPTIVE_SPEC_STATE_DIR": str(state)},
     )
     proc.trace = trace  # type: ignore[attr-defined]

@@ -13,13 +13,11 @@ examples/README.md says what they did).
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.support.agents import ENABLED, client, records, run, summary
+from tests.support.agents import ENABLED, client, estimates_off, records, run, summary
 from tests.support.servers import ProxyProcess
 
 if not ENABLED:
@@ -29,28 +27,6 @@ pytestmark = pytest.mark.timeout(3600)
 
 CREATE = "Create hello.py that prints hello."
 EDIT = "Change hello.py so it prints bye."
-# The proxy's estimate of a follow-up turn's prefill against llama-server's prompt_n: the session's median within 15%,
-# and no turn off by more than half (or 64 tokens, for turns of a few dozen where the template's markers dominate) --
-# a whole prompt estimated again, as before the billing value was normalised, is off by thousands. A request right
-# after a cancelled one is left out: llama-server's slot holds the cancelled prompt, the proxy the one before it.
-MEDIAN_ERROR = 0.15
-TURN_ERROR, TURN_SLACK_TOKENS = 0.5, 64
-
-
-def _estimates_off(recs: list[dict[str, Any]]) -> list[tuple[int, int]]:
-    """(estimate, prompt_n) of the main-line follow-ups that break the bounds above, and (-1, -1) if the median
-    does."""
-    pairs, after_cancel = [], False
-    for r in sorted(recs, key=lambda r: r["started_at_unix"]):
-        timings = r.get("timings") or {}
-        est, true = r.get("new_tokens_est"), timings.get("prompt_n")
-        if not (r.get("side") or est is None or not true or not timings.get("cache_n") or after_cancel):
-            pairs.append((est, true))
-        after_cancel = r["status"] == 499
-    off = [(e, t) for e, t in pairs if abs(e - t) > max(TURN_ERROR * t, TURN_SLACK_TOKENS)]
-    if pairs and statistics.median(abs(e - t) / t for e, t in pairs) > MEDIAN_ERROR:
-        off.append((-1, -1))  # the median is off
-    return off
 
 
 def _made(path: Path) -> str | None:
@@ -91,7 +67,7 @@ def test_claude_code_creates_then_changes_a_file(proxy: ProxyProcess, workspace:
     assert {r["session_source"] for r in gen} == {"header:x-claude-code-session-id"}, out
     # Each `claude -p` run is a conversation of its own unless --continue carries it on: at most the two runs.
     assert 1 <= out["sessions_found"] <= 2, out
-    assert _estimates_off(gen) == [], out
+    assert estimates_off(gen) == [], out
 
 
 def _qwen_settings(home: Path) -> None:
@@ -133,4 +109,4 @@ def test_qwen_code_creates_then_changes_a_file(proxy: ProxyProcess, workspace: t
     # No session header: the echo groups the answered requests, --continue's too, and an attempt Qwen Code gave up on
     # before any answer shares its retry's session.
     assert len({r["session_id"] for r in gen}) == 1, out
-    assert _estimates_off(gen) == [], out
+    assert estimates_off(gen) == [], out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -124,11 +125,51 @@ def _followup_error(gen: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+# The record's APIs that generate (Gemini's is translated into chat completions, and recorded as "gemini").
+GENERATING = ("chat", "responses", "completions", "messages", "gemini")
+# The proxy's estimate of a follow-up turn's prefill against llama-server's prompt_n: the session's median within 15%,
+# and no turn off by more than half (or 64 tokens, for turns of a few dozen where the template's markers dominate) --
+# a whole prompt estimated again, as before the billing value was normalised, is off by thousands. A request right
+# after a cancelled one is left out: llama-server's slot holds the cancelled prompt, the proxy the one before it.
+MEDIAN_ERROR = 0.15
+TURN_ERROR, TURN_SLACK_TOKENS = 0.5, 64
+# A first turn (nothing of it cached: at most llama-server's few re-read tokens) is estimated within this.
+FIRST_TURN_ERROR, COLD_CACHED_TOKENS = 0.15, 16
+
+
+def estimates_off(recs: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """(estimate, prompt_n) of the main-line follow-ups that break the bounds above, and (-1, -1) if the median
+    does."""
+    pairs, after_cancel = [], False
+    for r in sorted(recs, key=lambda r: r["started_at_unix"]):
+        timings = r.get("timings") or {}
+        est, true = r.get("new_tokens_est"), timings.get("prompt_n")
+        if not (r.get("side") or est is None or not true or not timings.get("cache_n") or after_cancel):
+            pairs.append((est, true))
+        after_cancel = r["status"] == 499
+    off = [(e, t) for e, t in pairs if abs(e - t) > max(TURN_ERROR * t, TURN_SLACK_TOKENS)]
+    if pairs and statistics.median(abs(e - t) / t for e, t in pairs) > MEDIAN_ERROR:
+        off.append((-1, -1))  # the median is off
+    return off
+
+
+def first_turns_off(recs: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """(estimate, prompt_n) of the answered requests prefilled cold (a conversation's first turn, a side request's
+    own prompt) whose estimate is off by more than 15%."""
+    cold = [
+        (r["new_tokens_est"], (r["timings"] or {})["prompt_n"])
+        for r in recs
+        if r["status"] == 200 and r.get("new_tokens_est") is not None and (r["timings"] or {}).get("prompt_n")
+        if (r["timings"] or {}).get("cache_n", 0) <= COLD_CACHED_TOKENS
+    ]
+    return [(e, t) for e, t in cold if abs(e - t) > FIRST_TURN_ERROR * t]
+
+
 def summary(
     agent: str, recs: list[dict[str, Any]], expected_sessions: int, done: list[Any], notes: str = ""
 ) -> dict[str, Any]:
     """What the closing note needs, per agent; written to ADAPTIVE_SPEC_E2E_OUT."""
-    gen = [r for r in recs if r["api"] in ("chat", "responses", "completions", "messages")]
+    gen = [r for r in recs if r["api"] in GENERATING]
     out = {
         "agent": agent,
         "requests": len(recs),
@@ -144,6 +185,7 @@ def summary(
         "accepted": sum((r["timings"] or {}).get("draft_n_accepted", 0) for r in gen),
         "new_tokens": [{"est": r.get("new_tokens_est"), "true": (r["timings"] or {}).get("prompt_n")} for r in gen],
         "first_request": _first_request(gen),
+        "first_turns_off": first_turns_off(gen),
         "followup_error": _followup_error(gen),
         "client_exit": [getattr(d, "returncode", None) for d in done],
         "notes": notes,
