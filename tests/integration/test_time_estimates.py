@@ -44,6 +44,8 @@ def state(qwen_gguf: Path, tmp_path: Path) -> Path:  # qwen_gguf: serve's defaul
 def test_a_fresh_serve_measures_once_and_a_restarted_one_loads_what_it_kept(state: Path) -> None:
     proxy = _serve(state)
     try:
+        # Sent at once: it waits for the measurement (it would queue behind it anyway) and is routed on its figures.
+        record = chat_record(proxy, MESSAGES, 8)
         said = _line(proxy, MEASURED)
         assert "prefill" in said and "tok/s" in said, said
         own = [r for r in proxy.requests() if r["own"] is not None]
@@ -52,7 +54,7 @@ def test_a_fresh_serve_measures_once_and_a_restarted_one_loads_what_it_kept(stat
         assert measurement["own"] == "speed measurement" and measurement["client"] == "adaptive-spec"
         assert measurement["outcome"] == "finished" and measurement["session_id"] is None
         assert measurement["timings"]["prompt_n"] >= 64 and measurement["timings"]["predicted_n"] >= 32
-        record = chat_record(proxy, MESSAGES, 8)
+        assert measurement["started_at_unix"] < record["started_at_unix"] + record["total_ms"] / 1000
         assert "(measured)" in str(record["reason"]) and "(prior)" not in str(record["reason"]), record["reason"]
         estimate, timings = record["time_estimate"], record["timings"]
         assert estimate["basis"] == "measured" and estimate["prefill_s_est"] > 0 and estimate["decode_s_est"] > 0

@@ -32,6 +32,7 @@ from adaptive_spec.requests.gemini.request import gemini_target, to_chat
 from adaptive_spec.requests.heads import before_forward, served
 from adaptive_spec.requests.keepalive import PrefillKeepAlive
 from adaptive_spec.requests.lifecycle import Prepared, ProxyRequest, Rewrite
+from adaptive_spec.requests.measured_speeds import measured
 from adaptive_spec.requests.outcome import CLIENT_GONE, SERVED, SHUTDOWN, Outcome
 from adaptive_spec.requests.outgoing import (
     BodyTooLarge,
@@ -186,6 +187,7 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
     tokenizer = service.tokenizer if service is not None else None
     counter = tokenizer if isinstance(tokenizer, CachingTokenizer) else None  # `serve`'s: a cache of counts
     rate = await first_turn_rate(counter, app[ROUTER].measured_chars(session_id), body)
+    await measured(app)  # the speeds at start: the request would wait behind their measurement anyway
     routed = app[ROUTER].route(
         RouteRequest(
             body=body,

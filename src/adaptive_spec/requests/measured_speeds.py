@@ -3,8 +3,9 @@ arguments and machine), and each launched server's speeds measured once at start
 prompt, the proxy's own request, recorded as such, so the first client's estimate is not the policy's prior.
 
 The measuring runs in the background, but is in the server's queue before the proxy listens: a client's request that
-comes meanwhile waits behind it (a few seconds) instead of going first and having its slot's KV overwritten. A warm
-start of the head store follows it (`MEASURING`: it counts the measurement's tokens as the proxy's, not a session's).
+comes meanwhile waits behind it (a few seconds) instead of going first and having its slot's KV overwritten, and is
+routed once it is over (`measured`), on the measured speeds. A warm start of the head store follows it (`MEASURING`:
+it counts the measurement's tokens as the proxy's, not a session's).
 """
 
 from __future__ import annotations
@@ -169,6 +170,14 @@ def _write_logged(path: Path, snapshot: Mapping[str, Any]) -> None:
         write(path, snapshot)
     except OSError as exc:
         log.warning("speeds: could not keep them in %s: %s", path, exc)
+
+
+async def measured(app: web.Application) -> None:
+    """Wait for the speed measurements at start still under way: a request that comes meanwhile would queue behind
+    them on the server anyway, and routed after them it is estimated on measured speeds, not on the priors."""
+    pending = [task for task in (app.get(MEASURING) or {}).values() if not task.done()]
+    if pending:
+        await asyncio.wait([asyncio.shield(task) for task in pending])
 
 
 def _through(app: web.Application, base_url: str) -> Upstream | None:
