@@ -26,7 +26,13 @@ from adaptive_spec.sessions.project import DEFAULT_PROJECT
 from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.telemetry.bus import EventBus
-from adaptive_spec.telemetry.events import DraftProgress, RequestFailed, RequestFinished, RequestStarted
+from adaptive_spec.telemetry.events import (
+    DraftProgress,
+    RequestCounted,
+    RequestFailed,
+    RequestFinished,
+    RequestStarted,
+)
 from adaptive_spec.telemetry.history import RequestHistory
 from adaptive_spec.telemetry.ledger import Counts
 from adaptive_spec.telemetry.records import RequestRecord, Timings
@@ -206,26 +212,26 @@ class RequestLifecycle:
         served in full, then exactly one record goes to the history, the bus and the trace."""
         self._learn(req)
         record = _record(method, path, req, req.outcome.finished)
-        if req.unseen:  # held until llama-server's counters say what it did for the request
-            task = asyncio.get_running_loop().create_task(self._settled(req, record))
-            self._settling.add(task)
-            task.add_done_callback(self._settling.discard)
-            return
         as_json = record.to_json()
         self._publish(req, record, as_json)
         self._trace(req, as_json)
+        if req.unseen:  # counted again once llama-server's counters say what it did for the request
+            task = asyncio.get_running_loop().create_task(self._counted(req, record))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
 
-    async def _settled(self, req: ProxyRequest, record: RequestRecord) -> None:
+    async def _counted(self, req: ProxyRequest, record: RequestRecord) -> None:
         try:
             counts = await asyncio.wait_for(asyncio.gather(*req.unseen), SETTLE_S + 5.0)
         except TimeoutError:
-            counts = [None]
-        if all(c is not None for c in counts):
-            total = sum((c for c in counts if c is not None), Counts())
-            record = replace(record, timings=with_counts(record.timings, total))
-        as_json = record.to_json()
-        self._publish(req, record, as_json)
-        self._trace(req, as_json)
+            return
+        if any(c is None for c in counts):
+            return  # not told apart from other requests: the record keeps what the answer showed
+        total = sum((c for c in counts if c is not None), Counts())
+        counted = replace(record, timings=with_counts(record.timings, total))
+        self.history.replace(counted)
+        before = record.to_json().get("timings") or {}
+        self.bus.publish(RequestCounted(record=counted.to_json(), before=before))
 
     def _learn(self, req: ProxyRequest) -> None:
         """The router's load comes down whatever happened (`complete`); a request served in full is learned from,

@@ -63,6 +63,16 @@ class RequestFailed(_Event):
 
 
 @dataclass(frozen=True, slots=True)
+class RequestCounted(_Event):
+    """A request's record once llama-server's own counters said what an answer not seen to its end cost (a client
+    that hung up mid-stream, an answer with usage and no timings): it replaces the record its RequestFinished or
+    RequestFailed carried; `before` is that record's timings ({}: it had none)."""
+
+    record: dict[str, Any]
+    before: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
 class SessionUpdated(_Event):
     """A turn was folded into a session's statistics (figures prefixed est_ are estimates)."""
 
@@ -152,6 +162,7 @@ Event = (
     | DraftProgress
     | RequestFinished
     | RequestFailed
+    | RequestCounted
     | SessionUpdated
     | ProfileUp
     | ProfileDown

@@ -16,6 +16,13 @@ class RequestHistory:
         self._records.append(record)
         self.total += 1
 
+    def replace(self, record: RequestRecord) -> None:
+        """A record counted again (RequestCounted) takes the place of the one of the same request, if still kept."""
+        for i in range(len(self._records) - 1, -1, -1):
+            if self._records[i].request_id == record.request_id:
+                self._records[i] = record
+                return
+
     def latest(self, limit: int | None = None) -> list[RequestRecord]:
         """Oldest first, at most `limit` of the newest."""
         records = list(self._records)

@@ -17,6 +17,7 @@ from adaptive_spec.telemetry.events import (
     ProfileDown,
     ProfileUp,
     RemotePrefillDone,
+    RequestCounted,
     RequestFailed,
     RequestFinished,
 )
@@ -168,6 +169,8 @@ class ProxyMetrics:
     def on_event(self, event: Event) -> None:
         if isinstance(event, RequestFinished | RequestFailed):
             self._record(event.record, failed=isinstance(event, RequestFailed))
+        elif isinstance(event, RequestCounted):
+            self._counted(event.record, event.before)
         elif isinstance(event, ProfileUp):
             self.profile_up.labels(event.profile).set(1)
             self.replica_up.labels(event.profile, str(event.replica)).set(1)
@@ -208,6 +211,23 @@ class ProxyMetrics:
         ttft = record.get("ttft_ms")
         if isinstance(ttft, int | float):
             self._child(self.ttft, *labels).observe(ttft / 1000.0)
+
+    def _counted(self, record: dict[str, object], before: dict[str, object]) -> None:
+        """What llama-server counted beyond what the request's first record said (counters only go up)."""
+        labels = (self._profile_label(str(record["profile"])), self._project_label(str(record["project"])))
+        timings = record.get("timings")
+        if not isinstance(timings, dict):
+            return
+        for metric, name in (
+            (self.prompt_tokens, "prompt_n"),
+            (self.cached_tokens, "cache_n"),
+            (self.predicted_tokens, "predicted_n"),
+            (self.draft_tokens, "draft_n"),
+            (self.accepted_tokens, "draft_n_accepted"),
+        ):
+            added = int(timings.get(name, 0)) - int(before.get(name, 0))  # type: ignore[call-overload]
+            if added > 0:
+                self._child(metric, *labels).inc(added)
 
     def _replica_record(self, record: dict[str, object], profile: str, *, failed: bool) -> None:
         replica = str(record.get("replica") or 0)

@@ -97,6 +97,8 @@ class Dashboard:
             case events.RequestFinished() | events.RequestFailed():
                 if event.record:  # a message without one (a bad line of a recording) has nothing to fold in
                     self._finish(event.record, at=at, arrived=now)
+            case events.RequestCounted():
+                self._counted(event.record)
             case events.SessionUpdated():
                 self._session_updated(event)
             case events.ProfileUp():
@@ -194,6 +196,18 @@ class Dashboard:
             kind, text = log_lines.finished(row)
             self.note(at, kind, log_lines.short(sid), text)
         return True
+
+    def _counted(self, record: Mapping[str, Any]) -> None:
+        """A finished request's record counted again by llama-server's counters: its turn's figures replaced (the
+        turn keeps the estimate the statistics gave it)."""
+        rec = decoding.decode_record(record)
+        new = turn_row(rec)
+        for view in self.sessions.values():
+            for i, row in enumerate(view.turns):
+                if row.request_id == rec.request_id:
+                    new.est_accepted_share = row.est_accepted_share
+                    view.turns[i] = new
+                    return
 
     def _session_updated(self, event: events.SessionUpdated) -> None:
         view = self._session(event.session_id, event.project or "default")

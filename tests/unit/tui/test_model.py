@@ -347,3 +347,15 @@ def test_a_session_that_drafted_nothing_shows_no_acceptance_rather_than_none_acc
     assert session.turns[-1].accepted_share is None
     _feed(board, "RequestFinished", {"record": _record("r2", drafted=80, accepted=0)}, T0 + 1)
     assert session.accepted_share == 0.0  # drafted and none accepted: 0%, not "—"
+
+
+def test_a_request_counted_again_replaces_its_turn_and_nothing_else() -> None:
+    board = Dashboard()
+    board.load_snapshot(_snapshot(), T0)
+    _feed(board, "RequestFinished", {"record": _record("r1", drafted=0, accepted=0), "at_unix": T0 + 1}, T0 + 1)
+    before = board.requests_total
+    counted = _record("r1", out=120, drafted=90, accepted=70)  # llama-server's counters: its drafts too
+    _feed(board, "RequestCounted", {"record": counted, "before": {}, "at_unix": T0 + 2}, T0 + 2)
+    (turn,) = board.sessions["s1"].turns
+    assert (turn.predicted_n, turn.draft_n_accepted) == (120, 70)
+    assert board.requests_total == before  # the same request, not another one
