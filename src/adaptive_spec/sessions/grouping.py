@@ -244,8 +244,11 @@ class SessionRegistry:
 
     def note_unanswered(self, assignment: SessionAssignment, body: Mapping[str, Any]) -> None:
         """A conversation's first request ended with no answer (an agent that gives up on a long prefill sends it
-        again): the same request, sent again, joins its session instead of starting one. Once, then forgotten."""
-        digest = _conversation_digest(body) if assignment.source == "new" else None
+        again): the same request, sent again, joins its session instead of starting one. Once, then forgotten. A
+        first request that joined its conversation by its opening turn counts as one (Gemini CLI's, after its
+        classifier: it gave up on it after 300 s of prefill on a loaded CPU, and its retry started a session of its
+        own)."""
+        digest = _conversation_digest(body) if assignment.source in ("new", "opening") else None
         if digest is not None:
             self._unanswered.put(digest, assignment.session_id)
 

@@ -307,6 +307,10 @@ def test_a_side_request_about_the_opening_turn_joins_the_conversation() -> None:
     }
     joined = registry.assign({}, main)
     assert (first.source, joined.source) == ("new", "opening") and joined.session_id == first.session_id
+    # Given up on before its answer (its client's 300 s), sent again: the same conversation.
+    registry.note_unanswered(joined, main)
+    again = registry.assign({}, json.loads(json.dumps(main)))
+    assert (again.source, again.session_id) == ("retry", first.session_id)
 
 
 def test_an_opening_asked_again_or_long_after_is_a_conversation_of_its_own() -> None:
