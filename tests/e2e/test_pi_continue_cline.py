@@ -1,17 +1,15 @@
 """pi, Continue CLI and Cline CLI end to end through `adaptive-spec serve` (opt-in, as tests/e2e/test_agents.py), each
 asked to create a file and then, continuing its conversation, to change it, with its example from examples/.
 
-What must hold on any model: every request answered 200, one session for the conversation (pi names it in its
+What must hold on any model: every request answered 200, one session for each conversation (pi names it in its
 affinity headers, which examples/pi-models.json turns on; Continue CLI and Cline name none, so the reply echo groups
-them), the agent named in the record, its first turn's estimate within 15% of llama-server's `prompt_n` and its
-follow-ups as for the other agents. Whether the file is made and changed is recorded (examples/README.md says what each
-did on the embedded models).
+them; Cline resumes a task only in its terminal UI, so its change is a second task), the agent named in the record,
+its first turn's estimate within 15% of llama-server's `prompt_n` and its follow-ups as for the other agents. Whether
+the file is made and changed is recorded (examples/README.md says what each did on the embedded models).
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +32,12 @@ def _made(path: Path) -> str | None:
     return path.read_text() if path.is_file() else None
 
 
-def _check(agent: str, recs: list[dict[str, Any]], out: dict[str, Any]) -> None:
+def _check(agent: str, recs: list[dict[str, Any]], out: dict[str, Any], conversations: int = 1) -> None:
     answered = [r for r in recs if r["status"] != 499]  # a turn stopped mid-answer leaves one cancelled request
     assert answered and all(r["status"] == 200 for r in answered), [(r["path"], r["status"], r["error"]) for r in recs]
     gen = [r for r in recs if r["api"] == "chat"]
     assert gen and {r["client"] for r in gen} == {agent}, out
-    assert out["sessions_found"] == 1, out
+    assert out["sessions_found"] == conversations, out
     assert first_turns_off(gen) == [], out
     assert estimates_off(gen) == [], out
 
@@ -84,29 +82,11 @@ def test_continue_cli_creates_then_changes_a_file(
     recs = records(proxy, project)
     notes = f"created: {created!r}; after the edit: {_made(made)!r}\n" + (first.stdout + second.stdout)[-1500:]
     out = summary("continue-cli", recs, 1, [first, second], notes=notes)
-    _check("continue-cli", recs, out)
+    # A first run that fails (exit 1, as on the 1.5B once, its file written) saves no session: --resume then starts
+    # a conversation of its own, which the proxy sees as such.
+    _check("continue-cli", recs, out, conversations=1 if first.returncode == 0 else 2)
     # Its --resume turn writes the workspace into a new system prompt: the same tools keep it on the main line.
     assert out["side_requests"] == 0, out
-
-
-def _cline_session(cline: Path, data: Path, env: dict[str, str]) -> str | None:
-    """The newest task's id in Cline's history (`cline history --json`, which reads the data folder from
-    CLINE_DATA_DIR: it takes no --data-dir), to resume it."""
-    done = subprocess.run(
-        [str(cline), "history", "--json"],
-        capture_output=True,
-        text=True,
-        env={**env, "CLINE_DATA_DIR": str(data)},
-        timeout=60,
-    )
-    try:
-        listed = json.loads(done.stdout)
-    except ValueError:
-        return None
-    items = listed if isinstance(listed, list) else listed.get("sessions") or listed.get("items") or []
-    first = items[0] if items and isinstance(items[0], dict) else {}
-    found = first.get("sessionId")
-    return found if isinstance(found, str) else None
 
 
 def test_cline_creates_then_changes_a_file(
@@ -125,9 +105,10 @@ def test_cline_creates_then_changes_a_file(
     made.unlink()
     first = run([*argv, CREATE], repo, env, stop_after=1500)
     created = _made(made)
-    session = _cline_session(cline, data, env)
-    second = run([*argv, *(["--id", session] if session else []), EDIT], repo, env, stop_after=1500)
+    # A task is resumed only interactively (`--id` asks for a terminal in 3.0.65): the change is a task of its own,
+    # in the same repository, and a conversation of its own.
+    second = run([*argv, EDIT], repo, env, stop_after=1500)
     recs = records(proxy, project)
-    notes = f"created: {created!r}; after the edit: {_made(made)!r}; resumed: {session!r}\n"
-    out = summary("cline", recs, 1, [first, second], notes=notes + (first.stdout + second.stdout)[-1500:])
-    _check("cline", recs, out)
+    notes = f"created: {created!r}; after the edit: {_made(made)!r}\n"
+    out = summary("cline", recs, 2, [first, second], notes=notes + (first.stdout + second.stdout)[-1500:])
+    _check("cline", recs, out, conversations=2)
