@@ -158,3 +158,42 @@ def test_the_records_count_what_llama_server_counted_on_every_api(
     totals = _proxy_metrics(proxy)
     for field, name in PROXY_COUNTERS.items():
         assert totals.get(name, 0) == sum(int((r["timings"] or {}).get(field, 0)) for r in every), (name, totals)
+
+
+def test_from_a_drafting_servers_start_every_counter_adds_up_drafts_included(
+    llama_server_binary: str, qwen_gguf: Path, tmp_path: Path
+) -> None:
+    """From a fresh n-gram server's first request on (the proxy's own at start included: none here, the patched
+    server says its types in /props), the records add up to every one of its counters, drafts included: the real
+    Qwen 0.5B copying pasted text, which the n-gram drafter drafts."""
+    server = LlamaServer(
+        llama_server_binary, qwen_gguf, "-c", "4096", "--metrics", "--spec-type", "ngram-mod", log_dir=tmp_path
+    )
+    env = {"ADAPTIVE_SPEC_STATE_DIR": str(tmp_path / "state"), "ADAPTIVE_SPEC_CONFIG_DIR": str(tmp_path / "config")}
+    proxy = ProxyProcess("--profile", f"ngram={server.url}", "--tokenizer", "off", env=env)
+    try:
+        pasted = "Repeat this code exactly:\n" + "\n".join(f"value_{i} = {i} * {i}" for i in range(12))
+        for stream in (False, True):
+            messages = [{"role": "user", "content": pasted}]
+            body = {"model": "m", "max_tokens": 48, "temperature": 0, "stream": stream, "messages": messages}
+            _post(proxy, "/v1/chat/completions", body)
+            _post(proxy, "/v1/messages", body)  # usage, no timings: counted from the server's counters
+        wait_until(lambda: not server.slot_busy(), 60, "llama-server to be idle")
+
+        def sums() -> tuple[dict[str, int], dict[str, int]]:
+            metrics = _llama_metrics(server.url)
+            records = proxy.requests()
+            return (
+                {f: sum(int((r["timings"] or {}).get(f, 0)) for r in records) for f in COUNTERS},
+                {f: int(metrics.get(name, 0)) for f, name in COUNTERS.items()},
+            )
+
+        try:
+            wait_until(lambda: sums()[0] == sums()[1], 30, "the records to add up to llama-server's counters")
+        except AssertionError:
+            raise AssertionError((sums(), [(r["api"], r["stream"], r["timings"]) for r in proxy.requests()])) from None
+        ours, _ = sums()
+        assert ours["draft_n"] > 0, ours  # the n-gram drafter drafted: the comparison covers drafts
+    finally:
+        proxy.stop()
+        server.stop()

@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 
 from adaptive_spec.llama.launch import Launcher
-from adaptive_spec.llama.probe import probe, probe_spec_types
+from adaptive_spec.llama.probe import ProbeRequest, probe, probe_spec_types
 from adaptive_spec.llama.profiles import ProfileInfo, ProfileSpec, one_server, shared_servers
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 
@@ -98,16 +98,20 @@ def restarter(launched: Launched, launcher: Launcher) -> Callable[[str], Awaitab
 
 async def probe_profiles(
     client: aiohttp.ClientSession, upstreams: Sequence[Upstream], launched: Sequence[ProfileSpec] | None
-) -> tuple[list[ProfileInfo], dict[tuple[str, int], str]]:
-    """What each profile's server says about itself, and the servers profiles share (`shared_servers`)."""
+) -> tuple[list[ProfileInfo], dict[tuple[str, int], str], list[ProbeRequest]]:
+    """What each profile's server says about itself, the servers profiles share (`shared_servers`), and the
+    requests the proxy sent to find out (recorded as its own)."""
     infos = [await probe(client, u) for u in upstreams]
+    sent: list[ProbeRequest] = []
     if launched is not None:  # before its first request /slots does not say; the launcher knows
         known = {spec.name: spec.spec_types for spec in launched}
         infos = [replace(i, spec_types=i.spec_types or known.get(i.name)) for i in infos]
     else:  # the router must know which attached profiles draft from n-grams: ask each one that has not said
-        infos = [await probe_spec_types(client, u, i) for u, i in zip(upstreams, infos, strict=True)]
+        probed = [await probe_spec_types(client, u, i) for u, i in zip(upstreams, infos, strict=True)]
+        infos = [info for info, _ in probed]
+        sent = [request for _, request in probed if request is not None]
     servers = shared_servers(infos)
-    return [replace(i, server=servers.get((i.name, i.replica))) for i in infos], servers
+    return [replace(i, server=servers.get((i.name, i.replica))) for i in infos], servers, sent
 
 
 def describe(info: ProfileInfo) -> str:

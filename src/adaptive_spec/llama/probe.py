@@ -3,7 +3,9 @@ whether its server takes speculation settings per request (/props `speculative_p
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
+import time
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote
 
@@ -74,24 +76,57 @@ async def probe(session: aiohttp.ClientSession, upstream: Upstream) -> ProfileIn
     )
 
 
-async def probe_spec_types(session: aiohttp.ClientSession, upstream: Upstream, info: ProfileInfo) -> ProfileInfo:
+@dataclass(frozen=True, slots=True)
+class ProbeRequest:
+    """A request the proxy sent a server of its own accord at start (the one-token request that makes /slots say a
+    server's speculation types): its answer, kept for the proxy's own record of it."""
+
+    profile: str
+    replica: int
+    path: str
+    answer: dict[str, Any] | None
+    error: str | None
+    started_unix: float
+    total_ms: float
+
+
+async def probe_spec_types(
+    session: aiohttp.ClientSession, upstream: Upstream, info: ProfileInfo
+) -> tuple[ProfileInfo, ProbeRequest | None]:
     """A server shows its speculation types in /slots only once a slot has served a request: when they are not
-    known yet, send it a one-token request and ask again. The router needs them (n-gram profile or not)."""
+    known yet, send it a one-token request and ask again. The router needs them (n-gram profile or not). The request,
+    when one was sent, comes back with the answer: it is the proxy's own, recorded as such."""
     if info.spec_types is not None:
-        return info
+        return info, None
     if info.speculative is False:
-        return replace(info, spec_types=("none",))
+        return replace(info, spec_types=("none",)), None
     body: dict[str, Any] = {"prompt": "Hi", "n_predict": 1, "cache_prompt": False}
     if upstream.upstream_model:
         body["model"] = upstream.upstream_model
+    started, started_unix = time.perf_counter(), time.time()
+    answer: dict[str, Any] | None = None
+    error: str | None = None
     try:
         async with session.post(
             f"{upstream.base_url}/completion", json=body, timeout=aiohttp.ClientTimeout(total=120)
         ) as resp:
-            await resp.read()
-        return await probe(session, upstream)
-    except (aiohttp.ClientError, TimeoutError, LaunchError):
-        return info
+            raw = await resp.read()
+            error = None if resp.status == 200 else f"HTTP {resp.status}"
+        parsed = json.loads(raw) if error is None else None
+        answer = parsed if isinstance(parsed, dict) else None
+        probed = await probe(session, upstream)
+    except (aiohttp.ClientError, TimeoutError, LaunchError, ValueError) as exc:
+        error, probed = error or str(exc) or type(exc).__name__, info
+    sent = ProbeRequest(
+        upstream.name,
+        upstream.replica,
+        "/completion",
+        answer,
+        error,
+        started_unix,
+        (time.perf_counter() - started) * 1e3,
+    )
+    return probed, sent
 
 
 async def other_model(

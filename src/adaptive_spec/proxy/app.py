@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from adaptive_spec.kv.heads.values import HeadsConfig
 from adaptive_spec.kv.movers import SlotMover
 from adaptive_spec.kv.remote_prefill.shell import REMOTE_PREFILL, RemotePrefill
 from adaptive_spec.llama.health import SlotUse, health_poll, replica_watch
-from adaptive_spec.llama.probe import other_model
+from adaptive_spec.llama.probe import ProbeRequest, other_model
 from adaptive_spec.llama.profiles import ProfileInfo
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.proxy.control import add_control_views
@@ -54,9 +55,12 @@ from adaptive_spec.routing.contract import FixedPolicy, PolicySource
 from adaptive_spec.routing.draft_length import capped_profiles
 from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.service import SessionService, run_worker
+from adaptive_spec.streams.timings import find_timings
 from adaptive_spec.telemetry.bus import EventBus
+from adaptive_spec.telemetry.events import RequestFailed, RequestFinished
 from adaptive_spec.telemetry.history import RequestHistory
 from adaptive_spec.telemetry.metrics import ProxyMetrics
+from adaptive_spec.telemetry.records import own_record
 from adaptive_spec.telemetry.trace import TraceWriter
 
 __all__ = ["KvSetup", "ProxySettings", "build_app"]
@@ -111,6 +115,7 @@ def build_app(
     restart: Callable[[str], Awaitable[None]] | None = None,
     access: AccessPolicy | None = None,
     speeds: KeptSpeeds | None = None,
+    probes: Sequence[ProbeRequest] = (),
 ) -> web.Application:
     """The proxy. `upstreams` and `sessions` publish on `bus`: build them with its `publish` (the router made here
     does). `servers`: which profiles share a llama-server (routing/router.py). `speeds`: where the speed model is
@@ -145,6 +150,7 @@ def build_app(
     app[LIFECYCLE] = RequestLifecycle(bus, app[HISTORY], router, sessions, trace, settings.progress_interval_s)
     app[STRANDED] = StrandedRequests()  # what the health poll ends when a server stops answering
     bus.listen(app[METRICS].on_event)
+    _own_requests(app, probes)
     if sessions is not None:
         app[METRICS].watch_session_updates(sessions.update_counts)
     for name in upstreams.names():
@@ -169,6 +175,30 @@ def build_app(
     add_gemini_views(app, proxy_view)
     app.router.add_route("*", "/{tail:.*}", proxy_view)
     return app
+
+
+def _own_requests(app: web.Application, probes: Sequence[ProbeRequest]) -> None:
+    """The requests the proxy sent at start to learn about its servers, recorded as its own: the history and the
+    metrics count them as llama-server does."""
+    for sent in probes:
+        timings = find_timings(sent.answer) if sent.answer is not None else None
+        record = own_record(
+            uuid.uuid4().hex[:16],
+            own="speculation types probe",
+            path=sent.path,
+            api="completion",
+            profile=sent.profile,
+            replica=sent.replica,
+            timings=timings,
+            error=sent.error,
+            started_at_unix=sent.started_unix,
+            total_ms=sent.total_ms,
+        )
+        app[HISTORY].add(record)
+        as_json = record.to_json()
+        app[METRICS].on_event(
+            RequestFinished(record=as_json) if record.outcome == "finished" else RequestFailed(record=as_json)
+        )
 
 
 async def _close_feeds(app: web.Application) -> None:

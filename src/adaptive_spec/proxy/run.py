@@ -287,7 +287,7 @@ async def _launch(run: _Run, launch: LaunchPlan, stop: asyncio.Event) -> list[Up
 async def _app(run: _Run, policies: PolicyStore, table: UpstreamTable, bus: EventBus) -> web.Application:
     """Probe the profiles, check they serve one model, and build the proxy around them."""
     plan, client, launched, launcher = run.plan, run.client, run.launched, run.launcher
-    infos, servers = await probe_profiles(client, table.all(), plan.launch.specs if plan.launch else None)
+    infos, servers, probes = await probe_profiles(client, table.all(), plan.launch.specs if plan.launch else None)
     for line in startup_lines(infos, servers, launched.design if launched is not None else None):
         say(line)
     mismatch = replica_mismatch(infos) or model_mismatch(infos) or speculation_problem(infos)
@@ -316,6 +316,7 @@ async def _app(run: _Run, policies: PolicyStore, table: UpstreamTable, bus: Even
         restart=restarter(launched, launcher) if launcher is not None and launched is not None else None,
         access=plan.access,
         speeds=_kept_speeds(launcher),
+        probes=probes,
     )
 
 

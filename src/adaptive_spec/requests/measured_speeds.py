@@ -30,10 +30,11 @@ from aiohttp import web
 from adaptive_spec.llama.binary.cpu_faults import build_identity
 from adaptive_spec.llama.speculation import merge_fields
 from adaptive_spec.llama.upstreams import Upstream
-from adaptive_spec.requests.app_keys import BUS, CLIENT, HISTORY, MEASURING, ROUTER, UPSTREAMS
+from adaptive_spec.requests.accounting import counts_of
+from adaptive_spec.requests.app_keys import BUS, CLIENT, HISTORY, LIFECYCLE, MEASURING, ROUTER, UPSTREAMS
 from adaptive_spec.streams.timings import find_timings
 from adaptive_spec.telemetry.events import RequestFailed, RequestFinished
-from adaptive_spec.telemetry.records import RequestRecord, Timings
+from adaptive_spec.telemetry.records import Timings, own_record
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +196,11 @@ async def _measure(app: web.Application, base_url: str, say: Callable[[str], Non
     if upstream is None:
         return 0
     started, started_unix = time.perf_counter(), time.time()
+    accounting = app[LIFECYCLE].accounting  # the proxy's own request counts in llama-server's counters too
+    await accounting.before_forward(app[CLIENT], upstream.base_url)
+    accounting.forwarded(upstream.base_url)
     timings, error = await _send(app[CLIENT], upstream)
+    accounting.ended(app[CLIENT], upstream.base_url, "", counts_of(timings, True))
     speeds = app[ROUTER].speeds
     plain = not speeds.speculates(upstream.name)
     ok = timings is not None and speeds.calibrate(timings, plain)
@@ -239,30 +244,19 @@ def _record(
     started_unix: float,
 ) -> None:
     """The measurement in the history and on the feed, as the proxy's own request."""
-    finished = error is None and timings is not None
-    record = RequestRecord(
-        request_id=uuid.uuid4().hex[:16],
-        started_at_unix=started_unix,
-        method="POST",
+    record = own_record(
+        uuid.uuid4().hex[:16],
+        own=OWN,
         path="/completion",
         api="completion",
-        project="",
-        session_id=None,
-        session_source=None,
-        subagent=False,
         profile=upstream.name,
-        stream=False,
-        status=200 if finished else 502,
-        outcome="finished" if finished else "failed",
-        error=error,
-        timings=timings,
-        ttft_ms=None,
-        ttst_ms=None,
-        total_ms=(time.perf_counter() - started) * 1000.0,
-        client="adaptive-spec",
         replica=upstream.replica,
-        own=OWN,
+        timings=timings,
+        error=error,
+        started_at_unix=started_unix,
+        total_ms=(time.perf_counter() - started) * 1000.0,
     )
+    finished = record.outcome == "finished"
     app[HISTORY].add(record)
     as_json = record.to_json()
     app[BUS].publish(RequestFinished(record=as_json) if finished else RequestFailed(record=as_json))

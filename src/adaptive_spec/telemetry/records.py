@@ -117,3 +117,43 @@ class RequestRecord:
 
 _RECORD_FIELDS = tuple(f.name for f in fields(RequestRecord))
 _TIMINGS_FIELDS = tuple(f.name for f in fields(Timings))
+
+
+def own_record(
+    request_id: str,
+    *,
+    own: str,
+    path: str,
+    api: str,
+    profile: str,
+    replica: int,
+    timings: Timings | None,
+    error: str | None,
+    started_at_unix: float,
+    total_ms: float,
+) -> RequestRecord:
+    """The record of a request the proxy sent of its own accord (`own` says what for): no client, no session."""
+    finished = error is None and timings is not None
+    return RequestRecord(
+        request_id=request_id,
+        started_at_unix=started_at_unix,
+        method="POST",
+        path=path,
+        api=api,
+        project="",
+        session_id=None,
+        session_source=None,
+        subagent=False,
+        profile=profile,
+        stream=False,
+        status=200 if finished else 502,
+        outcome="finished" if finished else "failed",
+        error=error if error is not None or finished else "no timings in the answer",
+        timings=timings,
+        ttft_ms=None,
+        ttst_ms=None,
+        total_ms=total_ms,
+        client="adaptive-spec",
+        replica=replica,
+        own=own,
+    )
