@@ -285,7 +285,7 @@ def test_a_served_tool_call_reads_as_the_model_wrote_it_and_the_same_when_sent_b
     assert next(context_entries(odd, spaced={0}))[2] == '{"name": "w", "arguments": {not json}'  # not JSON: as given
 
 
-CONTEXT = "<session_context>\nToday's date is Friday, December 4, 2026.\nWorkspace: /work/demo\n</session_context>"
+CONTEXT = "<session_context>\nToday's date is Friday, December 4, 2026.\nWorkspace: /home/dev/demo\n</session_context>"
 ASK = "Create hello.py that prints hello."
 
 
