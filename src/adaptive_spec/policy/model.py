@@ -91,7 +91,7 @@ class EstimatorPolicy:
     )
     prefill_tps: float = _key(400.0, "prior prompt-processing tok/s", 0, low_open=True)
     prefill_slowdown_per_1k: float = _key(
-        0.1, "prior: a prompt token's prefill time grows this share per 1,000 tokens before it", 0
+        0.3, "prior: a prompt token's prefill time grows this share per 1,000 tokens before it", 0
     )
     ngram_max_speedup: float = _key(3.0, "prior: n-gram profile's speed at copyability 1.0 over plain", 1)
     ngram_overhead: float = _key(0.03, "prior: n-gram profile's slowdown on output it cannot copy", 0, 1)

@@ -1,6 +1,6 @@
 """The prefill cost that grows with the context: a prompt token at position p prefills in a + b·p seconds (attention
-reads every token before it: on Qwen2.5-Coder-0.5B on 2 CPU cores a token at 16k costs about 2.5 times one at the
-start), fitted from llama-server's own timings.
+reads every token before it: on Qwen2.5-Coder-0.5B on 2 CPU cores a token at 15k costs about six times one at 1k),
+fitted from llama-server's own timings.
 
 Pure. N new tokens after C cached ones cost N·(a + b·(C + (N−1)/2)); a request's `prompt_ms` over its `prompt_n` is one
 point of that line at the mean position of the tokens it prefilled.
