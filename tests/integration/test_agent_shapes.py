@@ -171,6 +171,7 @@ _DELIBERATE = {
     ("tools", "expected an array of objects."): "an item that is not an object: dropped",
     ("tools[N].name", "expected a string."): "not a string: a tool with an empty name",
     ("stream_options", "expected an object"): "another type: read as none, the usage chunk asked for is not sent",
+    ("max_tokens", "expected an integer"): "a boolean: read as none, so the answer is not capped at all",
     ("tools[N].parameters", "expected an object (a JSON schema)."): "as input_schema below, on chat completions",
     ("tools[N].input_schema", "expected an object (a JSON schema)."): "the tiny model's template renders no tools, so "
     "its server ignores it; on one that renders them (the embedded Qwen's) llama-server refuses it too (400, 'schema "
@@ -245,6 +246,7 @@ _EACH_EXCUSE: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {
     ),
     ("system", "expected a string or an array of text blocks."): ("/v1/messages", {**_MESSAGES, "system": 5}),
     ("system[N]", "expected a content part object."): ("/v1/messages", {**_MESSAGES, "system": ["Be brief."]}),
+    ("max_tokens", "expected an integer"): ("/v1/chat/completions", {**_CHAT, "max_tokens": True}),
     ("stream_options", "expected an object"): (
         "/v1/chat/completions",
         {**_CHAT, "stream": True, "stream_options": "include_usage"},
