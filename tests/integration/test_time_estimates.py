@@ -2,16 +2,18 @@
 runs it: a fresh `serve` measures its launched server once in the background (the proxy's own request, recorded as
 such), keeps the speed model in the state folder under the server's identity, and a restarted `serve` loads it
 instead of measuring again; a route's reason says which it used; every record keeps its estimated and measured
-prefill and decode seconds."""
+prefill and decode seconds; and remote prefill is decided on the local server's measured rate."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from tests.support.servers import ProxyProcess, chat_record, http_json, wait_until
+from tests.support.relay import RelayProcess
+from tests.support.servers import LlamaServer, ProxyProcess, chat_record, http_json, wait_until
 
 MEASURED = "speeds: measured on"
 KEPT = "speeds: measured before"
@@ -78,3 +80,41 @@ def test_a_fresh_serve_measures_once_and_a_restarted_one_loads_what_it_kept(stat
         assert not any(line.startswith(MEASURED) for line in proxy.stdout_lines + proxy.stderr_lines)
     finally:
         proxy.stop()
+
+
+RELAY_KEY = "time-estimates-relay-key"
+LOG = "Here is the log:\n" + "\n".join(f"line {i}: value={i * 7 % 13} status=ok" for i in range(300)) + "\nSum up."
+
+
+def test_remote_prefill_is_decided_on_the_local_servers_measured_rate(
+    llama_server_binary: str, qwen_gguf: Path, tmp_path: Path
+) -> None:
+    """Two real servers with the real 0.5B: the remote one beside its kv-relay, and the local one `serve` launches,
+    slowed (`-ub 16`: small batches). Measured at start, the local rate sends a long first prompt remote; the old
+    prior (400 tok/s, one cost a token) would have kept it here. A short prompt stays here."""
+    remote_slots = tmp_path / "remote-slots"
+    remote_slots.mkdir()
+    args = ("-c", "8192", "--parallel", "1", "--spec-type", "none", "--slot-save-path", str(remote_slots))
+    remote = LlamaServer(llama_server_binary, qwen_gguf, *args, log_dir=tmp_path / "logs")
+    relay = RelayProcess(remote_slots, qwen_gguf, RELAY_KEY, server=remote.url)
+    (tmp_path / "relay.key").write_text(RELAY_KEY + "\n")
+    remote_tps = 100.0  # about what the remote does here with its one thread
+    proxy = ProxyProcess(
+        *("--threads", "1", "--ctx-size", "8192", "--server-arg=-ub", "--server-arg=16"),
+        *("--pp-server", relay.base, "--pp-key-file", str(tmp_path / "relay.key"), "--pp-prefill-tps", str(remote_tps)),
+        env={"ADAPTIVE_SPEC_STATE_DIR": str(tmp_path / "state")},
+    )
+    try:
+        record = chat_record(proxy, [{"role": "user", "content": LOG}], 8, **{"x-session-id": "long"})
+        reason = str(record["reason"])
+        assert record["remote_prefill"] is not None and record["remote_prefill"]["ok"], (reason, proxy.log()[-3000:])
+        assert "(measured)" in reason and "remote prefill of" in reason, reason
+        remote_s = float(re.search(r"vs remote ([\d,.]+) s", reason).group(1).replace(",", ""))  # type: ignore[union-attr]
+        old_local_s = record["new_tokens_est"] / 400.0
+        assert old_local_s < remote_s * 1.25, reason  # the old estimate: not worth sending (25% margin)
+        short = chat_record(proxy, [{"role": "user", "content": "Name three sorting algorithms."}], 8)
+        assert short["remote_prefill"] is None and "remote" not in str(short["reason"]), short["reason"]
+    finally:
+        proxy.stop()
+        relay.stop()
+        remote.stop()
