@@ -39,6 +39,8 @@ def finished(row: TurnRow) -> tuple[str, str]:
         text += f", {row.tokens_per_s:.1f} tok/s"
     if row.ttst_ms is not None:
         text += f", TTST {row.ttst_ms:.0f} ms"
+    if row.prefill_error is not None:  # how far the route's prefill estimate was from llama-server's time
+        text += f", prefill est {row.prefill_error:+.0%} ({row.estimate_basis or 'prior'})"
     return "finish", text + f" on {row.profile}"
 
 

@@ -45,6 +45,10 @@ class TurnRow:
     setting: str | None = None  # the speculation it ran with ("none", "draft-simple n_max=4", ...); None: the server's
     repeat_guard: str | None = None  # what the proxy did to break a loop of one tool call, if anything
     repaired: str | None = None  # what it rewrote of a shape llama-server refuses, if anything
+    # The route's prefill estimate against llama-server's prompt_ms (estimated / measured − 1), and whether the speeds
+    # it took were the priors or measured; None: no estimate to judge (record `time_estimate`).
+    prefill_error: float | None = None
+    estimate_basis: str | None = None
 
     @property
     def accepted_share(self) -> float | None:
@@ -174,6 +178,8 @@ def turn_row(record: RequestRecord) -> TurnRow:
         handoff_reused=whole(handoff.get("reused")) if handoff and "reused" in handoff else None,
         repeat_guard=record.repeat_guard,
         repaired=record.repaired,
+        prefill_error=number((record.time_estimate or {}).get("prefill_error")),
+        estimate_basis=str((record.time_estimate or {}).get("basis") or "") or None,
     )
 
 

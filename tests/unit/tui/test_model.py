@@ -359,3 +359,14 @@ def test_a_request_counted_again_replaces_its_turn_and_nothing_else() -> None:
     (turn,) = board.sessions["s1"].turns
     assert (turn.predicted_n, turn.draft_n_accepted) == (120, 70)
     assert board.requests_total == before  # the same request, not another one
+
+
+def test_a_finish_line_says_how_far_the_prefill_estimate_was() -> None:
+    board = Dashboard()
+    board.load_snapshot(_snapshot(), T0)
+    estimate = {"basis": "measured", "prefill_s_est": 61.5, "prefill_s": 57.6, "prefill_error": 0.0677}
+    record = {**_record("r1"), "time_estimate": estimate}
+    _feed(board, "RequestFinished", {"record": record, "at_unix": T0 + 1}, T0 + 1)
+    assert "prefill est +7% (measured)" in board.log[-1].text
+    _feed(board, "RequestFinished", {"record": _record("r2"), "at_unix": T0 + 2}, T0 + 2)
+    assert "prefill est" not in board.log[-1].text  # no estimate to judge (a recorded feed's, a pinned route's)
