@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from tests.support.servers import ProxyProcess, chat_record, http_json
+from tests.support.tiny_policy import tiny_policy
 
 PASTED = "Here is a.py:\n```python\n" + "\n".join(f"value_{i} = {i} * {i}" for i in range(60)) + "\n```\nWhat is it?"
 
@@ -29,6 +30,8 @@ def two_slots(tiny_gguf: Path, llama_server_binary: str, tmp_path_factory: pytes
         "8192",
         "--parallel",
         "2",
+        "--policy",
+        str(tiny_policy(home)),  # its slot files' handoff costs: a move pays
         env={"ADAPTIVE_SPEC_STATE_DIR": str(home / "state"), "ADAPTIVE_SPEC_CONFIG_DIR": str(home / "config")},
     )
     yield proxy, home

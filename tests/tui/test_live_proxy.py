@@ -17,6 +17,7 @@ from adaptive_spec.tui.app import make_app
 from adaptive_spec.tui.feed import FeedItem
 from adaptive_spec.tui.model import Dashboard
 from tests.support.servers import ProxyProcess, chat_record, free_port, http_text
+from tests.support.tiny_policy import tiny_policy
 from tests.support.waiting import turns, until
 
 PASTED = "Here is a.py:\n```python\n" + "\n".join(f"value_{i} = {i} * {i}" for i in range(60)) + "\n```\nWhat is it?"
@@ -26,6 +27,7 @@ def _serve(tiny_gguf: Path, home: Path, port: int | None = None, *extra: str) ->
     env = {"ADAPTIVE_SPEC_STATE_DIR": str(home / "state"), "ADAPTIVE_SPEC_CONFIG_DIR": str(home / "config")}
     # One process per profile: the pinned move below hands the KV over between two servers.
     args = ("--model", str(tiny_gguf), "--threads", "1", "--ctx-size", "4096", "--server-per-profile", *extra)
+    args += ("--policy", str(tiny_policy(home)))  # its slot files' handoff costs: the move below pays
     return ProxyProcess(*args, env=env, port=port)
 
 
