@@ -30,6 +30,9 @@ min_dwell_turns = 1
 [handoff]
 min_tokens = 0
 with_draft_models = {with_draft_models}
+# The tiny models' slot files: kilobytes, a millisecond to save or restore (tests/support/tiny_policy.py).
+save_s_per_1k = 0.001
+restore_s = 0.001
 """
 PASTED = "```python\n" + "\n".join(f"value_{i} = {i} * {i}" for i in range(40)) + "\n```\n"
 Messages = list[dict[str, str]]
@@ -73,6 +76,11 @@ def launched(
         str(home / "policy.toml"),
         env={"ADAPTIVE_SPEC_STATE_DIR": str(home / "state"), "ADAPTIVE_SPEC_CONFIG_DIR": str(home / "config")},
     )
+
+    def measured() -> bool:  # each server's speeds measured at start: its drafts are not a test's to count
+        return sum(r.get("own") == "speed measurement" for r in proxy.requests()) == 2
+
+    wait_until(measured, 120, "the speed measurements at start")
     yield Launched(kind, proxy, home)
     proxy.stop()
 

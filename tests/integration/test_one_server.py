@@ -25,6 +25,7 @@ import pytest
 
 from tests.support.servers import LlamaServer, ProxyProcess, chat_record, free_port, http_json, wait_until
 from tests.support.tiny_drafters import write_tiny_mtp_target
+from tests.support.tiny_policy import tiny_policy
 
 STOCK_PROPS = Path(__file__).resolve().parents[1] / "support" / "stock_props.py"
 PASTED = "Here is a.py:\n```python\n" + "\n".join(f"value_{i} = {i} * {i}" for i in range(60)) + "\n```\nWhat is it?"
@@ -156,7 +157,8 @@ def test_a_server_the_probe_finds_stock_gets_one_server_per_profile(
     patched_binary: str, tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     home = tmp_path_factory.mktemp("stock")
-    proxy = _serve(home, patched_binary, tiny_gguf, "--llama-server", str(_wrapper(home, patched_binary)))
+    wrapper, policy = str(_wrapper(home, patched_binary)), str(tiny_policy(home))  # the move below pays
+    proxy = _serve(home, patched_binary, tiny_gguf, "--llama-server", wrapper, "--policy", policy)
     try:
         log = proxy.log()
         assert STOCK in log and log.count("starting profile") == 2, log
