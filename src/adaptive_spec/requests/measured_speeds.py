@@ -42,6 +42,7 @@ OWN = "speed measurement"  # what a record of the proxy's own request says it wa
 PREDICT_TOKENS = 32  # decode measured over as many tokens as the speed model learns from
 _TIMEOUT = aiohttp.ClientTimeout(total=900)  # a large model on a slow CPU: minutes, not a hang
 _QUEUED_WAIT_S = 10.0
+ROUTE_WAIT_S = 60.0  # the longest a request waits for the measurements before it is routed on the priors
 # Code-like lines, the kind of prompt agents send: ~400 tokens on Qwen's vocabulary, a few seconds on a 0.5B on 1 core.
 PROMPT = "\n".join(
     f"def step_{i}(values: list[int]) -> int:\n    return sum(v * {i} for v in values if v % {i + 2})"
@@ -177,8 +178,8 @@ async def measured(app: web.Application) -> None:
     """Wait for the speed measurements at start still under way: a request that comes meanwhile would queue behind
     them on the server anyway, and routed after them it is estimated on measured speeds, not on the priors."""
     pending = [task for task in (app.get(MEASURING) or {}).values() if not task.done()]
-    if pending:
-        await asyncio.wait([asyncio.shield(task) for task in pending])
+    if pending:  # bounded: a server that hangs at start must not hold every request (its reason then says "prior")
+        await asyncio.wait([asyncio.shield(task) for task in pending], timeout=ROUTE_WAIT_S)
 
 
 def _through(app: web.Application, base_url: str) -> Upstream | None:
