@@ -78,7 +78,7 @@ def launched(
     )
 
     def measured() -> bool:  # each server's speeds measured at start: its drafts are not a test's to count
-        return sum(r.get("own") == "speed measurement" for r in proxy.requests()) == 2
+        return bool(sum(r.get("own") == "speed measurement" for r in proxy.requests()) == 2)
 
     wait_until(measured, 120, "the speed measurements at start")
     yield Launched(kind, proxy, home)
