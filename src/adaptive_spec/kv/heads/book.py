@@ -18,7 +18,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from adaptive_spec.kv.heads.files import checksum, file_size, head_path, load_index, unlink, write_index
+from adaptive_spec.kv.heads.files import (
+    ENTRY,
+    checksum,
+    file_size,
+    head_path,
+    load_index,
+    lock,
+    unlink,
+    write_entry,
+    write_index,
+)
 from adaptive_spec.kv.heads.plan import HeadEntry, evictions
 
 log = logging.getLogger(__name__)
@@ -30,7 +40,10 @@ class HeadBook:
     def __init__(self, directory: Path, max_bytes: int, counts: dict[str, int]) -> None:
         self.dir, self.max_bytes, self.counts = directory, max_bytes, counts
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self.dir.is_symlink():
+            raise OSError(f"{self.dir} is a symlink: a store is kept in a folder of its own")
         os.chmod(self.dir, 0o700)  # one made before (or by another umask) is private too: KV encodes prompts
+        self._lock = lock(self.dir)  # OSError: another serve holds it (it would delete this one's heads)
         self.entries: dict[str, HeadEntry] = load_index(self.dir)
         self.saving: set[str] = set()  # heads whose file a save is replacing: a checksum read meanwhile proves nothing
         self._verified: set[str] = set()  # heads whose checksum this run has checked (or wrote)
@@ -79,7 +92,9 @@ class HeadBook:
         return True
 
     async def add(self, entry: HeadEntry) -> None:
-        """The new head in the index, the bound kept; a full disk loses the new head, not the index (OSError)."""
+        """The new head in the index, the bound kept; a full disk loses the new head, not the index (OSError). Its
+        own entry is written (and synced) beside it first: an index lost after this still finds it."""
+        await asyncio.to_thread(write_entry, self.dir, entry)
         self.entries[entry.id] = entry
         self._verified.add(entry.id)
         evicted = evictions(self.entries.values(), self.max_bytes)
@@ -110,8 +125,15 @@ class HeadBook:
         gone = [head for head in heads if self.entries.pop(head, None) is not None]
         self._verified.difference_update(gone)
         if gone:
-            await asyncio.to_thread(_unlink_all, [self.path(head) for head in gone])
+            paths = [p for head in gone for p in (self.path(head), self.dir / f"{head}{ENTRY}")]
+            await asyncio.to_thread(_unlink_all, paths)
         return len(gone)
+
+    def close(self) -> None:
+        """The folder's lock let go (the process's end does it too)."""
+        if self._lock >= 0:
+            os.close(self._lock)
+            self._lock = -1
 
     async def delete(self, heads: Iterable[str]) -> int:
         """Remove these heads: how many were removed."""

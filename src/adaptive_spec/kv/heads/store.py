@@ -10,6 +10,7 @@ of it after the save: the sweeps of `as-*` files never see a head."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -23,7 +24,7 @@ from adaptive_spec.common.lru import LRU
 from adaptive_spec.kv.costs import PrefillRate
 from adaptive_spec.kv.heads.activity import Mark, Verdict
 from adaptive_spec.kv.heads.book import HeadBook
-from adaptive_spec.kv.heads.files import unlink
+from adaptive_spec.kv.heads.files import sweep_slot_files, unlink
 from adaptive_spec.kv.heads.plan import (
     MIN_HEAD_TOKENS,
     Match,
@@ -76,6 +77,9 @@ class HeadStore:
             0,
         )
         self.book = HeadBook(config.directory, config.max_bytes, self.counts)
+        with contextlib.suppress(OSError):  # what a save or restore cut short left in the slot directory
+            if swept := sweep_slot_files(slot_dir, SLOT_PREFIX):
+                log.info("heads: %d slot files a cut save or restore left in %s removed", swept, slot_dir)
         self._entries = self.book.entries  # the book's own dict: it adds and removes, the store reads
         self._io = SlotIO(config, slot_dir, client, self.book, self.counts, lambda upstream: self.displaced(upstream))
         self._activity, self._held = self._io.activity, self._io.held
@@ -223,6 +227,7 @@ class HeadStore:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        self.book.close()
 
     # -- what /adaptive/heads shows and deletes -------------------------------------------------------------------
 
