@@ -202,11 +202,19 @@ async def test_with_project_keys_a_head_is_kept_found_listed_and_deleted_within_
         assert "warm: head of" in same["record"]["reason"], same["record"]
 
         listed = {key: await _listed(client, proxy, key) for key in ("key-a", "key-b", "main")}
-        assert len(listed["key-a"]) == 1 and len(listed["key-b"]) == 1 and listed["main"] == [], listed
+        assert len(listed["key-a"]) == 1 and len(listed["key-b"]) == 1, listed
         (head_a,), (head_b,) = listed["key-a"], listed["key-b"]
-        assert head_a != head_b
+        assert head_a != head_b and sorted(listed["main"]) == sorted([head_a, head_b])  # the main key sees all
         async with client.get(proxy.make_url("/adaptive/heads"), headers=_auth("key-a")) as r:
-            assert "directory" not in await r.json()  # no path of the proxy's machine
+            tenant = await r.json()
+        # A tenant sees its own heads and share, nothing of the others' traffic: no counts, saves or inert servers.
+        assert "directory" not in tenant  # no path of the proxy's machine
+        assert sorted(tenant) == ["bytes", "enabled", "heads", "max_bytes"], tenant
+        async with client.get(proxy.make_url("/adaptive/heads"), headers=_auth("main")) as r:
+            everything = await r.json()
+        assert {"counts", "pending", "inert_servers"} <= set(everything) and tenant["max_bytes"] == everything[
+            "max_bytes"
+        ] // 3, (tenant, everything)  # three scopes (team-a, team-b, the main key's) share the bound equally
         async with client.delete(proxy.make_url(f"/adaptive/heads/{head_a}"), headers=_auth("key-b")) as r:
             assert r.status == 404  # another scope's head is not there for team-b
         async with client.delete(proxy.make_url("/adaptive/heads"), headers=_auth("key-b")) as r:

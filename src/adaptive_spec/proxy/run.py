@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import shutil
 import signal
 import socket
@@ -354,6 +355,7 @@ async def _sessions(
         publish=bus.publish,
         worker_process=True,
         max_fingerprints=sp.echo_fingerprints,
+        run=secrets.token_hex(2),  # generated session ids unique across runs (s000001-3fa2)
     )
 
 

@@ -15,13 +15,14 @@ from dataclasses import replace
 
 from aiohttp import web
 
+from adaptive_spec.access.rules import key_accepted
 from adaptive_spec.kv.heads.store import HeadStore
 from adaptive_spec.kv.heads.values import Restored
 from adaptive_spec.llama.launch import RESTART_ON_REQUEST
 from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.policy.model import HeadsPolicy
 from adaptive_spec.requests.app_keys import BUS, MEASURING, ROUTER, UPSTREAMS
-from adaptive_spec.requests.gate import request_keys
+from adaptive_spec.requests.gate import ACCESS, request_keys
 from adaptive_spec.requests.lifecycle import ProxyRequest
 from adaptive_spec.routing.contract import Route
 from adaptive_spec.routing.decision import Decision, Moved
@@ -67,7 +68,7 @@ async def _before_forward(app: web.Application, req: ProxyRequest, chosen: Upstr
     store, route = app.get(HEADS), req.route
     if store is None or route is None or req.assignment is None or route.decision.side or not route.pieces:
         return
-    if not store.arriving(req.assignment.session_id, chosen) or not _policy(app, req).enabled:
+    if not store.arriving(req.assignment.session_id, chosen, scope) or not _policy(app, req).enabled:
         return
     decision = route.decision
     slot_tokens = decision.context_tokens - decision.new_tokens if decision.new_tokens is not None else 0
@@ -170,8 +171,14 @@ def _one_per_server(app: web.Application) -> list[Upstream]:
 
 
 def _view_scope(request: web.Request, store: HeadStore) -> str | None:
-    """The heads a caller sees and deletes: with project keys, its own scope's only; else all of them."""
-    return _scope(request) if store.config.project_keys else None
+    """The heads a caller sees and deletes: with project keys, its own scope's only, but for a caller with the main
+    key (a key that is no project's), who sees them all; without project keys, all of them."""
+    project_keys = store.config.project_keys
+    if not project_keys:
+        return None
+    access = request.app[ACCESS]
+    main = tuple(key for key in access.api_keys if key not in project_keys)
+    return None if main and key_accepted(replace(access, api_keys=main), request_keys(request)) else _scope(request)
 
 
 async def _heads_view(request: web.Request) -> web.Response:

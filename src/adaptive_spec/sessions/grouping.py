@@ -192,7 +192,9 @@ class SessionRegistry:
     little as it can: its key, and the one id string of its session (a session id arrives as a new string with
     every request's headers or body; a copy per entry was a quarter of the maps' memory)."""
 
-    def __init__(self, max_fingerprints: int = ECHO_FINGERPRINTS, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, max_fingerprints: int = ECHO_FINGERPRINTS, clock: Callable[[], float] = time.monotonic, run: str = ""
+    ) -> None:
         self._replies: LRU[bytes | tuple[str, int], str] = LRU(max(1, max_fingerprints))
         self._lines: LRU[int, str] = LRU(max(1, max_fingerprints))
         self._ids: LRU[str, str] = LRU(_SHARED_IDS)  # a session id -> the string its entries share
@@ -209,6 +211,9 @@ class SessionRegistry:
         self._openings: LRU[bytes, tuple[str, bytes, float]] = LRU(_OPENINGS)
         self._clock = clock
         self._counter = itertools.count(1)
+        # The run's own tag on the ids it makes up (`serve` gives a random one): `s000001` of one run is not the
+        # session of that name a run before it left in the head store.
+        self._run = f"-{run}" if run else ""
 
     def assign(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> SessionAssignment:
         parent = next((headers[h] for h in PARENT_SESSION_HEADERS if headers.get(h)), None)
@@ -228,7 +233,7 @@ class SessionRegistry:
         joined = self._opened(opening) if opening is not None else None
         if joined is not None:
             return SessionAssignment(joined, "opening", None, subagent)
-        session_id = f"s{next(self._counter):06d}"
+        session_id = f"s{next(self._counter):06d}{self._run}"
         if opening is not None:
             self._openings.put(opening[0], (session_id, opening[1], self._clock()))
         return SessionAssignment(session_id, "new", None, subagent)

@@ -42,8 +42,9 @@ class SessionService:
         queue_bytes: int = 64 * 1024 * 1024,
         worker_process: bool = False,
         max_fingerprints: int = ECHO_FINGERPRINTS,
+        run: str = "",
     ) -> None:
-        self.registry = SessionRegistry(max_fingerprints)
+        self.registry = SessionRegistry(max_fingerprints, run=run)
         self.tracker = tracker
         self.tokenizer = tokenizer
         self._key_projects = dict(key_projects or {})

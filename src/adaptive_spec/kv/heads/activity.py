@@ -38,7 +38,7 @@ class ServerActivity:
     pinned: dict[tuple[str, int], int] = field(default_factory=dict)  # and the ones that named a slot, by slot
     generations: dict[str, int] = field(default_factory=dict)  # restarts: a restarted server lost every session's KV
     # Sessions seen: the server and its generation at their latest request.
-    seen: LRU[str, tuple[str, int]] = field(default_factory=lambda: LRU(_SESSIONS))
+    seen: LRU[tuple[str, str], tuple[str, int]] = field(default_factory=lambda: LRU(_SESSIONS))  # by (scope, id)
     # What had been forwarded that could use each request's slot, its own forward included (`mark`): a later one,
     # even one sent while the request still ran, leaves that slot holding another prompt.
     marks: LRU[str, Mark] = field(default_factory=lambda: LRU(_MARKS))
@@ -47,7 +47,7 @@ class ServerActivity:
     proven: set[str] = field(default_factory=set)  # servers where a restore was reused this run
     inert_heads: set[tuple[str, str]] = field(default_factory=set)  # (server, head): not restored there again
 
-    def arriving(self, session_id: str, server: str) -> bool:
+    def arriving(self, session_id: tuple[str, str], server: str) -> bool:
         """Whether this is the first request seen of the session, or its first since its server restarted."""
         now = (server, self.generations.get(server, 0))
         before = self.seen.get(session_id)

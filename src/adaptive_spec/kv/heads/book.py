@@ -37,8 +37,10 @@ _PRIOR_BYTES_PER_TOKEN = 120_000.0  # until a head is saved: above the 0.5B's 12
 
 
 class HeadBook:
-    def __init__(self, directory: Path, max_bytes: int, counts: dict[str, int]) -> None:
+    def __init__(self, directory: Path, max_bytes: int, counts: dict[str, int], tenants: int = 1) -> None:
+        """`tenants`: how many scopes share the bound, each an equal share of it (1: the whole bound)."""
         self.dir, self.max_bytes, self.counts = directory, max_bytes, counts
+        self._tenants = max(1, tenants)
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self.dir.is_symlink():
             raise OSError(f"{self.dir} is a symlink: a store is kept in a folder of its own")
@@ -81,9 +83,18 @@ class HeadBook:
             return False
         return True
 
-    async def room(self, prompt_tokens: int) -> bool:
-        """Free disk for a head of this size (the bound is kept as the head is added: a save may still be skipped)."""
+    def share(self, scope: str) -> int:
+        """The bytes a tenant's heads may take: an equal share of the bound (the whole bound without tenants)."""
+        return self.max_bytes // self._tenants
+
+    async def room(self, prompt_tokens: int, scope: str = "") -> bool:
+        """Free disk for a head of this size, and its tenant's share big enough to hold it (the bound is kept as the
+        head is added: a save may still be skipped)."""
         incoming = int(self.bytes_per_token() * prompt_tokens)
+        if incoming > self.share(scope) and self.entries:  # measured, not the prior's guess: too big for its share
+            self.counts["refused"] += 1
+            log.info("heads: a head of ~%d MB is larger than its tenant's share; not saved", incoming // 1_000_000)
+            return False
         free = await asyncio.to_thread(lambda: shutil.disk_usage(self.dir).free)
         if free < FREE_RESERVE_BYTES + incoming * 2:
             self.counts["refused"] += 1
@@ -94,10 +105,18 @@ class HeadBook:
     async def add(self, entry: HeadEntry) -> None:
         """The new head in the index, the bound kept; a full disk loses the new head, not the index (OSError). Its
         own entry is written (and synced) beside it first: an index lost after this still finds it."""
+        if entry.bytes > self.share(entry.scope):  # written, and larger than its tenant's share: not kept
+            self.counts["refused"] += 1
+            log.info("heads: a head of %d MB is larger than its tenant's share; removed", entry.bytes // 1_000_000)
+            await asyncio.to_thread(unlink, self.path(entry.id))
+            return
         await asyncio.to_thread(write_entry, self.dir, entry)
         self.entries[entry.id] = entry
         self._verified.add(entry.id)
-        evicted = evictions(self.entries.values(), self.max_bytes)
+        # Its tenant's own least recently used go first (one tenant cannot push another's heads out), then the bound.
+        mine = [e for e in self.entries.values() if e.scope == entry.scope]
+        evicted = evictions(mine, self.share(entry.scope))
+        evicted += evictions([e for e in self.entries.values() if e.id not in evicted], self.max_bytes)
         self.counts["evicted"] += sum(1 for head in evicted if head != entry.id)
         await self.forget(evicted)
         try:

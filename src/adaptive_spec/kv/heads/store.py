@@ -27,6 +27,7 @@ from adaptive_spec.kv.heads.book import HeadBook
 from adaptive_spec.kv.heads.files import sweep_slot_files, unlink
 from adaptive_spec.kv.heads.plan import (
     MIN_HEAD_TOKENS,
+    NO_TENANT,
     Match,
     best_match,
     chain,
@@ -76,7 +77,8 @@ class HeadStore:
             ),
             0,
         )
-        self.book = HeadBook(config.directory, config.max_bytes, self.counts)
+        tenants = len(set(config.project_keys.values()) | {NO_TENANT}) if config.project_keys else 1
+        self.book = HeadBook(config.directory, config.max_bytes, self.counts, tenants)
         with contextlib.suppress(OSError):  # what a save or restore cut short left in the slot directory
             if swept := sweep_slot_files(slot_dir, SLOT_PREFIX):
                 log.info("heads: %d slot files a cut save or restore left in %s removed", swept, slot_dir)
@@ -84,7 +86,8 @@ class HeadStore:
         self._io = SlotIO(config, slot_dir, client, self.book, self.counts, lambda upstream: self.displaced(upstream))
         self._activity, self._held = self._io.activity, self._io.held
         # Sessions whose state is saved once they have been idle a while: the timer, and the server it waits for.
-        self._idle_saves: dict[str, tuple[asyncio.TimerHandle, str]] = {}
+        # Keyed by (tenant scope, session id): one tenant's session of a name is not another's.
+        self._idle_saves: dict[tuple[str, str], tuple[asyncio.TimerHandle, str]] = {}
         # First requests under way, and the head restored for each (bounded: one that raised never ends).
         self._firsts: LRU[str, Restored | None] = LRU(4096)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -99,11 +102,11 @@ class HeadStore:
         """The tenant scope of a request that sent these API keys (`tenant_scope`)."""
         return tenant_scope(sent_keys, self.config.project_keys)
 
-    def arriving(self, session_id: str | None, upstream: Upstream) -> bool:
+    def arriving(self, session_id: str | None, upstream: Upstream, scope: str = "") -> bool:
         """Whether a restore may be tried for this request of a session: the first the store sees of it (a new
         session, or one resumed after `serve` restarted), or its first since its server restarted (which lost its
         KV). Its other requests find their own KV in their slot."""
-        return session_id is not None and self._activity.arriving(session_id, upstream.base_url)
+        return session_id is not None and self._activity.arriving((scope, session_id), upstream.base_url)
 
     def forwarded(self, upstream: Upstream, slot: int | None = None, request_id: str | None = None) -> None:
         """Every request forwarded to a server, counted: one between a restore and its request took the slot, and
@@ -175,7 +178,7 @@ class HeadStore:
             else:
                 self._activity.reused(upstream.base_url)
         if session is not None:
-            self._cancel_idle(session)  # a newer turn: the older state is not the session's any more
+            self._cancel_idle((owner[2], session))  # a newer turn: the older state is not the session's any more
         if tokens[0] < min_tokens or upstream.upstream_model is not None:
             return
         head = SavedTurn(tuple(pieces), tuple(chars), tokens[0], tokens[1], owner[0], owner[1], owner[2])
@@ -232,7 +235,10 @@ class HeadStore:
     # -- what /adaptive/heads shows and deletes -------------------------------------------------------------------
 
     def describe(self, scope: str | None = None) -> dict[str, Any]:
-        """The heads of `scope` (None: every scope), and the store's counts."""
+        """The heads of `scope` and its share of the bound; the store's counts, the saves under way and the servers
+        judged inert only in the global view (`scope` None): one tenant learns nothing of another's traffic."""
+        if scope is not None:
+            return {**self.book.describe(scope), "max_bytes": self.book.share(scope)}
         return {
             **self.book.describe(scope),
             "counts": dict(self.counts),
@@ -271,13 +277,13 @@ class HeadStore:
             mark = self._activity.mark(upstream.base_url, slot)
 
         def fire() -> None:
-            self._idle_saves.pop(head.session, None)
+            self._idle_saves.pop((head.scope, head.session), None)
             self._spawn(self._save_state_logged(upstream, slot, head, mark))
 
         handle = asyncio.get_running_loop().call_later(idle_s, fire)
-        self._idle_saves[head.session] = (handle, upstream.base_url)
+        self._idle_saves[(head.scope, head.session)] = (handle, upstream.base_url)
 
-    def _cancel_idle(self, session: str) -> None:
+    def _cancel_idle(self, session: tuple[str, str]) -> None:
         waiting = self._idle_saves.pop(session, None)
         if waiting is not None:
             waiting[0].cancel()

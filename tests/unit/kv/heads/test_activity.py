@@ -22,12 +22,12 @@ def test_a_mark_counts_what_could_have_used_a_slot() -> None:
 
 def test_a_session_arrives_once_and_again_after_its_server_restarted() -> None:
     seen = ServerActivity()
-    assert seen.arriving("s", A)
-    assert not seen.arriving("s", A)
+    assert seen.arriving(("", "s"), A)
+    assert not seen.arriving(("", "s"), A)
     seen.restarted(B)
-    assert not seen.arriving("s", A)  # another server's restart: its KV is where it was
+    assert not seen.arriving(("", "s"), A)  # another server's restart: its KV is where it was
     seen.restarted(A)
-    assert seen.arriving("s", A) and not seen.arriving("s", A)
+    assert seen.arriving(("", "s"), A) and not seen.arriving(("", "s"), A)
 
 
 def test_restores_stop_after_inert_strikes_in_a_row_unless_another_request_came_between() -> None:

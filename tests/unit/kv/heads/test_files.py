@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import stat
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -138,8 +139,9 @@ async def test_the_book_keeps_its_bound_and_refuses_a_save_without_free_disk(
     monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage())
     assert not await book.room(prompt_tokens=1000) and counts["refused"] == 1
     Usage.free = 10 * 1024**4
-    assert await book.room(prompt_tokens=10**6)  # room for a head far above the bound ...
+    assert await book.room(prompt_tokens=2)  # room on the disk, within the bound ...
     assert len(book.entries) == 2 and counts["evicted"] == 2  # ... and nothing evicted for a save not made yet
+    assert not await book.room(prompt_tokens=10**6) and counts["refused"] == 2  # a head larger than the bound: no
 
 
 @pytest.mark.asyncio(loop_scope="function")
@@ -196,3 +198,24 @@ def test_a_staged_copy_is_private_from_its_first_byte_and_the_heads_directory_is
     os.chmod(shared, 0o755)
     HeadBook(shared, max_bytes=10**9, counts={})
     assert stat.S_IMODE(shared.stat().st_mode) == 0o700
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_one_tenant_fills_only_its_own_share_of_the_bound(tmp_path: Path) -> None:
+    counts = dict.fromkeys(("refused", "evicted", "removed"), 0)
+    book = HeadBook(tmp_path, max_bytes=400, counts=counts, tenants=2)  # 200 bytes each
+    theirs = replace(_entry(9, 100, used=0.0), scope="team-b")
+    (tmp_path / f"{theirs.id}.head").write_bytes(b"x" * 100)
+    await book.add(theirs)
+    for n in range(4):  # team-a's heads, newer than team-b's, more than its share
+        mine = replace(_entry(n, 100, used=float(n + 1)), scope="team-a")
+        (tmp_path / f"{mine.id}.head").write_bytes(b"x" * 100)
+        await book.add(mine)
+    kept = {e.id: e.scope for e in book.entries.values()}
+    assert list(kept.values()).count("team-a") == 2 and theirs.id in kept, kept  # team-b's oldest head stays
+    large = replace(_entry(7, 300, used=9.0), scope="team-b")
+    (tmp_path / f"{large.id}.head").write_bytes(b"x" * 300)
+    await book.add(large)  # larger than a share: not kept, and nothing of team-b's pushed out for it
+    assert large.id not in book.entries and theirs.id in book.entries and counts["refused"] == 1
+    assert not (tmp_path / f"{large.id}.head").exists()
+    book.close()

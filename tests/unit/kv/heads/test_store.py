@@ -199,6 +199,8 @@ async def test_a_restore_is_tried_on_a_sessions_first_request_and_its_first_afte
         store.server_down(one)
         assert store.arriving("s", one) and not store.arriving("s", one)
         assert not store.arriving(None, one)
+        # Another tenant's session of the same name is another session: its first request is its own.
+        assert store.arriving("s", one, "tenant-b") and not store.arriving("s", one, "tenant-b")
 
 
 async def _turn(
