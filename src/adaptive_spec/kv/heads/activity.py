@@ -11,7 +11,9 @@ from enum import Enum
 
 from adaptive_spec.common.lru import LRU
 
-INERT_STRIKES = 2  # inert restores in a row on a server before restores stop there (one may be a lost race)
+INERT_STRIKES = 2  # inert restores of as many heads in a row on a server before restores pause there
+INERT_SERVER_S = 600.0  # how long restores pause on a server that made them inert (then they are tried again)
+INERT_HEAD_S = 3600.0  # how long a head whose restore was inert is not restored on that server
 _SESSIONS = 100_000
 _MARKS = 4096
 
@@ -22,8 +24,8 @@ Mark = tuple[int, int]
 
 class Verdict(Enum):
     TAKEN = "taken"  # another request came between the restore and its own: not the restore's fault
-    STRIKE = "strike"  # inert, once: one more such in a row and restores stop there
-    INERT = "inert"  # inert `INERT_STRIKES` times in a row: no more restores on that server
+    STRIKE = "strike"  # inert: that head is not restored there for a while; more such and restores pause there
+    INERT = "inert"  # inert for `INERT_STRIKES` heads in a row (of two tenants, with tenants): restores pause there
     # Inert on a server that has reused restores this run (it restores): that head alone is not restored there again.
     # One client's prompts (a whitespace variant of a head, say) cannot switch restores off for everyone.
     HEAD = "head"
@@ -42,10 +44,12 @@ class ServerActivity:
     # What had been forwarded that could use each request's slot, its own forward included (`mark`): a later one,
     # even one sent while the request still ran, leaves that slot holding another prompt.
     marks: LRU[str, Mark] = field(default_factory=lambda: LRU(_MARKS))
-    inert: set[str] = field(default_factory=set)  # servers where restores stopped (`judge`)
-    strikes: dict[str, int] = field(default_factory=dict)  # inert restores in a row, by server
+    inert: dict[str, float] = field(default_factory=dict)  # servers where restores pause, until when (`judge`)
+    # The heads whose restores were inert in a row, by server, each with its tenant scope.
+    strikes: dict[str, dict[str, str]] = field(default_factory=dict)
     proven: set[str] = field(default_factory=set)  # servers where a restore was reused this run
-    inert_heads: set[tuple[str, str]] = field(default_factory=set)  # (server, head): not restored there again
+    # (server, head) -> until when that head is not restored there.
+    inert_heads: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def arriving(self, session_id: tuple[str, str], server: str) -> bool:
         """Whether this is the first request seen of the session, or its first since its server restarted."""
@@ -85,15 +89,43 @@ class ServerActivity:
         self.strikes.pop(server, None)
         self.proven.add(server)
 
-    def judge(self, server: str, forwards_at_restore: int, head: str = "") -> tuple[Verdict, int]:
-        """A restore of `head` there was not reused by its request: whose fault, and the strikes in a row so far."""
+    def is_inert(self, server: str, now: float) -> bool:
+        """Restores pause on the server (a verdict that has expired is forgotten)."""
+        until = self.inert.get(server)
+        if until is not None and until <= now:
+            del self.inert[server]
+            return False
+        return until is not None
+
+    def head_inert(self, server: str, head: str, now: float) -> bool:
+        until = self.inert_heads.get((server, head))
+        if until is not None and until <= now:
+            del self.inert_heads[(server, head)]
+            return False
+        return until is not None
+
+    def judge(
+        self,
+        server: str,
+        forwards_at_restore: int,
+        head: str = "",
+        scope: str = "",
+        now: float = 0.0,
+        tenants: bool = False,
+    ) -> tuple[Verdict, int]:
+        """A restore of `head` (of tenant `scope`) there was not reused by its request: whose fault, and how many
+        heads in a row so far. The head is not restored there for `INERT_HEAD_S`; restores pause on the server (for
+        `INERT_SERVER_S`) only after `INERT_STRIKES` heads in a row on a server that never reused one, and with
+        `tenants`, heads of two scopes: no one client's prompts turn restores off for everyone, nor for long."""
         if self.forwards.get(server, 0) != forwards_at_restore + 1:
-            return Verdict.TAKEN, self.strikes.get(server, 0)
+            return Verdict.TAKEN, len(self.strikes.get(server, {}))
+        self.inert_heads[(server, head)] = now + INERT_HEAD_S
         if server in self.proven:
-            self.inert_heads.add((server, head))
-            return Verdict.HEAD, self.strikes.get(server, 0)
-        strikes = self.strikes[server] = self.strikes.get(server, 0) + 1
-        if strikes < INERT_STRIKES:
-            return Verdict.STRIKE, strikes
-        self.inert.add(server)
-        return Verdict.INERT, strikes
+            return Verdict.HEAD, len(self.strikes.get(server, {}))
+        row = self.strikes.setdefault(server, {})
+        row[head] = scope
+        if len(row) < INERT_STRIKES or (tenants and len(set(row.values())) < 2):
+            return Verdict.STRIKE, len(row)
+        self.inert[server] = now + INERT_SERVER_S
+        del self.strikes[server]
+        return Verdict.INERT, len(row)

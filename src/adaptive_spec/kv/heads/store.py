@@ -139,7 +139,8 @@ class HeadStore:
         Another save or restore under way is waited for only while waiting costs less than the prefill the restore
         saves, and `_LOCK_WAIT_S` at most (two sessions starting at once on two slots both get their head)."""
         self._verify()
-        if upstream.upstream_model is not None or upstream.base_url in self._activity.inert or not self._entries:
+        inert = self._activity.is_inert(upstream.base_url, time.monotonic())
+        if upstream.upstream_model is not None or inert or not self._entries:
             return None
         try:
             links = chain(await self._io.key(upstream), pieces, scope)
@@ -244,7 +245,9 @@ class HeadStore:
             "counts": dict(self.counts),
             "pending": len(self._tasks),
             "idle_waits": len(self._idle_saves),  # sessions whose state is saved when they have been idle a while
-            "inert_servers": sorted(self._activity.inert),
+            "inert_servers": sorted(
+                s for s in list(self._activity.inert) if self._activity.is_inert(s, time.monotonic())
+            ),
         }
 
     async def delete(self, head: str | None, scope: str | None = None) -> int:
@@ -289,7 +292,15 @@ class HeadStore:
             waiting[0].cancel()
 
     def _judge(self, upstream: Upstream, restored: Restored, cache_n: int) -> None:
-        verdict, strikes = self._activity.judge(upstream.base_url, restored.forwards, restored.head)
+        entry = self._entries.get(restored.head)
+        verdict, strikes = self._activity.judge(
+            upstream.base_url,
+            restored.forwards,
+            restored.head,
+            entry.scope if entry is not None else "",
+            time.monotonic(),
+            tenants=bool(self.config.project_keys),
+        )
         if verdict is Verdict.TAKEN:
             self.counts["taken"] += 1
             log.warning(
@@ -301,13 +312,17 @@ class HeadStore:
         if verdict is Verdict.HEAD:
             log.warning(
                 "heads: %s restored %s (%d tokens) but the prompt reused %d; the server reuses others, so only that "
-                "head is not restored there again",
+                "head is not restored there for an hour",
                 *(upstream.label, restored.head, restored.tokens, cache_n),
             )
             return
-        then = "once: another such and restores stop there" if verdict is Verdict.STRIKE else "no more restores there"
+        then = (
+            "that head is not restored there for an hour"
+            if verdict is Verdict.STRIKE
+            else "restores pause there for 10 minutes"
+        )
         log.warning(
-            "heads: %s restored a head of %d tokens but the prompt reused %d (%d in a row; %s)",
+            "heads: %s restored a head of %d tokens but the prompt reused %d (%d heads in a row; %s)",
             *(upstream.label, restored.tokens, cache_n, strikes, then),
         )
 
@@ -319,12 +334,13 @@ class HeadStore:
         slot_tokens: int,
         prefill: PrefillRate,
     ) -> Restored | None:
+        now = time.monotonic()
         usable = (
             e
             for e in self._entries.values()
             if self.book.verified(e.id)
             and (upstream.base_url, e.id) not in self._io.refused
-            and (upstream.base_url, e.id) not in self._activity.inert_heads
+            and not self._activity.head_inert(upstream.base_url, e.id, now)
         )
         match = best_match(links, usable)
         if match is None:
@@ -386,7 +402,8 @@ class HeadStore:
         on_fresh()
         if self.config.project_keys:
             return  # projects are tenants: a slot warmed with one's head would serve it to any project's request
-        if not (restore and self.config.warm_start) or upstream.base_url in self._activity.inert or not self._entries:
+        inert = self._activity.is_inert(upstream.base_url, time.monotonic())
+        if not (restore and self.config.warm_start) or inert or not self._entries:
             return
         await self._verify()
         key, t0 = await self._io.key(upstream), time.perf_counter()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from adaptive_spec.kv.heads.activity import INERT_STRIKES, ServerActivity, Verdict
+from adaptive_spec.kv.heads.activity import INERT_HEAD_S, INERT_SERVER_S, INERT_STRIKES, ServerActivity, Verdict
 
 A, B = "http://a", "http://b"
 
@@ -30,50 +30,67 @@ def test_a_session_arrives_once_and_again_after_its_server_restarted() -> None:
     assert seen.arriving(("", "s"), A) and not seen.arriving(("", "s"), A)
 
 
-def test_restores_stop_after_inert_strikes_in_a_row_unless_another_request_came_between() -> None:
+def test_restores_pause_after_inert_heads_in_a_row_unless_another_request_came_between() -> None:
     seen = ServerActivity()
     seen.forwarded(A, None, None)
     at_restore = seen.forwarded_to(A)
     seen.forwarded(A, None, None)  # the restore's own request
     seen.forwarded(A, None, None)  # and another one: it may have taken the slot
-    assert seen.judge(A, at_restore) == (Verdict.TAKEN, 0)
-    assert A not in seen.inert
-    for strike in range(1, INERT_STRIKES + 1):
+    assert seen.judge(A, at_restore, "h0") == (Verdict.TAKEN, 0)
+    assert not seen.is_inert(A, 0.0) and not seen.head_inert(A, "h0", 0.0)
+    for _ in range(3):  # one head judged again and again is one head: restores do not pause for it
         at_restore = seen.forwarded_to(A)
         seen.forwarded(A, None, None)
-        verdict, strikes = seen.judge(A, at_restore)
-        assert strikes == strike and verdict == (Verdict.INERT if strike == INERT_STRIKES else Verdict.STRIKE)
-    assert A in seen.inert and B not in seen.inert
-    seen.reused(B)  # a reused restore elsewhere starts nothing again here
-    assert seen.strikes[A] == INERT_STRIKES
+        assert seen.judge(A, at_restore, "h1") == (Verdict.STRIKE, 1)
+    assert seen.head_inert(A, "h1", 1.0) and not seen.is_inert(A, 1.0)
+    at_restore = seen.forwarded_to(A)
+    seen.forwarded(A, None, None)
+    assert seen.judge(A, at_restore, "h2", now=10.0) == (Verdict.INERT, INERT_STRIKES)
+    assert seen.is_inert(A, 11.0) and not seen.is_inert(B, 11.0)
+    # Verdicts expire: restores are tried again on the server, then the head itself.
+    assert not seen.is_inert(A, 10.0 + INERT_SERVER_S) and seen.head_inert(A, "h2", 10.0 + INERT_SERVER_S)
+    assert not seen.head_inert(A, "h2", 10.0 + INERT_HEAD_S)
+
+
+def test_with_tenants_one_tenants_heads_alone_never_pause_restores_for_the_others() -> None:
+    seen = ServerActivity()
+    for n in range(4):  # team-a's own heads, each inert (a whitespace variant of each, say)
+        at_restore = seen.forwarded_to(A)
+        seen.forwarded(A, None, None)
+        assert seen.judge(A, at_restore, f"a{n}", "team-a", tenants=True)[0] is Verdict.STRIKE
+    assert not seen.is_inert(A, 0.0) and not seen.head_inert(A, "b0", 0.0)
+    at_restore = seen.forwarded_to(A)
+    seen.forwarded(A, None, None)
+    assert seen.judge(A, at_restore, "b0", "team-b", tenants=True)[0] is Verdict.INERT  # two tenants: the server's
+    assert seen.is_inert(A, 0.0)
 
 
 def test_a_reused_restore_clears_the_strikes() -> None:
     seen = ServerActivity()
     at_restore = seen.forwarded_to(A)
     seen.forwarded(A, None, None)
-    assert seen.judge(A, at_restore) == (Verdict.STRIKE, 1)
+    assert seen.judge(A, at_restore, "h0") == (Verdict.STRIKE, 1)
     seen.reused(A)
     assert A not in seen.strikes
     at_restore = seen.forwarded_to(A)
     seen.forwarded(A, None, None)
     # The server is known to restore now: an inert restore there is the head's, not the server's.
-    assert seen.judge(A, at_restore, "h") == (Verdict.HEAD, 0) and A not in seen.inert
+    assert seen.judge(A, at_restore, "h") == (Verdict.HEAD, 0) and not seen.is_inert(A, 0.0)
 
 
 def test_on_a_server_that_has_reused_restores_an_inert_one_stops_that_head_alone() -> None:
     """One client's prompts that match a head but not its tokens (a whitespace variant) cannot switch restores off
     for everyone on a server known to restore; on a server that never reused one (a stock build that restores
-    nothing) the strikes still stop them all."""
+    nothing) inert heads in a row still pause them (for a while)."""
     seen = ServerActivity()
     seen.reused(A)
     for _ in range(INERT_STRIKES + 1):
         at_restore = seen.forwarded_to(A)
         seen.forwarded(A, None, None)
         assert seen.judge(A, at_restore, "h1") == (Verdict.HEAD, 0)
-    assert A not in seen.inert and (A, "h1") in seen.inert_heads and (A, "h2") not in seen.inert_heads
+    assert not seen.is_inert(A, 0.0) and seen.head_inert(A, "h1", 0.0) and not seen.head_inert(A, "h2", 0.0)
     for strike in range(1, INERT_STRIKES + 1):
         at_restore = seen.forwarded_to(B)
         seen.forwarded(B, None, None)
         assert seen.judge(B, at_restore, f"h{strike}")[1] == strike
-    assert B in seen.inert
+    assert seen.is_inert(B, 0.0)

@@ -127,8 +127,8 @@ async def test_an_inert_restore_is_learned_and_not_tried_again_on_that_server(tm
     async with aiohttp.ClientSession() as client:
         store = HeadStore(HeadsConfig(tmp_path / "heads"), tmp_path / "slots", lambda: client)
         upstream = Upstream("p", "http://127.0.0.1:9")  # nothing listens: any HTTP would fail the restore loudly
-        for n in (1, 2):  # the server reported cache_n 0 twice in a row (once may be a lost race for the slot)
-            restored = Restored("abc", upstream.base_url, tokens=7000, restore_ms=20.0, forwards=n - 1)
+        for n in (1, 2):  # the server reported cache_n 0 for two heads in a row (one may be a lost race for the slot)
+            restored = Restored(f"abc{n}", upstream.base_url, tokens=7000, restore_ms=20.0, forwards=n - 1)
             store.forwarded(upstream)  # the request the head was restored for, and no other
             store.served(upstream, 0, [], [], 0, (10, 2), restored, ("opencode", "default", ""))
             assert store.describe()["inert_servers"] == ([upstream.base_url] if n == 2 else [])
