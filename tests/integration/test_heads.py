@@ -408,3 +408,54 @@ async def test_a_claude_code_session_on_two_slots_keeps_its_head_where_messages_
     finally:
         await proxy.close()
         llama.stop()
+
+
+def _holds(path: Path, tokens: list[int]) -> bool:
+    """Whether a llama-server slot file holds this run of tokens (stored as 32-bit little-endian ids)."""
+    return b"".join(t.to_bytes(4, "little", signed=True) for t in tokens) in path.read_bytes()
+
+
+async def _prompt_tokens(client: aiohttp.ClientSession, llama: LlamaServer, system: str, user: str) -> list[int]:
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+    async with client.post(llama.url + "/apply-template", json=body) as r:
+        prompt = (await r.json())["prompt"]
+    async with client.post(llama.url + "/tokenize", json={"content": prompt, "add_special": True}) as r:
+        return list((await r.json())["tokens"])
+
+
+async def test_a_head_never_holds_another_tenants_tokens_when_its_request_comes_the_moment_the_turn_ends(
+    server: tuple[LlamaServer, Path], client: aiohttp.ClientSession
+) -> None:
+    """One slot, two tenants: B's request is sent the moment A's first turn is answered, round after round. A save
+    that lost the race to B's request is dropped, never kept with B's KV under A's key: every head A's scope keeps
+    holds A's own tokens, and A's restores reuse no more than A's own prompt."""
+    llama, home = server
+    keys = {"key-a": "team-a", "key-b": "team-b"}
+    proxy = await start_proxy(llama.url, home / "slots", home / "heads-race", project_keys=keys, main_key="main")
+    try:
+        own: dict[str, list[int]] = {}
+        for n in range(8):
+            system_a = SYSTEM.replace("Rules:", f"Rules of team A, round {n}:")
+            system_b = SYSTEM.replace("Rules:", f"Rules of team B, round {n}:")  # as long: the token window is no guard
+            await chat(client, proxy, f"a{n}", "Write hello.py.", system=system_a, key="key-a")
+            if n % 2:  # every other round B comes once A's save is over: those heads are kept
+                await store_of(proxy).settled()
+            await chat(client, proxy, f"b{n}", "Write hello.py.", system=system_b, key="key-b")  # else at once
+            await store_of(proxy).settled()
+            own[system_a] = await _prompt_tokens(client, llama, system_a, "Write hello.py.")
+        store = store_of(proxy)
+        heads_a = [e for e in store.book.entries.values() if e.scope == "team-a"]
+        assert len(heads_a) >= 2, store.counts  # the rounds where B waited: kept, and checked below
+        assert store.counts["dropped"] + store.counts["failed"] >= 1, store.counts  # the races were seen, and lost
+        theirs = [await _prompt_tokens(client, llama, s.replace("team A", "team B"), "Write hello.py.") for s in own]
+        for entry in heads_a:  # the first 200 tokens hold the round's "team A" or "team B"
+            path = store.book.path(entry.id)
+            assert any(_holds(path, tokens[:200]) for tokens in own.values()), entry.id
+            assert not any(_holds(path, tokens[:200]) for tokens in theirs), entry.id
+        # A's restores reuse at most what A's own prompt shares with a head of A's.
+        for n, system_a in enumerate(own):
+            await erase(client, proxy, "main")
+            again = await chat(client, proxy, f"a-again{n}", "Write hello.py.", system=system_a, key="key-a")
+            assert again["timings"]["cache_n"] <= len(own[system_a]), again["timings"]
+    finally:
+        await proxy.close()

@@ -29,7 +29,7 @@ from adaptive_spec.requests.forward import forward
 from adaptive_spec.requests.gate import routed_path
 from adaptive_spec.requests.gemini.reply import GeminiAnswer
 from adaptive_spec.requests.gemini.request import gemini_target, to_chat
-from adaptive_spec.requests.heads import before_forward, served
+from adaptive_spec.requests.heads import before_forward, forwarded_again, moving_kv, served
 from adaptive_spec.requests.keepalive import PrefillKeepAlive
 from adaptive_spec.requests.lifecycle import Prepared, ProxyRequest, Rewrite
 from adaptive_spec.requests.measured_speeds import measured
@@ -211,7 +211,8 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
     if isinstance(routed, Refusal):
         req.refusal, req.profile = routed, routed.decision.profile if routed.decision else req.profile
         return Outcome(routed.status, routed.message, routed.code)
-    routed = await carry_out(app[ROUTER], routed)
+    async with moving_kv(app, routed):  # inside the head store's accounting: its lock, the filled slot counted
+        routed = await carry_out(app[ROUTER], routed)
     req.route, req.profile = routed, routed.profile
     chosen = app[UPSTREAMS].get(routed.profile, routed.replica)
     assert chosen is not None  # the router routes to the table's own profiles and replicas
@@ -276,6 +277,7 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
             and (other := await _failover(request, req, chosen, outcome))
         ):
             chosen = other
+            forwarded_again(request, req, chosen)  # counted by the head store as any forward
             resp, outcome = await _forward_once(request, req, chosen, keepalive)
         if keepalive is not None and keepalive.owns(resp):  # failed over to no one: the stream ends with the error
             resp = await keepalive.end_with_error(outcome.error or "", outcome.code or "upstream_error")

@@ -9,6 +9,7 @@ the request was sent with (its path's project does not count: `kv/heads/plan.ten
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -18,6 +19,7 @@ from aiohttp import web
 from adaptive_spec.access.rules import key_accepted
 from adaptive_spec.kv.heads.store import HeadStore
 from adaptive_spec.kv.heads.values import Restored
+from adaptive_spec.kv.moves import SlotMove
 from adaptive_spec.llama.launch import RESTART_ON_REQUEST
 from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.policy.model import HeadsPolicy
@@ -43,6 +45,27 @@ async def before_forward(request: web.Request, req: ProxyRequest, chosen: Upstre
     store = app.get(HEADS)
     if store is not None:
         store.forwarded(chosen, req.route.slot if req.route is not None else None, req.request_id)
+
+
+def forwarded_again(request: web.Request, req: ProxyRequest, chosen: Upstream) -> None:
+    """A request sent once more, to another server (a failover): counted by the store as any forward (no restore is
+    tried for it: its route was made for the server that failed)."""
+    store = request.app.get(HEADS)
+    if store is not None:
+        store.forwarded(chosen, req.route.slot if req.route is not None else None, None)
+
+
+def moving_kv(app: web.Application, route: Route) -> contextlib.AbstractAsyncContextManager[None]:
+    """A route's KV move (a handoff, a remote prefill's restore) inside the store's accounting: its lock held and the
+    slot it fills counted as used (`HeadStore.moving`); nothing without a store or a move."""
+    store, move = app.get(HEADS), route.move
+    if store is None or move is None:
+        return contextlib.nullcontext()
+    at = move.target if isinstance(move, SlotMove) else move.at
+    upstream = app[UPSTREAMS].get(at.profile, at.replica)
+    if upstream is None:
+        return contextlib.nullcontext()
+    return store.moving(upstream, at.slot, locked=isinstance(move, SlotMove))
 
 
 def served(request: web.Request, req: ProxyRequest, chosen: Upstream) -> None:

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -112,6 +112,19 @@ class HeadStore:
         """Every request forwarded to a server, counted: one between a restore and its request took the slot, and
         one after a session's turn (to its slot, or to no slot named) leaves that slot holding another prompt."""
         self._activity.forwarded(upstream.base_url, slot, request_id)
+
+    @contextlib.asynccontextmanager
+    async def moving(self, upstream: Upstream, slot: int | None, *, locked: bool = True) -> AsyncIterator[None]:
+        """A KV move into `slot` of `upstream` (a handoff's restore; a remote prefill's, `locked` False: it may run
+        for minutes): under the store's lock (no head is saved or restored beside it), and counted as a use of that
+        slot, so a save waiting on it is dropped and a head held there is not taken for there any more."""
+        self._activity.forwarded(upstream.base_url, slot, None)
+        if not locked:
+            yield
+            return
+        async with self._lock:
+            self._activity.forwarded(upstream.base_url, slot, None)  # and once more: a save may have ended meanwhile
+            yield
 
     def mark_of(self, request_id: str) -> Mark | None:
         """The request's mark as it was forwarded (None: not forwarded through `forwarded`)."""

@@ -268,3 +268,21 @@ async def test_a_request_forwarded_while_a_turn_ran_keeps_that_turn_from_being_s
         await _turn(store, upstream, "s", idle_s=0.05, mark=store.mark_of("next"))
         await _decided(store, failed=1, dropped=1)  # nothing after it: tried
         await store.close()
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_a_kv_move_into_a_slot_counts_as_its_use_and_holds_the_stores_lock(tmp_path: Path) -> None:
+    """A handoff's restore fills the slot a session's turn left: that turn's state is not saved after it, and no
+    save or restore of a head runs while the move does."""
+    async with aiohttp.ClientSession() as client:
+        store = HeadStore(HeadsConfig(tmp_path / "heads"), tmp_path / "slots", lambda: client)
+        upstream = Upstream("p", "http://127.0.0.1:9")
+        store.forwarded(upstream, None, "turn")
+        mark = store.mark_of("turn")
+        async with store.moving(upstream, None):
+            assert store._lock.locked()  # a save or restore waits for the move
+        await _turn(store, upstream, "s", idle_s=0.05, mark=mark)
+        await _decided(store, failed=0, dropped=1)  # not tried: the slot holds the moved KV
+        async with store.moving(upstream, None, locked=False):  # a remote prefill's: counted, not locked
+            assert not store._lock.locked()
+        await store.close()
