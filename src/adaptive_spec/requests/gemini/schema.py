@@ -1,6 +1,7 @@
 """Gemini's two schema dialects read as the JSON Schema llama-server turns into a grammar: `parametersJsonSchema` and
 `responseJsonSchema` are JSON Schema already; `parameters` and `responseSchema` are Google's OpenAPI subset, with
 upper-case types (`"OBJECT"`, `"STRING"`), `nullable`, and keys no grammar needs (`propertyOrdering`, `example`).
+
 Google reads the upper-case type names in the JSON Schema dialect too (Gemini CLI 0.61's router classifier sends its
 `responseJsonSchema` so), which llama-server's grammar refuses ("unrecognized type OBJECT"): they are lower-cased there.
 
