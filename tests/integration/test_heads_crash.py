@@ -163,3 +163,34 @@ def test_a_full_filesystem_costs_saves_not_requests(tiny_gguf: Path, small_files
             assert resp.status == 200
     finally:
         proxy.stop()
+
+
+def test_a_different_model_at_the_same_path_is_never_restored_into(tmp_path: Path) -> None:
+    """The heads of one model, and another model written over its file at the same path, of the same size and with
+    its time put back: the store knows models by content (sha256), so nothing of the first is restored into the
+    second, at start or for a new session."""
+    from tests.support.tiny_gguf import write_tiny_gguf
+
+    model, state = write_tiny_gguf(tmp_path / "model.gguf", seed=0), tmp_path / "state"
+    proxy = _serve(model, state)
+    try:
+        chat_record(proxy, _messages(0), 4, **{"x-session-id": "first"})
+        wait_until(lambda: len(http_json(proxy.base + "/adaptive/heads")["heads"]) == 1, 60, "the head's save")
+    finally:
+        proxy.stop()
+    before = model.stat()
+    write_tiny_gguf(tmp_path / "other.gguf", seed=1).replace(model)  # other weights at the same path
+    assert model.stat().st_size == before.st_size
+    os.utime(model, ns=(before.st_atime_ns, before.st_mtime_ns))
+    proxy = _serve(model, state)
+    try:
+        wait_until(
+            lambda: "kept is of" in proxy.log() or "heads restored into" in proxy.log(), 60, "the warm start line"
+        )
+        assert "heads: none of the 1 kept is of" in proxy.log(), proxy.log()  # not restored into the idle slot
+        served = chat_record(proxy, _messages(0), 4, **{"x-session-id": "second"})
+        assert "warm:" not in served["reason"] and served["timings"]["cache_n"] < 10, served
+        assert http_json(proxy.base + "/adaptive/heads")["counts"]["restored"] == 0
+        assert "heads: 1 of 1 heads restored" not in proxy.log()
+    finally:
+        proxy.stop()

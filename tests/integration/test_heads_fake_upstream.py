@@ -60,8 +60,11 @@ class FakeSlots:
 
     async def _props(self, _: web.Request) -> web.Response:
         settings = {"n_ctx": 8192}
+        model = self.slot_dir.parent / "fake.gguf"  # a file the store can read, and know by content
+        if not model.exists():
+            model.write_bytes(b"GGUF fake weights")
         return web.json_response(
-            {"model_path": "fake.gguf", "total_slots": 1, "default_generation_settings": settings, "build_info": "b1"}
+            {"model_path": str(model), "total_slots": 1, "default_generation_settings": settings, "build_info": "b1"}
         )
 
     async def _metrics(self, _: web.Request) -> web.Response:

@@ -6,7 +6,10 @@ but for `file_sha256`, which reads the model file (blocking: call it off the eve
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
+import os
 import re
 import threading
 from pathlib import Path
@@ -58,27 +61,75 @@ def model_mismatch(there: str, here: str, where: str) -> str | None:
     )
 
 
-# The sha256 of a GGUF, read once per (path, size, mtime): both sides of a KV move compare it.
+# The sha256 of a GGUF, read once per file (device, inode, size, mtime, ctime): both sides of a KV move compare it,
+# and the head store keys heads by it. Kept in memory, and on disk where the caller names a file (the state
+# folder's): a 16 GB model is read once, not at each start.
 _CHUNK = 4 << 20
-_cache: dict[tuple[str, int, int], str] = {}
+_cache: dict[tuple[int, int, int, int, int], str] = {}
 _lock = threading.Lock()
 
 
-def file_sha256(path: Path) -> str:
-    """Streaming (4 MiB at a time) and cached: a 16 GB model is hashed once per process, not per request.
-    Blocking file I/O: call it off the event loop."""
-    resolved = path.resolve()
-    stat = resolved.stat()
-    key = (str(resolved), stat.st_size, stat.st_mtime_ns)
+def _identity(path: Path) -> tuple[int, int, int, int, int]:
+    """Device, inode, size, mtime and ctime: a file rewritten in place with its size and mtime put back still has a
+    new ctime (no one can set it)."""
+    st = path.stat()
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def known_sha256(path: Path, kept: Path | None = None) -> str | None:
+    """The file's sha256 when it was read before (this run, or one whose `kept` file remembers it), else None."""
+    key = _identity(path.resolve())
     with _lock:
         known = _cache.get(key)
+    if known is None and kept is not None:
+        known = _read_kept(kept).get(":".join(map(str, key)))
+        if known is not None and _SHA256.fullmatch(known):
+            with _lock:
+                _cache[key] = known
+        else:
+            known = None
+    return known
+
+
+def file_sha256(path: Path, kept: Path | None = None) -> str:
+    """Streaming (4 MiB at a time) and cached (in memory; in `kept` too, a JSON file, when named).
+    Blocking file I/O: call it off the event loop."""
+    resolved = path.resolve()
+    known = known_sha256(resolved, kept)
     if known is not None:
         return known
+    key = _identity(resolved)
     digest = hashlib.sha256()
     with resolved.open("rb") as fh:
         while chunk := fh.read(_CHUNK):
             digest.update(chunk)
     value = digest.hexdigest()
+    if _identity(resolved) != key:  # rewritten while it was read: this digest is of no one file
+        raise OSError(f"{resolved} changed while its sha256 was read")
     with _lock:
         _cache[key] = value
+    if kept is not None:
+        _keep(kept, ":".join(map(str, key)), value)
     return value
+
+
+def _read_kept(kept: Path) -> dict[str, str]:
+    try:
+        raw = json.loads(kept.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): str(v) for k, v in raw.items()} if isinstance(raw, dict) else {}
+
+
+def _keep(kept: Path, key: str, value: str) -> None:
+    entries = {**_read_kept(kept), key: value}
+    if len(entries) > 256:  # models come and go: the newest are kept
+        entries = dict(list(entries.items())[-256:])
+    tmp = kept.with_name(f".{kept.name}.tmp")
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(entries))
+        os.replace(tmp, kept)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()

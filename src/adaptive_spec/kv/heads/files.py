@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -189,21 +188,6 @@ def checksum(path: Path) -> str:
         while chunk := f.read(_CHUNK):
             crc = zlib.crc32(chunk, crc)
     return f"{crc:08x}"
-
-
-def model_sample(path: str) -> str:
-    """A model file's identity without reading it whole: its modification time and a digest of its first and last
-    MiB (a GGUF's metadata, and its last tensors). "" when it cannot be read here (an attached server's model)."""
-    try:
-        st = os.stat(path)
-        digest = hashlib.blake2b(f"{st.st_mtime_ns}".encode(), digest_size=12)
-        with open(path, "rb") as f:
-            digest.update(f.read(_SAMPLE))
-            f.seek(max(0, st.st_size - _SAMPLE))
-            digest.update(f.read(_SAMPLE))
-    except OSError:
-        return ""
-    return digest.hexdigest()
 
 
 def file_size(path: Path) -> int | None:

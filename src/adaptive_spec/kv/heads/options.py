@@ -53,7 +53,13 @@ def launched_heads(
     (the binary's identity, the K and V cache types) for the key a head is valid under. Attached servers (`binary`
     None) are known by what they report. With `--project-key` projects are tenants: a head is shared within the
     project of the key a request was sent with only."""
-    config = replace(config, directory=config.directory or default_dir, project_keys=dict(project_keys or {}))
+    directory = config.directory or default_dir
+    config = replace(
+        config,
+        directory=directory,
+        project_keys=dict(project_keys or {}),
+        digests=directory / ".model-sha256.json",  # each model file read whole once, not at each start
+    )
     if binary is None:
         return config
     build = build_identity(binary)
@@ -62,37 +68,37 @@ def launched_heads(
     return replace(config, build=build, cache_types=(cache_type_k(extra_args), _cache_type_v(extra_args)))
 
 
-# llama-server options that change what a slot's KV holds for the same tokens: adapters and control vectors, the
-# positional encoding's scaling, tensor overrides, the sliding window's cache. A head saved under one is not another's.
-_KV_CHANGING = {  # each with the number of values it takes
-    "--lora": 1,
-    "--lora-scaled": 2,
-    "--control-vector": 1,
-    "--control-vector-scaled": 2,
-    "--control-vector-layer-range": 2,
-    "--override-kv": 1,
-    "--rope-scaling": 1,
-    "--rope-scale": 1,
-    "--rope-freq-base": 1,
-    "--rope-freq-scale": 1,
-    "--yarn-orig-ctx": 1,
-    "--yarn-ext-factor": 1,
-    "--yarn-attn-factor": 1,
-    "--yarn-beta-slow": 1,
-    "--yarn-beta-fast": 1,
-    "--swa-full": 0,
-}
+# llama-server options known NOT to change what a slot's KV holds for the same tokens (each with the number of values
+# it takes): where the server listens and logs, how many threads and slots, batch sizes, timeouts, the web UI, metrics,
+# sampling defaults, the slot directory. Any other argument (an adapter, a control vector, rope or YaRN scaling, a
+# tensor override, the sliding window's cache, one this list does not know) is part of a head's key.
+_KV_NEUTRAL = {
+    "--host": 1, "--port": 1, "-t": 1, "--threads": 1, "-tb": 1, "--threads-batch": 1, "--threads-http": 1,
+    "-np": 1, "--parallel": 1, "-c": 1, "--ctx-size": 1, "-b": 1, "--batch-size": 1, "-ub": 1, "--ubatch-size": 1,
+    "--timeout": 1, "--metrics": 0, "--slots": 0, "--no-slots": 0, "--slot-save-path": 1, "--no-webui": 0,
+    "--jinja": 0, "-a": 1, "--alias": 1, "--log-disable": 0, "--log-file": 1, "--log-verbosity": 1, "-lv": 1,
+    "--log-colors": 1, "--log-prefix": 0, "--log-timestamps": 0, "--verbose": 0, "-v": 0, "--cache-ram": 1,
+    "-cram": 1, "--temp": 1, "--top-k": 1, "--top-p": 1, "--min-p": 1, "--seed": 1, "-s": 1, "--n-predict": 1,
+    "-n": 1, "--reasoning-format": 1, "--reasoning-budget": 1, "--cont-batching": 0, "-cb": 0, "--mlock": 0,
+    "--no-mmap": 0, "--prio": 1, "--poll": 1, "--sleep-idle-seconds": 1,
+}  # fmt: skip
 
 
 def kv_changing_arguments(extra_args: Sequence[str]) -> list[str]:
-    """The launch arguments among `_KV_CHANGING`, with their values, as given (`--flag value` or `--flag=value`)."""
-    args, out = list(extra_args), []
-    for i, arg in enumerate(args):
+    """The launch arguments not known to leave the KV alone (`_KV_NEUTRAL`), with everything up to the next flag, as
+    given (`--flag value` or `--flag=value`): an argument this list does not know is part of the key."""
+    args, out, i = list(extra_args), [], 0
+    while i < len(args):
+        arg = args[i]
         flag = arg.partition("=")[0]
-        if flag not in _KV_CHANGING:
+        if flag in _KV_NEUTRAL:
+            i += 1 + (0 if "=" in arg else _KV_NEUTRAL[flag])
             continue
-        n = 0 if "=" in arg else _KV_CHANGING[flag]
-        out.append(" ".join(args[i : i + 1 + n]))
+        j = i + 1
+        while j < len(args) and (not args[j].startswith("-") or args[j][1:2].isdigit()):  # its values (-1 is one)
+            j += 1
+        out.append(" ".join(args[i:j]))
+        i = j
     return out
 
 

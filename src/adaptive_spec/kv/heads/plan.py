@@ -25,8 +25,8 @@ INERT_SHARE = 0.5  # a restore whose next prompt reused less than this share of 
 
 @dataclass(frozen=True, slots=True)
 class ServerKey:
-    """What a slot file's KV depends on: the model file (path, size and `model_sample`, a digest of its modification
-    time and its first and last MiB: a stable identity without reading the whole file), the slot's context, the chat
+    """What a slot file's KV depends on: the model file (path, size and `model_sample`: `sha256:` and the digest of its
+    whole content, read once per file and kept by the file's identity), the slot's context, the chat
     template (a digest of it), the build that wrote it (the binary's identity where `serve` launched it, and the
     server's own build_info) and the K and V cache types (`-ctk`, `-ctv` of launched servers; "" for attached ones,
     whose /props does not say). Two servers with equal keys can restore each other's heads."""

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from adaptive_spec.kv.heads.files import file_size, model_sample
+from adaptive_spec.kv.heads.files import file_size
 from adaptive_spec.kv.heads.plan import ServerKey, template_digest
 from adaptive_spec.llama.upstreams import Upstream
 
@@ -25,43 +24,27 @@ def restore_timeout(size: int) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(total=5.0 + size / _RESTORE_FLOOR_BYTES_PER_S)
 
 
-async def server_key(
-    client: aiohttp.ClientSession, upstream: Upstream, build: str, cache_types: tuple[str, str]
-) -> ServerKey:
-    """`build`, `cache_types` (K, V): what `serve` knows of the servers it launched ("" for attached ones)."""
+async def server_props(client: aiohttp.ClientSession, upstream: Upstream) -> dict[str, Any]:
     async with client.get(f"{upstream.base_url}/props", timeout=ASK_TIMEOUT) as resp:
         resp.raise_for_status()
         props = await resp.json(content_type=None)
-    key = await asyncio.to_thread(key_of, props, build, cache_types)
-    if key.model_sample:
-        return key
-    # The model's file cannot be read here (an attached server's): what the server says of the weights it loaded
-    # stands in, so a file replaced at the same path is another key.
-    async with client.get(f"{upstream.base_url}/v1/models", timeout=ASK_TIMEOUT) as resp:
-        models = await resp.json(content_type=None) if resp.status == 200 else None
-    return replace(key, model_sample=served_weights(models))
+    return props if isinstance(props, dict) else {}
 
 
-def key_of(props: Any, build: str, cache_types: tuple[str, str]) -> ServerKey:
+def model_path(props: dict[str, Any]) -> str:
+    return str(props.get("model_path") or "")
+
+
+def key_of(props: dict[str, Any], build: str, cache_types: tuple[str, str], model_sha256: str) -> ServerKey:
+    """The key of a server's KV: its model known by content (the file's sha256: a model replaced at the same path,
+    even of the same size and time, is another key), its build, context, template and cache types."""
     settings = props.get("default_generation_settings") or {}
-    model = str(props.get("model_path") or "")
+    model = model_path(props)
     size = (file_size(Path(model)) or 0) if model else 0
     builds = f"{build}|{props.get('build_info') or ''}"
     template = template_digest(str(props.get("chat_template") or ""))
     n_ctx = int(settings.get("n_ctx") or 0)
-    return ServerKey(model, size, n_ctx, template, model_sample(model), builds, *cache_types)
-
-
-def served_weights(models: Any) -> str:
-    """The weights a llama-server says it loaded (`/v1/models`' `meta`: parameters, bytes, vocabulary, width, trained
-    context), as a sample for the key; "unknown" when it says none. Not a digest of the weights: two files of the same
-    shape and size (a fine-tune of one base) are not told apart by it."""
-    data = models.get("data") if isinstance(models, dict) else None
-    meta = data[0].get("meta") if isinstance(data, list) and data and isinstance(data[0], dict) else None
-    if not isinstance(meta, dict):
-        return "unknown"
-    fields = ("n_params", "size", "n_vocab", "n_embd", "n_ctx_train", "vocab_type")
-    return "served:" + ",".join(f"{k}={meta.get(k)}" for k in fields)
+    return ServerKey(model, size, n_ctx, template, f"sha256:{model_sha256}", builds, *cache_types)
 
 
 async def idle_slots(client: aiohttp.ClientSession, upstream: Upstream, wait_s: float) -> int | None:

@@ -26,8 +26,9 @@ from adaptive_spec.kv.heads.plan import (
     earlier_states,
     head_id,
 )
-from adaptive_spec.kv.heads.server import TIMEOUT, idle_slots, restore_timeout, server_key
+from adaptive_spec.kv.heads.server import TIMEOUT, idle_slots, key_of, model_path, restore_timeout, server_props
 from adaptive_spec.kv.heads.values import HeadsConfig, Restored, SavedTurn
+from adaptive_spec.kv.slot_files import file_sha256, known_sha256
 from adaptive_spec.kv.slots import SlotError, check_written, restore_slot, save_slot
 from adaptive_spec.llama.upstreams import Upstream
 
@@ -57,6 +58,8 @@ class SlotIO:
         self.refused: set[tuple[str, str]] = set()  # (server, head): llama-server refused it there this run
         self.lock = asyncio.Lock()  # one save or restore at a time: each pauses the server's slots
         self._keys: dict[str, ServerKey] = {}
+        self._hashing: dict[str, asyncio.Task[str | None]] = {}  # model path -> its sha256 (None: not readable here)
+        self._unknown: set[str] = set()  # servers whose model cannot be known by content here: no heads for them
         self._restore_s_per_byte: float | None = None
 
     def forget_key(self, server: str) -> None:
@@ -181,12 +184,46 @@ class SlotIO:
         log.warning("heads: a request came to %s during a %s: its slots are counted as emptied", upstream.label, action)
         self.on_displaced(upstream)
 
-    async def key(self, upstream: Upstream) -> ServerKey:
+    async def key(self, upstream: Upstream, wait: bool = True) -> ServerKey | None:
+        """The key a head of this server is valid under; None until its model's sha256 is known (read once, in a
+        thread, in the background; `wait` False: on a request's path nothing waits for it), and for good when the
+        file cannot be read here (an attached server's on another host): no head is saved or restored there."""
         key = self._keys.get(upstream.base_url)
-        if key is None:
-            key = await server_key(self._client(), upstream, self.config.build, self.config.cache_types)
-            self._keys[upstream.base_url] = key
+        if key is not None:
+            return key
+        props = await server_props(self._client(), upstream)
+        sha = await self._model_sha256(model_path(props), wait)
+        if sha is None:
+            if wait and upstream.base_url not in self._unknown:
+                self._unknown.add(upstream.base_url)
+                log.warning(
+                    "heads: off for %s: its model file (%s) cannot be read here, so its weights cannot be known by "
+                    "content; no head is saved or restored there",
+                    upstream.label,
+                    model_path(props) or "not named by /props",
+                )
+            return None
+        key = key_of(props, self.config.build, self.config.cache_types, sha)
+        self._keys[upstream.base_url] = key
         return key
+
+    async def _model_sha256(self, model: str, wait: bool) -> str | None:
+        if not model:
+            return None
+        task = self._hashing.get(model)
+        if task is None:
+            known = await asyncio.to_thread(_known_or_none, Path(model), self.config.digests)  # a stat, a small read
+            if known is not None:
+                return known
+            task = self._hashing[model] = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(_sha256_or_none, Path(model), self.config.digests)
+            )
+        if task.done():
+            result = task.result()
+            if result is None:
+                del self._hashing[model]  # a file that comes back (a remount) is asked again later
+            return result
+        return await asyncio.shield(task) if wait else None
 
     async def idle(self, upstream: Upstream, wait_s: float) -> int | None:
         return await idle_slots(self._client(), upstream, wait_s)
@@ -199,3 +236,17 @@ class SlotIO:
             s_per_byte = seconds / size
             old = self._restore_s_per_byte
             self._restore_s_per_byte = s_per_byte if old is None else 0.7 * old + 0.3 * s_per_byte
+
+
+def _known_or_none(path: Path, kept: Path | None) -> str | None:
+    try:
+        return known_sha256(path, kept)
+    except OSError:
+        return None
+
+
+def _sha256_or_none(path: Path, kept: Path | None) -> str | None:
+    try:
+        return file_sha256(path, kept)
+    except OSError:
+        return None

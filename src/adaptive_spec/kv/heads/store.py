@@ -156,7 +156,10 @@ class HeadStore:
         if upstream.upstream_model is not None or inert or not self._entries:
             return None
         try:
-            links = chain(await self._io.key(upstream), pieces, scope)
+            key = await self._io.key(upstream, wait=False)  # on a request's path: no wait for the model's digest
+            if key is None:
+                return None
+            links = chain(key, pieces, scope)
             return await self._restore(upstream, slot, links, slot_tokens, prefill)
         except _FAILURES as exc:
             self.counts["failed"] += 1
@@ -420,6 +423,8 @@ class HeadStore:
             return
         await self._verify()
         key, t0 = await self._io.key(upstream), time.perf_counter()
+        if key is None:
+            return
         forwards = self._activity.forwarded_to(upstream.base_url)
         n_slots = await self._io.idle(upstream, wait_s=0.0) or 0
         verified = (e for e in self._entries.values() if self.book.verified(e.id))
@@ -440,6 +445,11 @@ class HeadStore:
             self._say(
                 f"heads: {done} of {len(heads)} heads restored into {upstream.label}'s idle slots {when} "
                 f"in {time.perf_counter() - t0:.2f} s (in the background)"
+            )
+        else:
+            self._say(
+                f"heads: none of the {len(self._entries)} kept is of {upstream.label}'s model and settings "
+                f"(its slots {when} stay empty)"
             )
 
     async def _save_logged(self, upstream: Upstream, slot: int | None, head: SavedTurn, mark: Mark | None) -> None:
@@ -467,6 +477,8 @@ class HeadStore:
             self.counts["dropped"] += 1
             return  # its slot served another request already: a later turn of the same head may be kept instead
         key = await self._io.key(upstream)
+        if key is None:
+            return  # its model cannot be known by content here: nothing is kept for it
         links = chain(key, head.pieces, head.scope)
         if not links or self._io.covered(upstream, links) or head_id(links) in self.book.saving:
             return  # kept already, or being saved: one save of a head at a time, so its files are its own

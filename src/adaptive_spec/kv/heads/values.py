@@ -18,6 +18,8 @@ class HeadsConfig:
     warm_start: bool = True  # restore the most recent heads into a fresh server's idle slots (start, restart)
     # `serve --project-key` (key: project): projects are tenants, a head is found within its key's project only.
     project_keys: Mapping[str, str] = field(default_factory=dict, repr=False)
+    # Where the model files' sha256 are kept across runs (by device, inode, size and mtime); None: this run only.
+    digests: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from adaptive_spec.kv.heads.book import HeadBook
-from adaptive_spec.kv.heads.files import INDEX, checksum, load_index, model_sample, stage, take, write_index
+from adaptive_spec.kv.heads.files import INDEX, checksum, load_index, stage, take, write_index
 from adaptive_spec.kv.heads.plan import HeadEntry, ServerKey, chain
 
 KEY = ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t1")
@@ -101,7 +101,7 @@ def test_a_head_taken_across_filesystems_is_copied_whole_or_not_at_all(
     assert sorted(p.name for p in heads.iterdir()) == ["a.head"]  # no half head under any name
 
 
-def test_a_damaged_head_fails_its_checksum_and_a_rewritten_model_changes_its_identity(tmp_path: Path) -> None:
+def test_a_damaged_head_fails_its_checksum(tmp_path: Path) -> None:
     head = tmp_path / "a.head"
     head.write_bytes(bytes(range(256)) * 1000)
     before = checksum(head)
@@ -109,14 +109,6 @@ def test_a_damaged_head_fails_its_checksum_and_a_rewritten_model_changes_its_ide
     data[100_000] ^= 0x01
     head.write_bytes(bytes(data))
     assert checksum(head) != before
-
-    model = tmp_path / "m.gguf"
-    model.write_bytes(b"GGUF" + b"\0" * 3_000_000)
-    sample = model_sample(str(model))
-    assert sample and sample == model_sample(str(model))
-    model.write_bytes(b"GGUF" + b"\1" * 3_000_000)  # the same size and name, another file
-    assert model_sample(str(model)) != sample
-    assert model_sample(str(tmp_path / "absent.gguf")) == ""
 
 
 @pytest.mark.asyncio(loop_scope="function")
