@@ -151,6 +151,7 @@ class HeadsPolicy:
     session_idle_s: float = _key(
         30.0, "seconds a session waits without a request before its state is kept (0: sessions are not kept)", 0
     )
+    share_gb: float = _key(0.0, "with project keys: this project's share of the heads' bound in GiB (0: equal)", 0)
 
 
 @dataclass(frozen=True, slots=True)

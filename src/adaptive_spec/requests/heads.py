@@ -140,6 +140,7 @@ def _served(app: web.Application, req: ProxyRequest, chosen: Upstream, scope: st
         session=None if route.decision.side else req.assignment.session_id,
         idle_s=policy.session_idle_s,
         mark=mark,
+        share_bytes=int(policy.share_gb * 1024**3),
     )
 
 

@@ -41,6 +41,7 @@ class HeadBook:
         """`tenants`: how many scopes share the bound, each an equal share of it (1: the whole bound)."""
         self.dir, self.max_bytes, self.counts = directory, max_bytes, counts
         self._tenants = max(1, tenants)
+        self._shares: dict[str, int] = {}  # tenants whose policy names their share (bytes)
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self.dir.is_symlink():
             raise OSError(f"{self.dir} is a symlink: a store is kept in a folder of its own")
@@ -84,8 +85,16 @@ class HeadBook:
         return True
 
     def share(self, scope: str) -> int:
-        """The bytes a tenant's heads may take: an equal share of the bound (the whole bound without tenants)."""
-        return self.max_bytes // self._tenants
+        """The bytes a tenant's heads may take: its project's policy's share (`set_share`), else an equal share of the
+        bound (the whole bound without tenants); never more than the bound."""
+        return min(self.max_bytes, self._shares.get(scope) or self.max_bytes // self._tenants)
+
+    def set_share(self, scope: str, share_bytes: int) -> None:
+        """A tenant's share as its project's policy says (0: an equal one); learned as its requests are served."""
+        if share_bytes > 0:
+            self._shares[scope] = share_bytes
+        else:
+            self._shares.pop(scope, None)
 
     async def room(self, prompt_tokens: int, scope: str = "") -> bool:
         """Free disk for a head of this size, and its tenant's share big enough to hold it (the bound is kept as the

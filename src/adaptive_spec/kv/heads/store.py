@@ -182,13 +182,17 @@ class HeadStore:
         session: str | None = None,
         idle_s: float = 0.0,
         mark: Mark | None = None,
+        share_bytes: int = 0,
     ) -> None:
         """A session's request was served: learn an inert restore (`cache_n` None: not reported). Its `first` turn
         (no reply in its prompt yet) is saved as a head in the background, when it has `min_tokens` or more and its
         slot served nothing else since (`mark`); any
         other turn of `session` that long is saved as the session's state once the session has been `idle_s`
         seconds without a request and its slot served nothing else since it was forwarded (`mark`, from `mark_of`;
-        0: never). `tokens`: its prompt's and its reply's; `owner`: its agent, project and tenant scope."""
+        0: never). `tokens`: its prompt's and its reply's; `owner`: its agent, project and tenant scope;
+        `share_bytes`: that tenant's share of the bound, as its policy says (0: an equal share)."""
+        if self.config.project_keys:
+            self.book.set_share(owner[2], share_bytes)  # the tenant's share, as its project's policy says
         if restored is not None and cache_n is not None:
             if inert(restored.tokens, cache_n):
                 self._judge(upstream, restored, cache_n)

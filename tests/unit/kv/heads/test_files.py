@@ -211,3 +211,16 @@ async def test_one_tenant_fills_only_its_own_share_of_the_bound(tmp_path: Path) 
     assert large.id not in book.entries and theirs.id in book.entries and counts["refused"] == 1
     assert not (tmp_path / f"{large.id}.head").exists()
     book.close()
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_a_projects_policy_sets_its_share_and_the_others_keep_the_equal_one(tmp_path: Path) -> None:
+    book = HeadBook(tmp_path, max_bytes=900, counts=dict.fromkeys(("refused", "evicted", "removed"), 0), tenants=3)
+    assert book.share("team-a") == book.share("team-b") == 300
+    book.set_share("team-a", 600)
+    assert (book.share("team-a"), book.share("team-b")) == (600, 300)
+    book.set_share("team-a", 10**9)
+    assert book.share("team-a") == 900  # never more than the whole bound
+    book.set_share("team-a", 0)
+    assert book.share("team-a") == 300  # back to an equal share
+    book.close()
