@@ -110,13 +110,14 @@ class Accounting:
             await asyncio.sleep(_POLL_S / 2)
 
     async def _read(self, client: aiohttp.ClientSession, server: str) -> None:
-        deadline = time.monotonic() + SETTLE_S
+        deadline, pause = time.monotonic() + SETTLE_S, _POLL_S
         while time.monotonic() < deadline:
             if await self._read_once(client, server) and not self.ledger.waiting(server):
                 return
             if server in self._no_metrics:
                 break
-            await asyncio.sleep(_POLL_S)
+            await asyncio.sleep(pause)
+            pause = min(1.0, pause * 2)  # a server busy for long is asked once a second, not twenty times
         if self.ledger.waiting(server):  # never quiet for long enough: its counters start from the next reading
             self._baselined.discard(server)
             for request_id in self.ledger.forget(server):
