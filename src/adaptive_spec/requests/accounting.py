@@ -26,6 +26,13 @@ _POLL_S = 0.05
 _TIMEOUT = aiohttp.ClientTimeout(total=5)
 
 
+def usage_of(timings: Timings | None) -> Counts | None:
+    """The token counts an answer with usage only did say (prompt, cached, predicted), to check a reading with."""
+    if timings is None or not timings.from_usage:
+        return None
+    return Counts(timings.prompt_n, timings.cache_n, timings.predicted_n)
+
+
 def counts_of(timings: Timings | None, generating: bool) -> Counts | None:
     """What an answer said llama-server counted; None when it did not say it all (no final timings, or only the
     usage object, which has no draft counts)."""
@@ -74,14 +81,19 @@ class Accounting:
         self.ledger.forwarded(server)
 
     def ended(
-        self, client: aiohttp.ClientSession, server: str, request_id: str, counts: Counts | None
+        self,
+        client: aiohttp.ClientSession,
+        server: str,
+        request_id: str,
+        counts: Counts | None,
+        known: Counts | None = None,
     ) -> asyncio.Future[Counts | None] | None:
-        """A forwarded request ended. A future when its counts wait for the next quiet reading (its record waits on
-        it), else None."""
+        """A forwarded request ended. A future when its counts wait for the next quiet reading (its record is
+        counted again then), else None. `known`: the token counts its answer did say (usage), checked then."""
         if server in self._no_metrics:
             self.ledger.ended(server, request_id, Counts() if counts is None else counts)
             return None
-        held = self.ledger.ended(server, request_id, counts)
+        held = self.ledger.ended(server, request_id, counts, known)
         future: asyncio.Future[Counts | None] | None = None
         if held:
             future = asyncio.get_running_loop().create_future()
@@ -101,7 +113,12 @@ class Accounting:
         """Before a request goes to a server whose last answers were not seen to their end, and that is quiet for the
         proxy: one reading first (a millisecond; up to `BEFORE_S` while the server ends a cancelled task), so the
         next request's counts do not mix with theirs. A server that stays busy is left to the background reading."""
-        if not self.ledger.waiting(server) or server in self._no_metrics or self.ledger.quiet(server) is None:
+        first = server not in self._baselined  # the first forward there: the counters read before it, once
+        if (
+            not (self.ledger.waiting(server) or first)
+            or server in self._no_metrics
+            or self.ledger.quiet(server) is None
+        ):
             return
         deadline = time.monotonic() + BEFORE_S
         for _ in range(int(BEFORE_S / (_POLL_S / 2)) + 1):  # polled: llama-server tells no event of its counters

@@ -16,7 +16,7 @@ from adaptive_spec.access.rules import KEY_PARAMETER
 from adaptive_spec.common.headers import PROFILE_HEADER, REQUEST_ID_HEADER
 from adaptive_spec.kv.moves import SlotMove
 from adaptive_spec.llama.upstreams import Upstream
-from adaptive_spec.requests.accounting import counts_of
+from adaptive_spec.requests.accounting import counts_of, usage_of
 from adaptive_spec.requests.apis import sent_as, traits
 from adaptive_spec.requests.app_keys import CLIENT, FRESH_CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
 from adaptive_spec.requests.body.compat import repaired
@@ -326,7 +326,8 @@ async def _forward_once(
         outcome = answered[1]
         return answered
     finally:
-        unseen = lifecycle.accounting.ended(app[CLIENT], chosen.base_url, req.request_id, _counted(req, outcome))
+        counted, known = _counted(req, outcome), usage_of(req.meter.timings)
+        unseen = lifecycle.accounting.ended(app[CLIENT], chosen.base_url, req.request_id, counted, known)
         if unseen is not None:
             req.unseen.append(unseen)
 

@@ -12,7 +12,7 @@ proxy forwarded was open across it and llama-server had nothing in processing or
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 # llama-server's counters (`--metrics`), by the timings field each sums.
 COUNTERS = {
@@ -45,8 +45,15 @@ class Counts:
         return Counts(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(Counts)))
 
     def whole(self) -> bool:
-        """No count below zero (milliseconds may round a little below: a tenth of one allowed)."""
-        return all(getattr(self, f.name) >= (-0.1 if f.name in _SECONDS else 0) for f in fields(Counts))
+        """No token count below zero (the seconds are llama-server's sums of its own roundings: not checked)."""
+        return all(getattr(self, f.name) >= 0 for f in fields(Counts) if f.name not in _SECONDS)
+
+    def tokens(self) -> tuple[int, int, int, int, int]:
+        return self.prompt_n, self.cache_n, self.predicted_n, self.draft_n, self.draft_n_accepted
+
+    def clamped(self) -> Counts:
+        """Its seconds at zero or more (a difference of roundings may fall a little below)."""
+        return replace(self, prompt_ms=max(0.0, self.prompt_ms), predicted_ms=max(0.0, self.predicted_ms))
 
 
 def from_metrics(values: dict[str, float]) -> Counts | None:
@@ -76,6 +83,8 @@ class _Book:
     open: int = 0  # forwarded and not ended
     since: Counts = field(default_factory=Counts)  # the records' counts, ended since the reading
     unseen: list[str] = field(default_factory=list)  # requests ended since the reading whose counts were not seen
+    known: Counts | None = None  # of the one unseen request, the token counts its answer did say (usage), if any
+    shared: bool = False  # llama-server counted work no request through the proxy did: another client uses it
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,17 +106,18 @@ class Ledger:
         book.forwards += 1
         book.open += 1
 
-    def ended(self, server: str, request_id: str, counts: Counts | None) -> bool:
-        """A forwarded request ended, with the counts its answer said (None: not seen to its end). True: its counts
-        wait for the next quiet reading."""
+    def ended(self, server: str, request_id: str, counts: Counts | None, known: Counts | None = None) -> bool:
+        """A forwarded request ended, with the counts its answer said (None: not seen to its end; `known`: the token
+        counts it did say, an Anthropic or Responses usage). True: its counts wait for the next quiet reading."""
         book = self._books.setdefault(server, _Book())
         book.open = max(0, book.open - 1)
         if counts is not None:
             book.since = book.since + counts
             return False
-        if book.reading is None:
-            return False  # nothing to compare with: it stays as the stream showed it
+        if book.reading is None or (book.shared and known is None):
+            return False  # nothing to compare with (or to check against): it stays as the answer showed it
         book.unseen.append(request_id)
+        book.known = known
         return True
 
     def quiet(self, server: str) -> int | None:
@@ -122,15 +132,18 @@ class Ledger:
         book = self._books.setdefault(server, _Book())
         if book.forwards != started_at or book.open != 0:
             return None
-        last, unseen, since = book.reading, tuple(book.unseen), book.since
-        book.reading, book.unseen, book.since = counters, [], Counts()
+        last, unseen, since, known = book.reading, tuple(book.unseen), book.since, book.known
+        book.reading, book.unseen, book.since, book.known = counters, [], Counts(), None
         if last is None:
             return Settled((), None) if not unseen else Settled(unseen, None)
         left = counters - last - since
         if not unseen:
-            return Settled((), None, None if left == Counts() else left)
-        if len(unseen) == 1 and left.whole():
-            return Settled(unseen, left)
+            other = None if left.tokens() == (0, 0, 0, 0, 0) else left
+            book.shared = book.shared or other is not None
+            return Settled((), None, other)
+        if len(unseen) == 1 and left.whole() and (known is None or left.tokens()[:3] == known.tokens()[:3]):
+            return Settled(unseen, left.clamped())
+        book.shared = book.shared or len(unseen) == 1  # one request, and its usage does not add up: another client
         return Settled(unseen, None)
 
     def waiting(self, server: str) -> bool:

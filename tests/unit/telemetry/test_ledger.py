@@ -60,3 +60,19 @@ def test_llama_servers_counters_are_read_from_its_metrics() -> None:
     assert from_metrics(values) == Counts(2, 2, 2, 2, 2, 2000.0, 2000.0)
     assert from_metrics({}) is None
     assert busy({"llamacpp:requests_processing": 1.0}) and not busy({"llamacpp:requests_deferred": 0.0})
+
+
+def test_an_answer_whose_usage_does_not_add_up_is_not_given_another_clients_work() -> None:
+    """A client beside the proxy (a test, a script on llama-server's own port) makes the difference more than the
+    unseen request did: its usage tells, nothing is given, and the server is known to be shared from then on."""
+    ledger = Ledger()
+    _reading(ledger, Counts())
+    ledger.forwarded(S)
+    assert ledger.ended(S, "usage-only", None, known=Counts(10, 5, 8))
+    assert _reading(ledger, Counts(10, 5, 8, 6, 4)) == Settled(("usage-only",), Counts(10, 5, 8, 6, 4))  # adds up
+    ledger.forwarded(S)
+    ledger.ended(S, "usage-only-2", None, known=Counts(10, 5, 8))
+    settled = _reading(ledger, Counts(10 + 30, 5 + 5, 8 + 20, 6, 4))  # another client's prompt counted too
+    assert settled == Settled(("usage-only-2",), None)
+    ledger.forwarded(S)
+    assert not ledger.ended(S, "hung", None)  # on a shared server a cut answer cannot be checked: not held
