@@ -15,22 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
-from tests.support.agents import ENABLED, client, estimates_off, records, run, summary
+from tests.support.agents import CREATE, EDIT, client, estimates_off, file_text, records, run, summary
 from tests.support.servers import ProxyProcess
-
-if not ENABLED:
-    pytest.skip("end-to-end agent tests are opt-in: ADAPTIVE_SPEC_E2E=1", allow_module_level=True)
-
-pytestmark = pytest.mark.timeout(3600)
-
-CREATE = "Create hello.py that prints hello."
-EDIT = "Change hello.py so it prints bye."
-
-
-def _made(path: Path) -> str | None:
-    return path.read_text() if path.is_file() else None
 
 
 def test_claude_code_creates_then_changes_a_file(proxy: ProxyProcess, workspace: tuple[Path, dict[str, str]]) -> None:
@@ -55,10 +41,10 @@ def test_claude_code_creates_then_changes_a_file(proxy: ProxyProcess, workspace:
     made = repo / "hello.py"
     made.unlink()
     first = run([*argv, CREATE], repo, env, stop_after=1800)
-    created = _made(made)
+    created = file_text(made)
     second = run([*argv, "--continue", EDIT], repo, env, stop_after=1500)
     recs = records(proxy, project)
-    notes = f"created: {created!r}; after the edit: {_made(made)!r}\n" + (first.stdout + second.stdout)[-1500:]
+    notes = f"created: {created!r}; after the edit: {file_text(made)!r}\n" + (first.stdout + second.stdout)[-1500:]
     out = summary("claude-code", recs, 1, [first, second], notes=notes)
     answered = [r for r in recs if r["status"] != 499]  # a turn stopped mid-answer leaves one cancelled request
     assert answered and all(r["status"] == 200 for r in answered), [(r["path"], r["status"], r["error"]) for r in recs]
@@ -98,10 +84,10 @@ def test_qwen_code_creates_then_changes_a_file(proxy: ProxyProcess, workspace: t
     made = repo / "hello.py"
     made.unlink()
     first = run([qwen, "--yolo", CREATE], repo, env, stop_after=1800)
-    created = _made(made)
+    created = file_text(made)
     second = run([qwen, "--yolo", "--continue", EDIT], repo, env, stop_after=1500)
     recs = records(proxy, project)
-    notes = f"created: {created!r}; after the edit: {_made(made)!r}\n" + (first.stdout + second.stdout)[-1500:]
+    notes = f"created: {created!r}; after the edit: {file_text(made)!r}\n" + (first.stdout + second.stdout)[-1500:]
     out = summary("qwen-code", recs, 1, [first, second], notes=notes)
     answered = [r for r in recs if r["status"] != 499]
     assert answered and all(r["status"] == 200 for r in answered), [(r["path"], r["status"], r["error"]) for r in recs]

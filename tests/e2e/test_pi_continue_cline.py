@@ -13,23 +13,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from tests.support.agents import ENABLED, ROOT, client, estimates_off, first_turns_off, records, run, summary
+from tests.support.agents import (
+    CREATE,
+    EDIT,
+    ROOT,
+    client,
+    estimates_off,
+    file_text,
+    first_turns_off,
+    records,
+    run,
+    summary,
+)
 from tests.support.servers import ProxyProcess
 
-if not ENABLED:
-    pytest.skip("end-to-end agent tests are opt-in: ADAPTIVE_SPEC_E2E=1", allow_module_level=True)
-
-pytestmark = pytest.mark.timeout(3600)
-
-CREATE = "Create hello.py that prints hello."
-EDIT = "Change hello.py so it prints bye."
 EXAMPLE_BASE = "http://127.0.0.1:8088/p/myproject/v1"
-
-
-def _made(path: Path) -> str | None:
-    return path.read_text() if path.is_file() else None
 
 
 def _check(agent: str, recs: list[dict[str, Any]], out: dict[str, Any], conversations: int = 1) -> None:
@@ -55,10 +53,10 @@ def test_pi_creates_then_changes_a_file(proxy: ProxyProcess, workspace: tuple[Pa
     made = repo / "hello.py"
     made.unlink()
     first = run([*argv, CREATE], repo, env, stop_after=1500)
-    created = _made(made)
+    created = file_text(made)
     second = run([*argv, "-c", EDIT], repo, env, stop_after=1500)
     recs = records(proxy, project)
-    notes = f"created: {created!r}; after the edit: {_made(made)!r}\n" + (first.stdout + second.stdout)[-1500:]
+    notes = f"created: {created!r}; after the edit: {file_text(made)!r}\n" + (first.stdout + second.stdout)[-1500:]
     out = summary("pi", recs, 1, [first, second], notes=notes)
     _check("pi", recs, out)
     assert {r["session_source"] for r in recs if r["api"] == "chat"} == {"header:x-session-affinity"}, out
@@ -77,10 +75,10 @@ def test_continue_cli_creates_then_changes_a_file(
     made = repo / "hello.py"
     made.unlink()
     first = run([*argv, CREATE], repo, env, stop_after=1500)
-    created = _made(made)
+    created = file_text(made)
     second = run([*argv, "--resume", EDIT], repo, env, stop_after=1500)
     recs = records(proxy, project)
-    notes = f"created: {created!r}; after the edit: {_made(made)!r}\n" + (first.stdout + second.stdout)[-1500:]
+    notes = f"created: {created!r}; after the edit: {file_text(made)!r}\n" + (first.stdout + second.stdout)[-1500:]
     out = summary("continue-cli", recs, 1, [first, second], notes=notes)
     # A first run that fails (exit 1, as on the 1.5B once, its file written) saves no session: --resume then starts
     # a conversation of its own, which the proxy sees as such.
@@ -104,11 +102,11 @@ def test_cline_creates_then_changes_a_file(
     made = repo / "hello.py"
     made.unlink()
     first = run([*argv, CREATE], repo, env, stop_after=1500)
-    created = _made(made)
+    created = file_text(made)
     # A task is resumed only interactively (`--id` asks for a terminal in 3.0.65): the change is a task of its own,
     # in the same repository, and a conversation of its own.
     second = run([*argv, EDIT], repo, env, stop_after=1500)
     recs = records(proxy, project)
-    notes = f"created: {created!r}; after the edit: {_made(made)!r}\n"
+    notes = f"created: {created!r}; after the edit: {file_text(made)!r}\n"
     out = summary("cline", recs, 2, [first, second], notes=notes + (first.stdout + second.stdout)[-1500:])
     _check("cline", recs, out, conversations=2)

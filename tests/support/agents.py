@@ -34,6 +34,16 @@ def e2e_model() -> str:
 
 
 ENABLED = os.environ.get("ADAPTIVE_SPEC_E2E") == "1"
+# The two steps the agents of tests/e2e/ are given (test_agents.py has its own, on greet.py).
+CREATE = "Create hello.py that prints hello."
+EDIT = "Change hello.py so it prints bye."
+
+
+def file_text(path: Path) -> str | None:
+    """What a step left in the file (None: no file)."""
+    return path.read_text() if path.is_file() else None
+
+
 CLIENTS = Path(os.environ.get("ADAPTIVE_SPEC_E2E_CLIENTS") or ROOT / ".e2e-clients")
 
 
