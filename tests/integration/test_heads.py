@@ -207,9 +207,13 @@ async def test_with_project_keys_a_head_is_kept_found_listed_and_deleted_within_
         assert head_a != head_b and sorted(listed["main"]) == sorted([head_a, head_b])  # the main key sees all
         async with client.get(proxy.make_url("/adaptive/heads"), headers=_auth("key-a")) as r:
             tenant = await r.json()
-        # A tenant sees its own heads and share, nothing of the others' traffic: no counts, saves or inert servers.
+        # A tenant sees its own heads, share and counts, nothing of the others' traffic: no saves under way, no inert
+        # servers, none of team-b's counts.
         assert "directory" not in tenant  # no path of the proxy's machine
-        assert sorted(tenant) == ["bytes", "enabled", "heads", "max_bytes"], tenant
+        assert sorted(tenant) == ["bytes", "counts", "enabled", "heads", "max_bytes"], tenant
+        assert (tenant["counts"]["saved"], tenant["counts"]["restored"]) == (1, 1), tenant["counts"]
+        async with client.get(proxy.make_url("/adaptive/heads"), headers=_auth("key-b")) as r:
+            assert (await r.json())["counts"]["restored"] == 0  # team-b's own: its head was never restored
         async with client.get(proxy.make_url("/adaptive/heads"), headers=_auth("main")) as r:
             everything = await r.json()
         assert {"counts", "pending", "inert_servers"} <= set(everything) and tenant["max_bytes"] == everything[

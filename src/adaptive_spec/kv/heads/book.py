@@ -42,6 +42,7 @@ class HeadBook:
         self.dir, self.max_bytes, self.counts = directory, max_bytes, counts
         self._tenants = max(1, tenants)
         self._shares: dict[str, int] = {}  # tenants whose policy names their share (bytes)
+        self.scope_counts: dict[str, dict[str, int]] = {}  # the counts of each tenant's own heads (`count`)
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self.dir.is_symlink():
             raise OSError(f"{self.dir} is a symlink: a store is kept in a folder of its own")
@@ -84,6 +85,12 @@ class HeadBook:
             return False
         return True
 
+    def count(self, name: str, scope: str, n: int = 1) -> None:
+        """One more of `name` (saved, restored, evicted, refused, ...) in the store's counts and its tenant's."""
+        self.counts[name] = self.counts.get(name, 0) + n
+        mine = self.scope_counts.setdefault(scope, {})
+        mine[name] = mine.get(name, 0) + n
+
     def share(self, scope: str) -> int:
         """The bytes a tenant's heads may take: its project's policy's share (`set_share`), else an equal share of the
         bound (the whole bound without tenants); never more than the bound."""
@@ -101,12 +108,12 @@ class HeadBook:
         head is added: a save may still be skipped)."""
         incoming = int(self.bytes_per_token() * prompt_tokens)
         if incoming > self.share(scope) and self.entries:  # measured, not the prior's guess: too big for its share
-            self.counts["refused"] += 1
+            self.count("refused", scope)
             log.info("heads: a head of ~%d MB is larger than its tenant's share; not saved", incoming // 1_000_000)
             return False
         free = await asyncio.to_thread(lambda: shutil.disk_usage(self.dir).free)
         if free < FREE_RESERVE_BYTES + incoming * 2:
-            self.counts["refused"] += 1
+            self.count("refused", scope)
             log.warning("heads: %d MB free in the heads directory; the head is not saved", free // 1_000_000)
             return False
         return True
@@ -115,7 +122,7 @@ class HeadBook:
         """The new head in the index, the bound kept; a full disk loses the new head, not the index (OSError). Its
         own entry is written (and synced) beside it first: an index lost after this still finds it."""
         if entry.bytes > self.share(entry.scope):  # written, and larger than its tenant's share: not kept
-            self.counts["refused"] += 1
+            self.count("refused", entry.scope)
             log.info("heads: a head of %d MB is larger than its tenant's share; removed", entry.bytes // 1_000_000)
             await asyncio.to_thread(unlink, self.path(entry.id))
             return
@@ -126,7 +133,9 @@ class HeadBook:
         mine = [e for e in self.entries.values() if e.scope == entry.scope]
         evicted = evictions(mine, self.share(entry.scope))
         evicted += evictions([e for e in self.entries.values() if e.id not in evicted], self.max_bytes)
-        self.counts["evicted"] += sum(1 for head in evicted if head != entry.id)
+        for head in evicted:
+            if head != entry.id:
+                self.count("evicted", self.entries[head].scope)
         await self.forget(evicted)
         try:
             await self._write_index()
@@ -185,11 +194,15 @@ class HeadBook:
         heads = sorted(
             (e for e in self.entries.values() if scope is None or e.scope == scope), key=lambda e: -e.last_used_unix
         )
-        return {
+        out = {
             "max_bytes": self.max_bytes,
             "bytes": sum(e.bytes for e in heads),
             "heads": [e.describe() for e in heads],
         }
+        if scope is not None:  # a tenant's own view: its own heads' counts
+            names = ("saved", "session_saved", "restored", "evicted", "refused")
+            out["counts"] = {name: self.scope_counts.get(scope, {}).get(name, 0) for name in names}
+        return out
 
     async def _write_index(self) -> None:
         async with self._writing:

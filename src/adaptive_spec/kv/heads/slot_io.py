@@ -90,7 +90,7 @@ class SlotIO:
         self.observe_restore(entry.bytes, elapsed)
         if used:
             await self.book.used(entry)
-        self.counts["restored"] += 1
+        self.book.count("restored", entry.scope)
         restored = Restored(
             entry.id,
             upstream.base_url,
@@ -142,7 +142,7 @@ class SlotIO:
         if hid in self.book.entries and head.session:
             await self.book.delete(earlier_states(self.book.entries.values(), self.book.entries[hid]))
         if hid in self.book.entries:
-            self.counts["session_saved" if head.session else "saved"] += 1
+            self.book.count("session_saved" if head.session else "saved", head.scope)
             self.held[(upstream.base_url, slot or 0)] = Restored(
                 hid, upstream.base_url, head.prompt_tokens, 0.0, False, self.activity.forwarded_to(upstream.base_url)
             )
