@@ -39,6 +39,7 @@ from tests.stress.rig import write_figures
 from tests.support.servers import ProxyProcess, free_port, http_json, pid_alive, wait_until
 from tests.support.sse import stream_events
 from tests.support.tiny_gguf import write_tiny_gguf
+from tests.support.tiny_policy import tiny_policy
 
 LONG = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 100_000, "ignore_eos": True, "stream": True}
 SHORT = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 8, "temperature": 0}
@@ -57,6 +58,8 @@ def launched(workdir: Path, *extra: str) -> ProxyProcess:
         "--ctx-size",
         "8192",
         "--server-per-profile",  # the faults hit one profile's own process and a KV handoff between two
+        "--policy",  # the tiny model's handoff costs: its moves are priced as what they are, so they are made
+        str(tiny_policy(workdir)),
         *extra,
         env={"ADAPTIVE_SPEC_STATE_DIR": str(workdir / "state"), "ADAPTIVE_SPEC_CONFIG_DIR": str(workdir / "config")},
     )

@@ -24,6 +24,7 @@ SETTLE_S = 30.0
 BEFORE_S = 2.0  # a one-slot server ends the cancelled task first anyway; a busier one is read later
 _POLL_S = 0.05
 _TIMEOUT = aiohttp.ClientTimeout(total=5)
+_ASK_TIMEOUT = aiohttp.ClientTimeout(total=0.5)  # on a request's path: a server that takes longer is not waited for
 
 
 def usage_of(timings: Timings | None) -> Counts | None:
@@ -112,27 +113,25 @@ class Accounting:
     async def before_forward(self, client: aiohttp.ClientSession, server: str) -> None:
         """Before a request goes to a server whose last answers were not seen to their end, and that is quiet for the
         proxy: one reading first (a millisecond; up to `BEFORE_S` while the server ends a cancelled task), so the
-        next request's counts do not mix with theirs. A server that stays busy is left to the background reading."""
+        next request's counts do not mix with theirs; before its first forward, one try for the baseline. A server
+        that does not answer at once (down, hung) is not waited for: the background reading goes on."""
         first = server not in self._baselined  # the first forward there: the counters read before it, once
-        if (
-            not (self.ledger.waiting(server) or first)
-            or server in self._no_metrics
-            or self.ledger.quiet(server) is None
-        ):
+        waiting = self.ledger.waiting(server)
+        if not (waiting or first) or server in self._no_metrics or self.ledger.quiet(server) is None:
             return
-        deadline = time.monotonic() + BEFORE_S
+        deadline = time.monotonic() + (BEFORE_S if waiting else 0.0)
         for _ in range(int(BEFORE_S / (_POLL_S / 2)) + 1):  # polled: llama-server tells no event of its counters
-            if await self._read_once(client, server) or time.monotonic() >= deadline:
+            read = await self._read_once(client, server, _ASK_TIMEOUT)
+            if read != "busy" or time.monotonic() >= deadline:
                 return
             await asyncio.sleep(_POLL_S / 2)
 
     async def _read(self, client: aiohttp.ClientSession, server: str) -> None:
         deadline, pause = time.monotonic() + SETTLE_S, _POLL_S
         while time.monotonic() < deadline:
-            if await self._read_once(client, server) and not self.ledger.waiting(server):
+            read = await self._read_once(client, server, _TIMEOUT)
+            if (read == "settled" and not self.ledger.waiting(server)) or read == "none":
                 return
-            if server in self._no_metrics:
-                break
             await asyncio.sleep(pause)
             pause = min(1.0, pause * 2)  # a server busy for long is asked once a second, not twenty times
         if self.ledger.waiting(server):  # never quiet for long enough: its counters start from the next reading
@@ -140,31 +139,36 @@ class Accounting:
             for request_id in self.ledger.forget(server):
                 self._settle(request_id, None)
 
-    async def _read_once(self, client: aiohttp.ClientSession, server: str) -> bool:
-        """One reading, if the server is quiet; True when it was (and settled what waited)."""
+    async def _read_once(self, client: aiohttp.ClientSession, server: str, patience: aiohttp.ClientTimeout) -> str:
+        """One reading, if the server is quiet: "settled" (it was, and settled what waited), "busy" (not quiet, or
+        processing), "down" (no answer in time), "none" (no /metrics there)."""
         started_at = self.ledger.quiet(server)
         if started_at is None:
-            return False
-        values = await self._metrics(client, server)
+            return "busy"
+        values = await self._metrics(client, server, patience)
         if values is None:  # no /metrics: what the streams showed is all there is
             self._no_metrics.add(server)
             for request_id in self.ledger.forget(server):
                 self._settle(request_id, None)
-            return False
-        counters = from_metrics(values) if values and not busy(values) else None
+            return "none"
+        if not values:
+            return "down"
+        counters = from_metrics(values) if not busy(values) else None
         settled = self.ledger.read(server, started_at, counters) if counters is not None else None
         if settled is None:
-            return False
+            return "busy"
         self._baselined.add(server)
         if settled.other is not None:
             log.debug("%s counted %s that no request through the proxy did", server, settled.other)
         for request_id in settled.requests:
             self._settle(request_id, settled.counts if len(settled.requests) == 1 else None)
-        return True
+        return "settled"
 
-    async def _metrics(self, client: aiohttp.ClientSession, server: str) -> dict[str, float] | None:
+    async def _metrics(
+        self, client: aiohttp.ClientSession, server: str, patience: aiohttp.ClientTimeout
+    ) -> dict[str, float] | None:
         try:
-            async with client.get(f"{server}/metrics", timeout=_TIMEOUT) as resp:
+            async with client.get(f"{server}/metrics", timeout=patience) as resp:
                 if resp.status in (404, 501):
                     return None
                 if resp.status != 200:
