@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import ProxyProcess, chat_record, http_json
+from tests.support.servers import ProxyProcess, chat_record, http_json, wait_until
 from tests.support.tiny_policy import tiny_policy
 
 PASTED = "Here is a.py:\n```python\n" + "\n".join(f"value_{i} = {i} * {i}" for i in range(60)) + "\n```\nWhat is it?"
@@ -55,7 +55,10 @@ def test_a_pinned_move_hands_the_kv_cache_over_into_a_named_slot(two_slots: Any)
     # Two slots: the proxy named the one the other session did not use last, and the session landed there.
     slots = {s["id"]: s for s in _slots(proxy, "iterative")}
     assert slots[1].get("n_prompt_tokens", 0) >= context, slots[1]
-    assert list(home.glob("state/run-*/slots/*")) == []  # the slot file is deleted once restored
+    assert list(home.glob("state/run-*/slots/as-*")) == []  # the handoff's slot file is deleted once restored
+    # The head store's own file of the first turn's save (head-*.bin) is moved into the store once that save ends.
+    wait_until(lambda: http_json(proxy.base + "/adaptive/heads")["pending"] == 0, 60, "the head store's saves")
+    assert list(home.glob("state/run-*/slots/*")) == []
 
 
 def _slots(proxy: ProxyProcess, profile: str) -> list[dict[str, Any]]:
