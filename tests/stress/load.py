@@ -78,7 +78,8 @@ def _tables(proxy: ProxyProcess) -> dict[str, Any]:
     return {
         "history_kept": len(requests["requests"]),
         "history_bound": HISTORY,
-        "history_total": requests["total"],
+        # The clients' requests: the proxy's own (its speed measurement at start, a probe) are records too.
+        "history_total": requests["total"] - sum(1 for r in requests["requests"] if r.get("own")),
         "sessions_kept": len(sessions.get("sessions", [])),
         "sessions_bound": MAX_SESSIONS,
         "session_updates_dropped": sessions.get("updates_dropped"),

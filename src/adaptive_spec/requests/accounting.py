@@ -184,7 +184,7 @@ class Accounting:
                     values[name] = float(value)
                 except ValueError:
                     continue
-        return values
+        return values if from_metrics(values) is not None else None  # not llama-server's counters: none to read
 
     def _settle(self, request_id: str, counts: Counts | None) -> None:
         future = self._waiting.pop(request_id, None)
