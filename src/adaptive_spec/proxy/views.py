@@ -69,7 +69,14 @@ async def _requests_view(request: web.Request) -> web.Response:
     history = request.app[HISTORY]
     records = [r.to_json() for r in history.latest(limit)]
     # How far the routes' time estimates were from llama-server's timings, over the records shown.
-    return _json({"total": history.total, "requests": records, "time_estimates": estimate_errors.summarize(records)})
+    return _json(
+        {
+            "total": history.total,
+            "own_total": history.own_total,
+            "requests": records,
+            "time_estimates": estimate_errors.summarize(records),
+        }
+    )
 
 
 def _replicas(app: web.Application, name: str) -> list[dict[str, Any]]:

@@ -11,10 +11,12 @@ class RequestHistory:
     def __init__(self, max_records: int) -> None:
         self._records: deque[RequestRecord] = deque(maxlen=max(1, max_records))
         self.total = 0
+        self.own_total = 0  # of those, the proxy's own requests (a speed measurement, a probe)
 
     def add(self, record: RequestRecord) -> None:
         self._records.append(record)
         self.total += 1
+        self.own_total += record.own is not None
 
     def replace(self, record: RequestRecord) -> None:
         """A record counted again (RequestCounted) takes the place of the one of the same request, if still kept."""
