@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -52,6 +53,21 @@ def _slow_stream(delay_s: float, answer: bytes) -> Handler:
     return handle
 
 
+def _headers_then_silence(delay_s: float, answer: bytes) -> Handler:
+    """As llama-server b11549 streams: the 200 headers at once, then nothing until the prefill ends."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(delay_s)
+        await resp.write(answer)
+        await resp.write_eof()
+        return resp
+
+    return handle
+
+
 def _error_after(delay_s: float) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         await request.read()
@@ -86,9 +102,21 @@ def _messages(delay_s: float) -> Handler:
     return handle
 
 
+def _chat(delay_s: float) -> Handler:
+    """/v1/chat/completions: headers with the first bytes (llama-server b11434), or at once for model "early"."""
+    stream = CHUNK + CHUNK + b"data: [DONE]\n\n"
+    late, early = _slow_stream(delay_s, stream), _headers_then_silence(delay_s, stream)
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        return await (early if body.get("model") == "early" else late)(request)
+
+    return handle
+
+
 def _routes(delay_s: float) -> dict[tuple[str, str], Handler]:
     return {
-        ("POST", "/v1/chat/completions"): _slow_stream(delay_s, CHUNK + CHUNK + b"data: [DONE]\n\n"),
+        ("POST", "/v1/chat/completions"): _chat(delay_s),
         ("POST", "/v1/messages"): _messages(delay_s),
         ("POST", "/v1/completions"): _error_after(delay_s),
     }
@@ -138,6 +166,20 @@ async def test_a_silent_prefill_gets_keepalive_chunks_before_the_first_token(rig
     assert pieces[0][0] < DELAY_S / 2  # the client heard from the proxy long before the server answered
     record = proxy.app[HISTORY].latest(1)[0]
     assert record.outcome == "finished"
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_headers_at_once_then_a_silent_prefill_still_get_keepalives(rig: Rig) -> None:
+    """The headers are no answer: the keep-alives go on until the stream's first bytes (Qwen Code's stream guard
+    gave up at 240 s with them on, as llama-server b11549 sent its headers at once)."""
+    proxy = await rig(DELAY_S, INTERVAL_S)
+    status, pieces = await _post(proxy, "/v1/chat/completions", {**CHAT, "model": "early"})
+    body = b"".join(piece for _, piece in pieces)
+    head, _, rest = body.partition(CHUNK)
+    pings = head.count(CHAT_EMPTY_CHUNK)
+    assert status == 200 and pings >= 3 and head == CHAT_EMPTY_CHUNK * pings
+    assert rest == CHUNK + b"data: [DONE]\n\n"
+    assert proxy.app[HISTORY].latest(1)[0].outcome == "finished"
 
 
 @pytest.mark.asyncio(loop_scope="function")
@@ -223,3 +265,29 @@ def test_on_a_real_server_the_text_is_the_same_with_keepalives(tiny_server: Llam
         assert texts[0] == texts[1] and texts[0]
     finally:
         proxy.stop()
+
+
+def test_a_real_servers_silent_prefill_gets_keepalives(tiny_server: LlamaServer) -> None:
+    """llama-server b11549 sends a stream's headers before it prefills: through the proxy, keep-alive chunks come
+    first all the same, then the server's own stream, whole."""
+    interval_s = 0.02
+    proxy = ProxyProcess("--profile", f"plain={tiny_server.url}", "--prefill-keepalive", str(interval_s))
+    words = " ".join(f"word{i}" for i in range(2000))  # a prompt no earlier test left in the slot's cache
+    body = {**CHAT, "messages": [{"role": "user", "content": words}], "max_tokens": 4, "temperature": 0}
+    request = urllib.request.Request(
+        proxy.base + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            raw = resp.read()
+    finally:
+        proxy.stop()
+    pings = 0
+    while raw.startswith(CHAT_EMPTY_CHUNK, pings * len(CHAT_EMPTY_CHUNK)):
+        pings += 1
+    own = [json.loads(e.data) for e in events(raw[pings * len(CHAT_EMPTY_CHUNK) :]) if e.data != "[DONE]"]
+    timings = next(c["timings"] for c in own if "timings" in c)
+    assert timings["prompt_ms"] > 10 * interval_s * 1000, timings  # the prefill outlasted several intervals
+    assert pings >= 1, raw[:300]
+    assert own[0]["choices"][0]["delta"].get("role") == "assistant" and raw.endswith(b"data: [DONE]\n\n")
+    assert CHAT_EMPTY_CHUNK not in raw[pings * len(CHAT_EMPTY_CHUNK) :]  # none once the server's stream began

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -119,11 +119,12 @@ async def _answered(
 ) -> tuple[web.StreamResponse, Outcome]:
     """The server's answer relayed to the client, and how the request ended."""
     try:
+        head = await _first_bytes(upstream_resp, keepalive)
         committed = keepalive.take() if keepalive is not None and keepalive.committed else None
         relay.answering.response = committed
         if committed is not None and keepalive is not None and not _is_stream_answer(upstream_resp):
             return await _error_after_keepalive(upstream_resp, relay.upstream, keepalive)
-        resp, client_gone, failure = await _relay(request, upstream_resp, relay, extra_headers, committed)
+        resp, client_gone, failure = await _relay(request, upstream_resp, relay, extra_headers, committed, head)
     finally:
         # Closing (not releasing) drops the connection if the body was not read to the end, which tells
         # llama-server to stop generating and free the slot.
@@ -132,6 +133,18 @@ async def _answered(
     if failure is not None:
         return resp, Outcome(resp.status, failure[0], failure[1], client_gone=client_gone)
     return resp, Outcome(resp.status, relay.meter.error, client_gone=client_gone)
+
+
+async def _first_bytes(upstream_resp: aiohttp.ClientResponse, keepalive: PrefillKeepAlive | None) -> bytes | None:
+    """A stream's first bytes, read with the keep-alives going on beside them: llama-server b11549 sends a stream's
+    200 headers at once and nothing more until its prefill ends, so the headers are no sign that it has begun to
+    answer. None: nothing read ahead (no keep-alives, or no stream); a failed read is met again by the relay."""
+    if keepalive is None or not _is_stream_answer(upstream_resp):
+        return None
+    try:
+        return await keepalive.during(upstream_resp.content.readany())
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, TimeoutError):
+        return None
 
 
 def _taken_back(shutting_down: Callable[[], bool], booking: Booking | None) -> Outcome | None:
@@ -230,13 +243,15 @@ async def _relay(
     relay: _Relay,
     extra_headers: dict[str, str],
     committed: web.StreamResponse | None = None,
+    head: bytes | None = None,
 ) -> tuple[web.StreamResponse, bool, _Failure | None]:
     """The response relayed, whether the client hung up while it was written (a write to a closing transport
     raises ConnectionResetError before aiohttp gets to cancel the handler: a disconnect, not a fault), and how the
-    relay failed after the headers went out, if it did. `committed`: a stream whose headers the keep-alives sent."""
+    relay failed after the headers went out, if it did. `committed`: a stream whose headers the keep-alives sent;
+    `head`: the stream's first bytes, already read (`_first_bytes`)."""
     if committed is not None:
         try:
-            return committed, False, await _relay_sse(committed, upstream_resp, relay)
+            return committed, False, await _relay_sse(committed, upstream_resp, relay, head)
         except ConnectionResetError:
             return committed, True, None
     resp = web.StreamResponse(status=upstream_resp.status, reason=upstream_resp.reason)
@@ -262,7 +277,7 @@ async def _relay(
             return resp, False, None
         await resp.prepare(request)
         if is_sse:
-            failure = await _relay_sse(resp, upstream_resp, relay)
+            failure = await _relay_sse(resp, upstream_resp, relay, head)
         elif relay.reply is not None:
             failure = await _relay_translated_body(request, resp, upstream_resp, relay)
         else:
@@ -294,12 +309,14 @@ async def _error_body(upstream_resp: aiohttp.ClientResponse, api: str) -> tuple[
     return status, orjson.dumps(overflow) if overflow is not None else (as_anthropic(status, body) or body)
 
 
-async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResponse, relay: _Relay) -> _Failure | None:
+async def _relay_sse(
+    resp: web.StreamResponse, upstream_resp: aiohttp.ClientResponse, relay: _Relay, head: bytes | None = None
+) -> _Failure | None:
     meter, progress, reply = relay.meter, relay.progress, relay.reply
     tap = StreamTap(meter, strip=relay.strip)
     started, clock = relay.started, time.perf_counter
     try:
-        chunks = upstream_resp.content.iter_any()
+        chunks = upstream_resp.content.iter_any() if head is None else _after(head, upstream_resp.content)
         async for chunk in chunks:
             out = tap.feed(chunk, (clock() - started) * 1000.0)
             if reply is not None:
@@ -330,6 +347,14 @@ async def _relay_sse(resp: web.StreamResponse, upstream_resp: aiohttp.ClientResp
         await resp.write(reply.close())
     await resp.write_eof()
     return None
+
+
+async def _after(head: bytes, content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """`head`, then the rest of the stream as it comes (b"": the stream had ended)."""
+    if head:
+        yield head
+    async for chunk in content.iter_any():
+        yield chunk
 
 
 async def _end_stream_with_error(resp: web.StreamResponse, relay: _Relay, message: str, code: str) -> _Failure:

@@ -1,10 +1,11 @@
 """Keep-alive bytes for a streamed request while llama-server prefills its prompt.
 
-llama-server sends a stream's headers with its first result, so during a long prefill (minutes for a 15k-token
-agent head on a CPU) the client hears nothing, and agents with a stream idle timeout give up (Qwen Code: 240 s).
-After `interval_s` with no upstream answer the proxy sends the 200 headers itself and then a keep-alive every
-`interval_s`: on /v1/chat/completions a chunk with no choices (what SDK-based agents count as activity), Anthropic's
-own `ping` event on /v1/messages, an SSE comment elsewhere. Before the
+During a long prefill (minutes for a 15k-token agent head on a CPU) llama-server sends nothing: b11434 not even
+its headers, b11549 its 200 headers at once and then no byte until the first token. Agents with a stream idle timeout
+give up (Qwen Code: 240 s). After `interval_s` with no stream bytes from upstream (headers or not) the proxy sends the
+200 headers itself if they are not out yet, and a keep-alive every `interval_s` until the first bytes come: on
+/v1/chat/completions a chunk with no choices (what SDK-based agents count as activity), Anthropic's own `ping` event
+on /v1/messages, an SSE comment elsewhere (which timer each one resets, per agent: examples/README.md). Before the
 first one a quick answer (a context overflow's 400) still reaches the client as it is. Once they are sent, an
 upstream error becomes the stream's final error event in the API's own shape. Keep-alives are not an answer: a pool
 still fails the request over to another replica, and the upstream read timeout is not reset by them.
