@@ -31,4 +31,4 @@ test: lint server
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python -m benchmarks.overhead.side_by_side

@@ -27,7 +27,7 @@ LOADING_FAULTS = (signal.SIGILL, signal.SIGSEGV, signal.SIGBUS)
 VERDICTS_FILE = "cpu-verdicts.json"
 CLEAR_HINT = "`adaptive-spec build-server --forget-cpu-verdicts` clears it, `serve --cpu-repack always` ignores it"
 # Said wherever a verdict is, so a user can weigh it (docs/benchmarks.md, "What --no-repack costs": medians of
-# benchmarks/repack_cost.py; on a machine that faults the repacked speed cannot be had at all).
+# benchmarks/cpu/repack_cost.py; on a machine that faults the repacked speed cannot be had at all).
 REPACK_COST = (
     "without repacking, prefill ran at 0.98-1.64x and decode at 0.74-1.05x the repacked speed "
     "(the embedded 0.5B and 1.5B on a 2-core x86 CPU: docs/benchmarks.md)"
