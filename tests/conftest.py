@@ -7,6 +7,7 @@ import pytest
 
 from adaptive_spec.errors import AdaptiveSpecError
 from tests.support.outside import missing
+from tests.support.redis import RedisServer
 from tests.support.servers import LlamaServer
 from tests.support.tiny_gguf import write_tiny_gguf
 
@@ -34,6 +35,14 @@ def llama_server_binary() -> str:
     except AdaptiveSpecError as exc:
         _missing(str(exc))
         raise
+
+
+@pytest.fixture
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A real redis-server of the test's own (skipped here without one, failed in CI)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

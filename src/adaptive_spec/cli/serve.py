@@ -40,6 +40,7 @@ from adaptive_spec.proxy.run import run as run_server
 from adaptive_spec.proxy.run import say
 from adaptive_spec.sessions.grouping import ECHO_FINGERPRINTS
 from adaptive_spec.sessions.ngram_replay import NgramParams
+from adaptive_spec.shared_state.options import add_shared_state_arguments, shared_state_plan
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -109,6 +110,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_heads_arguments(serve)
     _add_trace_arguments(serve)
     _add_session_arguments(serve)
+    add_shared_state_arguments(serve)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
@@ -147,6 +149,7 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
             access=access,
             **profiles,
             connections=connection_limits(args),
+            shared_state=shared_state_plan(args),
             **_trace_options(args),
             **_routing_options(args),
         )

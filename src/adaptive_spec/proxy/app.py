@@ -40,6 +40,7 @@ from adaptive_spec.requests.app_keys import (
     ROUTER,
     SESSIONS,
     SETTINGS,
+    SHARED,
     TRACE,
     UPSTREAMS,
     ProxySettings,
@@ -55,6 +56,7 @@ from adaptive_spec.routing.contract import FixedPolicy, PolicySource
 from adaptive_spec.routing.draft_length import capped_profiles
 from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.service import SessionService, run_worker
+from adaptive_spec.shared_state.shell import SharedState
 from adaptive_spec.streams.timings import find_timings
 from adaptive_spec.telemetry.bus import EventBus
 from adaptive_spec.telemetry.events import RequestFailed, RequestFinished
@@ -116,10 +118,12 @@ def build_app(
     access: AccessPolicy | None = None,
     speeds: KeptSpeeds | None = None,
     probes: Sequence[ProbeRequest] = (),
+    shared: SharedState | None = None,
 ) -> web.Application:
     """The proxy. `upstreams` and `sessions` publish on `bus`: build them with its `publish` (the router made here
     does). `servers`: which profiles share a llama-server (routing/router.py). `speeds`: where the speed model is
-    kept, and the launched servers to measure when nothing is kept there."""
+    kept, and the launched servers to measure when nothing is kept there. `shared`: the state shared with other
+    proxies (none: this proxy alone)."""
     # The body limit is enforced by read_body (to answer in the OpenAI error shape), not by aiohttp.
     app = web.Application(client_max_size=settings.max_body_bytes + 1)
     install_security(app, access or AccessPolicy())  # every route, later ones included
@@ -147,7 +151,8 @@ def build_app(
         app[REMOTE_PREFILL] = kv.remote
     app[RESTART] = restart
     _add_heads(app, kv)
-    app[LIFECYCLE] = RequestLifecycle(bus, app[HISTORY], router, sessions, trace, settings.progress_interval_s)
+    app[SHARED] = shared
+    app[LIFECYCLE] = RequestLifecycle(bus, app[HISTORY], router, sessions, trace, settings.progress_interval_s, shared)
     app[STRANDED] = StrandedRequests()  # what the health poll ends when a server stops answering
     bus.listen(app[METRICS].on_event)
     _own_requests(app, probes)
@@ -165,6 +170,7 @@ def build_app(
     app.cleanup_ctx.append(_slot_sweep)
     app.cleanup_ctx.append(_replica_watch)
     app.cleanup_ctx.append(_health_poll)
+    app.cleanup_ctx.append(_shared_state)
     if speeds is not None:
         keep_speeds(app, speeds, kv.say or log.info)  # before the warm starts: they follow its measurements
     watch_servers(app)  # warm starts at start and after a restart: once the client above exists
@@ -175,6 +181,20 @@ def build_app(
     add_gemini_views(app, proxy_view)
     app.router.add_route("*", "/{tail:.*}", proxy_view)
     return app
+
+
+async def _shared_state(app: web.Application) -> AsyncIterator[None]:
+    """The shared state's lease renewal, for the proxy's life; at shutdown its bookings go and its connection closes."""
+    shared = app[SHARED]
+    if shared is None:
+        yield
+        return
+    task = asyncio.get_running_loop().create_task(shared.renewing())
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await shared.close()
 
 
 def _own_requests(app: web.Application, probes: Sequence[ProbeRequest]) -> None:

@@ -17,6 +17,7 @@ from adaptive_spec.proxy.app import ProxySettings
 from adaptive_spec.proxy.connection_book import ConnectionLimits
 from adaptive_spec.sessions.grouping import ECHO_FINGERPRINTS
 from adaptive_spec.sessions.ngram_replay import NgramParams
+from adaptive_spec.shared_state.options import SharedStatePlan
 
 
 @dataclass(frozen=True)
@@ -64,4 +65,5 @@ class ServePlan:
     heads: HeadsConfig | None = None  # warm starts (kv/heads/): None with --no-heads
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)  # slow and idle clients, the cap
     event_loop: str = "asyncio"  # proxy/event_loop.py: asyncio or uvloop
+    shared_state: SharedStatePlan | None = None  # --shared-state: sessions, placements, bookings among proxies
     agents_note: str | None = None  # which embedded model suits coding agents, said after start

@@ -60,6 +60,8 @@ from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker
 from adaptive_spec.sessions.token_source import choose_tokenizer
 from adaptive_spec.sessions.tokenizers import CachingTokenizer
+from adaptive_spec.shared_state.redis_store import RedisStore
+from adaptive_spec.shared_state.shell import SharedState
 from adaptive_spec.telemetry.bus import EventBus
 from adaptive_spec.telemetry.events import Event, ProfileDown, ProfileUp
 from adaptive_spec.telemetry.trace import TraceWriter
@@ -294,7 +296,8 @@ async def _app(run: _Run, policies: PolicyStore, table: UpstreamTable, bus: Even
     mismatch = replica_mismatch(infos) or model_mismatch(infos) or speculation_problem(infos)
     if mismatch:
         raise ProfileMismatchError(mismatch)
-    sessions = await _sessions(plan, client, table, infos, bus)
+    shared = _shared(plan)
+    sessions = await _sessions(plan, client, table, infos, bus, shared.proxy_id if shared is not None else None)
     trace = _trace(plan, infos)
     slot_dir = run.run_dir / "slots" if run.run_dir is not None else plan.slot_dir
     kv = await _kv_setup(plan, client, table, infos, slot_dir, say)
@@ -318,7 +321,19 @@ async def _app(run: _Run, policies: PolicyStore, table: UpstreamTable, bus: Even
         access=plan.access,
         speeds=_kept_speeds(launcher),
         probes=probes,
+        shared=shared,
     )
+
+
+def _shared(plan: ServePlan) -> SharedState | None:
+    """The state shared with other proxies, when `--shared-state` names it (reached on the first request: a store
+    down at start is an outage like any other)."""
+    sp = plan.shared_state
+    if sp is None:
+        return None
+    shared = SharedState(RedisStore(sp.url), sp.lease_s, sp.ttl_s)
+    say(f"shared state: {shared.store.label} (this proxy: {shared.proxy_id}; bookings lapse after {sp.lease_s:g} s)")
+    return shared
 
 
 def _kept_speeds(launcher: Launcher | None) -> KeptSpeeds | None:
@@ -332,8 +347,14 @@ def _kept_speeds(launcher: Launcher | None) -> KeptSpeeds | None:
 
 
 async def _sessions(
-    plan: ServePlan, client: aiohttp.ClientSession, table: UpstreamTable, infos: list[ProfileInfo], bus: EventBus
+    plan: ServePlan,
+    client: aiohttp.ClientSession,
+    table: UpstreamTable,
+    infos: list[ProfileInfo],
+    bus: EventBus,
+    proxy_id: str | None = None,
 ) -> SessionService:
+    """`proxy_id`: this proxy's name among those sharing state: the tag of the session ids it makes up."""
     default = table.get(table.default)
     assert default is not None
     attached = next((i.model_path for i in infos if i.name == table.default and i.replica == 0), "")
@@ -355,7 +376,8 @@ async def _sessions(
         publish=bus.publish,
         worker_process=True,
         max_fingerprints=sp.echo_fingerprints,
-        run=secrets.token_hex(2),  # generated session ids unique across runs (s000001-3fa2)
+        # Generated session ids unique across runs (s000001-3fa2), and across the proxies that share state.
+        run=proxy_id or secrets.token_hex(2),
     )
 
 

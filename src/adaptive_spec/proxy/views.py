@@ -25,6 +25,7 @@ from adaptive_spec.requests.app_keys import (
     RESTART,
     ROUTER,
     SESSIONS,
+    SHARED,
     TRACE,
     UPSTREAMS,
 )
@@ -145,6 +146,9 @@ async def _health_view(request: web.Request) -> web.Response:
     trace = request.app[TRACE]
     if trace is not None:  # a trace that cannot be written (disk full) does not stop the proxy: it says so here
         health["trace"] = {"writing": trace.dropped == 0, "dropped_lines": trace.dropped_total}
+    shared = request.app[SHARED]
+    if shared is not None:  # several proxies: whether the state they share is reached, and what weakens meanwhile
+        health["shared_state"] = shared.status()
     return _json(health)
 
 

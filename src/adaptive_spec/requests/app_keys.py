@@ -15,6 +15,7 @@ from adaptive_spec.llama.upstreams import UpstreamTable
 from adaptive_spec.requests.lifecycle import RequestLifecycle
 from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.service import SessionService
+from adaptive_spec.shared_state.shell import SharedState
 from adaptive_spec.telemetry.bus import EventBus
 from adaptive_spec.telemetry.history import RequestHistory
 from adaptive_spec.telemetry.metrics import ProxyMetrics
@@ -42,6 +43,8 @@ BUS = web.AppKey("bus", EventBus)
 METRICS = web.AppKey("metrics", ProxyMetrics)
 SESSIONS: web.AppKey[SessionService | None] = web.AppKey("sessions")
 TRACE: web.AppKey[TraceWriter | None] = web.AppKey("trace")
+# The state shared with other proxies (`serve --shared-state`); None: this proxy alone.
+SHARED: web.AppKey[SharedState | None] = web.AppKey("shared")
 PROFILES: web.AppKey[list[ProfileInfo]] = web.AppKey("profiles")
 ROUTER = web.AppKey("router", Router)
 RESTART: web.AppKey[Callable[[str], Awaitable[None]] | None] = web.AppKey("restart")  # launched profiles only

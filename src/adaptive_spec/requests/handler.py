@@ -18,7 +18,16 @@ from adaptive_spec.kv.moves import SlotMove
 from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.requests.accounting import counts_of, usage_of
 from adaptive_spec.requests.apis import sent_as, traits
-from adaptive_spec.requests.app_keys import CLIENT, FRESH_CLIENT, LIFECYCLE, ROUTER, SESSIONS, SETTINGS, UPSTREAMS
+from adaptive_spec.requests.app_keys import (
+    CLIENT,
+    FRESH_CLIENT,
+    LIFECYCLE,
+    ROUTER,
+    SESSIONS,
+    SETTINGS,
+    SHARED,
+    UPSTREAMS,
+)
 from adaptive_spec.requests.body.compat import repaired
 from adaptive_spec.requests.body.parse import ParsedRequest, parse_body
 from adaptive_spec.requests.body.repeats import guard, trailing_repeat
@@ -47,6 +56,7 @@ from adaptive_spec.requests.stranded import STRANDED
 from adaptive_spec.routing.contract import Completion, Refusal, Route, RouteRequest
 from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.clients import client_name
+from adaptive_spec.sessions.grouping import explicit_session
 from adaptive_spec.sessions.project import workspace_path_from_request
 from adaptive_spec.sessions.tokenizers import CachingTokenizer
 from adaptive_spec.streams.meter import ResponseMeter
@@ -56,6 +66,7 @@ from adaptive_spec.telemetry.ledger import Counts
 log = logging.getLogger(__name__)
 # A body from this size on (a ~40k-token history) is parsed, grouped and routed in turns with the other streams' chunks.
 _LARGE_BODY = 128 * 1024
+_BOOKING_TRIES = 3
 
 
 async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
@@ -75,6 +86,7 @@ async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | Outcom
         large = len(req.body) >= _LARGE_BODY
         if large:  # a long history's parse took a millisecond: other streams' chunks go out before it is grouped
             await asyncio.sleep(0)
+        await _recall(request, result)
         req.prepared = prepared = _grouped(request, req, result)
         policies = request.app[ROUTER].policies
         if not policies.known(prepared.project, prepared.workspace):  # its files are read once, off the event loop
@@ -104,6 +116,16 @@ def _read(request: web.Request, req: ProxyRequest) -> ParsedRequest | RequestPro
         return translated
     req.gemini, req.body = translated.call, orjson.dumps(translated.chat)
     return ParsedRequest(translated.chat, translated.call.stream, translated.call.model)
+
+
+async def _recall(request: web.Request, parsed: ParsedRequest) -> None:
+    """With state shared among proxies: what the others served the request's newest replies to, so that a turn
+    answered by another proxy joins its session here (a request naming its session needs no lookup)."""
+    shared, service = request.app[SHARED], request.app[SESSIONS]
+    if shared is None or service is None:
+        return
+    if explicit_session({k.lower(): v for k, v in request.headers.items()}, parsed.body) is None:
+        service.registry.heard(await shared.recall(parsed.body))
 
 
 def _grouped(request: web.Request, req: ProxyRequest, parsed: ParsedRequest) -> Prepared:
@@ -188,26 +210,25 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
     counter = tokenizer if isinstance(tokenizer, CachingTokenizer) else None  # `serve`'s: a cache of counts
     rate = await first_turn_rate(counter, app[ROUTER].measured_chars(session_id), body)
     await measured(app)  # the speeds at start: the request would wait behind their measurement anyway
-    routed = app[ROUTER].route(
-        RouteRequest(
-            body=body,
-            body_bytes=len(raw),
-            session_id=session_id,
-            session_turns=turns,
-            copy_share=copy_share,
-            project=req.project,
-            workspace=req.workspace,
-            pinned=request.headers.get(PROFILE_HEADER),
-            takes_slot=takes_slot,
-            client_slot=(
-                client_slot
-                if isinstance(client_slot, int) and not isinstance(client_slot, bool) and client_slot >= 0
-                else None
-            ),
-            prefill_path=upstream_path(req.routed) if api.takes_slot else None,
-            chars_per_token=rate,
-        )
+    asked = RouteRequest(
+        body=body,
+        body_bytes=len(raw),
+        session_id=session_id,
+        session_turns=turns,
+        copy_share=copy_share,
+        project=req.project,
+        workspace=req.workspace,
+        pinned=request.headers.get(PROFILE_HEADER),
+        takes_slot=takes_slot,
+        client_slot=(
+            client_slot
+            if isinstance(client_slot, int) and not isinstance(client_slot, bool) and client_slot >= 0
+            else None
+        ),
+        prefill_path=upstream_path(req.routed) if api.takes_slot else None,
+        chars_per_token=rate,
     )
+    routed = await _route_shared(app, asked, req.request_id)
     if isinstance(routed, Refusal):
         req.refusal, req.profile = routed, routed.decision.profile if routed.decision else req.profile
         return Outcome(routed.status, routed.message, routed.code)
@@ -218,6 +239,29 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
     assert chosen is not None  # the router routes to the table's own profiles and replicas
     req.replica, req.pool_size = chosen.replica, len(app[UPSTREAMS].replicas(chosen.name))
     return chosen
+
+
+async def _route_shared(app: web.Application, asked: RouteRequest, request_id: str) -> Route | Refusal:
+    """`route()`, with state shared among proxies: what the others did read first, the slot booked after; a slot
+    another proxy took meanwhile is routed again (the last try books it all the same, as one proxy queues a request
+    when every slot is busy)."""
+    router, shared = app[ROUTER], app[SHARED]
+    if shared is None:
+        return router.route(asked)
+    for attempt in range(_BOOKING_TRIES):
+        await shared.before_route(router, asked.session_id)
+        routed = router.route(asked)
+        if isinstance(routed, Refusal):
+            return routed
+        try:
+            booked = await shared.book(router, routed, request_id, force=attempt == _BOOKING_TRIES - 1)
+        except BaseException:  # the client went away: no route reaches the forward uncompleted
+            router.complete(routed, Completion(ok=False))
+            raise
+        if booked:
+            return routed
+        router.complete(routed, Completion(ok=False))
+    raise AssertionError("the last try books the slot")
 
 
 async def carry_out(router: Router, route: Route) -> Route:

@@ -24,6 +24,7 @@ from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.grouping import SessionAssignment
 from adaptive_spec.sessions.project import DEFAULT_PROJECT
 from adaptive_spec.sessions.service import SessionService
+from adaptive_spec.shared_state.shell import SharedState
 from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.telemetry.bus import EventBus
 from adaptive_spec.telemetry.events import (
@@ -131,8 +132,11 @@ class RequestLifecycle:
         sessions: SessionService | None,
         trace: TraceWriter | None,
         progress_interval_s: float,
+        shared: SharedState | None = None,
     ) -> None:
+        """`shared`: the state this proxy shares with others (`serve --shared-state`), written after each request."""
         self.bus, self.history, self.router, self.sessions, self.trace = bus, history, router, sessions, trace
+        self.shared = shared
         self.progress_interval_s = progress_interval_s
         self.in_flight: dict[str, RequestStarted] = {}  # announced, not ended: the feed's snapshot lists them
         self.handlers: dict[str, asyncio.Task[object]] = {}  # every request being handled, for the shutdown
@@ -241,6 +245,13 @@ class RequestLifecycle:
         if req.route is not None:
             done = Completion(finished, meter.timings, meter.output.text, meter.output.kept_share())
             line_moved = self.router.complete(req.route, done)
+        if self.shared is not None:  # its booking goes; what it served is written for the other proxies
+            self.shared.ended(
+                self.router,
+                req.request_id,
+                req.route,
+                (meter.output.text, meter.output.tool_call_ids) if finished else None,
+            )
         if self.sessions is None or assignment is None or req.parsed is None:
             return
         if not finished:

@@ -46,6 +46,44 @@ class ServerBooks:
             k: {"requests": 0, "predicted_n": 0, "draft_n": 0, "draft_n_accepted": 0} for k in self._books
         }
         self.sessions_in_flight: dict[str, tuple[str, int]] = {}  # session -> (profile, requests being served)
+        # Per server (its home key): the requests other proxies booked there (shared state; none with one proxy).
+        self._elsewhere: dict[tuple[str, int], int] = {}
+        # Per server: the sessions whose KV other proxies left in its slots (a new session goes where none is).
+        self.sessions_elsewhere: dict[tuple[str, int], int] = {}
+
+    def booked_elsewhere(self, by_home: Mapping[tuple[str, int], Mapping[int, int]]) -> None:
+        """What other proxies have booked on each server, slot by slot (-1: a request that named no slot), as the
+        shared state said just now: it replaces what it said before. Servers not named have nothing booked."""
+        self._elsewhere = {home: sum(slots.values()) for home, slots in by_home.items() if slots}
+        for home in set(self._home.values()):
+            book = self._books[home]
+            book.elsewhere = {s: n for s, n in by_home.get(home, {}).items() if s >= 0 and n > 0}
+
+    def occupied_elsewhere(
+        self, by_home: Mapping[tuple[str, int], Mapping[int, str]], mine: Callable[[str], bool]
+    ) -> None:
+        """Which session each slot of each server holds, as other proxies wrote it: a slot holding a session this
+        proxy did not place counts as used just now (a new session takes an empty one first), and the server as
+        holding that many more sessions."""
+        now = time.monotonic()
+        self.sessions_elsewhere = {}
+        for home, slots in by_home.items():
+            book = self._books.get(home)
+            if book is None:
+                continue
+            for slot, session in slots.items():
+                if not mine(session) and 0 <= slot < book.slots:
+                    book.last_used[slot] = max(book.last_used.get(slot, 0.0), now)
+                    self.sessions_elsewhere[home] = self.sessions_elsewhere.get(home, 0) + 1
+
+    def remember_slot(self, profile: str, replica: int, session_id: str, slot: int | None) -> None:
+        """The slot another proxy gave the session on this server (its KV is there)."""
+        book = self._books.get((profile, replica))
+        if book is not None and book.slots > 1 and slot is not None and 0 <= slot < book.slots:
+            book.by_session.put(session_id, slot)
+
+    def _in_flight(self, home: tuple[str, int]) -> int:
+        return self.replica_in_flight.get(home, 0) + self._elsewhere.get(home, 0)
 
     def home(self, profile: str, replica: int = 0) -> tuple[str, int]:
         """The key of the server that (profile, replica) runs on: itself, or the first profile of a shared server."""
@@ -65,8 +103,9 @@ class ServerBooks:
         return self._books[(profile, replica)].slots
 
     def server_busy(self, profile: str, replica: int = 0) -> int:
-        """Requests running on the server of (profile, replica), whichever profile they came for."""
-        return self.replica_in_flight.get(self.home(profile, replica), 0)
+        """Requests running on the server of (profile, replica), whichever profile they came for (and whichever
+        proxy sent them)."""
+        return self._in_flight(self.home(profile, replica))
 
     def slot_key(self, profile: str, session_id: str | None, replica: int = 0) -> int | None:
         book = self._books[(profile, replica)]
@@ -76,8 +115,8 @@ class ServerBooks:
         """Whether requests other than `mine` (0 or 1: this request's own, counted already) occupy the slot."""
         book = self._books[(profile, replica)]
         if book.slots > 1 and slot is not None:
-            return book.busy.get(slot, 0) > mine
-        return self.replica_in_flight.get(self.home(profile, replica), 0) > mine
+            return book.busy.get(slot, 0) + book.elsewhere.get(slot, 0) > mine
+        return self._in_flight(self.home(profile, replica)) > mine
 
     def slot_for(self, profile: str, session_id: str | None, replica: int = 0, side: bool = False) -> int | None:
         """The slot to name with `id_slot`, on profiles with several slots (None: let the server choose); a side
@@ -92,7 +131,7 @@ class ServerBooks:
         states = []
         for i, (url, down) in enumerate(health):
             book = self.book(profile, i)
-            in_flight = self.replica_in_flight.get(self.home(profile, i), 0)
+            in_flight = self._in_flight(self.home(profile, i))
             states.append(
                 ReplicaState(
                     index=i,
@@ -100,9 +139,13 @@ class ServerBooks:
                     down_reason=down,
                     slots=book.slots,
                     # Requests without a named slot (one-slot servers, APIs that take no id_slot) occupy one too.
-                    busy_slots=min(book.slots, max(sum(1 for n in book.busy.values() if n > 0), in_flight)),
+                    busy_slots=min(book.slots, max(sum(1 for s in range(book.slots) if book.taken(s)), in_flight)),
                     in_flight=in_flight,
-                    sessions=placements.count_on(profile, i) if count_sessions else 0,
+                    sessions=(
+                        placements.count_on(profile, i) + self.sessions_elsewhere.get(self.home(profile, i), 0)
+                        if count_sessions
+                        else 0
+                    ),
                 )
             )
         return states

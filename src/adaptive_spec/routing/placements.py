@@ -98,6 +98,20 @@ class Placements:
         for sid, gone in dropped:
             self._in_slot.get(self._slot(gone.profile, gone.replica, gone.slot), set()).discard(sid)
 
+    def adopt(self, session_id: str, placement: Placement) -> None:
+        """Where another proxy placed the session (shared state, read before routing): it stands over what this one
+        knew."""
+        old = self._by_session.get(session_id)
+        if old is not None:
+            self._in_slot.get(self._slot(old.profile, old.replica, old.slot), set()).discard(session_id)
+        dropped = self._by_session.put(session_id, placement)
+        if placement.in_slot:
+            self._in_slot.setdefault(self._slot(placement.profile, placement.replica, placement.slot), set()).add(
+                session_id
+            )
+        for sid, gone in dropped:
+            self._in_slot.get(self._slot(gone.profile, gone.replica, gone.slot), set()).discard(sid)
+
     def displace(self, profile: str, slot: int | None, keep: str | None, replica: int = 0) -> None:
         """`keep` now occupies this slot (served there, or restored into it; None: nobody, it was erased): the other
         sessions it held are out of the slot (their prompts may live on in the profile's RAM cache, so their cached
@@ -132,6 +146,12 @@ class SlotBook:
     by_session: LRU[str, int] = field(default_factory=lambda: LRU(10_000))  # session -> its slot
     busy: dict[int, int] = field(default_factory=dict)
     last_used: dict[int, float] = field(default_factory=dict)
+    # Requests other proxies booked in each slot (shared state, read before routing; empty with one proxy).
+    elsewhere: dict[int, int] = field(default_factory=dict)
+
+    def taken(self, slot: int) -> bool:
+        """Whether a request of this proxy or of another one occupies the slot."""
+        return bool(self.busy.get(slot) or self.elsewhere.get(slot))
 
     def pick(self, session_id: str | None, side: bool = False) -> int:
         """The session's own slot when free, else the least recently used free one. A side request (a title, a
@@ -139,11 +159,11 @@ class SlotBook:
         mine = self.by_session.get(session_id) if session_id is not None else None
         if side:
             others = [s for s in range(self.slots) if s != mine]
-            free = [s for s in others if not self.busy.get(s)] or others or list(range(self.slots))
+            free = [s for s in others if not self.taken(s)] or others or list(range(self.slots))
             return min(free, key=lambda s: self.last_used.get(s, 0.0))
-        if mine is not None and not self.busy.get(mine):
+        if mine is not None and not self.taken(mine):
             return mine
-        free = [s for s in range(self.slots) if not self.busy.get(s)] or list(range(self.slots))
+        free = [s for s in range(self.slots) if not self.taken(s)] or list(range(self.slots))
         slot = min(free, key=lambda s: self.last_used.get(s, 0.0))
         if session_id is not None:
             self.by_session.put(session_id, slot)

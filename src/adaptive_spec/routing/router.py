@@ -381,6 +381,35 @@ class Router:
         # Known only now when the earlier request was still in flight at this one's start (opencode's title).
         return decision.line_moved or (own is not None and own.line is not None and state.line != own.line)
 
+    # --- what other proxies share (read by the shell before `route()`, written after `complete()`) -------------
+
+    def server_url(self, profile: str, replica: int = 0) -> str:
+        """The base URL of the server (profile, replica) runs on: the name proxies that share state give it."""
+        home = self.home(profile, replica)
+        health = self.health.replica_health(home[0])
+        return health[home[1]][0] if home[1] < len(health) else ""
+
+    def adopt(
+        self,
+        session_id: str | None,
+        placement: Placement | None,
+        booked: Mapping[str, Mapping[int, int]],
+        occupants: Mapping[str, Mapping[int, str]] | None = None,
+    ) -> None:
+        """What the other proxies said just before this request is routed: where the session's KV lives (their
+        placement of it, newer than this proxy's), the requests they have booked on each server (by its URL, slot by
+        slot; -1: a request that named none), and which session each slot holds."""
+        homes = {self.server_url(n, i): self.home(n, i) for n in self.health.names() for i in self._replicas(n)}
+        self.load.booked_elsewhere({homes[url]: slots for url, slots in booked.items() if url in homes})
+        held = {homes[url]: slots for url, slots in (occupants or {}).items() if url in homes}
+        self.load.occupied_elsewhere(held, lambda sid: sid == session_id or self.placements.get(sid) is not None)
+        if session_id is not None and placement is not None:
+            self.placements.adopt(session_id, placement)
+            self.load.remember_slot(placement.profile, placement.replica, session_id, placement.slot)
+
+    def _replicas(self, profile: str) -> range:
+        return range(len(self.health.replica_health(profile)))
+
     # --- pins and policy files ------------------------------------------------------------------------------
 
     def pin(self, session_id: str, profile: str | None) -> None:

@@ -163,6 +163,31 @@ def _user_id_session(user_id: Any) -> str | None:
     return None
 
 
+# The newest served replies and tool calls of a request another proxy may have served (a lookup in the shared state).
+_SHARED_ECHOES = 8
+
+
+def echo_candidates(body: Mapping[str, Any]) -> list[str]:
+    """The keys of a request's newest assistant replies and tool calls, newest first, as the proxies that share state
+    name what they served (`served_keys`): the ones another proxy may have answered."""
+    keys: list[str] = []
+    for message in reversed(messages_of(body)):
+        keys += [f"call:{call_id}" for call_id in tool_call_ids(message)]
+        if message.get("role") == "assistant":
+            text = message_text(message.get("content"))
+            if text.strip():
+                keys.append("reply:" + text_digest(text).hex())
+        if len(keys) >= _SHARED_ECHOES:
+            break
+    return keys[:_SHARED_ECHOES]
+
+
+def served_keys(text: str, call_ids: Sequence[str]) -> list[str]:
+    """The keys of what was served (a reply's text, its tool calls) in the shared state (`echo_candidates`)."""
+    said = ["reply:" + text_digest(text).hex()] if text.strip() else []
+    return said + [f"call:{call_id}" for call_id in call_ids]
+
+
 class _Scan:
     """A long text's echo line keys (in order, and sorted to look one up), and how far into the served-lines log
     it is known to quote none of them: a text sent again is tested only against the lines served since (-1: not
@@ -277,6 +302,19 @@ class SessionRegistry:
                 self._log_start += drop
         for call_id in tool_call_ids:
             self._put(self._replies, _call_key(call_id), session_id)
+
+    def heard(self, served: Mapping[str, str]) -> None:
+        """What other proxies served, by the keys of `echo_candidates` (read from the shared state before `assign`):
+        a request that carries it back joins its session here too."""
+        for key, session_id in served.items():
+            kind, _, value = key.partition(":")
+            if kind == "reply":
+                try:
+                    self._put(self._replies, bytes.fromhex(value), session_id)
+                except ValueError:
+                    continue
+            elif kind == "call":
+                self._put(self._replies, _call_key(value), session_id)
 
     def _put(self, table: LRU[Any, str], key: Any, session_id: str) -> None:
         # Text served to two sessions (a stock phrase, a shared snippet) says nothing about either: mark it void.

@@ -1,0 +1,148 @@
+"""The shared state in Redis (`serve --shared-state redis://HOST:PORT/DB`; a password and TLS as Redis URLs carry
+them: `redis://:PASSWORD@HOST/0`, `rediss://…`).
+
+Every key has an expiry; bookings are the members of one sorted set
+per server, scored by the end of their lease in Redis's own clock, so proxies on hosts whose clocks differ agree."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from adaptive_spec.shared_state.store import StoreDown
+from adaptive_spec.shared_state.values import Booking, Reading, SharedPlacement
+
+PREFIX = "adaptive-spec:"
+_TIMEOUT_S = 0.5  # a proxy waits this long at most before serving on without the shared state
+
+# Each script reads the time from Redis itself. A lease is a booking's score: the moment (ms) it lapses.
+_NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) "
+_LIVE = (
+    _NOW
+    + """
+local out = {}
+for i, key in ipairs(KEYS) do
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  out[i] = redis.call('ZRANGE', key, 0, -1)
+end
+return out
+"""
+)
+# KEYS[1]: the server's bookings; ARGV: member, slot, proxy, session, lease ms, force. Refused: a live booking of
+# another proxy in that slot, for another session (values.Booking.blocks).
+_BOOK = (
+    _NOW
+    + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if ARGV[6] == '0' and tonumber(ARGV[2]) >= 0 then
+  for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+    local _, _, slot, proxy, _, session = string.find(m, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
+    if slot == ARGV[2] and proxy ~= ARGV[3] and not (session ~= '' and session == ARGV[4]) then return 0 end
+  end
+end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[5]), ARGV[1])
+redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[5]))
+return 1
+"""
+)
+# KEYS[1]: the server's bookings; ARGV[1]: lease ms, then the members.
+_RENEW = (
+    _NOW
+    + """
+for i = 2, #ARGV do redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[i]) end
+redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[1]))
+return 1
+"""
+)
+
+
+def redacted(url: str) -> str:
+    """The URL without its password, for the log and /adaptive/health."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return f"{parts.scheme}://{netloc}{parts.path}"
+
+
+class RedisStore:
+    def __init__(self, url: str, client: Any = None) -> None:
+        """`client`: a `redis.asyncio.Redis` to use instead of one made from `url`."""
+        self.label = redacted(url)
+        self._redis: Any = client or aioredis.from_url(
+            url, socket_timeout=_TIMEOUT_S, socket_connect_timeout=_TIMEOUT_S, retry_on_timeout=False
+        )
+
+    async def _run(self, work: Any) -> Any:
+        try:
+            return await work
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise StoreDown(f"{self.label}: {exc}") from exc
+
+    async def sessions_of(self, keys: Sequence[str]) -> dict[str, str]:
+        if not keys:
+            return {}
+        found = await self._run(self._redis.mget([PREFIX + "echo:" + k for k in keys]))
+        return {k: v.decode() for k, v in zip(keys, found, strict=True) if v is not None}
+
+    async def served(self, keys: Sequence[str], session_id: str, ttl_s: float) -> None:
+        if not keys:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.set(PREFIX + "echo:" + key, session_id, px=int(ttl_s * 1000))
+        await self._run(pipe.execute())
+
+    async def read(self, session_id: str | None, servers: Sequence[str]) -> Reading:
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.get(PREFIX + "place:" + (session_id or ""))
+        # EVAL, not EVALSHA: a restarted Redis has no scripts cached, and each is a few hundred bytes.
+        pipe.eval(_LIVE, len(servers), *[PREFIX + "booked:" + s for s in servers])
+        for server in servers:
+            pipe.hgetall(PREFIX + "occupant:" + server)
+        placed, live, *occupants = await self._run(pipe.execute())
+        bookings = {
+            s: [b for m in members if (b := Booking.parse(s, m.decode())) is not None]
+            for s, members in zip(servers, live, strict=True)
+        }
+        occupied = {
+            s: {int(k): v.decode() for k, v in table.items() if k.lstrip(b"-").isdigit()}
+            for s, table in zip(servers, occupants, strict=True)
+            if table
+        }
+        return Reading(SharedPlacement.decode(placed) if session_id is not None else None, bookings, occupied)
+
+    async def book(self, booking: Booking, lease_s: float, force: bool) -> bool:
+        args: list[str | int] = [booking.member, str(booking.slot), booking.proxy, booking.session]
+        args += [int(lease_s * 1000), "1" if force else "0"]
+        done = await self._run(self._redis.eval(_BOOK, 1, PREFIX + "booked:" + booking.server, *args))
+        return bool(done)
+
+    async def renew(self, bookings: Sequence[Booking], lease_s: float) -> None:
+        by_server: dict[str, list[str]] = {}
+        for b in bookings:
+            by_server.setdefault(b.server, []).append(b.member)
+        if not by_server:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for server, members in by_server.items():
+            pipe.eval(_RENEW, 1, PREFIX + "booked:" + server, int(lease_s * 1000), *members)
+        await self._run(pipe.execute())
+
+    async def release(self, booking: Booking) -> None:
+        await self._run(self._redis.zrem(PREFIX + "booked:" + booking.server, booking.member))
+
+    async def place(self, session_id: str, placement: SharedPlacement, slot: int | None, ttl_s: float) -> None:
+        ttl_ms = int(ttl_s * 1000)
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.set(PREFIX + "place:" + session_id, placement.encode(), px=ttl_ms)
+        if slot is not None:
+            pipe.hset(PREFIX + "occupant:" + placement.server, str(slot), session_id)
+            pipe.pexpire(PREFIX + "occupant:" + placement.server, ttl_ms)
+        await self._run(pipe.execute())
+
+    async def close(self) -> None:
+        await self._redis.aclose()

@@ -1,0 +1,240 @@
+"""The request path's side of the shared state: the reads before grouping and routing, the booking after `route()`,
+the writes after `complete()` (off the request path), the lease renewal, and what an outage weakens.
+
+While the store cannot be reached the proxy serves from its own state: said once in the log and in
+/adaptive/health, tried again at most once a second, and sharing resumes (its live bookings written again) when the
+store answers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
+
+from adaptive_spec.common.lru import LRU
+from adaptive_spec.routing.contract import Route
+from adaptive_spec.routing.placements import Placement
+from adaptive_spec.routing.router import Router
+from adaptive_spec.sessions.grouping import echo_candidates, served_keys
+from adaptive_spec.shared_state.store import SharedStore, StoreDown
+from adaptive_spec.shared_state.values import UNNAMED_SLOT, Booking, Reading, SharedPlacement
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+RETRY_S = 1.0
+RECALL_AGAIN_S = 0.02  # while the store is down, one call a second tries it again; the others skip it
+# What this proxy does without the store, said in the log and in /adaptive/health.
+WEAKENED = (
+    "slot bookings count this proxy's requests only",
+    "sessions and placements are this proxy's own: a turn another proxy served is a new session here",
+)
+
+
+class SharedState:
+    def __init__(
+        self,
+        store: SharedStore,
+        lease_s: float = 15.0,
+        ttl_s: float = 3600.0,
+        proxy_id: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`lease_s`: how long a booking outlives its proxy (renewed every third of it while its request runs);
+        `ttl_s`: how long sessions' echoes and placements are kept after their last turn."""
+        self.store, self.lease_s, self.ttl_s = store, lease_s, ttl_s
+        self.proxy_id = proxy_id or secrets.token_hex(6)
+        self._clock = clock
+        self._live: dict[str, Booking] = {}  # request id -> its booking
+        self._stamps: LRU[str, int] = LRU(65_536)  # session -> the stamp of the placement this proxy holds
+        self._down_since: float | None = None
+        self._down_reason = ""
+        self._retry_at = 0.0
+        self._writes: set[asyncio.Task[None]] = set()
+        self.conflicts = 0  # bookings refused because another proxy held the slot (the request routed again)
+
+    # --- the outage ---------------------------------------------------------------------------------------------
+
+    async def _call(self, work: Callable[[], Coroutine[Any, Any, T]], default: T) -> T:
+        if self._down_since is not None and self._clock() < self._retry_at:
+            return default
+        try:
+            result = await work()
+        except StoreDown as exc:
+            if self._down_since is None:
+                self._down_since, self._down_reason = self._clock(), str(exc)
+                log.warning(
+                    "shared state: %s cannot be reached (%s); serving from this proxy's own state meanwhile: %s",
+                    self.store.label,
+                    exc,
+                    "; ".join(WEAKENED),
+                )
+            self._retry_at = self._clock() + RETRY_S
+            return default
+        if self._down_since is not None:
+            log.warning("shared state: %s answers again; sharing resumes", self.store.label)
+            self._down_since = None
+            self._spawn(self._renew_all())  # its bookings, lost with a restart or a flush, written again
+        return result
+
+    def status(self) -> dict[str, Any]:
+        """For /adaptive/health."""
+        up = self._down_since is None
+        out: dict[str, Any] = {"store": self.store.label, "reachable": up, "proxy": self.proxy_id}
+        out["bookings"], out["conflicts"] = len(self._live), self.conflicts
+        if not up:
+            out["down_s"] = round(self._clock() - (self._down_since or 0.0), 1)
+            out["error"], out["weakened"] = self._down_reason, list(WEAKENED)
+        return out
+
+    # --- before grouping and routing ---------------------------------------------------------------------------
+
+    async def recall(self, body: Mapping[str, Any]) -> dict[str, str]:
+        """The sessions other proxies served the request's newest replies and tool calls to (for
+        `SessionRegistry.heard`)."""
+        keys = echo_candidates(body)
+        if not keys:
+            return {}
+        none: dict[str, str] = {}
+        found = await self._call(lambda: self.store.sessions_of(keys), none)
+        if not found and self._down_since is None:
+            # A follow-up whose answer another proxy ended a moment ago: that proxy writes what it served once the
+            # answer is out, and the client may be quicker. Asked once more after a moment (a new conversation
+            # rarely carries assistant messages, so this is seldom paid).
+            await asyncio.sleep(RECALL_AGAIN_S)
+            found = await self._call(lambda: self.store.sessions_of(keys), none)
+        return found
+
+    async def before_route(self, router: Router, session_id: str | None) -> None:
+        """Read the session's placement and the servers' bookings, and hand what other proxies did to the router."""
+        servers = _servers(router)
+        reading = await self._call(lambda: self.store.read(session_id, servers), None)
+        if reading is None:
+            router.adopt(None, None, {})  # what the store said before is stale: this proxy's own counts alone
+            return
+        booked = reading.booked_elsewhere(self.proxy_id, session_id)
+        router.adopt(session_id, self._placement(router, session_id, reading), booked, reading.occupants)
+
+    def _placement(self, router: Router, session_id: str | None, reading: Reading) -> Placement | None:
+        """The placement the router takes: the other proxy's when it is newer than this one's and names the same
+        server here, else this proxy's own; out of its slot where that slot has served another session since."""
+        if session_id is None:
+            return None
+        shared, known = reading.placement, self._stamps.get(session_id)
+        placement = router.placements.get(session_id)
+        if shared is not None and (known is None or shared.stamp_ns > known):
+            p = shared.placement
+            if router.server_url(p.profile, p.replica) == shared.server:
+                placement = p
+                self._stamps.put(session_id, shared.stamp_ns)
+        if placement is None:
+            return None
+        server = router.server_url(placement.profile, placement.replica)
+        occupant = reading.occupants.get(server, {}).get(placement.slot if placement.slot is not None else 0)
+        return replace(placement, in_slot=placement.in_slot and occupant in (None, session_id))
+
+    # --- the booking, after route() -----------------------------------------------------------------------------
+
+    async def book(self, router: Router, route: Route, request_id: str, force: bool) -> bool:
+        """Book the route's slot for this request (any booking it held before goes: a failover routes again). False:
+        another proxy holds that slot: complete the route and route again (`force` on the last try)."""
+        self._drop(request_id)
+        profile, replica = route.decision.profile, route.decision.replica
+        slot = route.slot if route.slot is not None else (0 if router.slot_count(profile, replica) == 1 else None)
+        where = router.server_url(profile, replica)
+        session = "" if route.session_id is None or route.decision.side else route.session_id
+        booking = Booking(where, UNNAMED_SLOT if slot is None else slot, self.proxy_id, request_id, session)
+        booked = await self._call(lambda: self.store.book(booking, self.lease_s, force), True)
+        if not booked:
+            self.conflicts += 1
+            return False
+        self._live[request_id] = booking
+        if route.session_id is not None and not route.decision.side:
+            # Where its KV will be, written before it is forwarded: its next turn may reach another proxy the
+            # moment its answer ends, before the placement learned from the answer is written.
+            old = router.placements.get(route.session_id)
+            bound = Placement(profile, route.slot, old.cached_tokens if old is not None else 0, 1, 0.0, replica=replica)
+            self._write(
+                route.session_id,
+                router,
+                bound if old is None else replace(old, profile=profile, slot=route.slot, replica=replica, in_slot=True),
+                (),
+            )
+        return True
+
+    def _drop(self, request_id: str) -> None:
+        booking = self._live.pop(request_id, None)
+        if booking is not None:
+            self._spawn(self._call(lambda: self.store.release(booking), None))
+
+    # --- after complete() ---------------------------------------------------------------------------------------
+
+    def ended(
+        self, router: Router, request_id: str, route: Route | None, served: tuple[str, Sequence[str]] | None
+    ) -> None:
+        """The request ended (the router completed its route): its booking goes; served in full, its session's
+        placement and what it was served are written for the other proxies. Off the request path."""
+        self._drop(request_id)
+        if route is None or served is None or route.session_id is None or route.decision.side:
+            return
+        self._write(route.session_id, router, router.placements.get(route.session_id), served_keys(*served))
+
+    def _write(
+        self, session_id: str, router: Router, placement: Placement | None, keys: Sequence[str]
+    ) -> asyncio.Task[None] | None:
+        """The session's placement and what it was served, written for the other proxies, off the request path."""
+        if placement is None and not keys:
+            return None
+        stamp = time.time_ns()
+        self._stamps.put(session_id, stamp)
+
+        async def write() -> None:
+            if keys:
+                await self.store.served(keys, session_id, self.ttl_s)
+            if placement is not None:
+                url = router.server_url(placement.profile, placement.replica)
+                slot = placement.slot if placement.slot is not None else 0
+                await self.store.place(session_id, SharedPlacement(url, placement, stamp), slot, self.ttl_s)
+
+        return self._spawn(self._call(write, None))
+
+    # --- background ---------------------------------------------------------------------------------------------
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(work)
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+        return task
+
+    async def _renew_all(self) -> None:
+        live = list(self._live.values())
+        if live:
+            await self._call(lambda: self.store.renew(live, self.lease_s), None)
+
+    async def renewing(self) -> None:
+        """Run for the proxy's life: renew the live bookings every third of a lease."""
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            await self._renew_all()
+
+    async def settled(self) -> None:
+        """The writes under way have ended (at shutdown; in tests, before reading what they wrote)."""
+        while self._writes:
+            await asyncio.wait(list(self._writes), timeout=2.0)
+
+    async def close(self) -> None:
+        """At shutdown: the writes under way end, this proxy's bookings go, the connection closes."""
+        for request_id in list(self._live):
+            self._drop(request_id)
+        if self._writes:
+            await asyncio.wait(list(self._writes), timeout=2.0)  # bounded: a store that hangs does not hold the stop
+        await self.store.close()
+
+
+def _servers(router: Router) -> list[str]:
+    return sorted(
+        {router.server_url(n, i) for n in router.health.names() for i in range(len(router.health.replica_health(n)))}
+    )

@@ -1,0 +1,131 @@
+"""Where the shared state is kept: the interface the shell calls (`SharedStore`), and its in-process implementation
+(`MemoryStore`: one process's proxies, as in the unit tests; expiry on an injected clock).
+
+The Redis one is `redis_store.py`. Every method may raise `StoreDown`: the shell serves on from its own state
+meanwhile."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from adaptive_spec.errors import AdaptiveSpecError
+from adaptive_spec.shared_state.values import Booking, Reading, SharedPlacement
+
+
+class StoreDown(AdaptiveSpecError):
+    """The shared state cannot be reached (stopped, restarted, a timeout)."""
+
+
+class SharedStore(Protocol):
+    label: str  # where it is, without a password: for the log and /adaptive/health
+
+    async def sessions_of(self, keys: Sequence[str]) -> dict[str, str]:
+        """The sessions that were served what these echo keys name (`sessions/grouping.echo_candidates`)."""
+        ...
+
+    async def served(self, keys: Sequence[str], session_id: str, ttl_s: float) -> None: ...
+
+    async def read(self, session_id: str | None, servers: Sequence[str]) -> Reading:
+        """The session's placement, and the live bookings and slot occupants of these servers: one round trip."""
+        ...
+
+    async def book(self, booking: Booking, lease_s: float, force: bool) -> bool:
+        """Book the slot unless another proxy holds it (`force`: book it all the same). Atomic across proxies."""
+        ...
+
+    async def renew(self, bookings: Sequence[Booking], lease_s: float) -> None:
+        """Extend these bookings' leases (and write them again where the state was emptied meanwhile)."""
+        ...
+
+    async def release(self, booking: Booking) -> None: ...
+
+    async def place(self, session_id: str, placement: SharedPlacement, slot: int | None, ttl_s: float) -> None:
+        """The session's placement, and that its slot (on `placement.server`) now holds it."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class MemoryStore:
+    """The shared state in one process's memory, with the same expiry rules as Redis."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.label = "memory"
+        self._clock = clock
+        self._values: dict[str, tuple[object, float]] = {}  # key -> (value, expires at)
+        self._bookings: dict[str, dict[str, float]] = {}  # server -> member -> lease end
+        self.down = False  # a test's switch: every call raises StoreDown while it is set
+
+    def _check(self) -> None:
+        if self.down:
+            raise StoreDown("memory store switched off")
+
+    def _get(self, key: str) -> object | None:
+        value = self._values.get(key)
+        if value is None or value[1] <= self._clock():
+            self._values.pop(key, None)
+            return None
+        return value[0]
+
+    def _live(self, server: str) -> dict[str, float]:
+        now = self._clock()
+        held = self._bookings.setdefault(server, {})
+        for member in [m for m, end in held.items() if end <= now]:
+            del held[member]
+        return held
+
+    async def sessions_of(self, keys: Sequence[str]) -> dict[str, str]:
+        self._check()
+        return {k: v for k in keys if isinstance(v := self._get("echo:" + k), str)}
+
+    async def served(self, keys: Sequence[str], session_id: str, ttl_s: float) -> None:
+        self._check()
+        for key in keys:
+            self._values["echo:" + key] = (session_id, self._clock() + ttl_s)
+
+    async def read(self, session_id: str | None, servers: Sequence[str]) -> Reading:
+        self._check()
+        raw = self._get("place:" + session_id) if session_id is not None else None
+        bookings = {s: [b for m in self._live(s) if (b := Booking.parse(s, m)) is not None] for s in servers}
+        occupants = {s: o for s in servers if isinstance(o := self._get("occupant:" + s), dict)}
+        return Reading(SharedPlacement.decode(raw if isinstance(raw, bytes) else None), bookings, occupants)
+
+    async def book(self, booking: Booking, lease_s: float, force: bool) -> bool:
+        self._check()
+        held = self._live(booking.server)
+        if not force:
+            for member in held:
+                other = Booking.parse(booking.server, member)
+                if other is not None and other.blocks(booking):
+                    return False
+        held[booking.member] = self._clock() + lease_s
+        return True
+
+    async def renew(self, bookings: Sequence[Booking], lease_s: float) -> None:
+        self._check()
+        for booking in bookings:
+            self._live(booking.server)[booking.member] = self._clock() + lease_s
+
+    async def release(self, booking: Booking) -> None:
+        self._check()
+        self._live(booking.server).pop(booking.member, None)
+
+    async def place(self, session_id: str, placement: SharedPlacement, slot: int | None, ttl_s: float) -> None:
+        self._check()
+        end = self._clock() + ttl_s
+        self._values["place:" + session_id] = (placement.encode(), end)
+        if slot is not None:
+            occupants = self._get("occupant:" + placement.server)
+            table = dict(occupants) if isinstance(occupants, dict) else {}
+            table[slot] = session_id
+            self._values["occupant:" + placement.server] = (table, end)
+
+    def flush(self) -> None:
+        """Everything forgotten at once (Redis's FLUSHALL)."""
+        self._values.clear()
+        self._bookings.clear()
+
+    async def close(self) -> None:
+        return None

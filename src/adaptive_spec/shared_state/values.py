@@ -1,0 +1,98 @@
+"""The values proxies share: a booking of a slot, a session's placement as another proxy reads it, and what one read
+before routing brings back.
+
+Pure: encoded and decoded here, stored by `store.py`'s implementations."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import orjson
+
+from adaptive_spec.routing.placements import Placement
+
+UNNAMED_SLOT = -1  # a request that named no slot on a server of several
+
+
+@dataclass(frozen=True, slots=True)
+class Booking:
+    """One request's hold on a slot of a server, by the proxy that routed it there, until it ends or its lease
+    lapses (the proxy stopped renewing it: it died)."""
+
+    server: str  # the server's base URL: every proxy names it so
+    slot: int  # UNNAMED_SLOT where the request named none
+    proxy: str
+    request: str
+    # The session it serves ("" for none): its own earlier turn's booking, not yet released by the proxy that
+    # served it when this turn arrives elsewhere, does not keep it out of its slot.
+    session: str = ""
+
+    @property
+    def member(self) -> str:
+        return f"{self.slot}|{self.proxy}|{self.request}|{self.session}"
+
+    @staticmethod
+    def parse(server: str, member: str) -> Booking | None:
+        parts = member.split("|", 3)
+        if len(parts) != 4 or not parts[1] or not parts[2]:
+            return None
+        try:
+            return Booking(server, int(parts[0]), parts[1], parts[2], parts[3])
+        except ValueError:
+            return None
+
+    def blocks(self, other: Booking) -> bool:
+        """Whether this booking keeps `other` out of its slot: another proxy's, in that slot, for another session
+        (a proxy's own bookings are its router's to count)."""
+        return (
+            self.slot == other.slot
+            and self.slot >= 0
+            and self.proxy != other.proxy
+            and not (self.session and self.session == other.session)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPlacement:
+    """A session's placement as the proxy that served its last turn wrote it: on which server (by URL, checked
+    against the reader's own profile and replica there) and when (`stamp_ns`: a newer one stands)."""
+
+    server: str
+    placement: Placement
+    stamp_ns: int
+
+    def encode(self) -> bytes:
+        return orjson.dumps({"server": self.server, "stamp_ns": self.stamp_ns, "placement": asdict(self.placement)})
+
+    @staticmethod
+    def decode(raw: bytes | str | None) -> SharedPlacement | None:
+        """None for nothing, or for what does not read as a placement (another version wrote it)."""
+        if raw is None:
+            return None
+        try:
+            data: Any = orjson.loads(raw)
+            return SharedPlacement(str(data["server"]), Placement(**data["placement"]), int(data["stamp_ns"]))
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            return None
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """What one read before routing found: the session's placement, the live bookings of each server, and which
+    session each slot served last (`occupants`: a placement whose slot has served another session since is no longer
+    in the slot)."""
+
+    placement: SharedPlacement | None = None
+    bookings: dict[str, list[Booking]] = field(default_factory=dict)
+    occupants: dict[str, dict[int, str]] = field(default_factory=dict)
+
+    def booked_elsewhere(self, proxy: str, session: str | None = None) -> dict[str, dict[int, int]]:
+        """The requests proxies other than `proxy` booked, per server and slot (`session`'s own aside)."""
+        out: dict[str, dict[int, int]] = {}
+        for server, bookings in self.bookings.items():
+            for b in bookings:
+                if b.proxy != proxy and not (session and b.session == session):
+                    slots = out.setdefault(server, {})
+                    slots[b.slot] = slots.get(b.slot, 0) + 1
+        return out

@@ -1,0 +1,194 @@
+"""Two proxies' routers sharing one in-process store, driven as the request path drives them: what one placed and
+booked, the other reads before routing; an outage serves on from each proxy's own state, said once; a dead proxy's
+bookings lapse."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
+from adaptive_spec.routing.contract import Completion, FixedPolicy, Route
+from adaptive_spec.routing.router import Router
+from adaptive_spec.sessions.grouping import SessionRegistry
+from adaptive_spec.shared_state.shell import SharedState
+from adaptive_spec.shared_state.store import MemoryStore
+from adaptive_spec.telemetry.records import Timings
+from tests.support.routing import request
+
+URLS = ("http://10.0.0.1:8080", "http://10.0.0.2:8080")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _router() -> Router:
+    table = UpstreamTable([Upstream("plain", url, replica=i) for i, url in enumerate(URLS)])
+    return Router(table, FixedPolicy(), {"plain": 2}, {"plain": None}, replica_slots={("plain", 0): 2, ("plain", 1): 2})
+
+
+def _body(sid: str, turn: int) -> dict[str, object]:
+    messages = [{"role": "user", "content": f"session {sid}: question {n}"} for n in range(turn + 1)]
+    return {"model": "m", "messages": messages}
+
+
+class Proxy:
+    """One proxy's router and shell, routing as `requests/handler._route_shared` does."""
+
+    def __init__(self, store: MemoryStore, clock: Clock, name: str) -> None:
+        self.router, self.shared = _router(), SharedState(store, lease_s=15.0, proxy_id=name, clock=clock)
+        self.count = 0
+
+    async def start(self, sid: str, turn: int, share: bool = True) -> tuple[str, Route]:
+        self.count += 1
+        request_id = f"{self.shared.proxy_id}-{self.count}"
+        for attempt in range(3):
+            if share:
+                await self.shared.before_route(self.router, sid)
+            route = self.router.route(request(_body(sid, turn), sid))
+            assert isinstance(route, Route)
+            if not share or await self.shared.book(self.router, route, request_id, force=attempt == 2):
+                return request_id, route
+            self.router.complete(route, Completion(ok=False))
+        raise AssertionError("unreachable")
+
+    async def end(self, request_id: str, route: Route, prompt_n: int = 40) -> None:
+        timings = Timings(prompt_n=prompt_n, predicted_n=8, prompt_ms=1.0, predicted_ms=1.0)
+        self.router.complete(route, Completion(True, timings, "a reply"))
+        self.shared.ended(self.router, request_id, route, ("a reply " + request_id, ()))
+        await self.shared.settled()
+
+
+def _where(route: Route) -> tuple[int, int | None]:
+    return route.decision.replica, route.slot
+
+
+@pytest.mark.asyncio
+async def test_a_turn_routed_by_the_other_proxy_lands_where_its_kv_is() -> None:
+    store, clock = MemoryStore(Clock()), Clock()
+    a, b = Proxy(store, clock, "a"), Proxy(store, clock, "b")
+    placed = {}
+    for sid in ("s0", "s1", "s2"):  # spread over both servers by proxy a
+        rid, route = await a.start(sid, 0)
+        await a.end(rid, route)
+        placed[sid] = _where(route)
+    assert {r for r, _ in placed.values()} == {0, 1}, placed
+    for sid in ("s2", "s1", "s0"):  # in another order than a's: blind, b would place them elsewhere
+        rid, route = await b.start(sid, 1)
+        assert _where(route) == placed[sid], (sid, route.decision.reason)
+        await b.end(rid, route)
+    # And back: b's placements are read by a (a's own are older than b's now).
+    for sid in ("s0", "s1", "s2"):
+        rid, route = await a.start(sid, 2)
+        assert _where(route) == placed[sid]
+        await a.end(rid, route)
+
+
+@pytest.mark.asyncio
+async def test_without_the_shared_state_the_other_proxy_routes_blind() -> None:
+    store, clock = MemoryStore(Clock()), Clock()
+    a, b = Proxy(store, clock, "a"), Proxy(store, clock, "b")
+    placed = {}
+    for sid in ("s0", "s1", "s2"):
+        rid, route = await a.start(sid, 0)
+        await a.end(rid, route)
+        placed[sid] = _where(route)
+    moved = 0
+    for sid in ("s2", "s1", "s0"):
+        rid, route = await b.start(sid, 1, share=False)
+        moved += _where(route) != placed[sid]
+        await b.end(rid, route)
+    assert moved > 0  # what the shared state fixes
+
+
+@pytest.mark.asyncio
+async def test_two_proxies_never_give_two_sessions_one_slot_at_once() -> None:
+    store, clock = MemoryStore(Clock()), Clock()
+    a, b = Proxy(store, clock, "a"), Proxy(store, clock, "b")
+    held = []
+    for n in range(4):  # four sessions in flight at once, two slots on each of the two servers
+        proxy = (a, b)[n % 2]
+        _, route = await proxy.start(f"s{n}", 0)
+        held.append((proxy.router.server_url("plain", route.decision.replica), route.slot))
+    assert len(set(held)) == 4, held
+
+
+@pytest.mark.asyncio
+async def test_a_slot_booked_between_the_read_and_the_booking_is_refused() -> None:
+    store, clock = MemoryStore(Clock()), Clock()
+    a, b = Proxy(store, clock, "a"), Proxy(store, clock, "b")
+    await a.shared.before_route(a.router, "s1")
+    await b.shared.before_route(b.router, "s2")
+    first = a.router.route(request(_body("s1", 0), "s1"))
+    second = b.router.route(request(_body("s2", 0), "s2"))
+    assert isinstance(first, Route) and isinstance(second, Route)
+    assert _where(first) == _where(second)  # both read the servers idle
+    assert await a.shared.book(a.router, first, "a-1", force=False)
+    assert not await b.shared.book(b.router, second, "b-1", force=False)
+    assert b.shared.status()["conflicts"] == 1
+    b.router.complete(second, Completion(ok=False))
+    _, again = await b.start("s2", 0)
+    assert _where(again) != _where(first)
+
+
+@pytest.mark.asyncio
+async def test_a_dead_proxys_bookings_lapse() -> None:
+    store_clock, clock = Clock(), Clock()
+    store = MemoryStore(store_clock)
+    a, b = Proxy(store, clock, "a"), Proxy(store, clock, "b")
+    for n in range(4):
+        await a.start(f"s{n}", 0)  # a dies with all four slots booked: it never ends nor renews them
+    await b.shared.before_route(b.router, None)
+    assert all(b.router.server_busy("plain", i) == 2 for i in (0, 1))
+    store_clock.now += 15.0
+    await b.shared.before_route(b.router, None)
+    assert all(b.router.server_busy("plain", i) == 0 for i in (0, 1))
+
+
+@pytest.mark.asyncio
+async def test_an_outage_serves_on_said_once_and_sharing_resumes(caplog: pytest.LogCaptureFixture) -> None:
+    store, clock = MemoryStore(Clock()), Clock()
+    a, b = Proxy(store, clock, "a"), Proxy(store, clock, "b")
+    rid, route = await a.start("s1", 0)
+    await a.end(rid, route)
+    store.down = True
+    caplog.set_level(logging.WARNING, logger="adaptive_spec.shared_state.shell")
+    live = []
+    for n in range(3):
+        live.append(await a.start(f"t{n}", 0))  # routed from a's own state, nothing raised
+        clock.now += 2.0
+    status = a.shared.status()
+    assert status["reachable"] is False and status["weakened"] and status["down_s"] > 0
+    assert sum("cannot be reached" in r.message for r in caplog.records) == 1
+    store.down = False
+    store.flush()  # a restart empties it
+    await a.shared.before_route(a.router, "s1")
+    await a.shared.settled()  # the bookings written again
+    assert a.shared.status()["reachable"] is True
+    assert sum("answers again" in r.message for r in caplog.records) == 1
+    await b.shared.before_route(b.router, None)
+    assert sum(b.router.server_busy("plain", i) for i in (0, 1)) == 3
+
+
+def test_a_reply_served_through_another_proxy_joins_its_session() -> None:
+    from adaptive_spec.sessions.grouping import echo_candidates, served_keys
+
+    here, there = SessionRegistry(run="a"), SessionRegistry(run="b")
+    first = {"messages": [{"role": "user", "content": "write me a function that adds two numbers together"}]}
+    sid = there.assign({}, first).session_id
+    reply = "def add(a, b):\n    return a + b"
+    keys = served_keys(reply, ["call_1"])
+    follow = {
+        "messages": [*first["messages"], {"role": "assistant", "content": reply}, {"role": "user", "content": "thanks"}]
+    }
+    assert set(echo_candidates(follow)) <= set(keys) and echo_candidates(follow)
+    assert here.assign({}, follow).source == "new"  # blind
+    here.heard(dict.fromkeys(keys, sid))
+    joined = here.assign({}, follow)
+    assert (joined.session_id, joined.source) == (sid, "echo:reply")
