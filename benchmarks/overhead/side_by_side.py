@@ -62,6 +62,8 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from tests.support.fast_upstream import PATH
+from tests.support.fast_upstream import run as upstream_main
 
 from adaptive_spec.llama.launch import free_port
 from adaptive_spec.streams.meter import ResponseMeter
@@ -72,82 +74,9 @@ from benchmarks.harness.stats import percentile
 # llama-server's chat chunk, field for field (b11434). Texts differ from one chunk to the next: LiteLLM ends a stream
 # that repeats a chunk ("the model is repeating").
 NAME = "benchmarks.overhead.side_by_side"  # the result file's `benchmark`
-_HEAD = {"created": 1796032146, "id": "chatcmpl-9QEQ6deoo8RcQjGdZJzpQMOo943h0b8E", "model": "qwen2.5-coder-0.5b",
-         "system_fingerprint": "b11434", "object": "chat.completion.chunk"}  # fmt: skip
-
-
-def _chunk(i: int, timings: bool) -> bytes:
-    """Chunk i, with llama-server's per-token `timings` (drafting on) when the request asked for them."""
-    obj: dict[str, Any] = {"choices": [{"finish_reason": None, "index": 0, "delta": {"content": f" t{i}"}}], **_HEAD}
-    if timings:
-        obj["timings"] = _timings(i + 1)
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-def _timings(n: int) -> dict[str, Any]:
-    return {"cache_n": 6912, "prompt_n": 21, "prompt_ms": 35.121, "prompt_per_token_ms": 1.6724,
-            "prompt_per_second": 597.932, "predicted_n": n, "predicted_ms": 5.31 * n,
-            "predicted_per_token_ms": 5.31, "predicted_per_second": 188.323, "draft_n": 2 * n,
-            "draft_n_accepted": n - n // 4}  # fmt: skip
-
-
-CHUNKS = {timings: [_chunk(i, timings) for i in range(1000)] for timings in (False, True)}
-PATH = "/v1/chat/completions"
 # LiteLLM refuses to start with a short master key; one key for every target (the others ignore it), fixed so that
 # the client processes send the one the proxy was started with.
 BENCH_KEY = "sk-overhead-bench-7f3c9a0d1e5b4c2a8f6d0b9e3a71c5d2"
-
-
-def _upstream_main(port: int, chunks: int, model_path: str = "/nonexistent/fake.gguf") -> None:
-    """llama-server shaped: `max_tokens` chunks (default `chunks`), `pace_ms` between them (default none). /props
-    names `model_path`: a GGUF on this machine lets the proxy tokenize with its vocabulary, as `serve` does when it
-    starts llama-server itself; a path that is not there leaves it llama-server's /tokenize."""
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        body = orjson.loads(await request.read())
-        n = int(body.get("max_tokens") or chunks)
-        pace = float(body.get("pace_ms") or 0) / 1000
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        role = {"choices": [{"finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}]}
-        await resp.write(b"data: " + orjson.dumps({**role, **_HEAD}) + b"\n\n")
-        sent = CHUNKS[bool(body.get("timings_per_token"))]
-        for i in range(n):
-            await resp.write(sent[i % len(sent)])
-            if pace:
-                await asyncio.sleep(pace)
-        final = {"choices": [{"finish_reason": "length", "index": 0, "delta": {}}], **_HEAD, "timings": _timings(n)}
-        await resp.write(b"data: " + orjson.dumps(final) + b"\n\ndata: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-    async def props(_: web.Request) -> web.Response:
-        settings = {"n_ctx": 262144}
-        return web.json_response({"model_path": model_path, "total_slots": 4,
-                                  "default_generation_settings": settings})  # fmt: skip
-
-    async def slots(_: web.Request) -> web.Response:
-        slot = {"speculative": False, "is_processing": False, "params": {"speculative.types": "none"}}
-        return web.json_response([{"id": i, **slot} for i in range(4)])
-
-    async def tokenize(request: web.Request) -> web.Response:
-        text = str((await request.json()).get("content", ""))
-        return web.json_response({"tokens": [hash(w) % 150_000 for w in text.split()]})
-
-    async def health(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
-
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
-
-    app = web.Application(client_max_size=64 * 1024 * 1024)
-    app.router.add_post(PATH, chat)
-    app.router.add_get("/props", props)
-    app.router.add_get("/slots", slots)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
 
 
 def _floor_main(port: int, upstream_port: int, read: bool = False, uv: bool = False) -> None:
@@ -589,7 +518,7 @@ def _run_once(args: argparse.Namespace, run: int) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     up, floor, floor_read = free_port("127.0.0.1"), free_port("127.0.0.1"), free_port("127.0.0.1")
     procs = [
-        ctx.Process(target=_upstream_main, args=(up, args.chunks, _model_path(args)), daemon=True),
+        ctx.Process(target=upstream_main, args=(up, args.chunks, _model_path(args)), daemon=True),
         ctx.Process(target=_floor_main, args=(floor, up), daemon=True),
         ctx.Process(target=_floor_main, args=(floor_read, up, True), daemon=True),
     ]

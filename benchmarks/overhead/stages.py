@@ -433,11 +433,11 @@ def _tiktoken_tokenizer() -> Callable[[], Tokenizer]:
 
 
 def _tokenize_server() -> tuple[multiprocessing.process.BaseProcess, str]:
-    """The side-by-side run's llama-server shaped upstream, in a process of its own: its /tokenize."""
-    from benchmarks.overhead.side_by_side import _upstream_main
+    """The fast fake llama-server (tests/support/fast_upstream.py), in a process of its own: its /tokenize."""
+    from tests.support.fast_upstream import run as upstream_main
 
     port = free_port("127.0.0.1")
-    proc = multiprocessing.get_context("spawn").Process(target=_upstream_main, args=(port, 10), daemon=True)
+    proc = multiprocessing.get_context("spawn").Process(target=upstream_main, args=(port, 10), daemon=True)
     proc.start()
     for _ in range(600):
         try:

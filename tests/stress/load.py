@@ -27,7 +27,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from tests.stress.rig import FAKE_CHUNKS, FAKE_TEXT, FastUpstream, StreamResult, median, process_figures, write_figures
+from tests.stress.rig import StreamResult, median, process_figures, write_figures
+from tests.support.fast_upstream import FastUpstream, answer_text
 from tests.support.servers import ProxyProcess, http_json
 from tests.support.tiny_gguf import write_tiny_gguf
 
@@ -138,13 +139,13 @@ def _serve_args(trace: Path | None) -> list[str]:
 
 
 async def run_fake(clients: int, seconds: float, trace: Path | None = None) -> dict[str, Any]:
-    upstream = FastUpstream()
+    upstream = FastUpstream(chunks=16, delay_s=0.002)
     url = await upstream.start()
     proxy = await asyncio.to_thread(
         ProxyProcess, "--profile", f"fake={url}", "--tokenizer", "endpoint", *_serve_args(trace)
     )
     try:
-        run = LoadRun("fake", clients, seconds, expected_text=FAKE_TEXT * FAKE_CHUNKS)
+        run = LoadRun("fake", clients, seconds, expected_text=answer_text(16))
         body = {"model": "m", "messages": [{"role": "user", "content": "Say something."}]}
         await drive(proxy, run, body)
         figures = await asyncio.to_thread(run.figures, proxy, trace)

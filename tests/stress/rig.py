@@ -1,5 +1,5 @@
-"""What the stress scripts share: a fast fake llama-server (for measuring the proxy alone), a streaming client that
-says how each answer ended, and the process figures (resident memory, open descriptors) of another process."""
+"""What the stress scripts share (the fast fake llama-server is tests/support/fast_upstream.py): a streaming client
+that says how each answer ended, and the process figures (resident memory, open descriptors) of another process."""
 
 from __future__ import annotations
 
@@ -12,15 +12,8 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from adaptive_spec.streams.sse import SSEEvent, SSEParser
-from tests.support.recorded import recorded
-from tests.support.servers import free_port
-
-FAKE_CHUNKS = 16  # content chunks per fake answer
-FAKE_TEXT = "tok "
 
 
 def process_figures(pid: int) -> dict[str, int]:
@@ -30,63 +23,6 @@ def process_figures(pid: int) -> dict[str, int]:
         if line.startswith("VmRSS:"):
             rss = int(line.split()[1])
     return {"rss_kib": rss, "fds": len(list(Path(f"/proc/{pid}/fd").iterdir()))}
-
-
-def _chunk(content: str | None, finish: str | None = None, **extra: Any) -> bytes:
-    choice = {"index": 0, "delta": {"content": content} if content is not None else {}, "finish_reason": finish}
-    return b"data: " + orjson.dumps({"choices": [choice], **extra}) + b"\n\n"
-
-
-class FastUpstream:
-    """A fake llama-server that answers at once: /props, /slots and /health for the proxy's start-up as a real stock
-    one answered them (recorded, four slots), a /tokenize, and a streamed chat answer of FAKE_CHUNKS chunks (one per
-    `delay_s`) with timings on the last one (counts of its own answer, not of a real one)."""
-
-    def __init__(self, delay_s: float = 0.002) -> None:
-        self.delay_s = delay_s
-        self.served = 0
-        self.server: TestServer | None = None
-
-    async def start(self) -> str:
-        app = web.Application()
-        app.router.add_get("/props", self._props)
-        app.router.add_get("/slots", self._slots)
-        app.router.add_get("/health", self._health)
-        app.router.add_post("/tokenize", self._tokenize)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        self.server = TestServer(app, host="127.0.0.1", port=free_port())
-        await self.server.start_server()
-        return str(self.server.make_url("")).rstrip("/")
-
-    async def close(self) -> None:
-        if self.server is not None:
-            await self.server.close()
-
-    async def _props(self, _request: web.Request) -> web.Response:
-        return web.json_response(recorded("props_stock"))
-
-    async def _slots(self, _request: web.Request) -> web.Response:
-        return web.json_response(recorded("slots"))
-
-    async def _health(self, _request: web.Request) -> web.Response:
-        return web.json_response(recorded("health"))
-
-    async def _tokenize(self, request: web.Request) -> web.Response:
-        content = (await request.json()).get("content", "")
-        return web.json_response({"tokens": [ord(c) % 512 for c in content[:100_000]]})
-
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        await request.read()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for _ in range(FAKE_CHUNKS):
-            await resp.write(_chunk(FAKE_TEXT))
-            await asyncio.sleep(self.delay_s)
-        timings = {"prompt_n": 8, "prompt_ms": 1.0, "predicted_n": FAKE_CHUNKS, "predicted_ms": 10.0, "cache_n": 0}
-        await resp.write(_chunk(None, "stop", timings=timings) + b"data: [DONE]\n\n")
-        await resp.write_eof()
-        self.served += 1
-        return resp
 
 
 @dataclass(frozen=True)
