@@ -56,6 +56,7 @@ from adaptive_spec.proxy.plan import LaunchPlan, ServePlan
 from adaptive_spec.requests.app_keys import LIFECYCLE
 from adaptive_spec.requests.measured_speeds import KeptSpeeds, machine_identity
 from adaptive_spec.requests.measured_speeds import identity as speeds_identity
+from adaptive_spec.sessions.client_limits import start_line
 from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker
 from adaptive_spec.sessions.token_source import choose_tokenizer
@@ -133,6 +134,7 @@ def announce(root: str, default_profile: str, agents_note: str | None = None) ->
     )
     if agents_note:
         say(agents_note)
+    say(start_line())
 
 
 @dataclass

@@ -21,6 +21,7 @@ from adaptive_spec.requests.outcome import NOT_ANSWERED, Outcome
 from adaptive_spec.routing.contract import Completion, Refusal, Route
 from adaptive_spec.routing.decision import Decision
 from adaptive_spec.routing.router import Router
+from adaptive_spec.sessions.client_limits import wait_note
 from adaptive_spec.sessions.grouping import SessionAssignment
 from adaptive_spec.sessions.project import DEFAULT_PROJECT
 from adaptive_spec.sessions.service import SessionService
@@ -291,6 +292,7 @@ class RequestLifecycle:
 
 def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> RequestRecord:
     assignment, decision, meter, route = req.assignment, req.decision, req.meter, req.route
+    total_ms = (time.perf_counter() - req.started) * 1000.0
     return RequestRecord(
         request_id=req.request_id,
         started_at_unix=req.started_unix,
@@ -309,7 +311,7 @@ def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> Reques
         timings=meter.timings,
         ttft_ms=meter.first_token_ms,
         ttst_ms=meter.second_token_ms,
-        total_ms=(time.perf_counter() - req.started) * 1000.0,
+        total_ms=total_ms,
         route=decision.kind if decision else None,
         reason=decision.reason if decision else None,
         moved_from=decision.moved_from if decision else None,
@@ -326,6 +328,7 @@ def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> Reques
         model=req.parsed.model if req.parsed is not None else None,
         not_honoured=", ".join(req.gemini.not_honoured) if req.gemini and req.gemini.not_honoured else None,
         time_estimate=_time_estimate(decision, meter.timings if finished else None),
+        client_limit=wait_note(req.client, meter.first_token_ms if meter.first_token_ms is not None else total_ms),
     )
 
 

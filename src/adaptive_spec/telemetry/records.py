@@ -105,6 +105,9 @@ class RequestRecord:
     # The route's prefill and decode time estimates against llama-server's timings (TimeEstimate.to_json, with
     # each one's error); None without an estimate (a pinned or forced route) or without timings.
     time_estimate: dict[str, Any] | None = None
+    # An agent's wait that the keep-alives cannot reset, when this request came near it: how long it waited and what
+    # to set (sessions/client_limits.py); else None.
+    client_limit: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """As `asdict` makes it, field by field (asdict's deep copy of every value cost a tenth of a request's own
