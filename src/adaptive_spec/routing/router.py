@@ -79,6 +79,10 @@ class Router:
         self.chars_per_token = prefix.DEFAULT_CHARS_PER_TOKEN  # the latest measured rate, for first turns
         # What each slot served last, whichever session: a new session of the same agent shares its system prompt.
         self.slot_prefixes: LRU[tuple[str, int, int | None], prefix.PrefixState] = LRU(4096)
+        # Each session's side lines (another system prompt: a subagent's conversation, a recurring side request) as
+        # last served, and the server that served it: llama-server keeps their prompts in its RAM cache, as the main
+        # line's, and takes them back when one goes on (a side request sent again prefills 1 token).
+        self.side_lines: LRU[tuple[str, bytes], tuple[tuple[str, int], prefix.PrefixState]] = LRU(4096)
 
     # --- what the views and the control endpoints read ------------------------------------------------------
 
@@ -153,15 +157,24 @@ class Router:
         total = prefix.total_tokens(pieces, cpt)  # read once, for the session's state and each server's slot
         est = prefix.estimate(state, pieces, has_tools, cpt, total=total)
         own = est.shared_tokens  # against the session's own state alone (no slot given): what its KV holds
-        shared_on = {}
+        line = prefix.line_of(pieces) if est.side and session_id is not None else None
+        side = self.side_lines.get((session_id, line)) if session_id is not None and line is not None else None
+        shared_on, best = {}, (own, state)
         names = self.health.names()
         replicas_of = {name: self.replica_states(name) for name in names}  # the load does not change while planning
         for name in names:
             replica = self._preview_replica(name, placement, replicas_of[name])
             held = self.slot_prefixes.get((*self.home(name, replica), self.load.slot_key(name, session_id, replica)))
             mine = own if self._held_on(name, placement) == replica else 0
-            # The session's own state in that slot was just compared: nothing more to read.
-            shared_on[name] = max(mine, own if held is state else prefix.shared_tokens(held, pieces, cpt, total))
+            # The session's own state in that slot was just compared: nothing more to read. A side line's last
+            # request counts on the server that served it (its RAM cache).
+            shared_on[name] = mine
+            for other in (held, side[1] if side is not None and side[0] == self.home(name, replica) else None):
+                shared = own if other is state else prefix.shared_tokens(other, pieces, cpt, total)
+                shared_on[name] = max(shared_on[name], shared)
+                best = max(best, (shared, other), key=lambda b: b[0])
+        if best[1] is not state:  # the prompt's tokens on the scale of what a server holds of it, so its new ones
+            est = prefix.estimate(state, pieces, has_tools, cpt, best[1], total)
         state_of_request = RequestState(
             body_bytes=body_bytes,
             max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
@@ -374,6 +387,8 @@ class Router:
         )
         several = self.load.slot_count(profile, replica) > 1
         self.slot_prefixes.put((*self.home(profile, replica), slot if several else None), state)
+        if session_id is not None and decision.side and (line := prefix.line_of(route.pieces)) is not None:
+            self.side_lines.put((session_id, line), (self.home(profile, replica), state))
         if session_id is not None and not decision.side:
             # A side request leaves the main line's state: llama-server keeps the line's prompt in its RAM cache.
             self.prefixes.put(session_id, state)

@@ -84,6 +84,12 @@ def _system(pieces: Sequence[Piece], has_tools: bool) -> bytes | None:
     return first.digest if first is not None and not first.assistant else None
 
 
+def line_of(pieces: Sequence[Piece]) -> bytes | None:
+    """The digest of a prompt's system prompt: which conversation of its session it goes on (the main line, a side
+    line such as a subagent's)."""
+    return _system(pieces, False)
+
+
 def _tools_digest(pieces: Sequence[Piece]) -> bytes | None:
     return next((p.digest for p in pieces if p.tools), None)
 
