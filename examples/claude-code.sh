@@ -12,9 +12,12 @@ export CLAUDE_CODE_MAX_CONTEXT_TOKENS="${CLAUDE_CODE_MAX_CONTEXT_TOKENS:-32768}"
 # first turn that room is gone, and it stops with "Prompt is too long" before compacting (measured with 2.1.328 on
 # the 1.5B). A local model's answers are short: keep 8k for them.
 export CLAUDE_CODE_MAX_OUTPUT_TOKENS="${CLAUDE_CODE_MAX_OUTPUT_TOKENS:-8192}"
-# A first turn on a CPU prefills ~12k tokens before its first byte: minutes (the proxy's keep-alives meanwhile are
-# Anthropic `ping` events).
-export API_TIMEOUT_MS="${API_TIMEOUT_MS:-3600000}"
+# A first turn on a CPU prefills 12-18k tokens before its first event: minutes. Its stream watchdog gives up after
+# 300 s (never less) without an event from its SDK, which drops the proxy's keep-alive `ping` events: nothing the
+# proxy can send resets it, so it is raised (to 30 min: 2.1.332 clamps its byte watchdog, which takes the same
+# value, there). Its request timeout (API_TIMEOUT_MS, 600 s, to the headers) and byte watchdog the keep-alives do
+# reset (examples/README.md, the timers).
+export CLAUDE_STREAM_IDLE_TIMEOUT_MS="${CLAUDE_STREAM_IDLE_TIMEOUT_MS:-1800000}"
 # Its system prompt's first block is a billing line whose cch= value can change per request. llama-server and
 # adaptive-spec both read it with that value normalised, so the cache holds either way; off, the line is not sent.
 export CLAUDE_CODE_ATTRIBUTION_HEADER="${CLAUDE_CODE_ATTRIBUTION_HEADER:-0}"
