@@ -8,11 +8,13 @@ proxy killed mid-stream (its bookings lapse, the other serves on)."""
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import os
 import random
 import signal
 import threading
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -68,9 +70,13 @@ def _post(proxy: ProxyProcess, body: dict[str, Any], headers: dict[str, str]) ->
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json", **headers},
     )
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        assert resp.status == 200
-        return json.loads(resp.read()), resp.headers["x-adaptive-spec-request-id"]
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            assert resp.status == 200
+            return json.loads(resp.read()), resp.headers["x-adaptive-spec-request-id"]
+    except urllib.error.HTTPError as exc:  # what the proxy said, and its log's end, in the failure
+        said = exc.read()[:2000].decode(errors="replace")
+        raise AssertionError(f"{exc.code}: {said}\n" + "\n".join(proxy.stderr_lines[-30:])) from exc
 
 
 def _conversation(proxies: list[ProxyProcess], n: int, seed: int) -> list[tuple[ProxyProcess, str]]:
@@ -96,15 +102,45 @@ def _replay(proxies: list[ProxyProcess], seed: int = 1) -> list[list[dict[str, A
     with ThreadPoolExecutor(SESSIONS) as pool:
         sent = list(pool.map(lambda n: _conversation(proxies, n, seed), range(SESSIONS)))
     records = {p.base: {r["request_id"]: r for r in p.requests()} for p in proxies}
-    return [[records[p.base][rid] for p, rid in turns] for turns in sent]
+    return [[records[p.base][rid] | {"via": p.base} for p, rid in turns] for turns in sent]
 
 
 def _prompt_n(replayed: list[list[dict[str, Any]]]) -> list[list[int]]:
     return [[r["timings"]["prompt_n"] for r in turns] for turns in replayed]
 
 
-def test_turns_sent_to_either_proxy_land_where_their_kv_is(
-    servers: list[LlamaServer], redis_server: RedisServer, tmp_path: Path
+class SlotWatch:
+    """Reads every live booking in Redis, over and over while a replay runs, and keeps each moment two sessions held
+    one slot of one server at once (what would make them evict each other's KV)."""
+
+    def __init__(self, redis_server: RedisServer) -> None:
+        self.client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+        self.reads, self.shared_slots = 0, list[str]()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            seconds, micros = self.client.time()
+            now_ms = seconds * 1000 + micros // 1000
+            for key in [str(k) for k in list(self.client.keys("adaptive-spec:booked:*"))]:
+                held: dict[str, set[str]] = {}
+                for member in list(self.client.zrangebyscore(key, now_ms, "+inf")):
+                    slot, _proxy, _request, session = str(member).split("|", 3)
+                    if int(slot) >= 0:
+                        held.setdefault(slot, set()).add(session)
+                self.shared_slots += [f"{key} slot {s}: {sorted(v)}" for s, v in held.items() if len(v) > 1]
+            self.reads += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_turns_sent_to_any_proxy_land_where_their_kv_is(
+    servers: list[LlamaServer], redis_server: RedisServer, tmp_path: Path, count: int
 ) -> None:
     _erase(servers)
     (one,) = _proxies(servers, tmp_path / "one", 1)
@@ -113,15 +149,20 @@ def test_turns_sent_to_either_proxy_land_where_their_kv_is(
     finally:
         one.stop()
     _erase(servers)
-    pair = _proxies(servers, tmp_path / "pair", 2, "--shared-state", redis_server.url)
+    proxies = _proxies(servers, tmp_path / "many", count, "--shared-state", redis_server.url)
+    watch = SlotWatch(redis_server)
     try:
-        shared = _replay(pair)
-        health = [http_json(p.base + "/adaptive/health")["shared_state"] for p in pair]
+        shared = _replay(proxies)
+        health = [http_json(p.base + "/adaptive/health")["shared_state"] for p in proxies]
     finally:
-        for proxy in pair:
+        watch.stop()
+        for proxy in proxies:
             proxy.stop()
     assert all(h["reachable"] for h in health), health
+    assert watch.reads > 10 and watch.shared_slots == [], watch.shared_slots  # never two sessions in one slot
     assert {r["replica"] for turns in shared for r in turns} == {0, 1}  # both servers served
+    crossed = sum(a["via"] != b["via"] for turns in shared for a, b in itertools.pairwise(turns))
+    assert crossed > 0  # follow-ups reached another proxy than their previous turn's (the seeds make sure)
     for turns in shared:
         assert len({r["session_id"] for r in turns}) == 1, [(r["session_id"], r["session_source"]) for r in turns]
         assert len({r["replica"] for r in turns}) == 1, [(r["replica"], r["reason"]) for r in turns]
