@@ -17,6 +17,7 @@ from dataclasses import replace
 from aiohttp import web
 
 from adaptive_spec.access.rules import key_accepted
+from adaptive_spec.kv.heads.plan import BLOCK_CHARS, text_blocks
 from adaptive_spec.kv.heads.store import HeadStore
 from adaptive_spec.kv.heads.values import Restored
 from adaptive_spec.kv.moves import SlotMove
@@ -28,6 +29,7 @@ from adaptive_spec.requests.gate import ACCESS, request_keys
 from adaptive_spec.requests.lifecycle import ProxyRequest
 from adaptive_spec.routing.contract import Route
 from adaptive_spec.routing.decision import Decision, Moved
+from adaptive_spec.routing.prompt.pieces import piece_texts
 from adaptive_spec.routing.prompt.prefix import tokens_beyond
 from adaptive_spec.telemetry.events import Event, ProfileDown, ProfileUp
 
@@ -97,20 +99,34 @@ async def _before_forward(app: web.Application, req: ProxyRequest, chosen: Upstr
     slot_tokens = decision.context_tokens - decision.new_tokens if decision.new_tokens is not None else 0
     prefill = app[ROUTER].speeds.prefill_rate()
     pieces = [p.digest for p in route.pieces]
-    restored = await store.restore(chosen, route.slot, pieces, slot_tokens, prefill, scope)
+    blocks = _blocks(req)
+    restored = await store.restore(chosen, route.slot, pieces, slot_tokens, prefill, scope, blocks)
     store.begin(req.request_id, restored)
     if restored is not None:
         req.route = replace(route, decision=_warm_decision(route, restored))
 
 
+def _blocks(req: ProxyRequest) -> list[tuple[bytes, ...]]:
+    """Each piece's `text_blocks` of the body the router read (a session's first request only: the texts are read
+    and hashed again); [] when its texts do not line up with the route's pieces."""
+    body = req.rewrite.body if req.rewrite is not None else req.parsed.body if req.parsed is not None else None
+    texts = piece_texts(body) if body is not None else []
+    if req.route is None or len(texts) != len(req.route.pieces):
+        return []
+    return [text_blocks(kind, text) for kind, text in texts]
+
+
 def _warm_decision(route: Route, restored: Restored) -> Decision:
-    """The route's reason says what was restored, and its new-token estimate counts only the pieces after the head,
-    at the rate the route's estimate took (the head's own tokens are llama-server's count, on another scale)."""
+    """The route's reason says what was restored (and how much of it the prompt shares), and its new-token estimate
+    counts only the pieces after the head, less the blocks of the piece the prompt parts from it in, at the rate the
+    route's estimate took (the head's own tokens are llama-server's count, on another scale)."""
     decision = route.decision
     new_tokens = decision.new_tokens
     if new_tokens is not None:
         beyond = tokens_beyond(route.pieces, restored.pieces, route.chars_per_token)
-        new_tokens = min(new_tokens, beyond) if restored.pieces else max(1, new_tokens - restored.tokens)
+        beyond = max(1, beyond - round(restored.blocks * BLOCK_CHARS / route.chars_per_token))
+        shared = restored.pieces or restored.blocks
+        new_tokens = min(new_tokens, beyond) if shared else max(1, new_tokens - restored.tokens)
     return decision.after(Moved(restored.reason(), new_tokens))
 
 
@@ -126,6 +142,7 @@ def _served(app: web.Application, req: ProxyRequest, chosen: Upstream, scope: st
     if not policy.enabled:
         return
     history = any(p.assistant for p in route.pieces)  # a reply in the prompt: a session's state, not a head
+    first = arriving and not history
     store.served(
         chosen,
         route.slot,
@@ -136,11 +153,12 @@ def _served(app: web.Application, req: ProxyRequest, chosen: Upstream, scope: st
         restored,
         (req.client, req.project, scope),
         policy.min_tokens,
-        first=arriving and not history,
+        first=first,
         session=None if route.decision.side else req.assignment.session_id,
         idle_s=policy.session_idle_s,
         mark=mark,
         share_bytes=int(policy.share_gb * 1024**3),
+        blocks=_blocks(req) if first and timings.prompt_n + timings.cache_n >= policy.min_tokens else (),
     )
 
 

@@ -1,6 +1,6 @@
 """Pure: what a stored head is (`HeadEntry`), what makes its KV reusable on a server (`ServerKey`), the chain of digests
-a prompt's leading pieces make under that key, the longest stored match of a new prompt, the LRU eviction and whether a
-restore pays against a prefill.
+a prompt's leading pieces make under that key (and of each piece's 256-character blocks after them), the longest stored
+match of a new prompt, the LRU eviction and whether a restore pays against a prefill.
 
 No file, no HTTP: the store (`kv/heads/store.py`) does those."""
 
@@ -21,6 +21,10 @@ RESTORE_OVERHEAD_S = 0.05  # two slot actions and a link or copy, beyond reading
 RESTORE_PRIOR_BYTES_PER_S = 400e6  # until a restore is measured: a page-cached file read by llama-server
 LAST_PIECE_SHARE = 0.05  # a first message this small a share of its prompt does not make a head of its own
 INERT_SHARE = 0.5  # a restore whose next prompt reused less than this share of the expected tokens did nothing
+# A piece's text is also kept as digests of its blocks of this many characters: a prompt that parts from a head inside
+# a piece (opencode's working directory in its system prompt) is known to share the blocks before that point.
+BLOCK_CHARS = 256
+_BLOCK_DIGEST = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,16 +74,49 @@ def tenant_scope(sent_keys: Iterable[str], project_keys: Mapping[str, str]) -> s
     return found
 
 
+def _seed(key: ServerKey, scope: str) -> bytes:
+    return key.digest() if not scope else hashlib.blake2b(key.digest() + scope.encode(), digest_size=16).digest()
+
+
 def chain(key: ServerKey, piece_digests: Iterable[bytes], scope: str = "") -> tuple[str, ...]:
     """Link i covers the key and pieces 0..i: two prompts share their first n links exactly when they share the
     key and their first n pieces, so a match is found without the text. `scope` (a project, where projects are
     tenants: `serve --project-key`) keeps one scope's heads from matching another's prompts."""
     links: list[str] = []
-    previous = key.digest() if not scope else hashlib.blake2b(key.digest() + scope.encode(), digest_size=16).digest()
+    previous = _seed(key, scope)
     for digest in piece_digests:
         previous = hashlib.blake2b(previous + digest, digest_size=16).digest()
         links.append(previous.hex())
     return tuple(links)
+
+
+def text_blocks(kind: str, text: str) -> tuple[bytes, ...]:
+    """The digest of each whole `BLOCK_CHARS` block of a piece's text (and its kind: a role, "tools", "prompt"), the
+    same in every process: what `block_chains` links to the pieces before it."""
+    tag = kind.encode("utf-8", "surrogatepass") + b"\0"
+    return tuple(
+        hashlib.blake2b(tag + text[at - BLOCK_CHARS : at].encode("utf-8", "surrogatepass"), digest_size=12).digest()
+        for at in range(BLOCK_CHARS, len(text) + 1, BLOCK_CHARS)
+    )
+
+
+def block_chains(
+    key: ServerKey, links: Sequence[str], blocks: Sequence[Sequence[bytes]], scope: str = ""
+) -> tuple[tuple[str, ...], ...]:
+    """For each piece i, the chain of its blocks (`text_blocks`) after link i-1 (the key, the scope and the pieces
+    before it): two prompts share their first m links of piece i's chain exactly when they share pieces 0..i-1 and
+    the first m blocks of piece i. () when `blocks` is not one per piece."""
+    if len(blocks) != len(links):
+        return ()
+    out: list[tuple[str, ...]] = []
+    for i, digests in enumerate(blocks):
+        previous = bytes.fromhex(links[i - 1]) if i else _seed(key, scope)
+        chained: list[str] = []
+        for digest in digests:
+            previous = hashlib.blake2b(previous + digest, digest_size=16).digest()
+            chained.append(previous[:_BLOCK_DIGEST].hex())
+        out.append(tuple(chained))
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +142,14 @@ class HeadEntry:
     # "": an agent's head (a session's first turn). Else the session whose whole state this is, saved when the
     # session went idle: a conversation resumed after a restart finds it as its longest match.
     session: str = ""
+    # Each piece's block chain (`block_chains`): a prompt that parts from this head inside a piece finds the blocks
+    # it shares. (): a head saved before blocks were kept, matched by whole pieces.
+    blocks: tuple[tuple[str, ...], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["links"], out["chars"] = list(self.links), list(self.chars)
+        out["blocks"] = [list(b) for b in self.blocks]
         return out
 
     @staticmethod
@@ -132,10 +173,12 @@ class HeadEntry:
                 save_pause_ms=float(raw.get("save_pause_ms", 0.0)),
                 scope=str(raw.get("scope", "")),
                 session=str(raw.get("session", "")),
+                blocks=tuple(tuple(str(x) for x in piece) for piece in raw.get("blocks", ())),
             )
         except (KeyError, TypeError, ValueError):
             return None
         ok = entry.id.isalnum() and len(entry.links) == len(entry.chars) > 0
+        ok = ok and len(entry.blocks) in (0, len(entry.links))
         return entry if ok else None
 
     def describe(self) -> dict[str, Any]:
@@ -164,6 +207,7 @@ class Match:
     entry: HeadEntry
     pieces: int  # leading pieces shared with the new prompt
     tokens: int  # the tokens of those pieces, estimated from their share of the head's characters
+    blocks: int = 0  # and the leading blocks of the next piece it shares (`BLOCK_CHARS` each)
 
 
 def shared_links(a: Sequence[str], b: Sequence[str]) -> int:
@@ -175,17 +219,26 @@ def shared_links(a: Sequence[str], b: Sequence[str]) -> int:
     return n
 
 
-def best_match(links: Sequence[str], entries: Iterable[HeadEntry]) -> Match | None:
-    """The stored head sharing the most tokens with a prompt whose chain is `links` (None: no piece shared)."""
+def best_match(
+    links: Sequence[str], entries: Iterable[HeadEntry], blocks: Sequence[Sequence[str]] = ()
+) -> Match | None:
+    """The stored head sharing the most tokens with a prompt whose chain is `links` (None: nothing shared). With the
+    prompt's `block_chains` (`blocks`), a head it parts from inside a piece also counts the blocks of that piece they
+    share: llama-server reuses any common token prefix of a restored slot on a target that can resume anywhere (the
+    store passes no blocks for the others: `kv/heads/slot_io.SlotIO.any_prefix`)."""
     best: Match | None = None
     for entry in entries:
         n = shared_links(links, entry.links)
-        if n == 0:
+        m = 0
+        if n < len(entry.links) and n < len(blocks) and entry.blocks:
+            m = shared_links(blocks[n], entry.blocks[n])
+        if n == 0 and m == 0:
             continue
         total = sum(entry.chars) or 1
-        tokens = entry.prompt_tokens if n == len(entry.links) else entry.prompt_tokens * sum(entry.chars[:n]) // total
+        chars = sum(entry.chars[:n]) + m * BLOCK_CHARS
+        tokens = entry.prompt_tokens if n == len(entry.links) else entry.prompt_tokens * chars // total
         if best is None or tokens > best.tokens:
-            best = Match(entry, n, tokens)
+            best = Match(entry, n, tokens, m)
     return best
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import aiohttp
 
+from adaptive_spec.errors import ModelError
 from adaptive_spec.kv.heads.activity import Mark, ServerActivity
 from adaptive_spec.kv.heads.book import HeadBook
 from adaptive_spec.kv.heads.files import stage, take, unlink
@@ -22,6 +23,7 @@ from adaptive_spec.kv.heads.plan import (
     HeadEntry,
     Match,
     ServerKey,
+    block_chains,
     covered,
     earlier_states,
     head_id,
@@ -30,6 +32,7 @@ from adaptive_spec.kv.heads.server import TIMEOUT, idle_slots, key_of, model_pat
 from adaptive_spec.kv.heads.values import HeadsConfig, Restored, SavedTurn
 from adaptive_spec.kv.slot_files import file_sha256, known_sha256
 from adaptive_spec.kv.slots import SlotError, check_written, restore_slot, save_slot
+from adaptive_spec.llama.memory.gguf_info import model_dims
 from adaptive_spec.llama.upstreams import Upstream
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,7 @@ class SlotIO:
         self._keys: dict[str, ServerKey] = {}
         self._hashing: dict[str, asyncio.Task[str | None]] = {}  # model path -> its sha256 (None: not readable here)
         self._unknown: set[str] = set()  # servers whose model cannot be known by content here: no heads for them
+        self._any_prefix: dict[str, bool] = {}  # servers that resume a restored slot at any token (`any_prefix`)
         self._restore_s_per_byte: float | None = None
 
     def forget_key(self, server: str) -> None:
@@ -98,6 +102,8 @@ class SlotIO:
             elapsed * 1000.0,
             forwards=self.activity.forwarded_to(upstream.base_url),
             pieces=match.pieces,
+            blocks=match.blocks,
+            head_tokens=entry.prompt_tokens,
         )
         log.info("heads: %s on %s slot %d (%s)", restored.reason(), upstream.label, slot, entry.id)
         return restored
@@ -135,7 +141,7 @@ class SlotIO:
         now = time.time()
         entry = HeadEntry(
             hid, links, head.chars, head.prompt_tokens, n_saved, size, now, now, head.agent, head.project, 0,
-            key.hex(), crc, pause_ms, head.scope, head.session,
+            key.hex(), crc, pause_ms, head.scope, head.session, block_chains(key, links, head.blocks, head.scope),
         )  # fmt: skip
         await self.book.add(entry)
         self.refused.difference_update([r for r in self.refused if r[1] == hid])  # a new file under that id
@@ -204,8 +210,16 @@ class SlotIO:
                 )
             return None
         key = key_of(props, self.config.build, self.config.cache_types, sha)
+        self._any_prefix[upstream.base_url] = await asyncio.to_thread(_any_prefix, model_path(props))
         self._keys[upstream.base_url] = key
         return key
+
+    def any_prefix(self, upstream: Upstream) -> bool:
+        """Whether the server resumes a restored slot at any token the new prompt shares with it (a dense target): a
+        recurrent or sliding-window cache resumes only at a context checkpoint at or before that point, and a head's
+        checkpoints sit at its own prompt's end, so a prompt that parts from it inside a piece reuses nothing there
+        (measured: docs/benchmarks.md, "A new project of a known agent"). Known once its key is (`key`)."""
+        return self._any_prefix.get(upstream.base_url, False)
 
     async def _model_sha256(self, model: str, wait: bool) -> str | None:
         if not model:
@@ -236,6 +250,17 @@ class SlotIO:
             s_per_byte = seconds / size
             old = self._restore_s_per_byte
             self._restore_s_per_byte = s_per_byte if old is None else 0.7 * old + 0.3 * s_per_byte
+
+
+def _any_prefix(model: str) -> bool:
+    """A dense model's cache resumes at any token; not one with recurrent or sliding-window layers (they resume at a
+    context checkpoint; with `--swa-full`, measured, a split three quarters in resumed there but one a fifth in at
+    nothing: docs/benchmarks.md), nor one whose GGUF header cannot be read."""
+    try:
+        dims = model_dims(Path(model))
+    except ModelError:
+        return False
+    return dims.recurrent_layers == 0 and dims.swa_layers == 0
 
 
 def _known_or_none(path: Path, kept: Path | None) -> str | None:

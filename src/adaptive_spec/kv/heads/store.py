@@ -30,6 +30,7 @@ from adaptive_spec.kv.heads.plan import (
     NO_TENANT,
     Match,
     best_match,
+    block_chains,
     chain,
     covered_but_last,
     head_id,
@@ -147,8 +148,11 @@ class HeadStore:
         slot_tokens: int,
         prefill: PrefillRate,
         scope: str = "",
+        blocks: Sequence[Sequence[bytes]] = (),
     ) -> Restored | None:
         """Restore the stored head of `scope` sharing most with this prompt into `slot` when it pays; None otherwise.
+        `blocks`: each piece's `text_blocks`, so a head the prompt parts from inside a piece counts what it shares
+        (on a server that resumes at any token: `SlotIO.any_prefix`).
         Another save or restore under way is waited for only while waiting costs less than the prefill the restore
         saves, and `_LOCK_WAIT_S` at most (two sessions starting at once on two slots both get their head)."""
         self._verify()
@@ -160,7 +164,8 @@ class HeadStore:
             if key is None:
                 return None
             links = chain(key, pieces, scope)
-            return await self._restore(upstream, slot, links, slot_tokens, prefill)
+            fine = block_chains(key, links, blocks, scope) if self._io.any_prefix(upstream) else ()
+            return await self._restore(upstream, slot, (links, fine), slot_tokens, prefill)
         except _FAILURES as exc:
             self.counts["failed"] += 1
             log.warning("heads: restore on %s failed (the request prefills): %s", upstream.label, exc)
@@ -183,6 +188,7 @@ class HeadStore:
         idle_s: float = 0.0,
         mark: Mark | None = None,
         share_bytes: int = 0,
+        blocks: Sequence[Sequence[bytes]] = (),
     ) -> None:
         """A session's request was served: learn an inert restore (`cache_n` None: not reported). Its `first` turn
         (no reply in its prompt yet) is saved as a head in the background, when it has `min_tokens` or more and its
@@ -190,7 +196,8 @@ class HeadStore:
         other turn of `session` that long is saved as the session's state once the session has been `idle_s`
         seconds without a request and its slot served nothing else since it was forwarded (`mark`, from `mark_of`;
         0: never). `tokens`: its prompt's and its reply's; `owner`: its agent, project and tenant scope;
-        `share_bytes`: that tenant's share of the bound, as its policy says (0: an equal share)."""
+        `share_bytes`: that tenant's share of the bound, as its policy says (0: an equal share); `blocks`: a first
+        turn's pieces' `text_blocks`, kept with its head."""
         if self.config.project_keys:
             self.book.set_share(owner[2], share_bytes)  # the tenant's share, as its project's policy says
         if restored is not None and cache_n is not None:
@@ -202,7 +209,7 @@ class HeadStore:
             self._cancel_idle((owner[2], session))  # a newer turn: the older state is not the session's any more
         if tokens[0] < min_tokens or upstream.upstream_model is not None:
             return
-        head = SavedTurn(tuple(pieces), tuple(chars), tokens[0], tokens[1], owner[0], owner[1], owner[2])
+        head = SavedTurn(tuple(pieces), tuple(chars), tokens[0], tokens[1], *owner, blocks=tuple(map(tuple, blocks)))
         if first:
             # The turn's own mark: a request forwarded to its slot after it (even one served while the save waits for
             # the server to go idle) leaves the slot holding that request's KV, which is not this prompt's head.
@@ -350,7 +357,7 @@ class HeadStore:
         self,
         upstream: Upstream,
         slot: int | None,
-        links: Sequence[str],
+        chains: tuple[Sequence[str], Sequence[Sequence[str]]],
         slot_tokens: int,
         prefill: PrefillRate,
     ) -> Restored | None:
@@ -362,7 +369,7 @@ class HeadStore:
             and (upstream.base_url, e.id) not in self._io.refused
             and not self._activity.head_inert(upstream.base_url, e.id, now)
         )
-        match = best_match(links, usable)
+        match = best_match(chains[0], usable, chains[1])
         if match is None:
             return None
         held = self._held.get((upstream.base_url, slot or 0))
@@ -370,7 +377,15 @@ class HeadStore:
         if held is not None and held.head == match.entry.id and held.forwards == since:
             # The slot holds that head (a warm start put it there, or it was saved from there) and no request came
             # since: nothing to restore.
-            return replace(held, tokens=match.tokens, pieces=match.pieces) if held.at_start else None
+            if not held.at_start:
+                return None
+            return replace(
+                held,
+                tokens=match.tokens,
+                pieces=match.pieces,
+                blocks=match.blocks,
+                head_tokens=match.entry.prompt_tokens,
+            )
         cost = price(match, slot_tokens, prefill, self._io.restore_bytes_per_s())
         if not cost.pays:
             log.info(

@@ -34,10 +34,15 @@ class Restored:
     at_start: bool = False
     forwards: int = 0
     pieces: int = 0  # the request's leading pieces the head holds
+    blocks: int = 0  # and the leading blocks of the next piece (a head the prompt parts from inside a piece)
+    head_tokens: int = 0  # the head's own prompt tokens, where the request shares only a part of them
 
     def reason(self) -> str:
         when = " when the server started" if self.at_start else ""
-        return f"warm: head of {self.tokens} tokens restored{when} in {self.restore_ms:.0f} ms"
+        of = f", {self.tokens} of them this prompt's" if self.head_tokens > self.tokens else ""
+        return (
+            f"warm: head of {max(self.tokens, self.head_tokens)} tokens restored{when} in {self.restore_ms:.0f} ms{of}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,3 +57,4 @@ class SavedTurn:
     project: str | None
     scope: str
     session: str = ""  # "": an agent's head; else the session whose state this is (saved once it went idle)
+    blocks: tuple[tuple[bytes, ...], ...] = ()  # each piece's `text_blocks` (a first turn's; () for a session's state)

@@ -276,6 +276,25 @@ def prompt_texts(body: Mapping[str, Any]) -> list[str]:
     return [text for text in texts if text]
 
 
+def piece_texts(body: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Each piece's kind and text, in `read_pieces`' order (a plain prompt, the system entries, the messages, the
+    tools after the system prompt): what a head's persistent block digests are made of (`kv/heads/plan.text_blocks`).
+    Read only for a session's first request, where a head is restored or saved."""
+    texts: list[tuple[str, str]] = []
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        texts.append(("prompt", prompt))
+    texts += [(role, text) for role, _, text, _ in system_entries(body)]
+    for message in messages_of(body):
+        role, _, text, _ = message_entry(message)
+        texts.append((role, text))
+    tools = _rendered_tools(body.get("tools"))
+    if tools:
+        at = 1 if _starts_with_system(body) and texts else 0
+        texts.insert(at, ("tools", orjson.dumps(tools).decode("utf-8", "surrogatepass")))
+    return texts
+
+
 def _rendered_tools(tools: Any) -> list[Any]:
     """The tools a template renders: llama-server skips Responses-API tools that are not functions (Codex sends a
     `namespace` of 11,000 characters and `web_search`); entries without a type (Anthropic's) are kept."""
