@@ -1,9 +1,9 @@
 """Which event loop the proxy runs on: Python's own asyncio loop, or uvloop's (libuv) when asked and installed.
 
-Measured side by side (benchmarks/overhead/side_by_side.py --loops, docs/benchmarks.md "Event loops"): on uvloop the proxy used
-5-10% less CPU per request but answered no sooner (time to first chunk the same or up to 12% later at one and eight
-streams, tiny and 120k-token bodies), and the floors gained nothing either: the time goes to aiohttp's parser (C
-already) and the proxy's own Python, not to the loop. So the default stays Python's loop; uvloop is an option.
+Measured side by side (benchmarks/overhead/side_by_side.py --loops, docs/benchmarks.md "Event loops"): on uvloop the
+proxy used 5-10% less CPU per request but answered no sooner (time to first chunk the same or up to 12% later at one
+and eight streams, tiny and 120k-token bodies), and the floors gained nothing either: the time goes to aiohttp's
+parser (C already) and the proxy's own Python, not to the loop. So the default stays Python's loop; uvloop is an option.
 """
 
 from __future__ import annotations
