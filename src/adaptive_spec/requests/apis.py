@@ -43,14 +43,13 @@ class Traits:
     google: bool = False  # its errors take Google's shape
     # Its body is translated into this API's for llama-server (Gemini's into a chat completion): the proxy's rules
     # for that API's bodies (repairs, the repeat guard) apply to what is sent, and the answer is translated back.
-    translated_to: str | None = None
+    translated_to: Api | None = None
 
 
 _GENERATING = Traits(generates=True, speculation=True, checked_errors=True)
 _CHAT = Traits(generates=True, speculation=True, takes_slot=True, progress=True, text_choice=True, checked_errors=True)
 
-# Keyed by the names as strings too (an Api is a str): a lookup needs no conversion on the request path.
-TRAITS: dict[str, Traits] = {
+TRAITS: dict[Api, Traits] = {
     Api.CHAT: _CHAT,
     Api.COMPLETIONS: Traits(generates=True, speculation=True, takes_slot=True, progress=True, checked_errors=True),
     Api.COMPLETION: _GENERATING,
@@ -69,11 +68,11 @@ TRAITS: dict[str, Traits] = {
 _NOTHING = Traits()
 
 
-def traits(api: str) -> Traits:
+def traits(api: Api) -> Traits:
     """What `api` does; a name the proxy does not know does what `other` does (nothing of its own)."""
     return TRAITS.get(api, _NOTHING)
 
 
-def sent_as(api: str) -> str:
+def sent_as(api: Api) -> Api:
     """The API whose body llama-server is sent for a request of `api`: its own, or the one it is translated to."""
     return TRAITS.get(api, _NOTHING).translated_to or api

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from adaptive_spec.requests.apis import traits
+from adaptive_spec.requests.apis import Api, traits
 from adaptive_spec.requests.gemini.reply import SSE_END, google_error, stream_error
 from adaptive_spec.requests.outcome import Outcome
 
@@ -42,15 +42,15 @@ def answer(outcome: Outcome) -> web.Response:
     return resp
 
 
-def sse_error_event(api: str, message: str, *, code: str) -> bytes:
+def sse_error_event(api: Api, message: str, *, code: str) -> bytes:
     """The last event of a stream whose upstream failed after the headers were sent."""
-    if api == "messages":
+    if api is Api.MESSAGES:
         payload = {"type": "error", "error": {"type": "api_error", "message": message}}
         return b"event: error\ndata: " + orjson.dumps(payload) + b"\n\n"
     if traits(api).google:  # Gemini's Server-Sent Events (alt=sse): its error as a chunk of its own
         return b"data: " + orjson.dumps(stream_error(message, code)) + SSE_END
     body = error_body(message, type_="upstream_error", code=code)
-    if api == "responses":
+    if api is Api.RESPONSES:
         return b"event: error\ndata: " + orjson.dumps({"type": "error", **body}) + b"\n\n"
     return b"data: " + orjson.dumps(body) + b"\n\n"
 

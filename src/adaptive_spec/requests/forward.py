@@ -16,7 +16,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from adaptive_spec.common.headers import PROFILE_HEADER
 from adaptive_spec.llama.upstreams import Upstream
-from adaptive_spec.requests.apis import traits
+from adaptive_spec.requests.apis import Api, traits
 from adaptive_spec.requests.body.compat import anthropic_overflow
 from adaptive_spec.requests.error_responses import answer, as_anthropic, as_client_error, as_google, sse_error_event
 from adaptive_spec.requests.gate import hidden_headers
@@ -64,7 +64,7 @@ async def forward(
     *,
     path_qs: str,
     body: bytes,
-    api: str,
+    api: Api,
     timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - aiohttp's per-phase timeouts, not one deadline
     started: float,
     extra_headers: dict[str, str],
@@ -204,7 +204,7 @@ async def _error_after_keepalive(
     except (aiohttp.ClientError, TimeoutError) as exc:
         text = repr(exc)
     message = f"profile {upstream.name!r} at {upstream.base_url} answered {upstream_resp.status}: {text[:1000]}"
-    overflow = anthropic_overflow(text.encode()) if keepalive.api == "messages" else None
+    overflow = anthropic_overflow(text.encode()) if keepalive.api is Api.MESSAGES else None
     if overflow is not None:  # the overflow as Anthropic words it, in its stream's error event; its code recorded
         code = overflow["error"]["type"]
         return await keepalive.end_with_event(overflow), Outcome(upstream_resp.status, message, code)
@@ -225,7 +225,7 @@ class _Relay:
     """How to relay one response: to whom it belongs, and what to do with each piece."""
 
     upstream: Upstream
-    api: str
+    api: Api
     meter: ResponseMeter
     started: float
     strip: bool
@@ -287,7 +287,7 @@ async def _relay(
     return resp, False, failure
 
 
-async def _error_body(upstream_resp: aiohttp.ClientResponse, api: str) -> tuple[int, bytes] | None:
+async def _error_body(upstream_resp: aiohttp.ClientResponse, api: Api) -> tuple[int, bytes] | None:
     """A profile's error for a generating request, as the client should get it: llama-server answers 500 for some
     bodies it cannot parse (the client's mistake: 400), and /v1/messages errors in OpenAI's shape (Anthropic
     clients parse their own). None: relay the answer as it is."""
@@ -305,7 +305,7 @@ async def _error_body(upstream_resp: aiohttp.ClientResponse, api: str) -> tuple[
         )
     if not traits(api).anthropic:
         return status, body
-    overflow = anthropic_overflow(body) if api == "messages" else None  # worded so that Claude Code compacts
+    overflow = anthropic_overflow(body) if api is Api.MESSAGES else None  # worded so that Claude Code compacts
     return status, orjson.dumps(overflow) if overflow is not None else (as_anthropic(status, body) or body)
 
 

@@ -177,7 +177,7 @@ def _preflight(policy: AccessPolicy, origin: str, wanted_headers: str | None) ->
     )
 
 
-def _shaped(api: str, response: web.StreamResponse) -> web.StreamResponse:
+def _shaped(api: Api, response: web.StreamResponse) -> web.StreamResponse:
     """/v1/messages clients parse Anthropic's error shape, Gemini's Google's; the proxy's own errors are
     OpenAI-shaped until here."""
     shape = traits(api)

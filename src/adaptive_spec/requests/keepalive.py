@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import orjson
 from aiohttp import web
 
+from adaptive_spec.requests.apis import Api
 from adaptive_spec.requests.error_responses import sse_error_event
 
 T = TypeVar("T")
@@ -33,16 +34,16 @@ SSE_COMMENT = b": keep-alive\n\n"
 CHAT_EMPTY_CHUNK = b'data: {"id":"keep-alive","object":"chat.completion.chunk","created":0,"model":"","choices":[]}\n\n'
 
 
-def ping_bytes(api: str) -> bytes:
-    if api == "messages":
+def ping_bytes(api: Api) -> bytes:
+    if api is Api.MESSAGES:
         return ANTHROPIC_PING
-    return CHAT_EMPTY_CHUNK if api == "chat" else SSE_COMMENT
+    return CHAT_EMPTY_CHUNK if api is Api.CHAT else SSE_COMMENT
 
 
 class PrefillKeepAlive:
     """One streamed request's keep-alives, across every attempt at it (a failover keeps the same response)."""
 
-    def __init__(self, request: web.Request, api: str, interval_s: float, headers: Mapping[str, str]) -> None:
+    def __init__(self, request: web.Request, api: Api, interval_s: float, headers: Mapping[str, str]) -> None:
         self._request, self._api, self._interval_s = request, api, interval_s
         self._headers = dict(headers)
         self.response: web.StreamResponse | None = None  # prepared at the first keep-alive
@@ -50,7 +51,7 @@ class PrefillKeepAlive:
         self.real_bytes = False  # whether anything but keep-alives went out on the response
 
     @property
-    def api(self) -> str:
+    def api(self) -> Api:
         return self._api
 
     @property

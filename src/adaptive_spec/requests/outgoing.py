@@ -75,7 +75,7 @@ def upstream_target(request: web.Request, upstream: Upstream, routed: RoutedPath
     return routed.upstream_path + _upstream_query(request, upstream, routed.api)
 
 
-def _upstream_query(request: web.Request, upstream: Upstream, api: str) -> str:
+def _upstream_query(request: web.Request, upstream: Upstream, api: Api) -> str:
     """Router-mode servers take the preset as `?model=` on GET endpoints such as /props and /slots: always the
     profile's own (a client's `model` would make the router load another model). A key sent as `?key=` stays here."""
     qs = request.rel_url.raw_query_string  # as sent: decoding it could turn an encoded '&' into a separator
@@ -84,7 +84,7 @@ def _upstream_query(request: web.Request, upstream: Upstream, api: str) -> str:
         dropped = {KEY_PARAMETER, "model"} if preset is not None else {KEY_PARAMETER}
         kept = [p for p in qs.split("&") if p and unquote_plus(p.split("=", 1)[0]) not in dropped]
         qs = "&".join(kept)
-    if preset is not None and request.method == "GET" and api == "other":
+    if preset is not None and request.method == "GET" and api is Api.OTHER:
         qs = "&".join([*([qs] if qs else []), "model=" + quote(preset, safe="")])
     return f"?{qs}" if qs else ""
 

@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
+from adaptive_spec.requests.apis import Api
 from adaptive_spec.requests.body.compat import anthropic_overflow
 from adaptive_spec.routing.prompt.pieces import prompt_pieces
 from adaptive_spec.routing.prompt.prefix import estimate
@@ -167,6 +168,6 @@ def test_null_content_passes_as_llama_server_takes_it(role: str) -> None:
     from adaptive_spec.requests.body.shapes import check_shape
 
     message: dict[str, Any] = {"role": role, "content": None}
-    assert check_shape("chat", {"messages": [message]}) is None
-    missing = check_shape("chat", {"messages": [{"role": role}]})
+    assert check_shape(Api.CHAT, {"messages": [message]}) is None
+    missing = check_shape(Api.CHAT, {"messages": [{"role": role}]})
     assert (missing is None) == (role == "assistant")

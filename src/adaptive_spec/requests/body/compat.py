@@ -16,6 +16,8 @@ from typing import Any
 
 import orjson
 
+from adaptive_spec.requests.apis import Api
+
 
 @dataclass(frozen=True, slots=True)
 class Repaired:
@@ -23,9 +25,9 @@ class Repaired:
     note: str  # what was rewritten, for the record
 
 
-def repaired(api: str, body: Mapping[str, Any]) -> Repaired | None:
+def repaired(api: Api, body: Mapping[str, Any]) -> Repaired | None:
     """The body with the shapes llama-server refuses rewritten; None when there are none."""
-    items = body.get("input") if api == "responses" else None
+    items = body.get("input") if api is Api.RESPONSES else None
     if not isinstance(items, list):
         return None
     found = [i for i, item in enumerate(items) if _callless_output(item)]

@@ -30,12 +30,12 @@ _APIS = {
 }
 
 # The request field each API cannot do without, and the JSON types it may take.
-_REQUIRED: dict[str, tuple[str, tuple[type, ...]]] = {
-    "chat": ("messages", (list,)),
-    "completions": ("prompt", (str, list)),
-    "responses": ("input", (str, list)),
-    "messages": ("messages", (list,)),
-    "completion": ("prompt", (str, list)),
+_REQUIRED: dict[Api, tuple[str, tuple[type, ...]]] = {
+    Api.CHAT: ("messages", (list,)),
+    Api.COMPLETIONS: ("prompt", (str, list)),
+    Api.RESPONSES: ("input", (str, list)),
+    Api.MESSAGES: ("messages", (list,)),
+    Api.COMPLETION: ("prompt", (str, list)),
 }
 _OPTIONAL_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "model": ((str,), "a string"),
@@ -78,7 +78,7 @@ class ParsedRequest:
     model: str | None
 
 
-def parse_body(api: str, raw: bytes) -> ParsedRequest | RequestProblem:
+def parse_body(api: Api, raw: bytes) -> ParsedRequest | RequestProblem:
     """Parse a JSON request body once and check the fields the proxy and llama-server rely on."""
     try:
         obj = orjson.loads(raw)

@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from adaptive_spec.requests.apis import traits
+from adaptive_spec.requests.apis import Api, traits
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,7 @@ class Guarded:
         return f"{self.repeat.name} ×{self.repeat.times} in a row, same arguments: note added{asked}"
 
 
-def guard(api: str, body: Mapping[str, Any], repeat: RepeatedCall, note_after: int, text_after: int) -> Guarded | None:
+def guard(api: Api, body: Mapping[str, Any], repeat: RepeatedCall, note_after: int, text_after: int) -> Guarded | None:
     """The body that breaks the loop `repeat` (from `trailing_repeat`), once the call was made `note_after` (a note)
     or `text_after` (a text answer) times in a row; 0 turns either off. None: not long enough yet."""
     text = 0 < text_after <= repeat.times
@@ -48,14 +48,14 @@ def guard(api: str, body: Mapping[str, Any], repeat: RepeatedCall, note_after: i
     return Guarded(out, repeat, text_asked(api, body, text))
 
 
-def trailing_repeat(api: str, body: Mapping[str, Any]) -> RepeatedCall | None:
+def trailing_repeat(api: Api, body: Mapping[str, Any]) -> RepeatedCall | None:
     """The identical call the history ends on, made two or more times in a row; None otherwise (also when the last
     message is the user's own: a person spoke since, so the agent is not looping)."""
-    if api == "chat":
+    if api is Api.CHAT:
         calls = _chat_calls(body.get("messages"))
-    elif api == "responses":
+    elif api is Api.RESPONSES:
         calls = _responses_calls(body.get("input"))
-    elif api == "messages":
+    elif api is Api.MESSAGES:
         calls = _messages_calls(body.get("messages"))
     else:
         return None
@@ -77,17 +77,17 @@ def note(repeat: RepeatedCall) -> str:
     )
 
 
-def guarded_body(api: str, body: Mapping[str, Any], repeat: RepeatedCall, *, text_only: bool) -> dict[str, Any]:
+def guarded_body(api: Api, body: Mapping[str, Any], repeat: RepeatedCall, *, text_only: bool) -> dict[str, Any]:
     """The body with the note after the last tool result; `text_only` also asks for an answer without tool calls,
     where the API lets llama-server take that and the client did not require a call itself."""
     text = note(repeat)
     out = dict(body)
-    if api == "chat":
+    if api is Api.CHAT:
         out["messages"] = [*body["messages"], {"role": "user", "content": text}]
-    elif api == "responses":
+    elif api is Api.RESPONSES:
         item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
         out["input"] = [*body["input"], item]
-    elif api == "messages":
+    elif api is Api.MESSAGES:
         messages = list(body["messages"])
         last = dict(messages[-1])
         content = last.get("content")
@@ -96,11 +96,11 @@ def guarded_body(api: str, body: Mapping[str, Any], repeat: RepeatedCall, *, tex
         messages[-1] = last
         out["messages"] = messages
     if text_asked(api, body, text_only):
-        out["tool_choice"] = {"type": "none"} if api == "messages" else "none"
+        out["tool_choice"] = {"type": "none"} if api is Api.MESSAGES else "none"
     return out
 
 
-def text_asked(api: str, body: Mapping[str, Any], text_only: bool) -> bool:
+def text_asked(api: Api, body: Mapping[str, Any], text_only: bool) -> bool:
     """Whether `guarded_body(..., text_only=text_only)` asks for a text answer."""
     choice = body.get("tool_choice", "auto")
     if isinstance(choice, Mapping):  # Anthropic's {"type": "auto"}

@@ -11,6 +11,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from adaptive_spec.requests.apis import Api
+
 
 @dataclass(frozen=True, slots=True)
 class RequestProblem:
@@ -51,7 +53,7 @@ _FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
 }
 
 
-def check_shape(api: str, body: Mapping[str, Any]) -> RequestProblem | None:
+def check_shape(api: Api, body: Mapping[str, Any]) -> RequestProblem | None:
     """The first problem of a parsed body's shape, or None; `parse_body` has checked the top-level field types."""
     problem = _nesting(body) or _fields(body)
     if problem is not None:
@@ -280,10 +282,10 @@ def _prompt(body: Mapping[str, Any]) -> RequestProblem | None:
     return None
 
 
-_CHECKS: dict[str, Callable[[Mapping[str, Any]], RequestProblem | None]] = {
-    "chat": _chat,
-    "messages": _anthropic,
-    "responses": _responses,
-    "completions": _prompt,
-    "completion": _prompt,
+_CHECKS: dict[Api, Callable[[Mapping[str, Any]], RequestProblem | None]] = {
+    Api.CHAT: _chat,
+    Api.MESSAGES: _anthropic,
+    Api.RESPONSES: _responses,
+    Api.COMPLETIONS: _prompt,
+    Api.COMPLETION: _prompt,
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from adaptive_spec.requests.apis import Api
 from adaptive_spec.requests.body.compat import repaired
 
 GOAL = {"type": "function_call_output", "name": "goal_objective", "namespace": "agent", "output": "Create hello.py."}
@@ -17,7 +18,7 @@ def _body(*items: dict[str, Any]) -> dict[str, Any]:
 
 def test_a_call_less_output_becomes_a_user_message_and_the_rest_stays() -> None:
     body = _body(CALL, ANSWER, GOAL)
-    fixed = repaired("responses", body)
+    fixed = repaired(Api.RESPONSES, body)
     assert fixed is not None
     assert fixed.body["input"][:3] == body["input"][:3]  # the cached prefix as sent
     assert fixed.body["input"][3] == {
@@ -30,12 +31,12 @@ def test_a_call_less_output_becomes_a_user_message_and_the_rest_stays() -> None:
 
 
 def test_a_structured_output_is_kept_as_json_text() -> None:
-    fixed = repaired("responses", _body({"type": "function_call_output", "output": [{"type": "input_text"}]}))
+    fixed = repaired(Api.RESPONSES, _body({"type": "function_call_output", "output": [{"type": "input_text"}]}))
     assert fixed is not None
     assert fixed.body["input"][1]["content"][0]["text"] == 'tool output: [{"type":"input_text"}]'
 
 
 def test_bodies_llama_server_takes_are_left_alone() -> None:
-    assert repaired("responses", _body(CALL, ANSWER)) is None
-    assert repaired("responses", {"input": "a string"}) is None
-    assert repaired("chat", {"messages": [GOAL]}) is None
+    assert repaired(Api.RESPONSES, _body(CALL, ANSWER)) is None
+    assert repaired(Api.RESPONSES, {"input": "a string"}) is None
+    assert repaired(Api.CHAT, {"messages": [GOAL]}) is None

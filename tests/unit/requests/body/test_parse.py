@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from adaptive_spec.requests.apis import Api
 from adaptive_spec.requests.body.parse import ParsedRequest, parse_body, split_path
 from adaptive_spec.requests.body.shapes import RequestProblem
 
@@ -26,7 +27,7 @@ def test_split_path(path: str, project: str | None, upstream: str, api: str) -> 
 
 
 def test_valid_chat_request() -> None:
-    parsed = parse_body("chat", b'{"model": "m", "messages": [], "stream": true, "temperature": 0}')
+    parsed = parse_body(Api.CHAT, b'{"model": "m", "messages": [], "stream": true, "temperature": 0}')
     assert isinstance(parsed, ParsedRequest)
     assert parsed.stream and parsed.model == "m"
 
@@ -49,7 +50,7 @@ def test_valid_chat_request() -> None:
     ],
 )
 def test_bad_requests(api: str, body: bytes, code: str, param: str | None, words: str) -> None:
-    problem = parse_body(api, body)
+    problem = parse_body(Api(api), body)
     assert isinstance(problem, RequestProblem)
     assert (problem.code, problem.param) == (code, param)
     assert words in problem.message

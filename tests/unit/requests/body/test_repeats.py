@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from adaptive_spec.requests.apis import Api
 from adaptive_spec.requests.body.repeats import RepeatedCall, guard, trailing_repeat
 
 WRITE = {"name": "write", "arguments": '{"filePath": "hello.py", "content": "Hello world!"}'}
@@ -48,7 +49,7 @@ def _messages(*calls: dict[str, str]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("shape", [_chat, _responses, _messages], ids=["chat", "responses", "messages"])
 def test_the_trailing_run_of_one_call_is_counted(shape: Any) -> None:
-    api = {_chat: "chat", _responses: "responses", _messages: "messages"}[shape]
+    api = {_chat: Api.CHAT, _responses: Api.RESPONSES, _messages: Api.MESSAGES}[shape]
     assert trailing_repeat(api, shape(READ, WRITE, WRITE_REORDERED, WRITE)) == RepeatedCall("write", 3)
     assert trailing_repeat(api, shape(WRITE, READ)) is None  # different calls are work, not a loop
     assert trailing_repeat(api, shape(WRITE)) is None  # once is no repeat
@@ -56,45 +57,45 @@ def test_the_trailing_run_of_one_call_is_counted(shape: Any) -> None:
 
 
 def test_a_person_speaking_since_ends_the_loop() -> None:
-    assert trailing_repeat("chat", _chat(WRITE, WRITE, WRITE, end_with_user=True)) is None
+    assert trailing_repeat(Api.CHAT, _chat(WRITE, WRITE, WRITE, end_with_user=True)) is None
 
 
 def test_other_apis_and_odd_bodies_are_left_alone() -> None:
-    assert trailing_repeat("completions", {"prompt": "x"}) is None
-    assert trailing_repeat("chat", {"messages": "not a list"}) is None
-    assert trailing_repeat("responses", {"input": "a string"}) is None
+    assert trailing_repeat(Api.COMPLETIONS, {"prompt": "x"}) is None
+    assert trailing_repeat(Api.CHAT, {"messages": "not a list"}) is None
+    assert trailing_repeat(Api.RESPONSES, {"input": "a string"}) is None
     odd = _chat(WRITE, WRITE)
     odd["messages"][-2]["tool_calls"] = [{"function": "not an object"}, {}]
-    assert trailing_repeat("chat", odd) is None
+    assert trailing_repeat(Api.CHAT, odd) is None
 
 
 def test_the_note_comes_first_then_a_text_answer() -> None:
     two, three = _chat(WRITE, WRITE), _chat(WRITE, WRITE, WRITE)
-    assert guard("chat", two, RepeatedCall("write", 2), note_after=3, text_after=4) is None
-    noted = guard("chat", two, RepeatedCall("write", 2), note_after=2, text_after=3)
+    assert guard(Api.CHAT, two, RepeatedCall("write", 2), note_after=3, text_after=4) is None
+    noted = guard(Api.CHAT, two, RepeatedCall("write", 2), note_after=2, text_after=3)
     assert noted is not None and not noted.text_only
     assert noted.body["messages"][:-1] == two["messages"]  # the history as the client sent it: its cache stays
     assert noted.body["messages"][-1]["role"] == "user" and "write" in noted.body["messages"][-1]["content"]
     assert "tool_choice" not in noted.body
-    text = guard("chat", three, RepeatedCall("write", 3), note_after=2, text_after=3)
+    text = guard(Api.CHAT, three, RepeatedCall("write", 3), note_after=2, text_after=3)
     assert text is not None and text.text_only and text.body["tool_choice"] == "none"
     assert text.body["tools"] == three["tools"]  # the tools stay rendered: the prompt's cached prefix stays too
     assert text.describe() == "write ×3 in a row, same arguments: note added, text answer asked"
-    assert guard("chat", three, RepeatedCall("write", 3), note_after=0, text_after=0) is None
+    assert guard(Api.CHAT, three, RepeatedCall("write", 3), note_after=0, text_after=0) is None
 
 
 def test_a_required_call_is_never_turned_into_text() -> None:
     body = {**_chat(WRITE, WRITE, WRITE), "tool_choice": "required"}
-    guarded = guard("chat", body, RepeatedCall("write", 3), note_after=2, text_after=3)
+    guarded = guard(Api.CHAT, body, RepeatedCall("write", 3), note_after=2, text_after=3)
     assert guarded is not None and not guarded.text_only and guarded.body["tool_choice"] == "required"
 
 
 def test_responses_and_messages_get_the_note_in_their_own_shape() -> None:
-    responses = guard("responses", _responses(WRITE, WRITE, WRITE), RepeatedCall("write", 3), 2, 3)
+    responses = guard(Api.RESPONSES, _responses(WRITE, WRITE, WRITE), RepeatedCall("write", 3), 2, 3)
     assert responses is not None and responses.text_only and responses.body["tool_choice"] == "none"
     assert responses.body["input"][-1]["content"][0]["type"] == "input_text"
     body = _messages(WRITE, WRITE, WRITE)
-    messages = guard("messages", body, RepeatedCall("write", 3), 2, 3)
+    messages = guard(Api.MESSAGES, body, RepeatedCall("write", 3), 2, 3)
     # The note inside the last user message (the API wants user and assistant turns to alternate), and a text answer
     # asked in Anthropic's words (a patched llama-server maps it to "none"; a stock one ignores it).
     assert messages is not None and messages.text_only and messages.body["tool_choice"] == {"type": "none"}
@@ -106,10 +107,14 @@ def test_responses_and_messages_get_the_note_in_their_own_shape() -> None:
 def test_an_anthropic_choice_of_a_call_is_kept() -> None:
     for choice in ({"type": "any"}, {"type": "tool", "name": "write"}):
         body = {**_messages(WRITE, WRITE, WRITE), "tool_choice": choice}
-        guarded = guard("messages", body, RepeatedCall("write", 3), 2, 3)
+        guarded = guard(Api.MESSAGES, body, RepeatedCall("write", 3), 2, 3)
         assert guarded is not None and not guarded.text_only and guarded.body["tool_choice"] == choice
     auto = guard(
-        "messages", {**_messages(WRITE, WRITE, WRITE), "tool_choice": {"type": "auto"}}, RepeatedCall("write", 3), 2, 3
+        Api.MESSAGES,
+        {**_messages(WRITE, WRITE, WRITE), "tool_choice": {"type": "auto"}},
+        RepeatedCall("write", 3),
+        2,
+        3,
     )
     assert auto is not None and auto.body["tool_choice"] == {"type": "none"}
 
@@ -130,8 +135,8 @@ def test_a_long_run_of_different_calls_is_read_only_to_the_first_difference(monk
     calls = [
         {"name": "write", "arguments": json.dumps({"path": f"f{i}.py", "content": "x" * 1000})} for i in range(200)
     ]
-    assert trailing_repeat("chat", _chat(*calls, calls[-1])) == RepeatedCall("write", 2)
+    assert trailing_repeat(Api.CHAT, _chat(*calls, calls[-1])) == RepeatedCall("write", 2)
     assert len(read) == 3
     read.clear()
-    assert trailing_repeat("chat", _chat(*calls)) is None
+    assert trailing_repeat(Api.CHAT, _chat(*calls)) is None
     assert len(read) == 2

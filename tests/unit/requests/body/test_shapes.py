@@ -14,7 +14,7 @@ from adaptive_spec.requests.paths import decide_path
 
 
 def _problem(api: str, body: dict[str, Any]) -> RequestProblem:
-    result = parse_body(api, orjson.dumps(body))
+    result = parse_body(Api(api), orjson.dumps(body))
     assert isinstance(result, RequestProblem), result
     return result
 
@@ -65,7 +65,7 @@ def test_shape_problems_name_the_field(api: str, body: dict[str, Any], param: st
 
 def test_deep_nesting_is_refused_without_recursion() -> None:
     deep = b'{"messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
-    result = parse_body("chat", deep)
+    result = parse_body(Api.CHAT, deep)
     assert isinstance(result, RequestProblem)
 
 
@@ -81,11 +81,11 @@ def test_nesting_is_refused_from_one_level_past_the_limit() -> None:
 
     # The body itself, "tools", the tool, "function": four levels above the parameters.
     fits = _MAX_NESTING - 4
-    assert check_shape("chat", body(fits)) is None
-    problem = check_shape("chat", body(fits + 1))
+    assert check_shape(Api.CHAT, body(fits)) is None
+    problem = check_shape(Api.CHAT, body(fits + 1))
     assert problem is not None and "nested deeper than" in problem.message
     empty_at_limit = body(fits)
-    assert check_shape("chat", {**empty_at_limit, "extra": [[]] * 3}) is None
+    assert check_shape(Api.CHAT, {**empty_at_limit, "extra": [[]] * 3}) is None
 
 
 @pytest.mark.parametrize(
@@ -156,7 +156,7 @@ def test_nesting_is_refused_from_one_level_past_the_limit() -> None:
     ],
 )
 def test_valid_shapes_pass(api: str, body: dict[str, Any]) -> None:
-    assert isinstance(parse_body(api, orjson.dumps(body)), ParsedRequest)
+    assert isinstance(parse_body(Api(api), orjson.dumps(body)), ParsedRequest)
 
 
 @pytest.mark.parametrize(
