@@ -1,0 +1,1 @@
+"""A new project of a known agent: what it reuses of another project's head."""
