@@ -5,8 +5,8 @@ What must hold on any model: every request answered (no proxy 4xx where llama-se
 mid-conversation system message, its betas and `?beta=true`), one session per conversation (Claude Code names it in
 `X-Claude-Code-Session-Id`; Qwen Code names none, so the reply echo groups it), the proxy's estimate of the follow-up
 turns' prefill within 15% of llama-server's `prompt_n` (the median; no turn off by half). Qwen Code's memory request
-as a side request is checked on its shape (tests/integration/test_qwen_code.py): it did not come in the runs here.
-Whether the file is made and changed is recorded (the embedded models are small for agents this size:
+as a side request is checked on its shape (tests/integration/agents/test_qwen_code.py): it did not come in the runs
+here. Whether the file is made and changed is recorded (the embedded models are small for agents this size:
 examples/README.md says what they did).
 """
 

@@ -1,7 +1,7 @@
 """A slot action on a connection the server drops before answering (a keep-alive connection it had just closed) is
 sent once more; a server that keeps dropping it is an error. llama-server cannot be made to drop a connection on
 demand, so a socket server stands in for it here; the erase itself is tested on a real server
-(tests/integration/test_one_server.py)."""
+(tests/integration/server/test_one_server.py)."""
 
 from __future__ import annotations
 

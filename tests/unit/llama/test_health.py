@@ -1,7 +1,7 @@
 """The health poll of every server and the replica watch, against fake servers that stall on /health (a fault a real
-llama-server cannot be made to show on demand; tests/integration/test_hung_server.py stops a real one): each server
-URL is asked once a round whatever the profiles on it; one late answer is forgiven, two in a row mark every profile
-on the server down; a server with as many requests on it as llama-server keeps HTTP threads has six rounds; the
+llama-server cannot be made to show on demand; tests/integration/reliability/test_hung_server.py stops a real one):
+each server URL is asked once a round whatever the profiles on it; one late answer is forgiven, two in a row mark every
+profile on the server down; a server with as many requests on it as llama-server keeps HTTP threads has six rounds; the
 watch asks each server once and brings back every profile on it that the proxy marked down itself."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The connection book, pure: what it bounds (receipt of a request, never its answer), from when, and which
 connection it closes past the cap; the cap fitted to the descriptor limit. The watch around it runs in
-tests/integration/test_slow_clients.py."""
+tests/integration/reliability/test_slow_clients.py."""
 
 from __future__ import annotations
 

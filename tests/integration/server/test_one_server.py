@@ -27,7 +27,7 @@ from tests.support.servers import LlamaServer, ProxyProcess, chat_record, free_p
 from tests.support.tiny_drafters import write_tiny_mtp_target
 from tests.support.tiny_policy import tiny_policy
 
-STOCK_PROPS = Path(__file__).resolve().parents[1] / "support" / "stock_props.py"
+STOCK_PROPS = Path(__file__).resolve().parents[2] / "support" / "stock_props.py"
 PASTED = "Here is a.py:\n```python\n" + "\n".join(f"value_{i} = {i} * {i}" for i in range(60)) + "\n```\nWhat is it?"
 REPEATS = [{"role": "user", "content": "abc abc abc abc abc abc abc abc abc abc abc abc"}]
 ONE_SERVER = "profiles: one llama-server, speculation per request"

@@ -16,7 +16,7 @@ import pytest
 
 from tests.support.servers import ProxyProcess
 
-SHAPES = Path(__file__).resolve().parents[1] / "data" / "agent-shapes"
+SHAPES = Path(__file__).resolve().parents[2] / "data" / "agent-shapes"
 ESTIMATE_ERROR = 0.15  # of prompt_n, on a turn that continues its session's cached prefix
 BILLING = "x-anthropic-billing-header: cc_version=2.1.328.abc; cc_entrypoint=cli; cch={};"
 GUIDE = "You are a synthetic coding agent. Read before you edit, keep answers short, and say what you changed. "

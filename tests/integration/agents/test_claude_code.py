@@ -28,7 +28,7 @@ from tests.support.fake_upstream import FakeUpstream
 from tests.support.servers import LlamaServer, ProxyProcess, free_port
 from tests.support.sse import events
 
-SHAPES = Path(__file__).resolve().parents[1] / "data" / "agent-shapes"
+SHAPES = Path(__file__).resolve().parents[2] / "data" / "agent-shapes"
 BODY: dict[str, Any] = json.loads((SHAPES / "claude-code-messages.json").read_text())
 MESSAGES = "/v1/messages?beta=true"
 BILLING = "x-anthropic-billing-header: cc_version=2.1.328.abc; cc_entrypoint=cli; cch={};"

@@ -269,7 +269,7 @@ def test_cpu_repack_always_is_not_retried_and_never_adds_no_repack_from_the_star
     assert store.get(binary) is None  # a choice, not a verdict
 
 
-STOCK_PROPS = Path(__file__).resolve().parents[1] / "support" / "stock_props.py"
+STOCK_PROPS = Path(__file__).resolve().parents[2] / "support" / "stock_props.py"
 
 
 def test_the_stock_props_wrapper_dies_of_its_child_s_signal_so_the_retry_sees_it(

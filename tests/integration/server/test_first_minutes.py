@@ -19,7 +19,7 @@ import pytest
 
 from tests.support.servers import LlamaServer, ProxyProcess, http_json, wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # How llama.cpp's own log lines begin (llama-cpp-python's loader, ggml, the server): none belongs in the terminal.
 NATIVE = re.compile(r"^(llama_|ggml_|gguf_|llm_|load|print_info|init_|common_|main:|build:|system_info|srv |slot )")
 

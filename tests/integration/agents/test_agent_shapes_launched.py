@@ -21,7 +21,7 @@ import pytest
 
 from tests.support.servers import ProxyProcess, http_json
 
-SHAPES = Path(__file__).resolve().parents[2] / "tests" / "data" / "agent-shapes"
+SHAPES = Path(__file__).resolve().parents[3] / "tests" / "data" / "agent-shapes"
 # One of each API and agent family; the bodies grow to about 1,500 prompt tokens each (a minute of prefill here).
 FULL_SIZE = {
     "claude-code-messages-stream": "/v1/messages?beta=true",

@@ -23,7 +23,7 @@ from tests.stress.fuzz_cases import mutated
 from tests.support.outside import AGENT_TRAFFIC, agent_traffic
 from tests.support.servers import LlamaServer, ProxyProcess
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SHAPES = ROOT / "tests" / "data" / "agent-shapes"
 PATHS = {"claude-code": "/v1/messages?beta=true", "codex": "/v1/responses"}  # the others: chat completions
 CLAUDE_SESSION = "11111111-2222-3333-4444-555555555555"
