@@ -40,7 +40,7 @@ from adaptive_spec.requests.gemini.reply import GeminiAnswer
 from adaptive_spec.requests.gemini.request import gemini_target, to_chat
 from adaptive_spec.requests.heads import before_forward, forwarded_again, moving_kv, served
 from adaptive_spec.requests.keepalive import PrefillKeepAlive
-from adaptive_spec.requests.lifecycle import Prepared, ProxyRequest, Rewrite
+from adaptive_spec.requests.lifecycle import Prepared, ProxyRequest, Rewrite, Sent
 from adaptive_spec.requests.measured_speeds import measured
 from adaptive_spec.requests.outcome import CLIENT_GONE, SERVED, SHUTDOWN, Outcome
 from adaptive_spec.requests.outgoing import (
@@ -359,14 +359,14 @@ async def _forward_once(
     app, routed, lifecycle = request.app, req.routed, request.app[LIFECYCLE]
     settings = app[SETTINGS]
     watched = lifecycle.watched or settings.feed_content
-    body, strip = upstream_body(req, chosen, watched)
+    req.sent = sent = upstream_body(req, chosen, watched)
     if settings.feed_content and req.parsed is not None and req.parsed.stream and traits(routed.api).progress:
         req.meter.live = LiveText()
     await lifecycle.accounting.before_forward(app[CLIENT], chosen.base_url)
     lifecycle.accounting.forwarded(chosen.base_url)
     outcome: Outcome | None = None
     try:
-        answered = await _forward_counted(request, req, chosen, keepalive, body, strip, watched)
+        answered = await _forward_counted(request, req, chosen, keepalive, sent, watched)
         outcome = answered[1]
         return answered
     finally:
@@ -393,8 +393,7 @@ async def _forward_counted(
     req: ProxyRequest,
     chosen: Upstream,
     keepalive: PrefillKeepAlive | None,
-    body: bytes,
-    strip: bool,
+    sent: Sent,
     watched: bool,
 ) -> tuple[web.StreamResponse, Outcome]:
     app, routed, lifecycle, settings = request.app, req.routed, request.app[LIFECYCLE], request.app[SETTINGS]
@@ -406,13 +405,13 @@ async def _forward_counted(
         (app[CLIENT], app[FRESH_CLIENT]),
         chosen,
         path_qs=upstream_target(request, chosen, routed),
-        body=body,
+        body=sent.body,
         api=routed.api,
         timeout=timeout,
         started=req.started,
         meter=req.meter,
         extra_headers=extra_headers(req, chosen),
-        strip=strip,
+        strip=sent.strip,
         # Nothing to publish per chunk when nobody watched at the start (no per-token timings were asked for).
         progress=(lambda: lifecycle.progress(req)) if watched else None,
         shutting_down=lambda: lifecycle.stopping,

@@ -65,11 +65,23 @@ class Rewrite:
     guard: Guarded | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """The body one forward sends upstream, as `upstream_body` (requests/outgoing.py) decides it: its bytes, whether
+    the per-token timings it asks for are taken out of the answer again (`strip`: the client did not ask for them),
+    and the per-request speculation fields it carries, for the record (None: none named)."""
+
+    body: bytes
+    strip: bool = False
+    speculation: dict[str, Any] | None = None
+
+
 @dataclass
 class ProxyRequest:
     """One request's own state while it is handled (never shared between tasks): what it is (its id, path, client),
     what the proxy read of it (`prepared`, once) and sends instead (`rewrite`, once), where it went (`route` or
-    `refusal`) and how it ended (`outcome`), each a value of its own, and the meter of its answer."""
+    `refusal`), what it was sent as (`sent`, by each forward) and how it ended (`outcome`), each a value of its own,
+    and the meter of its answer."""
 
     request_id: str
     routed: RoutedPath
@@ -88,7 +100,7 @@ class ProxyRequest:
     announced: bool = False
     meter: ResponseMeter = field(default_factory=ResponseMeter)
     last_progress: tuple[float, Timings | None] = (0.0, None)
-    speculation: dict[str, Any] | None = None  # the per-request speculation fields it was sent with
+    sent: Sent | None = None  # the body its last forward sent, given by the forward that made it
     gemini: GeminiCall | None = None  # a Gemini request, sent as a chat completion: what it asked for
     # Each forward whose answer was not seen to its end: llama-server's counts for it, once a quiet reading says them.
     unseen: list[asyncio.Future[Counts | None]] = field(default_factory=list)
@@ -322,7 +334,7 @@ def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> Reques
         side=decision.side if decision else False,
         replica=req.replica,
         replica_moved_from=decision.replica_moved_from if decision else None,
-        speculation=req.speculation,
+        speculation=req.sent.speculation if req.sent is not None else None,
         repeat_guard=req.rewrite.guard.describe() if req.rewrite is not None and req.rewrite.guard else None,
         repaired=req.rewrite.repaired if req.rewrite is not None else None,
         model=req.parsed.model if req.parsed is not None else None,

@@ -17,7 +17,7 @@ from adaptive_spec.llama.speculation import merge_fields
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.requests.apis import Api, traits
 from adaptive_spec.requests.body.parse import RoutedPath, with_fields
-from adaptive_spec.requests.lifecycle import ProxyRequest
+from adaptive_spec.requests.lifecycle import ProxyRequest, Sent
 from adaptive_spec.requests.outcome import Outcome
 
 # The llama-server path a translated body goes to, by the API it was translated to.
@@ -89,32 +89,30 @@ def _upstream_query(request: web.Request, upstream: Upstream, api: Api) -> str:
     return f"?{qs}" if qs else ""
 
 
-def upstream_body(req: ProxyRequest, upstream: Upstream, watched: bool) -> tuple[bytes, bool]:
+def upstream_body(req: ProxyRequest, upstream: Upstream, watched: bool) -> Sent:
     """The bytes to send: the client's, unless a router preset must be named or per-token timings are wanted (for
-    the live draft progress, only while a live view is `watched`: otherwise the answer's bytes pass on untouched).
-
-    Returns (body, strip): strip says the client did not ask for per-token timings, so they are removed again.
-    """
+    the live draft progress, only while a live view is `watched`: otherwise the answer's bytes pass on untouched)."""
     parsed = req.parsed
     if parsed is None:
         preset = upstream.upstream_model
-        return (with_model(req.body, preset) if preset is not None and req.body else req.body), False
+        return Sent(with_model(req.body, preset) if preset is not None and req.body else req.body)
     body, raw = (req.rewrite.body, req.rewrite.raw) if req.rewrite is not None else (parsed.body, req.body)
     added: dict[str, Any] = {}
+    speculation: dict[str, Any] | None = None
     if traits(req.routed.api).speculation:
         settings = upstream.speculation
         cap = req.decision.n_max if req.decision is not None else None
         if cap is not None:  # the router's draft length for this session (routing/draft_length.py)
             settings = replace(settings, n_max=cap)
-        added, req.speculation = merge_fields(body, settings, by="router" if cap is not None else "profile")
+        added, speculation = merge_fields(body, settings, by="router" if cap is not None else "profile")
     strip = watched and parsed.stream and traits(req.routed.api).progress and "timings_per_token" not in body
     if strip:
         added["timings_per_token"] = True
     if req.slot is not None and "id_slot" not in body:
         added["id_slot"] = req.slot
     if upstream.upstream_model is not None and parsed.model != upstream.upstream_model:
-        return orjson.dumps({**body, **added, "model": upstream.upstream_model}), strip
-    return (with_fields(raw, added) if added else raw), strip
+        return Sent(orjson.dumps({**body, **added, "model": upstream.upstream_model}), strip, speculation)
+    return Sent(with_fields(raw, added) if added else raw, strip, speculation)
 
 
 def extra_headers(req: ProxyRequest, chosen: Upstream) -> dict[str, str]:

@@ -1,14 +1,20 @@
 """Where a request is sent: its own path and query (a Gemini client's `?key=` taken out, however it is spelled), or
-the chat completions path a Gemini body was translated for, without the client's query."""
+the chat completions path a Gemini body was translated for, without the client's query; and what it is sent as, a
+value the request is given (`Sent`), never written into the request by the helper that makes it."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import orjson
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
+from adaptive_spec.llama.speculation import Speculation
 from adaptive_spec.llama.upstreams import Upstream
-from adaptive_spec.requests.body.parse import RoutedPath
-from adaptive_spec.requests.outgoing import upstream_path, upstream_target
+from adaptive_spec.requests.body.parse import ParsedRequest, RoutedPath
+from adaptive_spec.requests.lifecycle import Prepared, ProxyRequest, Sent
+from adaptive_spec.requests.outgoing import upstream_body, upstream_path, upstream_target
 from adaptive_spec.requests.paths import decide_path
 
 PLAIN = Upstream("plain", "http://127.0.0.1:9")
@@ -41,3 +47,27 @@ def test_the_upstream_target_never_carries_the_clients_key(
     assert isinstance(routed, RoutedPath)
     assert upstream_target(request, upstream, routed) == sent
     assert upstream_path(routed) == sent.partition("?")[0]
+
+
+def _chat(body: dict[str, object]) -> ProxyRequest:
+    routed = decide_path("/v1/chat/completions")
+    assert isinstance(routed, RoutedPath)
+    raw = orjson.dumps(body)
+    parsed = ParsedRequest(dict(body), bool(body.get("stream")), None)
+    return ProxyRequest("r1", routed, "plain", body=raw, prepared=Prepared(parsed))
+
+
+def test_the_body_sent_is_a_value_and_the_request_is_left_as_it_was() -> None:
+    req = _chat({"messages": [], "stream": True})
+    before = dataclasses.replace(req)
+    drafting = Upstream("plain", "http://127.0.0.1:9", speculation=Speculation(types=("ngram-mod",)))
+    sent = upstream_body(req, drafting, watched=True)
+    assert sent.strip  # asked for the per-token timings the client did not
+    assert sent.speculation is not None and sent.speculation["set_by"] == "profile"
+    assert orjson.loads(sent.body)["timings_per_token"] is True
+    assert req == before and req.sent is None  # the handler's forward gives it to the request, once
+
+
+def test_a_body_with_nothing_to_add_is_the_clients_bytes() -> None:
+    req = _chat({"messages": []})
+    assert upstream_body(req, PLAIN, watched=False) == Sent(req.body)
