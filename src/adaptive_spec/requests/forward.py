@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -21,6 +21,7 @@ from adaptive_spec.requests.body.compat import anthropic_overflow
 from adaptive_spec.requests.error_responses import answer, as_anthropic, as_client_error, as_google, sse_error_event
 from adaptive_spec.requests.gate import hidden_headers
 from adaptive_spec.requests.gemini.reply import GeminiAnswer, google_error
+from adaptive_spec.requests.gemini.request import GeminiCall
 from adaptive_spec.requests.keepalive import PrefillKeepAlive
 from adaptive_spec.requests.outcome import SHUTDOWN, Outcome
 from adaptive_spec.requests.sending import send, sent_or_failed
@@ -57,41 +58,62 @@ def upstream_headers(headers: CIMultiDictProxy[str], hidden: tuple[str, ...] = (
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _DROP_REQUEST and k.lower() not in hidden)
 
 
+@dataclass(frozen=True, slots=True)
+class Forwarding:
+    """One request as it is forwarded to one server, made once by its caller: the server, the path and query it is
+    sent to, its body, its API, aiohttp's per-phase timeouts, when the request started (the answer's times count from
+    then), the proxy's headers sent upstream and back to the client, whether the per-token timings the proxy asked for
+    are taken out of the stream again (`strip`: the client did not ask for them), and for a translated request what
+    its client asked for (`gemini`: its answer is translated back into Gemini's API as it is relayed)."""
+
+    upstream: Upstream
+    path_qs: str
+    body: bytes
+    api: Api
+    timeout: aiohttp.ClientTimeout  # aiohttp's per-phase timeouts, not one deadline
+    started: float
+    extra_headers: Mapping[str, str]
+    strip: bool = False
+    gemini: GeminiCall | None = None
+
+
+def _never() -> bool:
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class Hooks:
+    """What the proxy around a forward hears from it and tells it: `progress` is called after each relayed chunk;
+    `shutting_down` says whether a cancellation is the shutdown's (the client is told so) rather than the client's
+    own disconnect; `stranded`: where the request is booked while it waits on the server, so the health poll can end
+    it if that server stops answering."""
+
+    progress: Callable[[], None] | None = None
+    shutting_down: Callable[[], bool] = _never
+    stranded: StrandedRequests | None = None
+
+
 async def forward(
     request: web.Request,
     sessions: tuple[aiohttp.ClientSession, aiohttp.ClientSession],
-    upstream: Upstream,
-    *,
-    path_qs: str,
-    body: bytes,
-    api: Api,
-    timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109 - aiohttp's per-phase timeouts, not one deadline
-    started: float,
-    extra_headers: dict[str, str],
+    out: Forwarding,
     meter: ResponseMeter,
-    strip: bool = False,
-    progress: Callable[[], None] | None = None,
-    shutting_down: Callable[[], bool] = lambda: False,
     keepalive: PrefillKeepAlive | None = None,
-    stranded: StrandedRequests | None = None,
-    reply: GeminiAnswer | None = None,
+    hooks: Hooks = Hooks(),  # a frozen value: one default shared by every call is safe
 ) -> tuple[web.StreamResponse, Outcome]:
-    """`strip`: the client did not ask for the per-token timings the proxy asked for, so they are taken out of the
-    stream again; `progress` is called after each relayed chunk; `shutting_down` says whether a cancellation is the
-    shutdown's (the client is told so) rather than the client's own disconnect; `keepalive`: a streamed request's
-    keep-alives while the server has not answered (requests/keepalive.py); `stranded`: where the request is booked
-    while it waits on the server, so the health poll can end it if that server stops answering; `reply`: the
-    translation of a translated request's answer back into its client's API."""
-    # Send the request upstream and relay the answer; upstream faults become errors, never exceptions.
-    url = upstream.base_url + path_qs
+    """Send `out` upstream and relay the answer, metered by `meter`; upstream faults become errors, never exceptions.
+    `keepalive`: a streamed request's keep-alives while the server has not answered (requests/keepalive.py)."""
+    upstream, timeout = out.upstream, out.timeout
+    url = upstream.base_url + out.path_qs
     headers = upstream_headers(request.headers, hidden_headers(request))
-    relay = _Relay(upstream, api, meter, started, strip, progress, _Answering(), reply)
-    book = stranded or StrandedRequests()
+    reply = GeminiAnswer(call.model, stream=call.stream, sse=call.sse) if (call := out.gemini) is not None else None
+    relay = _Relay(upstream, out.api, meter, out.started, out.strip, hooks.progress, _Answering(), reply)
+    book = hooks.stranded or StrandedRequests()
     with book.book(upstream.base_url, upstream.label) as booking:
         try:
             # The answer's first byte is waited for here, not by aiohttp's read timeout: a request queued behind
             # another the server is answering (`first_byte`) is not facing a silent server.
-            sent = send(sessions, request.method, url, body, headers, unread(timeout))
+            sent = send(sessions, request.method, url, out.body, headers, unread(timeout))
             waited = keepalive.during(sent) if keepalive is not None else sent
             first = first_byte(waited, timeout.sock_read, lambda: book.answered_at(upstream.base_url, booking))
             outcome = await sent_or_failed(first, upstream, timeout)
@@ -99,12 +121,12 @@ async def forward(
                 return await _failed(outcome, keepalive)
             booking.answered = True
             read_timeout(outcome, timeout.sock_read)
-            return await _answered(request, outcome, relay, extra_headers, keepalive)
+            return await _answered(request, outcome, relay, out.extra_headers, keepalive)
         except asyncio.CancelledError:
             # The proxy's own cancellation (the server stopped answering, the shutdown) may land at any await of
             # the block: before the answer, reading an error's body, writing the headers, relaying. Wherever it
             # does, the client is told; only the client's own disconnect goes on up.
-            ended = _taken_back(shutting_down, booking)
+            ended = _taken_back(hooks.shutting_down, booking)
             if ended is None:
                 raise
             return await _ended(request, ended, keepalive, relay)
@@ -114,7 +136,7 @@ async def _answered(
     request: web.Request,
     upstream_resp: aiohttp.ClientResponse,
     relay: _Relay,
-    extra_headers: dict[str, str],
+    extra_headers: Mapping[str, str],
     keepalive: PrefillKeepAlive | None,
 ) -> tuple[web.StreamResponse, Outcome]:
     """The server's answer relayed to the client, and how the request ended."""
@@ -241,7 +263,7 @@ async def _relay(
     request: web.Request,
     upstream_resp: aiohttp.ClientResponse,
     relay: _Relay,
-    extra_headers: dict[str, str],
+    extra_headers: Mapping[str, str],
     committed: web.StreamResponse | None = None,
     head: bytes | None = None,
 ) -> tuple[web.StreamResponse, bool, _Failure | None]:

@@ -34,9 +34,8 @@ from adaptive_spec.requests.body.repeats import guard, trailing_repeat
 from adaptive_spec.requests.body.shapes import RequestProblem
 from adaptive_spec.requests.body.token_rate import first_turn_rate
 from adaptive_spec.requests.error_responses import answer
-from adaptive_spec.requests.forward import forward
+from adaptive_spec.requests.forward import Forwarding, Hooks, forward
 from adaptive_spec.requests.gate import routed_path
-from adaptive_spec.requests.gemini.reply import GeminiAnswer
 from adaptive_spec.requests.gemini.request import gemini_target, to_chat
 from adaptive_spec.requests.heads import before_forward, forwarded_again, moving_kv, served
 from adaptive_spec.requests.keepalive import PrefillKeepAlive
@@ -400,22 +399,18 @@ async def _forward_counted(
     timeout = aiohttp.ClientTimeout(
         total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
     )
-    return await forward(
-        request,
-        (app[CLIENT], app[FRESH_CLIENT]),
-        chosen,
+    out = Forwarding(
+        upstream=chosen,
         path_qs=upstream_target(request, chosen, routed),
         body=sent.body,
         api=routed.api,
         timeout=timeout,
         started=req.started,
-        meter=req.meter,
         extra_headers=extra_headers(req, chosen),
         strip=sent.strip,
-        # Nothing to publish per chunk when nobody watched at the start (no per-token timings were asked for).
-        progress=(lambda: lifecycle.progress(req)) if watched else None,
-        shutting_down=lambda: lifecycle.stopping,
-        keepalive=keepalive,
-        stranded=app[STRANDED],
-        reply=GeminiAnswer(call.model, stream=call.stream, sse=call.sse) if (call := req.gemini) else None,
+        gemini=req.gemini,
     )
+    # Nothing to publish per chunk when nobody watched at the start (no per-token timings were asked for).
+    progress = (lambda: lifecycle.progress(req)) if watched else None
+    hooks = Hooks(progress, lambda: lifecycle.stopping, app[STRANDED])
+    return await forward(request, (app[CLIENT], app[FRESH_CLIENT]), out, req.meter, keepalive, hooks)
