@@ -1,0 +1,185 @@
+"""More than one proxy, side by side in one run: one `serve`; two that share nothing; two (and three) sharing one
+real redis-server (`--shared-state`). Each in front of the same two real llama-servers (the tiny random-weight model,
+two slots each, no RAM prompt cache), replaying agent-like conversations with every turn sent to a proxy drawn at
+random (seeded, so every setup gets the same draws).
+
+Run:  .venv/bin/python -m benchmarks.shared_state.proxies [--conversations 4] [--turns 4] [--rounds 3] [--out F]
+
+Per setup: affinity (the share of follow-up turns whose prompt llama-server found in the slot: `cache_n` at least
+the previous turn's whole prompt), the follow-up turns' `prompt_n` (median, and the sum beside one proxy's), and the
+time per request as the client saw it (p50/p99, over every turn of every round). The slots are erased before each
+replay, so each starts cold. What the shared state adds is the time column read beside one proxy's: the tiny model
+answers in milliseconds, so the proxy's own work is a visible part of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.support.redis import RedisServer
+from tests.support.servers import LlamaServer, ProxyProcess, http_json
+from tests.support.tiny_gguf import write_tiny_gguf
+
+from adaptive_spec.bench import machine
+from adaptive_spec.llama.binary.which import find_llama_server
+from benchmarks.harness import RESULTS, results
+from benchmarks.harness.stats import median, percentile
+
+NAME = "shared_state_proxies"
+SERVER_ARGS = ("-c", "4096", "--parallel", "2", "--spec-type", "none", "--cache-ram", "0")
+
+
+@dataclass(frozen=True)
+class Turn:
+    seconds: float
+    prompt_n: int
+    cache_n: int
+    via: str
+
+
+def _post(proxy: ProxyProcess, body: dict[str, Any], headers: dict[str, str]) -> tuple[dict[str, Any], float]:
+    req = urllib.request.Request(
+        proxy.base + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **headers},
+    )
+    started = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        answer = json.loads(resp.read())
+    return answer, time.perf_counter() - started
+
+
+def _conversation(proxies: list[ProxyProcess], n: int, turns: int, seed: int) -> list[Turn]:
+    rng = random.Random(seed * 1000 + n)
+    history: list[dict[str, str]] = [{"role": "user", "content": f"Conversation {n}: write a function number {n}."}]
+    headers = {"x-session-id": f"bench-{seed}-{n}"}
+    out = []
+    for turn in range(turns):
+        proxy = proxies[rng.randrange(len(proxies))]
+        body = {"model": "m", "messages": history, "temperature": 0, "seed": 1, "max_tokens": 24}
+        answer, seconds = _post(proxy, body, headers)
+        timings = answer["timings"]
+        out.append(Turn(seconds, int(timings["prompt_n"]), int(timings["cache_n"]), proxy.base))
+        text = answer["choices"][0]["message"]["content"]
+        history = [*history, {"role": "assistant", "content": text}, {"role": "user", "content": f"Now step {turn}."}]
+    return out
+
+
+def _erase(servers: list[LlamaServer]) -> None:
+    for server in servers:
+        for slot in range(2):
+            http_json(f"{server.url}/slots/{slot}?action=erase", {})
+
+
+def _replay(
+    proxies: list[ProxyProcess], servers: list[LlamaServer], args: argparse.Namespace, seed: int
+) -> list[list[Turn]]:
+    _erase(servers)
+    with ThreadPoolExecutor(args.conversations) as pool:
+        return list(pool.map(lambda n: _conversation(proxies, n, args.turns, seed), range(args.conversations)))
+
+
+def _figures(replays: list[list[list[Turn]]]) -> dict[str, Any]:
+    turns = [t for replay in replays for conversation in replay for t in conversation]
+    follow_ups = [
+        (before, after)
+        for replay in replays
+        for conversation in replay
+        for before, after in itertools.pairwise(conversation)
+    ]
+    kept = [after.cache_n >= before.prompt_n + before.cache_n for before, after in follow_ups]
+    crossed = [before.via != after.via for before, after in follow_ups]
+    ms = [t.seconds * 1000 for t in turns]
+    return {
+        "requests": len(turns),
+        "follow_ups": len(follow_ups),
+        "affinity": round(sum(kept) / len(kept), 3) if kept else None,
+        "follow_ups_to_another_proxy": sum(crossed),
+        "follow_up_prompt_n_median": median([after.prompt_n for _, after in follow_ups]),
+        "follow_up_prompt_n_sum": sum(after.prompt_n for _, after in follow_ups),
+        "ms_p50": round(percentile(ms, 0.5) or 0.0, 1),
+        "ms_p99": round(percentile(ms, 0.99) or 0.0, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conversations", type=int, default=4, help="side by side (4: one slot each)")
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="replays per setup, each with other draws")
+    parser.add_argument("--out", type=Path, default=RESULTS / "shared_state_proxies.json")
+    args = parser.parse_args()
+    started = machine.sample()
+    binary = find_llama_server(None)
+    with tempfile.TemporaryDirectory(prefix="shared-state-bench-") as tmp:
+        home = Path(tmp)
+        model = write_tiny_gguf(home / "tiny.gguf")
+        for i in range(2):
+            (home / f"slots{i}").mkdir()
+        servers = [
+            LlamaServer(binary, model, *SERVER_ARGS, "--slot-save-path", str(home / f"slots{i}"), log_dir=home)
+            for i in range(2)
+        ]
+        redis_server = RedisServer(home)
+        setups = {
+            "one proxy": (1, ()),
+            "two proxies, nothing shared": (2, ()),
+            "two proxies, Redis": (2, ("--shared-state", redis_server.url)),
+            "three proxies, Redis": (3, ("--shared-state", redis_server.url)),
+        }
+        out: dict[str, Any] = {}
+        try:
+            for name, (count, extra) in setups.items():
+                redis_server.client().flushall()  # each setup starts from an empty store
+                profile = [a for s in servers for a in ("--profile", f"plain={s.url}")]
+                proxies = [
+                    ProxyProcess(
+                        *profile,
+                        "--tokenizer",
+                        "off",
+                        "--no-heads",
+                        *extra,
+                        env={
+                            "ADAPTIVE_SPEC_STATE_DIR": str(home / name / f"state{i}"),
+                            "ADAPTIVE_SPEC_CONFIG_DIR": str(home / name / f"config{i}"),
+                        },
+                    )
+                    for i in range(count)
+                ]
+                try:
+                    _replay(proxies, servers, args, seed=0)  # warm-up: connections, first launches of the code
+                    replays = [_replay(proxies, servers, args, seed=r + 1) for r in range(args.rounds)]
+                finally:
+                    for proxy in proxies:
+                        proxy.stop()
+                out[name] = _figures(replays)
+                print(name, out[name], flush=True)
+        finally:
+            redis_server.stop()
+            for server in servers:
+                server.stop()
+    base = out["one proxy"]["ms_p50"]
+    print("\n| setup | affinity | follow-ups to another proxy | follow-up `prompt_n` median (sum) | p50 ms | p99 ms |")
+    print("|---|---|---|---|---|---|")
+    for name, f in out.items():
+        ratio = f" ({f['ms_p50'] / base:.2f}×)" if base else ""
+        print(
+            f"| {name} | {f['affinity']:.0%} | {f['follow_ups_to_another_proxy']} of {f['follow_ups']} "
+            f"| {f['follow_up_prompt_n_median']} ({f['follow_up_prompt_n_sum']}) | {f['ms_p50']}{ratio} "
+            f"| {f['ms_p99']} |"
+        )
+    print(f"written to {results.write(args.out, NAME, {'setups': out, 'args': vars(args)}, started=started)}")
+
+
+if __name__ == "__main__":
+    main()
