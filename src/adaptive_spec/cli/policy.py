@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(described, indent=2))
     else:
-        print(policy_to_toml(store.policy_for(args.project, workspace)), end="")
+        print(policy_to_toml(store.load(args.project, workspace)), end="")
     for problem in described["problems"]:
         print(f"problem: {problem}", file=sys.stderr)
     return 1 if described["problems"] else 0

@@ -125,8 +125,9 @@ def _quiet(message: str) -> None:
 class PolicyStore:
     """The policy of each (project, workspace), from built-in defaults ← the base file ← the project's file ← the
     workspace's file. `policy_for` runs on every generating request and answers from an immutable snapshot that is
-    swapped in whole; files are read only by `load` (a project or workspace seen for the first time) and `refresh`
-    (every few seconds), both of which the proxy runs in a thread, never on its event loop (`known` says whether a
+    swapped in whole, and nothing else: it reads no file and takes no lock. Files are read only at startup (the base
+    policy, published before any request), by `load` (a project or workspace seen for the first time) and by
+    `refresh` (every few seconds); the proxy runs both in a thread, never on its event loop (`known` says whether a
     request needs a `load` first)."""
 
     def __init__(
@@ -162,18 +163,22 @@ class PolicyStore:
                 self._note(loaded)
         if problems:
             raise PolicyError(problems)  # at startup a bad base file stops the proxy, with every problem listed
+        # The base policy is always published: `policy_for` answers it for a pair not loaded yet.
+        self._snapshot = MappingProxyType({_BASE: self._merge(self._files_of(*_BASE))})
 
     def _key(self, project: str, workspace: str | None) -> tuple[str, str | None]:
         return (project, workspace if self._read_workspace_files else None)
 
     def known(self, project: str, workspace: str | None) -> bool:
-        """Whether `policy_for` answers from the snapshot (else it reads files: `load` it off the event loop)."""
+        """Whether the snapshot holds this pair's own policy (else `load` it, off the event loop)."""
         return self._key(project, workspace) in self._snapshot
 
     def policy_for(self, project: str, workspace: str | None) -> Policy:
-        """The effective policy of a request: the snapshot's, or, for one never seen, read now (`load`)."""
-        policy = self._snapshot.get(self._key(project, workspace))
-        return policy if policy is not None else self.load(project, workspace)
+        """The effective policy of a request, from the snapshot alone (no file, no lock): a pair not loaded yet, or
+        dropped from the snapshot since (its files no longer watched), gets the base policy until it is `load`ed."""
+        snapshot = self._snapshot  # one read: a thread may swap it meanwhile
+        policy = snapshot.get(self._key(project, workspace))
+        return policy if policy is not None else snapshot[_BASE]
 
     def load(self, project: str, workspace: str | None) -> Policy:
         """Read a (project, workspace)'s files the first time (file I/O) and publish its policy in a new snapshot."""
@@ -181,8 +186,11 @@ class PolicyStore:
         with self._lock:
             policy = self._merge(self._files_of(*key))
             fresh = self._stale or len(self._snapshot) >= 4 * _MAX_TRACKED
+            kept: Mapping[tuple[str, str | None], Policy] = self._snapshot
+            if fresh:  # the base stays in every snapshot
+                kept = {_BASE: self._merge(self._files_of(*_BASE))}
             self._stale = False
-            self._snapshot = MappingProxyType({**({} if fresh else self._snapshot), key: policy})
+            self._snapshot = MappingProxyType({**kept, key: policy})
         return policy
 
     def refresh(self) -> list[str]:
@@ -206,8 +214,11 @@ class PolicyStore:
             return [p for f in self._all_files() for p in f.state.problems]
 
     def describe(self, project: str, workspace: str | None) -> dict[str, Any]:
-        """The effective policy of a (project, workspace), the files it came from, and what is wrong with them."""
-        policy = self.policy_for(project, workspace)
+        """The effective policy of a (project, workspace), the files it came from, and what is wrong with them (file
+        I/O for a pair not loaded yet: it is loaded)."""
+        policy = (
+            self.policy_for(project, workspace) if self.known(project, workspace) else self.load(project, workspace)
+        )
         with self._lock:
             files = [self._base, *self._files_of(project, workspace if self._read_workspace_files else None)]
             problems = [str(p) for f in files if f is not None for p in f.state.problems]

@@ -86,10 +86,7 @@ async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | Outcom
         if large:  # a long history's parse took a millisecond: other streams' chunks go out before it is grouped
             await asyncio.sleep(0)
         await _recall(request, result)
-        req.prepared = prepared = _grouped(request, req, result)
-        policies = request.app[ROUTER].policies
-        if not policies.known(prepared.project, prepared.workspace):  # its files are read once, off the event loop
-            await asyncio.to_thread(policies.load, prepared.project, prepared.workspace)
+        req.prepared = prepared = await _grouped(request, req, result)
         if large:  # ... and before it is routed
             await asyncio.sleep(0)
         pinned = choose_upstream(request, request.app[UPSTREAMS]) if request.headers.get(PROFILE_HEADER) else None
@@ -127,18 +124,22 @@ async def _recall(request: web.Request, parsed: ParsedRequest) -> None:
         service.registry.heard(await shared.recall(parsed.body))
 
 
-def _grouped(request: web.Request, req: ProxyRequest, parsed: ParsedRequest) -> Prepared:
+async def _grouped(request: web.Request, req: ProxyRequest, parsed: ParsedRequest) -> Prepared:
     """The parsed request with the workspace its agent reveals (scanned once: for the project and the policy), its
-    session and its project."""
+    session, its project and their policy (for a pair seen the first time, its files read in a thread: the one place
+    a request reads a policy file)."""
     service = request.app[SESSIONS]
     headers = {k.lower(): v for k, v in request.headers.items()}
     if KEY_PARAMETER in request.query:  # Gemini's key in the query: a project key names its project as the header does
         headers.setdefault("x-goog-api-key", request.query[KEY_PARAMETER])
     workspace = workspace_path_from_request(headers, parsed.body)
-    if service is None:
-        return Prepared(parsed, workspace, None, req.project)
-    assignment, project = service.assign(headers, parsed.body, req.routed.project, workspace)
-    return Prepared(parsed, workspace, assignment, project)
+    assignment, project = None, req.project
+    if service is not None:
+        assignment, project = service.assign(headers, parsed.body, req.routed.project, workspace)
+    policies = request.app[ROUTER].policies
+    if policies.known(project, workspace):
+        return Prepared(parsed, workspace, assignment, project, policies.policy_for(project, workspace))
+    return Prepared(parsed, workspace, assignment, project, await asyncio.to_thread(policies.load, project, workspace))
 
 
 def _rewrite(request: web.Request, req: ProxyRequest, prepared: Prepared) -> Rewrite | None:
@@ -153,7 +154,7 @@ def _rewrite(request: web.Request, req: ProxyRequest, prepared: Prepared) -> Rew
     repeat = trailing_repeat(api, body)
     guarded = None
     if repeat is not None:
-        agents = request.app[ROUTER].policies.policy_for(prepared.project, prepared.workspace).agents
+        agents = prepared.policy.agents
         guarded = guard(api, body, repeat, agents.repeat_note_after, agents.repeat_text_after)
         if guarded is not None:
             body = guarded.body
@@ -191,8 +192,9 @@ async def _failover(request: web.Request, req: ProxyRequest, failed: Upstream, o
 
 async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
     """A generating request: the router decides its profile, replica and slot, and moves the session's KV for it."""
-    app, parsed = request.app, req.parsed
-    assert parsed is not None
+    app, prepared = request.app, req.prepared
+    assert prepared is not None
+    parsed = prepared.parsed
     service, assignment = app[SESSIONS], req.assignment
     session_id = assignment.session_id if assignment is not None else None
     turns, copy_share = 0, None
@@ -217,6 +219,7 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
         copy_share=copy_share,
         project=req.project,
         workspace=req.workspace,
+        policy=prepared.policy,
         pinned=request.headers.get(PROFILE_HEADER),
         takes_slot=takes_slot,
         client_slot=(

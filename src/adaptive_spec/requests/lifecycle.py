@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from adaptive_spec.policy.model import Policy
 from adaptive_spec.requests.accounting import SETTLE_S, Accounting, with_counts
 from adaptive_spec.requests.apis import traits
 from adaptive_spec.requests.body.parse import ParsedRequest, RoutedPath
@@ -45,13 +46,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """A generating request as the proxy read it, once: its parsed body, the workspace its agent revealed, its session
-    and its project."""
+    """A generating request as the proxy read it, once: its parsed body, the workspace its agent revealed, its session,
+    its project, and the policy of that project and workspace, resolved before routing (its files read in a thread
+    the first time: nothing after it reads a policy file)."""
 
     parsed: ParsedRequest
     workspace: str | None = None
     assignment: SessionAssignment | None = None
     project: str = DEFAULT_PROJECT
+    policy: Policy = field(default_factory=Policy)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,8 +34,8 @@ class ProfileHealth(Protocol):
 
 
 class PolicySource(Protocol):
-    """The routing policies by (project, workspace). `policy_for` is what the router reads while it plans: it reads
-    no file for a pair that is `known`; `load` and `refresh` read files, and the proxy calls them off its loop."""
+    """The routing policies by (project, workspace). `policy_for` reads no file: a pair not `known` gets the base
+    policy until it is loaded; `load` and `refresh` read files, and the proxy calls them off its loop."""
 
     def known(self, project: str, workspace: str | None) -> bool: ...
 
@@ -141,6 +141,9 @@ class RouteRequest:
     # This prompt's characters per token, counted with the model's tokenizer by the shell (a long first turn: no
     # session state yet to take a rate from); None: the proxy's latest rate.
     chars_per_token: float | None = None
+    # The request's policy, resolved by the shell before routing (a new pair's files read in a thread); None: the
+    # router reads it from its policies' snapshot.
+    policy: Policy | None = None
 
 
 @dataclass(frozen=True, slots=True)

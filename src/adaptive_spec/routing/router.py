@@ -141,7 +141,11 @@ class Router:
         """The decision, the prompt's pieces as the session's prefix state sees them, and the characters per token
         the estimate took."""
         body, body_bytes, session_id, pinned = request.body, request.body_bytes, request.session_id, request.pinned
-        policy = self.policies.policy_for(request.project, request.workspace)
+        policy = (
+            request.policy
+            if request.policy is not None
+            else self.policies.policy_for(request.project, request.workspace)
+        )
         pinned_by = "the request header"
         if pinned is None and session_id is not None and (pin := self.pins.get(session_id)) is not None:
             pinned, pinned_by = pin, "the session's pin"

@@ -55,10 +55,10 @@ def test_layers_apply_base_then_project_then_workspace(tmp_path: Path) -> None:
     workspace = tmp_path / "ws"
     ws_file = _write(workspace / WORKSPACE_FILE, "[route]\nhysteresis = 0.5\n")
     store, logged = _store(tmp_path, base)
-    policy = store.policy_for("web", str(workspace))
+    policy = store.load("web", str(workspace))
     assert policy.route == RoutePolicy(hysteresis=0.5, explore=0.2, max_queue=5)
     assert policy.sources == (str(base), str(project), str(ws_file))
-    assert store.policy_for("other", None).route == RoutePolicy(hysteresis=0.3, explore=0.1, max_queue=5)
+    assert store.load("other", None).route == RoutePolicy(hysteresis=0.3, explore=0.1, max_queue=5)
     assert logged == [f"policy {base} loaded", f"policy {project} loaded", f"policy {ws_file} loaded"]
     assert store.refresh() == logged  # lines logged outside a refresh are returned by the next, for publishing
 
@@ -66,17 +66,17 @@ def test_layers_apply_base_then_project_then_workspace(tmp_path: Path) -> None:
 def test_a_workspace_file_applies_only_for_a_local_absolute_folder(tmp_path: Path) -> None:
     _write(tmp_path / "ws" / WORKSPACE_FILE, "[route]\nhysteresis = 0.5\n")
     store, _ = _store(tmp_path)
-    assert store.policy_for("p", "ws").route.hysteresis == 0.15  # relative: not a path on this machine
-    assert store.policy_for("p", str(tmp_path / "elsewhere")).route.hysteresis == 0.15
-    assert store.policy_for("p", "C:\\Users\\me\\ws").route.hysteresis == 0.15
+    assert store.load("p", "ws").route.hysteresis == 0.15  # relative: not a path on this machine
+    assert store.load("p", str(tmp_path / "elsewhere")).route.hysteresis == 0.15
+    assert store.load("p", "C:\\Users\\me\\ws").route.hysteresis == 0.15
     off, _ = _store(tmp_path, read_workspace_files=False)
-    assert off.policy_for("p", str(tmp_path / "ws")).route.hysteresis == 0.15
+    assert off.load("p", str(tmp_path / "ws")).route.hysteresis == 0.15
 
 
 def test_a_changed_file_is_reloaded_on_refresh_only(tmp_path: Path) -> None:
     project = _write(_project_file(tmp_path, "web"), "[route]\nhysteresis = 0.4\n")
     store, _ = _store(tmp_path)
-    assert store.policy_for("web", None).route.hysteresis == 0.4
+    assert store.load("web", None).route.hysteresis == 0.4
     store.refresh()
     _write(project, "[route]\nhysteresis = 0.6\n")
     assert store.policy_for("web", None).route.hysteresis == 0.4  # no stat on the request path
@@ -88,7 +88,7 @@ def test_a_changed_file_is_reloaded_on_refresh_only(tmp_path: Path) -> None:
 def test_a_bad_edit_keeps_the_last_good_version_until_fixed(tmp_path: Path) -> None:
     project = _write(_project_file(tmp_path, "web"), "[route]\nhysteresis = 0.4\n")
     store, logged = _store(tmp_path)
-    store.policy_for("web", None)
+    store.load("web", None)
     store.refresh()
     _write(project, "[route]\nhysteresis = 0.6\nhysterisis = 0.7\n")
     expected = (
@@ -112,7 +112,7 @@ def test_a_bad_edit_keeps_the_last_good_version_until_fixed(tmp_path: Path) -> N
 def test_a_file_bad_from_the_start_is_not_applied(tmp_path: Path) -> None:
     project = _write(_project_file(tmp_path, "web"), '[route]\nforce = "iterativ"\n')
     store, logged = _store(tmp_path)
-    assert store.policy_for("web", None) == Policy(sources=(SHIPPED,))
+    assert store.load("web", None) == Policy(sources=(SHIPPED,))
     assert logged == [
         f"policy {project} is invalid, not applying it: "
         f"{project}:route.force:2: unknown profile 'iterativ'; did you mean 'iterative'?"
@@ -122,7 +122,7 @@ def test_a_file_bad_from_the_start_is_not_applied(tmp_path: Path) -> None:
 def test_a_deleted_file_no_longer_applies(tmp_path: Path) -> None:
     project = _write(_project_file(tmp_path, "web"), "[route]\nhysteresis = 0.4\n")
     store, _ = _store(tmp_path)
-    store.policy_for("web", None)
+    store.load("web", None)
     project.unlink()
     assert store.refresh() == [
         f"policy {project} loaded",
@@ -133,7 +133,7 @@ def test_a_deleted_file_no_longer_applies(tmp_path: Path) -> None:
 
 def test_a_project_file_created_later_is_picked_up(tmp_path: Path) -> None:
     store, _ = _store(tmp_path)
-    assert store.policy_for("web", None).route.hysteresis == 0.15
+    assert store.load("web", None).route.hysteresis == 0.15
     project = _write(_project_file(tmp_path, "web"), "[route]\nhysteresis = 0.4\n")
     assert store.refresh() == [f"policy {project} loaded"]
     assert store.policy_for("web", None).route.hysteresis == 0.4
@@ -142,7 +142,7 @@ def test_a_project_file_created_later_is_picked_up(tmp_path: Path) -> None:
 def test_a_project_name_is_never_a_path(tmp_path: Path) -> None:
     _write(tmp_path / "config" / "evil.toml", "[route]\nhysteresis = 0.4\n")
     store, _ = _store(tmp_path)
-    assert store.policy_for("../evil", None).route.hysteresis == 0.15
+    assert store.load("../evil", None).route.hysteresis == 0.15
 
 
 def test_a_bad_base_file_stops_startup_with_every_problem(tmp_path: Path) -> None:
@@ -304,7 +304,7 @@ def test_a_known_project_is_answered_from_the_snapshot_without_touching_a_file(
 ) -> None:
     """What the router reads while it plans is a published snapshot: no stat, no read, no lock. A project seen for
     the first time is `load`ed (the proxy does that in a thread), which publishes a new snapshot and leaves the old
-    one as it was."""
+    one as it was; until then, `policy_for` answers the base policy, still without a file."""
     _write(_project_file(tmp_path, "web"), "[route]\nhysteresis = 0.4\n")
     store, _ = _store(tmp_path)
     assert not store.known("web", None)
@@ -318,8 +318,8 @@ def test_a_known_project_is_answered_from_the_snapshot_without_touching_a_file(
     monkeypatch.setattr(policy_files._WatchedFile, "check", no_file)
     monkeypatch.setattr(policy_files, "_read_small_regular_file", no_file)
     assert store.policy_for("web", None).route.hysteresis == 0.4
-    with pytest.raises(AssertionError, match="a file was looked at"):
-        store.policy_for("api", None)  # never seen: read now, which is why the proxy loads it off the loop first
+    assert store.policy_for("api", None) == store.policy_for("default", None)  # never seen: the base, no file
+    assert not store.known("api", None)  # the proxy loads it, off the loop, before it routes the request
 
 
 def test_a_refresh_publishes_every_known_policy_again_and_keeps_the_base(tmp_path: Path) -> None:
@@ -334,3 +334,25 @@ def test_a_refresh_publishes_every_known_policy_again_and_keeps_the_base(tmp_pat
     assert store._snapshot is not first and first[("web", None)].route.hysteresis == 0.4  # the old one unchanged
     assert store.known("web", None) and store.known("default", None)
     assert store.policy_for("web", None).route.hysteresis == 0.6
+
+
+def test_a_pair_dropped_from_the_snapshot_gets_the_base_and_the_base_stays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh snapshot (a watched file dropped from the bounded tables) keeps the base policy, which `policy_for`
+    answers for a pair it no longer holds, without reading a file."""
+    monkeypatch.setattr(policy_files, "_MAX_TRACKED", 2)
+    base = _write(tmp_path / "base.toml", "[route]\nhysteresis = 0.3\n")
+    for name in ("a", "b", "c"):
+        _write(_project_file(tmp_path, name), "[route]\nhysteresis = 0.4\n")
+    store, _ = _store(tmp_path, base)
+    assert store.load("a", None).route.hysteresis == 0.4
+    store.load("b", None)  # the tables watch two projects: each load drops an older file, and starts a fresh snapshot
+    store.load("c", None)
+    assert store.known("default", None) and store.known("c", None) and not store.known("a", None)
+
+    def no_file(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a file was looked at")
+
+    monkeypatch.setattr(policy_files, "_read_small_regular_file", no_file)
+    assert store.policy_for("a", None).route.hysteresis == 0.3  # the base, until it is loaded again
