@@ -1,5 +1,6 @@
-"""The router's effects on the KV layer: what `routing/router.py` calls back through (its `Effects` protocol) when it
-decides a handoff or a remote prefill.
+"""The router's effects on the KV layer: what `routing/router.py` asks while it plans a handoff or a remote prefill
+(its `Effects` protocol), and the moves themselves, carried out for the request path (`requests/carry_out.py`'s
+`Mover`).
 
 This module resolves profiles to servers, runs the movers and remote prefill, and never raises into a request: any
 failure comes back as a result that says so (the request then re-prefills, which is always correct). It also sweeps slot
@@ -28,7 +29,8 @@ _STALE_SLOT_FILE_S = 300.0
 
 
 class KvEffects:
-    """Slot moves through `mover` (the shared slot directory's by default), remote prefill through `remote`."""
+    """Slot moves through `mover` (the shared slot directory's by default), remote prefill through `remote`: the
+    router's `Effects` and the request path's `Mover` in one (both ask the same table and movers)."""
 
     def __init__(
         self,

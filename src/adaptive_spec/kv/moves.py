@@ -1,7 +1,7 @@
 """What the router asks the KV layer to do, and what comes back: values only (pure).
 
-The router decides a handoff or a remote prefill and hands one of these to its effects (`kv/effects.py` performs them);
-the results go into the request's record."""
+The router decides a handoff or a remote prefill and names one of these in its route; the request path has it carried
+out (`requests/carry_out.py`, through `kv/effects.py`), and the results go into the request's record."""
 
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ from adaptive_spec.requests.app_keys import (
     KV,
     LIFECYCLE,
     METRICS,
+    MOVER,
     PROFILES,
     RESTART,
     ROUTER,
@@ -146,7 +147,7 @@ def build_app(
         draft_caps=capped_profiles(infos.values()),
     )
     router.speeds.link.observe_link(kv.link_bytes_per_s)
-    app[KV] = effects
+    app[KV] = app[MOVER] = effects
     if kv.remote is not None:
         app[REMOTE_PREFILL] = kv.remote
     app[RESTART] = restart

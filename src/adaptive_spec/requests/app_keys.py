@@ -12,6 +12,7 @@ from aiohttp import web
 from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.llama.profiles import ProfileInfo
 from adaptive_spec.llama.upstreams import UpstreamTable
+from adaptive_spec.requests.carry_out import Mover
 from adaptive_spec.requests.lifecycle import RequestLifecycle
 from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.service import SessionService
@@ -50,6 +51,8 @@ ROUTER = web.AppKey("router", Router)
 RESTART: web.AppKey[Callable[[str], Awaitable[None]] | None] = web.AppKey("restart")  # launched profiles only
 LIFECYCLE = web.AppKey("lifecycle", RequestLifecycle)
 KV = web.AppKey("kv", KvEffects)  # the router's effects: slot moves, remote prefill, the sweep of slot files
+# What carries out the KV moves routes ask for (requests/carry_out.py): the same `KvEffects`, seen as a `Mover`.
+MOVER: web.AppKey[Mover] = web.AppKey("mover")
 # Base URL -> the speed measurement of that launched server at start (requests/measured_speeds.py), under way or done:
 # its task ends with the prompt tokens it prefilled (0: none).
 MEASURING: web.AppKey[dict[str, asyncio.Task[int]]] = web.AppKey("measuring")

@@ -14,7 +14,6 @@ from aiohttp import web
 
 from adaptive_spec.access.rules import KEY_PARAMETER
 from adaptive_spec.common.headers import PROFILE_HEADER, REQUEST_ID_HEADER
-from adaptive_spec.kv.moves import SlotMove
 from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.requests.accounting import counts_of, usage_of
 from adaptive_spec.requests.apis import sent_as, traits
@@ -22,6 +21,7 @@ from adaptive_spec.requests.app_keys import (
     CLIENT,
     FRESH_CLIENT,
     LIFECYCLE,
+    MOVER,
     ROUTER,
     SESSIONS,
     SETTINGS,
@@ -33,6 +33,7 @@ from adaptive_spec.requests.body.parse import ParsedRequest, parse_body
 from adaptive_spec.requests.body.repeats import guard, trailing_repeat
 from adaptive_spec.requests.body.shapes import RequestProblem
 from adaptive_spec.requests.body.token_rate import first_turn_rate
+from adaptive_spec.requests.carry_out import carry_out
 from adaptive_spec.requests.error_responses import answer
 from adaptive_spec.requests.forward import Forwarding, Hooks, forward
 from adaptive_spec.requests.gate import routed_path
@@ -53,7 +54,6 @@ from adaptive_spec.requests.outgoing import (
 )
 from adaptive_spec.requests.stranded import STRANDED
 from adaptive_spec.routing.contract import Completion, Refusal, Route, RouteRequest
-from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.clients import client_name
 from adaptive_spec.sessions.grouping import explicit_session
 from adaptive_spec.sessions.project import workspace_path_from_request
@@ -235,7 +235,7 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
         req.refusal, req.profile = routed, routed.decision.profile if routed.decision else req.profile
         return Outcome(routed.status, routed.message, routed.code)
     async with moving_kv(app, routed):  # inside the head store's accounting: its lock, the filled slot counted
-        routed = await carry_out(app[ROUTER], routed)
+        routed = await carry_out(app[ROUTER], app[MOVER], routed)
     req.route, req.profile = routed, routed.profile
     chosen = app[UPSTREAMS].get(routed.profile, routed.replica)
     assert chosen is not None  # the router routes to the table's own profiles and replicas
@@ -264,21 +264,6 @@ async def _route_shared(app: web.Application, asked: RouteRequest, request_id: s
             return routed
         router.complete(routed, Completion(ok=False))
     raise AssertionError("the last try books the slot")
-
-
-async def carry_out(router: Router, route: Route) -> Route:
-    """The KV move a route asks for, carried out through the router's effects and reported back to it (the router
-    plans and never waits). A client that goes away meanwhile completes the route: no route reaches the forward."""
-    move = route.move
-    if move is None or route.handoff is not None or route.remote_prefill is not None:
-        return route
-    try:
-        if isinstance(move, SlotMove):
-            return router.moved(route, await router.effects.move_slot(move))
-        return router.moved(route, await router.effects.prefill_elsewhere(move))
-    except BaseException:
-        router.complete(route, Completion(ok=False))
-        raise
 
 
 def _client_gone(req: ProxyRequest, *, stopping: bool) -> Outcome:

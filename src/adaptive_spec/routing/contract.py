@@ -1,7 +1,10 @@
 """The router's API as the shell sees it: what a request asks (`RouteRequest`), what the router answers (`Route`, or a
 `Refusal`), what the shell reports at the end (`Completion`), and what the router needs from outside, injected as
-protocols: the profiles' health, the policy files, and its `Effects` — the KV moves it asks for (llama-swap's scheduler
-"calls back through Effects", its syscall table).
+protocols: the profiles' health, the policy files, and its `Effects` — what it asks of the KV layer while it plans,
+and where its events go (llama-swap's scheduler "calls back through Effects", its syscall table).
+
+None of it waits: the KV moves a route asks for are carried out by the request path (`requests/carry_out.py`), which
+reports them back with `Router.moved`.
 
 Values and protocols only."""
 
@@ -11,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
-from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, RemotePrefillResult, SlotAt, SlotMove
+from adaptive_spec.kv.moves import HandoffResult, PrefillAsk, RemotePrefillResult, SlotAt, SlotMove
 from adaptive_spec.policy.model import Policy
 from adaptive_spec.routing.decision import Decision
 from adaptive_spec.routing.prompt.pieces import Piece
@@ -76,7 +79,8 @@ class FixedPolicy:
 
 
 class Effects(Protocol):
-    """What the router asks of the world (implemented by `kv/effects.py`); none of it raises into a request."""
+    """What the router asks of the world while it plans (implemented by `kv/effects.py`): synchronous, and none of it
+    raises into a request."""
 
     def can_move(self, source: SlotAt, target: SlotAt) -> bool:
         """Whether a slot file saved by one server can be restored by the other."""
@@ -86,22 +90,16 @@ class Effects(Protocol):
         """Whether that file crosses hosts (priced with its transfer time)."""
         ...
 
-    async def move_slot(self, move: SlotMove) -> HandoffResult: ...
-
     @property
     def prefills_elsewhere(self) -> bool:
         """Whether there is a remote prefill to ask at all."""
-        ...
-
-    async def prefill_elsewhere(self, ask: PrefillAsk) -> PrefillAnswer | None:
-        """None: not prefilled elsewhere (no remote prefill here for this server)."""
         ...
 
     def publish(self, event: Event) -> None: ...
 
 
 class NoEffects:
-    """A router that moves nothing (the simulator's, tests', a proxy without a slot directory)."""
+    """A router that asks for no move (the simulator's, tests', a proxy without a slot directory)."""
 
     def can_move(self, source: SlotAt, target: SlotAt) -> bool:
         return False
@@ -109,15 +107,9 @@ class NoEffects:
     def transfers(self, source: SlotAt, target: SlotAt) -> bool:
         return False
 
-    async def move_slot(self, move: SlotMove) -> HandoffResult:
-        return HandoffResult(False, 0, 0.0, 0.0, "nothing to hand over")
-
     @property
     def prefills_elsewhere(self) -> bool:
         return False
-
-    async def prefill_elsewhere(self, ask: PrefillAsk) -> PrefillAnswer | None:
-        return None
 
     def publish(self, event: Event) -> None:
         return None
@@ -155,7 +147,8 @@ class Route:
     slot: int | None
     session_id: str | None
     body_bytes: int
-    # The KV move the route asks the request path to carry out through the effects before forwarding, and its results.
+    # The KV move the route asks the request path to carry out before forwarding (`requests/carry_out.py`), and its
+    # results.
     move: SlotMove | PrefillAsk | None = None
     handoff: HandoffResult | None = None
     remote_prefill: RemotePrefillResult | None = None

@@ -61,7 +61,7 @@ class Router:
         """`slots`: each profile's slots per server; `replica_slots` overrides it for a (profile, replica).
         `servers`: the server a (profile, replica) shares with others (profiles as per-request settings of one
         llama-server): those share its slots, its load and its sessions' KV; one not named has a server of its own.
-        `effects`: how KV moves are performed (none by default: nothing is ever handed over).
+        `effects`: which KV moves can be made, and where events go (none by default: no move is ever asked for).
         `draft_caps`: the profiles whose draft length the router may cap per request (a sequential model drafter
         alone, on a server that takes `speculative.n_max`), each with the longest cap it may choose."""
         self.health, self.policies = health, policies
@@ -319,8 +319,8 @@ class Router:
     def route(self, request: RouteRequest) -> Route | Refusal:
         """Decide the request's profile, replica and slot, count it in their load, and say which KV move it asks for
         (`Route.move`): a handoff when it moves, else a remote prefill when that may be faster. Nothing is waited
-        for here: the request path carries the move out through `effects` and reports it with `moved()`. Every
-        route is completed once."""
+        for here: the request path carries the move out (`requests/carry_out.py`) and reports it with `moved()`.
+        Every route is completed once."""
         decision, _, pieces, has_tools, cpt = self._plan(request)
         profile, replica = decision.profile, decision.replica
         health = self.health.replica_health(profile)

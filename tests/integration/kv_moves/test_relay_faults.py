@@ -114,7 +114,7 @@ async def _attempt(
     # Few tokens: the local prefill's estimate is short, so the deadline is the 2 s floor.
     ask = replace(request({"messages": [{"role": "user", "content": "hi"}]}, "s"), prefill_path="/v1/x")
     try:
-        route = await routed(router, ask)
+        route = await routed(router, ask, effects)
     finally:
         await server.close()
     decided, result = route.decision, route.remote_prefill

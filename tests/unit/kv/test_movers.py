@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 
 from adaptive_spec.errors import ConfigError
+from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.kv.movers import MoveRequest, MoveTimes, PairMover, RelayMover, SharedDirMover
 from adaptive_spec.kv.movers_options import KEY_ENV, relay_plan
 from adaptive_spec.kv.relay_client import RelayClient
@@ -20,7 +21,7 @@ from adaptive_spec.routing.contract import RouteRequest
 from adaptive_spec.routing.router import Router
 from adaptive_spec.routing.speeds import SpeedModel
 from adaptive_spec.telemetry.records import Timings
-from tests.support.routing import make_router, request, routed, serve
+from tests.support.routing import kv_effects, make_router, request, routed, serve
 
 SHA = "a" * 64
 
@@ -75,23 +76,24 @@ class _Mover:
         return None
 
 
-async def _overloaded(mover: _Mover, client: aiohttp.ClientSession | None = None) -> Router:
+async def _overloaded(mover: _Mover, client: aiohttp.ClientSession | None = None) -> tuple[Router, KvEffects]:
     """Session `s` (4,000 tokens) in slot 1 of replica 0, whose other slot is busy with two more queued; replica 1
-    idle."""
+    idle. The router, and its effects (the request path's mover too)."""
     table = UpstreamTable([Upstream("plain", "http://a:1"), Upstream("plain", "http://b:1")])
-    router = make_router(table, {"plain": 2}, {"plain": ("none",)}, mover=mover, client=client)
+    effects = kv_effects(table, mover=mover, client=client)
+    router = make_router(table, {"plain": 2}, {"plain": ("none",)}, effects=effects)
     timings = Timings(prompt_n=3990, predicted_n=10, predicted_ms=100.0, prompt_ms=1000.0)
     assert (await serve(router, _request(1, client_slot=1), timings)).replica == 0
     for other in ("x", "y", "z"):
         router.load.started("plain", 0, other, 0)
-    return router
+    return router, effects
 
 
 def test_the_transfer_is_priced_in_the_choice_to_move_a_session_off_an_overloaded_replica() -> None:
-    near = asyncio.run(_overloaded(_Mover(transfers=False)))
+    near, _ = asyncio.run(_overloaded(_Mover(transfers=False)))
     moved = near.choose(_request())[0]
     assert (moved.replica, moved.replica_kind, moved.handoff) == (1, "rebalanced", True), moved.reason
-    far = asyncio.run(_overloaded(_Mover(transfers=True)))
+    far, _ = asyncio.run(_overloaded(_Mover(transfers=True)))
     far.speeds.link.observe_link(10_000.0)  # 10 kB/s: 4,000 tokens × 120 kB a token would take 13 hours
     stays = far.choose(_request())[0]
     assert (stays.replica, stays.replica_kind, stays.handoff) == (0, "stay", False), stays.reason
@@ -101,9 +103,9 @@ def test_the_transfer_is_priced_in_the_choice_to_move_a_session_off_an_overloade
 @pytest.mark.asyncio(loop_scope="function")
 async def test_a_move_between_hosts_teaches_the_transfer_terms() -> None:
     async with aiohttp.ClientSession() as client:
-        router = await _overloaded(_Mover(transfers=True), client)
+        router, effects = await _overloaded(_Mover(transfers=True), client)
         router.speeds.link.observe_link(1e11)  # 4,000 tokens at the prior 120 kB a token: 5 ms
-        moved = await routed(router, _request(client_slot=0))
+        moved = await routed(router, _request(client_slot=0), effects)
     assert moved.decision.handoff, moved.decision.reason
     result = moved.handoff
     assert result is not None and result.ok and result.transfer_s == 0.5 and result.bytes == 50_000_000

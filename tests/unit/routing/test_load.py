@@ -19,7 +19,7 @@ from adaptive_spec.routing.placements import Placement
 from adaptive_spec.routing.router import Router
 from adaptive_spec.routing.speeds import SpeedModel
 from adaptive_spec.telemetry.records import Timings
-from tests.support.routing import make_router, request, served
+from tests.support.routing import kv_effects, make_router, request, served
 
 KINDS = {"oneshot": ("none",), "iterative": ("ngram-mod",)}
 URL = "http://127.0.0.1:9"
@@ -67,7 +67,9 @@ def test_a_pinned_switch_on_one_server_says_so() -> None:
 
 def _router(tmp_path: Path, slots: int = 1, servers: dict[tuple[str, int], str] | None = SHARED) -> Router:
     table = UpstreamTable([Upstream("oneshot", URL, speculation=Speculation(types=())), Upstream("iterative", URL)])
-    return make_router(table, dict.fromkeys(KINDS, slots), KINDS, slot_dir=tmp_path, servers=servers)
+    return make_router(
+        table, dict.fromkeys(KINDS, slots), KINDS, effects=kv_effects(table, slot_dir=tmp_path), servers=servers
+    )
 
 
 def _served(r: Router, profile: str, session: str) -> Decision:

@@ -12,6 +12,7 @@ import pytest
 
 from adaptive_spec.cli.serve import attached_profiles
 from adaptive_spec.errors import ConfigError
+from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.kv.movers import MoveRequest, MoveTimes
 from adaptive_spec.llama.profiles import ProfileInfo, replica_mismatch
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
@@ -20,7 +21,7 @@ from adaptive_spec.routing.replicas import MoveCosts, ReplicaState, choose_repli
 from adaptive_spec.routing.router import Router
 from adaptive_spec.telemetry.events import Event, ProfileDown, ProfileUp
 from adaptive_spec.telemetry.records import Timings
-from tests.support.routing import make_router, request, routed, served
+from tests.support.routing import kv_effects, make_router, request, routed, served
 
 
 def r(index: int, **kw: Any) -> ReplicaState:
@@ -152,9 +153,14 @@ def _ask(sid: str, client_slot: int | None = None) -> RouteRequest:
     return request(body, sid, turns=1, copy_share=0.0, body_bytes=400, client_slot=client_slot)
 
 
-def _pool_router(mover: _FakeMover, slots: int, client: aiohttp.ClientSession | None = None) -> Router:
+def _pool_router(
+    mover: _FakeMover, slots: int, client: aiohttp.ClientSession | None = None
+) -> tuple[Router, KvEffects]:
+    """A pool of two replicas whose KV moves go through `mover`: the router, and its effects (the request path's
+    mover too)."""
     table = UpstreamTable([Upstream("plain", "http://a:1"), Upstream("plain", "http://b:1")])
-    return make_router(table, {"plain": slots}, {"plain": ("none",)}, mover=mover, client=client)
+    effects = kv_effects(table, mover=mover, client=client)
+    return make_router(table, {"plain": slots}, {"plain": ("none",)}, effects=effects), effects
 
 
 def _served(router: Router, sid: str, slot: int | None, output: int = 10) -> None:
@@ -165,7 +171,7 @@ def _served(router: Router, sid: str, slot: int | None, output: int = 10) -> Non
 
 
 def test_a_session_queued_behind_others_moves_to_an_idle_replica_and_re_prefills() -> None:
-    router = _pool_router(_FakeMover(), slots=1)
+    router, _ = _pool_router(_FakeMover(), slots=1)
     _served(router, "s", None, output=1000)  # long answers: a turn queued ahead takes longer than a re-prefill
     for other in ("x", "y"):  # replica 0's only slot busy with another session, one more queued behind it
         router.load.started("plain", None, other, 0)
@@ -180,13 +186,13 @@ def test_a_session_queued_behind_others_moves_to_an_idle_replica_and_re_prefills
 async def test_a_kv_handoff_between_replicas_goes_through_the_slot_mover() -> None:
     mover = _FakeMover()
     async with aiohttp.ClientSession() as client:
-        router = _pool_router(mover, slots=2, client=client)
+        router, effects = _pool_router(mover, slots=2, client=client)
         timings = Timings(prompt_n=3990, predicted_n=10, predicted_ms=100.0, prompt_ms=1000.0)
         first = await routed(router, _ask("s", 1))
         router.complete(first, Completion(True, timings))
         for other in ("x", "y", "z"):  # the other slot busy, two queued for it; the session's own slot 1 is idle
             router.load.started("plain", 0, other, 0)
-        moved = await routed(router, _ask("s", 0))
+        moved = await routed(router, _ask("s", 0), effects)
     decision = moved.decision
     assert (decision.replica, decision.replica_kind, decision.handoff) == (1, "rebalanced", True), decision.reason
     assert decision.handoff_tokens == 4000 and "hands its KV over (4,000 tok" in decision.reason
@@ -199,7 +205,8 @@ def test_a_session_leaving_a_replica_that_is_down_re_prefills_on_the_new_profile
     table = UpstreamTable(
         [Upstream("oneshot", "http://a:1"), Upstream("oneshot", "http://b:1"), Upstream("iterative", "http://a:2")]
     )
-    router = make_router(table, {"oneshot": 1, "iterative": 1}, {"oneshot": ("none",)}, slot_dir=tmp_path)
+    effects = kv_effects(table, slot_dir=tmp_path)
+    router = make_router(table, {"oneshot": 1, "iterative": 1}, {"oneshot": ("none",)}, effects=effects)
     router.placements.served("s", "oneshot", None, 4000, 10, replica=1)
     body = {"messages": [{"role": "user", "content": "word " * 8000}]}  # more than the 4,000 tokens its KV holds
     moving = request(body, "s", pinned="iterative", turns=3, copy_share=0.0, body_bytes=40_000)

@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 
 from adaptive_spec.kv.effects import KvEffects
-from adaptive_spec.kv.moves import HandoffResult, SlotAt, SlotMove
+from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, SlotAt, SlotMove
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
-from adaptive_spec.requests.handler import carry_out
-from adaptive_spec.routing.contract import Completion, FixedPolicy, NoEffects, Route
+from adaptive_spec.requests.carry_out import carry_out
+from adaptive_spec.routing.contract import Completion, Effects, FixedPolicy, NoEffects, Route
 from adaptive_spec.routing.placements import observe
 from adaptive_spec.routing.router import Router
 from adaptive_spec.telemetry.records import Timings
-from tests.support.routing import make_router, request, route, served
+from tests.support.routing import kv_effects, make_router, request, route, served
 
 TIMINGS = Timings(prompt_n=10, predicted_n=20, predicted_ms=100.0)
 
@@ -28,7 +28,9 @@ TIMINGS = Timings(prompt_n=10, predicted_n=20, predicted_ms=100.0)
 def router(slots: int = 2, slot_dir: Path | None = None) -> Router:
     table = UpstreamTable([Upstream("oneshot", "http://127.0.0.1:9"), Upstream("iterative", "http://127.0.0.1:9")])
     kinds = {"oneshot": ("none",), "iterative": ("ngram-mod",)}
-    return make_router(table, {"oneshot": slots, "iterative": slots}, kinds, slot_dir=slot_dir)
+    return make_router(
+        table, {"oneshot": slots, "iterative": slots}, kinds, effects=kv_effects(table, slot_dir=slot_dir)
+    )
 
 
 def test_a_session_keeps_its_slot_and_a_busy_slot_is_not_shared() -> None:
@@ -64,7 +66,7 @@ def test_handoffs_need_a_slot_directory_and_no_router_preset(tmp_path: Path) -> 
     assert not any(s.handoff for s in router(slot_dir=None).states())
     assert all(s.handoff for s in router(slot_dir=tmp_path).states())
     table = UpstreamTable([Upstream("a", "http://h:1", "preset-a"), Upstream("b", "http://h:1", "preset-b")])
-    preset = make_router(table, {}, {}, slot_dir=tmp_path)
+    preset = make_router(table, {}, {}, effects=kv_effects(table, slot_dir=tmp_path))
     assert not any(s.handoff for s in preset.states())
 
 
@@ -122,27 +124,32 @@ def test_a_request_cancelled_during_its_kv_move_leaves_no_load_behind() -> None:
     """The client hangs up while its session's slot is being moved: the request path completes the route itself
     (the forward never gets it)."""
 
-    class _Hangs(NoEffects):
+    class _Movable(NoEffects):
         def can_move(self, source: SlotAt, target: SlotAt) -> bool:
             return True
 
+    class _Hangs:
         async def move_slot(self, move: SlotMove) -> HandoffResult:
             raise asyncio.CancelledError
 
+        async def prefill_elsewhere(self, ask: PrefillAsk) -> PrefillAnswer | None:
+            raise AssertionError("no remote prefill here")
+
     table = UpstreamTable([Upstream("oneshot", "http://127.0.0.1:9"), Upstream("iterative", "http://127.0.0.1:8")])
-    r = Router(table, FixedPolicy(), {"oneshot": 1, "iterative": 1}, {"iterative": ("ngram-mod",)}, _Hangs())
+    r = Router(table, FixedPolicy(), {"oneshot": 1, "iterative": 1}, {"iterative": ("ngram-mod",)}, _Movable())
     r.placements.served("s", "oneshot", None, 4000, 10)
     body = {"messages": [{"role": "user", "content": "word " * 8000}]}
     ask = request(body, "s", pinned="iterative", turns=3, copy_share=0.0, body_bytes=40_000)
     assert r.choose(ask)[0].handoff
     with pytest.raises(asyncio.CancelledError):
-        route(r, ask)
+        route(r, ask, _Hangs())
     assert r.load.in_flight == {"oneshot": 0, "iterative": 0}
     assert r.load.server_busy("iterative") == 0 and r.load.sessions_in_flight == {}
 
 
 class _Recording(NoEffects):
-    """The router's effects as a recording: which moves were asked of the world, and what it was told."""
+    """The router's effects and the request path's mover as a recording: which moves were asked of the world, and
+    what it was told."""
 
     def __init__(self, result: HandoffResult) -> None:
         self.result, self.moves, self.events = result, list[SlotMove](), list[Any]()
@@ -153,6 +160,9 @@ class _Recording(NoEffects):
     async def move_slot(self, move: SlotMove) -> HandoffResult:
         self.moves.append(move)
         return self.result
+
+    async def prefill_elsewhere(self, ask: PrefillAsk) -> PrefillAnswer | None:
+        raise AssertionError("no remote prefill here")
 
     def publish(self, event: Any) -> None:
         self.events.append(event)
@@ -175,7 +185,7 @@ def test_route_asks_for_the_move_and_waits_for_nothing() -> None:
     assert isinstance(planned, Route)
     assert planned.move == SlotMove("s", SlotAt("oneshot", 0, None), SlotAt("iterative", 0, None), 4000)
     assert planned.handoff is None and effects.moves == [] and effects.events == []
-    done = asyncio.run(carry_out(r, planned))  # as the request path does
+    done = asyncio.run(carry_out(r, effects, planned))  # as the request path does
     assert effects.moves == [planned.move] and done.handoff == effects.result
     assert r.moves.handoffs == {"ok": 1, "failed": 0}
     (event,) = [e for e in effects.events if type(e).__name__ == "HandoffDone"]
@@ -187,7 +197,7 @@ def test_a_handoff_that_cannot_be_made_asks_for_no_move() -> None:
     effects = _Recording(HandoffResult(True, 4000, 0.2, 0.01))
     r, ask = _moving_router(effects)
     r.load.started("oneshot", None, "other", 0)  # another session's request now runs in the source slot
-    done = route(r, ask)
+    done = route(r, ask, effects)
     assert done.move is None and effects.moves == []
     assert (
         done.handoff is not None and not done.handoff.ok and "busy with another request" in (done.handoff.error or "")
@@ -196,11 +206,11 @@ def test_a_handoff_that_cannot_be_made_asks_for_no_move() -> None:
 
 
 def test_the_router_and_its_move_planner_never_wait() -> None:
-    """llama-swap's scheduler rule: slow work leaves as an effect. No method of the router or of its KV move planner
-    is a coroutine; the request path awaits the effects (`carry_out`) and reports back."""
+    """llama-swap's scheduler rule: slow work leaves as an effect. No method of the router, of its KV move planner or
+    of the effects it may call is a coroutine; the request path awaits its mover (`carry_out`) and reports back."""
     from adaptive_spec.routing.handoffs import KvMoves
 
-    for cls in (Router, KvMoves):
+    for cls in (Router, KvMoves, Effects, NoEffects):
         waiting = [n for n, f in vars(cls).items() if inspect.iscoroutinefunction(f)]
         assert waiting == [], f"{cls.__name__} awaits in {waiting}"
 
