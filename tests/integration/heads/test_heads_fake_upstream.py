@@ -179,7 +179,14 @@ async def test_a_slot_action_deferred_behind_a_request_that_came_meanwhile_is_no
     proxy = await start_proxy(_url(server), slots.slot_dir, tmp_path / "heads")
     store = store_of(proxy)
     erased: list[tuple[str, int]] = []
-    proxy.app[ROUTER].slots_erased = lambda profile, replica=0: erased.append((profile, replica))  # type: ignore[method-assign]
+    router = proxy.app[ROUTER]
+    forget = router.slots_erased
+
+    def slots_erased(profile: str, replica: int = 0) -> None:  # watched, and still done: the router forgets the slot
+        erased.append((profile, replica))
+        forget(profile, replica)
+
+    router.slots_erased = slots_erased  # type: ignore[method-assign]
 
     async def a_request_comes(action: str) -> None:
         if action in ("save", "restore"):
