@@ -423,6 +423,9 @@ class Router:
         homes = {self.server_url(n, i): self.home(n, i) for n in self.health.names() for i in self._replicas(n)}
         self.load.booked_elsewhere({homes[url]: slots for url, slots in booked.items() if url in homes})
         held = {homes[url]: slots for url, slots in (occupants or {}).items() if url in homes}
+        for (profile, replica), slots in held.items():  # a slot another session holds now holds none of the others
+            for slot, sid in slots.items():
+                self.placements.displace(profile, slot, keep=sid, replica=replica)
         idle = {homes[url]: slots for url, slots in (idle_s or {}).items() if url in homes}
         mine = lambda sid: sid == session_id or self.placements.get(sid) is not None  # noqa: E731
         self.load.occupied_elsewhere(held, mine, idle)
