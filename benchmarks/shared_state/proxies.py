@@ -5,11 +5,12 @@ random (seeded, so every setup gets the same draws).
 
 Run:  .venv/bin/python -m benchmarks.shared_state.proxies [--conversations 4] [--turns 4] [--rounds 3] [--out F]
 
-Per setup: affinity (the share of follow-up turns whose prompt llama-server found in the slot: `cache_n` at least
-the previous turn's whole prompt), the follow-up turns' `prompt_n` (median, and the sum beside one proxy's), and the
-time per request as the client saw it (p50/p99, over every turn of every round). The slots are erased before each
-replay, so each starts cold. What the shared state adds is the time column read beside one proxy's: the tiny model
-answers in milliseconds, so the proxy's own work is a visible part of it.
+All the setups' proxies run at once and take the replays in turn, round by round. Per setup: affinity (the share of
+follow-up turns whose prompt llama-server found in the slot: `cache_n` at least the previous turn's whole prompt), the
+follow-up turns' `prompt_n` (median, and the sum beside one proxy's), and the time per request as the client saw it
+(p50/p99, over every turn of every round). The slots are erased before each replay, so each starts cold. What the shared
+state adds is the time column read beside one proxy's: the tiny model answers in milliseconds, so the proxy's own work
+is a visible part of it.
 """
 
 from __future__ import annotations
@@ -131,18 +132,19 @@ def main() -> None:
             for i in range(2)
         ]
         redis_server = RedisServer(home)
+        db = redis_server.url.rsplit("/", 1)[0]  # each shared setup a database of its own: none reads another's
         setups = {
             "one proxy": (1, ()),
             "two proxies, nothing shared": (2, ()),
-            "two proxies, Redis": (2, ("--shared-state", redis_server.url)),
-            "three proxies, Redis": (3, ("--shared-state", redis_server.url)),
+            "two proxies, Redis": (2, ("--shared-state", f"{db}/1")),
+            "three proxies, Redis": (3, ("--shared-state", f"{db}/2")),
         }
+        profile = [a for s in servers for a in ("--profile", f"plain={s.url}")]
+        running: dict[str, list[ProxyProcess]] = {}
         out: dict[str, Any] = {}
         try:
-            for name, (count, extra) in setups.items():
-                redis_server.client().flushall()  # each setup starts from an empty store
-                profile = [a for s in servers for a in ("--profile", f"plain={s.url}")]
-                proxies = [
+            for name, (count, extra) in setups.items():  # every proxy of every setup up at once
+                running[name] = [
                     ProxyProcess(
                         *profile,
                         "--tokenizer",
@@ -156,15 +158,19 @@ def main() -> None:
                     )
                     for i in range(count)
                 ]
-                try:
-                    _replay(proxies, servers, args, seed=0)  # warm-up: connections, first launches of the code
-                    replays = [_replay(proxies, servers, args, seed=r + 1) for r in range(args.rounds)]
-                finally:
-                    for proxy in proxies:
-                        proxy.stop()
-                out[name] = _figures(replays)
+            replays: dict[str, list[list[list[Turn]]]] = {name: [] for name in setups}
+            for proxies in running.values():
+                _replay(proxies, servers, args, seed=0)  # warm-up: connections, first runs of the code
+            for r in range(args.rounds):  # the setups in turn, round by round: the machine's load falls on each alike
+                for name, proxies in running.items():
+                    replays[name].append(_replay(proxies, servers, args, seed=r + 1))
+            for name in setups:
+                out[name] = _figures(replays[name])
                 print(name, out[name], flush=True)
         finally:
+            for proxies in running.values():
+                for proxy in proxies:
+                    proxy.stop()
             redis_server.stop()
             for server in servers:
                 server.stop()
