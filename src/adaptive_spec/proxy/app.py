@@ -49,7 +49,7 @@ from adaptive_spec.requests.app_keys import (
 from adaptive_spec.requests.gate import install_security
 from adaptive_spec.requests.gemini.views import add_gemini_views
 from adaptive_spec.requests.handler import proxy_view
-from adaptive_spec.requests.heads import HEADS, add_heads_views, watch_servers
+from adaptive_spec.requests.heads import HEADS, add_heads_views, displaced, watch_servers
 from adaptive_spec.requests.lifecycle import RequestLifecycle
 from adaptive_spec.requests.measured_speeds import KeptSpeeds, keep_speeds
 from adaptive_spec.requests.stranded import STRANDED, StrandedRequests
@@ -89,7 +89,7 @@ def _add_heads(app: web.Application, kv: KvSetup) -> None:
     """Warm starts (kv/heads/): the store where there is a slot directory to restore from."""
     if kv.heads is not None and kv.slot_dir is not None:
         try:
-            store = HeadStore(kv.heads, kv.slot_dir, lambda: app[CLIENT], kv.say or log.info)
+            store = HeadStore(kv.heads, kv.slot_dir, lambda: app[CLIENT], kv.say or log.info, displaced(app))
         except (OSError, ValueError) as exc:  # an unusable directory costs the warm starts, not the proxy
             log.warning("heads: off: %s", exc)
             add_heads_views(app)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
 from aiohttp import web
@@ -194,14 +194,18 @@ def watch_servers(app: web.Application) -> None:
             store.warm_start(upstream, "after a restart", erased, restore=which not in emptied)
             emptied.discard(which)
 
-    def displaced(upstream: Upstream) -> None:  # a slot action acted on a request's KV: the router must not count on it
-        app[ROUTER].slots_erased(upstream.name, upstream.replica)
-
-    store = app.get(HEADS)
-    if store is not None:
-        store.displaced = displaced
     app.cleanup_ctx.append(at_start)
     app[BUS].listen(on_event)
+
+
+def displaced(app: web.Application) -> Callable[[Upstream], None]:
+    """What the store is built with to tell the router when a slot action acted on a request's KV (llama-server
+    deferred it behind that request): the router must not count on that server's slots."""
+
+    def tell(upstream: Upstream) -> None:
+        app[ROUTER].slots_erased(upstream.name, upstream.replica)
+
+    return tell
 
 
 def _one_per_server(app: web.Application) -> list[Upstream]:

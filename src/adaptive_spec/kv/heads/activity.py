@@ -97,6 +97,10 @@ class ServerActivity:
             return False
         return until is not None
 
+    def inert_servers(self, now: float) -> list[str]:
+        """The servers where restores pause now, sorted (`is_inert`)."""
+        return sorted(s for s in list(self.inert) if self.is_inert(s, now))
+
     def head_inert(self, server: str, head: str, now: float) -> bool:
         until = self.inert_heads.get((server, head))
         if until is not None and until <= now:

@@ -48,27 +48,44 @@ class HeadBook:
             raise OSError(f"{self.dir} is a symlink: a store is kept in a folder of its own")
         os.chmod(self.dir, 0o700)  # one made before (or by another umask) is private too: KV encodes prompts
         self._lock = lock(self.dir)  # OSError: another serve holds it (it would delete this one's heads)
-        self.entries: dict[str, HeadEntry] = load_index(self.dir)
-        self.saving: set[str] = set()  # heads whose file a save is replacing: a checksum read meanwhile proves nothing
+        self._entries: dict[str, HeadEntry] = load_index(self.dir)  # changed here alone: the others ask (`heads`)
+        self._saving: set[str] = set()  # heads whose file a save is replacing: a checksum read meanwhile proves nothing
         self._verified: set[str] = set()  # heads whose checksum this run has checked (or wrote)
         self._writing = asyncio.Lock()  # index writes one at a time, each of the index as it is when it starts
 
     def path(self, head: str) -> Path:
         return head_path(self.dir, head)
 
+    def heads(self) -> list[HeadEntry]:
+        """The heads kept, in the index's order (a list of its own: the index changes only here)."""
+        return list(self._entries.values())
+
+    def entry(self, head: str) -> HeadEntry | None:
+        return self._entries.get(head)
+
+    def saving(self, head: str) -> bool:
+        """Whether a save is writing this head's file now (`save_started`, `save_ended`)."""
+        return head in self._saving
+
+    def save_started(self, head: str) -> None:
+        self._saving.add(head)
+
+    def save_ended(self, head: str) -> None:
+        self._saving.discard(head)
+
     def verified(self, head: str) -> bool:
         return head in self._verified
 
     async def verify(self) -> None:
         """Each head's checksum, once a run, in a thread (in the background: never on a request's path)."""
-        for entry in list(self.entries.values()):
+        for entry in list(self._entries.values()):
             if entry.id in self._verified:
                 continue
             try:
                 crc = await asyncio.to_thread(checksum, self.path(entry.id)) if entry.crc else ""
             except OSError as exc:
                 crc = f"unreadable ({exc})"
-            if self.entries.get(entry.id) is not entry or entry.id in self.saving:
+            if self._entries.get(entry.id) is not entry or entry.id in self._saving:
                 continue  # replaced meanwhile by a new save, whose checksum was taken as it was written
             if crc != entry.crc:
                 await self.drop(entry.id, f"its checksum is {crc}, not the {entry.crc} saved")
@@ -107,7 +124,7 @@ class HeadBook:
         """Free disk for a head of this size, and its tenant's share big enough to hold it (the bound is kept as the
         head is added: a save may still be skipped)."""
         incoming = int(self.bytes_per_token() * prompt_tokens)
-        if incoming > self.share(scope) and self.entries:  # measured, not the prior's guess: too big for its share
+        if incoming > self.share(scope) and self._entries:  # measured, not the prior's guess: too big for its share
             self.count("refused", scope)
             log.info("heads: a head of ~%d MB is larger than its tenant's share; not saved", incoming // 1_000_000)
             return False
@@ -127,15 +144,15 @@ class HeadBook:
             await asyncio.to_thread(unlink, self.path(entry.id))
             return
         await asyncio.to_thread(write_entry, self.dir, entry)
-        self.entries[entry.id] = entry
+        self._entries[entry.id] = entry
         self._verified.add(entry.id)
         # Its tenant's own least recently used go first (one tenant cannot push another's heads out), then the bound.
-        mine = [e for e in self.entries.values() if e.scope == entry.scope]
+        mine = [e for e in self._entries.values() if e.scope == entry.scope]
         evicted = evictions(mine, self.share(entry.scope))
-        evicted += evictions([e for e in self.entries.values() if e.id not in evicted], self.max_bytes)
+        evicted += evictions([e for e in self._entries.values() if e.id not in evicted], self.max_bytes)
         for head in evicted:
             if head != entry.id:
-                self.count("evicted", self.entries[head].scope)
+                self.count("evicted", self._entries[head].scope)
         await self.forget(evicted)
         try:
             await self._write_index()
@@ -144,10 +161,10 @@ class HeadBook:
             raise
 
     async def used(self, entry: HeadEntry) -> None:
-        current = self.entries.get(entry.id)
+        current = self._entries.get(entry.id)
         if current is None:
             return  # deleted while it was restored: not brought back
-        self.entries[entry.id] = replace(current, last_used_unix=time.time(), restores=current.restores + 1)
+        self._entries[entry.id] = replace(current, last_used_unix=time.time(), restores=current.restores + 1)
         await self.write_index_logged()
 
     async def drop(self, head: str, why: str) -> None:
@@ -159,7 +176,7 @@ class HeadBook:
 
     async def forget(self, heads: Iterable[str]) -> int:
         """Out of the index (here, on the loop), their files removed in a thread: how many were in the index."""
-        gone = [head for head in heads if self.entries.pop(head, None) is not None]
+        gone = [head for head in heads if self._entries.pop(head, None) is not None]
         self._verified.difference_update(gone)
         if gone:
             paths = [p for head in gone for p in (self.path(head), self.dir / f"{head}{ENTRY}")]
@@ -186,13 +203,13 @@ class HeadBook:
             log.warning("heads: the index was not written: %s", exc)
 
     def bytes_per_token(self) -> float:
-        saved = sum(e.saved_tokens for e in self.entries.values())
-        return sum(e.bytes for e in self.entries.values()) / saved if saved else _PRIOR_BYTES_PER_TOKEN
+        saved = sum(e.saved_tokens for e in self._entries.values())
+        return sum(e.bytes for e in self._entries.values()) / saved if saved else _PRIOR_BYTES_PER_TOKEN
 
     def describe(self, scope: str | None = None) -> dict[str, Any]:
         """The heads of `scope` (None: all); no path of this machine."""
         heads = sorted(
-            (e for e in self.entries.values() if scope is None or e.scope == scope), key=lambda e: -e.last_used_unix
+            (e for e in self._entries.values() if scope is None or e.scope == scope), key=lambda e: -e.last_used_unix
         )
         out = {
             "max_bytes": self.max_bytes,
@@ -206,7 +223,7 @@ class HeadBook:
 
     async def _write_index(self) -> None:
         async with self._writing:
-            snapshot = list(self.entries.values())  # taken on the loop: the thread never reads the live dict
+            snapshot = list(self._entries.values())  # taken on the loop: the thread never reads the live dict
             await asyncio.to_thread(write_index, self.dir, snapshot)
 
 

@@ -1,8 +1,9 @@
 """The head store's slot I/O: a head's file staged into the slot directory and restored into a slot, a slot saved and
 its file moved out, each checked against what llama-server says it did, with what the store learns from them (the
-restore rate, heads a server refused, the head each slot holds).
+restore rate, heads a server refused; the head a slot holds after a save is returned to the store, which keeps it).
 
-`HeadStore` decides when; this does it, and raises what went wrong for the store to log."""
+`HeadStore` decides when; this does it, and raises what went wrong for the store to log. It reads the servers' traffic
+from the store's `ServerActivity` (asked, never changed here) and keeps no table of the store's."""
 
 from __future__ import annotations
 
@@ -52,13 +53,14 @@ class SlotIO:
         client: Callable[[], aiohttp.ClientSession],
         book: HeadBook,
         counts: dict[str, int],
+        activity: ServerActivity,
         on_displaced: Callable[[Upstream], None],
     ) -> None:
+        """`activity`: what the store counts of each server's traffic; `on_displaced`: told when a slot action may
+        have acted on a request's KV (`came_between`)."""
         self.config, self.slot_dir, self._client, self.book, self.counts = config, slot_dir, client, book, counts
-        self.on_displaced = on_displaced
-        self.activity = ServerActivity()  # what was forwarded to each server, its restarts, its inert restores
-        self.held: dict[tuple[str, int], Restored] = {}  # the head each server's slot holds (warm start, save)
-        self.refused: set[tuple[str, str]] = set()  # (server, head): llama-server refused it there this run
+        self._activity, self._on_displaced = activity, on_displaced
+        self._refused: set[tuple[str, str]] = set()  # (server, head): llama-server refused it there this run
         self.lock = asyncio.Lock()  # one save or restore at a time: each pauses the server's slots
         self._keys: dict[str, ServerKey] = {}
         self._hashing: dict[str, asyncio.Task[str | None]] = {}  # model path -> its sha256 (None: not readable here)
@@ -84,11 +86,11 @@ class SlotIO:
             timeout = restore_timeout(entry.bytes)
             await restore_slot(self._client(), upstream, slot, name, timeout, entry.saved_tokens)
         except SlotError:  # its checksum holds: refused here (another build's format, a server's error), kept
-            self.refused.add((upstream.base_url, entry.id))
+            self._refused.add((upstream.base_url, entry.id))
             raise
         finally:
             await asyncio.to_thread(unlink, staged)
-            if self.activity.forwarded_to(upstream.base_url) != forwards:
+            if self._activity.forwarded_to(upstream.base_url) != forwards:
                 self.came_between(upstream, "restore")
         elapsed = time.perf_counter() - t0
         self.observe_restore(entry.bytes, elapsed)
@@ -100,7 +102,7 @@ class SlotIO:
             upstream.base_url,
             match.tokens,
             elapsed * 1000.0,
-            forwards=self.activity.forwarded_to(upstream.base_url),
+            forwards=self._activity.forwarded_to(upstream.base_url),
             pieces=match.pieces,
             blocks=match.blocks,
             head_tokens=entry.prompt_tokens,
@@ -115,25 +117,26 @@ class SlotIO:
         head: SavedTurn,
         keyed: tuple[ServerKey, tuple[str, ...]],
         mark: Mark | None = None,
-    ) -> None:
+    ) -> Restored | None:
         """The slot saved once the server is idle, under the lock; the file's move, its checksum and the index after
-        it, outside the lock (in threads): a restore is never skipped for them."""
+        it, outside the lock (in threads): a restore is never skipped for them. Returns the head the slot holds now
+        (None: nothing kept), for the store to keep."""
         # Wait for idle outside the lock: a new session's restore must not queue behind this wait.
         if await self.idle(upstream, wait_s=_IDLE_WAIT_S) is None:
             log.info("heads: %s stayed busy; the head is not saved", upstream.label)
-            return
+            return None
         key, links = keyed
         hid = head_id(links)
         async with self.lock:
-            forwards = self.activity.forwarded_to(upstream.base_url)
+            forwards = self._activity.forwarded_to(upstream.base_url)
             n_slots = await self.idle(upstream, wait_s=0.0)
             if self.covered(upstream, links) or n_slots is None or (slot is None and n_slots != 1):
-                return  # the same head was saved meanwhile, a request came, or its slot is not known among several
-            if mark is not None and self.activity.mark(upstream.base_url, slot) != mark:
+                return None  # the same head was saved meanwhile, a request came, or its slot is not known among several
+            if mark is not None and self._activity.mark(upstream.base_url, slot) != mark:
                 self.counts["dropped"] += 1
-                return  # the session's slot served another request while the server was busy
+                return None  # the session's slot served another request while the server was busy
             if not await self.book.room(head.prompt_tokens, head.scope):
-                return
+                return None
             n_saved, n_written, pause_ms = await self.save_slot(upstream, slot or 0, head, hid, forwards)
         name = self.slot_dir / f"{SLOT_PREFIX}{hid}.bin"
         await asyncio.to_thread(check_written, name, n_written, upstream.label)
@@ -144,22 +147,24 @@ class SlotIO:
             key.hex(), crc, pause_ms, head.scope, head.session, block_chains(key, links, head.blocks, head.scope),
         )  # fmt: skip
         await self.book.add(entry)
-        self.refused.difference_update([r for r in self.refused if r[1] == hid])  # a new file under that id
-        if hid in self.book.entries and head.session:
-            await self.book.delete(earlier_states(self.book.entries.values(), self.book.entries[hid]))
-        if hid in self.book.entries:
-            self.book.count("session_saved" if head.session else "saved", head.scope)
-            self.held[(upstream.base_url, slot or 0)] = Restored(
-                hid, upstream.base_url, head.prompt_tokens, 0.0, False, self.activity.forwarded_to(upstream.base_url)
-            )
-            log.info(
-                "heads: saved %s of %d tokens (%d MB) from %s; the server paused %.0f ms",
-                f"session {head.session}'s state" if head.session else "a head",
-                head.prompt_tokens,
-                size // 1_000_000,
-                upstream.label,
-                pause_ms,
-            )
+        self._refused.difference_update([r for r in self._refused if r[1] == hid])  # a new file under that id
+        kept = self.book.entry(hid)
+        if kept is not None and head.session:
+            await self.book.delete(earlier_states(self.book.heads(), kept))
+        if self.book.entry(hid) is None:
+            return None
+        self.book.count("session_saved" if head.session else "saved", head.scope)
+        log.info(
+            "heads: saved %s of %d tokens (%d MB) from %s; the server paused %.0f ms",
+            f"session {head.session}'s state" if head.session else "a head",
+            head.prompt_tokens,
+            size // 1_000_000,
+            upstream.label,
+            pause_ms,
+        )
+        return Restored(
+            hid, upstream.base_url, head.prompt_tokens, 0.0, False, self._activity.forwarded_to(upstream.base_url)
+        )
 
     async def save_slot(
         self, upstream: Upstream, slot: int, head: SavedTurn, hid: str, forwards: int
@@ -171,7 +176,7 @@ class SlotIO:
         name = f"{SLOT_PREFIX}{hid}.bin"
         n_saved, n_written = await save_slot(self._client(), upstream, slot, name, TIMEOUT, head.prompt_tokens)
         pause_ms = (time.perf_counter() - t0) * 1000.0
-        if self.activity.forwarded_to(upstream.base_url) != forwards:
+        if self._activity.forwarded_to(upstream.base_url) != forwards:
             raise SlotError("a request came during the save: the slot may have held its KV, not the head's")
         if n_saved > most:
             raise SlotError(f"the slot held {n_saved} tokens, more than the head's turn ({most}): reused")
@@ -182,13 +187,13 @@ class SlotIO:
         return covered(links, self.usable(upstream))
 
     def usable(self, upstream: Upstream) -> list[HeadEntry]:
-        return [e for e in self.book.entries.values() if (upstream.base_url, e.id) not in self.refused]
+        return [e for e in self.book.heads() if (upstream.base_url, e.id) not in self._refused]
 
     def came_between(self, upstream: Upstream, action: str) -> None:
         """A request was forwarded while a slot action waited: llama-server may have deferred the action behind it
         and acted on that request's KV. The router is told the server's slots hold nothing it knows of."""
         log.warning("heads: a request came to %s during a %s: its slots are counted as emptied", upstream.label, action)
-        self.on_displaced(upstream)
+        self._on_displaced(upstream)
 
     async def key(self, upstream: Upstream, wait: bool = True) -> ServerKey | None:
         """The key a head of this server is valid under; None until its model's sha256 is known (read once, in a

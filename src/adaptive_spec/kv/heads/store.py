@@ -22,7 +22,7 @@ import aiohttp
 
 from adaptive_spec.common.lru import LRU
 from adaptive_spec.kv.costs import PrefillRate
-from adaptive_spec.kv.heads.activity import Mark, Verdict
+from adaptive_spec.kv.heads.activity import Mark, ServerActivity, Verdict
 from adaptive_spec.kv.heads.book import HeadBook
 from adaptive_spec.kv.heads.files import sweep_slot_files, unlink
 from adaptive_spec.kv.heads.plan import (
@@ -58,7 +58,10 @@ class HeadStore:
         slot_dir: Path,
         client: Callable[[], aiohttp.ClientSession],
         say: Callable[[str], None] = log.info,
+        displaced: Callable[[Upstream], None] = lambda _upstream: None,
     ) -> None:
+        """`displaced`: told when a slot action the server deferred behind a request acted on that request's KV (the
+        proxy tells its router: that server's slots hold nothing it knows of)."""
         if config.directory is None:
             raise ValueError("HeadsConfig.directory: resolve the state directory's heads/ first")
         self.config, self.slot_dir, self._client, self._say = config, slot_dir, client, say
@@ -83,9 +86,10 @@ class HeadStore:
         with contextlib.suppress(OSError):  # what a save or restore cut short left in the slot directory
             if swept := sweep_slot_files(slot_dir, SLOT_PREFIX):
                 log.info("heads: %d slot files a cut save or restore left in %s removed", swept, slot_dir)
-        self._entries = self.book.entries  # the book's own dict: it adds and removes, the store reads
-        self._io = SlotIO(config, slot_dir, client, self.book, self.counts, lambda upstream: self.displaced(upstream))
-        self._activity, self._held = self._io.activity, self._io.held
+        # What was forwarded to each server, its restarts, its inert restores: changed by the store, asked by its I/O.
+        self._activity = ServerActivity()
+        self._held: dict[tuple[str, int], Restored] = {}  # the head each server's slot holds (warm start, save)
+        self._io = SlotIO(config, slot_dir, client, self.book, self.counts, self._activity, displaced)
         # Sessions whose state is saved once they have been idle a while: the timer, and the server it waits for.
         # Keyed by (tenant scope, session id): one tenant's session of a name is not another's.
         self._idle_saves: dict[tuple[str, str], tuple[asyncio.TimerHandle, str]] = {}
@@ -94,8 +98,6 @@ class HeadStore:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._verifying: asyncio.Task[None] | None = None  # the checksums of the heads the last run left
         self._lock = self._io.lock  # one save or restore at a time: each pauses the server's slots
-        # A slot action the server deferred behind a request acted on that request's KV: the router is told.
-        self.displaced: Callable[[Upstream], None] = lambda _upstream: None
 
     # -- the request path -----------------------------------------------------------------------------------------
 
@@ -157,7 +159,7 @@ class HeadStore:
         saves, and `_LOCK_WAIT_S` at most (two sessions starting at once on two slots both get their head)."""
         self._verify()
         inert = self._activity.is_inert(upstream.base_url, time.monotonic())
-        if upstream.upstream_model is not None or inert or not self._entries:
+        if upstream.upstream_model is not None or inert or not self.book.heads():
             return None
         try:
             key = await self._io.key(upstream, wait=False)  # on a request's path: no wait for the model's digest
@@ -245,7 +247,7 @@ class HeadStore:
     def emptied(self, upstream: Upstream) -> None:
         """Its slots were erased: no head is held there any more."""
         for key in [k for k in self._held if k[0] == upstream.base_url]:
-            del self._held[key]  # in place: the slot I/O holds the same table
+            del self._held[key]
 
     async def settled(self) -> None:
         """Wait for the saves and warm starts under way (tests, shutdown)."""
@@ -272,14 +274,12 @@ class HeadStore:
             "counts": dict(self.counts),
             "pending": len(self._tasks),
             "idle_waits": len(self._idle_saves),  # sessions whose state is saved when they have been idle a while
-            "inert_servers": sorted(
-                s for s in list(self._activity.inert) if self._activity.is_inert(s, time.monotonic())
-            ),
+            "inert_servers": self._activity.inert_servers(time.monotonic()),
         }
 
     async def delete(self, head: str | None, scope: str | None = None) -> int:
         """Remove one head (or all, `head` None) of `scope` (None: every scope): how many were removed."""
-        mine = [e.id for e in self._entries.values() if scope is None or e.scope == scope]
+        mine = [e.id for e in self.book.heads() if scope is None or e.scope == scope]
         return await self.book.delete(mine if head is None else [h for h in mine if h == head])
 
     # -- inside ---------------------------------------------------------------------------------------------------
@@ -319,7 +319,7 @@ class HeadStore:
             waiting[0].cancel()
 
     def _judge(self, upstream: Upstream, restored: Restored, cache_n: int) -> None:
-        entry = self._entries.get(restored.head)
+        entry = self.book.entry(restored.head)
         verdict, strikes = self._activity.judge(
             upstream.base_url,
             restored.forwards,
@@ -364,10 +364,8 @@ class HeadStore:
         now = time.monotonic()
         usable = (
             e
-            for e in self._entries.values()
-            if self.book.verified(e.id)
-            and (upstream.base_url, e.id) not in self._io.refused
-            and not self._activity.head_inert(upstream.base_url, e.id, now)
+            for e in self._io.usable(upstream)  # none llama-server refused there
+            if self.book.verified(e.id) and not self._activity.head_inert(upstream.base_url, e.id, now)
         )
         match = best_match(chains[0], usable, chains[1])
         if match is None:
@@ -438,7 +436,7 @@ class HeadStore:
         if self.config.project_keys:
             return  # projects are tenants: a slot warmed with one's head would serve it to any project's request
         inert = self._activity.is_inert(upstream.base_url, time.monotonic())
-        if not (restore and self.config.warm_start) or inert or not self._entries:
+        if not (restore and self.config.warm_start) or inert or not self.book.heads():
             return
         await self._verify()
         key, t0 = await self._io.key(upstream), time.perf_counter()
@@ -446,7 +444,7 @@ class HeadStore:
             return
         forwards = self._activity.forwarded_to(upstream.base_url)
         n_slots = await self._io.idle(upstream, wait_s=0.0) or 0
-        verified = (e for e in self._entries.values() if self.book.verified(e.id))
+        verified = (e for e in self.book.heads() if self.book.verified(e.id))
         heads = most_recent(verified, key.hex(), n_slots)
         done = 0
         for slot, entry in enumerate(heads):
@@ -467,7 +465,7 @@ class HeadStore:
             )
         else:
             self._say(
-                f"heads: none of the {len(self._entries)} kept is of {upstream.label}'s model and settings "
+                f"heads: none of the {len(self.book.heads())} kept is of {upstream.label}'s model and settings "
                 f"(its slots {when} stay empty)"
             )
 
@@ -499,14 +497,16 @@ class HeadStore:
         if key is None:
             return  # its model cannot be known by content here: nothing is kept for it
         links = chain(key, head.pieces, head.scope)
-        if not links or self._io.covered(upstream, links) or head_id(links) in self.book.saving:
+        if not links or self._io.covered(upstream, links) or self.book.saving(head_id(links)):
             return  # kept already, or being saved: one save of a head at a time, so its files are its own
         if not head.session and covered_but_last(links, head.chars, self._io.usable(upstream)):
             return  # the head is kept; this session's first message alone is not worth a file of its size
         hid = head_id(links)
-        self.book.saving.add(hid)
+        self.book.save_started(hid)
         try:
-            await self._io.save_idle(upstream, slot, head, (key, links), mark)
+            held = await self._io.save_idle(upstream, slot, head, (key, links), mark)
+            if held is not None:
+                self._held[(upstream.base_url, slot or 0)] = held
         finally:
-            self.book.saving.discard(hid)
+            self.book.save_ended(hid)
             await asyncio.to_thread(unlink, self.slot_dir / f"{SLOT_PREFIX}{hid}.bin")

@@ -120,10 +120,10 @@ async def test_the_book_keeps_its_bound_and_refuses_a_save_without_free_disk(
     for n in range(4):
         (tmp_path / f"{_entry(n, 100).id}.head").write_bytes(b"x" * 100)
         await book.add(_entry(n, 100, used=float(n)))
-        assert sum(e.bytes for e in book.entries.values()) <= 250
-    assert [e.id for e in book.entries.values()] == [_entry(2, 100).id, _entry(3, 100).id]
+        assert sum(e.bytes for e in book.heads()) <= 250
+    assert [e.id for e in book.heads()] == [_entry(2, 100).id, _entry(3, 100).id]
     assert counts["evicted"] == 2 and len(_heads(tmp_path)) == 2
-    assert [e["id"] for e in json.loads((tmp_path / INDEX).read_text())] == list(book.entries)
+    assert [e["id"] for e in json.loads((tmp_path / INDEX).read_text())] == [e.id for e in book.heads()]
 
     class Usage:
         free = 10 * 1024**2
@@ -132,7 +132,7 @@ async def test_the_book_keeps_its_bound_and_refuses_a_save_without_free_disk(
     assert not await book.room(prompt_tokens=1000) and counts["refused"] == 1
     Usage.free = 10 * 1024**4
     assert await book.room(prompt_tokens=2)  # room on the disk, within the bound ...
-    assert len(book.entries) == 2 and counts["evicted"] == 2  # ... and nothing evicted for a save not made yet
+    assert len(book.heads()) == 2 and counts["evicted"] == 2  # ... and nothing evicted for a save not made yet
     assert not await book.room(prompt_tokens=10**6) and counts["refused"] == 2  # a head larger than the bound: no
 
 
@@ -146,16 +146,16 @@ async def test_a_truncated_or_damaged_head_is_removed_before_any_restore(tmp_pat
     (tmp_path / f"{flipped.id}.head").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     counts = dict.fromkeys(("refused", "evicted", "removed"), 0)
     book = HeadBook(tmp_path, max_bytes=10**9, counts=counts)
-    assert cut.id not in book.entries  # its size told at load
+    assert book.entry(cut.id) is None  # its size told at load
     assert not await book.check(good)  # not restored before its checksum is verified (in the background)
     await book.verify()
     assert await book.check(good) and not await book.check(flipped)
-    assert list(book.entries) == [good.id] and counts["removed"] == 1
+    assert [e.id for e in book.heads()] == [good.id] and counts["removed"] == 1
     assert _heads(tmp_path) == [f"{good.id}.head"]
     assert [e["id"] for e in json.loads((tmp_path / INDEX).read_text())] == [good.id]
     assert await book.delete([good.id]) == 1
     await book.used(good)  # its restore ended after it was deleted: it is not brought back
-    assert book.entries == {} and json.loads((tmp_path / INDEX).read_text()) == []
+    assert book.heads() == [] and json.loads((tmp_path / INDEX).read_text()) == []
 
 
 def test_a_staged_copy_is_private_from_its_first_byte_and_the_heads_directory_is_made_private(
@@ -203,12 +203,12 @@ async def test_one_tenant_fills_only_its_own_share_of_the_bound(tmp_path: Path) 
         mine = replace(_entry(n, 100, used=float(n + 1)), scope="team-a")
         (tmp_path / f"{mine.id}.head").write_bytes(b"x" * 100)
         await book.add(mine)
-    kept = {e.id: e.scope for e in book.entries.values()}
+    kept = {e.id: e.scope for e in book.heads()}
     assert list(kept.values()).count("team-a") == 2 and theirs.id in kept, kept  # team-b's oldest head stays
     large = replace(_entry(7, 300, used=9.0), scope="team-b")
     (tmp_path / f"{large.id}.head").write_bytes(b"x" * 300)
     await book.add(large)  # larger than a share: not kept, and nothing of team-b's pushed out for it
-    assert large.id not in book.entries and theirs.id in book.entries and counts["refused"] == 1
+    assert book.entry(large.id) is None and book.entry(theirs.id) is not None and counts["refused"] == 1
     assert not (tmp_path / f"{large.id}.head").exists()
     book.close()
 
