@@ -6,7 +6,6 @@ Pure bookkeeping: `Router` starts and ends requests on it."""
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping
 
@@ -61,31 +60,20 @@ class ServerBooks:
             book.elsewhere = {s: n for s, n in by_home.get(home, {}).items() if s >= 0 and n > 0}
 
     def occupied_elsewhere(
-        self,
-        by_home: Mapping[tuple[str, int], Mapping[int, str]],
-        mine: Callable[[str], bool],
-        idle_s: Mapping[tuple[str, int], Mapping[int, float]] | None = None,
+        self, by_home: Mapping[tuple[str, int], Mapping[int, str]], mine: Callable[[str], bool]
     ) -> None:
-        """Which session each slot of each server holds, as the proxies wrote it, and how many seconds ago it last
-        served it (`idle_s`): a slot counts as used when any proxy last used it, so every proxy evicts the same least
-        recently used KV; one holding a session this proxy did not place, with no age said, counts as used just now
-        (a new session takes an empty one first). The server counts as holding that many more sessions."""
+        """Which session each slot of each server holds, as other proxies wrote it: a slot holding a session this
+        proxy did not place counts as used just now (a new session takes an empty one first), and the server as
+        holding that many more sessions."""
         now = time.monotonic()
         self.sessions_elsewhere = {}
         for home, slots in by_home.items():
             book = self._books.get(home)
             if book is None:
                 continue
-            ages = (idle_s or {}).get(home, {})
             for slot, session in slots.items():
-                if not 0 <= slot < book.slots:
-                    continue
-                ago = ages.get(slot)
-                if ago is not None:
-                    book.last_used[slot] = max(book.last_used.get(slot, 0.0), now - ago)
-                elif not mine(session):
+                if not mine(session) and 0 <= slot < book.slots:
                     book.last_used[slot] = max(book.last_used.get(slot, 0.0), now)
-                if not mine(session):
                     self.sessions_elsewhere[home] = self.sessions_elsewhere.get(home, 0) + 1
 
     def remember_slot(self, profile: str, replica: int, session_id: str, slot: int | None) -> None:
@@ -141,12 +129,9 @@ class ServerBooks:
         health = self.health.replica_health(profile)
         count_sessions = count_sessions or len(health) > 1
         states = []
-        now = time.monotonic()
         for i, (url, down) in enumerate(health):
             book = self.book(profile, i)
             in_flight = self._in_flight(self.home(profile, i))
-            free = [s for s in range(book.slots) if not book.taken(s)] if book.slots > 1 else []
-            idle = max((now - book.last_used[s] if s in book.last_used else math.inf for s in free), default=0.0)
             states.append(
                 ReplicaState(
                     index=i,
@@ -161,7 +146,6 @@ class ServerBooks:
                         if count_sessions
                         else 0
                     ),
-                    idle_s=None if book.slots == 1 or math.isinf(idle) else round(idle, 3),
                 )
             )
         return states

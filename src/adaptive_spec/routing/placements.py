@@ -130,10 +130,9 @@ class Placements:
         return len(self._by_session)
 
     def count_on(self, profile: str, replica: int) -> int:
-        """Sessions whose KV cache lives on this replica's server, in a slot (a tie-break for new sessions: spread
-        them); one displaced since does not count."""
+        """Sessions whose KV cache lives on this replica's server (a tie-break for new sessions: spread them)."""
         home = self._home(profile, replica)
-        return sum(1 for _, p in self._by_session.items() if p.in_slot and self._home(p.profile, p.replica) == home)
+        return sum(1 for _, p in self._by_session.items() if self._home(p.profile, p.replica) == home)
 
     def items(self) -> list[tuple[str, Placement]]:
         return self._by_session.items()

@@ -9,13 +9,11 @@ profile-level decision stays `decide()`'s; `choose_replica()` is pure and picks 
   move costs less than the wait: with its KV (slot save + transfer + restore) when the two can hand over, else by
   re-prefilling;
 - a new session (or one arriving from another profile) goes to the least loaded replica: most free slots, then
-  fewest requests in flight, then fewest sessions placed there, then the free slot idle longest (the coldest KV it
-  would evict; with several proxies, idle since any of them used it).
+  fewest requests in flight, then fewest sessions placed there.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -34,9 +32,6 @@ class ReplicaState:
     busy_slots: int = 0  # slots with a request running (the router's own count)
     in_flight: int = 0  # requests being served, running or queued
     sessions: int = 0  # sessions whose KV cache lives here
-    # How long the longest-idle free slot has gone unused, in seconds (None: one never used, or a one-slot server;
-    # 0: none free): a new session here evicts that slot's KV.
-    idle_s: float | None = None
 
     @property
     def free_slots(self) -> int:
@@ -71,10 +66,9 @@ class ReplicaChoice:
     handoff: bool = False  # save its slot there and restore it here (else it re-prefills, or had nothing)
 
 
-def load_key(r: ReplicaState) -> tuple[int, int, int, float, int]:
-    """Least loaded first: most free slots, fewest in flight, fewest sessions placed, the free slot idle longest, then
-    the lower index."""
-    return (-r.free_slots, r.in_flight, r.sessions, -(math.inf if r.idle_s is None else r.idle_s), r.index)
+def load_key(r: ReplicaState) -> tuple[int, int, int, int]:
+    """Least loaded first: most free slots, fewest in flight, fewest sessions placed, then the lower index."""
+    return (-r.free_slots, r.in_flight, r.sessions, r.index)
 
 
 def least_loaded(replicas: Sequence[ReplicaState]) -> ReplicaState | None:

@@ -414,21 +414,14 @@ class Router:
         placement: Placement | None,
         booked: Mapping[str, Mapping[int, int]],
         occupants: Mapping[str, Mapping[int, str]] | None = None,
-        idle_s: Mapping[str, Mapping[int, float]] | None = None,
     ) -> None:
         """What the other proxies said just before this request is routed: where the session's KV lives (their
         placement of it, newer than this proxy's), the requests they have booked on each server (by its URL, slot by
-        slot; -1: a request that named none), which session each slot holds and how many seconds ago it last
-        served it (whichever proxy served it: the least recently used slot is the same for every proxy)."""
+        slot; -1: a request that named none), and which session each slot holds."""
         homes = {self.server_url(n, i): self.home(n, i) for n in self.health.names() for i in self._replicas(n)}
         self.load.booked_elsewhere({homes[url]: slots for url, slots in booked.items() if url in homes})
         held = {homes[url]: slots for url, slots in (occupants or {}).items() if url in homes}
-        for (profile, replica), slots in held.items():  # a slot another session holds now holds none of the others
-            for slot, sid in slots.items():
-                self.placements.displace(profile, slot, keep=sid, replica=replica)
-        idle = {homes[url]: slots for url, slots in (idle_s or {}).items() if url in homes}
-        mine = lambda sid: sid == session_id or self.placements.get(sid) is not None  # noqa: E731
-        self.load.occupied_elsewhere(held, mine, idle)
+        self.load.occupied_elsewhere(held, lambda sid: sid == session_id or self.placements.get(sid) is not None)
         if session_id is not None and placement is not None:
             self.placements.adopt(session_id, placement)
             self.load.remember_slot(placement.profile, placement.replica, session_id, placement.slot)

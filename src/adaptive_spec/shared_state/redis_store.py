@@ -49,16 +49,6 @@ redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[5]))
 return 1
 """
 )
-# KEYS[1]: the server's occupants; ARGV: slot, session, ttl ms. The session is written with the moment, on Redis's
-# clock, so every proxy reads how long ago a slot last served it ("session|ms").
-_OCCUPY = (
-    _NOW
-    + """
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. '|' .. now)
-redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
-return 1
-"""
-)
 # KEYS[1]: the server's bookings; ARGV[1]: lease ms, then the members.
 _RENEW = (
     _NOW
@@ -68,15 +58,6 @@ redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[1]))
 return 1
 """
 )
-
-
-def occupant(value: str, now_ms: int) -> tuple[str, float | None]:
-    """A slot's occupant as stored ("session|ms") and how many seconds ago it was written; a value without the
-    moment (an older version's) has no age."""
-    session, _, ms = value.rpartition("|")
-    if not session or not ms.isdigit():
-        return value, None
-    return session, max(0.0, (now_ms - int(ms)) / 1000)
 
 
 def redacted(url: str) -> str:
@@ -122,25 +103,17 @@ class RedisStore:
         pipe.eval(_LIVE, len(servers), *[PREFIX + "booked:" + s for s in servers])
         for server in servers:
             pipe.hgetall(PREFIX + "occupant:" + server)
-        pipe.time()
-        placed, live, *occupants, (seconds, micros) = await self._run(pipe.execute())
-        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        placed, live, *occupants = await self._run(pipe.execute())
         bookings = {
             s: [b for m in members if (b := Booking.parse(s, m.decode())) is not None]
             for s, members in zip(servers, live, strict=True)
         }
-        occupied: dict[str, dict[int, str]] = {}
-        idle: dict[str, dict[int, float]] = {}
-        for s, table in zip(servers, occupants, strict=True):
-            for k, v in table.items():
-                if not k.lstrip(b"-").isdigit():
-                    continue
-                session, ago = occupant(v.decode(), now_ms)
-                occupied.setdefault(s, {})[int(k)] = session
-                if ago is not None:
-                    idle.setdefault(s, {})[int(k)] = ago
-        placement = SharedPlacement.decode(placed) if session_id is not None else None
-        return Reading(placement, bookings, occupied, idle)
+        occupied = {
+            s: {int(k): v.decode() for k, v in table.items() if k.lstrip(b"-").isdigit()}
+            for s, table in zip(servers, occupants, strict=True)
+            if table
+        }
+        return Reading(SharedPlacement.decode(placed) if session_id is not None else None, bookings, occupied)
 
     async def book(self, booking: Booking, lease_s: float, force: bool) -> bool:
         args: list[str | int] = [booking.member, str(booking.slot), booking.proxy, booking.session]
@@ -167,7 +140,8 @@ class RedisStore:
         pipe = self._redis.pipeline(transaction=False)
         pipe.set(PREFIX + "place:" + session_id, placement.encode(), px=ttl_ms)
         if slot is not None:
-            pipe.eval(_OCCUPY, 1, PREFIX + "occupant:" + placement.server, str(slot), session_id, ttl_ms)
+            pipe.hset(PREFIX + "occupant:" + placement.server, str(slot), session_id)
+            pipe.pexpire(PREFIX + "occupant:" + placement.server, ttl_ms)
         await self._run(pipe.execute())
 
     async def close(self) -> None:

@@ -116,8 +116,7 @@ class SharedState:
             router.adopt(None, None, {})  # what the store said before is stale: this proxy's own counts alone
             return
         booked = reading.booked_elsewhere(self.proxy_id, session_id)
-        placement = self._placement(router, session_id, reading)
-        router.adopt(session_id, placement, booked, reading.occupants, reading.idle_s)
+        router.adopt(session_id, self._placement(router, session_id, reading), booked, reading.occupants)
 
     def _placement(self, router: Router, session_id: str | None, reading: Reading) -> Placement | None:
         """The placement the router takes: the other proxy's when it is newer than this one's and names the same

@@ -89,12 +89,8 @@ class MemoryStore:
         self._check()
         raw = self._get("place:" + session_id) if session_id is not None else None
         bookings = {s: [b for m in self._live(s) if (b := Booking.parse(s, m)) is not None] for s in servers}
-        now = self._clock()
-        tables = {s: o for s in servers if isinstance(o := self._get("occupant:" + s), dict)}
-        occupants = {s: {slot: session for slot, (session, _) in t.items()} for s, t in tables.items()}
-        idle = {s: {slot: max(0.0, now - at) for slot, (_, at) in t.items()} for s, t in tables.items()}
-        placement = SharedPlacement.decode(raw if isinstance(raw, bytes) else None)
-        return Reading(placement, bookings, occupants, idle)
+        occupants = {s: o for s in servers if isinstance(o := self._get("occupant:" + s), dict)}
+        return Reading(SharedPlacement.decode(raw if isinstance(raw, bytes) else None), bookings, occupants)
 
     async def book(self, booking: Booking, lease_s: float, force: bool) -> bool:
         self._check()
@@ -123,7 +119,7 @@ class MemoryStore:
         if slot is not None:
             occupants = self._get("occupant:" + placement.server)
             table = dict(occupants) if isinstance(occupants, dict) else {}
-            table[slot] = (session_id, self._clock())
+            table[slot] = session_id
             self._values["occupant:" + placement.server] = (table, end)
 
     def flush(self) -> None:

@@ -81,13 +81,11 @@ class SharedPlacement:
 class Reading:
     """What one read before routing found: the session's placement, the live bookings of each server, and which
     session each slot served last (`occupants`: a placement whose slot has served another session since is no longer
-    in the slot) and how long ago, in seconds by the store's clock (`idle_s`; a slot written by a version that did not
-    say is absent)."""
+    in the slot)."""
 
     placement: SharedPlacement | None = None
     bookings: dict[str, list[Booking]] = field(default_factory=dict)
     occupants: dict[str, dict[int, str]] = field(default_factory=dict)
-    idle_s: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def booked_elsewhere(self, proxy: str, session: str | None = None) -> dict[str, dict[int, int]]:
         """The requests proxies other than `proxy` booked, per server and slot (`session`'s own aside)."""

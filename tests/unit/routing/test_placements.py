@@ -8,15 +8,6 @@ from dataclasses import replace
 from adaptive_spec.routing.placements import Placement, Placements
 
 
-def test_a_session_displaced_from_its_slot_no_longer_counts_on_its_server() -> None:
-    placements = Placements()
-    placements.served("a", "plain", 0, 100, 8)
-    placements.served("b", "plain", 1, 100, 8)
-    assert placements.count_on("plain", 0) == 2
-    placements.displace("plain", 0, keep="c")  # another session took slot 0: a's KV is gone from the server
-    assert placements.count_on("plain", 0) == 1
-
-
 class _Scan:
     """The reference: every session looked at on each displacement (what the index replaces)."""
 

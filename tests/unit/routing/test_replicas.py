@@ -32,13 +32,9 @@ def r(index: int, **kw: Any) -> ReplicaState:
     ("replicas", "held_on", "costs", "expected"),
     [
         ([r(0)], None, None, (0, "only", None, False)),
-        # New sessions: most free slots, then fewest in flight, then fewest sessions placed, then the free slot idle
-        # longest (None: never used).
+        # New sessions: most free slots, then fewest in flight, then fewest sessions placed.
         ([r(0, busy_slots=1, in_flight=1), r(1)], None, None, (1, "least-loaded", None, False)),
         ([r(0, sessions=3), r(1, sessions=2)], None, None, (1, "least-loaded", None, False)),
-        ([r(0, idle_s=40.0, sessions=3), r(1, idle_s=3.0, sessions=2)], None, None, (1, "least-loaded", None, False)),
-        ([r(0, idle_s=3.0), r(1, idle_s=40.0)], None, None, (1, "least-loaded", None, False)),
-        ([r(0, idle_s=3.0), r(1, idle_s=None)], None, None, (1, "least-loaded", None, False)),
         ([r(0), r(1)], None, None, (0, "least-loaded", None, False)),
         ([r(0, down_reason="refused"), r(1, sessions=9)], None, None, (1, "least-loaded", None, False)),
         # A placed session stays on its KV cache, however loaded the others are not.

@@ -28,7 +28,6 @@ async def test_what_one_proxy_writes_the_other_reads(redis_server: RedisServer) 
     reading = await b.read("s1", [SERVER, "http://10.0.0.2:8080"])
     assert reading.placement == placed
     assert reading.occupants == {SERVER: {1: "s1"}}
-    assert 0.0 <= reading.idle_s[SERVER][1] < 30  # since a wrote it, by Redis's clock
     assert reading.booked_elsewhere("b") == {SERVER: {1: 1}}
     assert reading.booked_elsewhere("a") == {}  # a's own, counted by a's router already
     assert redis_server.client().pttl("adaptive-spec:place:s1") > 0  # everything expires

@@ -5,19 +5,15 @@ bookings lapse."""
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import pytest
 
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
-from adaptive_spec.routing import load
 from adaptive_spec.routing.contract import Completion, FixedPolicy, Route
-from adaptive_spec.routing.placements import Placement
 from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.grouping import SessionRegistry
 from adaptive_spec.shared_state.shell import SharedState
 from adaptive_spec.shared_state.store import MemoryStore
-from adaptive_spec.shared_state.values import SharedPlacement
 from adaptive_spec.telemetry.records import Timings
 from tests.support.routing import request
 
@@ -109,53 +105,6 @@ async def test_without_the_shared_state_the_other_proxy_routes_blind() -> None:
         moved += _where(route) != placed[sid]
         await b.end(rid, route)
     assert moved > 0  # what the shared state fixes
-
-
-@pytest.mark.asyncio
-async def test_a_new_session_evicts_the_slot_no_proxy_has_used_for_longest(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Proxy a filled every slot; since then b served the two oldest sessions again. By a's own clock their slots are
-    the coldest; by the store's they are the warmest, and a's next new session takes a slot neither has used since."""
-    clock = Clock()
-    monkeypatch.setattr(load, "time", SimpleNamespace(monotonic=clock))
-    store = MemoryStore(clock)
-    a, b = Proxy(store, clock, "a"), Proxy(store, clock, "b")
-    placed = {}
-    for n in range(4):
-        rid, route = await a.start(f"o{n}", 0)
-        clock.now += 1
-        await a.end(rid, route)
-        placed[f"o{n}"] = _where(route)
-    assert len(set(placed.values())) == 4, placed
-    for sid in ("o0", "o1"):
-        clock.now += 10
-        rid, route = await b.start(sid, 1)
-        assert _where(route) == placed[sid]
-        await b.end(rid, route)
-    clock.now += 10
-    _, route = await a.start("new", 0)
-    assert _where(route) not in {placed["o0"], placed["o1"]}, route.decision.reason
-
-
-@pytest.mark.asyncio
-async def test_a_slot_another_proxy_filled_since_holds_none_of_this_proxys_sessions() -> None:
-    """a placed a session; b's new session took its slot since. a no longer counts that session on the server (its
-    count of sessions per server, the tie-break between servers for a new session, is the same as b's)."""
-    store, clock = MemoryStore(Clock()), Clock()
-    a, b = Proxy(store, clock, "a"), Proxy(store, clock, "b")
-    rid, old = await a.start("old", 0)
-    await a.end(rid, old)
-    assert a.router.placements.count_on("plain", old.decision.replica) == 1
-    rid, new = await b.start("new", 0)
-    b.router.complete(new, Completion(ok=False))
-    server, slot = a.router.server_url("plain", old.decision.replica), old.slot
-    assert slot is not None
-    await store.place(
-        "new", SharedPlacement(server, Placement("plain", slot, 40, 1, 8.0, replica=old.decision.replica), 1), slot, 60
-    )
-    await a.shared.before_route(a.router, "another")
-    placement = a.router.placements.get("old")
-    assert placement is not None and not placement.in_slot
-    assert a.router.placements.count_on("plain", old.decision.replica) == 0
 
 
 @pytest.mark.asyncio
