@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 
 from adaptive_spec.errors import AdaptiveSpecError
-from tests.support.outside import missing
-from tests.support.redis import RedisServer
-from tests.support.servers import LlamaServer
-from tests.support.tiny_gguf import write_tiny_gguf
+from tests.support.models.tiny_gguf import write_tiny_gguf
+from tests.support.processes.outside import missing
+from tests.support.processes.redis import RedisServer
+from tests.support.processes.servers import LlamaServer
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

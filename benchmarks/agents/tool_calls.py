@@ -26,7 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from tests.support.servers import LlamaServer, http_json
+from tests.support.processes.servers import LlamaServer, http_json
 
 from adaptive_spec.bench.workload import Replay, Workload, parse_workload
 from adaptive_spec.llama.models import embedded_chat_template, ensure_embedded

@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.support.servers import LlamaServer
+from tests.support.processes.servers import LlamaServer
 
 from adaptive_spec.llama.binary.which import find_llama_server
 from adaptive_spec.llama.models import resolve_model

@@ -29,7 +29,7 @@ import urllib.error
 from pathlib import Path
 from typing import Any
 
-from tests.support.servers import LlamaServer, http_json
+from tests.support.processes.servers import LlamaServer, http_json
 
 from adaptive_spec.llama.models import embedded_chat_template, ensure_embedded
 from adaptive_spec.policy.model import Policy

@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.support.servers import ProxyProcess
+from tests.support.processes.servers import ProxyProcess
 
 from benchmarks.harness import ROOT, results
 

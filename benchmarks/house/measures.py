@@ -9,8 +9,8 @@ A folder's modules are its `.py` files less `__init__.py`, counted for `src/adap
 ones included); a circle is a set of modules that reach each other through arrows (a strongly connected component of
 more than one module). The walk: the modules a chat request's calls enter, in order, on its second turn of a session,
 through the proxy built in-process (`build_app`) in front of the fast fake llama-server
-(`tests/support/fast_upstream.py`), under `sys.setprofile`; rooms are the distinct modules entered, returns the times
-the walk comes back into a module it had left. Each tree's walk runs in a process of its own with that tree's
+(`tests/support/fakes/fast_upstream.py`), under `sys.setprofile`; rooms are the distinct modules entered, returns the
+times the walk comes back into a module it had left. Each tree's walk runs in a process of its own with that tree's
 `src/` first on its path (the median of five requests)."""
 
 from __future__ import annotations
@@ -191,8 +191,8 @@ def _profiler(calls: list[str]) -> Any:
 async def _walk_once() -> list[tuple[int, int, int]]:
     import aiohttp
     from aiohttp.test_utils import TestServer
-    from tests.support.fast_upstream import FastUpstream
-    from tests.support.servers import free_port
+    from tests.support.fakes.fast_upstream import FastUpstream
+    from tests.support.processes.servers import free_port
 
     from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
     from adaptive_spec.proxy.app import ProxySettings, build_app

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.support.tiny_gguf import write_tiny_gguf
+from tests.support.models.tiny_gguf import write_tiny_gguf
 
 from adaptive_spec.llama.models import ensure_embedded
 from benchmarks.harness import results

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from tests.support.relay import RelayProcess
-from tests.support.servers import LlamaServer, http_json
+from tests.support.processes.relay import RelayProcess
+from tests.support.processes.servers import LlamaServer, http_json
 
 from adaptive_spec.kv.relay_client import RelayClient
 from adaptive_spec.kv.slot_files import file_sha256

@@ -24,8 +24,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.support.servers import free_port, terminate
-from tests.support.tiny_drafters import write_tiny_mtp_target
+from tests.support.models.tiny_drafters import write_tiny_mtp_target
+from tests.support.processes.servers import free_port, terminate
 
 from adaptive_spec.bench import machine
 from adaptive_spec.kv.heads.book import _PRIOR_BYTES_PER_TOKEN

@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.support.servers import ProxyProcess, http_json
+from tests.support.processes.servers import ProxyProcess, http_json
 
 from adaptive_spec.bench import machine
 from benchmarks.harness import RESULTS, results

@@ -62,8 +62,8 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
-from tests.support.fast_upstream import PATH
-from tests.support.fast_upstream import run as upstream_main
+from tests.support.fakes.fast_upstream import PATH
+from tests.support.fakes.fast_upstream import run as upstream_main
 
 from adaptive_spec.llama.launch import free_port
 from adaptive_spec.streams.meter import ResponseMeter

@@ -433,8 +433,8 @@ def _tiktoken_tokenizer() -> Callable[[], Tokenizer]:
 
 
 def _tokenize_server() -> tuple[multiprocessing.process.BaseProcess, str]:
-    """The fast fake llama-server (tests/support/fast_upstream.py), in a process of its own: its /tokenize."""
-    from tests.support.fast_upstream import run as upstream_main
+    """The fast fake llama-server (tests/support/fakes/fast_upstream.py), in a process of its own: its /tokenize."""
+    from tests.support.fakes.fast_upstream import run as upstream_main
 
     port = free_port("127.0.0.1")
     proc = multiprocessing.get_context("spawn").Process(target=upstream_main, args=(port, 10), daemon=True)

@@ -47,8 +47,8 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
 
-from tests.support.servers import LlamaServer, ProxyProcess
-from tests.support.tiny_gguf import write_tiny_gguf
+from tests.support.models.tiny_gguf import write_tiny_gguf
+from tests.support.processes.servers import LlamaServer, ProxyProcess
 
 from benchmarks.harness import ROOT, results
 from benchmarks.harness.stats import percentile

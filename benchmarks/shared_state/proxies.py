@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.support.redis import RedisServer
-from tests.support.servers import LlamaServer, ProxyProcess, http_json
-from tests.support.tiny_gguf import write_tiny_gguf
+from tests.support.models.tiny_gguf import write_tiny_gguf
+from tests.support.processes.redis import RedisServer
+from tests.support.processes.servers import LlamaServer, ProxyProcess, http_json
 
 from adaptive_spec.bench import machine
 from adaptive_spec.llama.binary.which import find_llama_server

@@ -28,9 +28,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tests.support.servers import LlamaServer
-from tests.support.tiny_drafters import write_tiny_dflash, write_tiny_mtp_target
-from tests.support.tiny_gguf import write_tiny_gguf
+from tests.support.models.tiny_drafters import write_tiny_dflash, write_tiny_mtp_target
+from tests.support.models.tiny_gguf import write_tiny_gguf
+from tests.support.processes.servers import LlamaServer
 
 from adaptive_spec.llama.binary.which import find_llama_server
 from adaptive_spec.llama.models import ensure_embedded

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from tests.support.servers import ProxyProcess
-from tests.support.tiny_drafters import write_tiny_mtp_target
+from tests.support.models.tiny_drafters import write_tiny_mtp_target
+from tests.support.processes.servers import ProxyProcess
 
 from adaptive_spec.bench.stream import stream_chat
 from adaptive_spec.common.headers import PROFILE_HEADER, SESSION_ID_HEADER

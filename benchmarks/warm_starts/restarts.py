@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.support.servers import ProxyProcess, llama_children
+from tests.support.processes.servers import ProxyProcess, llama_children
 
 from benchmarks.harness import ROOT, results
 

@@ -5,7 +5,7 @@ Run:  .venv/bin/python -m benchmarks.warm_starts.slot_restore --binary PATH [--b
       [--out benchmarks/results/slot_restore.json]
 
 The target is the tests' tiny random-weight `qwen35` model (layer 0 a gated delta net, layer 1 attention, as in
-Qwen3.5/3.6: tests/support/tiny_drafters.py). Two servers per binary (`-t 1`, one slot, no speculation, one slot
+Qwen3.5/3.6: tests/support/models/tiny_drafters.py). Two servers per binary (`-t 1`, one slot, no speculation, one slot
 directory). Each round is a fresh conversation: turn 1 on server A, `POST /slots/0?action=save` there,
 `?action=restore` on server B, then turn 2 (turn 1, its reply and a new question) on B, and the same turn 2 on A.
 A recurrent state cannot be rolled back to a shorter prefix, so without the context checkpoints in the slot file the
@@ -24,8 +24,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.support.servers import LlamaServer
-from tests.support.tiny_drafters import write_tiny_mtp_target
+from tests.support.models.tiny_drafters import write_tiny_mtp_target
+from tests.support.processes.servers import LlamaServer
 
 from benchmarks.harness import results
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.agents import ENABLED, e2e_model
-from tests.support.servers import ProxyProcess
+from tests.support.processes.agents import ENABLED, e2e_model
+from tests.support.processes.servers import ProxyProcess
 
 _OPT_IN = pytest.mark.skip(reason="end-to-end agent tests are opt-in: ADAPTIVE_SPEC_E2E=1")
 

@@ -21,7 +21,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
-from tests.support.agents import (
+from tests.support.processes.agents import (
     AGENTS_MODEL,
     CLIENTS,
     ENABLED,
@@ -34,7 +34,7 @@ from tests.support.agents import (
     run,
     summary,
 )
-from tests.support.servers import ProxyProcess
+from tests.support.processes.servers import ProxyProcess
 
 if not ENABLED:
     pytest.skip("end-to-end agent tests are opt-in: ADAPTIVE_SPEC_E2E=1", allow_module_level=True)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.support.agents import CREATE, EDIT, client, estimates_off, file_text, records, run, summary
-from tests.support.servers import ProxyProcess
+from tests.support.processes.agents import CREATE, EDIT, client, estimates_off, file_text, records, run, summary
+from tests.support.processes.servers import ProxyProcess
 
 
 def test_claude_code_creates_then_changes_a_file(proxy: ProxyProcess, workspace: tuple[Path, dict[str, str]]) -> None:

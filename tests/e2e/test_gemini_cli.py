@@ -15,7 +15,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tests.support.agents import (
+from tests.support.processes.agents import (
     CREATE,
     EDIT,
     ROOT,
@@ -27,7 +27,7 @@ from tests.support.agents import (
     run,
     summary,
 )
-from tests.support.servers import ProxyProcess
+from tests.support.processes.servers import ProxyProcess
 
 
 def test_gemini_cli_creates_then_changes_a_file(proxy: ProxyProcess, workspace: tuple[Path, dict[str, str]]) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.support.agents import (
+from tests.support.processes.agents import (
     CREATE,
     EDIT,
     ROOT,
@@ -25,7 +25,7 @@ from tests.support.agents import (
     run,
     summary,
 )
-from tests.support.servers import ProxyProcess
+from tests.support.processes.servers import ProxyProcess
 
 EXAMPLE_BASE = "http://127.0.0.1:8088/p/myproject/v1"
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.agents import CLIENTS, CREATE, GENERATING, client, file_text, records, run, summary
-from tests.support.servers import ProxyProcess
+from tests.support.processes.agents import CLIENTS, CREATE, GENERATING, client, file_text, records, run, summary
+from tests.support.processes.servers import ProxyProcess
 
 
 def _given_up(recs: list[dict[str, Any]]) -> list[tuple[str, int, float | None]]:

@@ -36,10 +36,10 @@ from typing import Any
 
 from adaptive_spec.streams.sse import SSEEvent
 from tests.stress.rig import write_figures
-from tests.support.servers import ProxyProcess, free_port, http_json, pid_alive, wait_until
+from tests.support.models.tiny_gguf import write_tiny_gguf
+from tests.support.models.tiny_policy import tiny_policy
+from tests.support.processes.servers import ProxyProcess, free_port, http_json, pid_alive, wait_until
 from tests.support.sse import stream_events
-from tests.support.tiny_gguf import write_tiny_gguf
-from tests.support.tiny_policy import tiny_policy
 
 LONG = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 100_000, "ignore_eos": True, "stream": True}
 SHORT = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 8, "temperature": 0}

@@ -29,8 +29,8 @@ from adaptive_spec.proxy.app import ProxySettings
 from adaptive_spec.proxy.plan import ServePlan, SessionPlan
 from adaptive_spec.proxy.run import _run
 from tests.stress.fuzz_cases import Case, Generator, Target
-from tests.support.servers import LlamaServer, free_port, http_json, wait_until
-from tests.support.tiny_gguf import write_tiny_gguf
+from tests.support.models.tiny_gguf import write_tiny_gguf
+from tests.support.processes.servers import LlamaServer, free_port, http_json, wait_until
 
 _READ_TIMEOUT_S = 60.0
 _CONCURRENCY = 8

@@ -28,9 +28,9 @@ import aiohttp
 import orjson
 
 from tests.stress.rig import StreamResult, median, process_figures, write_figures
-from tests.support.fast_upstream import FastUpstream, answer_text
-from tests.support.servers import ProxyProcess, http_json
-from tests.support.tiny_gguf import write_tiny_gguf
+from tests.support.fakes.fast_upstream import FastUpstream, answer_text
+from tests.support.models.tiny_gguf import write_tiny_gguf
+from tests.support.processes.servers import ProxyProcess, http_json
 
 MAX_SESSIONS = 64
 HISTORY = 1000

@@ -1,5 +1,6 @@
-"""What the stress scripts share (the fast fake llama-server is tests/support/fast_upstream.py): a streaming client
-that says how each answer ended, and the process figures (resident memory, open descriptors) of another process."""
+"""What the stress scripts share (the fast fake llama-server is tests/support/fakes/fast_upstream.py): a streaming
+client that says how each answer ended, and the process figures (resident memory, open descriptors) of another
+process."""
 
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ from typing import Any
 import aiohttp
 
 from tests.stress.rig import StreamResult, median, stream_chat, write_figures
-from tests.support.servers import ProxyProcess, pid_alive
-from tests.support.tiny_gguf import write_tiny_gguf
+from tests.support.models.tiny_gguf import write_tiny_gguf
+from tests.support.processes.servers import ProxyProcess, pid_alive
 
 SHORT_TOKENS = 32
 ENDLESS_TOKENS = 200_000  # far longer than any grace: only the shutdown ends it

@@ -47,8 +47,8 @@ import aiohttp
 from tests.stress.load import trace_check
 from tests.stress.rig import process_figures, write_figures
 from tests.stress.soak_agents import load_shapes, session_turns, store_sample
-from tests.support.servers import ProxyProcess, http_json, http_text
-from tests.support.tiny_gguf import write_tiny_gguf
+from tests.support.models.tiny_gguf import write_tiny_gguf
+from tests.support.processes.servers import ProxyProcess, http_json, http_text
 
 REQUEST_TIMEOUT_S = 120.0
 DOWN_GRACE_S = 10.0  # after the launcher has a killed server back, requests already failing may still end

@@ -24,7 +24,7 @@ from adaptive_spec.routing.contract import FixedPolicy
 from adaptive_spec.sessions.ngram_replay import NgramParams
 from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker
-from tests.support.servers import free_port
+from tests.support.processes.servers import free_port
 
 SYSTEM = "You are a coding agent. Rules:\n" + "\n".join(
     f"{i}. Keep function_{i} small, typed and tested; never edit file_{i}.py without reading it." for i in range(40)

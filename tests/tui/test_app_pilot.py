@@ -14,7 +14,7 @@ from textual.widgets import DataTable, Static
 
 from adaptive_spec.tui.app import DashboardApp, make_app
 from adaptive_spec.tui.screens import DetailScreen, HelpScreen, PickScreen
-from tests.support.servers import free_port
+from tests.support.processes.servers import free_port
 from tests.support.waiting import until
 
 FEED = Path(__file__).parent / "data" / "feed.jsonl"

@@ -16,8 +16,8 @@ import pytest
 from adaptive_spec.tui.app import make_app
 from adaptive_spec.tui.feed import FeedItem
 from adaptive_spec.tui.model import Dashboard
-from tests.support.servers import ProxyProcess, chat_record, free_port, http_text
-from tests.support.tiny_policy import tiny_policy
+from tests.support.models.tiny_policy import tiny_policy
+from tests.support.processes.servers import ProxyProcess, chat_record, free_port, http_text
 from tests.support.waiting import turns, until
 
 PASTED = "Here is a.py:\n```python\n" + "\n".join(f"value_{i} = {i} * {i}" for i in range(60)) + "\n```\nWhat is it?"

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from adaptive_spec.tui.app import make_app
-from tests.support.servers import ProxyProcess
+from tests.support.processes.servers import ProxyProcess
 from tests.support.sse import stream_events
 from tests.support.waiting import turns, until
 

@@ -1,6 +1,6 @@
 """Never stricter than llama-server: the request shapes agents send (synthetic bodies of their structure in
-tests/data/agent-shapes/; the agents' recorded requests too, from where tests/support/outside.py finds them) and
-seeded variants of them (tests/stress/fuzz_cases.py's mutations, and a newer client's fields), each sent to a real
+tests/data/agent-shapes/; the agents' recorded requests too, from where tests/support/processes/outside.py finds them)
+and seeded variants of them (tests/stress/fuzz_cases.py's mutations, and a newer client's fields), each sent to a real
 llama-server directly and through the proxy. Wherever llama-server answers 2xx, so does the proxy. And what Claude
 Code needs of the proxy beyond its shapes: its token count, its context overflow worded so that it compacts, its
 session, and its billing line's per-request value not counted as a new prompt."""
@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from tests.stress.fuzz_cases import mutated
-from tests.support.outside import AGENT_TRAFFIC, agent_traffic
-from tests.support.servers import LlamaServer, ProxyProcess
+from tests.support.processes.outside import AGENT_TRAFFIC, agent_traffic
+from tests.support.processes.servers import LlamaServer, ProxyProcess
 
 ROOT = Path(__file__).resolve().parents[3]
 SHAPES = ROOT / "tests" / "data" / "agent-shapes"

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import ProxyProcess, http_json
+from tests.support.processes.servers import ProxyProcess, http_json
 
 SHAPES = Path(__file__).resolve().parents[3] / "tests" / "data" / "agent-shapes"
 # One of each API and agent family; the bodies grow to about 1,500 prompt tokens each (a minute of prefill here).

@@ -24,8 +24,8 @@ from adaptive_spec.proxy.app import ProxySettings, build_app
 from adaptive_spec.requests.app_keys import HISTORY, LIFECYCLE
 from adaptive_spec.requests.lifecycle import ProxyRequest
 from adaptive_spec.requests.outcome import Outcome
-from tests.support.fake_upstream import FakeUpstream
-from tests.support.servers import LlamaServer, ProxyProcess, free_port
+from tests.support.fakes.fake_upstream import FakeUpstream
+from tests.support.processes.servers import LlamaServer, ProxyProcess, free_port
 from tests.support.sse import events
 
 SHAPES = Path(__file__).resolve().parents[2] / "data" / "agent-shapes"

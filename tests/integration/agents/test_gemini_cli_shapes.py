@@ -18,7 +18,7 @@ import pytest
 
 from adaptive_spec.requests.gemini.request import Translated, gemini_target, to_chat
 from tests.support.gemini import sse_chunks
-from tests.support.servers import LlamaServer, ProxyProcess, http_json, wait_until
+from tests.support.processes.servers import LlamaServer, ProxyProcess, http_json, wait_until
 
 SHAPES = Path(__file__).resolve().parents[2] / "data" / "agent-shapes" / "gemini-cli"
 USER_AGENT = "GeminiCLI/0.61.0/gemini-3.1-pro-preview (linux; x64)"

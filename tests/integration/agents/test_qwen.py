@@ -9,8 +9,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from tests.support.processes.servers import ProxyProcess, http_json, http_text
 from tests.support.prompts import EDIT, SOURCE
-from tests.support.servers import ProxyProcess, http_json, http_text
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import LlamaServer, ProxyProcess, wait_until
+from tests.support.processes.servers import LlamaServer, ProxyProcess, wait_until
 
 USER_AGENT = "QwenCode/0.24.4 (linux; x64)"
 

@@ -16,8 +16,8 @@ import pytest
 
 from adaptive_spec.llama.models import embedded_chat_template
 from tests.support.json_schema import schema_errors
-from tests.support.outside import agent_traffic, missing
-from tests.support.servers import LlamaServer, ProxyProcess, http_json
+from tests.support.processes.outside import agent_traffic, missing
+from tests.support.processes.servers import LlamaServer, ProxyProcess, http_json
 
 TEMPLATE = embedded_chat_template("embedded:qwen2.5-coder-0.5b")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import LlamaServer, ProxyProcess, http_json, http_text, wait_until
+from tests.support.processes.servers import LlamaServer, ProxyProcess, http_json, http_text, wait_until
 
 COUNTERS = {
     "prompt_n": "llamacpp:prompt_tokens_total",

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.support.gemini import sse_chunks, text_of
-from tests.support.servers import LlamaServer, ProxyProcess, http_json, wait_until
+from tests.support.processes.servers import LlamaServer, ProxyProcess, http_json, wait_until
 from tests.support.sse import stream_events
 
 KEY = "sk-gemini-test-5f1c2e"

@@ -17,9 +17,9 @@ from aiohttp.test_utils import TestServer
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.proxy.app import ProxySettings, build_app
 from adaptive_spec.requests.app_keys import HISTORY
-from tests.support.fake_upstream import CHUNK, FakeUpstream
+from tests.support.fakes.fake_upstream import CHUNK, FakeUpstream
 from tests.support.gemini import sse_chunks, text_of
-from tests.support.servers import free_port
+from tests.support.processes.servers import free_port
 
 PRO = "gemini-3.1-pro-preview"
 BODY = {
@@ -41,7 +41,7 @@ async def _silent_then_streams(request: web.Request) -> web.StreamResponse:
 
 async def _faulted(fault: str, query: str, keepalive_s: float = 0.0) -> tuple[int, bytes, Any]:
     """A Gemini stream whose server (the in-process fake: a fault a real one cannot be made to show) fails as told:
-    `x-fault` (tests/support/fake_upstream.py), or "silent" for a second before it answers."""
+    `x-fault` (tests/support/fakes/fake_upstream.py), or "silent" for a second before it answers."""
     routes = {("POST", "/v1/chat/completions"): _silent_then_streams} if fault == "silent" else {}
     async with FakeUpstream(routes=routes) as fake:
         settings = ProxySettings(read_timeout_s=5.0 if keepalive_s else 0.5, prefill_keepalive_s=keepalive_s)

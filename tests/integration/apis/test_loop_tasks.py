@@ -16,8 +16,8 @@ from aiohttp.test_utils import TestServer
 
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.proxy.app import ProxySettings, build_app
-from tests.support.fake_upstream import FakeUpstream
-from tests.support.servers import free_port
+from tests.support.fakes.fake_upstream import FakeUpstream
+from tests.support.processes.servers import free_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam
 
-from tests.support.servers import LlamaServer, ProxyProcess, http_json
+from tests.support.processes.servers import LlamaServer, ProxyProcess, http_json
 from tests.support.sse import data_objects
 
 CHAT: list[ChatCompletionMessageParam] = [

@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.support.servers import LlamaServer, ProxyProcess, http_text, wait_until
+from tests.support.processes.servers import LlamaServer, ProxyProcess, http_text, wait_until
 from tests.support.sse import events, stream_events
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.support.servers import ProxyProcess
+from tests.support.processes.servers import ProxyProcess
 
 
 def test_bench_runs_every_target_and_writes_its_outputs(

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from adaptive_spec.bench.stream import stream_chat
-from tests.support.fake_upstream import FakeUpstream
+from tests.support.fakes.fake_upstream import FakeUpstream
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 LONG = "x" * 100_000

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import ProxyProcess
+from tests.support.processes.servers import ProxyProcess
 
 SHAPES = Path(__file__).resolve().parents[2] / "data" / "agent-shapes"
 ESTIMATE_ERROR = 0.15  # of prompt_n, on a turn that continues its session's cached prefix

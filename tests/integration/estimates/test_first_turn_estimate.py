@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import ProxyProcess
+from tests.support.processes.servers import ProxyProcess
 
 ESTIMATE_ERROR = 0.15
 _GUIDE = (

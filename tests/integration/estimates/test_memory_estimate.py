@@ -12,8 +12,8 @@ import pytest
 
 from adaptive_spec.llama.memory.gguf_info import model_dims
 from adaptive_spec.llama.memory.plan import MIB, ServerPlan, footprint
-from tests.support.servers import LlamaServer
-from tests.support.tiny_drafters import write_tiny_mtp_target
+from tests.support.models.tiny_drafters import write_tiny_mtp_target
+from tests.support.processes.servers import LlamaServer
 
 
 def _logged_mib(log: str, what: str) -> float:

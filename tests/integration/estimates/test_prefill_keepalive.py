@@ -23,8 +23,8 @@ from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.proxy.app import ProxySettings, build_app
 from adaptive_spec.requests.app_keys import HISTORY
 from adaptive_spec.requests.keepalive import ANTHROPIC_PING, CHAT_EMPTY_CHUNK
-from tests.support.fake_upstream import CHUNK, FakeUpstream
-from tests.support.servers import LlamaServer, ProxyProcess, free_port
+from tests.support.fakes.fake_upstream import CHUNK, FakeUpstream
+from tests.support.processes.servers import LlamaServer, ProxyProcess, free_port
 from tests.support.sse import events
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}

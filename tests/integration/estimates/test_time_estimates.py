@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.relay import RelayProcess
-from tests.support.servers import LlamaServer, ProxyProcess, chat_record, http_json, wait_until
+from tests.support.processes.relay import RelayProcess
+from tests.support.processes.servers import LlamaServer, ProxyProcess, chat_record, http_json, wait_until
 
 MEASURED = "speeds: measured on"
 KEPT = "speeds: measured before"

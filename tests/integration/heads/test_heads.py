@@ -23,7 +23,7 @@ from adaptive_spec.llama.binary.which import passes_messages_slot
 from adaptive_spec.policy.model import HeadsPolicy, Policy
 from adaptive_spec.requests.app_keys import KV
 from tests.support.heads import SYSTEM, chat, erase, messages, start_proxy, store_of
-from tests.support.servers import LlamaServer
+from tests.support.processes.servers import LlamaServer
 from tests.support.waiting import until
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.servers import ProxyProcess, chat_record, http_json, llama_children, pid_alive, wait_until
+from tests.support.processes.servers import ProxyProcess, chat_record, http_json, llama_children, pid_alive, wait_until
 
 SYSTEM = "You are a coding agent. Rules:\n" + "\n".join(
     f"{i}. Keep function_{i} small, typed and tested; never edit file_{i}.py without reading it." for i in range(40)
@@ -169,7 +169,7 @@ def test_a_different_model_at_the_same_path_is_never_restored_into(tmp_path: Pat
     """The heads of one model, and another model written over its file at the same path, of the same size and with
     its time put back: the store knows models by content (sha256), so nothing of the first is restored into the
     second, at start or for a new session."""
-    from tests.support.tiny_gguf import write_tiny_gguf
+    from tests.support.models.tiny_gguf import write_tiny_gguf
 
     model, state = write_tiny_gguf(tmp_path / "model.gguf", seed=0), tmp_path / "state"
     proxy = _serve(model, state)

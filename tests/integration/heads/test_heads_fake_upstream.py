@@ -23,7 +23,7 @@ from adaptive_spec.kv.heads.server import idle_slots
 from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.requests.app_keys import ROUTER
 from tests.support.heads import chat, erase, start_proxy, store_of
-from tests.support.servers import free_port
+from tests.support.processes.servers import free_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 PROMPT_TOKENS = 900

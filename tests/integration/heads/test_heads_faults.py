@@ -22,7 +22,7 @@ from adaptive_spec.kv.heads.files import checksum
 from adaptive_spec.kv.heads.store import HeadStore
 from adaptive_spec.kv.heads.values import Restored
 from tests.support.heads import chat, erase, start_proxy, store_of
-from tests.support.servers import LlamaServer
+from tests.support.processes.servers import LlamaServer
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 

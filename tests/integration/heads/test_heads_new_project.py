@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import ProxyProcess, chat_record, http_json, wait_until
-from tests.support.tiny_drafters import write_tiny_mtp_target
+from tests.support.models.tiny_drafters import write_tiny_mtp_target
+from tests.support.processes.servers import ProxyProcess, chat_record, http_json, wait_until
 
 RULES = "You are a coding agent. Rules:\n" + "\n".join(
     f"{i}. Keep function_{i} small, typed and tested; never edit file_{i}.py without reading it first."

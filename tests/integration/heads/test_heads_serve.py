@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.servers import ProxyProcess, chat_record, http_json, llama_children, pid_alive, wait_until
+from tests.support.processes.servers import ProxyProcess, chat_record, http_json, llama_children, pid_alive, wait_until
 
 SYSTEM = "You are a coding agent. Rules:\n" + "\n".join(
     f"{i}. Keep function_{i} small, typed and tested; never edit file_{i}.py without reading it." for i in range(40)

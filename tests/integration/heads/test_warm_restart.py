@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import ProxyProcess, chat_record, http_json, wait_until
-from tests.support.tiny_drafters import write_tiny_mtp_target
+from tests.support.models.tiny_drafters import write_tiny_mtp_target
+from tests.support.processes.servers import ProxyProcess, chat_record, http_json, wait_until
 
 # About 1,000 tokens of an agent-like system prompt: long enough to be kept as a head, short enough to prefill in
 # seconds on 2 cores.

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import ProxyProcess, chat_record, http_json, wait_until
-from tests.support.tiny_policy import tiny_policy
+from tests.support.models.tiny_policy import tiny_policy
+from tests.support.processes.servers import ProxyProcess, chat_record, http_json, wait_until
 
 PASTED = "Here is a.py:\n```python\n" + "\n".join(f"value_{i} = {i} * {i}" for i in range(60)) + "\n```\nWhat is it?"
 

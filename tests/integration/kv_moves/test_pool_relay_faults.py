@@ -7,7 +7,7 @@ record says the handoff failed in one short line, no slot file or partial upload
 relay that was killed clears its own when it starts again), and the session's next request is served. What the real
 relay cannot be made to do on demand (stall or reset the connection after part of a file, answer with a page, a body
 that is no slot file, or an upload answer that is not JSON) is injected on the wire in front of it
-(`tests/support/faulty_relay.py`); stopping and killing are done to the real relay process.
+(`tests/support/fakes/faulty_relay.py`); stopping and killing are done to the real relay process.
 
 Pools: a replica that comes back on its address serving another model is kept down, naming both; a pool whose every
 replica is down is refused at once in OpenAI's error shape naming the profile, and served again when one returns.
@@ -29,10 +29,10 @@ from typing import Any
 import pytest
 
 from adaptive_spec.relay.service import RATE_ENV, sweep_slot_files
-from tests.support.faulty_relay import FaultyRelay
-from tests.support.relay import RelayProcess
-from tests.support.servers import LlamaServer, ProxyProcess, http_json, wait_until
-from tests.support.tiny_gguf import write_tiny_gguf
+from tests.support.fakes.faulty_relay import FaultyRelay
+from tests.support.models.tiny_gguf import write_tiny_gguf
+from tests.support.processes.relay import RelayProcess
+from tests.support.processes.servers import LlamaServer, ProxyProcess, http_json, wait_until
 
 KEY = "faults-relay-key"
 SERVER_ARGS = ("-c", "4096", "--parallel", "1", "--spec-type", "none", "--cache-ram", "0")

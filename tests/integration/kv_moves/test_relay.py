@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from adaptive_spec.kv.slot_files import MODEL_HEADER, SHA256_HEADER, file_sha256
-from tests.support.relay import RelayProcess, error_of
-from tests.support.servers import LlamaServer
+from tests.support.processes.relay import RelayProcess, error_of
+from tests.support.processes.servers import LlamaServer
 
 KEY = "relay-test-key"
 MAX_BYTES = 100_000

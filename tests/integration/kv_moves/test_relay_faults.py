@@ -30,7 +30,7 @@ from adaptive_spec.routing.contract import FixedPolicy
 from adaptive_spec.routing.decision import Decision
 from adaptive_spec.routing.router import Router
 from adaptive_spec.telemetry.events import Event, RemotePrefillDone
-from tests.support.fake_upstream import FakeUpstream, Handler
+from tests.support.fakes.fake_upstream import FakeUpstream, Handler
 from tests.support.recorded import recorded
 from tests.support.routing import request, routed
 

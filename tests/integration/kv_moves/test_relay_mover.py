@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from adaptive_spec.kv.slot_files import file_sha256
-from tests.support.relay import RelayProcess
-from tests.support.servers import LlamaServer, ProxyProcess, http_json
+from tests.support.processes.relay import RelayProcess
+from tests.support.processes.servers import LlamaServer, ProxyProcess, http_json
 
 KEY = "mover-relay-key"
 # No RAM prompt cache: a slot's prefill starts from what the slot holds, so a re-prefill on an erased slot is the

@@ -13,8 +13,8 @@ import pytest
 
 from adaptive_spec.kv.slot_files import file_sha256
 from adaptive_spec.relay.service import RATE_ENV
-from tests.support.relay import RelayProcess
-from tests.support.servers import LlamaServer, ProxyProcess, chat_record, http_json, http_text, wait_until
+from tests.support.processes.relay import RelayProcess
+from tests.support.processes.servers import LlamaServer, ProxyProcess, chat_record, http_json, http_text, wait_until
 
 KEY = "pp-relay-key"
 # A slow local box: its prefill prior is 20 tokens/s (it has not measured a long prompt yet), the remote's 5,000.

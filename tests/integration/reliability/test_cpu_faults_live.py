@@ -19,7 +19,7 @@ from adaptive_spec.errors import LaunchError
 from adaptive_spec.llama.binary.cpu_faults import CLEAR_HINT, REPACK_COST, RepackMode, VerdictStore
 from adaptive_spec.llama.launch import Launcher, ServerProcess, free_port
 from adaptive_spec.llama.profiles import ModelSource, ProfileSpec, ServerSettings
-from tests.support.servers import ProxyProcess, chat_record
+from tests.support.processes.servers import ProxyProcess, chat_record
 
 FAULTS_UNLESS_NO_REPACK = """#!/bin/sh
 echo "load_tensors:  AMX model buffer size =    10.00 MiB"
@@ -269,14 +269,14 @@ def test_cpu_repack_always_is_not_retried_and_never_adds_no_repack_from_the_star
     assert store.get(binary) is None  # a choice, not a verdict
 
 
-STOCK_PROPS = Path(__file__).resolve().parents[2] / "support" / "stock_props.py"
+STOCK_PROPS = Path(__file__).resolve().parents[2] / "support" / "fakes" / "stock_props.py"
 
 
 def test_the_stock_props_wrapper_dies_of_its_child_s_signal_so_the_retry_sees_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """tests/support/stock_props.py stands in for a stock llama-server: a child that faults while loading must look
-    the same through it (the signal, not an exit status the retry might not read)."""
+    """tests/support/fakes/stock_props.py stands in for a stock llama-server: a child that faults while loading must
+    look the same through it (the signal, not an exit status the retry might not read)."""
     binary, _ = _fake(tmp_path, monkeypatch, "SIGSEGV")
     port = free_port("127.0.0.1")
     done = subprocess.run(

@@ -21,8 +21,8 @@ from adaptive_spec.proxy.app import ProxySettings, build_app
 from adaptive_spec.requests.app_keys import HISTORY, LIFECYCLE, UPSTREAMS
 from adaptive_spec.requests.error_responses import RETRY_AFTER_S
 from adaptive_spec.requests.stranded import STRANDED
-from tests.support.fake_upstream import CHUNK, FakeUpstream
-from tests.support.servers import free_port
+from tests.support.fakes.fake_upstream import CHUNK, FakeUpstream
+from tests.support.processes.servers import free_port
 from tests.support.sse import events
 from tests.support.waiting import until
 

@@ -4,7 +4,7 @@ bad input, no traceback in the log, nothing leaked, no other host contacted, and
 from __future__ import annotations
 
 from tests.stress.fuzz import run_fuzz
-from tests.support.servers import LlamaServer
+from tests.support.processes.servers import LlamaServer
 
 
 def test_generated_bad_input(tiny_server: LlamaServer) -> None:

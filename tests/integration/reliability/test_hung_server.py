@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import LlamaServer, ProxyProcess, http_json, http_text, wait_until
+from tests.support.processes.servers import LlamaServer, ProxyProcess, http_json, http_text, wait_until
 
 DOWN_WITHIN_S = 20.0  # the poll's own bound is 2 x (POLL_S + TIMEOUT_S) = 10 s
 REFUSED_WITHIN_S = 5.0

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import LlamaServer, ProxyProcess, http_json, llama_children, pid_alive, wait_until
+from tests.support.processes.servers import LlamaServer, ProxyProcess, http_json, llama_children, pid_alive, wait_until
 from tests.support.sse import stream_events
 
 LONG = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 20000, "ignore_eos": True, "stream": True}

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.servers import LlamaServer, ProxyProcess
+from tests.support.processes.servers import LlamaServer, ProxyProcess
 
 READ_TIMEOUT_S = 2.0
 

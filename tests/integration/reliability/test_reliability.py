@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.processes.servers import LlamaServer, ProxyProcess, http_json, llama_children, pid_alive, wait_until
 from tests.support.prompts import SOURCE
-from tests.support.servers import LlamaServer, ProxyProcess, http_json, llama_children, pid_alive, wait_until
 from tests.support.sse import stream_events
 
 HUNG_ERROR_WITHIN_S = 15.0  # the contract: 10 s to find the hang, then at once (the read timeout is 600 s)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.servers import LlamaServer, ProxyProcess
+from tests.support.processes.servers import LlamaServer, ProxyProcess
 
 HEADER_S, BODY_S, KEEPALIVE_S, MAX_CONNECTIONS = 1.0, 1.5, 4.0, 100
 SLACK_S = 3.0  # the sweep's granularity and a loaded machine's delays; the bounds themselves are checked from below

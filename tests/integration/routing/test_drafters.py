@@ -1,7 +1,7 @@
 """Model drafters on REAL launched profiles: `serve --draft-type dflash|eagle3|mtp` with tiny random-weight drafters
-(tests/support/tiny_drafters.py). Both profiles start, /slots shows their speculation types, streamed requests carry
-draft counts equal to llama-server's own counters, the router takes the drafter + n-gram profile for the n-gram one,
-and a session moving between the pair follows the KV-handoff rule for draft-model profiles.
+(tests/support/models/tiny_drafters.py). Both profiles start, /slots shows their speculation types, streamed requests
+carry draft counts equal to llama-server's own counters, the router takes the drafter + n-gram profile for the n-gram
+one, and a session moving between the pair follows the KV-handoff rule for draft-model profiles.
 
 A random drafter accepts what it accepts: these tests assert that drafting happened and was counted, never a rate.
 """
@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import LlamaServer, ProxyProcess, http_json, wait_until
+from tests.support.models.tiny_drafters import write_tiny_dflash, write_tiny_eagle3, write_tiny_mtp_target
+from tests.support.processes.servers import LlamaServer, ProxyProcess, http_json, wait_until
 from tests.support.sse import stream_events
-from tests.support.tiny_drafters import write_tiny_dflash, write_tiny_eagle3, write_tiny_mtp_target
 
 # Routing turns over quickly on the tiny model: hand over any context, move after one turn.
 POLICY = """\
@@ -30,7 +30,7 @@ min_dwell_turns = 1
 [handoff]
 min_tokens = 0
 with_draft_models = {with_draft_models}
-# The tiny models' slot files: kilobytes, a millisecond to save or restore (tests/support/tiny_policy.py).
+# The tiny models' slot files: kilobytes, a millisecond to save or restore (tests/support/models/tiny_policy.py).
 save_s_per_1k = 0.001
 restore_s = 0.001
 """

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import LlamaServer, ProxyProcess, http_json, http_text
+from tests.support.processes.servers import LlamaServer, ProxyProcess, http_json, http_text
 
 SERVER_ARGS = ("-c", "4096", "--parallel", "2", "--metrics", "--spec-type", "none")
 SESSIONS = [f"pool-{i}" for i in range(8)]

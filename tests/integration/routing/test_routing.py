@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.processes.servers import ProxyProcess, http_json, http_text, llama_children, wait_until
+from tests.support.processes.servers import chat_record as chat
 from tests.support.prompts import EDIT, SOURCE
-from tests.support.servers import ProxyProcess, http_json, http_text, llama_children, wait_until
-from tests.support.servers import chat_record as chat
 
 # Turns over quickly on this CPU: hand over any context, move after one turn, small hysteresis.
 POLICY = """\

@@ -9,7 +9,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.support.servers import LlamaServer, ProxyProcess, http_json
+from tests.support.processes.servers import LlamaServer, ProxyProcess, http_json
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import redis
 
-from tests.support.redis import RedisServer
-from tests.support.servers import LlamaServer, ProxyProcess, http_json, wait_until
+from tests.support.processes.redis import RedisServer
+from tests.support.processes.servers import LlamaServer, ProxyProcess, http_json, wait_until
 
 SERVER_ARGS = ("-c", "4096", "--parallel", "2", "--spec-type", "none", "--cache-ram", "0")
 SESSIONS = 4  # one slot each: 2 servers x 2 slots

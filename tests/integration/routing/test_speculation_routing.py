@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import ProxyProcess, chat_record, http_json, wait_until
+from tests.support.processes.servers import ProxyProcess, chat_record, http_json, wait_until
 
 ONE_SERVER = "profiles: one llama-server, speculation per request"
 PASTED = "Here is a.py:\n```python\n" + "\n".join(f"value_{i} = {i} * {i}" for i in range(30)) + "\n```\n"

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import LlamaServer, ProxyProcess, http_json, wait_until
+from tests.support.processes.servers import LlamaServer, ProxyProcess, http_json, wait_until
 
 KEY = "sk-test-0123456789"
 CHAT = {"model": "m", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}

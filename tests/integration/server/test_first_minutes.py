@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.servers import LlamaServer, ProxyProcess, http_json, wait_until
+from tests.support.processes.servers import LlamaServer, ProxyProcess, http_json, wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 # How llama.cpp's own log lines begin (llama-cpp-python's loader, ggml, the server): none belongs in the terminal.

@@ -4,8 +4,8 @@ nothing, the settings reach chat/completions and /v1/responses, a client's own f
 the probe finds stock gets one server per profile; attached profiles naming one patched server share it; the tiny
 hybrid (qwen35) target keeps its prefix across a switch.
 
-The stock server is simulated: tests/support/stock_props.py puts a pass-through in front of the patched server that
-removes `speculative_per_request` from /props (everything else passes as it came), so the probe sees a stock build.
+The stock server is simulated: tests/support/fakes/stock_props.py puts a pass-through in front of the patched server
+that removes `speculative_per_request` from /props (everything else passes as it came), so the probe sees a stock build.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import LlamaServer, ProxyProcess, chat_record, free_port, http_json, wait_until
-from tests.support.tiny_drafters import write_tiny_mtp_target
-from tests.support.tiny_policy import tiny_policy
+from tests.support.models.tiny_drafters import write_tiny_mtp_target
+from tests.support.models.tiny_policy import tiny_policy
+from tests.support.processes.servers import LlamaServer, ProxyProcess, chat_record, free_port, http_json, wait_until
 
-STOCK_PROPS = Path(__file__).resolve().parents[2] / "support" / "stock_props.py"
+STOCK_PROPS = Path(__file__).resolve().parents[2] / "support" / "fakes" / "stock_props.py"
 PASTED = "Here is a.py:\n```python\n" + "\n".join(f"value_{i} = {i} * {i}" for i in range(60)) + "\n```\nWhat is it?"
 REPEATS = [{"role": "user", "content": "abc abc abc abc abc abc abc abc abc abc abc abc"}]
 ONE_SERVER = "profiles: one llama-server, speculation per request"

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.servers import LlamaServer, http_json
-from tests.support.tiny_drafters import write_tiny_dflash, write_tiny_mtp_target
+from tests.support.models.tiny_drafters import write_tiny_dflash, write_tiny_mtp_target
+from tests.support.processes.servers import LlamaServer, http_json
 
 # Small n-gram settings so the tiny model's looping output is drafted from within a few dozen tokens.
 NGRAM = ["--spec-ngram-mod-n-match", "8", "--spec-ngram-mod-n-min", "4", "--spec-ngram-mod-n-max", "16"]

@@ -11,8 +11,8 @@ import pytest
 
 from adaptive_spec.llama import health as pool_health
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
-from tests.support.fake_upstream import FakeUpstream
-from tests.support.servers import free_port
+from tests.support.fakes.fake_upstream import FakeUpstream
+from tests.support.processes.servers import free_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 

@@ -12,7 +12,7 @@ import pytest
 from adaptive_spec.llama import health as pool_health
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.requests.stranded import StrandedRequests
-from tests.support.fake_upstream import FakeUpstream
+from tests.support.fakes.fake_upstream import FakeUpstream
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 URL = "http://127.0.0.1:1"

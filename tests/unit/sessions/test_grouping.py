@@ -9,7 +9,7 @@ import pytest
 from adaptive_spec.sessions.grouping import SessionRegistry
 from adaptive_spec.sessions.project import resolve_project
 from adaptive_spec.streams.output import body_output
-from tests.support.outside import agent_traffic
+from tests.support.processes.outside import agent_traffic
 
 
 def _recorded() -> list[dict[str, Any]]:

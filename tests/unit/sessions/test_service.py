@@ -17,7 +17,7 @@ from adaptive_spec.requests.app_keys import HISTORY
 from adaptive_spec.sessions.ngram_replay import NgramParams
 from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker
-from tests.support.fake_upstream import FakeUpstream
+from tests.support.fakes.fake_upstream import FakeUpstream
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 

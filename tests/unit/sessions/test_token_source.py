@@ -14,8 +14,8 @@ from aiohttp import web
 
 from adaptive_spec.sessions import token_source as session_tokens
 from adaptive_spec.sessions.tokenizers import GgufTokenizer, llama_vocab_tokenizer
-from tests.support.fake_upstream import FakeUpstream
-from tests.support.tiny_gguf import write_tiny_gguf
+from tests.support.fakes.fake_upstream import FakeUpstream
+from tests.support.models.tiny_gguf import write_tiny_gguf
 
 
 @pytest.mark.asyncio(loop_scope="function")

@@ -12,7 +12,7 @@ from adaptive_spec.routing.placements import Placement
 from adaptive_spec.shared_state.redis_store import RedisStore, redacted
 from adaptive_spec.shared_state.store import StoreDown
 from adaptive_spec.shared_state.values import Booking, SharedPlacement
-from tests.support.redis import RedisServer
+from tests.support.processes.redis import RedisServer
 
 SERVER = "http://10.0.0.1:8080"
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from tests.support import redis as support
+from tests.support.processes import redis as support
 
 
 def test_without_redis_server_a_test_skips_here(monkeypatch: pytest.MonkeyPatch) -> None:

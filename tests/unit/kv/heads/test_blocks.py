@@ -18,8 +18,8 @@ from adaptive_spec.kv.heads.plan import (
     text_blocks,
 )
 from adaptive_spec.kv.heads.slot_io import _any_prefix
-from tests.support.tiny_drafters import write_tiny_mtp_target
-from tests.support.tiny_gguf import write_tiny_gguf
+from tests.support.models.tiny_drafters import write_tiny_mtp_target
+from tests.support.models.tiny_gguf import write_tiny_gguf
 
 KEY = ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t1")
 RULES = "".join(f"Rule {i}: keep function_{i} small and typed.\n" for i in range(120))  # ~5,000 characters

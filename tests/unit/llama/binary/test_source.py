@@ -13,7 +13,7 @@ import pytest
 from adaptive_spec.errors import BuildError
 from adaptive_spec.llama.binary import pinned as build
 from adaptive_spec.llama.binary import source as source_build
-from tests.support.outside import missing
+from tests.support.processes.outside import missing
 
 
 @pytest.fixture(params=build.SUPPORTED_SOURCES, ids=lambda a: a.llama_cpp)

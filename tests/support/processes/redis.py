@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.support.outside import missing
-from tests.support.servers import free_port, terminate
+from tests.support.processes.outside import missing
+from tests.support.processes.servers import free_port, terminate
 
 
 def redis_binary() -> str:

@@ -1,6 +1,6 @@
 """The one fast fake llama-server, for measuring the proxy alone: a real server is far too slow to show the proxy's
-own milliseconds. Faults are the other fake's (`tests/support/fake_upstream.py`); everything else is tested against a
-real llama-server.
+own milliseconds. Faults are the other fake's (`tests/support/fakes/fake_upstream.py`); everything else is tested
+against a real llama-server.
 
 What it answers, as llama-server does:
 
@@ -27,8 +27,8 @@ import orjson
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from tests.support.processes.servers import free_port
 from tests.support.recorded import recorded
-from tests.support.servers import free_port
 
 PATH = "/v1/chat/completions"
 HEAD = {"created": 1796032146, "id": "chatcmpl-9QEQ6deoo8RcQjGdZJzpQMOo943h0b8E", "model": "qwen2.5-coder-0.5b",

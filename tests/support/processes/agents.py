@@ -16,9 +16,9 @@ import pytest
 
 from adaptive_spec.errors import ModelError
 from adaptive_spec.llama.models import ensure_embedded
-from tests.support.servers import ProxyProcess, http_json
+from tests.support.processes.servers import ProxyProcess, http_json
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 AGENTS_MODEL = "embedded:qwen2.5-coder-1.5b"
 
 

@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.support.servers import free_port, terminate
+from tests.support.processes.servers import free_port, terminate
 
 
 class RelayProcess:

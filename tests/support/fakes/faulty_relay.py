@@ -27,7 +27,7 @@ import aiohttp
 from aiohttp import web
 
 from adaptive_spec.kv.slot_files import SHA256_HEADER
-from tests.support.fake_upstream import FakeUpstream, Handler
+from tests.support.fakes.fake_upstream import FakeUpstream, Handler
 
 _CHUNK = 64 << 10
 _HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}

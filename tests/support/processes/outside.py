@@ -10,7 +10,7 @@ from typing import NoReturn
 
 import pytest
 
-AGENT_TRAFFIC = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "agent-traffic"
+AGENT_TRAFFIC = Path(__file__).resolve().parents[3].parent / "shared" / "fixtures" / "agent-traffic"
 
 
 def missing(what: str) -> NoReturn:

@@ -37,8 +37,8 @@ from types import TracebackType
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from tests.support.processes.servers import free_port
 from tests.support.recorded import recorded
-from tests.support.servers import free_port
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 CHUNK = b'data: {"choices":[{"index":0,"delta":{"content":"tok"}}]}\n\n'

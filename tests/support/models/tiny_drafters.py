@@ -25,7 +25,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from tests.support.tiny_gguf import N_CTX, N_EMBD, N_FF, N_HEAD, N_LAYER, add_tiny_tokenizer
+from tests.support.models.tiny_gguf import N_CTX, N_EMBD, N_FF, N_HEAD, N_LAYER, add_tiny_tokenizer
 
 HEAD_DIM = N_EMBD // N_HEAD
 DFLASH_BLOCK = 16  # drafts at most 15 tokens: the launched profiles' --spec-draft-n-max
