@@ -13,7 +13,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -37,12 +37,19 @@ _PRIOR_BYTES_PER_TOKEN = 120_000.0  # until a head is saved: above the 0.5B's 12
 
 
 class HeadBook:
-    def __init__(self, directory: Path, max_bytes: int, counts: dict[str, int], tenants: int = 1) -> None:
-        """`tenants`: how many scopes share the bound, each an equal share of it (1: the whole bound)."""
-        self.dir, self.max_bytes, self.counts = directory, max_bytes, counts
+    def __init__(
+        self,
+        directory: Path,
+        max_bytes: int,
+        count: Callable[[str, int], None] = lambda _name, _n: None,
+        tenants: int = 1,
+    ) -> None:
+        """`count`: where its operations are counted (the store's counts); `tenants`: how many scopes share the
+        bound, each an equal share of it (1: the whole bound)."""
+        self.dir, self.max_bytes, self._count = directory, max_bytes, count
         self._tenants = max(1, tenants)
         self._shares: dict[str, int] = {}  # tenants whose policy names their share (bytes)
-        self.scope_counts: dict[str, dict[str, int]] = {}  # the counts of each tenant's own heads (`count`)
+        self._scope_counts: dict[str, dict[str, int]] = {}  # the counts of each tenant's own heads (`count`)
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self.dir.is_symlink():
             raise OSError(f"{self.dir} is a symlink: a store is kept in a folder of its own")
@@ -104,8 +111,8 @@ class HeadBook:
 
     def count(self, name: str, scope: str, n: int = 1) -> None:
         """One more of `name` (saved, restored, evicted, refused, ...) in the store's counts and its tenant's."""
-        self.counts[name] = self.counts.get(name, 0) + n
-        mine = self.scope_counts.setdefault(scope, {})
+        self._count(name, n)
+        mine = self._scope_counts.setdefault(scope, {})
         mine[name] = mine.get(name, 0) + n
 
     def share(self, scope: str) -> int:
@@ -170,7 +177,7 @@ class HeadBook:
     async def drop(self, head: str, why: str) -> None:
         """A head that cannot be restored, removed (the store repairs itself), with the reason logged."""
         if await self.forget([head]):
-            self.counts["removed"] += 1
+            self._count("removed", 1)
             log.warning("heads: %s removed: %s", head, why)
             await self.write_index_logged()
 
@@ -218,7 +225,7 @@ class HeadBook:
         }
         if scope is not None:  # a tenant's own view: its own heads' counts
             names = ("saved", "session_saved", "restored", "evicted", "refused")
-            out["counts"] = {name: self.scope_counts.get(scope, {}).get(name, 0) for name in names}
+            out["counts"] = {name: self._scope_counts.get(scope, {}).get(name, 0) for name in names}
         return out
 
     async def _write_index(self) -> None:

@@ -52,13 +52,13 @@ class SlotIO:
         slot_dir: Path,
         client: Callable[[], aiohttp.ClientSession],
         book: HeadBook,
-        counts: dict[str, int],
+        count: Callable[[str, int], None],
         activity: ServerActivity,
         on_displaced: Callable[[Upstream], None],
     ) -> None:
-        """`activity`: what the store counts of each server's traffic; `on_displaced`: told when a slot action may
-        have acted on a request's KV (`came_between`)."""
-        self.config, self.slot_dir, self._client, self.book, self.counts = config, slot_dir, client, book, counts
+        """`count`: where its operations are counted (the store's counts); `activity`: what the store counts of each
+        server's traffic; `on_displaced`: told when a slot action may have acted on a request's KV (`came_between`)."""
+        self.config, self.slot_dir, self._client, self.book, self._count = config, slot_dir, client, book, count
         self._activity, self._on_displaced = activity, on_displaced
         self._refused: set[tuple[str, str]] = set()  # (server, head): llama-server refused it there this run
         self.lock = asyncio.Lock()  # one save or restore at a time: each pauses the server's slots
@@ -133,7 +133,7 @@ class SlotIO:
             if self.covered(upstream, links) or n_slots is None or (slot is None and n_slots != 1):
                 return None  # the same head was saved meanwhile, a request came, or its slot is not known among several
             if mark is not None and self._activity.mark(upstream.base_url, slot) != mark:
-                self.counts["dropped"] += 1
+                self._count("dropped", 1)
                 return None  # the session's slot served another request while the server was busy
             if not await self.book.room(head.prompt_tokens, head.scope):
                 return None

@@ -13,9 +13,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import aiohttp
@@ -65,7 +66,7 @@ class HeadStore:
         if config.directory is None:
             raise ValueError("HeadsConfig.directory: resolve the state directory's heads/ first")
         self.config, self.slot_dir, self._client, self._say = config, slot_dir, client, say
-        self.counts = dict.fromkeys(
+        self._counts = dict.fromkeys(
             (
                 "saved",
                 "session_saved",
@@ -82,14 +83,14 @@ class HeadStore:
             0,
         )
         tenants = len(set(config.project_keys.values()) | {NO_TENANT}) if config.project_keys else 1
-        self.book = HeadBook(config.directory, config.max_bytes, self.counts, tenants)
+        self.book = HeadBook(config.directory, config.max_bytes, self._count, tenants)
         with contextlib.suppress(OSError):  # what a save or restore cut short left in the slot directory
             if swept := sweep_slot_files(slot_dir, SLOT_PREFIX):
                 log.info("heads: %d slot files a cut save or restore left in %s removed", swept, slot_dir)
         # What was forwarded to each server, its restarts, its inert restores: changed by the store, asked by its I/O.
         self._activity = ServerActivity()
         self._held: dict[tuple[str, int], Restored] = {}  # the head each server's slot holds (warm start, save)
-        self._io = SlotIO(config, slot_dir, client, self.book, self.counts, self._activity, displaced)
+        self._io = SlotIO(config, slot_dir, client, self.book, self._count, self._activity, displaced)
         # Sessions whose state is saved once they have been idle a while: the timer, and the server it waits for.
         # Keyed by (tenant scope, session id): one tenant's session of a name is not another's.
         self._idle_saves: dict[tuple[str, str], tuple[asyncio.TimerHandle, str]] = {}
@@ -98,6 +99,11 @@ class HeadStore:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._verifying: asyncio.Task[None] | None = None  # the checksums of the heads the last run left
         self._lock = self._io.lock  # one save or restore at a time: each pauses the server's slots
+
+    @property
+    def counts(self) -> Mapping[str, int]:
+        """The store's operations by outcome (saved, restored, failed, ...): a read-only view (the metrics read it)."""
+        return MappingProxyType(self._counts)
 
     # -- the request path -----------------------------------------------------------------------------------------
 
@@ -169,7 +175,7 @@ class HeadStore:
             fine = block_chains(key, links, blocks, scope) if self._io.any_prefix(upstream) else ()
             return await self._restore(upstream, slot, (links, fine), slot_tokens, prefill)
         except _FAILURES as exc:
-            self.counts["failed"] += 1
+            self._count("failed")
             log.warning("heads: restore on %s failed (the request prefills): %s", upstream.label, exc)
             return None
 
@@ -293,6 +299,10 @@ class HeadStore:
             self._verifying.add_done_callback(self._tasks.discard)
         return self._verifying
 
+    def _count(self, name: str, n: int = 1) -> None:
+        """One more of `name` (the book and the slot I/O count through this too: the counts are the store's)."""
+        self._counts[name] = self._counts.get(name, 0) + n
+
     def _spawn(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
@@ -329,13 +339,13 @@ class HeadStore:
             tenants=bool(self.config.project_keys),
         )
         if verdict is Verdict.TAKEN:
-            self.counts["taken"] += 1
+            self._count("taken")
             log.warning(
                 "heads: another request took %s's slot between the restore of %s and its request (reused %d of %d)",
                 *(upstream.label, restored.head, cache_n, restored.tokens),
             )
             return
-        self.counts["inert"] += 1
+        self._count("inert")
         if verdict is Verdict.HEAD:
             log.warning(
                 "heads: %s restored %s (%d tokens) but the prompt reused %d; the server reuses others, so only that "
@@ -423,7 +433,7 @@ class HeadStore:
             own_tokens = await asyncio.shield(after) if after is not None else 0
             await self._warm(upstream, when, on_fresh, restore, own_tokens)
         except _FAILURES as exc:
-            self.counts["failed"] += 1
+            self._count("failed")
             log.warning("heads: the warm start of %s %s stopped: %s", upstream.label, when, exc)
 
     async def _warm(
@@ -456,7 +466,7 @@ class HeadStore:
                 restored = await self._io.restore_file(upstream, slot, match, forwards, used=False)
             if restored is not None:
                 self._held[(upstream.base_url, slot)] = replace(restored, at_start=True)
-                self.counts["warm_started"] += 1
+                self._count("warm_started")
                 done += 1
         if heads:
             self._say(
@@ -473,25 +483,25 @@ class HeadStore:
         try:
             await self._save(upstream, slot, head, mark)
         except _FAILURES as exc:
-            self.counts["failed"] += 1
+            self._count("failed")
             log.warning("heads: saving a head from %s failed (nothing kept): %s", upstream.label, exc)
 
     async def _save_state_logged(self, upstream: Upstream, slot: int | None, head: SavedTurn, mark: Mark) -> None:
         if self._activity.mark(upstream.base_url, slot) != mark:
-            self.counts["dropped"] += 1
+            self._count("dropped")
             log.info("heads: session %s's state is not saved: its slot served another request since", head.session)
             return
         try:
             await self._save(upstream, slot, head, mark)
         except _FAILURES as exc:
-            self.counts["failed"] += 1
+            self._count("failed")
             log.warning("heads: saving session %s's state from %s failed: %s", head.session, upstream.label, exc)
 
     async def _save(self, upstream: Upstream, slot: int | None, head: SavedTurn, mark: Mark | None = None) -> None:
         """`mark`: the turn's (`mark_of`); the slot is saved only if it served nothing since that turn (None: a turn
         not forwarded through `forwarded`, judged by the requests forwarded during the save alone)."""
         if mark is not None and self._activity.mark(upstream.base_url, slot) != mark:
-            self.counts["dropped"] += 1
+            self._count("dropped")
             return  # its slot served another request already: a later turn of the same head may be kept instead
         key = await self._io.key(upstream)
         if key is None:

@@ -85,11 +85,11 @@ def test_no_symlink_is_followed_or_kept(tmp_path: Path) -> None:
 
 def test_a_second_store_on_the_same_folder_is_told_it_is_in_use(tmp_path: Path) -> None:
     async def main() -> None:
-        first = HeadBook(tmp_path / "heads", 10**9, {})
+        first = HeadBook(tmp_path / "heads", 10**9)
         with pytest.raises(OSError, match=rf"in use by another adaptive-spec serve \(pid {os.getpid()}\)"):
-            HeadBook(tmp_path / "heads", 10**9, {})
+            HeadBook(tmp_path / "heads", 10**9)
         first.close()
-        HeadBook(tmp_path / "heads", 10**9, {}).close()  # free again once the first let go
+        HeadBook(tmp_path / "heads", 10**9).close()  # free again once the first let go
 
     asyncio.run(main())
 

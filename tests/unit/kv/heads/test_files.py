@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import stat
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,15 @@ def _store(directory: Path, *entries: tuple[HeadEntry, bytes]) -> None:
     for entry, data in entries:
         (directory / f"{entry.id}.head").write_bytes(data)
     write_index(directory, [e for e, _ in entries])
+
+
+def _into(counts: dict[str, int]) -> Callable[[str, int], None]:
+    """The book's counts kept in `counts` (the store's, in the proxy)."""
+
+    def count(name: str, n: int) -> None:
+        counts[name] = counts.get(name, 0) + n
+
+    return count
 
 
 def _heads(directory: Path) -> list[str]:
@@ -116,7 +126,7 @@ async def test_the_book_keeps_its_bound_and_refuses_a_save_without_free_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     counts = dict.fromkeys(("refused", "evicted", "removed"), 0)
-    book = HeadBook(tmp_path, max_bytes=250, counts=counts)
+    book = HeadBook(tmp_path, max_bytes=250, count=_into(counts))
     for n in range(4):
         (tmp_path / f"{_entry(n, 100).id}.head").write_bytes(b"x" * 100)
         await book.add(_entry(n, 100, used=float(n)))
@@ -145,7 +155,7 @@ async def test_a_truncated_or_damaged_head_is_removed_before_any_restore(tmp_pat
     (tmp_path / f"{cut.id}.head").write_bytes(data[:100])
     (tmp_path / f"{flipped.id}.head").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     counts = dict.fromkeys(("refused", "evicted", "removed"), 0)
-    book = HeadBook(tmp_path, max_bytes=10**9, counts=counts)
+    book = HeadBook(tmp_path, max_bytes=10**9, count=_into(counts))
     assert book.entry(cut.id) is None  # its size told at load
     assert not await book.check(good)  # not restored before its checksum is verified (in the background)
     await book.verify()
@@ -188,14 +198,14 @@ def test_a_staged_copy_is_private_from_its_first_byte_and_the_heads_directory_is
     shared = tmp_path / "heads"
     shared.mkdir(mode=0o755)
     os.chmod(shared, 0o755)
-    HeadBook(shared, max_bytes=10**9, counts={})
+    HeadBook(shared, max_bytes=10**9)
     assert stat.S_IMODE(shared.stat().st_mode) == 0o700
 
 
 @pytest.mark.asyncio(loop_scope="function")
 async def test_one_tenant_fills_only_its_own_share_of_the_bound(tmp_path: Path) -> None:
     counts = dict.fromkeys(("refused", "evicted", "removed"), 0)
-    book = HeadBook(tmp_path, max_bytes=400, counts=counts, tenants=2)  # 200 bytes each
+    book = HeadBook(tmp_path, max_bytes=400, count=_into(counts), tenants=2)  # 200 bytes each
     theirs = replace(_entry(9, 100, used=0.0), scope="team-b")
     (tmp_path / f"{theirs.id}.head").write_bytes(b"x" * 100)
     await book.add(theirs)
@@ -215,7 +225,7 @@ async def test_one_tenant_fills_only_its_own_share_of_the_bound(tmp_path: Path) 
 
 @pytest.mark.asyncio(loop_scope="function")
 async def test_a_projects_policy_sets_its_share_and_the_others_keep_the_equal_one(tmp_path: Path) -> None:
-    book = HeadBook(tmp_path, max_bytes=900, counts=dict.fromkeys(("refused", "evicted", "removed"), 0), tenants=3)
+    book = HeadBook(tmp_path, max_bytes=900, tenants=3)
     assert book.share("team-a") == book.share("team-b") == 300
     book.set_share("team-a", 600)
     assert (book.share("team-a"), book.share("team-b")) == (600, 300)
