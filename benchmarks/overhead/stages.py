@@ -52,8 +52,8 @@ from adaptive_spec.llama.launch import free_port
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.requests import outgoing
 from adaptive_spec.requests.body.parse import ParsedRequest, parse_body, split_path
+from adaptive_spec.requests.forwarding.outcome import SERVED
 from adaptive_spec.requests.lifecycle import Prepared, ProxyRequest, RequestLifecycle
-from adaptive_spec.requests.outcome import SERVED
 from adaptive_spec.routing.contract import FixedPolicy, Route, RouteRequest
 from adaptive_spec.routing.prompt import prefix
 from adaptive_spec.routing.prompt.pieces import Piece, prompt_pieces

@@ -4,11 +4,11 @@ model, none of its timeouts raised, asked to create a file through `adaptive-spe
 What must hold: the first turn is not given up (no request the client disconnected from, no attempt before the
 answered one) and nothing fails in the proxy. The client's own end is recorded, not asserted: on a small model an
 agent may run on (Claude Code's subagents) until the run is stopped. On a CPU the first turn prefills
-~12-18k tokens for minutes: the proxy's keep-alives (requests/keepalive.py) are what keeps each agent waiting, as far
-as its timers can be reset (examples/README.md has the table; a total wait they cannot reset is named there and by
-`serve` at start). The older Claude Code is the one under ADAPTIVE_SPEC_E2E_CLIENTS/npm-claude-old (installed with
-`npm install --prefix …/npm-claude-old @anthropic-ai/claude-code@2.1.197`); without it that test is skipped.
-"""
+~12-18k tokens for minutes: the proxy's keep-alives (requests/forwarding/keepalive.py) are what keeps each agent
+waiting, as far as its timers can be reset (examples/README.md has the table; a total wait they cannot reset is named
+there and by `serve` at start). The older Claude Code is the one under ADAPTIVE_SPEC_E2E_CLIENTS/npm-claude-old
+(installed with `npm install --prefix …/npm-claude-old @anthropic-ai/claude-code@2.1.197`); without it that test is
+skipped."""
 
 from __future__ import annotations
 

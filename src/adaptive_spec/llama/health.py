@@ -5,8 +5,8 @@ Every POLL_S each distinct server URL serving a profile that is up is asked for 
 carry several profiles, or be a replica of a pool); one that refuses, answers an error, or does not answer in TIMEOUT_S
 twice in a row (six times while it holds as many requests as it keeps HTTP threads) is marked down for every profile on
 it, so requests are refused at once (503) or routed elsewhere instead of waiting out the read timeout, and the requests
-already waiting on it are ended (`on_down`: requests/stranded.py). The watch asks each server marked down that way every
-WATCH_S and marks its profiles up when it answers 200.
+already waiting on it are ended (`on_down`: requests/forwarding/stranded.py). The watch asks each server marked down
+that way every WATCH_S and marks its profiles up when it answers 200.
 
 llama-server answers /health from its HTTP threads while a slot prefills or decodes (measured on the 0.5B at -t 1
 prefilling 15k tokens, minutes on this CPU: every /health answered within 40 ms), so a long prefill is not a hang."""

@@ -46,13 +46,13 @@ from adaptive_spec.requests.app_keys import (
     UPSTREAMS,
     ProxySettings,
 )
+from adaptive_spec.requests.forwarding.stranded import STRANDED, StrandedRequests
 from adaptive_spec.requests.gate import install_security
 from adaptive_spec.requests.gemini.views import add_gemini_views
 from adaptive_spec.requests.handler import proxy_view
 from adaptive_spec.requests.heads import HEADS, add_heads_views, displaced, watch_servers
 from adaptive_spec.requests.lifecycle import RequestLifecycle
 from adaptive_spec.requests.measured_speeds import KeptSpeeds, keep_speeds
-from adaptive_spec.requests.stranded import STRANDED, StrandedRequests
 from adaptive_spec.routing.contract import FixedPolicy, PolicySource
 from adaptive_spec.routing.draft_length import capped_profiles
 from adaptive_spec.routing.router import Router
@@ -312,7 +312,7 @@ _slot_sweep = _every(_SLOT_SWEEP_S, "slot file sweep", _sweep_slot_files)
 
 async def _health_poll(app: web.Application) -> AsyncIterator[None]:
     """Every server's /health, every few seconds (llama/health.py): a dead or hung one is marked down, and
-    the requests waiting on it are ended (requests/stranded.py)."""
+    the requests waiting on it are ended (requests/forwarding/stranded.py)."""
     load = _server_load(app[ROUTER], app[UPSTREAMS])
     async with health_poll(app[UPSTREAMS], app[FRESH_CLIENT], load, app[STRANDED].end):
         yield

@@ -56,7 +56,7 @@ from adaptive_spec.proxy.plan import LaunchPlan, ServePlan
 from adaptive_spec.requests.app_keys import LIFECYCLE
 from adaptive_spec.requests.measured_speeds import KeptSpeeds, machine_identity
 from adaptive_spec.requests.measured_speeds import identity as speeds_identity
-from adaptive_spec.sessions.client_limits import start_line
+from adaptive_spec.sessions.agents.client_limits import start_line
 from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker
 from adaptive_spec.sessions.token_source import choose_tokenizer

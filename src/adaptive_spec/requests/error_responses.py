@@ -10,8 +10,8 @@ import orjson
 from aiohttp import web
 
 from adaptive_spec.requests.apis import Api, traits
+from adaptive_spec.requests.forwarding.outcome import Outcome
 from adaptive_spec.requests.gemini.reply import SSE_END, google_error, stream_error
-from adaptive_spec.requests.outcome import Outcome
 
 
 def error_body(message: str, *, type_: str, code: str, param: str | None = None) -> dict[str, Any]:

@@ -35,14 +35,15 @@ from adaptive_spec.requests.body.shapes import RequestProblem
 from adaptive_spec.requests.body.token_rate import first_turn_rate
 from adaptive_spec.requests.carry_out import carry_out
 from adaptive_spec.requests.error_responses import answer
-from adaptive_spec.requests.forward import Forwarding, Hooks, forward
+from adaptive_spec.requests.forwarding.forward import Forwarding, Hooks, forward
+from adaptive_spec.requests.forwarding.keepalive import PrefillKeepAlive
+from adaptive_spec.requests.forwarding.outcome import CLIENT_GONE, SERVED, SHUTDOWN, Outcome
+from adaptive_spec.requests.forwarding.stranded import STRANDED
 from adaptive_spec.requests.gate import routed_path
 from adaptive_spec.requests.gemini.request import gemini_target, to_chat
 from adaptive_spec.requests.heads import before_forward, forwarded_again, moving_kv, served
-from adaptive_spec.requests.keepalive import PrefillKeepAlive
 from adaptive_spec.requests.lifecycle import Prepared, ProxyRequest, Rewrite, Sent
 from adaptive_spec.requests.measured_speeds import measured
-from adaptive_spec.requests.outcome import CLIENT_GONE, SERVED, SHUTDOWN, Outcome
 from adaptive_spec.requests.outgoing import (
     BodyTooLarge,
     choose_upstream,
@@ -52,9 +53,8 @@ from adaptive_spec.requests.outgoing import (
     upstream_path,
     upstream_target,
 )
-from adaptive_spec.requests.stranded import STRANDED
 from adaptive_spec.routing.contract import Completion, Refusal, Route, RouteRequest
-from adaptive_spec.sessions.clients import client_name
+from adaptive_spec.sessions.agents.clients import client_name
 from adaptive_spec.sessions.grouping import explicit_session
 from adaptive_spec.sessions.project import workspace_path_from_request
 from adaptive_spec.sessions.tokenizers import CachingTokenizer
@@ -331,7 +331,7 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
 
 
 def _keepalive(request: web.Request, req: ProxyRequest) -> PrefillKeepAlive | None:
-    """Keep-alives for a streamed generating request while the server prefills (requests/keepalive.py)."""
+    """Keep-alives for a streamed generating request while the server prefills (requests/forwarding/keepalive.py)."""
     interval_s = request.app[SETTINGS].prefill_keepalive_s
     if interval_s <= 0 or req.parsed is None or not req.parsed.stream or not traits(req.routed.api).generates:
         return None

@@ -17,12 +17,12 @@ from adaptive_spec.requests.accounting import SETTLE_S, Accounting, with_counts
 from adaptive_spec.requests.apis import traits
 from adaptive_spec.requests.body.parse import ParsedRequest, RoutedPath
 from adaptive_spec.requests.body.repeats import Guarded
+from adaptive_spec.requests.forwarding.outcome import NOT_ANSWERED, Outcome
 from adaptive_spec.requests.gemini.request import GeminiCall
-from adaptive_spec.requests.outcome import NOT_ANSWERED, Outcome
 from adaptive_spec.routing.contract import Completion, Refusal, Route
 from adaptive_spec.routing.decision import Decision
 from adaptive_spec.routing.router import Router
-from adaptive_spec.sessions.client_limits import wait_note
+from adaptive_spec.sessions.agents.client_limits import wait_note
 from adaptive_spec.sessions.grouping import SessionAssignment
 from adaptive_spec.sessions.project import DEFAULT_PROJECT
 from adaptive_spec.sessions.service import SessionService

@@ -106,7 +106,7 @@ class RequestRecord:
     # each one's error); None without an estimate (a pinned or forced route) or without timings.
     time_estimate: dict[str, Any] | None = None
     # An agent's wait that the keep-alives cannot reset, when this request came near it: how long it waited and what
-    # to set (sessions/client_limits.py); else None.
+    # to set (sessions/agents/client_limits.py); else None.
     client_limit: str | None = None
 
     def to_json(self) -> dict[str, Any]:

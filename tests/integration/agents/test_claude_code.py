@@ -22,8 +22,8 @@ from aiohttp.test_utils import TestServer
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.proxy.app import ProxySettings, build_app
 from adaptive_spec.requests.app_keys import HISTORY, LIFECYCLE
+from adaptive_spec.requests.forwarding.outcome import Outcome
 from adaptive_spec.requests.lifecycle import ProxyRequest
-from adaptive_spec.requests.outcome import Outcome
 from tests.support.fakes.fake_upstream import FakeUpstream
 from tests.support.processes.servers import LlamaServer, ProxyProcess, free_port
 from tests.support.sse import events

@@ -1,4 +1,5 @@
-"""A streamed request whose server is silent while it prefills gets keep-alives from the proxy (requests/keepalive.py).
+"""A streamed request whose server is silent while it prefills gets keep-alives from the proxy
+(requests/forwarding/keepalive.py).
 
 A silence of chosen length before the headers is a fault a real server cannot be made to produce on demand, so the
 delays come from the in-process fake upstream; one test runs the keep-alives on a real llama-server as well."""
@@ -22,7 +23,7 @@ from aiohttp.test_utils import TestServer
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.proxy.app import ProxySettings, build_app
 from adaptive_spec.requests.app_keys import HISTORY
-from adaptive_spec.requests.keepalive import ANTHROPIC_PING, CHAT_EMPTY_CHUNK
+from adaptive_spec.requests.forwarding.keepalive import ANTHROPIC_PING, CHAT_EMPTY_CHUNK
 from tests.support.fakes.fake_upstream import CHUNK, FakeUpstream
 from tests.support.processes.servers import LlamaServer, ProxyProcess, free_port
 from tests.support.sse import events

@@ -20,7 +20,7 @@ from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.proxy.app import ProxySettings, build_app
 from adaptive_spec.requests.app_keys import HISTORY, LIFECYCLE, UPSTREAMS
 from adaptive_spec.requests.error_responses import RETRY_AFTER_S
-from adaptive_spec.requests.stranded import STRANDED
+from adaptive_spec.requests.forwarding.stranded import STRANDED
 from tests.support.fakes.fake_upstream import CHUNK, FakeUpstream
 from tests.support.processes.servers import free_port
 from tests.support.sse import events
@@ -150,9 +150,9 @@ MESSAGES = orjson.dumps({"model": "m", "max_tokens": 8, "messages": [{"role": "u
 async def test_requests_waiting_on_a_server_that_stopped_answering_are_ended(
     rig: tuple[FakeUpstream, TestServer, str],
 ) -> None:
-    """What the health poll does once it finds a server hung (requests/stranded.py), on the fake upstream: a stream
-    past its headers ends with its API's error event, requests not yet answered get a 503 in their API's shape with
-    Retry-After, each record says why, and nothing waits for the read timeout (60 s here)."""
+    """What the health poll does once it finds a server hung (requests/forwarding/stranded.py), on the fake upstream: a
+    stream past its headers ends with its API's error event, requests not yet answered get a 503 in their API's shape
+    with Retry-After, each record says why, and nothing waits for the read timeout (60 s here)."""
     fake, _, _ = rig
     table = UpstreamTable([Upstream("fake", fake.url)])
     proxy = TestServer(build_app(table, ProxySettings(read_timeout_s=60, prefill_keepalive_s=0)), port=free_port())
@@ -350,10 +350,10 @@ def _error_headers_then_silence(answered: asyncio.Event) -> Callable[[web.Reques
 async def test_a_request_ended_wherever_it_waits_is_told_not_dropped(
     monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    """The health poll ends a request on a hung server (requests/stranded.py) wherever the request's task is: reading
-    the body of an error the server began to answer, the same once keep-alives went out, writing the headers of the
-    server's answer to the client. The client is told (a 503, or its stream's error event), never left with a dropped
-    connection, and the record says why."""
+    """The health poll ends a request on a hung server (requests/forwarding/stranded.py) wherever the request's task is:
+    reading the body of an error the server began to answer, the same once keep-alives went out, writing the headers of
+    the server's answer to the client. The client is told (a 503, or its stream's error event), never left with a
+    dropped connection, and the record says why."""
     answered, writing = asyncio.Event(), asyncio.Event()
     original = web.StreamResponse.prepare
 

@@ -158,7 +158,7 @@ def test_after_serving_it_says_what_to_do_next(started: tuple[ProxyProcess, Path
     after = proxy.stderr_lines[next(i for i, s in enumerate(proxy.stderr_lines) if "is serving" in s) + 1 :]
     assert f"adaptive-spec tui --url {proxy.base}" in after[0]
     assert f"agent setups: {ROOT / 'examples'} (" in after[1]
-    # The agents' waits no keep-alive resets, each with what to set (sessions/client_limits.py).
+    # The agents' waits no keep-alive resets, each with what to set (sessions/agents/client_limits.py).
     limits = next(s for s in after if "waits the keep-alives cannot reset" in s)
     assert "CLAUDE_STREAM_IDLE_TIMEOUT_MS" in limits and "QWEN_STREAM_MAX_LIFETIME_MS" in limits
 

@@ -1,5 +1,5 @@
-"""The wait for a server's first byte (requests/stranded.py `first_byte`, `StrandedRequests.answered_at`): the
-read timeout counts the server's silence, not a wait in its queue behind another request's answer."""
+"""The wait for a server's first byte (requests/forwarding/stranded.py `first_byte`, `StrandedRequests.answered_at`):
+the read timeout counts the server's silence, not a wait in its queue behind another request's answer."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from adaptive_spec.requests.stranded import StrandedRequests, first_byte
+from adaptive_spec.requests.forwarding.stranded import StrandedRequests, first_byte
 
 SILENCE = 0.1
 

@@ -9,7 +9,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from adaptive_spec.access.rules import KEY_HEADERS, AccessPolicy
 from adaptive_spec.requests.apis import Api
 from adaptive_spec.requests.body.parse import RoutedPath
-from adaptive_spec.requests.forward import upstream_headers
+from adaptive_spec.requests.forwarding.forward import upstream_headers
 from adaptive_spec.requests.gate import ACCESS, _refusal, hidden_headers, request_keys, routed_path
 from adaptive_spec.requests.paths import decide_path
 

@@ -1,6 +1,6 @@
-"""The requests waiting on each server, ended when the health poll finds that server hung (requests/stranded.py):
-each request is ended once, with the reason on its booking; a booking lasts as long as its block; the poll tells
-`on_down` of each server it marks down, once, and of no other."""
+"""The requests waiting on each server, ended when the health poll finds that server hung
+(requests/forwarding/stranded.py): each request is ended once, with the reason on its booking; a booking lasts as long
+as its block; the poll tells `on_down` of each server it marks down, once, and of no other."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from adaptive_spec.llama import health as pool_health
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
-from adaptive_spec.requests.stranded import StrandedRequests
+from adaptive_spec.requests.forwarding.stranded import StrandedRequests
 from tests.support.fakes.fake_upstream import FakeUpstream
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")

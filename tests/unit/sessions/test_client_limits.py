@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from adaptive_spec.sessions.client_limits import LIMITS, start_line, wait_note
+from adaptive_spec.sessions.agents.client_limits import LIMITS, start_line, wait_note
 
 
 def test_the_start_line_names_every_agent_its_limit_and_what_to_set() -> None:

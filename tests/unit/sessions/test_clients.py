@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from multidict import CIMultiDict
 
-from adaptive_spec.sessions.clients import client_name
+from adaptive_spec.sessions.agents.clients import client_name
 
 
 @pytest.mark.parametrize(

@@ -21,10 +21,10 @@ from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.requests.app_keys import CLIENT, PROFILES, SETTINGS, UPSTREAMS
 from adaptive_spec.requests.body.shapes import RequestProblem
 from adaptive_spec.requests.error_responses import answer, error_response
-from adaptive_spec.requests.forward import upstream_headers
+from adaptive_spec.requests.forwarding.forward import upstream_headers
+from adaptive_spec.requests.forwarding.outcome import Outcome
 from adaptive_spec.requests.gate import hidden_headers, routed_path
 from adaptive_spec.requests.gemini.request import GeminiTarget, gemini_target, to_chat
-from adaptive_spec.requests.outcome import Outcome
 from adaptive_spec.requests.outgoing import BodyTooLarge, choose_upstream, read_body
 
 _METHODS = ["generateContent", "streamGenerateContent", "countTokens"]

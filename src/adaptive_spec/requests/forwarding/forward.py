@@ -19,13 +19,13 @@ from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.requests.apis import Api, traits
 from adaptive_spec.requests.body.compat import anthropic_overflow
 from adaptive_spec.requests.error_responses import answer, as_anthropic, as_client_error, as_google, sse_error_event
+from adaptive_spec.requests.forwarding.keepalive import PrefillKeepAlive
+from adaptive_spec.requests.forwarding.outcome import SHUTDOWN, Outcome
+from adaptive_spec.requests.forwarding.sending import send, sent_or_failed
+from adaptive_spec.requests.forwarding.stranded import Booking, StrandedRequests, first_byte, read_timeout, unread
 from adaptive_spec.requests.gate import hidden_headers
 from adaptive_spec.requests.gemini.reply import GeminiAnswer, google_error
 from adaptive_spec.requests.gemini.request import GeminiCall
-from adaptive_spec.requests.keepalive import PrefillKeepAlive
-from adaptive_spec.requests.outcome import SHUTDOWN, Outcome
-from adaptive_spec.requests.sending import send, sent_or_failed
-from adaptive_spec.requests.stranded import Booking, StrandedRequests, first_byte, read_timeout, unread
 from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.streams.tap import StreamTap
 
@@ -102,7 +102,8 @@ async def forward(
     hooks: Hooks = Hooks(),  # a frozen value: one default shared by every call is safe
 ) -> tuple[web.StreamResponse, Outcome]:
     """Send `out` upstream and relay the answer, metered by `meter`; upstream faults become errors, never exceptions.
-    `keepalive`: a streamed request's keep-alives while the server has not answered (requests/keepalive.py)."""
+    `keepalive`: a streamed request's keep-alives while the server has not answered
+    (requests/forwarding/keepalive.py)."""
     upstream, timeout = out.upstream, out.timeout
     url = upstream.base_url + out.path_qs
     headers = upstream_headers(request.headers, hidden_headers(request))

@@ -24,7 +24,7 @@ from typing import TypeVar
 import aiohttp
 from aiohttp import web
 
-from adaptive_spec.requests.outcome import Outcome
+from adaptive_spec.requests.forwarding.outcome import Outcome
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

@@ -9,7 +9,7 @@ import aiohttp
 from multidict import CIMultiDict
 
 from adaptive_spec.llama.upstreams import Upstream
-from adaptive_spec.requests.outcome import Outcome
+from adaptive_spec.requests.forwarding.outcome import Outcome
 
 
 async def sent_or_failed(

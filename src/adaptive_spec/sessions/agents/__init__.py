@@ -1,0 +1,1 @@
+"""Which agent a request comes from, and the waits that agent gives up after."""
