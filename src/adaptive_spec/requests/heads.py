@@ -85,15 +85,17 @@ def _scope(request: web.Request) -> str:
     return store.scope_of(request_keys(request))
 
 
-def _policy(app: web.Application, req: ProxyRequest) -> HeadsPolicy:
-    return app[ROUTER].policies.policy_for(req.project, req.workspace).heads
+def heads_policy(req: ProxyRequest) -> HeadsPolicy:
+    """The project's heads policy, as resolved once before routing (`Prepared.policy`); a request that was not
+    prepared (none reaches the store) keeps and gets no head."""
+    return req.prepared.policy.heads if req.prepared is not None else HeadsPolicy(enabled=False)
 
 
 async def _before_forward(app: web.Application, req: ProxyRequest, chosen: Upstream, scope: str) -> None:
     store, route = app.get(HEADS), req.route
     if store is None or route is None or req.assignment is None or route.decision.side or not route.pieces:
         return
-    if not store.arriving(req.assignment.session_id, chosen, scope) or not _policy(app, req).enabled:
+    if not store.arriving(req.assignment.session_id, chosen, scope) or not heads_policy(req).enabled:
         return
     decision = route.decision
     slot_tokens = decision.context_tokens - decision.new_tokens if decision.new_tokens is not None else 0
@@ -138,7 +140,7 @@ def _served(app: web.Application, req: ProxyRequest, chosen: Upstream, scope: st
     mark = store.mark_of(req.request_id)
     if timings is None or req.outcome.status != 200 or req.assignment is None or not route.pieces:
         return
-    policy = _policy(app, req)
+    policy = heads_policy(req)
     if not policy.enabled:
         return
     history = any(p.assistant for p in route.pieces)  # a reply in the prompt: a session's state, not a head
