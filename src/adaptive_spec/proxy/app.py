@@ -21,6 +21,7 @@ from adaptive_spec.kv.heads.store import HeadStore
 from adaptive_spec.kv.heads.values import HeadsConfig
 from adaptive_spec.kv.movers import SlotMover
 from adaptive_spec.kv.remote_prefill.shell import REMOTE_PREFILL, RemotePrefill
+from adaptive_spec.llama import template_opening
 from adaptive_spec.llama.health import SlotUse, health_poll, replica_watch
 from adaptive_spec.llama.probe import ProbeRequest, other_model
 from adaptive_spec.llama.profiles import ProfileInfo
@@ -55,6 +56,7 @@ from adaptive_spec.requests.lifecycle import RequestLifecycle
 from adaptive_spec.requests.measured_speeds import KeptSpeeds, keep_speeds
 from adaptive_spec.routing.contract import FixedPolicy, PolicySource
 from adaptive_spec.routing.draft_length import capped_profiles
+from adaptive_spec.routing.prompt import prefix
 from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.service import SessionService, run_worker
 from adaptive_spec.shared_state.shell import SharedState
@@ -166,6 +168,7 @@ def build_app(
             app[METRICS].replica_up.labels(name, str(u.replica)).set(0 if down else 1)
     app.cleanup_ctx.append(_trace_file)  # first in, last out: closed after everything that writes to it
     app.cleanup_ctx.append(_client_session)
+    app.cleanup_ctx.append(_template_opening)
     app.cleanup_ctx.append(_session_worker)
     app.cleanup_ctx.append(_policy_refresher)
     app.cleanup_ctx.append(_slot_sweep)
@@ -249,6 +252,22 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
     ):
         app[CLIENT], app[FRESH_CLIENT] = session, fresh_session
         yield
+
+
+async def _template_opening(app: web.Application) -> AsyncIterator[None]:
+    """The default profile's chat template asked, in the background, what it writes ahead of a prompt with no system
+    message, for the router's estimates (`llama/template_opening.py`)."""
+    upstreams, router = app[UPSTREAMS], app[ROUTER]
+    upstream = upstreams.get(upstreams.default)
+
+    async def ask(base_url: str) -> None:
+        router.template_opened(await template_opening.measure(app[CLIENT], base_url, prefix.PIECE_OVERHEAD_TOKENS))
+
+    task = asyncio.create_task(ask(upstream.base_url)) if upstream is not None else None
+    yield
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 async def _session_worker(app: web.Application) -> AsyncIterator[None]:

@@ -157,6 +157,7 @@ class Route:
     pieces: tuple[Piece, ...] = ()
     chars_per_token: float = DEFAULT_CHARS_PER_TOKEN
     has_tools: bool = False
+    opening: float = 0.0  # the template's tokens ahead of the pieces its estimate counted (`prefix.total_tokens`)
 
     @property
     def profile(self) -> str:

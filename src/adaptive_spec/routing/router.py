@@ -37,7 +37,7 @@ from adaptive_spec.routing.load import ServerBooks
 from adaptive_spec.routing.placements import Placement, Placements, observe
 from adaptive_spec.routing.prompt import prefix
 from adaptive_spec.routing.prompt.first_turn import pasted_file_chars, text_kind
-from adaptive_spec.routing.prompt.pieces import Piece
+from adaptive_spec.routing.prompt.pieces import Piece, lacks_system
 from adaptive_spec.routing.replicas import MoveCosts, ReplicaState, choose_replica, least_loaded
 from adaptive_spec.routing.speeds import SpeedModel
 from adaptive_spec.telemetry.events import PolicyChanged
@@ -77,6 +77,9 @@ class Router:
         self.pins: LRU[str, str] = LRU(MAX_PINS)  # session -> profile, until unpinned (sticky, unlike the header)
         self.prefixes = prefix.PrefixTable()  # what each session's slot holds: its new-token estimates
         self.chars_per_token = prefix.DEFAULT_CHARS_PER_TOKEN  # the latest measured rate, for first turns
+        # The tokens the default profile's chat template writes ahead of a prompt with no system message (its own
+        # default system prompt), measured on the server at start (`template_opened`); 0 until then.
+        self.template_opening = 0.0
         # What each slot served last, whichever session: a new session of the same agent shares its system prompt.
         self.slot_prefixes: LRU[tuple[str, int, int | None], prefix.PrefixState] = LRU(4096)
         # Each session's side lines (another system prompt: a subagent's conversation, a recurring side request) as
@@ -134,12 +137,12 @@ class Router:
     def choose(self, request: RouteRequest) -> tuple[Decision, Policy]:
         """The decision alone: what `route()` would decide now, with nothing counted in the load and no KV moved.
         (The pieces it reads are remembered, as for any request: a memo of the texts, not state a decision uses.)"""
-        decision, policy, _, _, _ = self._plan(request)
+        decision, policy, *_ = self._plan(request)
         return decision, policy
 
-    def _plan(self, request: RouteRequest) -> tuple[Decision, Policy, tuple[Piece, ...], bool, float]:
+    def _plan(self, request: RouteRequest) -> tuple[Decision, Policy, tuple[Piece, ...], bool, float, float]:
         """The decision, the prompt's pieces as the session's prefix state sees them, and the characters per token
-        the estimate took."""
+        and template opening the estimate took."""
         body, body_bytes, session_id, pinned = request.body, request.body_bytes, request.session_id, request.pinned
         policy = (
             request.policy
@@ -158,8 +161,9 @@ class Router:
         placement = self.placements.get(session_id)
         # A rate counted for this prompt (a first turn, or one far larger than any the session measured) comes first.
         cpt = request.chars_per_token or (state.chars_per_token if state is not None else self.chars_per_token)
-        total = prefix.total_tokens(pieces, cpt)  # read once, for the session's state and each server's slot
-        est = prefix.estimate(state, pieces, has_tools, cpt, total=total)
+        opening = self.template_opening if lacks_system(body) else 0.0
+        total = prefix.total_tokens(pieces, cpt, opening)  # read once, for the session's state and each server's slot
+        est = prefix.estimate(state, pieces, has_tools, cpt, total=total, opening=opening)
         own = est.shared_tokens  # against the session's own state alone (no slot given): what its KV holds
         line = prefix.line_of(pieces) if est.side and session_id is not None else None
         side = self.side_lines.get((session_id, line)) if session_id is not None and line is not None else None
@@ -174,11 +178,11 @@ class Router:
             # request counts on the server that served it (its RAM cache).
             shared_on[name] = mine
             for other in (held, side[1] if side is not None and side[0] == self.home(name, replica) else None):
-                shared = own if other is state else prefix.shared_tokens(other, pieces, cpt, total)
+                shared = own if other is state else prefix.shared_tokens(other, pieces, cpt, total, opening)
                 shared_on[name] = max(shared_on[name], shared)
                 best = max(best, (shared, other), key=lambda b: b[0])
         if best[1] is not state:  # the prompt's tokens on the scale of what a server holds of it, so its new ones
-            est = prefix.estimate(state, pieces, has_tools, cpt, best[1], total)
+            est = prefix.estimate(state, pieces, has_tools, cpt, best[1], total, opening)
         state_of_request = RequestState(
             body_bytes=body_bytes,
             max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
@@ -226,7 +230,7 @@ class Router:
             session_cap(self._draft_caps.get(choice.profile), placement, policy),
             self._replica_part(choice, prompt, placement, policy, est.total_tokens, replicas_of[choice.profile]),
         )
-        return decision, policy, pieces, has_tools, cpt
+        return decision, policy, pieces, has_tools, cpt, opening
 
     def _replica_part(
         self,
@@ -314,6 +318,11 @@ class Router:
         state = self.prefixes.get(session_id)
         return sum(p.chars for p in state.pieces) if state is not None else 0
 
+    def template_opened(self, tokens: float) -> None:
+        """The default profile's chat template writes `tokens` ahead of a prompt with no system message of its own
+        (measured at start: `llama/template_opening.py`)."""
+        self.template_opening = max(0.0, tokens)
+
     # --- the two calls ----------------------------------------------------------------------------------------
 
     def route(self, request: RouteRequest) -> Route | Refusal:
@@ -321,7 +330,7 @@ class Router:
         (`Route.move`): a handoff when it moves, else a remote prefill when that may be faster. Nothing is waited
         for here: the request path carries the move out (`requests/carry_out.py`) and reports it with `moved()`.
         Every route is completed once."""
-        decision, _, pieces, has_tools, cpt = self._plan(request)
+        decision, _, pieces, has_tools, cpt, opening = self._plan(request)
         profile, replica = decision.profile, decision.replica
         health = self.health.replica_health(profile)
         if replica < len(health) and health[replica][1] is not None:
@@ -341,6 +350,7 @@ class Router:
             pieces=pieces,
             has_tools=has_tools,
             chars_per_token=cpt,
+            opening=opening,
         )
         if decision.handoff and request.session_id is not None:
             asked = self.moves.plan_handoff(decision, request.session_id, slot)
@@ -387,7 +397,14 @@ class Router:
             return False
         own = self.prefixes.get(session_id)
         state = prefix.observe(
-            own, route.pieces, route.has_tools, done.reply, timings, self.chars_per_token, reply_kept=done.reply_kept
+            own,
+            route.pieces,
+            route.has_tools,
+            done.reply,
+            timings,
+            self.chars_per_token,
+            reply_kept=done.reply_kept,
+            opening=route.opening,
         )
         several = self.load.slot_count(profile, replica) > 1
         self.slot_prefixes.put((*self.home(profile, replica), slot if several else None), state)

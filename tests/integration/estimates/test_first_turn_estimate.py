@@ -76,3 +76,32 @@ def test_a_long_first_turn_is_estimated_within_15_percent_on_a_fresh_proxy(fresh
     # The prior alone (3.5 characters a token) would have missed it by more than the bound.
     chars = sum(len(m["content"]) for m in body["messages"]) + len(json.dumps(body["tools"], separators=(",", ":")))
     assert abs(chars / 3.5 - true) > ESTIMATE_ERROR * true, (chars / 3.5, true)
+
+
+BARE_ERROR = 0.2
+
+
+def test_a_question_without_a_system_message_counts_the_templates_default_one(fresh: ProxyProcess) -> None:
+    # Qwen's template writes "You are Qwen, created by Alibaba Cloud..." ahead of it: 16 of its 38 prompt tokens.
+    question = "Write a python function that adds two numbers."
+    body = {"model": "m", "messages": [{"role": "user", "content": question}], "max_tokens": 2, "temperature": 0}
+    req = urllib.request.Request(
+        fresh.base + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "x-session-id": "bare"},
+    )
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        request_id = resp.headers["x-adaptive-spec-request-id"]
+        resp.read()
+    record = next(r for r in fresh.requests() if r["request_id"] == request_id)
+    # Nothing the router knows of is held for it, so its new tokens are its whole prompt; llama-server may still reuse
+    # the few tokens another session's prompt opens with ("<|im_start|>system\nYou are").
+    timings = record["timings"]
+    est, true = record["new_tokens_est"], timings["prompt_n"] + timings["cache_n"]
+    assert timings["cache_n"] < 8 and true > 30, timings
+    assert abs(est - true) <= BARE_ERROR * true, (est, true)
+    print(f"bare question: estimated {est} new tokens, llama-server counted {true}")
+    # The request's own texts and their markers alone, at any rate from 3 to 6 characters a token, miss by more.
+    for rate in (3.0, 3.5, 5.0, 6.0):
+        alone = len(question) / rate + 5 + 4
+        assert abs(alone - true) > BARE_ERROR * true, (rate, alone, true)

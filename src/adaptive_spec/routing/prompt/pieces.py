@@ -303,6 +303,12 @@ def _rendered_tools(tools: Any) -> list[Any]:
     return [t for t in tools if not isinstance(t, dict) or t.get("type") in (None, "function")]
 
 
+def lacks_system(body: Mapping[str, Any]) -> bool:
+    """A chat prompt with no system message of its own, where a chat template may write its default one ahead of the
+    messages (`prefix.total_tokens`' `opening`). A plain `prompt` has no template."""
+    return not isinstance(body.get("prompt"), str) and bool(messages_of(body)) and not _starts_with_system(body)
+
+
 def _starts_with_system(body: Mapping[str, Any]) -> bool:
     if body.get("instructions") or body.get("system"):
         return True

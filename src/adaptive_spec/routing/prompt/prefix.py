@@ -131,8 +131,11 @@ def _leading_same(pieces: Sequence[Piece], prev: Sequence[Piece]) -> int:
     return n
 
 
-def _against(held: PrefixState, pieces: Sequence[Piece], cpt: float, total: float) -> tuple[float, float]:
-    """(shared, new) tokens of a prompt against what a slot holds: `held`'s prompt, then its reply."""
+def _against(
+    held: PrefixState, pieces: Sequence[Piece], cpt: float, total: float, opening: float = 0.0
+) -> tuple[float, float]:
+    """(shared, new) tokens of a prompt against what a slot holds: `held`'s prompt, then its reply. `opening`: the
+    template's own system block ahead of the pieces (`total_tokens`), held wherever a leading piece is."""
     prev = held.pieces
     n = _leading_same(pieces, prev)
     if n == len(prev) and prev:
@@ -152,15 +155,18 @@ def _against(held: PrefixState, pieces: Sequence[Piece], cpt: float, total: floa
     # The first differing piece still shares its leading characters: llama-server reuses tokens up to the first one
     # that differs, wherever it falls inside a piece.
     within = shared_chars(prev[n], pieces[n]) if n < len(prev) and n < len(pieces) else 0
-    shared = _tokens(pieces[:n], cpt) + within / cpt
+    shared = _tokens(pieces[:n], cpt) + within / cpt + (opening if n or within else 0.0)
     if any(p.tools for p in pieces[:n]) or (within and pieces[n].tools):
         shared += TOOLS_OVERHEAD_TOKENS  # the preamble around a held tool list is held with it
     return shared, max(1.0, total - shared)
 
 
-def total_tokens(pieces: Sequence[Piece], chars_per_token: float) -> float:
-    """The whole prompt's tokens, estimated (`estimate` and `shared_tokens` take it when the caller has it)."""
-    return _tokens(pieces, chars_per_token) + _fixed(pieces)
+def total_tokens(pieces: Sequence[Piece], chars_per_token: float, opening: float = 0.0) -> float:
+    """The whole prompt's tokens, estimated (`estimate` and `shared_tokens` take it when the caller has it).
+    `opening`: the tokens the chat template writes ahead of the pieces, its default system prompt for a chat prompt
+    that has none of its own (Qwen's "You are Qwen, created by Alibaba Cloud...": 21 tokens, measured on llama-server;
+    `llama/template_opening.py`)."""
+    return _tokens(pieces, chars_per_token) + _fixed(pieces) + opening
 
 
 def estimate(
@@ -170,18 +176,19 @@ def estimate(
     chars_per_token: float,
     slot: PrefixState | None = None,
     total: float | None = None,
+    opening: float = 0.0,
 ) -> PromptEstimate:
     """The request's prompt tokens, and how many of them a server already holds: the session's own last request
     (`state`: in its slot, or in llama-server's RAM cache of prompts) or whatever request the slot it will use served
     last (`slot`: another session of the same agent shares the system prompt and tools). `total`: `total_tokens`
-    at the session's rate, when the caller has it."""
+    at the session's rate, when the caller has it; `opening`, as `total_tokens` takes it."""
     cpt = state.chars_per_token if state is not None else chars_per_token
     if total is None:
-        total = total_tokens(pieces, cpt)
+        total = total_tokens(pieces, cpt, opening)
     best = (0.0, total)
     for held in (state, slot):
         if held is not None:
-            best = max(best, _against(held, pieces, cpt, total), key=lambda c: c[0])
+            best = max(best, _against(held, pieces, cpt, total, opening), key=lambda c: c[0])
     shared, new = best
     if shared > 0:
         new *= (state or slot or _NO_STATE).new_ratio
@@ -194,14 +201,18 @@ def estimate(
 
 
 def shared_tokens(
-    held: PrefixState | None, pieces: Sequence[Piece], chars_per_token: float, total: float | None = None
+    held: PrefixState | None,
+    pieces: Sequence[Piece],
+    chars_per_token: float,
+    total: float | None = None,
+    opening: float = 0.0,
 ) -> int:
     """The tokens of this prompt that a slot holding `held` would reuse (`total`: `total_tokens`, if known)."""
     if held is None:
         return 0
     if total is None:
-        total = total_tokens(pieces, chars_per_token)
-    return round(_against(held, pieces, chars_per_token, total)[0])
+        total = total_tokens(pieces, chars_per_token, opening)
+    return round(_against(held, pieces, chars_per_token, total, opening)[0])
 
 
 def observe(
@@ -213,19 +224,21 @@ def observe(
     chars_per_token: float = DEFAULT_CHARS_PER_TOKEN,
     *,
     reply_kept: float = 1.0,
+    opening: float = 0.0,
 ) -> PrefixState:
     """The session's slot after a request served in full: its pieces, its reply, and llama-server's counts.
     `chars_per_token` is the rate a new session starts from (the proxy's latest); `reply_kept`, the share of the
-    reply that stays reusable when it is sent back (`Completion.reply_kept`)."""
+    reply that stays reusable when it is sent back (`Completion.reply_kept`); `opening`, as `total_tokens` takes it
+    (the template's tokens, not the texts')."""
     prompt_tokens = timings.prompt_n + timings.cache_n
     chars = sum(p.chars for p in pieces)
-    templated = prompt_tokens - _markup(pieces) - _fixed(pieces)
+    templated = prompt_tokens - _markup(pieces) - _fixed(pieces) - opening
     cpt = state.chars_per_token if state is not None else chars_per_token
     ratio = state.new_ratio if state is not None else 1.0
     # Counts from `usage` (llama-server's Anthropic API: no timings) are its own too: prompt_n and cache_n exact.
     if state is not None and timings.cache_n > 0:
-        total = total_tokens(pieces, cpt)
-        shared, new = _against(state, pieces, cpt, total)
+        total = total_tokens(pieces, cpt, opening)
+        shared, new = _against(state, pieces, cpt, total, opening)
         if shared > 0 and new > 0:
             sample = timings.prompt_n / new
             ratio = min(_MAX_RATIO, max(1 / _MAX_RATIO, _RATIO_ALPHA * sample + (1 - _RATIO_ALPHA) * ratio))

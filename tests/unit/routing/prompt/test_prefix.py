@@ -327,3 +327,30 @@ def test_the_main_line_goes_on_under_a_new_system_prompt_with_the_same_tools() -
     assert not estimate(after, resumed).side
     title = body(ask, system={"role": "system", "content": "Write a title."})
     assert estimate(after, title).side
+
+
+def test_the_templates_own_system_block_counts_for_a_prompt_without_one() -> None:
+    # Qwen's template writes its default system prompt ahead of a bare question: 21 tokens, on llama-server.
+    bare = {"messages": [{"role": "user", "content": "Write a python function that adds two numbers."}]}
+    pieces = prompt_pieces(bare)
+    plain = prefix.estimate(None, pieces, False, 3.5)
+    opened = prefix.estimate(None, pieces, False, 3.5, opening=21.0)
+    assert opened.total_tokens == opened.new_tokens == plain.new_tokens + 21
+    # A second bare session with the same question: the slot holds the block too, so it is shared, not new.
+    other = prefix.observe(None, pieces, False, "ok", Timings(prompt_n=38, cache_n=0, predicted_n=2), opening=21.0)
+    again = prefix.estimate(None, pieces, False, 3.5, slot=other, opening=21.0)
+    assert again.shared_tokens == 38 - 1 + 0 and again.new_tokens < 10
+    # Against a slot whose prompt shares the first message only: the block ahead of it is held with it.
+    a, b, c = ({"role": "user", "content": text * 20} for text in "abc")
+    held = prefix.observe(None, prompt_pieces({"messages": [a, b]}), False, "ok", Timings(90, 0, 2), opening=21.0)
+    shared = prefix.shared_tokens(held, prompt_pieces({"messages": [a, c]}), 3.5, opening=21.0)
+    assert shared == round(21.0 + 20 / 3.5 + prefix.PIECE_OVERHEAD_TOKENS)
+
+
+def test_the_templates_opening_is_not_taken_for_the_texts_rate() -> None:
+    bare = {"messages": [{"role": "user", "content": "x" * 3000}]}
+    pieces = prompt_pieces(bare)
+    timings = Timings(prompt_n=round(3000 / 4 + 9 + 21), cache_n=0, predicted_n=1)
+    state = prefix.observe(None, pieces, False, "ok", timings, opening=21.0)
+    assert state.chars_per_token == pytest.approx(4.0, rel=0.01)
+    assert prefix.observe(None, pieces, False, "ok", timings).chars_per_token < 3.9  # the block read as text
