@@ -74,6 +74,7 @@ class PrefixState:
     # template's cost of tool calls and tool results, which characters alone miss.
     new_ratio: float = 1.0
     reply_again: int = 0  # the rest of its predicted_n: prefilled again when the reply comes back
+    opening: float = 0.0  # the template's own system block ahead of its pieces (`total_tokens`), 0: none
 
 
 _NO_STATE = PrefixState((), b"", 0, 0, DEFAULT_CHARS_PER_TOKEN)
@@ -135,7 +136,8 @@ def _against(
     held: PrefixState, pieces: Sequence[Piece], cpt: float, total: float, opening: float = 0.0
 ) -> tuple[float, float]:
     """(shared, new) tokens of a prompt against what a slot holds: `held`'s prompt, then its reply. `opening`: the
-    template's own system block ahead of the pieces (`total_tokens`), held wherever a leading piece is."""
+    template's own system block ahead of the pieces (`total_tokens`), held wherever a leading piece is, and wherever
+    the slot's prompt opened with it too."""
     prev = held.pieces
     n = _leading_same(pieces, prev)
     if n == len(prev) and prev:
@@ -155,7 +157,7 @@ def _against(
     # The first differing piece still shares its leading characters: llama-server reuses tokens up to the first one
     # that differs, wherever it falls inside a piece.
     within = shared_chars(prev[n], pieces[n]) if n < len(prev) and n < len(pieces) else 0
-    shared = _tokens(pieces[:n], cpt) + within / cpt + (opening if n or within else 0.0)
+    shared = _tokens(pieces[:n], cpt) + within / cpt + (opening if n or within or held.opening == opening else 0.0)
     if any(p.tools for p in pieces[:n]) or (within and pieces[n].tools):
         shared += TOOLS_OVERHEAD_TOKENS  # the preamble around a held tool list is held with it
     return shared, max(1.0, total - shared)
@@ -261,6 +263,7 @@ def observe(
         line_tools=line_tools,
         line_tools_digest=line_tools_digest,
         new_ratio=ratio,
+        opening=opening,
     )
 
 

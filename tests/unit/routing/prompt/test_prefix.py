@@ -345,6 +345,11 @@ def test_the_templates_own_system_block_counts_for_a_prompt_without_one() -> Non
     held = prefix.observe(None, prompt_pieces({"messages": [a, b]}), False, "ok", Timings(90, 0, 2), opening=21.0)
     shared = prefix.shared_tokens(held, prompt_pieces({"messages": [a, c]}), 3.5, opening=21.0)
     assert shared == round(21.0 + 20 / 3.5 + prefix.PIECE_OVERHEAD_TOKENS)
+    # Another bare prompt, no message in common: the slot still opens with the same block.
+    d = {"role": "user", "content": "d" * 20}
+    assert prefix.shared_tokens(held, prompt_pieces({"messages": [d]}), 3.5, opening=21.0) == 21
+    system = prefix.observe(None, prompt_pieces(body(b)), False, "ok", Timings(300, 0, 2))
+    assert prefix.shared_tokens(system, prompt_pieces({"messages": [d]}), 3.5, opening=21.0) == 0
 
 
 def test_the_templates_opening_is_not_taken_for_the_texts_rate() -> None:
