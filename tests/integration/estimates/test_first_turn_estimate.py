@@ -58,18 +58,23 @@ def _first_turn() -> dict[str, Any]:
     return {"model": "m", "messages": messages, "tools": tools, "max_tokens": 4, "temperature": 0}
 
 
-def test_a_long_first_turn_is_estimated_within_15_percent_on_a_fresh_proxy(fresh: ProxyProcess) -> None:
-    body = _first_turn()
-    assert len(json.dumps(body)) > 8_000  # long enough to be counted
+def _served(proxy: ProxyProcess, body: dict[str, Any], session: str) -> dict[str, Any]:
+    """The proxy's record of a chat request it answered."""
     req = urllib.request.Request(
-        fresh.base + "/v1/chat/completions",
+        proxy.base + "/v1/chat/completions",
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "x-session-id": "first"},
+        headers={"Content-Type": "application/json", "x-session-id": session},
     )
     with urllib.request.urlopen(req, timeout=600) as resp:
         request_id = resp.headers["x-adaptive-spec-request-id"]
         resp.read()
-    record = next(r for r in fresh.requests() if r["request_id"] == request_id)
+    return next(r for r in proxy.requests() if r["request_id"] == request_id)
+
+
+def test_a_long_first_turn_is_estimated_within_15_percent_on_a_fresh_proxy(fresh: ProxyProcess) -> None:
+    body = _first_turn()
+    assert len(json.dumps(body)) > 8_000  # long enough to be counted
+    record = _served(fresh, body, "first")
     est, true = record["new_tokens_est"], record["timings"]["prompt_n"]
     assert record["timings"]["cache_n"] < 8 and true > 1_500, record["timings"]
     assert abs(est - true) <= ESTIMATE_ERROR * true, (est, true)
@@ -85,15 +90,7 @@ def test_a_question_without_a_system_message_counts_the_templates_default_one(fr
     # Qwen's template writes "You are Qwen, created by Alibaba Cloud..." ahead of it: 16 of its 38 prompt tokens.
     question = "Write a python function that adds two numbers."
     body = {"model": "m", "messages": [{"role": "user", "content": question}], "max_tokens": 2, "temperature": 0}
-    req = urllib.request.Request(
-        fresh.base + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "x-session-id": "bare"},
-    )
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        request_id = resp.headers["x-adaptive-spec-request-id"]
-        resp.read()
-    record = next(r for r in fresh.requests() if r["request_id"] == request_id)
+    record = _served(fresh, body, "bare")
     # Nothing the router knows of is held for it, so its new tokens are its whole prompt; llama-server may still reuse
     # the few tokens another session's prompt opens with ("<|im_start|>system\nYou are").
     timings = record["timings"]
