@@ -1,5 +1,6 @@
 """The heads on disk as the store keeps them: the index in memory, each file's checks (its size before a restore, its
-checksum once a run, in the background: an unverified head is not restored), the bound on bytes (least recently used
+checksum once a run, in the background or first for a request that wants that head: an unverified head is not
+restored), the bound on bytes (least recently used
 first, kept as a head is added) and free disk before a save, and the repairs (a head that fails a check is removed, with
 its reason logged).
 
@@ -84,20 +85,30 @@ class HeadBook:
         return head in self._verified
 
     async def verify(self) -> None:
-        """Each head's checksum, once a run, in a thread (in the background: never on a request's path)."""
-        for entry in list(self._entries.values()):
-            if entry.id in self._verified:
-                continue
-            try:
-                crc = await asyncio.to_thread(checksum, self.path(entry.id)) if entry.crc else ""
-            except OSError as exc:
-                crc = f"unreadable ({exc})"
-            if self._entries.get(entry.id) is not entry or entry.id in self._saving:
-                continue  # replaced meanwhile by a new save, whose checksum was taken as it was written
-            if crc != entry.crc:
-                await self.drop(entry.id, f"its checksum is {crc}, not the {entry.crc} saved")
-            else:
-                self._verified.add(entry.id)
+        """Each head's checksum, once a run, in a thread, the most recently used first (the heads a restart or a
+        resumed conversation wants soonest)."""
+        for entry in sorted(self._entries.values(), key=lambda e: -e.last_used_unix):
+            await self.verify_one(entry)
+
+    async def verify_one(self, entry: HeadEntry) -> bool:
+        """The head's checksum, read in a thread unless this run has read it: whether the head is whole (a damaged
+        one is removed). A request whose best match the background pass has not reached yet asks for it here rather
+        than settle for a shorter, verified head."""
+        if entry.id in self._verified:
+            return True
+        try:
+            crc = await asyncio.to_thread(checksum, self.path(entry.id)) if entry.crc else ""
+        except OSError as exc:
+            crc = f"unreadable ({exc})"
+        if entry.id in self._verified:
+            return True  # the background pass read it meanwhile
+        if self._entries.get(entry.id) != entry or entry.id in self._saving:
+            return False  # replaced meanwhile by a new save, whose checksum was taken as it was written
+        if crc != entry.crc:
+            await self.drop(entry.id, f"its checksum is {crc}, not the {entry.crc} saved")
+            return False
+        self._verified.add(entry.id)
+        return True
 
     async def check(self, entry: HeadEntry) -> bool:
         """The head's file is whole: its checksum verified this run, and its size (a damaged head is removed)."""

@@ -375,11 +375,13 @@ class HeadStore:
         usable = (
             e
             for e in self._io.usable(upstream)  # none llama-server refused there
-            if self.book.verified(e.id) and not self._activity.head_inert(upstream.base_url, e.id, now)
+            if not self._activity.head_inert(upstream.base_url, e.id, now)
         )
         match = best_match(chains[0], usable, chains[1])
         if match is None:
             return None
+        if not self.book.verified(match.entry.id) and not await self.book.verify_one(match.entry):
+            return None  # damaged (now removed) or replaced meanwhile: this request prefills
         held = self._held.get((upstream.base_url, slot or 0))
         since = self._activity.forwarded_to(held.server) if held is not None else -1
         if held is not None and held.head == match.entry.id and held.forwards == since:

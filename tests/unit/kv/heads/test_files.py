@@ -168,6 +168,41 @@ async def test_a_truncated_or_damaged_head_is_removed_before_any_restore(tmp_pat
     assert book.heads() == [] and json.loads((tmp_path / INDEX).read_text()) == []
 
 
+@pytest.mark.asyncio(loop_scope="function")
+async def test_a_head_a_request_wants_is_verified_at_once_and_the_pass_starts_with_the_newest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Right after a restart the background pass may not have reached the head a resumed conversation matches best
+    (its own state, the newest): the request has it checked there and then instead of settling for an older head."""
+    data = bytes(range(256)) * 40
+    (tmp_path / "probe").write_bytes(data)
+    crc = checksum(tmp_path / "probe")
+    old, new, mid = _entry(1, len(data), 10.0, crc), _entry(2, len(data), 30.0, crc), _entry(3, len(data), 20.0, crc)
+    _store(tmp_path, (old, data), (new, data), (mid, data))
+    flipped = tmp_path / f"{mid.id}.head"
+    flipped.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    counts = dict.fromkeys(("refused", "evicted", "removed"), 0)
+    book = HeadBook(tmp_path, max_bytes=10**9, count=_into(counts))
+    assert await book.verify_one(new) and await book.check(new) and not book.verified(old.id)
+    assert not await book.verify_one(mid) and book.entry(mid.id) is None and counts["removed"] == 1
+    book.close()
+
+    # A store of three whole heads: the background pass reads the most recently used first.
+    _store(tmp_path, (old, data), (new, data), (mid, data))
+    read: list[str] = []
+
+    def recorded(path: Path) -> str:
+        read.append(path.stem)
+        return crc
+
+    monkeypatch.setattr("adaptive_spec.kv.heads.book.checksum", recorded)
+    book = HeadBook(tmp_path, max_bytes=10**9)
+    await book.verify()
+    assert read == [new.id, mid.id, old.id]
+    assert await book.verify_one(old) and read == [new.id, mid.id, old.id]  # once a run
+    book.close()
+
+
 def test_a_staged_copy_is_private_from_its_first_byte_and_the_heads_directory_is_made_private(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
