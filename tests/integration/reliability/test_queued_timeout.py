@@ -61,3 +61,21 @@ def test_a_request_queued_behind_a_long_answer_waits_its_turn(proxy: ProxyProces
     # It did wait its turn, longer than the read timeout: before, that was a 504 "did not answer within 2.0 s".
     assert waited > 1.5 * READ_TIMEOUT_S, f"the long answer ended too soon to queue the short one ({waited:.1f} s)"
     assert streamed and streamed[0] - t0 <= waited + 1.0  # its turn came when the long answer ended
+
+
+def test_an_answer_sent_whole_after_more_than_the_read_timeout_is_waited_for(proxy: ProxyProcess) -> None:
+    """No stream: llama-server sends nothing until the whole answer is made, which on a slow machine (or a long
+    answer) takes longer than `--read-timeout`; llama-server sets no limit there, and the proxy is not stricter
+    while the server is at work (its /slots shows the slot processing). Before, a 504 after the read timeout."""
+    long_answer = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Write a long story."}],
+        "max_tokens": 8000,
+        "ignore_eos": True,
+    }
+    t0 = time.monotonic()
+    with urllib.request.urlopen(_post(proxy, long_answer), timeout=300) as resp:
+        status, answer = resp.status, json.loads(resp.read())
+    waited = time.monotonic() - t0
+    assert status == 200 and answer["usage"]["completion_tokens"] > 0, answer
+    assert waited > 1.5 * READ_TIMEOUT_S, f"the answer came too soon to show the wait ({waited:.1f} s)"

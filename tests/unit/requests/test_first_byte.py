@@ -65,3 +65,25 @@ async def test_the_book_says_when_a_server_last_answered_another_request() -> No
         assert after is not None and after <= time.monotonic()
         with book.book("t", "q") as elsewhere:
             assert book.answered_at("t", elsewhere) == float("-inf")  # another server's answers do not count
+
+
+@pytest.mark.asyncio
+async def test_a_server_at_work_is_waited_for_past_the_silence_and_one_that_is_not_times_out() -> None:
+    """An answer sent whole at its end (or a stream's first token after a long prefill) comes after more silence
+    than the read timeout on a slow machine: while the server says it is at work, the silence counts again."""
+    asked: list[float] = []
+
+    async def at_work(wait_s: float) -> bool:
+        asked.append(wait_s)
+        return True
+
+    assert await first_byte(_after(4 * SILENCE), SILENCE, lambda: float("-inf"), at_work) == "answer"
+    assert len(asked) >= 2 and all(w == SILENCE for w in asked)  # asked at each deadline, given the silence to say
+
+    async def idle(wait_s: float) -> bool:
+        return False
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        await first_byte(_never(), SILENCE, lambda: float("-inf"), idle)
+    assert SILENCE <= time.monotonic() - t0 < 3 * SILENCE

@@ -4,6 +4,7 @@ back into the client's API when its body was translated: requests/gemini/reply.p
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -22,7 +23,14 @@ from adaptive_spec.requests.error_responses import answer, as_anthropic, as_clie
 from adaptive_spec.requests.forwarding.keepalive import PrefillKeepAlive
 from adaptive_spec.requests.forwarding.outcome import SHUTDOWN, Outcome
 from adaptive_spec.requests.forwarding.sending import send, sent_or_failed
-from adaptive_spec.requests.forwarding.stranded import Booking, StrandedRequests, first_byte, read_timeout, unread
+from adaptive_spec.requests.forwarding.stranded import (
+    Booking,
+    StrandedRequests,
+    at_work,
+    first_byte,
+    read_timeout,
+    unread,
+)
 from adaptive_spec.requests.gate import hidden_headers
 from adaptive_spec.requests.gemini.reply import GeminiAnswer, google_error
 from adaptive_spec.requests.gemini.request import GeminiCall
@@ -52,6 +60,9 @@ _ERROR_BODY_LIMIT = 64 * 1024
 _T = TypeVar("_T")
 # A failure of the relay after the headers went out: the message and the code of the stream's last error event.
 _Failure = tuple[str, str]
+
+
+_KEY_HEADERS = ("authorization", "x-api-key")  # how llama-server takes its --api-key
 
 
 def upstream_headers(headers: CIMultiDictProxy[str], hidden: tuple[str, ...] = ()) -> CIMultiDict[str]:
@@ -116,13 +127,16 @@ async def forward(
             # another the server is answering (`first_byte`) is not facing a silent server.
             sent = send(sessions, request.method, url, out.body, headers, unread(timeout))
             waited = keepalive.during(sent) if keepalive is not None else sent
-            first = first_byte(waited, timeout.sock_read, lambda: book.answered_at(upstream.base_url, booking))
+            keys = {k: v for k, v in headers.items() if k.lower() in _KEY_HEADERS}
+            working = functools.partial(at_work, sessions[0], upstream.base_url, keys)
+            answered_at = functools.partial(book.answered_at, upstream.base_url, booking)
+            first = first_byte(waited, timeout.sock_read, answered_at, working)
             outcome = await sent_or_failed(first, upstream, timeout)
             if isinstance(outcome, Outcome):
                 return await _failed(outcome, keepalive)
             booking.answered = True
-            read_timeout(outcome, timeout.sock_read)
-            return await _answered(request, outcome, relay, out.extra_headers, keepalive)
+            async with read_timeout(outcome, timeout.sock_read, working):
+                return await _answered(request, outcome, relay, out.extra_headers, keepalive)
         except asyncio.CancelledError:
             # The proxy's own cancellation (the server stopped answering, the shutdown) may land at any await of
             # the block: before the answer, reading an error's body, writing the headers, relaying. Wherever it
