@@ -30,7 +30,7 @@ from adaptive_spec.kv.heads.files import (
     write_entry,
     write_index,
 )
-from adaptive_spec.kv.heads.plan import HeadEntry, evictions
+from adaptive_spec.kv.heads.plan import HeadEntry, HeadSize, evictions, head_size
 
 log = logging.getLogger(__name__)
 FREE_RESERVE_BYTES = 256 * 1024**2  # a save leaves at least this much of the disk free
@@ -141,7 +141,7 @@ class HeadBook:
     async def room(self, prompt_tokens: int, scope: str = "") -> bool:
         """Free disk for a head of this size, and its tenant's share big enough to hold it (the bound is kept as the
         head is added: a save may still be skipped)."""
-        incoming = int(self.bytes_per_token() * prompt_tokens)
+        incoming = self.head_size().bytes_for(prompt_tokens)
         if incoming > self.share(scope) and self._entries:  # measured, not the prior's guess: too big for its share
             self.count("refused", scope)
             log.info("heads: a head of ~%d MB is larger than its tenant's share; not saved", incoming // 1_000_000)
@@ -220,9 +220,9 @@ class HeadBook:
         except OSError as exc:  # the files stay; the next start drops what the index does not name
             log.warning("heads: the index was not written: %s", exc)
 
-    def bytes_per_token(self) -> float:
-        saved = sum(e.saved_tokens for e in self._entries.values())
-        return sum(e.bytes for e in self._entries.values()) / saved if saved else _PRIOR_BYTES_PER_TOKEN
+    def head_size(self) -> HeadSize:
+        """A new head's bytes as the saved heads measure them (a fixed part and one per token: `head_size`)."""
+        return head_size(self._entries.values(), _PRIOR_BYTES_PER_TOKEN)
 
     def describe(self, scope: str | None = None) -> dict[str, Any]:
         """The heads of `scope` (None: all); no path of this machine."""

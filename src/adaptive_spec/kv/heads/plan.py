@@ -1,6 +1,7 @@
 """Pure: what a stored head is (`HeadEntry`), what makes its KV reusable on a server (`ServerKey`), the chain of digests
 a prompt's leading pieces make under that key (and of each piece's 256-character blocks after them), the longest stored
-match of a new prompt, the LRU eviction and whether a restore pays against a prefill.
+match of a new prompt, a head's bytes before it is saved (`head_size`), the LRU eviction and whether a restore pays
+against a prefill.
 
 No file, no HTTP: the store (`kv/heads/store.py`) does those."""
 
@@ -290,6 +291,37 @@ def evictions(entries: Iterable[HeadEntry], max_bytes: int, incoming_bytes: int 
         out.append(entry.id)
         total -= entry.bytes
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSize:
+    """A head's bytes on disk as the saved heads measure them: a fixed part (what a slot file of a recurrent or
+    sliding-window target holds whatever its length: the recurrent state, the context checkpoints) and a part per
+    saved token (the attention KV)."""
+
+    fixed_bytes: float
+    bytes_per_token: float
+
+    def bytes_for(self, tokens: int) -> int:
+        return round(self.fixed_bytes + self.bytes_per_token * max(0, tokens))
+
+
+def head_size(entries: Iterable[HeadEntry], prior_bytes_per_token: float) -> HeadSize:
+    """Fitted to the saved heads' `saved_tokens` and `bytes` by least squares: a fixed part and a part per token where
+    their lengths differ; per token alone (their bytes over their tokens) where they do not, or where the fit makes a
+    part negative (heads of different models mixed); `prior_bytes_per_token` without heads."""
+    points = [(e.saved_tokens, e.bytes) for e in entries if e.saved_tokens > 0]
+    if not points:
+        return HeadSize(0.0, prior_bytes_per_token)
+    ratio = HeadSize(0.0, sum(b for _, b in points) / sum(t for t, _ in points))
+    mean_t = sum(t for t, _ in points) / len(points)
+    mean_b = sum(b for _, b in points) / len(points)
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
+    if spread == 0:
+        return ratio
+    per_token = sum((t - mean_t) * (b - mean_b) for t, b in points) / spread
+    fixed = mean_b - per_token * mean_t
+    return HeadSize(fixed, per_token) if per_token > 0 and fixed >= 0 else ratio
 
 
 @dataclass(frozen=True, slots=True)
