@@ -10,10 +10,14 @@ from pathlib import Path
 
 from adaptive_spec.errors import ModelError
 from adaptive_spec.llama.memory.gguf_info import model_dims
-from adaptive_spec.llama.memory.plan import MIB, DeviceReport, ServerPlan, describe, verdict
+from adaptive_spec.llama.memory.plan import MIB, DeviceReport, ModelDims, ServerPlan, describe, verdict
 from adaptive_spec.llama.profiles import ProfileSpec, ServerSettings
 
 Query = Callable[[], str | None]
+# The speculation types whose drafts a recurrent target verifies with rollback copies of its state, one per draft
+# token (llama.cpp's `need_n_rs_seq`), and the draft length llama.cpp takes when none is given (draft-mtp: no -md).
+_ROLLBACK_TYPES = frozenset({"draft-mtp", "draft-eagle3", "draft-dflash", "draft-dspark"})
+_LLAMA_DRAFT_N_MAX = 3
 
 
 def nvidia_smi() -> str | None:
@@ -74,11 +78,24 @@ def server_plans(specs: Sequence[ProfileSpec], settings: ServerSettings) -> list
             model,
             settings.ctx_size,
             slots=settings.parallel,
-            drafter=drafter if spec.uses_draft_file else None,
+            drafter=drafter if spec.uses_draft_file else (model.mtp_head() if _uses_mtp(spec, model) else None),
             kv_type=kv_type,
+            rollback_states=rollback_states(spec, settings),
         )
         for spec in specs
     ]
+
+
+def _uses_mtp(spec: ProfileSpec, model: ModelDims) -> bool:
+    return "draft-mtp" in spec.spec_types and model.nextn_layers > 0
+
+
+def rollback_states(spec: ProfileSpec, settings: ServerSettings) -> int:
+    """The rollback copies of a recurrent state a profile's server keeps per slot: the draft's n_max where a model
+    drafts (`--spec-draft-n-max` with a draft file, llama.cpp's default for the target's own MTP head), else 0."""
+    if not _ROLLBACK_TYPES.intersection(spec.spec_types):
+        return 0
+    return settings.draft_n_max if spec.uses_draft_file else _LLAMA_DRAFT_N_MAX
 
 
 def launch_lines(

@@ -108,20 +108,21 @@ def model_dims(path: Path) -> ModelDims:
         key_length = int(meta.get(f"{arch}.attention.key_length", head_dim))
         value_length = int(meta.get(f"{arch}.attention.value_length", head_dim))
         interval = int(meta.get(f"{arch}.full_attention_interval", 0))
+        # Next-token (MTP) layers after the trunk: no cache in the target's context (the MTP head's draft context has
+        # one of its own).
+        nextn = int(meta.get(f"{arch}.nextn_predict_layers", 0))
         recurrent_layers = 0
         state = 0
-        if (
-            interval > 0
-        ):  # a hybrid (qwen35 and kin): every interval-th layer has attention, the others a recurrent state
-            kv_layers = layers // interval
-            recurrent_layers = layers - kv_layers  # llama.cpp gives a next-token (MTP) layer a state too
+        if interval > 0:  # a hybrid (qwen35 and kin): every interval-th layer has attention, the others a state
+            kv_layers = (layers - nextn) // interval
+            recurrent_layers = layers - nextn - kv_layers
             inner = int(meta.get(f"{arch}.ssm.inner_size", 0))
             d_state = int(meta.get(f"{arch}.ssm.state_size", 0))
             groups = int(meta.get(f"{arch}.ssm.group_count", 0))
             kernel = int(meta.get(f"{arch}.ssm.conv_kernel", 0))
-            # The convolution's last kernel-1 inputs (q, k and v) and the delta-net state: an estimate within a few
-            # percent of what llama.cpp allocates (it is small beside the KV cache).
-            state = max(0, kernel - 1) * (inner + 2 * groups * d_state) + inner * d_state // max(1, groups)
+            # The convolution's last kernel-1 inputs (q, k and v: llama.cpp's n_embd_r) and the delta-net state, a
+            # d_state-square matrix per value head (n_embd_s = d_state × d_inner), f32, as llama.cpp allocates them.
+            state = max(0, kernel - 1) * (inner + 2 * groups * d_state) + inner * d_state
         else:
             kv_layers = layers
         swa_layers, window = _sliding_window(meta, arch, kv_layers)
@@ -137,6 +138,7 @@ def model_dims(path: Path) -> ModelDims:
             max_context=int(meta.get(f"{arch}.context_length", 0)),
             swa_layers=swa_layers,
             swa_window=window,
+            nextn_layers=nextn,
         )
     except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
         raise ModelError(f"{path}: cannot read its dimensions from the GGUF header ({exc})") from exc

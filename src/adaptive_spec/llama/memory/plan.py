@@ -47,6 +47,14 @@ class ModelDims:
     # cache holds the window and a batch per sequence, not the context (llama.cpp's `llama_kv_cache_iswa`).
     swa_layers: int = 0
     swa_window: int = 0
+    nextn_layers: int = 0  # next-token prediction (MTP) layers after the trunk: the target's own draft head
+
+    def mtp_head(self) -> ModelDims:
+        """The MTP head as `--spec-type draft-mtp` runs it: a draft context over the same file, with a KV cache of its
+        own for its layers at the server's context."""
+        return ModelDims(
+            f"{self.name} MTP head", 0, self.nextn_layers, self.kv_heads, self.key_length, self.value_length
+        )
 
     def kv_bytes_per_token(self, kv_type: str = "f16") -> float:
         """Every attention layer's bytes per cached token (a slot file's KV per token, the window's layers included)."""
@@ -86,6 +94,9 @@ class ServerPlan:
     slots: int = 1
     drafter: ModelDims | None = None  # a separate draft GGUF (-md), with a cache of its own at the same context
     kv_type: str = "f16"
+    # Copies of a recurrent target's state kept per slot so a rejected draft can be rolled back (llama.cpp's
+    # n_rs_seq: the draft's n_max where a model drafts for a recurrent target; 0 otherwise).
+    rollback_states: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +127,8 @@ def footprint(plan: ServerPlan) -> Footprint:
         window = dims.kv_bytes_per_token(plan.kv_type) - full
         per_token += full
         kv += full * plan.ctx_size + window * dims.swa_cells(plan.ctx_size, plan.slots)
-        recurrent += dims.recurrent_bytes_per_slot() * plan.slots
+        rollback = plan.rollback_states if dims is plan.model else 0  # a drafter's context keeps none
+        recurrent += dims.recurrent_bytes_per_slot() * plan.slots * (1 + rollback)
         checkpoint += dims.checkpoint_bytes(plan.ctx_size, plan.slots, plan.kv_type)
         drafter_bytes += dims.file_bytes if dims is plan.drafter else 0
     return Footprint(
@@ -199,7 +211,8 @@ def describe(plans: Sequence[ServerPlan], shared_file_pages: bool) -> list[str]:
             + ")"
         )
         if f.recurrent_bytes:
-            parts.append(f"recurrent state {_mib(f.recurrent_bytes)}")
+            rollback = f" with {p.rollback_states} rollback copies a slot" if p.rollback_states else ""
+            parts.append(f"recurrent state {_mib(f.recurrent_bytes)}{rollback}")
         line = f"  {p.name}: " + ", ".join(parts) + f" = {_mib(f.total_bytes)}"
         if f.checkpoint_bytes:
             line += (

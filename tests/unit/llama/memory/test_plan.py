@@ -128,3 +128,15 @@ def test_a_dense_model_makes_no_checkpoints() -> None:
     dense = ModelDims("d", 1000, 24, 2, 64, 64)
     assert footprint(ServerPlan("a", dense, 4096)).checkpoint_bytes == 0
     assert "checkpoints" not in describe([ServerPlan("a", dense, 4096)], shared_file_pages=True)[0]
+
+
+def test_rollback_copies_multiply_a_slot_s_recurrent_state_not_a_drafter_s() -> None:
+    hybrid = ModelDims("h", 1000, 1, 4, 16, 16, recurrent_layers=2, recurrent_state_elems=100)
+    drafter = ModelDims("d", 10, 1, 4, 16, 16, recurrent_layers=1, recurrent_state_elems=10)
+    plain = footprint(ServerPlan("a", hybrid, 4096, slots=2))
+    drafting = footprint(ServerPlan("b", hybrid, 4096, slots=2, drafter=drafter, rollback_states=15))
+    assert drafting.recurrent_bytes == 16 * plain.recurrent_bytes + 2 * 10 * 4
+    assert (
+        "recurrent state 0 MiB with 15 rollback copies a slot"
+        in describe([ServerPlan("b", hybrid, 4096, slots=2, rollback_states=15)], shared_file_pages=True)[0]
+    )
