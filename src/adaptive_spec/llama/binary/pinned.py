@@ -368,12 +368,7 @@ def compile_and_install(
     """Compile llama-server from the patched tree `source` (inside `work`), install it under `root/<key>` with its
     build.json and make it `current`; the builds it supersedes go."""
     folder = root / manifest.key
-    cmake = _tool("cmake")
-    ccache = shutil.which("ccache") is not None
-    run([cmake, *configure_args(source, work / "build", manifest.cmake_args, ccache=ccache)], work)
-    n = jobs or os.cpu_count() or 2
-    say(f"compiling llama-server with {n} jobs (10-20 minutes on 2 cores; once per patch set and CMAKE_ARGS)")
-    run([cmake, "--build", str(work / "build"), "--config", "Release", "--target", "llama-server", f"-j{n}"], work)
+    compile_tree(source, work / "build", manifest.cmake_args, jobs, run, say)
     staged = work / "out"
     _collect(work / "build" / "bin", staged)
     manifest = dataclasses.replace(manifest, built_unix=time.time())
@@ -386,6 +381,21 @@ def compile_and_install(
     if found is None:
         raise BuildError(f"the build in {folder} has no runnable llama-server")
     return found
+
+
+def compile_tree(
+    source: Path, build_dir: Path, cmake_args: Sequence[str], jobs: int | None, run: Run = run_step, say: Say = print
+) -> Path:
+    """cmake's configure and build of the `llama-server` target alone, from the tree `source` into `build_dir`;
+    returns the folder holding llama-server and its libraries (`build_dir`/bin)."""
+    cmake = _tool("cmake")
+    ccache = shutil.which("ccache") is not None
+    run([cmake, *configure_args(source, build_dir, cmake_args, ccache=ccache)], build_dir.parent)
+    n = jobs or os.cpu_count() or 2
+    say(f"compiling llama-server with {n} jobs (10-20 minutes on 2 cores; once per patch set and CMAKE_ARGS)")
+    argv = [cmake, "--build", str(build_dir), "--config", "Release", "--target", "llama-server", f"-j{n}"]
+    run(argv, build_dir.parent)
+    return build_dir / "bin"
 
 
 def prune_superseded(root: Path, kept: Manifest) -> list[str]:
