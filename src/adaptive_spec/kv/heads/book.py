@@ -1,8 +1,7 @@
 """The heads on disk as the store keeps them: the index in memory, each file's checks (its size before a restore, its
 checksum once a run, in the background or first for a request that wants that head: an unverified head is not
-restored), the bound on bytes (least recently used
-first, kept as a head is added) and free disk before a save, and the repairs (a head that fails a check is removed, with
-its reason logged).
+restored), the bound on bytes (least recently used first, kept as a head is added) and free disk before a save, and
+the repairs (a head that fails a check is removed, with its reason logged).
 
 The index changes on the event loop only; a snapshot of it is written in a thread, one write at a time. No HTTP: the
 store (`kv/heads/store.py`) does that."""
