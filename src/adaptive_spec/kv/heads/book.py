@@ -137,10 +137,10 @@ class HeadBook:
         else:
             self._shares.pop(scope, None)
 
-    async def room(self, prompt_tokens: int, scope: str = "") -> bool:
-        """Free disk for a head of this size, and its tenant's share big enough to hold it (the bound is kept as the
-        head is added: a save may still be skipped)."""
-        incoming = self.head_size().bytes_for(prompt_tokens)
+    async def room(self, prompt_tokens: int, scope: str = "", key: str = "") -> bool:
+        """Free disk for a head of this size (sized by the heads of its server `key`), and its tenant's share big
+        enough to hold it (the bound is kept as the head is added: a save may still be skipped)."""
+        incoming = self.head_size(key).bytes_for(prompt_tokens)
         if incoming > self.share(scope) and self._entries:  # measured, not the prior's guess: too big for its share
             self.count("refused", scope)
             log.info("heads: a head of ~%d MB is larger than its tenant's share; not saved", incoming // 1_000_000)
@@ -219,9 +219,12 @@ class HeadBook:
         except OSError as exc:  # the files stay; the next start drops what the index does not name
             log.warning("heads: the index was not written: %s", exc)
 
-    def head_size(self) -> HeadSize:
-        """A new head's bytes as the saved heads measure them (a fixed part and one per token: `head_size`)."""
-        return head_size(self._entries.values(), _PRIOR_BYTES_PER_TOKEN)
+    def head_size(self, key: str = "") -> HeadSize:
+        """A new head's bytes as the saved heads measure them (a fixed part and one per token: `head_size`): those of
+        the same server key (one model and its settings: a hybrid's fixed state is not a dense model's) where there
+        are any, else all of them."""
+        same = [e for e in self._entries.values() if key and e.key == key]
+        return head_size(same or self._entries.values(), _PRIOR_BYTES_PER_TOKEN)
 
     def describe(self, scope: str | None = None) -> dict[str, Any]:
         """The heads of `scope` (None: all); no path of this machine."""

@@ -135,7 +135,7 @@ class SlotIO:
             if mark is not None and self._activity.mark(upstream.base_url, slot) != mark:
                 self._count("dropped", 1)
                 return None  # the session's slot served another request while the server was busy
-            if not await self.book.room(head.prompt_tokens, head.scope):
+            if not await self.book.room(head.prompt_tokens, head.scope, key.hex()):
                 return None
             n_saved, n_written, pause_ms = await self.save_slot(upstream, slot or 0, head, hid, forwards)
         name = self.slot_dir / f"{SLOT_PREFIX}{hid}.bin"

@@ -4,6 +4,7 @@ files' fit is tests/integration/heads/test_head_bytes.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,18 @@ async def test_the_book_sizes_a_new_head_by_the_fit_not_by_the_mean_per_token(tm
     assert book.head_size().bytes_for(8000) == 7_400_000
     assert await book.room(prompt_tokens=8000)
     assert not await book.room(prompt_tokens=30_000)  # 14 MB
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_a_new_head_is_sized_by_the_heads_of_its_own_server_key(tmp_path: Path) -> None:
+    """A store that holds a dense model's heads (12,304 bytes a token, no fixed part) beside a hybrid's (5 MB fixed,
+    300 a token): a hybrid head of 8,000 tokens is 7.4 MB, not what a fit over both would say."""
+    book = HeadBook(tmp_path / "heads", max_bytes=10**12)
+    dense = [replace(h, key="dense") for h in _heads((700, 700 * 12_304), (3900, 3900 * 12_304))]
+    hybrid = [replace(h, id=f"h{h.id}", key="hybrid") for h in _heads((1000, 5_300_000), (3000, 5_900_000))]
+    for head in (*dense, *hybrid):
+        await book.add(head)
+    assert book.head_size("hybrid").bytes_for(8000) == 7_400_000
+    assert book.head_size("dense").bytes_for(8000) == pytest.approx(8000 * 12_304)
+    assert book.head_size("another").bytes_for(8000) == book.head_size().bytes_for(8000)  # none of its own: all
+    assert book.head_size().bytes_for(8000) != 7_400_000
