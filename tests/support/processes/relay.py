@@ -9,6 +9,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +25,16 @@ class RelayProcess:
         *args: str,
         server: str | None = None,
         env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+        wrap: Sequence[str] = (),
     ) -> None:
+        """`host` and `wrap`: the address it serves on and the argv prefix that starts it on another host."""
         self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.base = f"http://{host}:{self.port}"
         self.key = key
-        argv = [sys.executable, "-m", "adaptive_spec", "kv-relay", "--slot-dir", str(slot_dir), "--model", str(model)]
-        argv += ["--port", str(self.port), *args] + (["--server", server] if server else [])
+        argv = [*wrap, sys.executable, "-m", "adaptive_spec", "kv-relay"]
+        argv += ["--slot-dir", str(slot_dir), "--model", str(model)]
+        argv += ["--host", host, "--port", str(self.port), *args] + (["--server", server] if server else [])
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.proc = subprocess.Popen(

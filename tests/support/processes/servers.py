@@ -12,7 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,15 +98,26 @@ class LlamaServer:
     """One real llama-server process on a free loopback port, started by the product's own `ServerProcess` (its own
     session, ended with its parent, the SIGILL retry) on an event loop of its own, so synchronous tests can hold it.
     The one way the tests start llama-server; `model` None starts it without one (router mode: `--models-preset`);
-    `port`: where a server comes back that another one left (a replica restarted, or replaced by another model)."""
+    `port`: where a server comes back that another one left (a replica restarted, or replaced by another model);
+    `host` and `wrap`: the address it serves on and the argv prefix that starts it elsewhere (another host's network
+    namespace, `tests/support/processes/hosts.py`)."""
 
-    def __init__(self, binary: str, model: Path | None, *args: str, log_dir: Path, port: int | None = None) -> None:
+    def __init__(
+        self,
+        binary: str,
+        model: Path | None,
+        *args: str,
+        log_dir: Path,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        wrap: Sequence[str] = (),
+    ) -> None:
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"llama-server-{self.port}-{time.monotonic_ns()}.log"
-        argv = [binary, *(["-m", str(model)] if model is not None else [])]
-        argv += ["--host", "127.0.0.1", "--port", str(self.port), "-t", "1", "--jinja", *args]
+        argv = [*wrap, binary, *(["-m", str(model)] if model is not None else [])]
+        argv += ["--host", host, "--port", str(self.port), "-t", "1", "--jinja", *args]
         self._server = ServerProcess(f"test-{self.port}", argv, self.url, self.log_path, say=lambda _line: None)
         # The loop's thread starts the child, and a child started with PR_SET_PDEATHSIG ends when that thread does:
         # the thread lives as long as this server.
@@ -151,14 +162,21 @@ class LlamaServer:
 
 
 class ProxyProcess:
-    """`adaptive-spec serve ...` as a user runs it, in its own process; waits for the printed base URL."""
+    """`adaptive-spec serve ...` as a user runs it, in its own process; waits for the printed base URL. `host` and
+    `wrap` as for `LlamaServer` (beyond loopback, `serve` wants `--host` and a key or `--insecure-no-key` in `args`)."""
 
     def __init__(
-        self, *args: str, env: dict[str, str] | None = None, ready_timeout: float = 300.0, port: int | None = None
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        ready_timeout: float = 300.0,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        wrap: Sequence[str] = (),
     ) -> None:
         self.port = port or free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "adaptive_spec", "serve", "--port", str(self.port), *args]
+        self.base = f"http://{host}:{self.port}"
+        argv = [*wrap, sys.executable, "-m", "adaptive_spec", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(
             argv,
             stdout=subprocess.PIPE,
