@@ -29,7 +29,6 @@ from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 
 log = logging.getLogger(__name__)
 _PROBE_BYTES = 256 << 10
-_MIN_TRANSFER_BYTES_PER_S = 5e6  # the transfer's deadline assumes at least this (a slower link fails the move)
 _DELETE_S = 5.0  # a delete is one unlink; a file a relay kept then, it sweeps (in 5 minutes, or when it starts)
 
 
@@ -153,10 +152,8 @@ class RelayMover:
         t1 = time.perf_counter()
         copied = 0
         if there.base_url != here.base_url:
-            size = n_written if isinstance(n_written, int) else 0
-            deadline_s = move.timeout_s + size / _MIN_TRANSFER_BYTES_PER_S
-            try:
-                got = await there.copy_to(client, name, here, self.max_bytes, deadline_s)
+            try:  # as long as bytes keep crossing: the router priced this move from the link it measured
+                got = await there.copy_to(client, name, here, self.max_bytes, move.timeout_s)
             except RelayError as exc:
                 raise SlotError(str(exc)) from exc
             if isinstance(n_written, int) and got.bytes != n_written:

@@ -4,6 +4,7 @@ home (streamed into a hidden partial file, its sha256 checked, then renamed) and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import shutil
@@ -149,21 +150,23 @@ class RelayClient:
         return Downloaded(size, time.perf_counter() - t0, digest)
 
     async def copy_to(
-        self, client: aiohttp.ClientSession, name: str, target: RelayClient, max_bytes: int, timeout_s: float
+        self, client: aiohttp.ClientSession, name: str, target: RelayClient, max_bytes: int, stall_s: float
     ) -> Downloaded:
         """Stream this relay's slot file `name` into another relay (a PUT carrying this relay's sha256 of it and this
         side's model hash: the target checks both, bounds the size, and keeps nothing partial); nothing is stored on
-        the caller's machine. One deadline, `timeout_s`, for the whole copy; any failure is a RelayError in one line
-        naming the relay at fault and how many bytes had crossed."""
+        the caller's machine. Given up once `stall_s` pass without a byte crossing (or without the target's answer
+        after the last): a slow link copies as long as it takes (the router priced the move from the link it
+        measured), a pulled cable or a stopped relay is noticed within `stall_s`. Any failure is a RelayError in one
+        line naming the relay at fault and how many bytes had crossed."""
         t0 = time.perf_counter()
         passing = _Passing()
+        copying = asyncio.ensure_future(self._copy(client, name, target, max_bytes, stall_s, passing))
         try:
-            async with asyncio.timeout(timeout_s):
-                answer = await self._copy(client, name, target, max_bytes, timeout_s, passing)
+            answer = await _unless_stalled(copying, passing, stall_s)
         except TimeoutError:
             raise RelayError(
-                f"copy of {name} from {self.base_url} to {target.base_url}: gave up after {timeout_s:.1f} s, "
-                f"{passing.bytes} bytes across",
+                f"copy of {name} from {self.base_url} to {target.base_url}: gave up after {stall_s:.1f} s without "
+                f"a byte across, {passing.bytes} bytes across",
                 "timeout",
             ) from None
         except (aiohttp.ClientError, OSError) as exc:
@@ -183,10 +186,12 @@ class RelayClient:
         name: str,
         target: RelayClient,
         max_bytes: int,
-        timeout_s: float,
+        stall_s: float,
         passing: _Passing,
     ) -> dict[str, Any]:
-        timeout = _timeout(timeout_s)  # the client's own default (5 minutes) is shorter than a large file's copy
+        # No deadline on the whole copy (a large file on a slow link takes its time: `_unless_stalled` watches the
+        # bytes); the source's headers and the target's answer each within `stall_s`.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=stall_s, sock_read=stall_s)
         async with client.get(f"{self.base_url}/relay/slots/{name}", headers=self._headers, timeout=timeout) as resp:
             if resp.status != 200:
                 raise RelayError(
@@ -225,6 +230,26 @@ class _Passing:
         except (aiohttp.ClientError, OSError) as exc:
             self.error = exc
             raise
+
+
+async def _unless_stalled(copying: asyncio.Future[dict[str, Any]], passing: _Passing, stall_s: float) -> dict[str, Any]:
+    """`copying`'s result, or TimeoutError (and `copying` cancelled) once `stall_s` passed with no byte across."""
+    last_bytes, last_change = passing.bytes, time.monotonic()
+    try:
+        while True:
+            done, _ = await asyncio.wait({copying}, timeout=stall_s / 4)
+            if done:
+                return copying.result()
+            now = time.monotonic()
+            if passing.bytes != last_bytes:
+                last_bytes, last_change = passing.bytes, now
+            elif now - last_change >= stall_s:
+                raise TimeoutError
+    finally:
+        if not copying.done():
+            copying.cancel()
+            with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError, OSError):
+                await copying
 
 
 def _cause(exc: BaseException) -> str:

@@ -40,8 +40,9 @@ POLICY = "[handoff]\nmin_tokens = 256\n"
 # Server b's relay takes uploads at this rate: a slot file (~0.8 MB) takes seconds to arrive there, so a test can act
 # while one is under way, seen by the hidden partial file growing in b's slot directory.
 TARGET_RATE_BPS = 250_000
-# What a failed move may cost: its copy's deadline (10 s + 0.5 ms per cached token + the file at 5 MB/s, ~11 s here)
-# and the deletes (5 s), not the 60 s a silent download is given nor the request's own 600 s.
+# What a failed move may cost: its copy given up once no byte crossed for the slot action's deadline (10 s + 0.5 ms
+# per cached token, ~11 s here), and the deletes (5 s); not the 60 s a silent download is given nor the request's own
+# 600 s.
 MOVE_BOUND_S = 30.0
 
 

@@ -14,7 +14,7 @@ from adaptive_spec.errors import ConfigError
 from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.kv.movers import MoveRequest, MoveTimes, PairMover, RelayMover, SharedDirMover
 from adaptive_spec.kv.movers_options import KEY_ENV, relay_plan
-from adaptive_spec.kv.relay_client import RelayClient
+from adaptive_spec.kv.relay_client import RelayClient, _Passing, _unless_stalled
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.policy.model import Policy
 from adaptive_spec.routing.contract import RouteRequest
@@ -159,3 +159,35 @@ def test_relay_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
             relay_plan(_args(*bad))
     with pytest.raises(ConfigError, match="attached profiles"):
         relay_plan(_args("http://a:1=http://ra:9", profile=False))
+
+
+@pytest.mark.asyncio
+async def test_a_copy_between_relays_goes_on_while_bytes_cross_and_is_given_up_once_they_stop() -> None:
+    """A slow link copies for as long as it takes (the router priced the move from the link it measured): only
+    `stall_s` without a byte gives it up. Before, one deadline (the slot action's plus the file at 5 MB/s) gave up
+    a 60 MB head on a 10 Mbit/s link 24.5 s in, 29.2 MB across, and the turn prefilled all of it after."""
+    stall_s = 0.2
+    passing = _Passing()
+
+    async def dripping() -> dict[str, object]:
+        for _ in range(12):  # 12 × 0.1 s: six times the stall window, a byte every tenth of a second
+            await asyncio.sleep(0.1)
+            passing.bytes += 1
+        return {"bytes": passing.bytes}
+
+    assert await _unless_stalled(asyncio.ensure_future(dripping()), passing, stall_s) == {"bytes": 12}
+
+    stalled, cancelled = _Passing(), asyncio.Event()
+
+    async def stopping() -> dict[str, object]:
+        stalled.bytes += 1
+        try:
+            await asyncio.sleep(3600)  # a pulled cable: nothing more crosses
+        finally:
+            cancelled.set()
+        raise AssertionError("unreachable")
+
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(TimeoutError):
+        await _unless_stalled(asyncio.ensure_future(stopping()), stalled, stall_s)
+    assert stall_s <= asyncio.get_running_loop().time() - t0 < 3 * stall_s and cancelled.is_set()
