@@ -1,13 +1,14 @@
 """What resets an agent's stream guard, with the real agent (opt-in, as tests/e2e/test_agents.py): Qwen Code with plain
 settings but its idle guard shortened, through the proxy app, in front of a server that sends its 200 headers at once
-and then nothing for longer than the guard (as llama-server b11549 does while it prefills).
+and then, for longer than the guard, nothing but SSE comments (as llama-server b11549 does while it prefills: a `:`
+line after each 30 s without a result, its `--sse-ping-interval`).
 
 Qwen Code 0.24.4 times the gap between the chunks its OpenAI SDK yields (`withStreamGuards`, wrapped around the SDK's
 stream before its converter drops a chunk without choices): every `data:` JSON event is one, an SSE comment is none.
-The proxy's keep-alive on chat/completions is a chunk with no choices, so the guard never fires however long the
-prefill: the first turn is answered the first time, no attempt given up on (examples/README.md has every agent's
-timers). A silence this long is a fault a real server cannot be made to produce on demand: the in-process fake
-upstream stands in for it.
+The proxy's keep-alive on chat/completions is a chunk with no choices, and it goes on past the server's comments
+(which it drops) until the first event, so the guard never fires however long the prefill: the first turn is answered
+the first time, no attempt given up on (examples/README.md has every agent's timers). A silence this long is a fault
+a real server cannot be made to produce on demand: the in-process fake upstream stands in for it.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ ANSWER = _chunk({"role": "assistant", "content": None}) + _chunk({"content": "Do
 
 class SilentPrefill:
     """/v1/chat/completions as llama-server b11549 streams a long prefill: the headers at once, then `SILENCE_S` of
-    nothing, then the answer. `bodies`: each request's body, as the server got it."""
+    nothing but a comment after its first quarter, then the answer. `bodies`: each request's body, as it came."""
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
@@ -58,7 +59,9 @@ class SilentPrefill:
         self.bodies.append(await request.json())
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        await asyncio.sleep(SILENCE_S)
+        await asyncio.sleep(SILENCE_S / 4)
+        await resp.write(b":\n\n")
+        await asyncio.sleep(SILENCE_S * 3 / 4)
         await resp.write(ANSWER + b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp

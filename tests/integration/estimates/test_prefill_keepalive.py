@@ -69,6 +69,25 @@ def _headers_then_silence(delay_s: float, answer: bytes) -> Handler:
     return handle
 
 
+def _headers_then_comments(delay_s: float, answer: bytes) -> Handler:
+    """As llama-server b11549 streams a longer prefill: the headers at once, then an SSE comment (`:`, a blank line)
+    after each stretch without a result (its `--sse-ping-interval`, 30 s): here one at once, then each quarter."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b":\n\n")
+        for _ in range(4):
+            await asyncio.sleep(delay_s / 4)
+            await resp.write(b":\n\n")
+        await resp.write(answer)
+        await resp.write_eof()
+        return resp
+
+    return handle
+
+
 def _error_after(delay_s: float) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         await request.read()
@@ -104,13 +123,15 @@ def _messages(delay_s: float) -> Handler:
 
 
 def _chat(delay_s: float) -> Handler:
-    """/v1/chat/completions: headers with the first bytes (llama-server b11434), or at once for model "early"."""
+    """/v1/chat/completions: headers with the first bytes (llama-server b11434), or at once for model "early", and
+    with comments in the silence for model "pinging" (b11549)."""
     stream = CHUNK + CHUNK + b"data: [DONE]\n\n"
     late, early = _slow_stream(delay_s, stream), _headers_then_silence(delay_s, stream)
+    pinging = _headers_then_comments(delay_s, stream)
 
     async def handle(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        return await (early if body.get("model") == "early" else late)(request)
+        model = (await request.json()).get("model")
+        return await (early if model == "early" else pinging if model == "pinging" else late)(request)
 
     return handle
 
@@ -181,6 +202,21 @@ async def test_headers_at_once_then_a_silent_prefill_still_get_keepalives(rig: R
     assert status == 200 and pings >= 3 and head == CHAT_EMPTY_CHUNK * pings
     assert rest == CHUNK + b"data: [DONE]\n\n"
     assert proxy.app[HISTORY].latest(1)[0].outcome == "finished"
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_the_servers_comments_in_a_silent_prefill_do_not_end_the_keepalives(rig: Rig) -> None:
+    """llama-server b11549's comments during a prefill are no answer: the keep-alive chunks go on past them until
+    the first event, and the comments are dropped (Qwen Code's guard counts no comment: it gave a first turn up
+    240 s after the server's first comment had ended the keep-alives)."""
+    proxy = await rig(DELAY_S, INTERVAL_S)
+    status, pieces = await _post(proxy, "/v1/chat/completions", {**CHAT, "model": "pinging"})
+    body = b"".join(piece for _, piece in pieces)
+    head, _, rest = body.partition(CHUNK)
+    pings = head.count(CHAT_EMPTY_CHUNK)
+    assert status == 200 and head == CHAT_EMPTY_CHUNK * pings, body  # keep-alives only: no comment passed
+    assert pings >= 3, body  # all after the server's first comment, which came with its headers
+    assert rest == CHUNK + b"data: [DONE]\n\n"
 
 
 @pytest.mark.asyncio(loop_scope="function")

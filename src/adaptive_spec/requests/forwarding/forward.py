@@ -173,13 +173,14 @@ async def _answered(
 
 
 async def _first_bytes(upstream_resp: aiohttp.ClientResponse, keepalive: PrefillKeepAlive | None) -> bytes | None:
-    """A stream's first bytes, read with the keep-alives going on beside them: llama-server b11549 sends a stream's
-    200 headers at once and nothing more until its prefill ends, so the headers are no sign that it has begun to
-    answer. None: nothing read ahead (no keep-alives, or no stream); a failed read is met again by the relay."""
+    """A stream's first event, read with the keep-alives going on beside them: llama-server b11549 sends a stream's
+    200 headers at once and nothing more until its prefill ends but a comment every 30 s, so neither is a sign that
+    it has begun to answer. None: nothing read ahead (no keep-alives, or no stream); a failed read is met again by
+    the relay."""
     if keepalive is None or not _is_stream_answer(upstream_resp):
         return None
     try:
-        return await keepalive.during(upstream_resp.content.readany())
+        return await keepalive.first_event(upstream_resp.content)
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, TimeoutError):
         return None
 

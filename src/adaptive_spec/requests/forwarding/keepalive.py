@@ -9,6 +9,11 @@ on /v1/messages, an SSE comment elsewhere (which timer each one resets, per agen
 first one a quick answer (a context overflow's 400) still reaches the client as it is. Once they are sent, an
 upstream error becomes the stream's final error event in the API's own shape. Keep-alives are not an answer: a pool
 still fails the request over to another replica, and the upstream read timeout is not reset by them.
+
+SSE comments are no answer either: llama-server b11549 sends one (`:`, a blank line) after each 30 s without a result
+(its `--sse-ping-interval`), which no SDK yields, so an agent that times the chunks it is given (Qwen Code's stream
+guard) would hear nothing from the first one on. Comments before the stream's first event are dropped and the
+keep-alives go on; after it, the server's stream passes as it comes.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import contextlib
 from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
 
+import aiohttp
 import orjson
 from aiohttp import web
 
@@ -32,6 +38,32 @@ SSE_COMMENT = b": keep-alive\n\n"
 # A chunk with no choices, as the usage chunk of `stream_options.include_usage` is: SDK-based agents time a stream's
 # silence by the chunks their SDK yields (Qwen Code's stream guard), and an SSE comment yields none.
 CHAT_EMPTY_CHUNK = b'data: {"id":"keep-alive","object":"chat.completion.chunk","created":0,"model":"","choices":[]}\n\n'
+
+
+def past_comments(buffer: bytes) -> tuple[bytes, bool]:
+    """`buffer` less the SSE comment lines and blank lines it opens with, and whether what is left begins an event
+    (False: nothing but comments so far, or a comment line not yet whole, which is kept)."""
+    rest = buffer
+    while rest:
+        if rest[:1] in (b"\n", b"\r"):
+            rest = rest[1:]
+        elif rest[:1] != b":":
+            return rest, True
+        elif (end := rest.find(b"\n")) < 0:
+            return rest, False
+        else:
+            rest = rest[end + 1 :]
+    return rest, False
+
+
+async def _first_event(content: aiohttp.StreamReader) -> bytes:
+    """A stream's bytes from its first event on, the comments before it dropped; b"": it ended before any."""
+    buffer = b""
+    while piece := await content.readany():
+        buffer, begun = past_comments(buffer + piece)
+        if begun:
+            return buffer
+    return b""
 
 
 def ping_bytes(api: Api) -> bytes:
@@ -98,6 +130,11 @@ class PrefillKeepAlive:
             self.response = resp
         await self.response.write(ping_bytes(self._api))
         self.sent += 1
+
+    async def first_event(self, content: aiohttp.StreamReader) -> bytes:
+        """The upstream stream's bytes from its first event on (the SSE comments before it dropped), read with the
+        keep-alives going on beside them; b"": the stream ended before any event."""
+        return await self.during(_first_event(content))
 
     def take(self) -> web.StreamResponse:
         """The committed response, for the upstream's stream to be relayed into (its headers are already out)."""
