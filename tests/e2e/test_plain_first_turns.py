@@ -86,5 +86,6 @@ def test_qwen_code_first_turn_with_plain_settings(proxy: ProxyProcess, workspace
     }
     made = repo / "hello.py"
     made.unlink()
-    done = run([client("qwen"), "--yolo", CREATE], repo, env, stop_after=900)
+    # At most four model turns, as Claude Code's --max-turns 4 above: a bound on the run, not on any wait.
+    done = run([client("qwen"), "--yolo", "--max-session-turns", "4", CREATE], repo, env, stop_after=900)
     _first_turn("qwen-code-plain", proxy, project, done, made)
