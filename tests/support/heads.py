@@ -1,9 +1,11 @@
 """Warm-start tests' shared parts: the proxy built in-process around one llama-server with a head store, an agent's
-first turn through it (its answer, timings and record), and a system prompt long enough to be kept as a head."""
+first turn through it (its answer, timings and record), a system prompt long enough to be kept as a head, and a
+restore asked of the store directly, as a route asks it."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -13,8 +15,11 @@ from aiohttp.test_utils import TestServer
 
 from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.common.headers import REQUEST_ID_HEADER
+from adaptive_spec.kv.costs import PrefillRate
+from adaptive_spec.kv.heads.choice import choose_head
 from adaptive_spec.kv.heads.store import HeadStore
-from adaptive_spec.kv.heads.values import HeadsConfig
+from adaptive_spec.kv.heads.values import HeadsConfig, Restored
+from adaptive_spec.kv.moves import SlotAt
 from adaptive_spec.llama.probe import probe
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.policy.model import Policy
@@ -64,6 +69,18 @@ async def start_proxy(
 
 def store_of(proxy: TestServer) -> HeadStore:
     return proxy.app[HEADS]
+
+
+async def restore(
+    store: HeadStore, upstream: Upstream, slot: int | None, pieces: Sequence[bytes], slot_tokens: int = 0
+) -> Restored | None:
+    """A new session's first request on `upstream`, as a route asks the store: its view of the server, the head the
+    router would choose (`choose_head`, a prefill of one token a second: any head pays), carried out."""
+    view = await store.view(upstream, uuid.uuid4().hex)
+    if view is None:
+        return None
+    move = choose_head(view, pieces, (), SlotAt(upstream.name, upstream.replica, slot), slot_tokens, PrefillRate(1.0))
+    return await store.restore(upstream, move) if move is not None else None
 
 
 async def chat(

@@ -13,7 +13,7 @@ import aiohttp
 
 from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.kv.movers import SlotMover
-from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, SlotMove
+from adaptive_spec.kv.moves import HandoffResult, PrefillAsk, RemotePrefillResult, SlotMove
 from adaptive_spec.llama.upstreams import UpstreamTable
 from adaptive_spec.requests.carry_out import Mover, carry_out
 from adaptive_spec.routing.contract import Completion, FixedPolicy, PolicySource, Route, RouteRequest
@@ -81,7 +81,7 @@ class _NoMover:
     async def move_slot(self, move: SlotMove) -> HandoffResult:
         raise AssertionError(f"a move was asked for ({move}): pass the test's mover")
 
-    async def prefill_elsewhere(self, ask: PrefillAsk) -> PrefillAnswer | None:
+    async def prefill_elsewhere(self, ask: PrefillAsk) -> RemotePrefillResult | None:
         raise AssertionError(f"a remote prefill was asked for ({ask}): pass the test's mover")
 
 

@@ -1,6 +1,6 @@
 """The router's effects on the KV layer: what `routing/router.py` asks while it plans a handoff or a remote prefill
-(its `Effects` protocol), and the moves themselves, carried out for the request path (`requests/carry_out.py`'s
-`Mover`).
+(its `Effects` protocol: whether a slot can move, and the remote prefill's prices), and the moves themselves, carried
+out for the request path (`requests/carry_out.py`'s `Mover`).
 
 This module resolves profiles to servers, runs the movers and remote prefill, and never raises into a request: any
 failure comes back as a result that says so (the request then re-prefills, which is always correct). It also sweeps slot
@@ -17,7 +17,8 @@ from pathlib import Path
 import aiohttp
 
 from adaptive_spec.kv.movers import MoveRequest, SharedDirMover, SlotMover
-from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, SlotAt, SlotMove
+from adaptive_spec.kv.moves import HandoffResult, PrefillAsk, RemotePrefillResult, SlotAt, SlotMove
+from adaptive_spec.kv.remote_prefill.plan import RemoteCosts
 from adaptive_spec.kv.remote_prefill.shell import RemotePrefill
 from adaptive_spec.kv.slot_files import SLOT_FILE_PREFIX, slot_file_name
 from adaptive_spec.kv.slots import SlotError
@@ -88,22 +89,20 @@ class KvEffects:
         )
 
     @property
-    def prefills_elsewhere(self) -> bool:
-        return self.remote is not None
+    def prefills_elsewhere(self) -> RemoteCosts | None:
+        return self.remote.costs if self.remote is not None else None
 
-    async def prefill_elsewhere(self, ask: PrefillAsk) -> PrefillAnswer | None:
-        """Remote prefill when the proxy has one (`serve --pp-server`) and its cost model says so; None: no remote."""
+    async def prefill_elsewhere(self, ask: PrefillAsk) -> RemotePrefillResult | None:
+        """The remote prefill the router decided (`serve --pp-server`); None: no remote here for that server."""
         upstream = self.table.get(ask.at.profile, ask.at.replica)
         if self.remote is None or upstream is None:
             return None
-        answer = await self.remote.maybe(self._client(), ask, upstream)
-        result = answer.result
-        if result is not None:
-            relay = self.remote.relay.base_url  # the event is the result, and where it was made
-            self._publish(
-                RemotePrefillDone(session_id=ask.session_id, profile=ask.at.profile, relay=relay, **asdict(result))
-            )
-        return answer
+        result = await self.remote.run(self._client(), ask, upstream)
+        relay = self.remote.relay.base_url  # the event is the result, and where it was made
+        self._publish(
+            RemotePrefillDone(session_id=ask.session_id, profile=ask.at.profile, relay=relay, **asdict(result))
+        )
+        return result
 
     def sweep(self) -> int:
         """Delete slot files of moves given up while llama-server still wrote them (file I/O: off the event loop).

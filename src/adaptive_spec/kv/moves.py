@@ -1,7 +1,8 @@
 """What the router asks the KV layer to do, and what comes back: values only (pure).
 
-The router decides a handoff or a remote prefill and names one of these in its route; the request path has it carried
-out (`requests/carry_out.py`, through `kv/effects.py`), and the results go into the request's record."""
+The router decides a handoff, a head restore or a remote prefill and names one of these in its route; the request path
+has it carried out (`requests/carry_out.py`: through `kv/effects.py`, a head restore through the head store), and the
+results go into the request's record."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from adaptive_spec.kv.costs import PrefillRate
+from adaptive_spec.kv.heads.plan import Match
+from adaptive_spec.kv.heads.values import Restored
 
 _HANDOFF_BASE_TIMEOUT_S = 10.0
 _HANDOFF_TIMEOUT_S_PER_TOKEN = 0.0005  # a save of N tokens takes milliseconds per thousand here
@@ -58,8 +61,23 @@ class HandoffResult:
 
 
 @dataclass(frozen=True, slots=True)
+class HeadRestore:
+    """Restore a stored head into the slot a session's first request goes to (`kv/heads/choice.choose_head` chose it
+    and priced it against the prefill it saves); the head store carries it out, or gives it up (busy slot, lock,
+    damaged file): the request then prefills."""
+
+    at: SlotAt
+    server: str  # the base URL of the server the view was taken of
+    match: Match
+    restore_s: float  # the restore's price, and the prefill it saves: how long it may wait for the store's lock
+    prefill_s: float
+    held: Restored | None = None  # the slot holds that head since its server started: nothing to restore
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillAsk:
-    """A prompt the router would prefill here: may it be prefilled on the remote server instead?"""
+    """A prompt the router prefills on the remote server instead of here (`remote_prefill/plan.choose` said it is
+    faster): its slot file is brought back and restored into the local slot."""
 
     at: SlotAt
     session_id: str | None
@@ -69,6 +87,11 @@ class PrefillAsk:
     context_tokens: int
     local: PrefillRate  # the router's prefill cost here
     slot_busy: bool  # the slot is serving another request (a restore into it now would be overwritten)
+
+    @property
+    def local_s(self) -> float:
+        """The prefill here, as estimated (`remote_prefill/plan.choose`'s local side): the remote path's deadline."""
+        return self.local.seconds(self.new_tokens, max(0, self.context_tokens - self.new_tokens))
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +107,3 @@ class RemotePrefillResult:
     bytes: int
     error: str | None = None
     reason: str | None = None  # why it fell back, in one word (metrics label): timeout, relay, checksum, ...
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillAnswer:
-    note: str  # what the reason line gains: the estimate's verdict, or why it fell back
-    result: RemotePrefillResult | None  # None: not attempted (prefilled here)

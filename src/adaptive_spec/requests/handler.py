@@ -41,7 +41,16 @@ from adaptive_spec.requests.forwarding.outcome import CLIENT_GONE, SERVED, SHUTD
 from adaptive_spec.requests.forwarding.stranded import STRANDED
 from adaptive_spec.requests.gate import routed_path
 from adaptive_spec.requests.gemini.request import gemini_target, to_chat
-from adaptive_spec.requests.heads import before_forward, forwarded_again, moving_kv, served
+from adaptive_spec.requests.heads import (
+    arrived,
+    before_forward,
+    began,
+    forwarded_again,
+    moving_kv,
+    restorer,
+    served,
+    views,
+)
 from adaptive_spec.requests.lifecycle import Prepared, ProxyRequest, Rewrite, Sent
 from adaptive_spec.requests.measured_speeds import measured
 from adaptive_spec.requests.outgoing import (
@@ -211,6 +220,7 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
     counter = tokenizer if isinstance(tokenizer, CachingTokenizer) else None  # `serve`'s: a cache of counts
     rate = await first_turn_rate(counter, app[ROUTER].measured_chars(session_id), body)
     await measured(app)  # the speeds at start: the request would wait behind their measurement anyway
+    heads, blocks = await views(request, req, body)  # the stored heads it may get restored, for the router to decide
     asked = RouteRequest(
         body=body,
         body_bytes=len(raw),
@@ -229,13 +239,18 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
         ),
         prefill_path=upstream_path(req.routed) if api.takes_slot else None,
         chars_per_token=rate,
+        heads=heads,
+        head_blocks=blocks,
     )
     routed = await _route_shared(app, asked, req.request_id)
     if isinstance(routed, Refusal):
         req.refusal, req.profile = routed, routed.decision.profile if routed.decision else req.profile
         return Outcome(routed.status, routed.message, routed.code)
+    first = arrived(request, req, routed)  # its session's first request on that server: a head may be restored
     async with moving_kv(app, routed):  # inside the head store's accounting: its lock, the filled slot counted
-        routed = await carry_out(app[ROUTER], app[MOVER], routed)
+        routed = await carry_out(app[ROUTER], app[MOVER], routed, restorer(app) if first else None)
+    if first:
+        began(request, req, routed.restored)
     req.route, req.profile = routed, routed.profile
     chosen = app[UPSTREAMS].get(routed.profile, routed.replica)
     assert chosen is not None  # the router routes to the table's own profiles and replicas
@@ -298,7 +313,7 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
             refused = answer(chosen)
             refused.headers[REQUEST_ID_HEADER] = req.request_id  # every answer names its record
             return refused
-        await before_forward(request, req, chosen)  # warm starts: a stored head restored into the slot (kv/heads/)
+        before_forward(request, req, chosen)  # counted by the head store: a save waiting on its slot is dropped
         lifecycle.announce(req)
         keepalive = _keepalive(request, req)
         resp, outcome = await _forward_once(request, req, chosen, keepalive)

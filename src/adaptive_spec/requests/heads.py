@@ -1,7 +1,8 @@
-"""The request path's calls into the head store (`kv/heads/`): before forwarding a session's first request, restore a
-stored head into its slot when that pays (the route's reason and its new-token estimate say so), and likewise for a
-session's first request after its server restarted; after serving a request, hand its timings back (an inert restore is
-learned, a first turn saved as a head in the background, a later turn's state saved once its session is idle).
+"""The request path's calls into the head store (`kv/heads/`): before routing a request, what the store shows of the
+heads it may get restored on each server (a session's first request there, or its first after its server restarted):
+the router decides the restore with the route (`RouteRequest.heads`), and the store carries it out for the request path
+(`restorer`); after serving a request, hand its timings back (an inert restore is learned, a first turn
+saved as a head in the background, a later turn's state saved once its session is idle).
 
 Servers that start or come back after a restart get their most recent heads back (`watch_servers`). Also `GET`/`DELETE
 /adaptive/heads`. With `--project-key`, every head is kept, found, listed and deleted within the tenant scope of the key
@@ -11,42 +12,98 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
+from typing import Any
 
 from aiohttp import web
 
 from adaptive_spec.access.rules import key_accepted
-from adaptive_spec.kv.heads.plan import BLOCK_CHARS, text_blocks
+from adaptive_spec.kv.heads.plan import text_blocks
 from adaptive_spec.kv.heads.store import HeadStore
-from adaptive_spec.kv.heads.values import Restored
-from adaptive_spec.kv.moves import SlotMove
+from adaptive_spec.kv.heads.values import HeadsView, Restored
+from adaptive_spec.kv.moves import HeadRestore, SlotMove
 from adaptive_spec.llama.launch import RESTART_ON_REQUEST
 from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.policy.model import HeadsPolicy
 from adaptive_spec.requests.app_keys import BUS, MEASURING, ROUTER, UPSTREAMS
+from adaptive_spec.requests.carry_out import HeadRestorer
 from adaptive_spec.requests.gate import ACCESS, request_keys
 from adaptive_spec.requests.lifecycle import ProxyRequest
 from adaptive_spec.routing.contract import Route
-from adaptive_spec.routing.decision import Decision, Moved
 from adaptive_spec.routing.prompt.pieces import piece_texts
-from adaptive_spec.routing.prompt.prefix import tokens_beyond
 from adaptive_spec.telemetry.events import Event, ProfileDown, ProfileUp
 
 HEADS = web.AppKey("heads", HeadStore)
 log = logging.getLogger(__name__)
+Views = tuple[Mapping[tuple[str, int], HeadsView], tuple[tuple[bytes, ...], ...]]
 
 
-async def before_forward(request: web.Request, req: ProxyRequest, chosen: Upstream) -> None:
-    """Never raises: a store that fails leaves the request to prefill as it would have."""
-    app = request.app
+async def views(request: web.Request, req: ProxyRequest, body: Mapping[str, Any]) -> Views:
+    """Before routing: what the store shows of each server where this request may get a head restored (a session's
+    first request there, its project's heads policy on), and its pieces' `text_blocks` when it shows any. Never raises:
+    a store that fails leaves the request to prefill as it would have."""
+    store = request.app.get(HEADS)
+    if store is None or req.assignment is None or not heads_policy(req).enabled:
+        return {}, ()
     try:
-        await _before_forward(app, req, chosen, _scope(request))
+        scope, session = _scope(request), req.assignment.session_id
+        shown: dict[tuple[str, int], HeadsView] = {}
+        for upstream in request.app[UPSTREAMS].all():
+            view = await store.view(upstream, session, scope)
+            if view is not None:
+                shown[(upstream.name, upstream.replica)] = view
+        return shown, _blocks(body) if shown else ()
     except Exception:  # the store's own failures are caught inside it; this is the last guard of the request
         log.exception("heads: request %s goes on without a warm start", req.request_id)
-    store = app.get(HEADS)
+        return {}, ()
+
+
+def arrived(request: web.Request, req: ProxyRequest, route: Route) -> bool:
+    """The route came back: whether its request is its session's first the store sees on that server (counted from now
+    on; a side request or one without pieces is not), with its heads policy on. Only then is a head restored for it."""
+    store = request.app.get(HEADS)
+    if store is None or req.assignment is None or route.decision.side or not route.pieces:
+        return False
+    chosen = request.app[UPSTREAMS].get(route.profile, route.replica)
+    if chosen is None or not store.arriving(req.assignment.session_id, chosen, _scope(request)):
+        return False
+    return heads_policy(req).enabled
+
+
+def began(request: web.Request, req: ProxyRequest, restored: Restored | None) -> None:
+    """A session's first request, its move carried out: the store learns from it once it is served (`served`)."""
+    store = request.app.get(HEADS)
+    if store is not None:
+        store.begin(req.request_id, restored)
+
+
+def before_forward(request: web.Request, req: ProxyRequest, chosen: Upstream) -> None:
+    """Every request forwarded, counted by the store (a save waiting on its slot is dropped)."""
+    store = request.app.get(HEADS)
     if store is not None:
         store.forwarded(chosen, req.route.slot if req.route is not None else None, req.request_id)
+
+
+def restorer(app: web.Application) -> HeadRestorer:
+    """What carries out the head restores routes ask for (`carry_out`): the head store."""
+    return _StoreRestorer(app)
+
+
+class _StoreRestorer:
+    def __init__(self, app: web.Application) -> None:
+        self._app = app
+
+    async def restore_head(self, move: HeadRestore) -> Restored | None:
+        store, at = self._app.get(HEADS), move.at
+        upstream = self._app[UPSTREAMS].get(at.profile, at.replica)
+        if store is None or upstream is None or upstream.base_url != move.server:
+            return None
+        try:
+            return await store.restore(upstream, move)
+        except Exception:  # as in `views`: the last guard of the request
+            log.exception("heads: a restore on %s failed: its request prefills", upstream.label)
+            return None
 
 
 def forwarded_again(request: web.Request, req: ProxyRequest, chosen: Upstream) -> None:
@@ -59,9 +116,10 @@ def forwarded_again(request: web.Request, req: ProxyRequest, chosen: Upstream) -
 
 def moving_kv(app: web.Application, route: Route) -> contextlib.AbstractAsyncContextManager[None]:
     """A route's KV move (a handoff, a remote prefill's restore) inside the store's accounting: its lock held and the
-    slot it fills counted as used (`HeadStore.moving`); nothing without a store or a move."""
+    slot it fills counted as used (`HeadStore.moving`); nothing without a store or a move, nor for a head restore
+    (the store's own, under its lock)."""
     store, move = app.get(HEADS), route.move
-    if store is None or move is None:
+    if store is None or move is None or isinstance(move, HeadRestore):
         return contextlib.nullcontext()
     at = move.target if isinstance(move, SlotMove) else move.at
     upstream = app[UPSTREAMS].get(at.profile, at.replica)
@@ -91,45 +149,17 @@ def heads_policy(req: ProxyRequest) -> HeadsPolicy:
     return req.prepared.policy.heads if req.prepared is not None else HeadsPolicy(enabled=False)
 
 
-async def _before_forward(app: web.Application, req: ProxyRequest, chosen: Upstream, scope: str) -> None:
-    store, route = app.get(HEADS), req.route
-    if store is None or route is None or req.assignment is None or route.decision.side or not route.pieces:
-        return
-    if not store.arriving(req.assignment.session_id, chosen, scope) or not heads_policy(req).enabled:
-        return
-    decision = route.decision
-    slot_tokens = decision.context_tokens - decision.new_tokens if decision.new_tokens is not None else 0
-    prefill = app[ROUTER].speeds.prefill_rate()
-    pieces = [p.digest for p in route.pieces]
-    blocks = _blocks(req)
-    restored = await store.restore(chosen, route.slot, pieces, slot_tokens, prefill, scope, blocks)
-    store.begin(req.request_id, restored)
-    if restored is not None:
-        req.route = replace(route, decision=_warm_decision(route, restored))
+def _blocks(body: Mapping[str, Any]) -> tuple[tuple[bytes, ...], ...]:
+    """Each piece's `text_blocks` of the body the router reads (a session's first request only: the texts are read
+    and hashed again)."""
+    return tuple(text_blocks(kind, text) for kind, text in piece_texts(body))
 
 
-def _blocks(req: ProxyRequest) -> list[tuple[bytes, ...]]:
-    """Each piece's `text_blocks` of the body the router read (a session's first request only: the texts are read
-    and hashed again); [] when its texts do not line up with the route's pieces."""
+def _route_blocks(req: ProxyRequest) -> tuple[tuple[bytes, ...], ...]:
+    """`_blocks` of the body the router read; () when its texts do not line up with the route's pieces."""
     body = req.rewrite.body if req.rewrite is not None else req.parsed.body if req.parsed is not None else None
-    texts = piece_texts(body) if body is not None else []
-    if req.route is None or len(texts) != len(req.route.pieces):
-        return []
-    return [text_blocks(kind, text) for kind, text in texts]
-
-
-def _warm_decision(route: Route, restored: Restored) -> Decision:
-    """The route's reason says what was restored (and how much of it the prompt shares), and its new-token estimate
-    counts only the pieces after the head, less the blocks of the piece the prompt parts from it in, at the rate the
-    route's estimate took (the head's own tokens are llama-server's count, on another scale)."""
-    decision = route.decision
-    new_tokens = decision.new_tokens
-    if new_tokens is not None:
-        beyond = tokens_beyond(route.pieces, restored.pieces, route.chars_per_token)
-        beyond = max(1, beyond - round(restored.blocks * BLOCK_CHARS / route.chars_per_token))
-        shared = restored.pieces or restored.blocks
-        new_tokens = min(new_tokens, beyond) if shared else max(1, new_tokens - restored.tokens)
-    return decision.after(Moved(restored.reason(), new_tokens))
+    blocks = _blocks(body) if body is not None else ()
+    return blocks if req.route is not None and len(blocks) == len(req.route.pieces) else ()
 
 
 def _served(app: web.Application, req: ProxyRequest, chosen: Upstream, scope: str) -> None:
@@ -160,7 +190,7 @@ def _served(app: web.Application, req: ProxyRequest, chosen: Upstream, scope: st
         idle_s=policy.session_idle_s,
         mark=mark,
         share_bytes=int(policy.share_gb * 1024**3),
-        blocks=_blocks(req) if first and timings.prompt_n + timings.cache_n >= policy.min_tokens else (),
+        blocks=_route_blocks(req) if first and timings.prompt_n + timings.cache_n >= policy.min_tokens else (),
     )
 
 

@@ -11,10 +11,12 @@ Values and protocols only."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from adaptive_spec.kv.moves import HandoffResult, PrefillAsk, RemotePrefillResult, SlotAt, SlotMove
+from adaptive_spec.kv.heads.values import HeadsView, Restored
+from adaptive_spec.kv.moves import HandoffResult, HeadRestore, PrefillAsk, RemotePrefillResult, SlotAt, SlotMove
+from adaptive_spec.kv.remote_prefill.plan import RemoteCosts
 from adaptive_spec.policy.model import Policy
 from adaptive_spec.routing.decision import Decision
 from adaptive_spec.routing.prompt.pieces import Piece
@@ -91,8 +93,8 @@ class Effects(Protocol):
         ...
 
     @property
-    def prefills_elsewhere(self) -> bool:
-        """Whether there is a remote prefill to ask at all."""
+    def prefills_elsewhere(self) -> RemoteCosts | None:
+        """The learned prices of the remote prefill there is to ask (`serve --pp-server`); None: none at all."""
         ...
 
     def publish(self, event: Event) -> None: ...
@@ -108,8 +110,8 @@ class NoEffects:
         return False
 
     @property
-    def prefills_elsewhere(self) -> bool:
-        return False
+    def prefills_elsewhere(self) -> RemoteCosts | None:
+        return None
 
     def publish(self, event: Event) -> None:
         return None
@@ -136,6 +138,10 @@ class RouteRequest:
     # The request's policy, resolved by the shell before routing (a new pair's files read in a thread); None: the
     # router reads it from its policies' snapshot.
     policy: Policy | None = None
+    # What the head store shows of each (profile, replica)'s server where this request may get a stored head restored
+    # (a session's first request there: `HeadStore.view`), and each piece's `text_blocks`; none: no restore.
+    heads: Mapping[tuple[str, int], HeadsView] = field(default_factory=dict)
+    head_blocks: tuple[tuple[bytes, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,9 +155,10 @@ class Route:
     body_bytes: int
     # The KV move the route asks the request path to carry out before forwarding (`requests/carry_out.py`), and its
     # results.
-    move: SlotMove | PrefillAsk | None = None
+    move: SlotMove | HeadRestore | PrefillAsk | None = None
     handoff: HandoffResult | None = None
     remote_prefill: RemotePrefillResult | None = None
+    restored: Restored | None = None
     # The prompt as the session's prefix state saw it, for the completion to update it, and the characters per token
     # its estimate took.
     pieces: tuple[Piece, ...] = ()

@@ -3,8 +3,10 @@
 Each stage is decided apart and says only what it decides: `decide()` the profile (`Choice`), the prompt's estimate
 what the chosen server must prefill (`PromptPart`), the draft-length rule the cap (`DraftCap`), `choose_replica()`
 and the KV's reach the replica (`ReplicaPart`). `compose` builds the `Decision` from them in one step: a later
-stage's figure stands over an earlier one's (a replica whose KV is out of reach prefills the whole prompt). What a
-KV move did before forwarding (a warm start, a remote prefill) comes after it as a `Moved` stage (`Decision.after`).
+stage's figure stands over an earlier one's (a replica whose KV is out of reach prefills the whole prompt). The KV move
+the route asks for before forwarding (a head restore) is its last stage, planned with the route (`Decision.planning`:
+its estimate counts the move from the start), and what the move did replaces it once it is carried out
+(`Decision.carried`); a move's note alone comes after as a `Moved` stage (`Decision.after`).
 A reason is the stages' parts (`reasons`), joined only where people read it (`reason`), so no code reads a
 decision's text to learn what was decided.
 """
@@ -77,8 +79,8 @@ class ReplicaPart:
 
 @dataclass(frozen=True, slots=True)
 class Moved:
-    """What a KV move before forwarding did (a warm start's restored head, a remote prefill): its part of the reason,
-    and the tokens left to prefill when it changed them (None: as estimated)."""
+    """A KV move's stage (a head restore, a remote prefill), planned or done: its part of the reason, and the tokens
+    left to prefill once it is made (None: as estimated)."""
 
     note: str
     new_tokens: int | None = None
@@ -97,6 +99,10 @@ class Decision(Choice):
     replica_moved_from: int | None = None  # the session's KV lived on this other replica of the same profile
     # The draft length the router caps this request at (`speculative.n_max`; None: the profile's own setting).
     n_max: int | None = None
+    # The move the route asks for, as planned (`planning`): its note is the last of `reasons`, its figure
+    # `new_tokens`; `unmoved_tokens` is the estimate without it (the figure again should it not be made).
+    planned: Moved | None = None
+    unmoved_tokens: int | None = None
 
     def time_estimate(self, timings: Timings | None) -> TimeEstimate | None:
         """The chosen profile's estimate against what llama-server measured: the prefill of the tokens this decision
@@ -119,6 +125,20 @@ class Decision(Choice):
         """This decision with what a KV move did as its last stage."""
         tokens = self.new_tokens if moved.new_tokens is None else moved.new_tokens
         return replace(self, reasons=(*self.reasons, moved.note), new_tokens=tokens)
+
+    def planning(self, move: Moved) -> Decision:
+        """This decision with the move its route asks for as its last stage: the estimate counts the move."""
+        return replace(self.after(move), planned=move, unmoved_tokens=self.new_tokens)
+
+    def carried(self, done: Moved | None) -> Decision:
+        """This decision with its planned move's stage replaced by what the move did (None: it was not made, and the
+        estimate is the one without it)."""
+        if self.planned is None:
+            return self if done is None else self.after(done)
+        unmoved = replace(
+            self, reasons=self.reasons[:-1], new_tokens=self.unmoved_tokens, planned=None, unmoved_tokens=None
+        )
+        return unmoved if done is None else unmoved.after(done)
 
 
 _ONE_REPLICA = ReplicaPart()

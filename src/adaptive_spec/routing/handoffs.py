@@ -1,17 +1,22 @@
 """The KV moves a route asks for, planned without waiting: a session's slot handed from the server it leaves to the
-one it goes to, or a prompt prefilled on a faster server; what each move did, learned once the request path has
-carried it out through the router's `Effects`; and what handoffs were measured to reuse."""
+one it goes to, a stored head restored into a session's first slot (`kv/heads/choice.py` chooses and prices it), or a
+prompt prefilled on a faster server (`kv/remote_prefill/plan.py` prices it); what each move did, learned once the
+request path has carried it out; and what handoffs were measured to reuse."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
 from adaptive_spec.common.means import RunningMean
-from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, SlotAt, SlotMove
+from adaptive_spec.kv.heads.choice import choose_head, tokens_after
+from adaptive_spec.kv.heads.values import Restored
+from adaptive_spec.kv.moves import HandoffResult, PrefillAsk, RemotePrefillResult, SlotAt, SlotMove
+from adaptive_spec.kv.remote_prefill.plan import RemoteCosts, choose
 from adaptive_spec.routing.contract import Effects, Route, RouteRequest
 from adaptive_spec.routing.decision import Decision, Moved
 from adaptive_spec.routing.load import ServerBooks
 from adaptive_spec.routing.placements import Placements
+from adaptive_spec.routing.prompt.prefix import tokens_beyond
 from adaptive_spec.routing.speeds import SpeedModel
 from adaptive_spec.telemetry.events import HandoffDone
 from adaptive_spec.telemetry.records import Timings
@@ -110,32 +115,72 @@ class KvMoves:
         )
         return result
 
-    def plan_prefill(self, route: Route, request: RouteRequest) -> PrefillAsk | None:
-        """The remote prefill a route asks for, of a prompt this server would prefill itself; None: none to ask."""
+    def plan_restore(self, route: Route, request: RouteRequest) -> Route | None:
+        """The route with the head restore it asks for, when the store showed heads on its server (a session's first
+        request there), the request is its session's main line and a head pays (`choose_head`); its decision's
+        estimate counts the restore from the start. None: no restore."""
+        decision = route.decision
+        view = request.heads.get((decision.profile, decision.replica))
+        if view is None or decision.side or not route.pieces:
+            return None
+        new_tokens = decision.new_tokens
+        slot_tokens = decision.context_tokens - new_tokens if new_tokens is not None else 0
+        at = SlotAt(decision.profile, decision.replica, route.slot)
+        digests = [p.digest for p in route.pieces]
+        move = choose_head(view, digests, request.head_blocks, at, slot_tokens, self.speeds.prefill_rate())
+        if move is None:
+            return None
+        match = move.match
+        if new_tokens is not None:
+            beyond = tokens_beyond(route.pieces, match.pieces, route.chars_per_token)
+            new_tokens = tokens_after(new_tokens, beyond, match, route.chars_per_token)
+        tokens = max(match.tokens, match.entry.prompt_tokens)
+        planned = Moved(f"warm: head of {tokens} tokens to restore", new_tokens)
+        return replace(route, decision=decision.planning(planned), move=move)
+
+    def restored(self, route: Route, restored: Restored | None) -> Route:
+        """What a head restore did: the route's decision says so (its estimate stands), or, not restored, it is the
+        decision without the move."""
+        decision = route.decision
+        done = Moved(restored.reason(), decision.new_tokens) if restored is not None else None
+        return replace(route, decision=decision.carried(done), restored=restored)
+
+    def plan_prefill(self, route: Route, request: RouteRequest, costs: RemoteCosts) -> Route:
+        """The route with the remote prefill it asks for, of a prompt this server would prefill itself, when the
+        remote path is faster (`choose`, priced with `costs`); otherwise the route with that verdict in its reason
+        (a prompt of `min_tokens` or more), or as it was (nothing to ask)."""
         decision, slot = route.decision, route.slot
         profile, replica = decision.profile, decision.replica
-        if decision.new_tokens is None or decision.handoff or not self.can_save(profile):
-            return None
+        new_tokens = decision.new_tokens
+        if new_tokens is None or decision.handoff or not self.can_save(profile):
+            return route
         if slot is None and self.load.slot_count(profile, replica) > 1:
-            return None
-        return PrefillAsk(
+            return route
+        local = self.speeds.prefill_rate()
+        choice = choose(new_tokens, decision.context_tokens, local, costs)
+        if not choice.remote:
+            here = choice.reason if new_tokens >= costs.policy.min_tokens else ""
+            return replace(route, decision=decision.after(Moved(here))) if here else route
+        ask = PrefillAsk(
             at=SlotAt(profile, replica, slot),
             session_id=route.session_id,
             path=request.prefill_path or "",
             body=dict(request.body),
-            new_tokens=decision.new_tokens,
+            new_tokens=new_tokens,
             context_tokens=decision.context_tokens,
-            local=self.speeds.prefill_rate(),
+            local=local,
             slot_busy=self.load.slot_busy(profile, slot, mine=1, replica=replica),
         )
+        return replace(route, decision=decision.planning(Moved(choice.reason)), move=ask)
 
-    def prefilled(self, route: Route, answer: PrefillAnswer | None) -> Route:
-        """What a remote prefill did: the route comes back with its reason extended."""
-        if answer is None:
-            return route
+    def prefilled(self, route: Route, result: RemotePrefillResult | None) -> Route:
+        """What a remote prefill did (None: there was no remote to ask for that server): the route comes back with
+        it, its reason saying so."""
         decision = route.decision
-        if answer.result is not None:  # the slot was overwritten (or half so) whatever the outcome
-            self.placements.displace(decision.profile, route.slot, keep=route.session_id, replica=decision.replica)
-        if answer.note:
-            decision = decision.after(Moved(answer.note))
-        return replace(route, decision=decision, remote_prefill=answer.result)
+        if result is None:
+            return replace(route, decision=decision.carried(None))
+        # The slot was overwritten (or half so) whatever the outcome.
+        self.placements.displace(decision.profile, route.slot, keep=route.session_id, replica=decision.replica)
+        planned = decision.planned or Moved("")
+        done = planned if result.ok else Moved(f"remote prefill failed ({result.error}): prefilled here")
+        return replace(route, decision=decision.carried(done), remote_prefill=result)

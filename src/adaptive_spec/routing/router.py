@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from adaptive_spec.common.lru import LRU
-from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, SlotMove
+from adaptive_spec.kv.heads.values import Restored
+from adaptive_spec.kv.moves import HandoffResult, HeadRestore, PrefillAsk, RemotePrefillResult, SlotMove
 from adaptive_spec.policy.model import Policy
 from adaptive_spec.routing.contract import (
     Completion,
@@ -327,9 +328,10 @@ class Router:
 
     def route(self, request: RouteRequest) -> Route | Refusal:
         """Decide the request's profile, replica and slot, count it in their load, and say which KV move it asks for
-        (`Route.move`): a handoff when it moves, else a remote prefill when that may be faster. Nothing is waited
-        for here: the request path carries the move out (`requests/carry_out.py`) and reports it with `moved()`.
-        Every route is completed once."""
+        (`Route.move`): a handoff when it moves, else a stored head's restore when the store showed one that pays
+        (`RouteRequest.heads`: the estimate counts it), else a remote prefill when that may be faster. Nothing is
+        waited for here: the request path carries the move out (`requests/carry_out.py`) and reports it with
+        `moved()`. Every route is completed once."""
         decision, _, pieces, has_tools, cpt, opening = self._plan(request)
         profile, replica = decision.profile, decision.replica
         health = self.health.replica_health(profile)
@@ -357,16 +359,23 @@ class Router:
             if isinstance(asked, SlotMove):
                 return replace(route, move=asked)
             return replace(route, handoff=asked)
-        if request.prefill_path is not None and self.effects.prefills_elsewhere:
-            return replace(route, move=self.moves.plan_prefill(route, request))
+        warm = self.moves.plan_restore(route, request)
+        if warm is not None:
+            return warm
+        costs = self.effects.prefills_elsewhere
+        if request.prefill_path is not None and costs is not None:
+            return self.moves.plan_prefill(route, request, costs)
         return route
 
-    def moved(self, route: Route, result: HandoffResult | PrefillAnswer | None) -> Route:
-        """The move the route asked for was carried out: learn what it did; the route comes back with its result."""
+    def moved(self, route: Route, result: HandoffResult | Restored | RemotePrefillResult | None) -> Route:
+        """The move the route asked for was carried out: learn what it did; the route comes back with its result (a
+        head restore's None: not restored)."""
         move = route.move
         if isinstance(move, SlotMove) and isinstance(result, HandoffResult):
             return replace(route, handoff=self.moves.handed_off(move, result))
-        if isinstance(move, PrefillAsk) and not isinstance(result, HandoffResult):
+        if isinstance(move, HeadRestore) and (result is None or isinstance(result, Restored)):
+            return self.moves.restored(route, result)
+        if isinstance(move, PrefillAsk) and (result is None or isinstance(result, RemotePrefillResult)):
             return self.moves.prefilled(route, result)
         raise TypeError(f"a {type(result).__name__} does not answer {type(move).__name__}")
 

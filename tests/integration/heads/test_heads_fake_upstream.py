@@ -18,11 +18,10 @@ import pytest_asyncio
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from adaptive_spec.kv.costs import PrefillRate
 from adaptive_spec.kv.heads.server import idle_slots
 from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.requests.app_keys import ROUTER
-from tests.support.heads import chat, erase, start_proxy, store_of
+from tests.support.heads import chat, erase, restore, start_proxy, store_of
 from tests.support.processes.servers import free_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
@@ -299,7 +298,7 @@ async def test_a_restore_waits_for_the_store_a_bounded_time_and_never_for_a_hung
         await chat(client, proxy, "s1", "Write hello.py.")
         await store.settled()
         async with store._lock:  # a save or another restore under way that outlasts the wait: nothing restored
-            assert await store.restore(upstream, 0, [b"system".ljust(16)], 0, PrefillRate(1.0)) is None
+            assert await restore(store, upstream, 0, [b"system".ljust(16)]) is None
         assert "restore" not in slots.actions
         slots.slots_hang = True  # `/slots` unanswered: busy, after ASK_TIMEOUT, not an error
         assert await idle_slots(client, upstream, 0.0) is None

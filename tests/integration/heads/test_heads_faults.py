@@ -17,11 +17,10 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from adaptive_spec.kv.costs import PrefillRate
 from adaptive_spec.kv.heads.files import checksum
 from adaptive_spec.kv.heads.store import HeadStore
 from adaptive_spec.kv.heads.values import Restored
-from tests.support.heads import chat, erase, start_proxy, store_of
+from tests.support.heads import chat, erase, restore, start_proxy, store_of
 from tests.support.processes.servers import LlamaServer
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
@@ -202,13 +201,13 @@ async def test_saves_and_a_restore_of_one_head_at_once(
         await erase(client, proxy)
         await chat(client, proxy, "other-1", "Write hello.py.", system="You review code. " * 80)
         await entered.wait()
-        assert await store.restore(upstream, None, pieces, 0, PrefillRate(1.0)) is None  # during the save: nothing
+        assert await restore(store, upstream, None, pieces) is None  # during the save: nothing
         assert store.counts["restored"] == 0 and store.counts["failed"] == 0
         gate.set()
         await store.settled()
         assert len(store.describe()["heads"]) == 2
         await erase(client, proxy)
-        restored = await store.restore(upstream, None, pieces, 0, PrefillRate(1.0))  # after it: the head
+        restored = await restore(store, upstream, None, pieces)  # after it: the head
         assert restored is not None and restored.head == entry["id"], restored
         _no_traceback(caplog)
         _bound_holds(store)

@@ -124,7 +124,8 @@ def test_a_short_prompt_is_prefilled_here(rig: Rig) -> None:
 
 def test_when_the_relay_is_gone_the_prompt_is_prefilled_here_with_the_same_text(rig: Rig) -> None:
     rig.relay.stop()  # the last test of this rig
-    messages = [{"role": "user", "content": LONG + " Again."}]
+    # A prompt no stored head shares a block with: a route asks one move, and a head it could restore comes first.
+    messages = [{"role": "user", "content": "Once more. " + LONG}]
     record = chat_record(rig.proxy, messages, 24, **{"x-session-id": "unlucky"})
     assert record["status"] == 200 and record["remote_prefill"]["ok"] is False, record
     assert "remote prefill failed" in record["reason"] and "prefilled here" in record["reason"], record["reason"]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from adaptive_spec.kv.effects import KvEffects
-from adaptive_spec.kv.moves import HandoffResult, PrefillAnswer, PrefillAsk, SlotAt, SlotMove
+from adaptive_spec.kv.moves import HandoffResult, PrefillAsk, RemotePrefillResult, SlotAt, SlotMove
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.requests.carry_out import carry_out
 from adaptive_spec.routing.contract import Completion, Effects, FixedPolicy, NoEffects, Route
@@ -132,7 +132,7 @@ def test_a_request_cancelled_during_its_kv_move_leaves_no_load_behind() -> None:
         async def move_slot(self, move: SlotMove) -> HandoffResult:
             raise asyncio.CancelledError
 
-        async def prefill_elsewhere(self, ask: PrefillAsk) -> PrefillAnswer | None:
+        async def prefill_elsewhere(self, ask: PrefillAsk) -> RemotePrefillResult | None:
             raise AssertionError("no remote prefill here")
 
     table = UpstreamTable([Upstream("oneshot", "http://127.0.0.1:9"), Upstream("iterative", "http://127.0.0.1:8")])
@@ -161,7 +161,7 @@ class _Recording(NoEffects):
         self.moves.append(move)
         return self.result
 
-    async def prefill_elsewhere(self, ask: PrefillAsk) -> PrefillAnswer | None:
+    async def prefill_elsewhere(self, ask: PrefillAsk) -> RemotePrefillResult | None:
         raise AssertionError("no remote prefill here")
 
     def publish(self, event: Any) -> None:

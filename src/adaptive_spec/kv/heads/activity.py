@@ -52,11 +52,16 @@ class ServerActivity:
     inert_heads: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def arriving(self, session_id: tuple[str, str], server: str) -> bool:
-        """Whether this is the first request seen of the session, or its first since its server restarted."""
-        now = (server, self.generations.get(server, 0))
+        """Whether this is the first request seen of the session, or its first since its server restarted (and it is
+        seen from now on)."""
+        first = self.would_arrive(session_id, server)
+        self.seen.put(session_id, (server, self.generations.get(server, 0)))
+        return first
+
+    def would_arrive(self, session_id: tuple[str, str], server: str) -> bool:
+        """Whether a request of the session would be `arriving` there now (nothing is counted)."""
         before = self.seen.get(session_id)
-        self.seen.put(session_id, now)
-        return before is None or (before[0] == now[0] and before[1] != now[1])
+        return before is None or (before[0] == server and before[1] != self.generations.get(server, 0))
 
     def forwarded(self, server: str, slot: int | None, request_id: str | None) -> None:
         self.forwards[server] = self.forwards.get(server, 0) + 1

@@ -22,7 +22,6 @@ from typing import Any
 import aiohttp
 
 from adaptive_spec.common.lru import LRU
-from adaptive_spec.kv.costs import PrefillRate
 from adaptive_spec.kv.heads.activity import Mark, ServerActivity, Verdict
 from adaptive_spec.kv.heads.book import HeadBook
 from adaptive_spec.kv.heads.files import sweep_slot_files, unlink
@@ -30,19 +29,17 @@ from adaptive_spec.kv.heads.plan import (
     MIN_HEAD_TOKENS,
     NO_TENANT,
     Match,
-    best_match,
-    block_chains,
     chain,
     covered_but_last,
     head_id,
     inert,
     most_recent,
-    price,
     tenant_scope,
 )
 from adaptive_spec.kv.heads.server import fresh, slot_free
 from adaptive_spec.kv.heads.slot_io import SLOT_PREFIX, SlotIO
-from adaptive_spec.kv.heads.values import HeadsConfig, Restored, SavedTurn
+from adaptive_spec.kv.heads.values import HeadsConfig, HeadsView, Restored, SavedTurn
+from adaptive_spec.kv.moves import HeadRestore
 from adaptive_spec.kv.slots import SlotError
 from adaptive_spec.llama.upstreams import Upstream
 
@@ -148,32 +145,37 @@ class HeadStore:
             return False, None
         return True, self._firsts.pop(request_id)
 
-    async def restore(
-        self,
-        upstream: Upstream,
-        slot: int | None,
-        pieces: Sequence[bytes],
-        slot_tokens: int,
-        prefill: PrefillRate,
-        scope: str = "",
-        blocks: Sequence[Sequence[bytes]] = (),
-    ) -> Restored | None:
-        """Restore the stored head of `scope` sharing most with this prompt into `slot` when it pays; None otherwise.
-        `blocks`: each piece's `text_blocks`, so a head the prompt parts from inside a piece counts what it shares
-        (on a server that resumes at any token: `SlotIO.any_prefix`).
-        Another save or restore under way is waited for only while waiting costs less than the prefill the restore
-        saves, and `_LOCK_WAIT_S` at most (two sessions starting at once on two slots both get their head)."""
+    async def view(self, upstream: Upstream, session_id: str | None, scope: str = "") -> HeadsView | None:
+        """What a route needs to decide a head restore on this server for a request of `session_id` (`HeadsView`):
+        None where none may be tried (not the session's first request there: `arriving`; a router-mode preset;
+        restores paused there; no head; the server's key not known yet: on a request's path nothing waits for it)."""
+        if session_id is None or not self._activity.would_arrive((scope, session_id), upstream.base_url):
+            return None
         self._verify()
-        inert = self._activity.is_inert(upstream.base_url, time.monotonic())
-        if upstream.upstream_model is not None or inert or not self.book.heads():
+        base, now = upstream.base_url, time.monotonic()
+        if upstream.upstream_model is not None or self._activity.is_inert(base, now) or not self.book.heads():
             return None
         try:
-            key = await self._io.key(upstream, wait=False)  # on a request's path: no wait for the model's digest
-            if key is None:
-                return None
-            links = chain(key, pieces, scope)
-            fine = block_chains(key, links, blocks, scope) if self._io.any_prefix(upstream) else ()
-            return await self._restore(upstream, slot, (links, fine), slot_tokens, prefill)
+            key = await self._io.key(upstream, wait=False)
+        except _FAILURES as exc:
+            self._count("failed")
+            log.warning("heads: restore on %s failed (the request prefills): %s", upstream.label, exc)
+            return None
+        if key is None:
+            return None
+        usable = tuple(e for e in self._io.usable(upstream) if not self._activity.head_inert(base, e.id, now))
+        since = self._activity.forwarded_to(base)
+        held = {slot: h for (server, slot), h in self._held.items() if server == base and h.forwards == since}
+        rate = self._io.restore_bytes_per_s()
+        return HeadsView(base, key, scope, usable, held, rate, self._io.any_prefix(upstream))
+
+    async def restore(self, upstream: Upstream, move: HeadRestore) -> Restored | None:
+        """Carry out a head restore a route asked for (`kv/heads/choice.choose_head`): None when it is not made (the
+        request prefills). Another save or restore under way is waited for only while waiting costs less than the
+        prefill the restore saves, and `_LOCK_WAIT_S` at most (two sessions starting at once on two slots both get
+        their head)."""
+        try:
+            return await self._restore(upstream, move)
         except _FAILURES as exc:
             self._count("failed")
             log.warning("heads: restore on %s failed (the request prefills): %s", upstream.label, exc)
@@ -363,52 +365,16 @@ class HeadStore:
             *(upstream.label, restored.tokens, cache_n, strikes, then),
         )
 
-    async def _restore(
-        self,
-        upstream: Upstream,
-        slot: int | None,
-        chains: tuple[Sequence[str], Sequence[Sequence[str]]],
-        slot_tokens: int,
-        prefill: PrefillRate,
-    ) -> Restored | None:
-        now = time.monotonic()
-        usable = (
-            e
-            for e in self._io.usable(upstream)  # none llama-server refused there
-            if not self._activity.head_inert(upstream.base_url, e.id, now)
-        )
-        match = best_match(chains[0], usable, chains[1])
-        if match is None:
-            return None
+    async def _restore(self, upstream: Upstream, move: HeadRestore) -> Restored | None:
+        match, slot = move.match, move.at.slot
         if not self.book.verified(match.entry.id) and not await self.book.verify_one(match.entry):
             return None  # damaged (now removed) or replaced meanwhile: this request prefills
-        held = self._held.get((upstream.base_url, slot or 0))
-        since = self._activity.forwarded_to(held.server) if held is not None else -1
-        if held is not None and held.head == match.entry.id and held.forwards == since:
-            # The slot holds that head (a warm start put it there, or it was saved from there) and no request came
-            # since: nothing to restore.
-            if not held.at_start:
-                return None
-            return replace(
-                held,
-                tokens=match.tokens,
-                pieces=match.pieces,
-                blocks=match.blocks,
-                head_tokens=match.entry.prompt_tokens,
-            )
-        cost = price(match, slot_tokens, prefill, self._io.restore_bytes_per_s())
-        if not cost.pays:
-            log.info(
-                "heads: not restoring %s on %s: %d tokens more than the slot holds, restore %.2f s vs prefill %.2f s",
-                match.entry.id,
-                upstream.label,
-                cost.gain_tokens,
-                cost.restore_s,
-                cost.prefill_s,
-            )
-            return None
+        if move.held is not None:  # the slot held the head since its server started: still, if no request came
+            held = self._held.get((upstream.base_url, slot or 0))
+            since = self._activity.forwarded_to(upstream.base_url)
+            return move.held if held is not None and held.head == match.entry.id and held.forwards == since else None
         try:
-            async with asyncio.timeout(max(0.0, min(_LOCK_WAIT_S, cost.prefill_s - cost.restore_s))):
+            async with asyncio.timeout(max(0.0, min(_LOCK_WAIT_S, move.prefill_s - move.restore_s))):
                 await self._lock.acquire()
         except TimeoutError:
             return None  # a long save or warm start holds the store: the request prefills rather than wait

@@ -1,4 +1,5 @@
-"""The head store's values: its settings, a head restored for a request, and a served turn to keep."""
+"""The head store's values: its settings, what a route sees of the heads on a server, a head restored for a request,
+and a served turn to keep."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from adaptive_spec.kv.heads.plan import DEFAULT_MAX_BYTES
+from adaptive_spec.kv.heads.plan import DEFAULT_MAX_BYTES, HeadEntry, ServerKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +59,17 @@ class SavedTurn:
     scope: str
     session: str = ""  # "": an agent's head; else the session whose state this is (saved once it went idle)
     blocks: tuple[tuple[bytes, ...], ...] = ()  # each piece's `text_blocks` (a first turn's; () for a session's state)
+
+
+@dataclass(frozen=True, slots=True)
+class HeadsView:
+    """The heads a session's first request may get restored on one server, as the store sees them when the request is
+    routed: gathered by the request path before `route()` (`HeadStore.view`), plain data the router decides on."""
+
+    server: str  # its base URL
+    key: ServerKey
+    scope: str  # the tenant scope of the request's key (`plan.tenant_scope`)
+    entries: tuple[HeadEntry, ...]  # the heads usable there: none it refused, none whose restore was inert there
+    held: Mapping[int, Restored]  # by slot: the head it holds, no request having come to the server since
+    restore_bytes_per_s: float
+    any_prefix: bool  # the server resumes a restored slot at any token (`SlotIO.any_prefix`)

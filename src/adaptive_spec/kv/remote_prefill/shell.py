@@ -1,9 +1,10 @@
 """Remote prefill's shell (`serve --pp-server`): a long prompt is prefilled on a bigger machine through its kv-relay,
 the slot file brought home and restored into the local slot, so the local profile prefills only the tail.
 
-The decision is `kv/remote_prefill/plan.choose()`; this module checks the two models hash the same at start,
-measures the link, performs the steps and learns from them. It never raises into the request: any failure means the
-local profile prefills the prompt itself (correct, only slower), and the reason line says so.
+The decision is the router's (`kv/remote_prefill/plan.choose()`, asked while it plans a route, with the prices learned
+here: `RemoteCosts`); this module checks the two models hash the same at start, measures the link, performs the steps
+of a remote prefill the router asked for and learns from them. It never raises into the request: any failure means
+the local profile prefills the prompt itself (correct, only slower), and the reason line says so.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import aiohttp
 from aiohttp import web
 
 from adaptive_spec.errors import ConfigError, ProfileMismatchError
-from adaptive_spec.kv.moves import PrefillAnswer, PrefillAsk, RemotePrefillResult
+from adaptive_spec.kv.moves import PrefillAsk, RemotePrefillResult
 from adaptive_spec.kv.relay_client import PARTIAL_PREFIX, RelayClient, RelayError
-from adaptive_spec.kv.remote_prefill.plan import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy, choose
+from adaptive_spec.kv.remote_prefill.plan import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy
 from adaptive_spec.kv.slot_files import file_sha256, model_mismatch, slot_file_name
 from adaptive_spec.kv.slots import SlotError, restore_slot
 from adaptive_spec.llama.upstreams import Upstream
@@ -69,17 +70,11 @@ class RemotePrefill:
             f"{self.relay.model_sha256[:12]}…); link {round_trip_s * 1000:.0f} ms, {bandwidth / 1e6:.1f} MB/s"
         )
 
-    async def maybe(self, client: aiohttp.ClientSession, ask: PrefillAsk, upstream: Upstream) -> PrefillAnswer:
-        """Prefill the request remotely when the cost model says so; the answer's note extends the reason line."""
-        choice = choose(ask.new_tokens, ask.context_tokens, ask.local, self.costs)
-        if not choice.remote:
-            return PrefillAnswer(choice.reason if ask.new_tokens >= self.costs.policy.min_tokens else "", None)
-        # Past twice the time a local prefill was estimated to take, the remote path has lost even if that estimate
-        # was off by half: a slow or stalled relay costs the request at most that before it prefills here.
-        deadline_s = max(self.min_deadline_s, 2.0 * choice.local_s)
-        result = await self._run(client, ask, upstream, deadline_s)
-        note = choice.reason if result.ok else f"remote prefill failed ({result.error}): prefilled here"
-        return PrefillAnswer(note, result)
+    async def run(self, client: aiohttp.ClientSession, ask: PrefillAsk, upstream: Upstream) -> RemotePrefillResult:
+        """Prefill the request remotely, as the router decided. Past twice the time a local prefill was estimated to
+        take, the remote path has lost even if that estimate was off by half: a slow or stalled relay costs the
+        request at most that before it prefills here."""
+        return await self._run(client, ask, upstream, max(self.min_deadline_s, 2.0 * ask.local_s))
 
     async def _run(
         self, client: aiohttp.ClientSession, ask: PrefillAsk, upstream: Upstream, deadline_s: float

@@ -28,6 +28,7 @@ from adaptive_spec.kv.heads.plan import (
 from adaptive_spec.kv.heads.store import HeadStore
 from adaptive_spec.kv.heads.values import HeadsConfig, Restored
 from adaptive_spec.llama.upstreams import Upstream
+from tests.support.heads import restore
 
 KEY = ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t1")
 PIECES = [b"system", b"tools", b"user-1"]
@@ -133,7 +134,7 @@ async def test_an_inert_restore_is_learned_and_not_tried_again_on_that_server(tm
             store.served(upstream, 0, [], [], 0, (10, 2), restored, ("opencode", "default", ""))
             assert store.describe()["inert_servers"] == ([upstream.base_url] if n == 2 else [])
         assert store.counts["inert"] == 2
-        assert await store.restore(upstream, 0, PIECES, 0, PrefillRate(1.0)) is None
+        assert await restore(store, upstream, 0, PIECES) is None
         assert store.counts["failed"] == 0  # refused before asking the server anything
 
 
