@@ -3,8 +3,11 @@ llama-server's counters (read when the server is quiet: before the next forward,
 prompt, tokens and drafts.
 
 So the records, and the proxy's /metrics made from them, add up to llama-server's own counts (telemetry/ledger.py).
-A record waits at most `SETTLE_S` for a quiet moment (a server that is never quiet: the record keeps what the stream
-showed); a server without `--metrics` (an attached one may have none) is never asked twice."""
+While requests the proxy forwarded are open there (a client's retry of the very request that hung up, say), the
+reading waits for them to end: their answers say their own counts, so the quiet moment after them still settles the
+one it waits for. A server busy with work of another client for `SETTLE_S` while the proxy has nothing open there, or
+a wait of `HOLD_S` in all, gives up (the record keeps what the stream showed); a server without `--metrics` (an
+attached one may have none) is never asked twice."""
 
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ from adaptive_spec.telemetry.records import Timings
 
 log = logging.getLogger(__name__)
 
-SETTLE_S = 30.0
+SETTLE_S = 30.0  # polled this long while the proxy has nothing open there and the server is never quiet
+HOLD_S = 900.0  # a record's counts are waited for this long at most, however busy the proxy keeps the server
 BEFORE_S = 2.0  # a one-slot server ends the cancelled task first anyway; a busier one is read later
 _POLL_S = 0.05
 _TIMEOUT = aiohttp.ClientTimeout(total=5)
@@ -71,8 +75,10 @@ def with_counts(timings: Timings | None, counts: Counts) -> Timings:
 
 
 class Accounting:
-    def __init__(self) -> None:
+    def __init__(self, settle_s: float = SETTLE_S, hold_s: float = HOLD_S) -> None:
         self.ledger = Ledger()
+        self._settle_s, self._hold_s = settle_s, hold_s
+        self._waiting_since: dict[str, float] = {}  # per server, when its oldest unsettled request ended
         self._waiting: dict[str, asyncio.Future[Counts | None]] = {}
         self._readers: dict[str, asyncio.Task[None]] = {}
         self._no_metrics: set[str] = set()
@@ -99,7 +105,10 @@ class Accounting:
         if held:
             future = asyncio.get_running_loop().create_future()
             self._waiting[request_id] = future
-        if (held or server not in self._baselined) and self.ledger.quiet(server) is not None:
+            self._waiting_since.setdefault(server, time.monotonic())
+        # The last of the proxy's requests there to end starts the reading that one before it waits for.
+        waiting = held or self.ledger.waiting(server)
+        if (waiting or server not in self._baselined) and self.ledger.quiet(server) is not None:
             self._read_soon(client, server)
         return future
 
@@ -127,17 +136,24 @@ class Accounting:
             await asyncio.sleep(_POLL_S / 2)
 
     async def _read(self, client: aiohttp.ClientSession, server: str) -> None:
-        deadline, pause = time.monotonic() + SETTLE_S, _POLL_S
-        while time.monotonic() < deadline:
+        """Polled until a quiet reading settles what waits. Stops while the proxy's own requests are open there (the
+        last to end starts it again); gives up after `SETTLE_S` of a server busy with nothing of the proxy's open,
+        or `HOLD_S` since the oldest waiting request ended."""
+        alone, pause = 0.0, _POLL_S
+        give_up_at = self._waiting_since.get(server, time.monotonic()) + self._hold_s
+        while alone < self._settle_s and time.monotonic() < give_up_at:
+            if self.ledger.quiet(server) is None:
+                return
+            began = time.monotonic()
             read = await self._read_once(client, server, _TIMEOUT)
             if (read == "settled" and not self.ledger.waiting(server)) or read == "none":
                 return
             await asyncio.sleep(pause)
+            alone += time.monotonic() - began
             pause = min(1.0, pause * 2)  # a server busy for long is asked once a second, not twenty times
         if self.ledger.waiting(server):  # never quiet for long enough: its counters start from the next reading
             self._baselined.discard(server)
-            for request_id in self.ledger.forget(server):
-                self._settle(request_id, None)
+            self._forget(server)
 
     async def _read_once(self, client: aiohttp.ClientSession, server: str, patience: aiohttp.ClientTimeout) -> str:
         """One reading, if the server is quiet: "settled" (it was, and settled what waited), "busy" (not quiet, or
@@ -148,8 +164,7 @@ class Accounting:
         values = await self._metrics(client, server, patience)
         if values is None:  # no /metrics: what the streams showed is all there is
             self._no_metrics.add(server)
-            for request_id in self.ledger.forget(server):
-                self._settle(request_id, None)
+            self._forget(server)
             return "none"
         if not values:
             return "down"
@@ -158,6 +173,7 @@ class Accounting:
         if settled is None:
             return "busy"
         self._baselined.add(server)
+        self._waiting_since.pop(server, None)  # a reading settles every request that waited
         if settled.other is not None:
             log.debug("%s counted %s that no request through the proxy did", server, settled.other)
         for request_id in settled.requests:
@@ -185,6 +201,11 @@ class Accounting:
                 except ValueError:
                     continue
         return values if from_metrics(values) is not None else None  # not llama-server's counters: none to read
+
+    def _forget(self, server: str) -> None:
+        self._waiting_since.pop(server, None)
+        for request_id in self.ledger.forget(server):
+            self._settle(request_id, None)
 
     def _settle(self, request_id: str, counts: Counts | None) -> None:
         future = self._waiting.pop(request_id, None)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from adaptive_spec.policy.model import Policy
-from adaptive_spec.requests.accounting import SETTLE_S, Accounting, with_counts
+from adaptive_spec.requests.accounting import HOLD_S, Accounting, with_counts
 from adaptive_spec.requests.apis import traits
 from adaptive_spec.requests.body.parse import ParsedRequest, RoutedPath
 from adaptive_spec.requests.body.repeats import Guarded
@@ -242,7 +242,7 @@ class RequestLifecycle:
 
     async def _counted(self, req: ProxyRequest, record: RequestRecord) -> None:
         try:
-            counts = await asyncio.wait_for(asyncio.gather(*req.unseen), SETTLE_S + 5.0)
+            counts = await asyncio.wait_for(asyncio.gather(*req.unseen), HOLD_S + 5.0)
         except TimeoutError:
             return
         if any(c is None for c in counts):
