@@ -26,8 +26,8 @@ from typing import Any
 
 from adaptive_spec.llama.profiles import AttachedProfile
 from adaptive_spec.proxy.app import ProxySettings
-from adaptive_spec.proxy.plan import ServePlan, SessionPlan
 from adaptive_spec.proxy.run import _run
+from adaptive_spec.proxy.settings import ServeSettings, SessionSettings
 from tests.stress.fuzz_cases import Case, Generator, Target
 from tests.support.models.tiny_gguf import write_tiny_gguf
 from tests.support.processes.servers import LlamaServer, free_port, http_json, wait_until
@@ -58,24 +58,24 @@ class InProcessProxy:
     def __init__(self, upstream_url: str) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        plan = ServePlan(
+        settings = ServeSettings(
             "127.0.0.1",
             self.port,
             ProxySettings(max_body_bytes=1024 * 1024),
             None,
             attach=[AttachedProfile("plain", upstream_url)],
-            sessions=SessionPlan(tokenizer="endpoint"),
+            sessions=SessionSettings(tokenizer="endpoint"),
         )
         self.loop = asyncio.new_event_loop()
         self.stop_event = asyncio.Event()
         self.failure: BaseException | None = None
-        self.thread = threading.Thread(target=self._main, args=(plan,), daemon=True)
+        self.thread = threading.Thread(target=self._main, args=(settings,), daemon=True)
         self.thread.start()
         wait_until(self._up, 120, f"the proxy on {self.base}", 0.1)
 
-    def _main(self, plan: ServePlan) -> None:
+    def _main(self, settings: ServeSettings) -> None:
         try:
-            self.loop.run_until_complete(_run(plan, self.stop_event))
+            self.loop.run_until_complete(_run(settings, self.stop_event))
         except BaseException as exc:  # reported by _up and stop
             self.failure = exc
 

@@ -1,4 +1,4 @@
-"""`adaptive-spec serve`: its options and the plan they make (the profiles it launches or attaches to, and the rest).
+"""`adaptive-spec serve`: its options and the settings they make (the profiles it launches or attaches, and the rest).
 
 Serve's own groups are declared here beside their readers; the access, remote prefill and relay groups beside their
 features."""
@@ -18,8 +18,8 @@ from adaptive_spec.cli import tui as tui_command
 from adaptive_spec.cli.text import add_command
 from adaptive_spec.errors import ConfigError
 from adaptive_spec.kv.heads.options import add_heads_arguments, heads_config
-from adaptive_spec.kv.movers_options import add_relay_arguments, relay_plan
-from adaptive_spec.kv.remote_prefill.options import add_pp_arguments, pp_plan
+from adaptive_spec.kv.movers_options import add_relay_arguments, relay_settings
+from adaptive_spec.kv.remote_prefill.options import add_pp_arguments, pp_settings
 from adaptive_spec.llama.binary.cpu_faults import REPACK_MODES
 from adaptive_spec.llama.launch import HUNG_RESTART_S, KILL_AFTER_S
 from adaptive_spec.llama.models import DEFAULT_MODEL, agents_advice, embedded_chat_template, resolve_model
@@ -35,12 +35,12 @@ from adaptive_spec.llama.profiles import (
 from adaptive_spec.proxy.app import ProxySettings
 from adaptive_spec.proxy.connection_options import add_connection_arguments, connection_limits
 from adaptive_spec.proxy.event_loop import EVENT_LOOPS
-from adaptive_spec.proxy.plan import LaunchPlan, ServePlan, SessionPlan
 from adaptive_spec.proxy.run import run as run_server
 from adaptive_spec.proxy.run import say
+from adaptive_spec.proxy.settings import LaunchSettings, ServeSettings, SessionSettings
 from adaptive_spec.sessions.grouping import ECHO_FINGERPRINTS
 from adaptive_spec.sessions.ngram_replay import NgramParams
-from adaptive_spec.shared_state.options import add_shared_state_arguments, shared_state_plan
+from adaptive_spec.shared_state.options import add_shared_state_arguments, shared_state_settings
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -118,12 +118,12 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     if args.tui:
         argv = list(sys.argv[1:] if argv is None else argv)
         return tui_command.serve_with_tui(argv, args.host, args.port, API_KEY.read(args))
-    run_server(serve_plan(args))
+    run_server(serve_settings(args))
     return 0
 
 
-def serve_plan(args: argparse.Namespace) -> ServePlan:
-    """The plan `serve` runs: attached profiles, or the profiles it launches, and the rest of its options."""
+def serve_settings(args: argparse.Namespace) -> ServeSettings:
+    """The settings `serve` runs: attached profiles, or the profiles it launches, and the rest of its options."""
     proxy = ProxySettings(
         max_body_bytes=int(args.max_body_mb * 1024 * 1024),
         read_timeout_s=args.read_timeout,
@@ -137,26 +137,26 @@ def serve_plan(args: argparse.Namespace) -> ServePlan:
     if args.default_profile:
         check_profile_name(args.default_profile)
 
-    def plan(**profiles: Any) -> ServePlan:  # attached profiles or launched ones: the rest is the same
-        return ServePlan(
+    def with_profiles(**profiles: Any) -> ServeSettings:  # attached profiles or launched ones: the rest is the same
+        return ServeSettings(
             args.host,
             args.port,
             proxy,
             args.default_profile,
-            sessions=_session_plan(args, _ngram_params(args.ngram_mod)),
+            sessions=_session_settings(args, _ngram_params(args.ngram_mod)),
             verbose=args.verbose,
             event_loop=args.event_loop,
             access=access,
             **profiles,
             connections=connection_limits(args),
-            shared_state=shared_state_plan(args),
+            shared_state=shared_state_settings(args),
             **_trace_options(args),
             **_routing_options(args),
         )
 
     if args.profile:
-        return plan(attach=attached_profiles(args.profile))
-    return plan(launch=_launch_plan(args), agents_note=agents_advice(args.model))
+        return with_profiles(attach=attached_profiles(args.profile))
+    return with_profiles(launch=_launch_settings(args), agents_note=agents_advice(args.model))
 
 
 def _add_launch_arguments(serve: argparse.ArgumentParser) -> None:
@@ -261,7 +261,7 @@ def _ngram_params(given: str | None) -> NgramModParams:
     return NgramModParams(n_match, n_min, n_max)
 
 
-def _launch_plan(args: argparse.Namespace) -> LaunchPlan:
+def _launch_settings(args: argparse.Namespace) -> LaunchSettings:
     from adaptive_spec.llama.binary.which import find_llama_server
 
     if args.draft_type and not args.draft and args.draft_type != "mtp":
@@ -278,7 +278,7 @@ def _launch_plan(args: argparse.Namespace) -> LaunchPlan:
         chat_template_file=embedded_chat_template(args.model),
     )
     specs = list(default_profiles(args.draft_type, _ngram_params(args.ngram_mod)))
-    return LaunchPlan(
+    return LaunchSettings(
         binary,
         specs,
         settings,
@@ -330,8 +330,8 @@ def _routing_options(args: argparse.Namespace) -> dict[str, Any]:
         "policy_file": args.policy,
         "workspace_policies": not args.no_workspace_policies,
         "slot_dir": args.slot_dir,
-        "remote_prefill": pp_plan(args),
-        "relays": relay_plan(args),
+        "remote_prefill": pp_settings(args),
+        "relays": relay_settings(args),
         "heads": heads_config(args),
     }
 
@@ -388,14 +388,14 @@ def _add_session_arguments(serve: argparse.ArgumentParser) -> None:
     )
 
 
-def _session_plan(args: argparse.Namespace, ngram: NgramModParams) -> SessionPlan:
+def _session_settings(args: argparse.Namespace, ngram: NgramModParams) -> SessionSettings:
     key_projects = {}
     for item in args.project_key:
         key, sep, project = item.partition("=")
         if not sep or not key or not project:
             raise ConfigError(f"--project-key {item!r}: expected API_KEY=PROJECT")
         key_projects[key] = project
-    return SessionPlan(
+    return SessionSettings(
         tokenizer=args.tokenizer,
         ngram=NgramParams(ngram.n_match, ngram.n_min, ngram.n_max),
         key_projects=key_projects,

@@ -110,7 +110,7 @@ class SharedDirMover:
 
 
 @dataclass(frozen=True, slots=True)
-class RelayMoverPlan:
+class RelayMoverSettings:
     """`serve --relay SERVER_URL=RELAY_URL` (repeatable) and the relays' key."""
 
     relays: tuple[tuple[str, str], ...]  # (llama-server base URL, its kv-relay's URL)
@@ -216,7 +216,7 @@ class PairMover:
 
 
 async def start_relay_mover(
-    plan: RelayMoverPlan,
+    settings: RelayMoverSettings,
     client: aiohttp.ClientSession,
     table: UpstreamTable,
     shared: SlotMover | None,
@@ -227,10 +227,10 @@ async def start_relay_mover(
     link's bandwidth (bytes/s: the handoff's price until moves measure it)."""
     servers = {u.base_url for u in table.all()}
     found: list[tuple[str, str, str, str, float, float]] = []  # server, relay, sha256, model, round trip, bytes/s
-    for server, relay_url in plan.relays:
+    for server, relay_url in settings.relays:
         if server not in servers:
             raise ConfigError(f"--relay {server}={relay_url}: no --profile serves at {server}")
-        probe = RelayClient(relay_url, plan.key, "")
+        probe = RelayClient(relay_url, settings.key, "")
         try:
             model, round_trip_s = await probe.model(client)
             bandwidth = await probe.probe(client, _PROBE_BYTES)
@@ -246,9 +246,9 @@ async def start_relay_mover(
                 "running the same GGUF"
             )
     slowest = min(found, key=lambda f: f[5])
-    relays = {server: RelayClient(url, plan.key, sha) for server, url, sha, *_ in found}
+    relays = {server: RelayClient(url, settings.key, sha) for server, url, sha, *_ in found}
     say(
         f"KV moves between hosts: {len(found)} relays, one model ({first[3]}, sha256 {first[2][:12]}…); slowest link "
         f"{slowest[1]}: {slowest[4] * 1000:.0f} ms, {slowest[5] / 1e6:.1f} MB/s"
     )
-    return PairMover(RelayMover(relays, plan.max_bytes), shared), slowest[5]
+    return PairMover(RelayMover(relays, settings.max_bytes), shared), slowest[5]

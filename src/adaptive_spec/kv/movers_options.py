@@ -7,7 +7,7 @@ from urllib.parse import urlsplit
 
 from adaptive_spec.access.keys import KeyOption
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.kv.movers import RelayMoverPlan
+from adaptive_spec.kv.movers import RelayMoverSettings
 
 KEY_ENV = "ADAPTIVE_SPEC_RELAY_KEY"  # the variable kv-relay itself reads
 RELAY_KEY = KeyOption(KEY_ENV, file_flag="--relay-key-file")
@@ -33,7 +33,7 @@ def _url(text: str, whole: str) -> str:
     return text.rstrip("/")
 
 
-def relay_plan(args: argparse.Namespace) -> RelayMoverPlan | None:
+def relay_settings(args: argparse.Namespace) -> RelayMoverSettings | None:
     if not args.relay:
         return None
     if not args.profile:
@@ -50,4 +50,4 @@ def relay_plan(args: argparse.Namespace) -> RelayMoverPlan | None:
     key = RELAY_KEY.read(args)
     if key is None:
         raise ConfigError(f"--relay needs the relays' key: --relay-key-file FILE or ${KEY_ENV}")
-    return RelayMoverPlan(tuple(pairs.items()), key)
+    return RelayMoverSettings(tuple(pairs.items()), key)

@@ -52,7 +52,7 @@ from adaptive_spec.proxy.app import KvSetup, build_app
 from adaptive_spec.proxy.app_stop import stop_app
 from adaptive_spec.proxy.connections import WatchedSite, watch_connections
 from adaptive_spec.proxy.event_loop import loop_factory, loop_name
-from adaptive_spec.proxy.plan import LaunchPlan, ServePlan
+from adaptive_spec.proxy.settings import LaunchSettings, ServeSettings
 from adaptive_spec.requests.app_keys import LIFECYCLE
 from adaptive_spec.requests.measured_speeds import KeptSpeeds, machine_identity
 from adaptive_spec.requests.measured_speeds import identity as speeds_identity
@@ -142,7 +142,7 @@ def announce(root: str, default_profile: str, agents_note: str | None = None) ->
 class _Run:
     """What one `serve` run holds until it stops (one task's own): released by `close()` whatever happened."""
 
-    plan: ServePlan
+    settings: ServeSettings
     sockets: list[socket.socket]
     client: aiohttp.ClientSession
     launcher: Launcher | None = None
@@ -183,32 +183,32 @@ class _Run:
         self.phases.append(f"llama-server {time.monotonic() - started:.1f} s{forced}")
 
 
-async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
-    policies = _policies(plan)  # a bad policy file stops us first: before we listen, before any server starts
-    run = _Run(plan, listen(plan.host, plan.port), aiohttp.ClientSession())
+async def _run(settings: ServeSettings, stop: asyncio.Event) -> None:
+    policies = _policies(settings)  # a bad policy file stops us first: before we listen, before any server starts
+    run = _Run(settings, listen(settings.host, settings.port), aiohttp.ClientSession())
     try:
-        upstreams = [Upstream(a.name, a.base_url, a.upstream_model, speculation=a.speculation) for a in plan.attach]
-        if plan.launch is not None:
-            launched = await _launch(run, plan.launch, stop)
+        upstreams = [Upstream(a.name, a.base_url, a.upstream_model, speculation=a.speculation) for a in settings.attach]
+        if settings.launch is not None:
+            launched = await _launch(run, settings.launch, stop)
             if launched is None:
                 return  # stopped while starting
             upstreams = launched
         bus = EventBus()  # every service below publishes on it: handed to each constructor
-        table = UpstreamTable(upstreams, plan.default_profile, publish=bus.publish)
+        table = UpstreamTable(upstreams, settings.default_profile, publish=bus.publish)
         if run.launcher is not None and run.launched is not None:
             run.launcher.set_health_hooks(*health_hooks(run.launched, table))
             bus.listen(_hang_watch(run.launcher))
         app = await _app(run, policies, table, bus)
-        say(describe_access(plan.access))
+        say(describe_access(settings.access))
         say(f"event loop: {loop_name()}")
-        watch = watch_connections(app, plan.connections, say)
+        watch = watch_connections(app, settings.connections, say)
         # The shutdown grace is the app's own (it tells each request it ends); aiohttp then waits for them briefly.
         # The connections' handlers are the watch's (WatchedSite), made with their options there.
         run.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=_AIOHTTP_SHUTDOWN_S)
         await run.runner.setup()
         for sock in run.sockets:
             await WatchedSite(run.runner, sock, watch).start()
-        announce(base_url(plan.host, run.sockets[0]), table.default, plan.agents_note)
+        announce(base_url(settings.host, run.sockets[0]), table.default, settings.agents_note)
         await stop.wait()
         stopping = time.monotonic()
         await _end_requests(run, app)
@@ -219,7 +219,7 @@ async def _run(plan: ServePlan, stop: asyncio.Event) -> None:
 
 async def _end_requests(run: _Run, app: web.Application) -> None:
     """No new connections; requests in flight run for up to the grace, then end with their error."""
-    lifecycle, grace = app[LIFECYCLE], run.plan.proxy.shutdown_grace_s
+    lifecycle, grace = app[LIFECYCLE], run.settings.proxy.shutdown_grace_s
     running = len(lifecycle.handlers)
     say(f"stopping; {running} requests in flight get up to {grace:g} s" if running else "stopping")
     started = time.monotonic()
@@ -246,16 +246,18 @@ def _hang_watch(launcher: Launcher) -> Callable[[Event], None]:
     return on_event
 
 
-def _policies(plan: ServePlan) -> PolicyStore:
-    names = list(dict.fromkeys(a.name for a in plan.attach)) + (
-        [s.name for s in plan.launch.specs] if plan.launch else []
+def _policies(settings: ServeSettings) -> PolicyStore:
+    names = list(dict.fromkeys(a.name for a in settings.attach)) + (
+        [s.name for s in settings.launch.specs] if settings.launch else []
     )
-    if plan.default_profile is not None and plan.default_profile not in names:
-        raise ConfigError(f"--default-profile {plan.default_profile!r} is not one of {', '.join(names)}")
-    return PolicyStore(plan.policy_file, names, config_dir(), read_workspace_files=plan.workspace_policies, log=say)
+    if settings.default_profile is not None and settings.default_profile not in names:
+        raise ConfigError(f"--default-profile {settings.default_profile!r} is not one of {', '.join(names)}")
+    return PolicyStore(
+        settings.policy_file, names, config_dir(), read_workspace_files=settings.workspace_policies, log=say
+    )
 
 
-async def _launch(run: _Run, launch: LaunchPlan, stop: asyncio.Event) -> list[Upstream] | None:
+async def _launch(run: _Run, launch: LaunchSettings, stop: asyncio.Event) -> list[Upstream] | None:
     """Start the profiles' llama-servers (one for all, or the stock fallback's one per profile); None: stopped."""
     state_dir().mkdir(parents=True, exist_ok=True)
     run.run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=state_dir()))
@@ -292,27 +294,29 @@ async def _launch(run: _Run, launch: LaunchPlan, stop: asyncio.Event) -> list[Up
 
 async def _app(run: _Run, policies: PolicyStore, table: UpstreamTable, bus: EventBus) -> web.Application:
     """Probe the profiles, check they serve one model, and build the proxy around them."""
-    plan, client, launched, launcher = run.plan, run.client, run.launched, run.launcher
-    infos, servers, probes = await probe_profiles(client, table.all(), plan.launch.specs if plan.launch else None)
+    settings, client, launched, launcher = run.settings, run.client, run.launched, run.launcher
+    infos, servers, probes = await probe_profiles(
+        client, table.all(), settings.launch.specs if settings.launch else None
+    )
     for line in startup_lines(infos, servers, launched.design if launched is not None else None):
         say(line)
     mismatch = replica_mismatch(infos) or model_mismatch(infos) or speculation_problem(infos)
     if mismatch:
         raise ProfileMismatchError(mismatch)
-    shared = _shared(plan)
-    sessions = await _sessions(plan, client, table, infos, bus, shared.proxy_id if shared is not None else None)
-    trace = _trace(plan, infos)
-    slot_dir = run.run_dir / "slots" if run.run_dir is not None else plan.slot_dir
-    kv = await _kv_setup(plan, client, table, infos, slot_dir, say)
+    shared = _shared(settings)
+    sessions = await _sessions(settings, client, table, infos, bus, shared.proxy_id if shared is not None else None)
+    trace = _trace(settings, infos)
+    slot_dir = run.run_dir / "slots" if run.run_dir is not None else settings.slot_dir
+    kv = await _kv_setup(settings, client, table, infos, slot_dir, say)
     described = policies.describe("default", None)
     say(
         f"routing: policy from {', '.join(described['sources']) or 'built-in defaults'}; KV handoff "
         + ("on (slot files in " + str(slot_dir) + ")" if slot_dir else "off (no shared slot directory)")
-        + ("; between hosts through the kv-relays" if plan.relays is not None else "")
+        + ("; between hosts through the kv-relays" if settings.relays is not None else "")
     )
     return build_app(
         table,
-        plan.proxy,
+        settings.proxy,
         sessions,
         bus=bus,
         trace=trace,
@@ -321,17 +325,17 @@ async def _app(run: _Run, policies: PolicyStore, table: UpstreamTable, bus: Even
         servers=servers,
         kv=kv,
         restart=restarter(launched, launcher) if launcher is not None and launched is not None else None,
-        access=plan.access,
+        access=settings.access,
         speeds=_kept_speeds(launcher),
         probes=probes,
         shared=shared,
     )
 
 
-def _shared(plan: ServePlan) -> SharedState | None:
+def _shared(settings: ServeSettings) -> SharedState | None:
     """The state shared with other proxies, when `--shared-state` names it (reached on the first request: a store
     down at start is an outage like any other)."""
-    sp = plan.shared_state
+    sp = settings.shared_state
     if sp is None:
         return None
     shared = SharedState(RedisStore(sp.url), sp.lease_s, sp.ttl_s)
@@ -350,7 +354,7 @@ def _kept_speeds(launcher: Launcher | None) -> KeptSpeeds | None:
 
 
 async def _sessions(
-    plan: ServePlan,
+    settings: ServeSettings,
     client: aiohttp.ClientSession,
     table: UpstreamTable,
     infos: list[ProfileInfo],
@@ -361,13 +365,13 @@ async def _sessions(
     default = table.get(table.default)
     assert default is not None
     attached = next((i.model_path for i in infos if i.name == table.default and i.replica == 0), "")
-    model_path = plan.launch.settings.model.path if plan.launch is not None else None
+    model_path = settings.launch.settings.model.path if settings.launch is not None else None
     tokenizer = await choose_tokenizer(
-        plan.sessions.tokenizer, model_path, client, default.base_url, attached, verbose=plan.verbose, say=say
+        settings.sessions.tokenizer, model_path, client, default.base_url, attached, verbose=settings.verbose, say=say
     )
     if isinstance(tokenizer, CachingTokenizer):  # its first encode builds the encoder (~0.7 s): not on a request
         await tokenizer.count(["warm up"])
-    sp = plan.sessions
+    sp = settings.sessions
     tracker = ContextTracker(
         sp.ngram, max_sessions=sp.max_sessions, max_tokens=sp.max_tokens, idle_expiry_s=sp.idle_expiry_s
     )
@@ -384,20 +388,20 @@ async def _sessions(
     )
 
 
-def _trace(plan: ServePlan, infos: list[ProfileInfo]) -> TraceWriter | None:
-    if plan.trace_path is None:
+def _trace(settings: ServeSettings, infos: list[ProfileInfo]) -> TraceWriter | None:
+    if settings.trace_path is None:
         return None
     try:
-        trace = TraceWriter(plan.trace_path, max_bytes=plan.trace_max_bytes, content=plan.trace_content)
+        trace = TraceWriter(settings.trace_path, max_bytes=settings.trace_max_bytes, content=settings.trace_content)
     except OSError as exc:
-        raise ConfigError(f"--trace {plan.trace_path}: {exc.strerror or exc}") from exc
+        raise ConfigError(f"--trace {settings.trace_path}: {exc.strerror or exc}") from exc
     trace.write({"kind": "profiles", "at_unix": time.time(), "profiles": [asdict(i) for i in infos]})
-    say(f"trace: {plan.trace_path}" + (" (with prompts and replies)" if plan.trace_content else ""))
+    say(f"trace: {settings.trace_path}" + (" (with prompts and replies)" if settings.trace_content else ""))
     return trace
 
 
 async def _kv_setup(
-    plan: ServePlan,
+    settings: ServeSettings,
     client: aiohttp.ClientSession,
     table: UpstreamTable,
     infos: list[ProfileInfo],
@@ -407,20 +411,20 @@ async def _kv_setup(
     """The KV movers: the shared slot directory, the relays between hosts (checked and probed), remote prefill."""
     mover: SlotMover | None = SharedDirMover(slot_dir) if slot_dir is not None else None
     link = None
-    if plan.relays is not None:
-        mover, link = await start_relay_mover(plan.relays, client, table, mover, say)
+    if settings.relays is not None:
+        mover, link = await start_relay_mover(settings.relays, client, table, mover, say)
     remote = None
-    if plan.remote_prefill is not None:
-        model_path = plan.launch.settings.model.path if plan.launch is not None else infos[0].model_path
-        remote = await start_remote_prefill(plan.remote_prefill, client, model_path, slot_dir, say)
+    if settings.remote_prefill is not None:
+        model_path = settings.launch.settings.model.path if settings.launch is not None else infos[0].model_path
+        remote = await start_remote_prefill(settings.remote_prefill, client, model_path, slot_dir, say)
     heads = None
-    if plan.heads is not None and slot_dir is not None:
-        launch = plan.launch
+    if settings.heads is not None and slot_dir is not None:
+        launch = settings.launch
         binary, extra = (launch.binary, launch.settings.extra_args) if launch is not None else (None, ())
-        heads = launched_heads(plan.heads, state_dir() / "heads", binary, extra, plan.sessions.key_projects)
+        heads = launched_heads(settings.heads, state_dir() / "heads", binary, extra, settings.sessions.key_projects)
         say(f"heads: {heads.directory} (at most {heads.max_bytes / 1024**3:g} GiB, least recently used go first)")
         say("heads: the most recent are restored into a fresh server's idle slots, at start and after a restart")
-    elif plan.heads is not None:
+    elif settings.heads is not None:
         say("heads: off (no slot directory to restore from)")
     return KvSetup(slot_dir, mover, remote, link, heads, say=say)
 
@@ -440,13 +444,13 @@ async def _until_stopped(work: Coroutine[Any, Any, None], stop: asyncio.Event) -
     return False
 
 
-def run(plan: ServePlan) -> None:
+def run(settings: ServeSettings) -> None:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await _run(plan, stop)
+        await _run(settings, stop)
 
-    with asyncio.Runner(loop_factory=loop_factory(plan.event_loop)) as runner:
+    with asyncio.Runner(loop_factory=loop_factory(settings.event_loop)) as runner:
         runner.run(main())

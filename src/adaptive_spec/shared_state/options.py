@@ -13,7 +13,7 @@ SCHEMES = ("redis", "rediss", "unix")
 
 
 @dataclass(frozen=True, slots=True)
-class SharedStatePlan:
+class SharedStateSettings:
     url: str
     lease_s: float = 15.0
     ttl_s: float = 3600.0
@@ -41,7 +41,7 @@ def add_shared_state_arguments(serve: argparse.ArgumentParser) -> None:
     )
 
 
-def shared_state_plan(args: argparse.Namespace) -> SharedStatePlan | None:
+def shared_state_settings(args: argparse.Namespace) -> SharedStateSettings | None:
     url = args.shared_state
     if not url:
         return None
@@ -54,4 +54,4 @@ def shared_state_plan(args: argparse.Namespace) -> SharedStatePlan | None:
         )
     if args.shared_state_lease_s <= 0 or args.shared_state_ttl_s <= 0:
         raise ConfigError("--shared-state-lease-s and --shared-state-ttl-s must be above 0")
-    return SharedStatePlan(url, args.shared_state_lease_s, args.shared_state_ttl_s)
+    return SharedStateSettings(url, args.shared_state_lease_s, args.shared_state_ttl_s)

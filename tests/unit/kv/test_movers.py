@@ -13,7 +13,7 @@ import pytest
 from adaptive_spec.errors import ConfigError
 from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.kv.movers import MoveRequest, MoveTimes, PairMover, RelayMover, SharedDirMover
-from adaptive_spec.kv.movers_options import KEY_ENV, relay_plan
+from adaptive_spec.kv.movers_options import KEY_ENV, relay_settings
 from adaptive_spec.kv.relay_client import RelayClient, _Passing, _unless_stalled
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.policy.model import Policy
@@ -140,25 +140,25 @@ def _args(*relay: str, key_file: Path | None = None, profile: bool = True) -> ar
 
 def test_relay_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(KEY_ENV, raising=False)
-    assert relay_plan(_args()) is None
+    assert relay_settings(_args()) is None
     with pytest.raises(ConfigError, match="needs the relays' key"):
-        relay_plan(_args("http://a:1=http://ra:9"))
+        relay_settings(_args("http://a:1=http://ra:9"))
     key = tmp_path / "key"
     key.write_text("secret\n")
-    plan = relay_plan(_args("http://a:1/=http://ra:9/", "http://b:1=http://rb:9", key_file=key))
-    assert plan is not None and plan.key == "secret"
-    assert plan.relays == (("http://a:1", "http://ra:9"), ("http://b:1", "http://rb:9"))
+    settings = relay_settings(_args("http://a:1/=http://ra:9/", "http://b:1=http://rb:9", key_file=key))
+    assert settings is not None and settings.key == "secret"
+    assert settings.relays == (("http://a:1", "http://ra:9"), ("http://b:1", "http://rb:9"))
     monkeypatch.setenv(KEY_ENV, "from-env")
-    assert (relay_plan(_args("http://a:1=http://ra:9")) or plan).key == "from-env"
+    assert (relay_settings(_args("http://a:1=http://ra:9")) or settings).key == "from-env"
     for bad, message in [
         (("http://a:1",), "expected SERVER_URL=RELAY_URL"),
         (("a:1=http://ra:9",), "is not an http"),
         (("http://a:1=http://ra:9", "http://a:1=http://rb:9"), "given twice"),
     ]:
         with pytest.raises(ConfigError, match=message):
-            relay_plan(_args(*bad))
+            relay_settings(_args(*bad))
     with pytest.raises(ConfigError, match="attached profiles"):
-        relay_plan(_args("http://a:1=http://ra:9", profile=False))
+        relay_settings(_args("http://a:1=http://ra:9", profile=False))
 
 
 @pytest.mark.asyncio

@@ -15,8 +15,8 @@ from aiohttp import web
 from adaptive_spec.proxy import run
 from adaptive_spec.proxy.app import ProxySettings
 from adaptive_spec.proxy.app_stop import CONNECTIONS_STOP_S
-from adaptive_spec.proxy.plan import ServePlan
 from adaptive_spec.proxy.run import base_url, listen
+from adaptive_spec.proxy.settings import ServeSettings
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 PER_CONNECTION_S = 30.0  # aiohttp's own wait for a handler, long (its default is 60 s): only the bound ends it
@@ -55,7 +55,7 @@ async def test_connections_cut_off_at_their_bound_leave_the_cleanup_and_the_clie
     sockets = listen("127.0.0.1", 0)
     await web.SockSite(runner, sockets[0]).start()
     client = aiohttp.ClientSession()
-    stopping = run._Run(ServePlan("127.0.0.1", 0, ProxySettings(), None), sockets, client, runner=runner)
+    stopping = run._Run(ServeSettings("127.0.0.1", 0, ProxySettings(), None), sockets, client, runner=runner)
     async with aiohttp.ClientSession() as caller:
         request = asyncio.create_task(caller.get(base_url("127.0.0.1", sockets[0])))
         await asyncio.wait_for(handling.wait(), 10)

@@ -7,7 +7,7 @@ import argparse
 from adaptive_spec.access.keys import KeyOption
 from adaptive_spec.errors import ConfigError
 from adaptive_spec.kv.remote_prefill.plan import RemotePrefillPolicy
-from adaptive_spec.kv.remote_prefill.shell import RemotePrefillPlan
+from adaptive_spec.kv.remote_prefill.shell import RemotePrefillSettings
 from adaptive_spec.kv.slot_files import valid_sha256
 
 KEY_ENV = "ADAPTIVE_SPEC_PP_KEY"
@@ -35,7 +35,7 @@ def add_pp_arguments(serve: argparse.ArgumentParser) -> None:
     group.add_argument("--pp-always", action="store_true", help="prefill remotely whenever possible (testing)")
 
 
-def pp_plan(args: argparse.Namespace) -> RemotePrefillPlan | None:
+def pp_settings(args: argparse.Namespace) -> RemotePrefillSettings | None:
     if not args.pp_server:
         return None
     key = PP_KEY.read(args)
@@ -52,4 +52,4 @@ def pp_plan(args: argparse.Namespace) -> RemotePrefillPlan | None:
         force=args.pp_always,
         remote_prefill_tps=args.pp_prefill_tps,
     )
-    return RemotePrefillPlan(args.pp_server.rstrip("/"), key, policy, sha)
+    return RemotePrefillSettings(args.pp_server.rstrip("/"), key, policy, sha)

@@ -171,7 +171,7 @@ REMOTE_PREFILL = web.AppKey("remote_prefill", RemotePrefill)
 
 
 @dataclass(frozen=True, slots=True)
-class RemotePrefillPlan:
+class RemotePrefillSettings:
     """`serve --pp-server URL` (the kv-relay beside the remote llama-server) and how to price it."""
 
     relay_url: str
@@ -181,7 +181,7 @@ class RemotePrefillPlan:
 
 
 async def start_remote_prefill(
-    plan: RemotePrefillPlan,
+    settings: RemotePrefillSettings,
     client: aiohttp.ClientSession,
     model_path: str | None,
     slot_dir: Path | None,
@@ -194,7 +194,7 @@ async def start_remote_prefill(
         raise ConfigError(
             "--pp-server restores slot files here: attached profiles need --slot-dir (their shared --slot-save-path)"
         )
-    sha = plan.model_sha256
+    sha = settings.model_sha256
     if sha is None:
         if not model_path or not await asyncio.to_thread(Path(model_path).is_file):
             raise ConfigError(
@@ -206,6 +206,6 @@ async def start_remote_prefill(
     swept = await asyncio.to_thread(sweep_partial_downloads, slot_dir)
     if swept:
         say(f"remote prefill: removed {swept} partial download(s) left in {slot_dir}")
-    remote = RemotePrefill(RelayClient(plan.relay_url, plan.key, sha), RemoteCosts(plan.policy), slot_dir)
+    remote = RemotePrefill(RelayClient(settings.relay_url, settings.key, sha), RemoteCosts(settings.policy), slot_dir)
     say(await remote.connect(client))
     return remote

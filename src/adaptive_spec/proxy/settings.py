@@ -8,8 +8,8 @@ from pathlib import Path
 
 from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.kv.heads.values import HeadsConfig
-from adaptive_spec.kv.movers import RelayMoverPlan
-from adaptive_spec.kv.remote_prefill.shell import RemotePrefillPlan
+from adaptive_spec.kv.movers import RelayMoverSettings
+from adaptive_spec.kv.remote_prefill.shell import RemotePrefillSettings
 from adaptive_spec.llama.binary.cpu_faults import RepackMode
 from adaptive_spec.llama.launch import HUNG_RESTART_S
 from adaptive_spec.llama.profiles import AttachedProfile, ProfileSpec, ServerSettings
@@ -17,11 +17,11 @@ from adaptive_spec.proxy.app import ProxySettings
 from adaptive_spec.proxy.connection_book import ConnectionLimits
 from adaptive_spec.sessions.grouping import ECHO_FINGERPRINTS
 from adaptive_spec.sessions.ngram_replay import NgramParams
-from adaptive_spec.shared_state.options import SharedStatePlan
+from adaptive_spec.shared_state.options import SharedStateSettings
 
 
 @dataclass(frozen=True)
-class LaunchPlan:
+class LaunchSettings:
     binary: str
     specs: list[ProfileSpec]
     settings: ServerSettings
@@ -33,7 +33,7 @@ class LaunchPlan:
 
 
 @dataclass(frozen=True)
-class SessionPlan:
+class SessionSettings:
     tokenizer: str = "auto"  # auto | gguf | endpoint | tiktoken | off
     ngram: NgramParams = field(default_factory=NgramParams)
     key_projects: dict[str, str] = field(default_factory=dict)
@@ -44,14 +44,14 @@ class SessionPlan:
 
 
 @dataclass(frozen=True)
-class ServePlan:
+class ServeSettings:
     host: str
     port: int
     proxy: ProxySettings
     default_profile: str | None
-    launch: LaunchPlan | None = None
+    launch: LaunchSettings | None = None
     attach: list[AttachedProfile] = field(default_factory=list)
-    sessions: SessionPlan = field(default_factory=SessionPlan)
+    sessions: SessionSettings = field(default_factory=SessionSettings)
     trace_path: Path | None = None
     trace_content: bool = False
     trace_max_bytes: int = 64 * 1024 * 1024
@@ -60,10 +60,10 @@ class ServePlan:
     slot_dir: Path | None = None  # attached profiles' shared --slot-save-path (launched ones get their own)
     verbose: bool = False  # let native libraries (llama.cpp loading the tokenizer) log to the terminal
     access: AccessPolicy = field(default_factory=AccessPolicy)
-    remote_prefill: RemotePrefillPlan | None = None  # --pp-server
-    relays: RelayMoverPlan | None = None  # --relay SERVER_URL=RELAY_URL: KV moves between hosts
+    remote_prefill: RemotePrefillSettings | None = None  # --pp-server
+    relays: RelayMoverSettings | None = None  # --relay SERVER_URL=RELAY_URL: KV moves between hosts
     heads: HeadsConfig | None = None  # warm starts (kv/heads/): None with --no-heads
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)  # slow and idle clients, the cap
     event_loop: str = "asyncio"  # proxy/event_loop.py: asyncio or uvloop
-    shared_state: SharedStatePlan | None = None  # --shared-state: sessions, placements, bookings among proxies
+    shared_state: SharedStateSettings | None = None  # --shared-state: sessions, placements, bookings among proxies
     agents_note: str | None = None  # which embedded model suits coding agents, said after start
