@@ -7,8 +7,9 @@ Two parts, printed and written to --out:
 1. Measured here (CPU): the embedded 0.5B as `serve` launches it — one llama-server with ngram-mod (both profiles
    as per-request settings) against two (`--spec-type none` and `ngram-mod`, today's stock-server design). After one
    warm-up request each, every server's PSS and private RSS (from /proc/PID/smaps_rollup), beside adaptive-spec's
-   estimate (llama/memory/plan.py, from the GGUF's dimensions). On a CPU the mapped GGUF's pages are shared between the
-   processes (each is charged half in PSS), so the saving is the second KV cache and compute buffers, not the weights.
+   estimate (llama/memory/sizing.py, from the GGUF's dimensions). On a CPU the mapped GGUF's pages are shared between
+   the processes (each is charged half in PSS), so the saving is the second KV cache and compute buffers, not the
+   weights.
 2. Reasoned from published figures (no GPU here): the public benchmark's Qwen3.6-27B on one GPU held 33,256 MiB with
    no drafter and 38,810 MiB with DFlash at a 262,144-token f16 context. Its attention cache, from the Qwen3.5-27B
    architecture (64 layers of which 16 full attention, 4 KV heads of 256: 64 KiB a token in f16), is 16,384 MiB of
@@ -30,7 +31,7 @@ from typing import Any
 from adaptive_spec.llama.binary.which import find_llama_server
 from adaptive_spec.llama.launch import ServerProcess, free_port
 from adaptive_spec.llama.memory.gguf_info import model_dims
-from adaptive_spec.llama.memory.plan import MIB, ModelDims, ServerPlan, footprint, largest_context
+from adaptive_spec.llama.memory.sizing import MIB, ModelDims, ServerToLaunch, footprint, largest_context
 from adaptive_spec.llama.models import ensure_embedded
 from benchmarks.harness import results
 
@@ -90,8 +91,8 @@ def card_table() -> list[dict[str, Any]]:
         free = gib * 1024 * MIB
         row: dict[str, Any] = {"card_gib": gib}
         for n in (1, 2):
-            plans = [ServerPlan(f"s{i}", server, ctx_size=0) for i in range(n)]
-            row[f"ctx_{n}_server"] = min(largest_context(plans, free, 1024 * MIB), PUBLISHED["ctx"])
+            servers = [ServerToLaunch(f"s{i}", server, ctx_size=0) for i in range(n)]
+            row[f"ctx_{n}_server"] = min(largest_context(servers, free, 1024 * MIB), PUBLISHED["ctx"])
         rows.append(row)
     return rows
 
@@ -104,7 +105,7 @@ def main() -> None:
     binary = find_llama_server(None)
     model = Path(ensure_embedded("qwen2.5-coder-0.5b", print))
     dims = model_dims(model)
-    estimate = footprint(ServerPlan("one", dims, args.ctx)).total_bytes
+    estimate = footprint(ServerToLaunch("one", dims, args.ctx)).total_bytes
     with tempfile.TemporaryDirectory() as tmp:
         one = asyncio.run(measure(binary, model, args.ctx, ["ngram-mod"], Path(tmp)))
         two = asyncio.run(measure(binary, model, args.ctx, ["none", "ngram-mod"], Path(tmp)))

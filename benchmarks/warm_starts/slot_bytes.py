@@ -1,5 +1,5 @@
 """A head's bytes on disk by model family: real slot files (`POST /slots/0?action=save` after a first turn) at a few
-prompt lengths, fitted to a fixed part and a part per token by the store's own fit (`kv/heads/plan.py` `head_size`),
+prompt lengths, fitted to a fixed part and a part per token by the store's own fit (`kv/heads/matching.py` `head_size`),
 beside what `llama/memory/` says of the model (the attention KV per token, one context checkpoint).
 
 Run:  .venv/bin/python -m benchmarks.warm_starts.slot_bytes [--families dense,swa,hybrid] [--lines 30,80,160]
@@ -28,7 +28,7 @@ from tests.support.processes.servers import LlamaServer
 from tests.support.processes.slot_files import as_entries, slot_files
 
 from adaptive_spec.bench import machine
-from adaptive_spec.kv.heads.plan import head_size
+from adaptive_spec.kv.heads.matching import head_size
 from adaptive_spec.llama.binary.which import find_llama_server
 from adaptive_spec.llama.memory.gguf_info import model_dims
 from adaptive_spec.llama.models import ensure_embedded

@@ -18,7 +18,7 @@ import aiohttp
 
 from adaptive_spec.kv.movers import MoveRequest, SharedDirMover, SlotMover
 from adaptive_spec.kv.moves import HandoffResult, PrefillAsk, RemotePrefillResult, SlotAt, SlotMove
-from adaptive_spec.kv.remote_prefill.plan import RemoteCosts
+from adaptive_spec.kv.remote_prefill.pricing import RemoteCosts
 from adaptive_spec.kv.remote_prefill.shell import RemotePrefill
 from adaptive_spec.kv.slot_files import SLOT_FILE_PREFIX, slot_file_name
 from adaptive_spec.kv.slots import SlotError

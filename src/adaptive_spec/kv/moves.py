@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adaptive_spec.kv.costs import PrefillRate
-from adaptive_spec.kv.heads.plan import Match
+from adaptive_spec.kv.heads.matching import Match
 from adaptive_spec.kv.heads.values import Restored
 
 _HANDOFF_BASE_TIMEOUT_S = 10.0
@@ -76,7 +76,7 @@ class HeadRestore:
 
 @dataclass(frozen=True, slots=True)
 class PrefillAsk:
-    """A prompt the router prefills on the remote server instead of here (`remote_prefill/plan.choose` said it is
+    """A prompt the router prefills on the remote server instead of here (`remote_prefill/pricing.choose` said it is
     faster): its slot file is brought back and restored into the local slot."""
 
     at: SlotAt
@@ -90,7 +90,7 @@ class PrefillAsk:
 
     @property
     def local_s(self) -> float:
-        """The prefill here, as estimated (`remote_prefill/plan.choose`'s local side): the remote path's deadline."""
+        """The prefill here, as estimated (`remote_prefill/pricing.choose`'s local side): the remote path's deadline."""
         return self.local.seconds(self.new_tokens, max(0, self.context_tokens - self.new_tokens))
 
 

@@ -6,7 +6,7 @@ saved as a head in the background, a later turn's state saved once its session i
 
 Servers that start or come back after a restart get their most recent heads back (`watch_servers`). Also `GET`/`DELETE
 /adaptive/heads`. With `--project-key`, every head is kept, found, listed and deleted within the tenant scope of the key
-the request was sent with (its path's project does not count: `kv/heads/plan.tenant_scope`)."""
+the request was sent with (its path's project does not count: `kv/heads/matching.tenant_scope`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from adaptive_spec.access.rules import key_accepted
-from adaptive_spec.kv.heads.plan import text_blocks
+from adaptive_spec.kv.heads.matching import text_blocks
 from adaptive_spec.kv.heads.store import HeadStore
 from adaptive_spec.kv.heads.values import HeadsView, Restored
 from adaptive_spec.kv.moves import HeadRestore, SlotMove

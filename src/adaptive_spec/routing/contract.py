@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from adaptive_spec.kv.heads.values import HeadsView, Restored
 from adaptive_spec.kv.moves import HandoffResult, HeadRestore, PrefillAsk, RemotePrefillResult, SlotAt, SlotMove
-from adaptive_spec.kv.remote_prefill.plan import RemoteCosts
+from adaptive_spec.kv.remote_prefill.pricing import RemoteCosts
 from adaptive_spec.policy.model import Policy
 from adaptive_spec.routing.decision import Decision
 from adaptive_spec.routing.prompt.pieces import Piece

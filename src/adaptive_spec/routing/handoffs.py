@@ -1,6 +1,6 @@
 """The KV moves a route asks for, planned without waiting: a session's slot handed from the server it leaves to the
 one it goes to, a stored head restored into a session's first slot (`kv/heads/choice.py` chooses and prices it), or a
-prompt prefilled on a faster server (`kv/remote_prefill/plan.py` prices it); what each move did, learned once the
+prompt prefilled on a faster server (`kv/remote_prefill/pricing.py` prices it); what each move did, learned once the
 request path has carried it out; and what handoffs were measured to reuse."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from adaptive_spec.common.means import RunningMean
 from adaptive_spec.kv.heads.choice import choose_head, tokens_after
 from adaptive_spec.kv.heads.values import Restored
 from adaptive_spec.kv.moves import HandoffResult, PrefillAsk, RemotePrefillResult, SlotAt, SlotMove
-from adaptive_spec.kv.remote_prefill.plan import RemoteCosts, choose
+from adaptive_spec.kv.remote_prefill.pricing import RemoteCosts, choose
 from adaptive_spec.routing.contract import Effects, Route, RouteRequest
 from adaptive_spec.routing.decision import Decision, Moved
 from adaptive_spec.routing.load import ServerBooks

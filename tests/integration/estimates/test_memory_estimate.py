@@ -1,5 +1,5 @@
 """The memory estimate against llama-server's own figures: the KV cache it allocates (its `llama_kv_cache: size =`
-line) equals what llama/memory/plan.py computes from the GGUF's header, for a dense tiny model and for Gemma 3 270M's
+line) equals what llama/memory/sizing.py computes from the GGUF's header, for a dense tiny model and for Gemma 3 270M's
 real sliding-window weights (two cache lines: the full layers' and the window's); for the hybrid tiny `qwen35` at two
 `-c`/`--parallel` settings (one drafting with its MTP head, which keeps rollback copies of the recurrent state), the
 attention cache, the recurrent state's R and S parts (`llama_memory_recurrent: size =`) and the context checkpoints
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_spec.llama.memory.footprint import server_plans
+from adaptive_spec.llama.memory.footprint import servers_to_launch
 from adaptive_spec.llama.memory.gguf_info import model_dims
-from adaptive_spec.llama.memory.plan import MIB, N_CTX_CHECKPOINTS, ServerPlan, footprint
+from adaptive_spec.llama.memory.sizing import MIB, N_CTX_CHECKPOINTS, ServerToLaunch, footprint
 from adaptive_spec.llama.profiles import ModelSource, ProfileSpec, ServerSettings
 from tests.support.models.tiny_drafters import SSM_CONV, SSM_GROUPS, SSM_STATE, SSM_V_HEADS, write_tiny_mtp_target
 from tests.support.processes.servers import LlamaServer, http_json
@@ -34,7 +34,7 @@ def test_the_kv_estimate_equals_what_llama_server_allocates(
         log = server.log_path.read_text()
     finally:
         server.stop()
-    estimate = footprint(ServerPlan("s", model_dims(tiny_gguf), 8192, slots=2))
+    estimate = footprint(ServerToLaunch("s", model_dims(tiny_gguf), 8192, slots=2))
     assert _logged_mib(log, "llama_kv_cache") == pytest.approx(estimate.kv_bytes / MIB, abs=0.005)
 
 
@@ -63,10 +63,10 @@ def test_the_hybrid_estimate_equals_llama_server_s_caches_recurrent_state_and_ch
     finally:
         server.stop()
     settings = ServerSettings(ModelSource(path=str(model)), ctx_size=ctx, parallel=slots)
-    plans = server_plans([ProfileSpec("p", (spec,))], settings)
-    assert plans is not None
-    (plan,) = plans
-    estimate, dims = footprint(plan), plan.model
+    servers = servers_to_launch([ProfileSpec("p", (spec,))], settings)
+    assert servers is not None
+    (launched,) = servers
+    estimate, dims = footprint(launched), launched.model
     # The target's cache, and with draft-mtp its MTP head's (a context of its own); each context is sized once to fit
     # it, then made: the last lines.
     contexts = 2 if spec == "draft-mtp" else 1
@@ -75,13 +75,13 @@ def test_the_hybrid_estimate_equals_llama_server_s_caches_recurrent_state_and_ch
     recurrent = _RECURRENT.findall(log)
     assert recurrent, "no 'llama_memory_recurrent: size =' line in the log"
     total, rs_seq, r_mib, s_mib = (float(g) for g in recurrent[-1])
-    assert rs_seq == plan.rollback_states == (3 if spec == "draft-mtp" else 0)
+    assert rs_seq == launched.rollback_states == (3 if spec == "draft-mtp" else 0)
     assert total == pytest.approx(estimate.recurrent_bytes / MIB, abs=HALF_CENTI)
     # Its two parts from the model's own sizes: the convolution's last kernel-1 inputs, a state matrix per value head.
     value_dim = SSM_STATE * SSM_V_HEADS
     r_elems, s_elems = (SSM_CONV - 1) * (value_dim + 2 * SSM_GROUPS * SSM_STATE), SSM_STATE * value_dim
     assert dims.recurrent_state_elems == r_elems + s_elems and dims.recurrent_layers == 1
-    rows_mib = slots * (1 + plan.rollback_states) * 4 / MIB  # f32, every slot and rollback copy
+    rows_mib = slots * (1 + launched.rollback_states) * 4 / MIB  # f32, every slot and rollback copy
     assert r_mib == pytest.approx(rows_mib * r_elems, abs=HALF_CENTI)
     assert s_mib == pytest.approx(rows_mib * s_elems, abs=HALF_CENTI)
     checkpoints = _CHECKPOINT.findall(log)
@@ -107,6 +107,6 @@ def test_the_sliding_window_estimate_equals_both_of_llama_server_s_caches(
     assert len(sizes) == 2 and "creating     SWA KV cache" in log, sizes
     dims = model_dims(gemma_gguf)
     assert (dims.kv_layers, dims.swa_layers, dims.swa_window) == (18, 15, 512)
-    estimate = footprint(ServerPlan("s", dims, 8192, slots=2))
+    estimate = footprint(ServerToLaunch("s", dims, 8192, slots=2))
     assert sum(sizes) == pytest.approx(estimate.kv_bytes / MIB, abs=0.01), (sizes, estimate)
     assert "context checkpoints enabled, max = 32" in log

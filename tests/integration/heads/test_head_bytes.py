@@ -1,4 +1,4 @@
-"""A head's size before it is saved (`kv/heads/plan.py` `head_size`) against real slot files of the pinned
+"""A head's size before it is saved (`kv/heads/matching.py` `head_size`) against real slot files of the pinned
 llama-server, per family: fitted to the files of the shortest and the longest of three first turns, it gives the
 middle one's bytes. A sliding-window or hybrid file holds a fixed part besides the KV per token (the window's cache
 and a checkpoint of it; the recurrent state and its checkpoints), which the short file's mean bytes per token would
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_spec.kv.heads.plan import head_size
+from adaptive_spec.kv.heads.matching import head_size
 from adaptive_spec.llama.memory.gguf_info import model_dims
 from tests.support.models.tiny_drafters import write_tiny_mtp_target
 from tests.support.processes.servers import LlamaServer

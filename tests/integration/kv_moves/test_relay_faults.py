@@ -20,7 +20,7 @@ from aiohttp.test_utils import TestServer
 from adaptive_spec.access.rules import AccessPolicy
 from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.kv.relay_client import RelayClient
-from adaptive_spec.kv.remote_prefill.plan import RemoteCosts, RemotePrefillPolicy
+from adaptive_spec.kv.remote_prefill.pricing import RemoteCosts, RemotePrefillPolicy
 from adaptive_spec.kv.remote_prefill.shell import RemotePrefill
 from adaptive_spec.kv.slot_files import MODEL_HEADER
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from adaptive_spec.kv.heads.plan import HeadEntry
+from adaptive_spec.kv.heads.matching import HeadEntry
 from tests.support.processes.servers import LlamaServer
 
 _RULE = "{0}. Keep function_{0} small, typed and tested; never edit file_{0}.py unread."

@@ -1,4 +1,4 @@
-"""The remote prefill cost model (`kv/remote_prefill/plan.py`) and the relay's slot-file names, table-driven."""
+"""The remote prefill cost model (`kv/remote_prefill/pricing.py`) and the relay's slot-file names, table-driven."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from adaptive_spec.kv.costs import PrefillRate
 from adaptive_spec.kv.relay_client import PARTIAL_PREFIX
-from adaptive_spec.kv.remote_prefill.plan import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy, choose
+from adaptive_spec.kv.remote_prefill.pricing import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy, choose
 from adaptive_spec.kv.remote_prefill.shell import sweep_partial_downloads
 from adaptive_spec.kv.slot_files import model_mismatch, valid_relay_name, valid_slot_name
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from adaptive_spec.kv.heads.plan import HeadEntry, ServerKey, chain
+from adaptive_spec.kv.heads.matching import HeadEntry, ServerKey, chain
 from adaptive_spec.kv.heads.values import HeadsView, Restored
 from adaptive_spec.kv.moves import HeadRestore
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable

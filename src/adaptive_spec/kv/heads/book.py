@@ -29,7 +29,7 @@ from adaptive_spec.kv.heads.files import (
     write_entry,
     write_index,
 )
-from adaptive_spec.kv.heads.plan import HeadEntry, HeadSize, evictions, head_size
+from adaptive_spec.kv.heads.matching import HeadEntry, HeadSize, evictions, head_size
 
 log = logging.getLogger(__name__)
 FREE_RESERVE_BYTES = 256 * 1024**2  # a save leaves at least this much of the disk free

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from adaptive_spec.kv.costs import PrefillRate
-from adaptive_spec.kv.heads.plan import BLOCK_CHARS, Match, best_match, block_chains, chain, price
+from adaptive_spec.kv.heads.matching import BLOCK_CHARS, Match, best_match, block_chains, chain, price
 from adaptive_spec.kv.heads.values import HeadsView
 from adaptive_spec.kv.moves import HeadRestore, SlotAt
 

@@ -23,7 +23,7 @@ import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
-from adaptive_spec.kv.heads.plan import HeadEntry
+from adaptive_spec.kv.heads.matching import HeadEntry
 
 log = logging.getLogger(__name__)
 INDEX = "index.json"

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.kv.heads.plan import DEFAULT_MAX_BYTES
+from adaptive_spec.kv.heads.matching import DEFAULT_MAX_BYTES
 from adaptive_spec.kv.heads.values import HeadsConfig
 from adaptive_spec.llama.binary.cpu_faults import build_identity
 from adaptive_spec.llama.memory.footprint import cache_type_k

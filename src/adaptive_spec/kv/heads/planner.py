@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from adaptive_spec.common.lru import LRU
 from adaptive_spec.kv.heads.activity import Mark, ServerActivity, Verdict
-from adaptive_spec.kv.heads.plan import HeadEntry, ServerKey
+from adaptive_spec.kv.heads.matching import HeadEntry, ServerKey
 from adaptive_spec.kv.heads.values import HeadsView, Restored
 
 _FIRSTS = 4096  # first requests under way (bounded: one that raised never ends)

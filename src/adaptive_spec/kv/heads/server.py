@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 
 from adaptive_spec.kv.heads.files import file_size
-from adaptive_spec.kv.heads.plan import ServerKey, template_digest
+from adaptive_spec.kv.heads.matching import ServerKey, template_digest
 from adaptive_spec.llama.upstreams import Upstream
 
 TIMEOUT = aiohttp.ClientTimeout(total=60)  # a slot action: a large head's save or restore reads or writes GBs

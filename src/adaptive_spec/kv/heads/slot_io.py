@@ -19,7 +19,7 @@ from adaptive_spec.errors import ModelError
 from adaptive_spec.kv.heads.activity import Mark
 from adaptive_spec.kv.heads.book import HeadBook
 from adaptive_spec.kv.heads.files import stage, take, unlink
-from adaptive_spec.kv.heads.plan import (
+from adaptive_spec.kv.heads.matching import (
     RESTORE_PRIOR_BYTES_PER_S,
     HeadEntry,
     Match,

@@ -29,7 +29,7 @@ import aiohttp
 from adaptive_spec.kv.heads.activity import Mark, Verdict
 from adaptive_spec.kv.heads.book import HeadBook
 from adaptive_spec.kv.heads.files import sweep_slot_files, unlink
-from adaptive_spec.kv.heads.plan import (
+from adaptive_spec.kv.heads.matching import (
     MIN_HEAD_TOKENS,
     NO_TENANT,
     Match,

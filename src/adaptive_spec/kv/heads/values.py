@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from adaptive_spec.kv.heads.plan import DEFAULT_MAX_BYTES, HeadEntry, ServerKey
+from adaptive_spec.kv.heads.matching import DEFAULT_MAX_BYTES, HeadEntry, ServerKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +68,7 @@ class HeadsView:
 
     server: str  # its base URL
     key: ServerKey
-    scope: str  # the tenant scope of the request's key (`plan.tenant_scope`)
+    scope: str  # the tenant scope of the request's key (`matching.tenant_scope`)
     entries: tuple[HeadEntry, ...]  # the heads usable there: none it refused, none whose restore was inert there
     held: Mapping[int, Restored]  # by slot: the head it holds, no request having come to the server since
     restore_bytes_per_s: float

@@ -6,7 +6,7 @@ import argparse
 
 from adaptive_spec.access.keys import KeyOption
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.kv.remote_prefill.plan import RemotePrefillPolicy
+from adaptive_spec.kv.remote_prefill.pricing import RemotePrefillPolicy
 from adaptive_spec.kv.remote_prefill.shell import RemotePrefillSettings
 from adaptive_spec.kv.slot_files import valid_sha256
 

@@ -1,10 +1,10 @@
 """Remote prefill's shell (`serve --pp-server`): a long prompt is prefilled on a bigger machine through its kv-relay,
 the slot file brought home and restored into the local slot, so the local profile prefills only the tail.
 
-The decision is the router's (`kv/remote_prefill/plan.choose()`, asked while it plans a route, with the prices learned
-here: `RemoteCosts`); this module checks the two models hash the same at start, measures the link, performs the steps
-of a remote prefill the router asked for and learns from them. It never raises into the request: any failure means
-the local profile prefills the prompt itself (correct, only slower), and the reason line says so.
+The decision is the router's (`kv/remote_prefill/pricing.choose()`, asked while it plans a route, with the prices
+learned here: `RemoteCosts`); this module checks the two models hash the same at start, measures the link, performs
+the steps of a remote prefill the router asked for and learns from them. It never raises into the request: any failure
+means the local profile prefills the prompt itself (correct, only slower), and the reason line says so.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from aiohttp import web
 from adaptive_spec.errors import ConfigError, ProfileMismatchError
 from adaptive_spec.kv.moves import PrefillAsk, RemotePrefillResult
 from adaptive_spec.kv.relay_client import PARTIAL_PREFIX, RelayClient, RelayError
-from adaptive_spec.kv.remote_prefill.plan import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy
+from adaptive_spec.kv.remote_prefill.pricing import RemoteCosts, RemoteMeasurement, RemotePrefillPolicy
 from adaptive_spec.kv.slot_files import file_sha256, model_mismatch, slot_file_name
 from adaptive_spec.kv.slots import SlotError, restore_slot
 from adaptive_spec.llama.upstreams import Upstream

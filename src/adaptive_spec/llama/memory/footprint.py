@@ -1,5 +1,5 @@
 """The memory a launch will hold, said before it is spent: the GGUFs' dimensions read here, the GPU asked through
-`nvidia-smi` (or stated by the user), the sums and the verdict from `llama/memory/plan.py`."""
+`nvidia-smi` (or stated by the user), the sums and the verdict from `llama/memory/sizing.py`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from adaptive_spec.errors import ModelError
 from adaptive_spec.llama.memory.gguf_info import model_dims
-from adaptive_spec.llama.memory.plan import MIB, DeviceReport, ModelDims, ServerPlan, describe, verdict
+from adaptive_spec.llama.memory.sizing import MIB, DeviceReport, ModelDims, ServerToLaunch, describe, verdict
 from adaptive_spec.llama.profiles import ProfileSpec, ServerSettings
 
 Query = Callable[[], str | None]
@@ -61,8 +61,8 @@ def cache_type_k(extra_args: Sequence[str]) -> str:
     return "f16"
 
 
-def server_plans(specs: Sequence[ProfileSpec], settings: ServerSettings) -> list[ServerPlan] | None:
-    """Each server to launch as `llama/memory/plan.py` sizes it; None when a model is not a local file (`hf:`:
+def servers_to_launch(specs: Sequence[ProfileSpec], settings: ServerSettings) -> list[ServerToLaunch] | None:
+    """Each server to launch as `llama/memory/sizing.py` sizes it; None when a model is not a local file (`hf:`:
     llama-server downloads it) or its header cannot be read."""
     if settings.model.path is None:
         return None
@@ -73,7 +73,7 @@ def server_plans(specs: Sequence[ProfileSpec], settings: ServerSettings) -> list
         return None
     kv_type = cache_type_k(settings.extra_args)
     return [
-        ServerPlan(
+        ServerToLaunch(
             spec.name,
             model,
             settings.ctx_size,
@@ -102,11 +102,11 @@ def launch_lines(
     specs: Sequence[ProfileSpec], settings: ServerSettings, device: DeviceReport | None, design: str
 ) -> list[str]:
     """`memory:` and a line per server, the total, and the verdict where there is a device to fit."""
-    plans = server_plans(specs, settings)
-    if plans is None:
+    servers = servers_to_launch(specs, settings)
+    if servers is None:
         return ["memory: not estimated (the model is not a local GGUF here)"]
     lines = [f"memory ({design}; weights and KV cache, before compute buffers):"]
-    lines += describe(plans, shared_file_pages=device is None)
+    lines += describe(servers, shared_file_pages=device is None)
     if device is not None:
-        lines.append("  " + verdict(plans, device).text)
+        lines.append("  " + verdict(servers, device).text)
     return lines

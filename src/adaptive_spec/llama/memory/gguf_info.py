@@ -1,4 +1,4 @@
-"""A GGUF's metadata header, read without loading its tensors: the dimensions `llama/memory/plan.py` sizes a cache
+"""A GGUF's metadata header, read without loading its tensors: the dimensions `llama/memory/sizing.py` sizes a cache
 from."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from adaptive_spec.errors import ModelError
-from adaptive_spec.llama.memory.plan import ModelDims
+from adaptive_spec.llama.memory.sizing import ModelDims
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9

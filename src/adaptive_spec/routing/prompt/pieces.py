@@ -278,8 +278,8 @@ def prompt_texts(body: Mapping[str, Any]) -> list[str]:
 
 def piece_texts(body: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Each piece's kind and text, in `read_pieces`' order (a plain prompt, the system entries, the messages, the
-    tools after the system prompt): what a head's persistent block digests are made of (`kv/heads/plan.text_blocks`).
-    Read only for a session's first request, where a head is restored or saved."""
+    tools after the system prompt): what a head's persistent block digests are made of
+    (`kv/heads/matching.text_blocks`). Read only for a session's first request, where a head is restored or saved."""
     texts: list[tuple[str, str]] = []
     prompt = body.get("prompt")
     if isinstance(prompt, str):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import gguf
 
-from adaptive_spec.kv.heads.plan import (
+from adaptive_spec.kv.heads.matching import (
     BLOCK_CHARS,
     HeadEntry,
     ServerKey,

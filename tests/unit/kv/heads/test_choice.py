@@ -7,7 +7,7 @@ import pytest
 
 from adaptive_spec.kv.costs import PrefillRate
 from adaptive_spec.kv.heads.choice import choose_head, tokens_after
-from adaptive_spec.kv.heads.plan import HeadEntry, Match, ServerKey, chain
+from adaptive_spec.kv.heads.matching import HeadEntry, Match, ServerKey, chain
 from adaptive_spec.kv.heads.values import HeadsView, Restored
 from adaptive_spec.kv.moves import SlotAt
 

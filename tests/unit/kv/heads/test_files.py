@@ -18,7 +18,7 @@ import pytest
 
 from adaptive_spec.kv.heads.book import HeadBook
 from adaptive_spec.kv.heads.files import INDEX, checksum, load_index, stage, take, write_index
-from adaptive_spec.kv.heads.plan import HeadEntry, ServerKey, chain
+from adaptive_spec.kv.heads.matching import HeadEntry, ServerKey, chain
 
 KEY = ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t1")
 

@@ -1,5 +1,5 @@
-"""A head's bytes before it is saved (`kv/heads/plan.py` `head_size`): fitted to the saved heads as a fixed part and a
-part per token, per token alone where their lengths do not tell the two apart or the fit is not a size. The real slot
+"""A head's bytes before it is saved (`kv/heads/matching.py` `head_size`): fitted to the saved heads as a fixed part and
+a part per token, per token alone where their lengths do not tell the two apart or the fit is not a size. The real slot
 files' fit is tests/integration/heads/test_head_bytes.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from adaptive_spec.kv.heads.book import HeadBook
-from adaptive_spec.kv.heads.plan import HeadEntry, HeadSize, head_size
+from adaptive_spec.kv.heads.matching import HeadEntry, HeadSize, head_size
 
 
 def _heads(*sizes: tuple[int, int]) -> list[HeadEntry]:

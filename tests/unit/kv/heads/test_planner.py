@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from adaptive_spec.kv.heads.activity import INERT_HEAD_S, Verdict
-from adaptive_spec.kv.heads.plan import HeadEntry, ServerKey, chain
+from adaptive_spec.kv.heads.matching import HeadEntry, ServerKey, chain
 from adaptive_spec.kv.heads.planner import HeadPlanner
 from adaptive_spec.kv.heads.values import Restored
 

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from adaptive_spec.kv.costs import PrefillRate
-from adaptive_spec.kv.heads.plan import (
+from adaptive_spec.kv.heads.matching import (
     NO_TENANT,
     HeadEntry,
     Match,

@@ -1,4 +1,4 @@
-"""llama/memory/plan.py: a setup's memory from the GGUF's dimensions, and the verdict against a device report."""
+"""llama/memory/sizing.py: a setup's memory from the GGUF's dimensions, and the verdict against a device report."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import pytest
 
 from adaptive_spec.errors import ModelError
 from adaptive_spec.llama.memory.gguf_info import model_dims
-from adaptive_spec.llama.memory.plan import (
+from adaptive_spec.llama.memory.sizing import (
     MIB,
     DeviceReport,
     ModelDims,
-    ServerPlan,
+    ServerToLaunch,
     describe,
     footprint,
     largest_context,
@@ -27,44 +27,44 @@ def test_kv_per_token_from_the_dimensions_and_the_cache_type() -> None:
     assert QWEN_05B.kv_bytes_per_token() == 24 * 2 * (64 + 64) * 2 == 12_288
     assert QWEN_05B.kv_bytes_per_token("q8_0") == 24 * 2 * 128 * 34 / 32
     # llama-server says "llama_kv_cache: size = 384.00 MiB (32768 cells, 24 layers)" for this model at -c 32768.
-    assert footprint(ServerPlan("s", QWEN_05B, 32768)).kv_bytes == 384 * MIB
+    assert footprint(ServerToLaunch("s", QWEN_05B, 32768)).kv_bytes == 384 * MIB
 
 
 def test_slots_share_the_context_and_each_has_its_own_recurrent_state() -> None:
     hybrid = ModelDims("h", 1000, 1, 4, 16, 16, recurrent_layers=2, recurrent_state_elems=100)
-    one, four = footprint(ServerPlan("a", hybrid, 4096)), footprint(ServerPlan("b", hybrid, 4096, slots=4))
+    one, four = footprint(ServerToLaunch("a", hybrid, 4096)), footprint(ServerToLaunch("b", hybrid, 4096, slots=4))
     assert one.kv_bytes == four.kv_bytes
     assert four.recurrent_bytes == 4 * one.recurrent_bytes == 4 * 2 * 100 * 4
 
 
 def test_a_drafter_adds_its_file_and_a_cache_of_its_own() -> None:
     drafter = ModelDims("d", 100 * MIB, 1, 4, 16, 16)
-    f = footprint(ServerPlan("s", QWEN_05B, 1024, drafter=drafter))
+    f = footprint(ServerToLaunch("s", QWEN_05B, 1024, drafter=drafter))
     assert f.drafter_bytes == 100 * MIB
     assert f.kv_bytes == (12_288 + 256) * 1024
 
 
 def test_the_verdict_says_what_would_fit() -> None:
     server = ModelDims("m", 10_000 * MIB, 16, 4, 256, 256)  # 64 KiB a token
-    plans = [ServerPlan("oneshot", server, 131_072), ServerPlan("iterative", server, 131_072)]
+    servers = [ServerToLaunch("oneshot", server, 131_072), ServerToLaunch("iterative", server, 131_072)]
     device = DeviceReport("GPU 0", 32 * 1024 * MIB, 32 * 1024 * MIB)
-    one = verdict(plans[:1], device)
+    one = verdict(servers[:1], device)
     assert one.fits and "fits GPU 0" in one.text
-    two = verdict(plans, device)
+    two = verdict(servers, device)
     assert not two.fits
     assert "offload fewer layers" in two.text and "one server for every profile" in two.text
-    ctx = largest_context(plans, device.free_bytes, 1024 * MIB)
+    ctx = largest_context(servers, device.free_bytes, 1024 * MIB)
     assert ctx == (32 * 1024 - 1024 - 20_000) * MIB // (2 * 65_536) == 93_952
     assert f"-c {ctx // 256 * 256}" in two.text
     tiny = DeviceReport("small", 8 * 1024 * MIB, 8 * 1024 * MIB)
-    assert "would fit" not in verdict(plans, tiny).text
+    assert "would fit" not in verdict(servers, tiny).text
 
 
 def test_describe_names_each_server_and_says_when_a_cpu_shares_the_file() -> None:
-    lines = describe([ServerPlan("oneshot", QWEN_05B, 32768), ServerPlan("iterative", QWEN_05B, 32768)], True)
+    lines = describe([ServerToLaunch("oneshot", QWEN_05B, 32768), ServerToLaunch("iterative", QWEN_05B, 32768)], True)
     assert lines[0] == "  oneshot: model 469 MiB, KV 384 MiB (32768 tokens × 12.0 KiB, f16) = 853 MiB"
     assert lines[-1].startswith("  total for 2 servers: 1,705 MiB (on this CPU")
-    assert describe([ServerPlan("s", QWEN_05B, 32768, slots=4)], False)[0].count("4 slots of 8192") == 1
+    assert describe([ServerToLaunch("s", QWEN_05B, 32768, slots=4)], False)[0].count("4 slots of 8192") == 1
 
 
 def test_the_header_reader_reads_the_shipped_tiny_models(tiny_gguf: Path) -> None:
@@ -114,29 +114,29 @@ def test_a_sliding_window_s_layers_hold_the_window_and_a_batch_per_slot_not_the_
     # layer in f16). llama-server b11549 at -c 8192 --parallel 2 logged 24.00 MiB for the 3 full layers (4,096
     # cells a slot) and 30.00 MiB for the 15 windowed ones (1,024 cells a slot: 512 + 512 padded to 256).
     gemma = ModelDims("g", 253_113_024, 18, 1, 256, 256, swa_layers=15, swa_window=512)
-    f = footprint(ServerPlan("s", gemma, 8192, slots=2))
+    f = footprint(ServerToLaunch("s", gemma, 8192, slots=2))
     assert f.kv_bytes == (24 + 30) * MIB
     assert f.kv_bytes_per_token == 3 * 1024  # only the full layers grow with the context
     assert gemma.swa_cells(8192, 2) == 2048 and gemma.swa_cells(600, 1) == 768  # the slot's context at most
     assert f.checkpoint_bytes == 2 * 15 * MIB  # a checkpoint of each slot: its windowed layers' cache
-    line = describe([ServerPlan("s", gemma, 8192, slots=2)], shared_file_pages=True)[0]
+    line = describe([ServerToLaunch("s", gemma, 8192, slots=2)], shared_file_pages=True)[0]
     assert "KV 54 MiB (8192 tokens × 3.0 KiB + 512-token windows 30 MiB, f16, 2 slots of 4096)" in line, line
     assert "context checkpoints up to 32 × 30 MiB = 960 MiB in RAM" in line, line
 
 
 def test_a_dense_model_makes_no_checkpoints() -> None:
     dense = ModelDims("d", 1000, 24, 2, 64, 64)
-    assert footprint(ServerPlan("a", dense, 4096)).checkpoint_bytes == 0
-    assert "checkpoints" not in describe([ServerPlan("a", dense, 4096)], shared_file_pages=True)[0]
+    assert footprint(ServerToLaunch("a", dense, 4096)).checkpoint_bytes == 0
+    assert "checkpoints" not in describe([ServerToLaunch("a", dense, 4096)], shared_file_pages=True)[0]
 
 
 def test_rollback_copies_multiply_a_slot_s_recurrent_state_not_a_drafter_s() -> None:
     hybrid = ModelDims("h", 1000, 1, 4, 16, 16, recurrent_layers=2, recurrent_state_elems=100)
     drafter = ModelDims("d", 10, 1, 4, 16, 16, recurrent_layers=1, recurrent_state_elems=10)
-    plain = footprint(ServerPlan("a", hybrid, 4096, slots=2))
-    drafting = footprint(ServerPlan("b", hybrid, 4096, slots=2, drafter=drafter, rollback_states=15))
+    plain = footprint(ServerToLaunch("a", hybrid, 4096, slots=2))
+    drafting = footprint(ServerToLaunch("b", hybrid, 4096, slots=2, drafter=drafter, rollback_states=15))
     assert drafting.recurrent_bytes == 16 * plain.recurrent_bytes + 2 * 10 * 4
     assert (
         "recurrent state 0 MiB with 15 rollback copies a slot"
-        in describe([ServerPlan("b", hybrid, 4096, slots=2, rollback_states=15)], shared_file_pages=True)[0]
+        in describe([ServerToLaunch("b", hybrid, 4096, slots=2, rollback_states=15)], shared_file_pages=True)[0]
     )

@@ -85,7 +85,7 @@ class ModelDims:
 
 
 @dataclass(frozen=True, slots=True)
-class ServerPlan:
+class ServerToLaunch:
     """One llama-server as it will be launched: its models and cache."""
 
     name: str
@@ -116,23 +116,23 @@ class Footprint:
         return self.model_bytes + self.drafter_bytes + self.kv_bytes + self.recurrent_bytes
 
 
-def footprint(plan: ServerPlan) -> Footprint:
+def footprint(server: ServerToLaunch) -> Footprint:
     """`kv_bytes_per_token`: what each token of context adds (the sliding-window layers' fixed cache is in
     `kv_bytes`, not in it)."""
     per_token, kv, recurrent, drafter_bytes, checkpoint = 0.0, 0.0, 0, 0, 0
-    for dims in (plan.model, plan.drafter):
+    for dims in (server.model, server.drafter):
         if dims is None:
             continue
-        full = dims.full_kv_bytes_per_token(plan.kv_type)
-        window = dims.kv_bytes_per_token(plan.kv_type) - full
+        full = dims.full_kv_bytes_per_token(server.kv_type)
+        window = dims.kv_bytes_per_token(server.kv_type) - full
         per_token += full
-        kv += full * plan.ctx_size + window * dims.swa_cells(plan.ctx_size, plan.slots)
-        rollback = plan.rollback_states if dims is plan.model else 0  # a drafter's context keeps none
-        recurrent += dims.recurrent_bytes_per_slot() * plan.slots * (1 + rollback)
-        checkpoint += dims.checkpoint_bytes(plan.ctx_size, plan.slots, plan.kv_type)
-        drafter_bytes += dims.file_bytes if dims is plan.drafter else 0
+        kv += full * server.ctx_size + window * dims.swa_cells(server.ctx_size, server.slots)
+        rollback = server.rollback_states if dims is server.model else 0  # a drafter's context keeps none
+        recurrent += dims.recurrent_bytes_per_slot() * server.slots * (1 + rollback)
+        checkpoint += dims.checkpoint_bytes(server.ctx_size, server.slots, server.kv_type)
+        drafter_bytes += dims.file_bytes if dims is server.drafter else 0
     return Footprint(
-        plan.name, plan.model.file_bytes, drafter_bytes, round(kv), recurrent, per_token, checkpoint * plan.slots
+        server.name, server.model.file_bytes, drafter_bytes, round(kv), recurrent, per_token, checkpoint * server.slots
     )
 
 
@@ -157,33 +157,33 @@ def _mib(n: float) -> str:
     return f"{n / MIB:,.0f} MiB"
 
 
-def largest_context(plans: Sequence[ServerPlan], free_bytes: int, margin_bytes: int) -> int:
+def largest_context(servers: Sequence[ServerToLaunch], free_bytes: int, margin_bytes: int) -> int:
     """The largest -c every server could be given (the same for each) and still fit in `free_bytes`; 0 if none."""
-    if not plans:
+    if not servers:
         return 0
     # What does not grow with -c: weights, recurrent state, a sliding window's cache.
-    fixed = sum(footprint(p).total_bytes - round(footprint(p).kv_bytes_per_token * p.ctx_size) for p in plans)
-    per_token = sum(footprint(p).kv_bytes_per_token for p in plans)
+    fixed = sum(footprint(p).total_bytes - round(footprint(p).kv_bytes_per_token * p.ctx_size) for p in servers)
+    per_token = sum(footprint(p).kv_bytes_per_token for p in servers)
     room = free_bytes - margin_bytes - fixed
     if room <= 0 or per_token <= 0:
         return 0
     return int(room // per_token)
 
 
-def verdict(plans: Sequence[ServerPlan], device: DeviceReport, margin_mib: int = DEFAULT_MARGIN_MIB) -> Verdict:
+def verdict(servers: Sequence[ServerToLaunch], device: DeviceReport, margin_mib: int = DEFAULT_MARGIN_MIB) -> Verdict:
     """Whether these servers fit the device, and if not, what would: one server instead of several, a smaller context.
     llama-server does not fail when they do not: it offloads fewer layers to the GPU, which is slower."""
     margin = margin_mib * MIB
-    need = sum(footprint(p).total_bytes for p in plans)
+    need = sum(footprint(p).total_bytes for p in servers)
     if need + margin <= device.free_bytes:
         return Verdict(
             True, need, device.free_bytes, f"fits {device.name}: needs {_mib(need)} of {_mib(device.free_bytes)} free"
         )
     options = []
-    if len(plans) > 1 and footprint(plans[0]).total_bytes + margin <= device.free_bytes:
+    if len(servers) > 1 and footprint(servers[0]).total_bytes + margin <= device.free_bytes:
         options.append("one server for every profile (a llama-server with per-request speculation)")
-    ctx = largest_context(plans, device.free_bytes, margin)
-    slots = plans[0].slots if plans else 1
+    ctx = largest_context(servers, device.free_bytes, margin)
+    slots = servers[0].slots if servers else 1
     if ctx >= 512 * slots:
         options.append(f"-c {ctx // 256 * 256} (the largest context that fits, for every server)")
     text = (
@@ -195,10 +195,10 @@ def verdict(plans: Sequence[ServerPlan], device: DeviceReport, margin_mib: int =
     return Verdict(False, need, device.free_bytes, text)
 
 
-def describe(plans: Sequence[ServerPlan], shared_file_pages: bool) -> list[str]:
+def describe(servers: Sequence[ServerToLaunch], shared_file_pages: bool) -> list[str]:
     """One line per server and a total: what start-up prints before launching."""
     lines = []
-    for p in plans:
+    for p in servers:
         f = footprint(p)
         parts = [f"model {_mib(f.model_bytes)}"]
         if f.drafter_bytes:
@@ -220,10 +220,10 @@ def describe(plans: Sequence[ServerPlan], shared_file_pages: bool) -> list[str]:
                 f"= {_mib(N_CTX_CHECKPOINTS * f.checkpoint_bytes)} in RAM"
             )
         lines.append(line)
-    total = sum(footprint(p).total_bytes for p in plans)
+    total = sum(footprint(p).total_bytes for p in servers)
     note = ""
-    if len(plans) > 1 and shared_file_pages:
-        shared = sum(footprint(p).model_bytes + footprint(p).drafter_bytes for p in plans[1:])
+    if len(servers) > 1 and shared_file_pages:
+        shared = sum(footprint(p).model_bytes + footprint(p).drafter_bytes for p in servers[1:])
         note = f" (on this CPU the model files' pages are shared between processes: {_mib(total - shared)} resident)"
-    lines.append(f"  total for {len(plans)} server{'s' if len(plans) > 1 else ''}: {_mib(total)}{note}")
+    lines.append(f"  total for {len(servers)} server{'s' if len(servers) > 1 else ''}: {_mib(total)}{note}")
     return lines
