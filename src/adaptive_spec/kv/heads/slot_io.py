@@ -3,7 +3,7 @@ its file moved out, each checked against what llama-server says it did, with wha
 restore rate, heads a server refused; the head a slot holds after a save is returned to the store, which keeps it).
 
 `HeadStore` decides when; this does it, and raises what went wrong for the store to log. It reads the servers' traffic
-from the store's planner (`HeadPlanner`: asked, never changed here) and keeps no table of the store's."""
+from the store's tables (`HeadTables`: asked, never changed here) and keeps no table of the store's."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from adaptive_spec.kv.heads.matching import (
     earlier_states,
     head_id,
 )
-from adaptive_spec.kv.heads.planner import HeadPlanner
 from adaptive_spec.kv.heads.server import TIMEOUT, idle_slots, key_of, model_path, restore_timeout, server_props
+from adaptive_spec.kv.heads.tables import HeadTables
 from adaptive_spec.kv.heads.values import HeadsConfig, Restored, SavedTurn
 from adaptive_spec.kv.slot_files import file_sha256, known_sha256
 from adaptive_spec.kv.slots import SlotError, check_written, restore_slot, save_slot
@@ -54,13 +54,13 @@ class SlotIO:
         client: Callable[[], aiohttp.ClientSession],
         book: HeadBook,
         count: Callable[[str, int], None],
-        planner: HeadPlanner,
+        tables: HeadTables,
         on_displaced: Callable[[Upstream], None],
     ) -> None:
-        """`count`: where its operations are counted (the store's counts); `planner`: the store's, which counts each
+        """`count`: where its operations are counted (the store's counts); `tables`: the store's, which count each
         server's traffic; `on_displaced`: told when a slot action may have acted on a request's KV (`came_between`)."""
         self.config, self.slot_dir, self._client, self.book, self._count = config, slot_dir, client, book, count
-        self._plan, self._on_displaced = planner, on_displaced
+        self._tables, self._on_displaced = tables, on_displaced
         self._refused: set[tuple[str, str]] = set()  # (server, head): llama-server refused it there this run
         self.lock = asyncio.Lock()  # one save or restore at a time: each pauses the server's slots
         self._keys: dict[str, ServerKey] = {}
@@ -91,7 +91,7 @@ class SlotIO:
             raise
         finally:
             await asyncio.to_thread(unlink, staged)
-            if self._plan.forwarded_to(upstream.base_url) != forwards:
+            if self._tables.forwarded_to(upstream.base_url) != forwards:
                 self.came_between(upstream, "restore")
         elapsed = time.perf_counter() - t0
         self.observe_restore(entry.bytes, elapsed)
@@ -103,7 +103,7 @@ class SlotIO:
             upstream.base_url,
             match.tokens,
             elapsed * 1000.0,
-            forwards=self._plan.forwarded_to(upstream.base_url),
+            forwards=self._tables.forwarded_to(upstream.base_url),
             pieces=match.pieces,
             blocks=match.blocks,
             head_tokens=entry.prompt_tokens,
@@ -129,11 +129,11 @@ class SlotIO:
         key, links = keyed
         hid = head_id(links)
         async with self.lock:
-            forwards = self._plan.forwarded_to(upstream.base_url)
+            forwards = self._tables.forwarded_to(upstream.base_url)
             n_slots = await self.idle(upstream, wait_s=0.0)
             if self.covered(upstream, links) or n_slots is None or (slot is None and n_slots != 1):
                 return None  # the same head was saved meanwhile, a request came, or its slot is not known among several
-            if mark is not None and self._plan.mark(upstream.base_url, slot) != mark:
+            if mark is not None and self._tables.mark(upstream.base_url, slot) != mark:
                 self._count("dropped", 1)
                 return None  # the session's slot served another request while the server was busy
             if not await self.book.room(head.prompt_tokens, head.scope, key.hex()):
@@ -164,7 +164,7 @@ class SlotIO:
             pause_ms,
         )
         return Restored(
-            hid, upstream.base_url, head.prompt_tokens, 0.0, False, self._plan.forwarded_to(upstream.base_url)
+            hid, upstream.base_url, head.prompt_tokens, 0.0, False, self._tables.forwarded_to(upstream.base_url)
         )
 
     async def save_slot(
@@ -177,7 +177,7 @@ class SlotIO:
         name = f"{SLOT_PREFIX}{hid}.bin"
         n_saved, n_written = await save_slot(self._client(), upstream, slot, name, TIMEOUT, head.prompt_tokens)
         pause_ms = (time.perf_counter() - t0) * 1000.0
-        if self._plan.forwarded_to(upstream.base_url) != forwards:
+        if self._tables.forwarded_to(upstream.base_url) != forwards:
             raise SlotError("a request came during the save: the slot may have held its KV, not the head's")
         if n_saved > most:
             raise SlotError(f"the slot held {n_saved} tokens, more than the head's turn ({most}): reused")

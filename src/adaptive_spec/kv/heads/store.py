@@ -7,10 +7,10 @@ request path, and a head that llama-server refuses or that fails its checks is r
 writes `--slot-save-path`, so a head is linked (or copied) there as `head-<id>.bin` only for the restore, and moved out
 of it after the save: the sweeps of `as-*` files never see a head.
 
-The store is the I/O executor of its planner (`kv/heads/planner.py`: the servers' traffic, the head each slot holds,
-the first requests under way, the verdicts on inert restores, changed only through its methods): it asks the planner,
-does the slow work (files through the book, the slot API through the slot I/O, under its lock) and tells the planner
-what came of it. A restore is the router's decision (`kv/heads/choice.py`), shown what the planner sees (`view`)."""
+The store is the I/O executor of its tables (`kv/heads/tables.py`: the servers' traffic, the head each slot holds,
+the first requests under way, the verdicts on inert restores, changed only through their methods): it asks the tables,
+does the slow work (files through the book, the slot API through the slot I/O, under its lock) and tells the tables
+what came of it. A restore is the router's decision (`kv/heads/choice.py`), shown what the tables hold (`view`)."""
 
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ from adaptive_spec.kv.heads.matching import (
     most_recent,
     tenant_scope,
 )
-from adaptive_spec.kv.heads.planner import HeadPlanner
 from adaptive_spec.kv.heads.server import fresh, slot_free
 from adaptive_spec.kv.heads.slot_io import SLOT_PREFIX, SlotIO
+from adaptive_spec.kv.heads.tables import HeadTables
 from adaptive_spec.kv.heads.values import HeadsConfig, HeadsView, Restored, SavedTurn
 from adaptive_spec.kv.moves import HeadRestore
 from adaptive_spec.kv.slots import SlotError
@@ -90,8 +90,8 @@ class HeadStore:
             if swept := sweep_slot_files(slot_dir, SLOT_PREFIX):
                 log.info("heads: %d slot files a cut save or restore left in %s removed", swept, slot_dir)
         # What was forwarded to each server, its restarts, its inert restores: changed by the store, asked by its I/O.
-        self._plan = HeadPlanner(tenants=bool(config.project_keys))
-        self._io = SlotIO(config, slot_dir, client, self.book, self._count, self._plan, displaced)
+        self._tables = HeadTables(tenants=bool(config.project_keys))
+        self._io = SlotIO(config, slot_dir, client, self.book, self._count, self._tables, displaced)
         # Sessions whose state is saved once they have been idle a while: the timer, and the server it waits for.
         # Keyed by (tenant scope, session id): one tenant's session of a name is not another's.
         self._idle_saves: dict[tuple[str, str], tuple[asyncio.TimerHandle, str]] = {}
@@ -114,46 +114,46 @@ class HeadStore:
         """Whether a restore may be tried for this request of a session: the first the store sees of it (a new
         session, or one resumed after `serve` restarted), or its first since its server restarted (which lost its
         KV). Its other requests find their own KV in their slot."""
-        return session_id is not None and self._plan.arriving(scope, session_id, upstream.base_url)
+        return session_id is not None and self._tables.arriving(scope, session_id, upstream.base_url)
 
     def forwarded(self, upstream: Upstream, slot: int | None = None, request_id: str | None = None) -> None:
         """Every request forwarded to a server, counted: one between a restore and its request took the slot, and
         one after a session's turn (to its slot, or to no slot named) leaves that slot holding another prompt."""
-        self._plan.forwarded(upstream.base_url, slot, request_id)
+        self._tables.forwarded(upstream.base_url, slot, request_id)
 
     @contextlib.asynccontextmanager
     async def moving(self, upstream: Upstream, slot: int | None, *, locked: bool = True) -> AsyncIterator[None]:
         """A KV move into `slot` of `upstream` (a handoff's restore; a remote prefill's, `locked` False: it may run
         for minutes): under the store's lock (no head is saved or restored beside it), and counted as a use of that
         slot, so a save waiting on it is dropped and a head held there is not taken for there any more."""
-        self._plan.forwarded(upstream.base_url, slot, None)
+        self._tables.forwarded(upstream.base_url, slot, None)
         if not locked:
             yield
             return
         async with self._lock:
-            self._plan.forwarded(upstream.base_url, slot, None)  # and once more: a save may have ended meanwhile
+            self._tables.forwarded(upstream.base_url, slot, None)  # and once more: a save may have ended meanwhile
             yield
 
     def mark_of(self, request_id: str) -> Mark | None:
         """The request's mark as it was forwarded (None: not forwarded through `forwarded`)."""
-        return self._plan.mark_of(request_id)
+        return self._tables.mark_of(request_id)
 
     def begin(self, request_id: str, restored: Restored | None) -> None:
-        self._plan.begin(request_id, restored)
+        self._tables.begin(request_id, restored)
 
     def end(self, request_id: str) -> tuple[bool, Restored | None]:
         """Whether this request was a first one the store saw (and what was restored for it)."""
-        return self._plan.end(request_id)
+        return self._tables.end(request_id)
 
     async def view(self, upstream: Upstream, session_id: str | None, scope: str = "") -> HeadsView | None:
         """What a route needs to decide a head restore on this server for a request of `session_id` (`HeadsView`):
         None where none may be tried (not the session's first request there: `arriving`; a router-mode preset;
         restores paused there; no head; the server's key not known yet: on a request's path nothing waits for it)."""
-        if session_id is None or not self._plan.would_arrive(scope, session_id, upstream.base_url):
+        if session_id is None or not self._tables.would_arrive(scope, session_id, upstream.base_url):
             return None
         self._verify()
         base, now = upstream.base_url, time.monotonic()
-        if upstream.upstream_model is not None or self._plan.paused(base, now) or not self.book.heads():
+        if upstream.upstream_model is not None or self._tables.paused(base, now) or not self.book.heads():
             return None
         try:
             key = await self._io.key(upstream, wait=False)
@@ -164,7 +164,7 @@ class HeadStore:
         if key is None:
             return None
         rate, any_prefix = self._io.restore_bytes_per_s(), self._io.any_prefix(upstream)
-        return self._plan.view(base, key, scope, self._io.usable(upstream), rate, any_prefix, now)
+        return self._tables.view(base, key, scope, self._io.usable(upstream), rate, any_prefix, now)
 
     async def restore(self, upstream: Upstream, move: HeadRestore) -> Restored | None:
         """Carry out a head restore a route asked for (`kv/heads/choice.choose_head`): None when it is not made (the
@@ -211,7 +211,7 @@ class HeadStore:
             if inert(restored.tokens, cache_n):
                 self._judge(upstream, restored, cache_n)
             else:
-                self._plan.reused(upstream.base_url)
+                self._tables.reused(upstream.base_url)
         if session is not None:
             self._cancel_idle((owner[2], session))  # a newer turn: the older state is not the session's any more
         if tokens[0] < min_tokens or upstream.upstream_model is not None:
@@ -244,13 +244,13 @@ class HeadStore:
         """Its slots are gone (no session's state is saved from them), and its key is asked again when it is back."""
         base = upstream.base_url
         self._io.forget_key(base)
-        self._plan.restarted(base)
+        self._tables.restarted(base)
         for session in [s for s, (_, on) in self._idle_saves.items() if on == base]:
             self._cancel_idle(session)
 
     def emptied(self, upstream: Upstream) -> None:
         """Its slots were erased: no head is held there any more."""
-        self._plan.emptied(upstream.base_url)
+        self._tables.emptied(upstream.base_url)
 
     async def settled(self) -> None:
         """Wait for the saves and warm starts under way (tests, shutdown)."""
@@ -277,7 +277,7 @@ class HeadStore:
             "counts": dict(self.counts),
             "pending": len(self._tasks),
             "idle_waits": len(self._idle_saves),  # sessions whose state is saved when they have been idle a while
-            "inert_servers": self._plan.inert_servers(time.monotonic()),
+            "inert_servers": self._tables.inert_servers(time.monotonic()),
         }
 
     async def delete(self, head: str | None, scope: str | None = None) -> int:
@@ -311,7 +311,7 @@ class HeadStore:
         if len(self._idle_saves) >= _MAX_IDLE_SAVES:
             self._cancel_idle(next(iter(self._idle_saves)))
         if mark is None:
-            mark = self._plan.mark(upstream.base_url, slot)
+            mark = self._tables.mark(upstream.base_url, slot)
 
         def fire() -> None:
             self._idle_saves.pop((head.scope, head.session), None)
@@ -328,7 +328,7 @@ class HeadStore:
     def _judge(self, upstream: Upstream, restored: Restored, cache_n: int) -> None:
         entry = self.book.entry(restored.head)
         scope = entry.scope if entry is not None else ""
-        verdict, strikes = self._plan.judge(upstream.base_url, restored, scope, time.monotonic())
+        verdict, strikes = self._tables.judge(upstream.base_url, restored, scope, time.monotonic())
         if verdict is Verdict.TAKEN:
             self._count("taken")
             log.warning(
@@ -359,7 +359,7 @@ class HeadStore:
         if not self.book.verified(match.entry.id) and not await self.book.verify_one(match.entry):
             return None  # damaged (now removed) or replaced meanwhile: this request prefills
         if move.held is not None:  # the slot held the head since its server started: still, if no request came
-            held = self._plan.holds(upstream.base_url, slot or 0, match.entry.id)
+            held = self._tables.holds(upstream.base_url, slot or 0, match.entry.id)
             return move.held if held is not None else None
         try:
             async with asyncio.timeout(max(0.0, min(_LOCK_WAIT_S, move.prefill_s - move.restore_s))):
@@ -367,7 +367,7 @@ class HeadStore:
         except TimeoutError:
             return None  # a long save or warm start holds the store: the request prefills rather than wait
         try:
-            forwards = self._plan.forwarded_to(upstream.base_url)
+            forwards = self._tables.forwarded_to(upstream.base_url)
             if slot is None:
                 if await self._io.idle(upstream, wait_s=0.0) != 1:
                     return None  # busy, or several slots and none named: the request may land in another one
@@ -401,27 +401,27 @@ class HeadStore:
         on_fresh()
         if self.config.project_keys:
             return  # projects are tenants: a slot warmed with one's head would serve it to any project's request
-        inert = self._plan.paused(upstream.base_url, time.monotonic())
+        inert = self._tables.paused(upstream.base_url, time.monotonic())
         if not (restore and self.config.warm_start) or inert or not self.book.heads():
             return
         await self._verify()
         key, t0 = await self._io.key(upstream), time.perf_counter()
         if key is None:
             return
-        forwards = self._plan.forwarded_to(upstream.base_url)
+        forwards = self._tables.forwarded_to(upstream.base_url)
         n_slots = await self._io.idle(upstream, wait_s=0.0) or 0
         verified = (e for e in self.book.heads() if self.book.verified(e.id))
         heads = most_recent(verified, key.hex(), n_slots)
         done = 0
         for slot, entry in enumerate(heads):
             async with self._lock:
-                came = self._plan.forwarded_to(upstream.base_url) != forwards
+                came = self._tables.forwarded_to(upstream.base_url) != forwards
                 if came or await self._io.idle(upstream, 0.0) is None:
                     break  # requests came: they go first, and may have taken the slots
                 match = Match(entry, len(entry.links), entry.prompt_tokens)
                 restored = await self._io.restore_file(upstream, slot, match, forwards, used=False)
             if restored is not None:
-                self._plan.hold(upstream.base_url, slot, replace(restored, at_start=True))
+                self._tables.hold(upstream.base_url, slot, replace(restored, at_start=True))
                 self._count("warm_started")
                 done += 1
         if heads:
@@ -443,7 +443,7 @@ class HeadStore:
             log.warning("heads: saving a head from %s failed (nothing kept): %s", upstream.label, exc)
 
     async def _save_state_logged(self, upstream: Upstream, slot: int | None, head: SavedTurn, mark: Mark) -> None:
-        if self._plan.mark(upstream.base_url, slot) != mark:
+        if self._tables.mark(upstream.base_url, slot) != mark:
             self._count("dropped")
             log.info("heads: session %s's state is not saved: its slot served another request since", head.session)
             return
@@ -456,7 +456,7 @@ class HeadStore:
     async def _save(self, upstream: Upstream, slot: int | None, head: SavedTurn, mark: Mark | None = None) -> None:
         """`mark`: the turn's (`mark_of`); the slot is saved only if it served nothing since that turn (None: a turn
         not forwarded through `forwarded`, judged by the requests forwarded during the save alone)."""
-        if mark is not None and self._plan.mark(upstream.base_url, slot) != mark:
+        if mark is not None and self._tables.mark(upstream.base_url, slot) != mark:
             self._count("dropped")
             return  # its slot served another request already: a later turn of the same head may be kept instead
         key = await self._io.key(upstream)
@@ -472,7 +472,7 @@ class HeadStore:
         try:
             held = await self._io.save_idle(upstream, slot, head, (key, links), mark)
             if held is not None:
-                self._plan.hold(upstream.base_url, slot or 0, held)
+                self._tables.hold(upstream.base_url, slot or 0, held)
         finally:
             self.book.save_ended(hid)
             await asyncio.to_thread(unlink, self.slot_dir / f"{SLOT_PREFIX}{hid}.bin")

@@ -1,10 +1,10 @@
-"""The head store's planner: what the store knows of the servers and decides from it, as plain data owned here and
+"""The head store's tables: what the store knows of the servers and decides from it, as plain data owned here and
 changed only through these methods — each server's traffic (`ServerActivity`), the head each slot holds, the first
 requests of sessions under way and the head restored for each, and the verdicts on inert restores — and what a route
 sees of a server (`view`).
 
 Synchronous and pure: no file, no HTTP, no lock. The store (`kv/heads/store.py`) is its I/O executor: it asks the
-planner, does the slow work, and tells the planner what came of it."""
+tables, does the slow work, and tells them what came of it."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from adaptive_spec.kv.heads.values import HeadsView, Restored
 _FIRSTS = 4096  # first requests under way (bounded: one that raised never ends)
 
 
-class HeadPlanner:
+class HeadTables:
     def __init__(self, tenants: bool = False) -> None:
         """`tenants`: projects are tenants (`serve --project-key`): restores pause on a server only after heads of two
         tenants in a row were inert there."""

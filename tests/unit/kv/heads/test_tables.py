@@ -1,4 +1,4 @@
-"""The head store's planner (`kv/heads/planner.py`) as tables: what a route sees of a server, the heads slots hold,
+"""The head store's tables (`kv/heads/tables.py`): what a route sees of a server, the heads slots hold,
 first requests, and its verdicts, all synchronous (no file, no HTTP)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from adaptive_spec.kv.heads.activity import INERT_HEAD_S, Verdict
 from adaptive_spec.kv.heads.matching import HeadEntry, ServerKey, chain
-from adaptive_spec.kv.heads.planner import HeadPlanner
+from adaptive_spec.kv.heads.tables import HeadTables
 from adaptive_spec.kv.heads.values import Restored
 
 KEY = ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t1")
@@ -20,9 +20,9 @@ def _entry(piece: bytes) -> HeadEntry:
 
 
 def _view(
-    planner: HeadPlanner, server: str = A, *entries: HeadEntry, now: float = 0.0
+    tables: HeadTables, server: str = A, *entries: HeadEntry, now: float = 0.0
 ) -> tuple[dict[int, str], list[str]]:
-    seen = planner.view(server, KEY, "", entries or (_entry(b"one"), _entry(b"two")), 400e6, False, now)
+    seen = tables.view(server, KEY, "", entries or (_entry(b"one"), _entry(b"two")), 400e6, False, now)
     return {slot: h.head for slot, h in seen.held.items()}, [e.id for e in seen.entries]
 
 
@@ -43,31 +43,31 @@ def _view(
 def test_a_route_sees_the_heads_slots_hold_untouched(
     steps: list[tuple[str, str, int, str]], held: dict[int, str]
 ) -> None:
-    planner = HeadPlanner()
+    tables = HeadTables()
     for step, server, slot, head in steps:
         if step == "hold":
-            planner.hold(server, slot, Restored(head, server, 1000, 0.0, forwards=planner.forwarded_to(server)))
+            tables.hold(server, slot, Restored(head, server, 1000, 0.0, forwards=tables.forwarded_to(server)))
         elif step == "forwarded":
-            planner.forwarded(server, slot)
+            tables.forwarded(server, slot)
         elif step == "emptied":
-            planner.emptied(server)
+            tables.emptied(server)
         else:
-            planner.restarted(server)
-    assert _view(planner)[0] == held
+            tables.restarted(server)
+    assert _view(tables)[0] == held
     for slot, head in held.items():
-        assert planner.holds(A, slot, head) is not None and planner.holds(A, slot, "other") is None
+        assert tables.holds(A, slot, head) is not None and tables.holds(A, slot, "other") is None
 
 
 def test_a_head_whose_restore_was_inert_is_not_shown_on_that_server_for_an_hour() -> None:
-    planner, one, two = HeadPlanner(), _entry(b"one"), _entry(b"two")
-    planner.reused(A)  # the server restores: an inert restore is that head's fault alone
-    planner.forwarded(A, 0)
-    verdict, _ = planner.judge(A, Restored(one.id, A, 1000, 5.0, forwards=0), "", now=10.0)
+    tables, one, two = HeadTables(), _entry(b"one"), _entry(b"two")
+    tables.reused(A)  # the server restores: an inert restore is that head's fault alone
+    tables.forwarded(A, 0)
+    verdict, _ = tables.judge(A, Restored(one.id, A, 1000, 5.0, forwards=0), "", now=10.0)
     assert verdict is Verdict.HEAD
-    assert _view(planner, A, one, two, now=11.0)[1] == [two.id]
-    assert _view(planner, B, one, two, now=11.0)[1] == [one.id, two.id]  # on another server it is
-    assert _view(planner, A, one, two, now=10.0 + INERT_HEAD_S)[1] == [one.id, two.id]
-    assert not planner.paused(A, 11.0)
+    assert _view(tables, A, one, two, now=11.0)[1] == [two.id]
+    assert _view(tables, B, one, two, now=11.0)[1] == [one.id, two.id]  # on another server it is
+    assert _view(tables, A, one, two, now=10.0 + INERT_HEAD_S)[1] == [one.id, two.id]
+    assert not tables.paused(A, 11.0)
 
 
 @pytest.mark.parametrize(
@@ -83,22 +83,22 @@ def test_a_head_whose_restore_was_inert_is_not_shown_on_that_server_for_an_hour(
 def test_a_sessions_first_request_on_a_server_arrives_once(
     seen: list[str], server: str, restarts: int, arriving: bool
 ) -> None:
-    planner = HeadPlanner()
+    tables = HeadTables()
     for where in seen:
-        planner.arriving("", "s", where)
+        tables.arriving("", "s", where)
     for _ in range(restarts):
-        planner.restarted(server)
-    assert planner.would_arrive("", "s", server) == arriving
-    assert planner.would_arrive("", "s", server) == arriving  # asking counts nothing
-    assert planner.arriving("", "s", server) == arriving
-    assert not planner.arriving("", "s", server)  # and now it is seen
-    assert planner.would_arrive("other-tenant", "s", server)  # one tenant's session of a name is not another's
+        tables.restarted(server)
+    assert tables.would_arrive("", "s", server) == arriving
+    assert tables.would_arrive("", "s", server) == arriving  # asking counts nothing
+    assert tables.arriving("", "s", server) == arriving
+    assert not tables.arriving("", "s", server)  # and now it is seen
+    assert tables.would_arrive("other-tenant", "s", server)  # one tenant's session of a name is not another's
 
 
 def test_a_first_request_ends_once_with_what_was_restored_for_it() -> None:
-    planner = HeadPlanner()
+    tables = HeadTables()
     restored = Restored("h1", A, 1000, 5.0)
-    planner.begin("r1", restored)
-    planner.begin("r2", None)
-    assert planner.end("r1") == (True, restored) and planner.end("r1") == (False, None)
-    assert planner.end("r2") == (True, None) and planner.end("r3") == (False, None)
+    tables.begin("r1", restored)
+    tables.begin("r2", None)
+    assert tables.end("r1") == (True, restored) and tables.end("r1") == (False, None)
+    assert tables.end("r2") == (True, None) and tables.end("r3") == (False, None)
