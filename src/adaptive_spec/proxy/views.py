@@ -206,11 +206,11 @@ def _router_state(router: Router) -> dict[str, Any]:
         "speeds": [asdict(s) for s in router.speeds.describe()],
         "in_flight": dict(router.load.in_flight),
         "replicas": {n: [asdict(r) for r in router.replica_states(n, True)] for n in router.health.names()},
-        "handoffs": dict(router.moves.handoffs),
+        "handoffs": dict(router.planner.handoffs),
         # What handoffs bought: per profile pair, the share of restored tokens the next prompt reused.
         "handoff_reuse": [
             {"from": a, "to": b, "reused_share": round(m.value(1.0), 3), "measured": round(m.n, 2)}
-            for (a, b), m in router.moves.reuse.items()
+            for (a, b), m in router.planner.reuse.items()
         ],
         # How a KV handoff between hosts is priced (the prior until a move has measured it).
         "kv_transfer": router.speeds.link.describe(),

@@ -6,7 +6,7 @@ and the KV's reach the replica (`ReplicaPart`). `compose` builds the `Decision` 
 stage's figure stands over an earlier one's (a replica whose KV is out of reach prefills the whole prompt). The KV move
 the route asks for before forwarding (a head restore) is its last stage, planned with the route (`Decision.planning`:
 its estimate counts the move from the start), and what the move did replaces it once it is carried out
-(`Decision.carried`); a move's note alone comes after as a `Moved` stage (`Decision.after`).
+(`Decision.carried`); a move's note alone comes after as a `MovePart` stage (`Decision.after`).
 A reason is the stages' parts (`reasons`), joined only where people read it (`reason`), so no code reads a
 decision's text to learn what was decided.
 """
@@ -78,7 +78,7 @@ class ReplicaPart:
 
 
 @dataclass(frozen=True, slots=True)
-class Moved:
+class MovePart:
     """A KV move's stage (a head restore, a remote prefill), planned or done: its part of the reason, and the tokens
     left to prefill once it is made (None: as estimated)."""
 
@@ -101,7 +101,7 @@ class Decision(Choice):
     n_max: int | None = None
     # The move the route asks for, as planned (`planning`): its note is the last of `reasons`, its figure
     # `new_tokens`; `unmoved_tokens` is the estimate without it (the figure again should it not be made).
-    planned: Moved | None = None
+    planned: MovePart | None = None
     unmoved_tokens: int | None = None
 
     def time_estimate(self, timings: Timings | None) -> TimeEstimate | None:
@@ -121,16 +121,16 @@ class Decision(Choice):
             decode_s=timings.predicted_ms / 1000.0,
         )
 
-    def after(self, moved: Moved) -> Decision:
+    def after(self, moved: MovePart) -> Decision:
         """This decision with what a KV move did as its last stage."""
         tokens = self.new_tokens if moved.new_tokens is None else moved.new_tokens
         return replace(self, reasons=(*self.reasons, moved.note), new_tokens=tokens)
 
-    def planning(self, move: Moved) -> Decision:
+    def planning(self, move: MovePart) -> Decision:
         """This decision with the move its route asks for as its last stage: the estimate counts the move."""
         return replace(self.after(move), planned=move, unmoved_tokens=self.new_tokens)
 
-    def carried(self, done: Moved | None) -> Decision:
+    def carried(self, done: MovePart | None) -> Decision:
         """This decision with its planned move's stage replaced by what the move did (None: it was not made, and the
         estimate is the one without it)."""
         if self.planned is None:

@@ -3,7 +3,7 @@
 The shell drives it through two calls, neither of which waits: `route()` (what to do with this request: profile,
 replica, slot, the KV move it asks for — a handoff or a remote prefill — and the reason) and `complete()` (what
 happened: the load comes down, it learns from llama-server's timings). Between them the shell carries the asked move out
-through the router's injected `Effects` (`routing/contract.py`) and reports it with `moved()` (`routing/handoffs.py`
+through the router's injected `Effects` (`routing/contract.py`) and reports it with `moved()` (`routing/move_planner.py`
 plans and learns); everything else is pure state: the learned speeds, where sessions' KV caches live, each server's
 slots and load (`routing/load.py`), the pins. `choose()` is the decision alone, without side effects: its stages decided
 apart (`decide()` the profile, the prompt's new tokens, `session_cap()` the draft cap, `choose_replica()` the replica)
@@ -33,8 +33,8 @@ from adaptive_spec.routing.decide import decide
 from adaptive_spec.routing.decision import Choice, Decision, PromptPart, ReplicaPart, compose
 from adaptive_spec.routing.draft_length import session_cap
 from adaptive_spec.routing.estimate import ProfileState, RequestState, SessionState
-from adaptive_spec.routing.handoffs import KvMoves
 from adaptive_spec.routing.load import ServerBooks
+from adaptive_spec.routing.move_planner import MovePlanner
 from adaptive_spec.routing.placements import Placement, Placements, observe
 from adaptive_spec.routing.prompt import prefix
 from adaptive_spec.routing.prompt.first_turn import pasted_file_chars, text_kind
@@ -73,7 +73,7 @@ class Router:
         self.speeds = SpeedModel(base.estimator, base.handoff, {n: spec_types.get(n) for n in health.names()})
         self.load = ServerBooks(health, slots, replica_slots, servers)
         self.placements = Placements(home=self.load.home)
-        self.moves = KvMoves(self.effects, self.load, self.placements, self.speeds)
+        self.planner = MovePlanner(self.effects, self.load, self.placements, self.speeds)
         self._rng = random.Random(seed)
         self.pins: LRU[str, str] = LRU(MAX_PINS)  # session -> profile, until unpinned (sticky, unlike the header)
         self.prefixes = prefix.PrefixTable()  # what each session's slot holds: its new-token estimates
@@ -119,7 +119,7 @@ class Router:
         """Each profile as decide() sees it (`ServerBooks.profile_states`). `replicas_of`: each profile's
         `replica_states`, when the caller has them already."""
         replicas = replicas_of or {n: self.replica_states(n) for n in self.health.names()}
-        return self.load.profile_states(replicas, self.speeds.speculates, self.moves.can_save, self._spec_types)
+        return self.load.profile_states(replicas, self.speeds.speculates, self.planner.can_save, self._spec_types)
 
     def _held_on(self, profile: str, placement: Placement | None) -> int | None:
         """The replica of `profile` whose server holds the session's KV (its own profile's, or one sharing it)."""
@@ -215,7 +215,7 @@ class Router:
             placement,
             in_flight_on=busy[0] if busy is not None else None,
             same_server=same,
-            handoff_reuse=self.moves.reuse_from(placement.profile) if placement is not None else {},
+            handoff_reuse=self.planner.reuse_from(placement.profile) if placement is not None else {},
         )
         choice = decide(state_of_request, session, self.states(replicas_of), self.speeds, policy)
         chosen = next((e for e in choice.estimates if e.profile == choice.profile), None)
@@ -265,7 +265,7 @@ class Router:
             # Across profiles: the KV goes from its replica (if that one is up) to the chosen one, when they can.
             source = self.health.replica_health(placement.profile)
             source_up = placement.replica < len(source) and source[placement.replica][1] is None
-            handoff = source_up and self.moves.can_move(placement.profile, placement.replica, profile, picked.replica)
+            handoff = source_up and self.planner.can_move(placement.profile, placement.replica, profile, picked.replica)
             return ReplicaPart(
                 picked.replica, picked.kind, picked.reason, handoff=handoff, handoff_tokens=None if handoff else 0
             )
@@ -291,12 +291,14 @@ class Router:
             # A busy slot cannot be saved (llama-server would save whatever it holds once the running request
             # ends): under load the session's slot is usually serving another session, and a move re-prefills.
             and not self.load.slot_busy(profile, placement.slot, mine=0, replica=held)
-            and self.moves.can_move(profile, held, profile, idle.index)
+            and self.planner.can_move(profile, held, profile, idle.index)
         )
         return MoveCosts(
             cached_tokens=placement.cached_tokens,
             handoff_s=(
-                self.speeds.handoff_s(placement.cached_tokens, self.moves.transfers(profile, held, profile, idle.index))
+                self.speeds.handoff_s(
+                    placement.cached_tokens, self.planner.transfers(profile, held, profile, idle.index)
+                )
                 if can_move and idle is not None
                 else None
             ),
@@ -355,16 +357,16 @@ class Router:
             opening=opening,
         )
         if decision.handoff and request.session_id is not None:
-            asked = self.moves.plan_handoff(decision, request.session_id, slot)
+            asked = self.planner.plan_handoff(decision, request.session_id, slot)
             if isinstance(asked, SlotMove):
                 return replace(route, move=asked)
             return replace(route, handoff=asked)
-        warm = self.moves.plan_restore(route, request)
+        warm = self.planner.plan_restore(route, request)
         if warm is not None:
             return warm
         costs = self.effects.prefills_elsewhere
         if request.prefill_path is not None and costs is not None:
-            return self.moves.plan_prefill(route, request, costs)
+            return self.planner.plan_prefill(route, request, costs)
         return route
 
     def moved(self, route: Route, result: HandoffResult | Restored | RemotePrefillResult | None) -> Route:
@@ -372,11 +374,11 @@ class Router:
         head restore's None: not restored)."""
         move = route.move
         if isinstance(move, SlotMove) and isinstance(result, HandoffResult):
-            return replace(route, handoff=self.moves.handed_off(move, result))
+            return replace(route, handoff=self.planner.handed_off(move, result))
         if isinstance(move, HeadRestore) and (result is None or isinstance(result, Restored)):
-            return self.moves.restored(route, result)
+            return self.planner.restored(route, result)
         if isinstance(move, PrefillAsk) and (result is None or isinstance(result, RemotePrefillResult)):
-            return self.moves.prefilled(route, result)
+            return self.planner.prefilled(route, result)
         raise TypeError(f"a {type(result).__name__} does not answer {type(move).__name__}")
 
     def complete(self, route: Route, done: Completion) -> bool:
@@ -390,7 +392,7 @@ class Router:
         if not done.ok or timings is None:
             return False
         self.load.count(profile, replica, timings)
-        self.moves.observe_reuse(route, timings)
+        self.planner.observe_reuse(route, timings)
         observe(
             self.speeds,
             self.placements,

@@ -3,7 +3,7 @@ the reason's parts in stage order."""
 
 from __future__ import annotations
 
-from adaptive_spec.routing.decision import Choice, DraftCap, Moved, PromptPart, ReplicaPart, compose
+from adaptive_spec.routing.decision import Choice, DraftCap, MovePart, PromptPart, ReplicaPart, compose
 
 CHOICE = Choice("iterative", "estimate", ("iterative: est 2.4x",), 0.7, 9000, moved_from="oneshot", handoff=True)
 
@@ -22,7 +22,7 @@ def test_the_reason_is_the_stages_parts_in_order_and_a_stage_without_one_adds_no
         PromptPart(new_tokens=400),
         DraftCap(6, "draft length 6"),
         ReplicaPart(1, "least-loaded", "iterative#1: least loaded"),
-    ).after(Moved("warm start: head restored", new_tokens=120))
+    ).after(MovePart("warm start: head restored", new_tokens=120))
     assert decision.reasons == (
         "iterative: est 2.4x",
         "draft length 6",
@@ -49,7 +49,7 @@ def test_a_later_stage_figure_stands_over_an_earlier_ones() -> None:
     kept = compose(CHOICE, prompt, placed=ReplicaPart(2, "least-loaded", ""))
     assert (kept.handoff, kept.new_tokens) == (True, 400)
     # A move that says nothing of the tokens leaves the estimate; one that does, replaces it; the last one counts.
-    noted = kept.after(Moved("remote prefill: 3.1 s"))
+    noted = kept.after(MovePart("remote prefill: 3.1 s"))
     assert noted.new_tokens == 400 and noted.reason.endswith("; remote prefill: 3.1 s")
-    assert noted.after(Moved("head", 50)).after(Moved("again")).new_tokens == 50
+    assert noted.after(MovePart("head", 50)).after(MovePart("again")).new_tokens == 50
     assert kept.reasons == ("iterative: est 2.4x",)  # `after` gives a new decision; the first is unchanged

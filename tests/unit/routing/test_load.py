@@ -105,7 +105,7 @@ def test_a_session_keeps_its_slot_across_a_switch_and_nothing_moves(tmp_path: Pa
     assert "same server" in second.reason
     moved = r.placements.get("a")
     assert moved is not None and (moved.profile, moved.slot, moved.in_slot) == ("iterative", placement.slot, True)
-    assert r.moves.handoffs == {"ok": 0, "failed": 0}
+    assert r.planner.handoffs == {"ok": 0, "failed": 0}
 
 
 def test_another_profiles_request_in_the_slot_displaces_the_session(tmp_path: Path) -> None:
@@ -158,10 +158,10 @@ def test_the_router_learns_what_a_handoff_reused_from_the_next_prompts_cache_n()
         route = Route(decision, None, f"s{cache_n}", 20000, handoff=restored)
         router.complete(route, Completion(ok=True, timings=Timings(prompt_n=6400, cache_n=cache_n, predicted_n=8)))
         if cache_n == 0:
-            reuse = router.moves.reuse_from("oneshot")["iterative"]
+            reuse = router.planner.reuse_from("oneshot")["iterative"]
             share, count = reuse
             assert share == pytest.approx(1 / 3) and count == 1  # the prior (1, worth half a handoff) and one 0
-    after = router.moves.reuse
+    after = router.planner.reuse
     assert list(after) == [("oneshot", "iterative")]
     measured = after[("oneshot", "iterative")]
     assert measured.value(1.0) == pytest.approx(0.6, abs=0.01) and measured.n == pytest.approx(2.0, abs=0.02)

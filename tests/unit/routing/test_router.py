@@ -187,7 +187,7 @@ def test_route_asks_for_the_move_and_waits_for_nothing() -> None:
     assert planned.handoff is None and effects.moves == [] and effects.events == []
     done = asyncio.run(carry_out(r, effects, planned))  # as the request path does
     assert effects.moves == [planned.move] and done.handoff == effects.result
-    assert r.moves.handoffs == {"ok": 1, "failed": 0}
+    assert r.planner.handoffs == {"ok": 1, "failed": 0}
     (event,) = [e for e in effects.events if type(e).__name__ == "HandoffDone"]
     assert (event.from_profile, event.to_profile, event.ok, event.tokens) == ("oneshot", "iterative", True, 4000)
 
@@ -202,15 +202,15 @@ def test_a_handoff_that_cannot_be_made_asks_for_no_move() -> None:
     assert (
         done.handoff is not None and not done.handoff.ok and "busy with another request" in (done.handoff.error or "")
     )
-    assert r.moves.handoffs == {"ok": 0, "failed": 1}
+    assert r.planner.handoffs == {"ok": 0, "failed": 1}
 
 
 def test_the_router_and_its_move_planner_never_wait() -> None:
     """llama-swap's scheduler rule: slow work leaves as an effect. No method of the router, of its KV move planner or
     of the effects it may call is a coroutine; the request path awaits its mover (`carry_out`) and reports back."""
-    from adaptive_spec.routing.handoffs import KvMoves
+    from adaptive_spec.routing.move_planner import MovePlanner
 
-    for cls in (Router, KvMoves, Effects, NoEffects):
+    for cls in (Router, MovePlanner, Effects, NoEffects):
         waiting = [n for n, f in vars(cls).items() if inspect.iscoroutinefunction(f)]
         assert waiting == [], f"{cls.__name__} awaits in {waiting}"
 

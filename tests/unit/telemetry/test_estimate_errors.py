@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from adaptive_spec.kv.costs import PrefillRate
-from adaptive_spec.routing.decision import Choice, Decision, Moved, PromptPart, compose
+from adaptive_spec.routing.decision import Choice, Decision, MovePart, PromptPart, compose
 from adaptive_spec.routing.estimate import Estimate
 from adaptive_spec.telemetry import estimate_errors
 from adaptive_spec.telemetry.records import Timings
@@ -50,7 +50,7 @@ def test_a_record_keeps_the_estimates_beside_what_llama_server_measured() -> Non
 
 
 def test_a_warm_start_prices_only_what_it_left_to_prefill() -> None:
-    warm = _decision().after(Moved("warm: head of 1,500 tokens restored", new_tokens=500))
+    warm = _decision().after(MovePart("warm: head of 1,500 tokens restored", new_tokens=500))
     estimate = warm.time_estimate(Timings(prompt_n=500, cache_n=5500, prompt_ms=9_000.0))
     assert estimate is not None and estimate.prefill_s_est == pytest.approx(RATE.seconds(500, 5500))
 

@@ -2,7 +2,7 @@
 sharing most with the prompt, nothing when the slot holds it already, else priced against the prefill it saves; and
 the new tokens the request then prefills.
 
-The router calls it while it plans (`routing/handoffs.py`); the head store carries the restore out."""
+The router calls it while it plans (`routing/move_planner.py`); the head store carries the restore out."""
 
 from __future__ import annotations
 

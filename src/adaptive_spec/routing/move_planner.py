@@ -13,7 +13,7 @@ from adaptive_spec.kv.heads.values import Restored
 from adaptive_spec.kv.moves import HandoffResult, PrefillAsk, RemotePrefillResult, SlotAt, SlotMove
 from adaptive_spec.kv.remote_prefill.pricing import RemoteCosts, choose
 from adaptive_spec.routing.contract import Effects, Route, RouteRequest
-from adaptive_spec.routing.decision import Decision, Moved
+from adaptive_spec.routing.decision import Decision, MovePart
 from adaptive_spec.routing.load import ServerBooks
 from adaptive_spec.routing.placements import Placements
 from adaptive_spec.routing.prompt.prefix import tokens_beyond
@@ -24,7 +24,7 @@ from adaptive_spec.telemetry.records import Timings
 _REUSE_PRIOR_WEIGHT = 0.5  # one handoff whose prompt reused nothing brings a pair's mean to 1/3: below min_reuse
 
 
-class KvMoves:
+class MovePlanner:
     def __init__(self, effects: Effects, load: ServerBooks, placements: Placements, speeds: SpeedModel) -> None:
         """The router's load, placements and speeds: a move checks the slots it touches, displaces what it
         overwrote and teaches the speeds what it cost."""
@@ -135,14 +135,14 @@ class KvMoves:
             beyond = tokens_beyond(route.pieces, match.pieces, route.chars_per_token)
             new_tokens = tokens_after(new_tokens, beyond, match, route.chars_per_token)
         tokens = max(match.tokens, match.entry.prompt_tokens)
-        planned = Moved(f"warm: head of {tokens} tokens to restore", new_tokens)
+        planned = MovePart(f"warm: head of {tokens} tokens to restore", new_tokens)
         return replace(route, decision=decision.planning(planned), move=move)
 
     def restored(self, route: Route, restored: Restored | None) -> Route:
         """What a head restore did: the route's decision says so (its estimate stands), or, not restored, it is the
         decision without the move."""
         decision = route.decision
-        done = Moved(restored.reason(), decision.new_tokens) if restored is not None else None
+        done = MovePart(restored.reason(), decision.new_tokens) if restored is not None else None
         return replace(route, decision=decision.carried(done), restored=restored)
 
     def plan_prefill(self, route: Route, request: RouteRequest, costs: RemoteCosts) -> Route:
@@ -160,7 +160,7 @@ class KvMoves:
         choice = choose(new_tokens, decision.context_tokens, local, costs)
         if not choice.remote:
             here = choice.reason if new_tokens >= costs.policy.min_tokens else ""
-            return replace(route, decision=decision.after(Moved(here))) if here else route
+            return replace(route, decision=decision.after(MovePart(here))) if here else route
         ask = PrefillAsk(
             at=SlotAt(profile, replica, slot),
             session_id=route.session_id,
@@ -171,7 +171,7 @@ class KvMoves:
             local=local,
             slot_busy=self.load.slot_busy(profile, slot, mine=1, replica=replica),
         )
-        return replace(route, decision=decision.planning(Moved(choice.reason)), move=ask)
+        return replace(route, decision=decision.planning(MovePart(choice.reason)), move=ask)
 
     def prefilled(self, route: Route, result: RemotePrefillResult | None) -> Route:
         """What a remote prefill did (None: there was no remote to ask for that server): the route comes back with
@@ -181,6 +181,6 @@ class KvMoves:
             return replace(route, decision=decision.carried(None))
         # The slot was overwritten (or half so) whatever the outcome.
         self.placements.displace(decision.profile, route.slot, keep=route.session_id, replica=decision.replica)
-        planned = decision.planned or Moved("")
-        done = planned if result.ok else Moved(f"remote prefill failed ({result.error}): prefilled here")
+        planned = decision.planned or MovePart("")
+        done = planned if result.ok else MovePart(f"remote prefill failed ({result.error}): prefilled here")
         return replace(route, decision=decision.carried(done), remote_prefill=result)
