@@ -74,8 +74,8 @@ def measure(history: int, turns: int) -> dict[str, Any]:
         user, reply = _turn(rng, file_tokens)
         new_digests = [*digests, _digest(n), _digest(n + 1)]
         started = time.perf_counter()
-        plan = tracker.plan("s", [(d, False) for d in new_digests])
-        tracker.on_prompt("s", "p", new_digests, [user] * len(plan[-1:]), 0.0)
+        pick = tracker.pick("s", [(d, False) for d in new_digests])
+        tracker.on_prompt("s", "p", new_digests, [user] * len(pick[-1:]), 0.0)
         tracker.on_output("s", "p", _digest(n + 2), reply, 0.0)
         times.append((time.perf_counter() - started) * 1000)
         digests = [*new_digests, _digest(n + 2)]

@@ -33,7 +33,7 @@ class Launched:
         return [p for p, s in self.server_of.items() if s == server] or [server]
 
 
-def planned_design(first: Sequence[ProfileSpec], specs: Sequence[ProfileSpec]) -> str:
+def design_to_launch(first: Sequence[ProfileSpec], specs: Sequence[ProfileSpec]) -> str:
     """What start-up says it is about to launch, before the probe tells whether the one server takes the others."""
     return f"planned: {ONE_SERVER if len(first) == 1 < len(specs) else PER_PROFILE}"
 
@@ -41,8 +41,8 @@ def planned_design(first: Sequence[ProfileSpec], specs: Sequence[ProfileSpec]) -
 def first_servers(specs: Sequence[ProfileSpec], shared: bool) -> list[ProfileSpec]:
     """The servers to launch first: the one that can host every profile (when `shared` is asked and one can), else
     one per profile."""
-    plan = one_server(specs) if shared else None
-    return [s for s in specs if s.name == plan.host] if plan is not None else own_servers(specs)
+    sharing = one_server(specs) if shared else None
+    return [s for s in specs if s.name == sharing.host] if sharing is not None else own_servers(specs)
 
 
 def own_servers(specs: Sequence[ProfileSpec]) -> list[ProfileSpec]:
@@ -57,16 +57,16 @@ async def settle(
     """After `launcher` has started `first_servers(...)`: ask the one server whether it takes speculation per
     request; if not, start the other profiles' own servers (`until` awaits that unless a stop comes first: None)."""
     endpoints = launcher.endpoints
-    plan = one_server(specs) if len(endpoints) == 1 < len(specs) else None
-    if plan is None:
+    sharing = one_server(specs) if len(endpoints) == 1 < len(specs) else None
+    if sharing is None:
         own = [Upstream(s.name, endpoints[s.name]) for s in specs if s.name in endpoints]
         return Launched(own, {u.name: u.name for u in own}, PER_PROFILE)
-    url = endpoints[plan.host]
-    info = await probe(client, Upstream(plan.host, url))
+    url = endpoints[sharing.host]
+    info = await probe(client, Upstream(sharing.host, url))
     if info.per_request is not None:
-        upstreams = [Upstream(name, url, speculation=settings) for name, settings in plan.settings]
-        return Launched(upstreams, {name: plan.host for name, _ in plan.settings}, ONE_SERVER)
-    if not await until(launcher.add([s for s in own_servers(specs) if s.name != plan.host])):
+        upstreams = [Upstream(name, url, speculation=settings) for name, settings in sharing.settings]
+        return Launched(upstreams, {name: sharing.host for name, _ in sharing.settings}, ONE_SERVER)
+    if not await until(launcher.add([s for s in own_servers(specs) if s.name != sharing.host])):
         return None
     endpoints = launcher.endpoints
     own = [Upstream(s.name, endpoints[s.name]) for s in specs if s.name in endpoints]

@@ -265,7 +265,7 @@ def model_mismatch(infos: list[ProfileInfo]) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
-class SharedPlan:
+class SharedServer:
     """Launched profiles as settings of one server: the profile whose own server hosts them all (it names nothing),
     and each profile's settings on it."""
 
@@ -276,8 +276,8 @@ class SharedPlan:
         return dict(self.settings).get(profile, Speculation())
 
 
-def one_server(specs: Sequence[ProfileSpec]) -> SharedPlan | None:
-    """The plan that serves every launched profile from one of their servers: the first whose types include every
+def one_server(specs: Sequence[ProfileSpec]) -> SharedServer | None:
+    """The one server that serves every launched profile, if one of theirs can: the first whose types include every
     other profile's (and whose ngram-mod parameters are theirs), the others restricted to their own types per
     request. None when no profile's server can stand in for the others (then each gets its own)."""
     for host in specs:
@@ -286,7 +286,7 @@ def one_server(specs: Sequence[ProfileSpec]) -> SharedPlan | None:
         if same_ngram and all(set(s.spec_types) - {"none"} <= offered for s in specs):
             own = {s.name: tuple(t for t in s.spec_types if t != "none") for s in specs}
             settings = tuple((s.name, Speculation() if s is host else Speculation(types=own[s.name])) for s in specs)
-            return SharedPlan(host.name, settings)
+            return SharedServer(host.name, settings)
     return None
 
 

@@ -1,6 +1,6 @@
 """Speculation chosen per request: the settings a profile's requests carry to a llama-server that takes them (the
-project's patched build says so in `/props`), and the plan that runs several launched profiles as settings of one
-server.
+project's patched build says so in `/props`), and the one server that runs several launched profiles as settings
+of its own.
 
 Pure: what to send and what the server offers, no HTTP.
 

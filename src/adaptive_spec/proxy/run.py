@@ -31,10 +31,10 @@ from adaptive_spec.llama.memory.footprint import device_report, launch_lines
 from adaptive_spec.llama.placement import (
     STOCK,
     Launched,
+    design_to_launch,
     first_servers,
     health_hooks,
     own_servers,
-    planned_design,
     probe_profiles,
     restarter,
     settle,
@@ -263,7 +263,7 @@ async def _launch(run: _Run, launch: LaunchSettings, stop: asyncio.Event) -> lis
     run.run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=state_dir()))
     first = first_servers(launch.specs, launch.one_server)
     device = device_report(launch.device_memory_mib)
-    for line in launch_lines(first, launch.settings, device, planned_design(first, launch.specs)):
+    for line in launch_lines(first, launch.settings, device, design_to_launch(first, launch.specs)):
         say(line)
     say(f"llama-server: {describe_binary(launch.binary)}")
     run.launcher = launcher = Launcher(

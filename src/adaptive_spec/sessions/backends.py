@@ -1,4 +1,4 @@
-"""Where a session-statistics update's history-sized work runs (digests, the plan, indexing, the drafter's replay): one
+"""Where a session-statistics update's history-sized work runs (digests, the pick, indexing, the drafter's replay): one
 interface, `StatisticsBackend`, with two implementations.
 
 `ProcessStatistics` (what `serve` uses) holds the tracker in a child process and keeps the sessions' latest snapshots
@@ -110,8 +110,8 @@ class ThreadStatistics:
         return None
 
     async def update(self, work: Work, tokenizer: Tokenizer) -> Folded:
-        plan, digests = await asyncio.to_thread(self._locked, updates.plan_update, work.session_id, work.body)
-        job = await _fold_job(work, plan, digests, tokenizer)
+        pick, digests = await asyncio.to_thread(self._locked, updates.pick_update, work.session_id, work.body)
+        job = await _fold_job(work, pick, digests, tokenizer)
         folded: Folded = await asyncio.to_thread(self._locked, updates.fold_update, job, digests or [])
         return folded
 
@@ -194,8 +194,8 @@ class ProcessStatistics:
     async def update(self, work: Work, tokenizer: Tokenizer) -> Folded:
         if self.spec is not None and work.raw:
             return await self._update_in_child(work)
-        plan = await self._call(updates.process_plan, work.session_id, work.body)
-        job = await _fold_job(work, plan, None, tokenizer)
+        pick = await self._call(updates.process_pick, work.session_id, work.body)
+        job = await _fold_job(work, pick, None, tokenizer)
         turn, snap, gone = await self._call(updates.process_fold_expire, job, time.time())
         self._folded(work, snap, gone)
         return turn, snap
@@ -277,11 +277,11 @@ class ProcessStatistics:
             raise
 
 
-async def _fold_job(work: Work, plan: Any, digests: list[bytes] | None, tokenizer: Tokenizer) -> updates.FoldJob:
-    """The texts the plan names, tokenized by the proxy's tokenizer, and the job that folds them."""
-    planned = updates.planned_texts(work.body, plan)
-    tokens = await tokenizer.encode([*(text for _, text in planned), work.output_text])
+async def _fold_job(work: Work, pick: Any, digests: list[bytes] | None, tokenizer: Tokenizer) -> updates.FoldJob:
+    """The texts the pick names, tokenized by the proxy's tokenizer, and the job that folds them."""
+    picked = updates.picked_texts(work.body, pick)
+    tokens = await tokenizer.encode([*(text for _, text in picked), work.output_text])
     return updates.FoldJob(
         work.session_id, work.project, tokens[:-1], work.output_text, tokens[-1], work.at, work.side,
-        work.line_moved, digests, work.turns, [role for role, _ in planned], work.output_calls,
+        work.line_moved, digests, work.turns, [role for role, _ in picked], work.output_calls,
     )  # fmt: skip

@@ -68,7 +68,7 @@ _OPENING_MIN_TOKENS = 4096
 class _Opening:
     """A new session's first prompt as it was indexed: where a later new session whose history starts with the same
     messages starts from, instead of indexing them again (a request sent again without a session id, a conversation
-    resumed or forked: each a new session with the same long history). "The same" as the plan compares messages
+    resumed or forked: each a new session with the same long history). "The same" as the pick compares messages
     within a session: by digest, which ignores whitespace."""
 
     digests: tuple[bytes, ...]
@@ -135,7 +135,7 @@ class ContextTracker:
         self._openings: LRU[tuple[bytes, ...], _Opening] = LRU(
             64, max_weight=max(1, self.opening_tokens), weigh=lambda o: max(1, len(o.index))
         )
-        self._starts: LRU[str, _Opening] = LRU(64)  # a new session's planned opening, until its prompt is indexed
+        self._starts: LRU[str, _Opening] = LRU(64)  # a new session's picked opening, until its prompt is indexed
 
     def _get(self, session_id: str, project: str, now: float) -> _Session:
         session = self._sessions.get(session_id)
@@ -146,7 +146,7 @@ class ContextTracker:
         session.last_seen = now
         return session
 
-    def plan(self, session_id: str, messages: Sequence[tuple[bytes, bool]]) -> list[int]:
+    def pick(self, session_id: str, messages: Sequence[tuple[bytes, bool]]) -> list[int]:
         """Which of a request's messages (digest, is-assistant) are new to the session and need indexing.
 
         An append-only history (what most agents send) costs only what follows the previous request's messages,
@@ -155,7 +155,7 @@ class ContextTracker:
         """
         session = self._sessions.get(session_id)
         digests = [d for d, _ in messages]
-        self._starts.pop(session_id)  # a plan whose prompt was never indexed (its update failed) is void
+        self._starts.pop(session_id)  # a pick whose prompt was never indexed (its update failed) is void
         if session is None:
             found = self._opening_for(digests)
             if found is None:
@@ -180,7 +180,7 @@ class ContextTracker:
         now: float,
         roles: Sequence[str] = (),
     ) -> tuple[int, float]:
-        """Index a request's new messages (their tokens, from `plan`, and their roles: "user" where not given);
+        """Index a request's new messages (their tokens, from `pick`, and their roles: "user" where not given);
         returns (new prompt tokens, repeat share). The framing counts in neither."""
         fresh = session_id not in self._sessions
         session = self._get(session_id, project, now)
@@ -192,7 +192,7 @@ class ContextTracker:
             and len(new_messages) == len(all_digests) - len(start.digests)
             and tuple(all_digests[: len(start.digests)]) == start.digests
         ):
-            # The plan left the opening's messages out: the session starts where indexing them ended.
+            # The pick left the opening's messages out: the session starts where indexing them ended.
             session.index, session.last_digests = start.index.copy(), list(start.digests)
             new_tokens, predicted, skipped = start.new_tokens, start.predicted, len(start.digests)
             self._openings.touch(start.digests)

@@ -1,7 +1,7 @@
 """The session statistics worker process: its tracker, its own tokenizer, and one whole update per call.
 
 Everything proportional to a session's history happens here, off the event loop: parsing the client's bytes, the
-plan (which messages are new), tokenizing the new texts and the reply (cached by content hash), the fold (indexing
+pick (which messages are new), tokenizing the new texts and the reply (cached by content hash), the fold (indexing
 and the counterfactual replay) and dropping idle sessions. The event loop sends the client's bytes and the reply's
 text (no parsed history to pickle) and gets the turn's statistics back: one round trip per served request. A session's
 next turn whose first messages are those of the last request folded here is sent only what follows them
@@ -67,7 +67,7 @@ def update(
     `after` = (request id, n): the request's first n messages are those of that request, the session's last one
     folded here, and `raw_body` is the body without them (its system prompt kept apart, and the messages that
     follow). None, with nothing folded, when that is not enough: that request is not the last one folded here (the
-    worker started again, the session was dropped, an update was dropped or joined another) or the plan wants a
+    worker started again, the session was dropped, an update was dropped or joined another) or the pick wants a
     message not sent (the session's statistics forgot it); the caller then sends the whole body."""
     kept: list[tuple[bytes, bool]] = []
     if after is not None:
@@ -81,18 +81,18 @@ def update(
     new = [(known(role, text), assistant) for role, assistant, text, _ in map(message_entry, messages_of(body))]
     entries = [*system, *kept, *new]
     tracker = updates.process_tracker()
-    plan = tracker.plan(session_id, entries)
+    pick = tracker.pick(session_id, entries)
     first_new = len(system) + len(kept)
-    if any(len(system) <= i < first_new for i in plan):
-        return None  # the whole body's update plans again (a plan not folded is void)
+    if any(len(system) <= i < first_new for i in pick):
+        return None  # the whole body's update picks again (a pick not folded is void)
     known.turn()
-    # The planned entries' texts, at their indices in the body sent (which lacks the kept messages).
-    planned = updates.planned_texts(body, [i if i < len(system) else i - len(kept) for i in plan])
-    tokens = _TOKENIZER[0].encode([*(text for _, text in planned), output_text])
+    # The picked entries' texts, at their indices in the body sent (which lacks the kept messages).
+    picked = updates.picked_texts(body, [i if i < len(system) else i - len(kept) for i in pick])
+    tokens = _TOKENIZER[0].encode([*(text for _, text in picked), output_text])
     digests = [digest for digest, _ in entries]
     job = updates.FoldJob(
         session_id, project, tokens[:-1], output_text, tokens[-1], at, side, line_moved, digests, turns,
-        [role for role, _ in planned], output_calls,
+        [role for role, _ in picked], output_calls,
     )  # fmt: skip
     turn, snap = updates.fold_update(tracker, job, digests)
     _LAST.put(session_id, _Folded(request_id, len(system), entries))

@@ -1,4 +1,4 @@
-"""One session-statistics update in two steps, wherever the proxy runs it: which messages are new (`plan_update`), then
+"""One session-statistics update in two steps, wherever the proxy runs it: which messages are new (`pick_update`), then
 indexing them and replaying the response (`fold_update`); tokenizing the new texts happens in between, in the proxy.
 
 Everything here grows with the history, so the proxy keeps it off its event loop: in a worker process that holds the
@@ -19,19 +19,19 @@ from adaptive_spec.sessions.statistics import ContextTracker, SessionSnapshot, T
 class FoldJob:
     session_id: str
     project: str
-    new_tokens: Sequence[Sequence[int]]  # the planned messages' tokens, in order
+    new_tokens: Sequence[Sequence[int]]  # the picked messages' tokens, in order
     output_text: str
     output_tokens: Sequence[int]
     at: float
     side: bool = False
     line_moved: bool = False
-    digests: Sequence[bytes] | None = None  # every message's digest; None: those the plan of this session kept
+    digests: Sequence[bytes] | None = None  # every message's digest; None: those the pick of this session kept
     turns: int = 1  # the session's turns this update stands for (updates that waited together are folded as one)
-    new_roles: Sequence[str] = ()  # the planned messages' roles, in order ("calls": a message of tool calls)
+    new_roles: Sequence[str] = ()  # the picked messages' roles, in order ("calls": a message of tool calls)
     output_calls: bool = False  # the response is tool calls
 
 
-def plan_update(
+def pick_update(
     tracker: ContextTracker,
     session_id: str,
     body: Mapping[str, Any],
@@ -39,13 +39,13 @@ def plan_update(
 ) -> tuple[list[int], list[bytes]]:
     """(indices of the messages to tokenize and index, every message's digest); `digest` as `context_messages`."""
     messages = context_messages(body, digest)
-    plan = tracker.plan(session_id, [(digest, assistant) for digest, assistant, _ in messages])
-    return plan, [digest for digest, _, _ in messages]
+    pick = tracker.pick(session_id, [(digest, assistant) for digest, assistant, _ in messages])
+    return pick, [digest for digest, _, _ in messages]
 
 
-def planned_texts(body: Mapping[str, Any], plan: Sequence[int]) -> list[tuple[str, str]]:
-    """(framing role, text) of the planned messages, in order: a message of tool calls is framed as "calls"."""
-    wanted = set(plan)
+def picked_texts(body: Mapping[str, Any], pick: Sequence[int]) -> list[tuple[str, str]]:
+    """(framing role, text) of the picked messages, in order: a message of tool calls is framed as "calls"."""
+    wanted = set(pick)
     return [
         ("calls" if calls else role, text)
         for i, (role, _, text, calls) in enumerate(context_entries(body, wanted))
@@ -67,9 +67,9 @@ def fold_update(
     return turn, tracker.snapshot(job.session_id)
 
 
-# The worker process's side: its tracker, and the digests a plan computed until the fold that follows it.
+# The worker process's side: its tracker, and the digests a pick computed until the fold that follows it.
 _TRACKER: list[ContextTracker] = []
-_PLANNED: dict[str, list[bytes]] = {}
+_PICKED: dict[str, list[bytes]] = {}
 
 
 def tracker_settings(tracker: ContextTracker) -> dict[str, Any]:
@@ -95,15 +95,15 @@ def process_tracker() -> ContextTracker:
     return _TRACKER[0]
 
 
-def process_plan(session_id: str, body: Mapping[str, Any]) -> list[int]:
-    plan, digests = plan_update(_TRACKER[0], session_id, body)
-    _PLANNED.clear()  # one update at a time: an unfinished one's digests are stale
-    _PLANNED[session_id] = digests
-    return plan
+def process_pick(session_id: str, body: Mapping[str, Any]) -> list[int]:
+    pick, digests = pick_update(_TRACKER[0], session_id, body)
+    _PICKED.clear()  # one update at a time: an unfinished one's digests are stale
+    _PICKED[session_id] = digests
+    return pick
 
 
 def process_fold(job: FoldJob) -> tuple[TurnStats, SessionSnapshot | None]:
-    digests = job.digests if job.digests is not None else _PLANNED.pop(job.session_id, [])
+    digests = job.digests if job.digests is not None else _PICKED.pop(job.session_id, [])
     return fold_update(_TRACKER[0], job, digests)
 
 

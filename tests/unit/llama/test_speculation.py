@@ -40,12 +40,12 @@ def test_the_default_pair_is_one_server_with_oneshot_restricted(
     draft_type: str | None, server_types: tuple[str, ...], oneshot: tuple[str, ...]
 ) -> None:
     specs = default_profiles(draft_type, NGRAM)
-    plan = one_server(specs)
-    assert plan is not None and plan.host == "iterative"
-    host = next(s for s in specs if s.name == plan.host)
+    sharing = one_server(specs)
+    assert sharing is not None and sharing.host == "iterative"
+    host = next(s for s in specs if s.name == sharing.host)
     assert host.spec_types == server_types  # the server is iterative's own: a stock fallback keeps it as it is
-    assert plan.speculation("oneshot") == Speculation(types=oneshot)
-    assert plan.speculation("iterative") == Speculation()  # names nothing: the server's own behaviour
+    assert sharing.speculation("oneshot") == Speculation(types=oneshot)
+    assert sharing.speculation("iterative") == Speculation()  # names nothing: the server's own behaviour
     assert [s.name for s in first_servers(specs, shared=True)] == ["iterative"]
     assert [s.name for s in first_servers(specs, shared=False)] == ["oneshot", "iterative"]
 

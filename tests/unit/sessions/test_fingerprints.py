@@ -233,7 +233,7 @@ async def test_the_worker_process_tokenizes_itself_and_gets_what_the_event_loop_
         if not worker_tokenizes:
             backend = service.backend
             assert isinstance(backend, ProcessStatistics)
-            backend.spec = None  # the event loop tokenizes, the worker process plans and folds
+            backend.spec = None  # the event loop tokenizes, the worker process picks and folds
         worker = asyncio.create_task(service.run())
         try:
             for body in turns:

@@ -65,17 +65,17 @@ def test_tracker_turns_ewma_and_new_messages_only() -> None:
     tracker = ContextTracker(PARAMS, ewma_alpha=0.5)
     file_tokens = _tokens(5, 300)
     first_turn = [(b"sys", False), (b"u1", False)]
-    assert tracker.plan("s", first_turn) == [0, 1]
+    assert tracker.pick("s", first_turn) == [0, 1]
     tracker.on_prompt("s", "p", [b"sys", b"u1"], [_tokens(4, 50), file_tokens], now=0.0)
     first = tracker.on_output("s", "p", b"r1", file_tokens[:250], now=1.0)
     assert first.turn == 1 and first.new_prompt_tokens == 350
     # Turn 2 appends the served reply and one user message: only the user message is new.
     second_turn = [(b"sys", False), (b"u1", False), (b"r1", True), (b"u2", False)]
-    assert tracker.plan("s", second_turn) == [3]
+    assert tracker.pick("s", second_turn) == [3]
     new_tokens, _ = tracker.on_prompt("s", "p", [b"sys", b"u1", b"r1", b"u2"], [[1, 2, 3]], 2.0)
     assert new_tokens == 3
     # A rewritten history (turn 1 summarised away) costs only the messages never seen.
-    assert tracker.plan("s", [(b"sys", False), (b"summary", False), (b"r1", True), (b"u2", False)]) == [1]
+    assert tracker.pick("s", [(b"sys", False), (b"summary", False), (b"r1", True), (b"u2", False)]) == [1]
     second = tracker.on_output("s", "p", b"r2", _tokens(6, 100), now=3.0)
     snap = tracker.snapshot("s")
     assert snap is not None and snap.turns == 2
@@ -191,14 +191,14 @@ def test_a_rewritten_history_does_not_run_on_from_the_last_reply() -> None:
 
 
 def _first_turn(tracker: ContextTracker, sid: str, digests: list[bytes], texts: list[list[int]]) -> tuple[Any, ...]:
-    """A new session's first request and its reply: (plan, prompt figures, turn, indexed tokens)."""
-    plan = tracker.plan(sid, [(d, False) for d in digests])
+    """A new session's first request and its reply: (pick, prompt figures, turn, indexed tokens)."""
+    pick = tracker.pick(sid, [(d, False) for d in digests])
     roles = ["system", *(["user", "tool"] * len(texts))][: len(texts)]
-    prompt = tracker.on_prompt(sid, "p", digests, [texts[i] for i in plan], 0.0, [roles[i] for i in plan])
+    prompt = tracker.on_prompt(sid, "p", digests, [texts[i] for i in pick], 0.0, [roles[i] for i in pick])
     turn = tracker.on_output(sid, "p", b"reply-" + sid.encode(), texts[-1][:300], 1.0)
     snap = tracker.snapshot(sid)
     assert snap is not None
-    return plan, prompt, turn, snap.indexed_tokens
+    return pick, prompt, turn, snap.indexed_tokens
 
 
 def test_a_long_history_sent_again_as_a_new_session_is_indexed_once_with_the_same_figures() -> None:
@@ -221,7 +221,7 @@ def test_a_long_history_sent_again_as_a_new_session_is_indexed_once_with_the_sam
     assert (prompt_c, turn_c, indexed_c) == (prompt_d, turn_d, indexed_d)
     # The sessions are apart: a's next turn does not change what b and c started from.
     next_turn = [*[(d, False) for d in digests], (b"reply-a", True), (b"u9", False)]
-    assert tracker.plan("a", next_turn) == [5]
+    assert tracker.pick("a", next_turn) == [5]
     tracker.on_prompt("a", "p", [*digests, b"reply-a", b"u9"], [_tokens(40, 3000)], 2.0)
     plan_e, prompt_e, turn_e, indexed_e = _first_turn(tracker, "e", digests, texts)
     assert plan_e == [] and (prompt_e, turn_e, indexed_e) == (prompt_a, turn_a, indexed_a)
@@ -231,11 +231,11 @@ def test_openings_are_only_long_first_prompts_and_stay_bounded() -> None:
     tracker = ContextTracker(PARAMS, opening_tokens=10_000)
     short = [_tokens(50, 100)]
     _first_turn(tracker, "a", [b"short"], short)
-    assert tracker.plan("b", [(b"short", False)]) == [0]  # too short to keep: indexed again
+    assert tracker.pick("b", [(b"short", False)]) == [0]  # too short to keep: indexed again
     for i in range(3):  # 6,000 tokens each: the bound keeps one
         _first_turn(tracker, f"long{i}", [f"m{i}".encode()], [_tokens(60 + i, 6000)])
-    assert tracker.plan("x", [(b"m0", False)]) == [0]
-    assert tracker.plan("y", [(b"m2", False)]) == []
+    assert tracker.pick("x", [(b"m0", False)]) == [0]
+    assert tracker.pick("y", [(b"m2", False)]) == []
 
 
 def test_a_plan_whose_prompt_was_never_indexed_leaves_nothing_behind() -> None:
@@ -243,7 +243,7 @@ def test_a_plan_whose_prompt_was_never_indexed_leaves_nothing_behind() -> None:
     digests = [b"sys", b"u1", b"t1", b"u2"]
     tracker = ContextTracker(PARAMS, opening_tokens=7000)
     _first_turn(tracker, "a", digests, texts)
-    assert tracker.plan("b", [(d, False) for d in digests]) == []  # ... and its update then failed
+    assert tracker.pick("b", [(d, False) for d in digests]) == []  # ... and its update then failed
     _first_turn(tracker, "other", [b"x"], [_tokens(80, 6500)])  # the bound now keeps only this opening
     _, prompt, turn, indexed = _first_turn(tracker, "b", digests, texts)
     alone = ContextTracker(PARAMS, opening_tokens=0)
@@ -256,7 +256,7 @@ def test_a_prompt_indexed_in_part_is_not_kept_as_an_opening() -> None:
     tracker = ContextTracker(PARAMS, idle_expiry_s=10.0)
     _first_turn(tracker, "a", digests, texts)
     later = [*digests, b"reply-a", b"u3"]
-    assert tracker.plan("a", [*[(d, False) for d in digests], (b"reply-a", True), (b"u3", False)]) == [5]
-    tracker.expire(100.0)  # the session expires between its plan and its fold: its prompt is indexed in part
+    assert tracker.pick("a", [*[(d, False) for d in digests], (b"reply-a", True), (b"u3", False)]) == [5]
+    tracker.expire(100.0)  # the session expires between its pick and its fold: its prompt is indexed in part
     tracker.on_prompt("a", "p", later, [_tokens(99, 5000)], 100.0)
-    assert tracker.plan("z", [(d, False) for d in later]) == [4, 5]  # from the whole first prompt, not the part
+    assert tracker.pick("z", [(d, False) for d in later]) == [4, 5]  # from the whole first prompt, not the part
