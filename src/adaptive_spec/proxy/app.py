@@ -28,6 +28,7 @@ from adaptive_spec.llama.profiles import ProfileInfo
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.proxy.control import add_control_views
 from adaptive_spec.proxy.views import add_views
+from adaptive_spec.requests.apis import Api
 from adaptive_spec.requests.app_keys import (
     BUS,
     CLIENT,
@@ -210,7 +211,7 @@ def _own_requests(app: web.Application, probes: Sequence[ProbeRequest]) -> None:
             uuid.uuid4().hex[:16],
             own="speculation types probe",
             path=sent.path,
-            api="completion",
+            api=Api.COMPLETION,
             profile=sent.profile,
             replica=sent.replica,
             timings=timings,

@@ -31,6 +31,7 @@ from adaptive_spec.llama.binary.cpu_faults import build_identity
 from adaptive_spec.llama.speculation import merge_fields
 from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.requests.accounting import counts_of
+from adaptive_spec.requests.apis import Api
 from adaptive_spec.requests.app_keys import BUS, CLIENT, HISTORY, LIFECYCLE, MEASURING, ROUTER, UPSTREAMS
 from adaptive_spec.streams.timings import find_timings
 from adaptive_spec.telemetry.events import RequestFailed, RequestFinished
@@ -249,7 +250,7 @@ def _record(
         uuid.uuid4().hex[:16],
         own=OWN,
         path="/completion",
-        api="completion",
+        api=Api.COMPLETION,
         profile=upstream.name,
         replica=upstream.replica,
         timings=timings,

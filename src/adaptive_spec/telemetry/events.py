@@ -24,7 +24,7 @@ class _Event:
 @dataclass(frozen=True, slots=True)
 class RequestStarted(_Event):
     request_id: str
-    api: str
+    api: str  # an `Api` (requests/apis.py): a plain string below `requests/` and as read back from the feed
     project: str
     profile: str
     session_id: str | None

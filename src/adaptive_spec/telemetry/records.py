@@ -63,7 +63,7 @@ class RequestRecord:
     started_at_unix: float
     method: str
     path: str
-    api: str
+    api: str  # an `Api` (requests/apis.py): a plain string below `requests/` and as read back from a trace
     project: str
     session_id: str | None
     session_source: str | None  # how the session was recognised: header:…, body:…, echo:…, new
