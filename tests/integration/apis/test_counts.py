@@ -73,17 +73,20 @@ def _post(proxy: ProxyProcess, path: str, body: dict[str, Any], **headers: str) 
         return bytes(resp.read())
 
 
+# A streamed request a client leaves after its first chunks, while llama-server is still decoding it.
+ENDLESS = {
+    "model": "m",
+    "stream": True,
+    "max_tokens": 200_000,
+    "ignore_eos": True,
+    "messages": [{"role": "user", "content": "Count for ever."}],
+}
+
+
 def _hang_up_mid_stream(proxy: ProxyProcess) -> None:
     """A streamed request the client leaves after its first chunks, while llama-server is still decoding."""
-    body = {
-        "model": "m",
-        "stream": True,
-        "max_tokens": 200_000,
-        "ignore_eos": True,
-        "messages": [{"role": "user", "content": "Count for ever."}],
-    }
     conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
-    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    conn.request("POST", "/v1/chat/completions", json.dumps(ENDLESS), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200
     got = b""

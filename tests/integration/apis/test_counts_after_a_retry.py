@@ -19,6 +19,7 @@ from adaptive_spec.requests.accounting import Accounting, counts_of
 from adaptive_spec.streams.timings import parse_timings
 from adaptive_spec.telemetry.ledger import Counts, from_metrics
 from adaptive_spec.telemetry.records import Timings
+from tests.integration.apis.test_counts import ENDLESS
 from tests.support.processes.servers import LlamaServer, wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
@@ -56,14 +57,7 @@ async def _answer(client: aiohttp.ClientSession, url: str, content: str, max_tok
 
 async def _hang_up(client: aiohttp.ClientSession, url: str) -> None:
     """A streamed answer left after its first chunks, while llama-server is still decoding it."""
-    body = {
-        "model": "m",
-        "stream": True,
-        "max_tokens": 200_000,
-        "ignore_eos": True,
-        "messages": [{"role": "user", "content": "Count for ever."}],
-    }
-    async with client.post(url + "/v1/chat/completions", json=body) as resp:
+    async with client.post(url + "/v1/chat/completions", json=ENDLESS) as resp:
         assert resp.status == 200
         chunks = 0
         async for line in resp.content:
