@@ -27,6 +27,7 @@ from adaptive_spec.llama.probe import ProbeRequest, other_model
 from adaptive_spec.llama.profiles import ProfileInfo
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.proxy.control import add_control_views
+from adaptive_spec.proxy.sharing import share, shared_heads
 from adaptive_spec.proxy.views import add_views
 from adaptive_spec.requests.apis import Api
 from adaptive_spec.requests.app_keys import (
@@ -92,7 +93,8 @@ def _add_heads(app: web.Application, kv: KvSetup) -> None:
     """Warm starts (kv/heads/): the store where there is a slot directory to restore from."""
     if kv.heads is not None and kv.slot_dir is not None:
         try:
-            store = HeadStore(kv.heads, kv.slot_dir, lambda: app[CLIENT], kv.say or log.info, displaced(app))
+            told = shared_heads(app, kv.heads)
+            store = HeadStore(kv.heads, kv.slot_dir, lambda: app[CLIENT], kv.say or log.info, displaced(app), told)
         except (OSError, ValueError) as exc:  # an unusable directory costs the warm starts, not the proxy
             log.warning("heads: off: %s", exc)
             add_heads_views(app)
@@ -154,8 +156,9 @@ def build_app(
     if kv.remote is not None:
         app[REMOTE_PREFILL] = kv.remote
     app[RESTART] = restart
-    _add_heads(app, kv)
     app[SHARED] = shared
+    _add_heads(app, kv)
+    share(app)
     app[LIFECYCLE] = RequestLifecycle(bus, app[HISTORY], router, sessions, trace, settings.progress_interval_s, shared)
     app[STRANDED] = StrandedRequests()  # what the health poll ends when a server stops answering
     bus.listen(app[METRICS].on_event)

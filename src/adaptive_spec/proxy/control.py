@@ -15,7 +15,7 @@ from adaptive_spec.kv.slots import SlotError, slot_action
 from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.requests.app_keys import CLIENT, ROUTER, UPSTREAMS
 from adaptive_spec.requests.error_responses import error_response
-from adaptive_spec.requests.heads import HEADS
+from adaptive_spec.requests.heads import HEADS, tell_emptied
 
 _ERASE_TIMEOUT_S = 30.0
 
@@ -70,6 +70,7 @@ async def _erase_replica(request: web.Request, upstream: Upstream) -> web.Respon
     finally:
         # Whatever was reached is empty now; a half-erased server holds nothing reliable.
         router.slots_erased(upstream.name, upstream.replica)
+        tell_emptied(request.app, upstream, restarted=False)
         if (heads := request.app.get(HEADS)) is not None:
             heads.emptied(upstream)
     return None

@@ -26,7 +26,7 @@ from adaptive_spec.kv.moves import HeadRestore, SlotMove
 from adaptive_spec.llama.launch import RESTART_ON_REQUEST
 from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.policy.model import HeadsPolicy
-from adaptive_spec.requests.app_keys import BUS, MEASURING, ROUTER, UPSTREAMS
+from adaptive_spec.requests.app_keys import BUS, MEASURING, ROUTER, SHARED, UPSTREAMS
 from adaptive_spec.requests.carry_out import HeadRestorer
 from adaptive_spec.requests.gate import ACCESS, request_keys
 from adaptive_spec.requests.lifecycle import ProxyRequest
@@ -208,11 +208,15 @@ def watch_servers(app: web.Application) -> None:
     emptied: set[tuple[str, int]] = set()  # restarts asked for to empty the server: no head goes back into it
 
     def on_event(event: Event) -> None:
-        store = app.get(HEADS)
-        if store is None or not isinstance(event, ProfileUp | ProfileDown):
+        if not isinstance(event, ProfileUp | ProfileDown):
             return
         upstream, which = app[UPSTREAMS].get(event.profile, event.replica), (event.profile, event.replica)
         if upstream is None:
+            return
+        if isinstance(event, ProfileDown):
+            tell_emptied(app, upstream, restarted=True)
+        store = app.get(HEADS)
+        if store is None:
             return
         if isinstance(event, ProfileDown):
             store.server_down(upstream)
@@ -236,8 +240,17 @@ def displaced(app: web.Application) -> Callable[[Upstream], None]:
 
     def tell(upstream: Upstream) -> None:
         app[ROUTER].slots_erased(upstream.name, upstream.replica)
+        tell_emptied(app, upstream, restarted=False)
 
     return tell
+
+
+def tell_emptied(app: web.Application, upstream: Upstream, restarted: bool) -> None:
+    """This proxy saw the server's slots emptied: the other proxies are told (where the state is shared), so their
+    routers do not count on the KV they placed there."""
+    shared = app.get(SHARED)
+    if shared is not None:
+        shared.erased(upstream.base_url, restarted)
 
 
 def _one_per_server(app: web.Application) -> list[Upstream]:

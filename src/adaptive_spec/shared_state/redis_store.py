@@ -6,17 +6,21 @@ per server, scored by the end of their lease in Redis's own clock, so proxies on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from adaptive_spec.shared_state.news import HeadSaved, HeadsGone, News, SlotsErased, decode, encode
 from adaptive_spec.shared_state.store import StoreDown
 from adaptive_spec.shared_state.values import Booking, Reading, SharedPlacement
 
 PREFIX = "adaptive-spec:"
+NEWS = PREFIX + "news"  # the pub/sub channel of `tell`
+_HEADS = PREFIX + "heads"  # the ids of the heads kept (`head:<id>`), for a proxy that starts listening
+_PUBLISHED_MAX = 1024  # the most heads a proxy that starts listening reads back
 _TIMEOUT_S = 0.5  # a proxy waits this long at most before serving on without the shared state
 
 # Each script reads the time from Redis itself. A lease is a booking's score: the moment (ms) it lapses.
@@ -71,7 +75,7 @@ def redacted(url: str) -> str:
 class RedisStore:
     def __init__(self, url: str, client: Any = None) -> None:
         """`client`: a `redis.asyncio.Redis` to use instead of one made from `url`."""
-        self.label = redacted(url)
+        self.label, self._url = redacted(url), url
         self._redis: Any = client or aioredis.from_url(
             url, socket_timeout=_TIMEOUT_S, socket_connect_timeout=_TIMEOUT_S, retry_on_timeout=False
         )
@@ -101,9 +105,10 @@ class RedisStore:
         pipe.get(PREFIX + "place:" + (session_id or ""))
         # EVAL, not EVALSHA: a restarted Redis has no scripts cached, and each is a few hundred bytes.
         pipe.eval(_LIVE, len(servers), *[PREFIX + "booked:" + s for s in servers])
+        pipe.mget([PREFIX + "erased:" + s for s in servers] or [PREFIX + "erased:"])
         for server in servers:
             pipe.hgetall(PREFIX + "occupant:" + server)
-        placed, live, *occupants = await self._run(pipe.execute())
+        placed, live, erased, *occupants = await self._run(pipe.execute())
         bookings = {
             s: [b for m in members if (b := Booking.parse(s, m.decode())) is not None]
             for s, members in zip(servers, live, strict=True)
@@ -113,7 +118,9 @@ class RedisStore:
             for s, table in zip(servers, occupants, strict=True)
             if table
         }
-        return Reading(SharedPlacement.decode(placed) if session_id is not None else None, bookings, occupied)
+        stamps = {s: int(e) for s, e in zip(servers, erased, strict=False) if e is not None and e.isdigit()}
+        placement = SharedPlacement.decode(placed) if session_id is not None else None
+        return Reading(placement, bookings, occupied, stamps)
 
     async def book(self, booking: Booking, lease_s: float, force: bool) -> bool:
         args: list[str | int] = [booking.member, str(booking.slot), booking.proxy, booking.session]
@@ -143,6 +150,45 @@ class RedisStore:
             pipe.hset(PREFIX + "occupant:" + placement.server, str(slot), session_id)
             pipe.pexpire(PREFIX + "occupant:" + placement.server, ttl_ms)
         await self._run(pipe.execute())
+
+    async def tell(self, news: News, ttl_s: float) -> None:
+        ttl_ms, raw = int(ttl_s * 1000), encode(news)
+        pipe = self._redis.pipeline(transaction=False)
+        if isinstance(news, HeadSaved):
+            pipe.set(PREFIX + "head:" + news.head, raw, px=ttl_ms)
+            pipe.sadd(_HEADS, news.head)
+            pipe.pexpire(_HEADS, ttl_ms)
+        elif isinstance(news, HeadsGone) and news.heads:
+            pipe.delete(*[PREFIX + "head:" + h for h in news.heads])
+            pipe.srem(_HEADS, *news.heads)
+        elif isinstance(news, SlotsErased):
+            pipe.set(PREFIX + "erased:" + news.server, str(news.stamp_ns), px=ttl_ms)
+        pipe.publish(NEWS, raw)
+        await self._run(pipe.execute())
+
+    async def published(self) -> list[News]:
+        ids = [i.decode() for i in await self._run(self._redis.srandmember(_HEADS, _PUBLISHED_MAX))]
+        if not ids:
+            return []
+        kept = await self._run(self._redis.mget([PREFIX + "head:" + i for i in ids]))
+        if lapsed := [i for i, raw in zip(ids, kept, strict=True) if raw is None]:
+            await self._run(self._redis.srem(_HEADS, *lapsed))
+        return [n for raw in kept if (n := decode(raw)) is not None]
+
+    async def listen(self) -> AsyncGenerator[News | None, None]:
+        # A connection of its own, without the request path's short read timeout: it waits for news.
+        listener: Any = aioredis.from_url(self._url, socket_connect_timeout=_TIMEOUT_S, health_check_interval=10)
+        pubsub = listener.pubsub(ignore_subscribe_messages=True)
+        try:
+            await self._run(pubsub.subscribe(NEWS))
+            yield None
+            while True:
+                message = await self._run(pubsub.get_message(timeout=5.0))
+                if message is not None and (news := decode(message["data"])) is not None:
+                    yield news
+        finally:
+            await pubsub.aclose()
+            await listener.aclose()
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -20,6 +20,7 @@ from adaptive_spec.routing.contract import Route
 from adaptive_spec.routing.placements import Placement
 from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.grouping import echo_candidates, served_keys
+from adaptive_spec.shared_state.news import News, SlotsErased
 from adaptive_spec.shared_state.store import SharedStore, StoreDown
 from adaptive_spec.shared_state.values import UNNAMED_SLOT, Booking, Reading, SharedPlacement
 
@@ -54,6 +55,10 @@ class SharedState:
         self._down_reason = ""
         self._retry_at = 0.0
         self._writes: set[asyncio.Task[None]] = set()
+        self._erasures: dict[str, int] = {}  # server -> when its slots were last emptied, as this proxy knows (ns)
+        # Told when another proxy emptied a server's slots (its URL; whether it restarted): the proxy's router and
+        # head store forget what they knew there.
+        self.on_erased: Callable[[str, bool], None] = lambda _server, _restarted: None
         self.conflicts = 0  # bookings refused because another proxy held the slot (the request routed again)
 
     # --- the outage ---------------------------------------------------------------------------------------------
@@ -115,6 +120,9 @@ class SharedState:
         if reading is None:
             router.adopt(None, None, {})  # what the store said before is stale: this proxy's own counts alone
             return
+        for server, stamp in reading.erased.items():  # emptied since this proxy last knew (its news not heard yet)
+            if self._erased_seen(server, stamp):
+                self.on_erased(server, False)
         booked = reading.booked_elsewhere(self.proxy_id, session_id)
         router.adopt(session_id, self._placement(router, session_id, reading), booked, reading.occupants)
 
@@ -134,7 +142,9 @@ class SharedState:
             return None
         server = router.server_url(placement.profile, placement.replica)
         occupant = reading.occupants.get(server, {}).get(placement.slot if placement.slot is not None else 0)
-        return replace(placement, in_slot=placement.in_slot and occupant in (None, session_id))
+        # Written before its server's slots were emptied (erased through another proxy, or restarted): gone.
+        gone = (self._stamps.get(session_id) or 0) < reading.erased.get(server, 0)
+        return replace(placement, in_slot=placement.in_slot and occupant in (None, session_id) and not gone)
 
     # --- the booking, after route() -----------------------------------------------------------------------------
 
@@ -200,6 +210,46 @@ class SharedState:
                 await self.store.place(session_id, SharedPlacement(url, placement, stamp), slot, self.ttl_s)
 
         return self._spawn(self._call(write, None))
+
+    # --- news -----------------------------------------------------------------------------------------------------
+
+    def tell(self, news: News) -> None:
+        """Tell the other proxies (off the request path; an outage loses it: they learn it when it happens again)."""
+        self._spawn(self._call(lambda: self.store.tell(news, self.ttl_s), None))
+
+    def erased(self, server: str, restarted: bool) -> None:
+        """This proxy saw the server's slots emptied (it erased them, or the server restarted): the others' routers
+        must not count on the KV their placements name there."""
+        stamp = time.time_ns()
+        self._erased_seen(server, stamp)
+        self.tell(SlotsErased(self.proxy_id, server, restarted, stamp))
+
+    def _erased_seen(self, server: str, stamp: int) -> bool:
+        """Whether this is news: a newer emptying of the server than this proxy knew of."""
+        if stamp <= self._erasures.get(server, 0):
+            return False
+        self._erasures[server] = stamp
+        return True
+
+    async def listening(self, heard: Callable[[News], Awaitable[None]]) -> None:
+        """Run for the proxy's life: hand what the other proxies tell of heads to `heard` (the heads kept first, on
+        each (re)connection: what was told meanwhile was missed), and their servers emptied to `on_erased`. A store
+        that cannot be reached is tried again a second later."""
+        while True:
+            try:
+                async for news in self.store.listen():
+                    if news is None:
+                        for kept in await self.store.published():
+                            if kept.proxy != self.proxy_id:
+                                await heard(kept)
+                    elif isinstance(news, SlotsErased):
+                        if news.proxy != self.proxy_id and self._erased_seen(news.server, news.stamp_ns):
+                            self.on_erased(news.server, news.restarted)
+                    elif news.proxy != self.proxy_id:
+                        await heard(news)
+            except StoreDown as exc:
+                log.debug("shared state: not listening for news (%s); again in %.0f s", exc, RETRY_S)
+            await asyncio.sleep(RETRY_S)
 
     # --- background ---------------------------------------------------------------------------------------------
 

@@ -6,11 +6,13 @@ meanwhile."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Protocol
 
 from adaptive_spec.errors import AdaptiveSpecError
+from adaptive_spec.shared_state.news import HeadSaved, HeadsGone, News, SlotsErased, decode, encode
 from adaptive_spec.shared_state.values import Booking, Reading, SharedPlacement
 
 
@@ -45,6 +47,19 @@ class SharedStore(Protocol):
         """The session's placement, and that its slot (on `placement.server`) now holds it."""
         ...
 
+    async def tell(self, news: News, ttl_s: float) -> None:
+        """Send the news to every proxy listening; a head saved, and when a server's slots were emptied, are kept
+        `ttl_s` (a head removed is no longer kept)."""
+        ...
+
+    async def published(self) -> list[News]:
+        """The heads kept (`tell`) that have not expired: what a proxy that starts listening has missed."""
+        ...
+
+    def listen(self) -> AsyncGenerator[News | None, None]:
+        """The news as it is told, first None once listening (what was told before is then `published`)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -56,6 +71,7 @@ class MemoryStore:
         self._clock = clock
         self._values: dict[str, tuple[object, float]] = {}  # key -> (value, expires at)
         self._bookings: dict[str, dict[str, float]] = {}  # server -> member -> lease end
+        self._listeners: list[asyncio.Queue[bytes]] = []
         self.down = False  # a test's switch: every call raises StoreDown while it is set
 
     def _check(self) -> None:
@@ -90,7 +106,8 @@ class MemoryStore:
         raw = self._get("place:" + session_id) if session_id is not None else None
         bookings = {s: [b for m in self._live(s) if (b := Booking.parse(s, m)) is not None] for s in servers}
         occupants = {s: o for s in servers if isinstance(o := self._get("occupant:" + s), dict)}
-        return Reading(SharedPlacement.decode(raw if isinstance(raw, bytes) else None), bookings, occupants)
+        erased = {s: e for s in servers if isinstance(e := self._get("erased:" + s), int)}
+        return Reading(SharedPlacement.decode(raw if isinstance(raw, bytes) else None), bookings, occupants, erased)
 
     async def book(self, booking: Booking, lease_s: float, force: bool) -> bool:
         self._check()
@@ -121,6 +138,37 @@ class MemoryStore:
             table = dict(occupants) if isinstance(occupants, dict) else {}
             table[slot] = session_id
             self._values["occupant:" + placement.server] = (table, end)
+
+    async def tell(self, news: News, ttl_s: float) -> None:
+        self._check()
+        end = self._clock() + ttl_s
+        if isinstance(news, HeadSaved):
+            self._values["head:" + news.head] = (encode(news), end)
+        elif isinstance(news, HeadsGone):
+            for head in news.heads:
+                self._values.pop("head:" + head, None)
+        elif isinstance(news, SlotsErased):
+            self._values["erased:" + news.server] = (news.stamp_ns, end)
+        for queue in self._listeners:
+            queue.put_nowait(encode(news))
+
+    async def published(self) -> list[News]:
+        self._check()
+        kept = [self._get(k) for k in list(self._values) if k.startswith("head:")]
+        return [n for raw in kept if isinstance(raw, bytes) and (n := decode(raw)) is not None]
+
+    async def listen(self) -> AsyncGenerator[News | None, None]:
+        self._check()
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._listeners.append(queue)
+        try:
+            yield None
+            while True:
+                news = decode(await queue.get())
+                if news is not None:
+                    yield news
+        finally:
+            self._listeners.remove(queue)
 
     def flush(self) -> None:
         """Everything forgotten at once (Redis's FLUSHALL)."""

@@ -81,11 +81,13 @@ class SharedPlacement:
 class Reading:
     """What one read before routing found: the session's placement, the live bookings of each server, and which
     session each slot served last (`occupants`: a placement whose slot has served another session since is no longer
-    in the slot)."""
+    in the slot), and when each server's slots were last seen emptied (`erased`, ns: a placement written before
+    holds nothing there)."""
 
     placement: SharedPlacement | None = None
     bookings: dict[str, list[Booking]] = field(default_factory=dict)
     occupants: dict[str, dict[int, str]] = field(default_factory=dict)
+    erased: dict[str, int] = field(default_factory=dict)
 
     def booked_elsewhere(self, proxy: str, session: str | None = None) -> dict[str, dict[int, int]]:
         """The requests proxies other than `proxy` booked, per server and slot (`session`'s own aside)."""

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from adaptive_spec.routing.placements import Placement
+from adaptive_spec.shared_state.news import HeadSaved, HeadsGone, SlotsErased
 from adaptive_spec.shared_state.redis_store import RedisStore, redacted
 from adaptive_spec.shared_state.store import StoreDown
 from adaptive_spec.shared_state.values import Booking, SharedPlacement
@@ -97,3 +98,23 @@ async def test_a_stopped_server_is_an_outage_and_a_restarted_one_is_used_again(r
 
 def test_redacted() -> None:
     assert redacted("rediss://user:pw@cache.internal:6380/2") == "rediss://cache.internal:6380/2"
+
+
+@pytest.mark.asyncio
+async def test_news_is_heard_by_a_listener_and_heads_are_kept_for_a_later_one(redis_server: RedisServer) -> None:
+    a, b = RedisStore(redis_server.url), RedisStore(redis_server.url)
+    saved = HeadSaved("a", "00ff00ff00ff00ff00ff00ff", {"id": "00ff00ff00ff00ff00ff00ff"}, "/heads/x.head", "t")
+    await a.tell(saved, ttl_s=60)
+    assert await b.published() == [saved]  # what a proxy that starts listening missed
+    listening = b.listen()
+    assert await anext(listening) is None  # subscribed
+    await a.tell(SlotsErased("a", SERVER, True, 123), ttl_s=60)
+    await a.tell(HeadsGone("a", (saved.head,)), ttl_s=60)
+    assert await asyncio.wait_for(anext(listening), 5) == SlotsErased("a", SERVER, True, 123)
+    assert await asyncio.wait_for(anext(listening), 5) == HeadsGone("a", (saved.head,))
+    assert await b.published() == []  # gone: no longer kept
+    assert (await b.read(None, [SERVER, "http://10.0.0.2:8080"])).erased == {SERVER: 123}
+    assert 0 < redis_server.client().pttl("adaptive-spec:erased:" + SERVER) <= 60_000
+    await listening.aclose()
+    await a.close()
+    await b.close()

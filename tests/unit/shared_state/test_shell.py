@@ -4,6 +4,7 @@ bookings lapse."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
@@ -12,6 +13,7 @@ from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.routing.contract import Completion, FixedPolicy, Route
 from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.grouping import SessionRegistry
+from adaptive_spec.shared_state.news import HeadSaved, HeadsGone, News
 from adaptive_spec.shared_state.shell import SharedState
 from adaptive_spec.shared_state.store import MemoryStore
 from adaptive_spec.telemetry.records import Timings
@@ -192,3 +194,57 @@ def test_a_reply_served_through_another_proxy_joins_its_session() -> None:
     here.heard(dict.fromkeys(keys, sid))
     joined = here.assign({}, follow)
     assert (joined.session_id, joined.source) == (sid, "echo:reply")
+
+
+@pytest.mark.asyncio
+async def test_slots_another_proxy_erased_are_not_counted_on() -> None:
+    """Read before routing (the news itself may come later): a placement written before its server's slots were
+    emptied is out of its slot; one written after stands."""
+    store, clock = MemoryStore(Clock()), Clock()
+    a, b = Proxy(store, clock, "a"), Proxy(store, clock, "b")
+    heard: list[tuple[str, bool]] = []
+    b.shared.on_erased = lambda server, restarted: heard.append((server, restarted))
+    rid, route = await a.start("s1", 0)
+    await a.end(rid, route)
+    server = a.router.server_url("plain", route.decision.replica)
+    a.shared.erased(server, restarted=True)
+    await a.shared.settled()
+    await b.shared.before_route(b.router, "s1")
+    placement = b.router.placements.get("s1")
+    assert placement is not None and not placement.in_slot
+    assert heard == [(server, False)]  # once: b's router and head store forget that server's slots
+    await b.shared.before_route(b.router, "s1")
+    assert heard == [(server, False)]
+    rid, route = await a.start("s1", 1)  # served again there after the erasure: in its slot
+    await a.end(rid, route)
+    await b.shared.before_route(b.router, "s1")
+    placement = b.router.placements.get("s1")
+    assert placement is not None and placement.in_slot
+
+
+@pytest.mark.asyncio
+async def test_news_reaches_the_other_proxies_not_its_teller() -> None:
+    store, clock = MemoryStore(Clock()), Clock()
+    a, b = Proxy(store, clock, "a"), Proxy(store, clock, "b")
+    entry = {"id": "00ff00ff00ff00ff00ff00ff"}
+    a.shared.tell(HeadSaved("a", "00ff00ff00ff00ff00ff00ff", entry, "/heads/x.head", "t"))  # before b listens
+    await a.shared.settled()
+    got: dict[str, list[News]] = {"a": [], "b": []}
+    erased: list[tuple[str, bool]] = []
+    b.shared.on_erased = lambda server, restarted: erased.append((server, restarted))
+    tasks = []
+    for p in (a, b):
+
+        async def heard(news: News, name: str = p.shared.proxy_id) -> None:
+            got[name].append(news)
+
+        tasks.append(asyncio.get_running_loop().create_task(p.shared.listening(heard)))
+    await asyncio.sleep(0.01)
+    a.shared.tell(HeadsGone("a", ("00ff00ff00ff00ff00ff00ff",)))
+    a.shared.erased(URLS[0], restarted=True)
+    await a.shared.settled()
+    await asyncio.sleep(0.01)
+    for task in tasks:
+        task.cancel()
+    assert [type(n) for n in got["b"]] == [HeadSaved, HeadsGone]  # the kept head first, then the news
+    assert got["a"] == [] and erased == [(URLS[0], True)]

@@ -20,6 +20,7 @@ from typing import Any
 
 from adaptive_spec.kv.heads.files import (
     ENTRY,
+    adopt,
     checksum,
     file_size,
     head_path,
@@ -43,10 +44,12 @@ class HeadBook:
         max_bytes: int,
         count: Callable[[str, int], None] = lambda _name, _n: None,
         tenants: int = 1,
+        gone: Callable[[list[str]], None] = lambda _heads: None,
     ) -> None:
         """`count`: where its operations are counted (the store's counts); `tenants`: how many scopes share the
-        bound, each an equal share of it (1: the whole bound)."""
-        self.dir, self.max_bytes, self._count = directory, max_bytes, count
+        bound, each an equal share of it (1: the whole bound); `gone`: told the heads removed as damaged or deleted
+        (not those the bound evicts: the other proxies keep their own bound)."""
+        self.dir, self.max_bytes, self._count, self._gone = directory, max_bytes, count, gone
         self._tenants = max(1, tenants)
         self._shares: dict[str, int] = {}  # tenants whose policy names their share (bytes)
         self._scope_counts: dict[str, dict[str, int]] = {}  # the counts of each tenant's own heads (`count`)
@@ -177,6 +180,22 @@ class HeadBook:
             await self.forget([entry.id])
             raise
 
+    async def adopt(self, entry: HeadEntry, origin: Path) -> bool:
+        """Another proxy's head (its entry, its file at `origin`) kept here too, once its size and checksum hold;
+        whether it was (OSError: its file cannot be read)."""
+        if entry.id in self._entries or entry.id in self._saving:
+            return False
+        self._saving.add(entry.id)
+        try:
+            why = await asyncio.to_thread(adopt, origin, self.path(entry.id), entry.bytes, entry.crc)
+        finally:
+            self._saving.discard(entry.id)
+        if why is not None:
+            log.warning("heads: another proxy's head %s is not taken: %s", entry.id, why)
+            return False
+        await self.add(replace(entry, restores=0))
+        return entry.id in self._entries
+
     async def used(self, entry: HeadEntry) -> None:
         current = self._entries.get(entry.id)
         if current is None:
@@ -189,6 +208,7 @@ class HeadBook:
         if await self.forget([head]):
             self._count("removed", 1)
             log.warning("heads: %s removed: %s", head, why)
+            self._gone([head])
             await self.write_index_logged()
 
     async def forget(self, heads: Iterable[str]) -> int:
@@ -206,10 +226,13 @@ class HeadBook:
             os.close(self._lock)
             self._lock = -1
 
-    async def delete(self, heads: Iterable[str]) -> int:
-        """Remove these heads: how many were removed."""
-        removed = await self.forget(list(heads))
+    async def delete(self, heads: Iterable[str], tell: bool = True) -> int:
+        """Remove these heads: how many were removed (`tell`: told as gone, unless another proxy told it)."""
+        kept = [h for h in heads if h in self._entries]
+        removed = await self.forget(kept)
         if removed:
+            if tell:
+                self._gone(kept)
             await self.write_index_logged()
         return removed
 

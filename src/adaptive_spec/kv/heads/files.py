@@ -180,6 +180,33 @@ def take(saved: Path, head: Path) -> tuple[int, str]:
     return head.stat().st_size, checksum(head)
 
 
+def adopt(origin: Path, head: Path, size: int, crc: str) -> str | None:
+    """Another proxy's head file taken into this store under `head`: a hard link where both share a filesystem (its
+    saves replace a file, never write into it), else a private copy; None when it holds the `size` and `crc` its
+    entry says, else why not (nothing is left under `head`). OSError: it cannot be read."""
+    tmp = head.with_name(f".{head.name}.tmp")
+    unlink(tmp)
+    try:
+        try:
+            os.link(origin, tmp, follow_symlinks=False)
+        except OSError:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as out, open(os.open(origin, os.O_RDONLY | os.O_NOFOLLOW), "rb") as src:
+                shutil.copyfileobj(src, out, _CHUNK)
+                os.fsync(out.fileno())
+        if not stat.S_ISREG(tmp.lstat().st_mode):
+            return f"{origin} is not a regular file"
+        if (found := file_size(tmp)) != size:
+            return f"it holds {found} bytes, not the {size} saved"
+        if crc and (found_crc := checksum(tmp)) != crc:
+            return f"its checksum is {found_crc}, not the {crc} saved"
+        os.replace(tmp, head)
+        _sync_dir(head.parent)
+        return None
+    finally:
+        unlink(tmp)
+
+
 def checksum(path: Path) -> str:
     """A CRC-32 of the whole file (~25 ms for the 0.5B's 88 MB head when it is in the page cache): a flipped byte in
     the KV would otherwise be restored as if it were the prompt's."""

@@ -26,12 +26,13 @@ from typing import Any
 
 import aiohttp
 
-from adaptive_spec.kv.heads.activity import Mark, Verdict
+from adaptive_spec.kv.heads.activity import INERT_HEAD_S, INERT_SERVER_S, Mark, Verdict
 from adaptive_spec.kv.heads.book import HeadBook
 from adaptive_spec.kv.heads.files import sweep_slot_files, unlink
 from adaptive_spec.kv.heads.matching import (
     MIN_HEAD_TOKENS,
     NO_TENANT,
+    HeadEntry,
     Match,
     chain,
     covered_but_last,
@@ -43,7 +44,7 @@ from adaptive_spec.kv.heads.matching import (
 from adaptive_spec.kv.heads.server import fresh, slot_free
 from adaptive_spec.kv.heads.slot_io import SLOT_PREFIX, SlotIO
 from adaptive_spec.kv.heads.tables import HeadTables
-from adaptive_spec.kv.heads.values import HeadsConfig, HeadsView, Restored, SavedTurn
+from adaptive_spec.kv.heads.values import HeadsConfig, HeadsTold, HeadsView, NoOneTold, Restored, SavedTurn
 from adaptive_spec.kv.moves import HeadRestore
 from adaptive_spec.kv.slots import SlotError
 from adaptive_spec.llama.upstreams import Upstream
@@ -62,9 +63,11 @@ class HeadStore:
         client: Callable[[], aiohttp.ClientSession],
         say: Callable[[str], None] = log.info,
         displaced: Callable[[Upstream], None] = lambda _upstream: None,
+        told: HeadsTold | None = None,
     ) -> None:
         """`displaced`: told when a slot action the server deferred behind a request acted on that request's KV (the
-        proxy tells its router: that server's slots hold nothing it knows of)."""
+        proxy tells its router: that server's slots hold nothing it knows of); `told`: the other proxies' head stores
+        (shared state), told what they should know."""
         if config.directory is None:
             raise ValueError("HeadsConfig.directory: resolve the state directory's heads/ first")
         self.config, self.slot_dir, self._client, self._say = config, slot_dir, client, say
@@ -85,7 +88,8 @@ class HeadStore:
             0,
         )
         tenants = len(set(config.project_keys.values()) | {NO_TENANT}) if config.project_keys else 1
-        self.book = HeadBook(config.directory, config.max_bytes, self._count, tenants)
+        self.told = told or NoOneTold()
+        self.book = HeadBook(config.directory, config.max_bytes, self._count, tenants, self.told.gone)
         with contextlib.suppress(OSError):  # what a save or restore cut short left in the slot directory
             if swept := sweep_slot_files(slot_dir, SLOT_PREFIX):
                 log.info("heads: %d slot files a cut save or restore left in %s removed", swept, slot_dir)
@@ -252,6 +256,27 @@ class HeadStore:
         """Its slots were erased: no head is held there any more."""
         self._tables.emptied(upstream.base_url)
 
+    # -- what other proxies told (shared state) --------------------------------------------------------------------
+
+    async def adopt(self, entry: HeadEntry, origin: Path) -> None:
+        """A head another proxy saved, its file at `origin` (a folder this proxy reaches): kept here too, checked
+        as it is taken; a failure is logged and leaves this store as it was."""
+        try:
+            if await self.book.adopt(entry, origin):
+                log.info("heads: took %s (%d tokens) that another proxy saved", entry.id, entry.prompt_tokens)
+        except OSError as exc:
+            log.warning("heads: another proxy's head %s could not be read: %s", entry.id, exc)
+
+    async def heard_gone(self, heads: Sequence[str]) -> None:
+        """Heads another proxy removed (damaged, or deleted by a user): removed here too."""
+        await self.book.delete(heads, tell=False)
+
+    def heard_inert(self, server: str, head: str, head_s: float, server_s: float) -> None:
+        """Another proxy's restore of `head` on `server` was inert: not tried there for `head_s` (nor any for
+        `server_s`)."""
+        now = time.monotonic()
+        self._tables.heard_inert(server, head, now + head_s, now + server_s if server_s > 0 else None)
+
     async def settled(self) -> None:
         """Wait for the saves and warm starts under way (tests, shutdown)."""
         while self._tasks:
@@ -337,6 +362,9 @@ class HeadStore:
             )
             return
         self._count("inert")
+        self.told.inert(
+            upstream.base_url, restored.head, INERT_HEAD_S, INERT_SERVER_S if verdict is Verdict.INERT else 0
+        )
         if verdict is Verdict.HEAD:
             log.warning(
                 "heads: %s restored %s (%d tokens) but the prompt reused %d; the server reuses others, so only that "
@@ -396,6 +424,8 @@ class HeadStore:
         self, upstream: Upstream, when: str, on_fresh: Callable[[], None], restore: bool, own_tokens: int = 0
     ) -> None:
         self.server_down(upstream)
+        if upstream.upstream_model is None and not isinstance(self.told, NoOneTold):
+            await self._io.key(upstream)  # other proxies' heads may come any time: a request then finds its key known
         if upstream.upstream_model is not None or not await fresh(self._client(), upstream, own_tokens):
             return  # a server that has served prompts holds sessions' KV: a head must not displace it
         on_fresh()
@@ -473,6 +503,8 @@ class HeadStore:
             held = await self._io.save_idle(upstream, slot, head, (key, links), mark)
             if held is not None:
                 self._tables.hold(upstream.base_url, slot or 0, held)
+                if (entry := self.book.entry(hid)) is not None:
+                    self.told.saved(entry, self.book.path(hid))
         finally:
             self.book.save_ended(hid)
             await asyncio.to_thread(unlink, self.slot_dir / f"{SLOT_PREFIX}{hid}.bin")

@@ -95,6 +95,13 @@ class HeadTables:
         """A restore there was reused."""
         self._activity.reused(server)
 
+    def heard_inert(self, server: str, head: str, until: float, server_until: float | None) -> None:
+        """Another proxy found a restore of `head` on `server` inert: not restored there until `until`; with
+        `server_until`, restores pause there until then."""
+        self._activity.inert_heads[(server, head)] = max(until, self._activity.inert_heads.get((server, head), 0.0))
+        if server_until is not None:
+            self._activity.inert[server] = max(server_until, self._activity.inert.get(server, 0.0))
+
     def judge(self, server: str, restored: Restored, scope: str, now: float) -> tuple[Verdict, int]:
         """A restore on `server` its request did not reuse: whose fault (`ServerActivity.judge`), and how many heads
         in a row."""

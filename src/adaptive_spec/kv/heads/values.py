@@ -3,9 +3,10 @@ and a served turn to keep."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from adaptive_spec.kv.heads.matching import DEFAULT_MAX_BYTES, HeadEntry, ServerKey
 
@@ -73,3 +74,27 @@ class HeadsView:
     held: Mapping[int, Restored]  # by slot: the head it holds, no request having come to the server since
     restore_bytes_per_s: float
     any_prefix: bool  # the server resumes a restored slot at any token (`SlotIO.any_prefix`)
+
+
+class HeadsTold(Protocol):
+    """Whom the store tells what other proxies' head stores should know (`shared_state/heads.py`; by default no
+    one): a head saved and where its file is, heads removed, a restore its server made inert."""
+
+    def saved(self, entry: HeadEntry, path: Path) -> None: ...
+
+    def gone(self, heads: Sequence[str]) -> None: ...
+
+    def inert(self, server: str, head: str, head_s: float, server_s: float) -> None: ...
+
+
+class NoOneTold:
+    """One proxy alone: nothing is told."""
+
+    def saved(self, entry: HeadEntry, path: Path) -> None:
+        return None
+
+    def gone(self, heads: Sequence[str]) -> None:
+        return None
+
+    def inert(self, server: str, head: str, head_s: float, server_s: float) -> None:
+        return None

@@ -1,0 +1,113 @@
+"""Two `serve` processes sharing one real redis-server (`--shared-state`) and one real llama-server (the tiny
+random-weight model), each with its own state directory on one host: a head saved through one proxy is restored
+through the other for a new session (its record says so, and llama-server's `cache_n` shows it); a head deleted
+through one is gone from the other; slots erased through one are not counted on by the other."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.processes.redis import RedisServer
+from tests.support.processes.servers import LlamaServer, ProxyProcess, chat_record, http_json, wait_until
+
+SYSTEM = "You are a coding agent. Rules:\n" + "\n".join(
+    f"{i}. Keep function_{i} small, typed and tested; never edit file_{i}.py without reading it." for i in range(40)
+)
+MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Write hello.py."}]
+
+
+@pytest.fixture
+def server(llama_server_binary: str, tiny_gguf: Path, tmp_path: Path) -> Iterator[tuple[LlamaServer, Path]]:
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    args = ("-c", "8192", "--parallel", "1", "--spec-type", "none", "--slot-save-path", str(slots))
+    started = LlamaServer(llama_server_binary, tiny_gguf, *args, log_dir=tmp_path / "logs")
+    yield started, slots
+    started.stop()
+
+
+def _proxies(server: tuple[LlamaServer, Path], home: Path, *extra: str) -> list[ProxyProcess]:
+    url, slots = server[0].url, server[1]
+    out = []
+    for name in ("a", "b"):
+        env = {"ADAPTIVE_SPEC_STATE_DIR": str(home / name / "state"), "ADAPTIVE_SPEC_CONFIG_DIR": str(home / name)}
+        out.append(ProxyProcess("--profile", f"plain={url}", "--slot-dir", str(slots), *extra, env=env))
+    return out
+
+
+def _heads(proxy: ProxyProcess, count: int) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + 30
+    while len(heads := http_json(proxy.base + "/adaptive/heads")["heads"]) != count:
+        assert time.monotonic() < deadline, (heads, proxy.log())
+        time.sleep(0.1)
+    return list(heads)
+
+
+def _erase_directly(server: LlamaServer) -> None:
+    """The slot emptied behind both proxies' backs: what a session then reuses, a restore put there."""
+    http_json(f"{server.url}/slots/0?action=erase", {})
+
+
+def test_a_head_saved_through_one_proxy_is_restored_through_the_other(
+    server: tuple[LlamaServer, Path], redis_server: RedisServer, tmp_path: Path
+) -> None:
+    a, b = _proxies(server, tmp_path, "--shared-state", redis_server.url)
+    try:
+        cold = chat_record(a, MESSAGES, 4, **{"x-session-id": "first"})
+        (saved,) = _heads(a, 1)
+        (taken,) = _heads(b, 1)  # told through Redis, taken from a's folder, its checksum checked
+        assert taken["id"] == saved["id"] and taken["bytes"] == saved["bytes"]
+        _erase_directly(server[0])
+        warm = chat_record(b, MESSAGES, 4, **{"x-session-id": "second"})
+        assert "warm: head of" in warm["reason"], (warm["reason"], b.log())
+        assert warm["timings"]["cache_n"] >= int(saved["tokens"]) - 1, warm["timings"]
+        assert warm["text"] == cold["text"]
+        # Deleted through a: gone from b too.
+        req = urllib.request.Request(f"{a.base}/adaptive/heads/{saved['id']}", method="DELETE")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert resp.status == 200
+        _heads(b, 0)
+    finally:
+        for proxy in (a, b):
+            proxy.stop()
+
+
+def test_without_the_shared_state_the_other_proxy_prefills(server: tuple[LlamaServer, Path], tmp_path: Path) -> None:
+    """The same through two proxies that share nothing: the other proxy has no head to restore (the test above can
+    fail)."""
+    a, b = _proxies(server, tmp_path)
+    try:
+        chat_record(a, MESSAGES, 4, **{"x-session-id": "first"})
+        _heads(a, 1)
+        _erase_directly(server[0])
+        cold = chat_record(b, MESSAGES, 4, **{"x-session-id": "second"})
+        assert "warm: head of" not in cold["reason"] and cold["timings"]["cache_n"] < 10, cold
+        assert http_json(b.base + "/adaptive/heads")["heads"] == []
+    finally:
+        for proxy in (a, b):
+            proxy.stop()
+
+
+def _in_slot(proxy: ProxyProcess, session: str) -> bool:
+    placements = http_json(proxy.base + "/adaptive/route")["placements"]
+    return bool(next(p for p in placements if p["session_id"] == session)["in_slot"])
+
+
+def test_slots_erased_through_one_proxy_are_not_counted_on_by_the_other(
+    server: tuple[LlamaServer, Path], redis_server: RedisServer, tmp_path: Path
+) -> None:
+    a, b = _proxies(server, tmp_path, "--shared-state", redis_server.url, "--no-heads")
+    try:
+        chat_record(b, MESSAGES, 4, **{"x-session-id": "kept"})
+        assert _in_slot(b, "kept")
+        http_json(a.base + "/adaptive/profiles/plain/erase", {})
+        wait_until(lambda: not _in_slot(b, "kept"), 10, "b to hear that a erased the slots")
+    finally:
+        for proxy in (a, b):
+            proxy.stop()
