@@ -154,6 +154,22 @@ class HeadsPolicy:
     share_gb: float = _key(0.0, "with project keys: this project's share of the heads' bound in GiB (0: equal)", 0)
 
 
+REDIS_SCHEMES = ("redis", "rediss", "unix")  # the URLs the shared state takes
+
+
+@dataclass(frozen=True, slots=True)
+class SharedStatePolicy:
+    """Several `serve` processes sharing sessions, placements, slot bookings and heads through one Redis: read from
+    the proxy's own policy (`--policy`, else the shipped one) once, at start; `--shared-state` stands over it, and a
+    project's or workspace's file does not change it."""
+
+    url: str = _key("", 'the Redis URL, without a password ("": this process alone)')
+    lease_s: float = _key(15.0, "seconds a slot booking outlives a proxy that stopped renewing it", 0, low_open=True)
+    ttl_s: float = _key(
+        3600.0, "seconds a session's placement and echoes are kept after its last turn", 0, low_open=True
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Policy:
     """The effective policy: built-in defaults with the overlays of `sources` applied in order."""
@@ -164,6 +180,7 @@ class Policy:
     handoff: HandoffPolicy = field(default_factory=HandoffPolicy)
     agents: AgentsPolicy = field(default_factory=AgentsPolicy)
     heads: HeadsPolicy = field(default_factory=HeadsPolicy)
+    shared_state: SharedStatePolicy = field(default_factory=SharedStatePolicy)
     sources: tuple[str, ...] = ()  # files this policy was built from, in order (empty = built-in defaults)
 
 
@@ -174,6 +191,7 @@ TABLES: dict[str, type[Any]] = {
     "handoff": HandoffPolicy,
     "agents": AgentsPolicy,
     "heads": HeadsPolicy,
+    "shared_state": SharedStatePolicy,
 }
 Overlay = dict[str, dict[str, Any]]
 # dotted key → its valid range, from the declarations

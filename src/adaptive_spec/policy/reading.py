@@ -10,9 +10,10 @@ import tomllib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
+from urllib.parse import urlsplit
 
 from adaptive_spec.errors import ConfigError
-from adaptive_spec.policy.model import RANGES, TABLES, Overlay, Policy, apply, toml_literal
+from adaptive_spec.policy.model import RANGES, REDIS_SCHEMES, TABLES, Overlay, Policy, apply, toml_literal
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,8 @@ def _check_value(dotted: str, kind: str, value: Any) -> tuple[Any, list[str]]:
     """(converted value, problems) for one key; the value is None when there are problems."""
     if kind == "tuple[str, ...]":
         return _check_strings(value)
+    if kind == "str":
+        return (value, []) if isinstance(value, str) else (None, [f"expected a string, {_got(value)}"])
     if kind == "str | None":
         if not isinstance(value, str):
             return None, [f'expected a profile name, or "" for none, {_got(value)}']
@@ -151,6 +154,22 @@ def _check_profiles(route: dict[str, Any], known: Collection[str] | None, report
         del route["force"]
 
 
+def _check_redis_url(shared: dict[str, Any], report: _Report) -> None:
+    """A Redis URL of a scheme the shared state takes, and no password: a policy is shown (`policy show`,
+    /adaptive/route), so a password goes in `--shared-state` instead."""
+    url = shared.get("url")
+    if not url:
+        return
+    parts = urlsplit(url)
+    if parts.scheme not in REDIS_SCHEMES:
+        schemes = ", ".join(s + "://" for s in REDIS_SCHEMES)
+        report("shared_state.url", f"{parts.scheme or 'no scheme'!r} is not a Redis URL ({schemes})")
+        del shared["url"]
+    elif parts.password is not None:
+        report("shared_state.url", "holds a password, which a policy shows: give that URL with --shared-state")
+        del shared["url"]
+
+
 def parse_overlay(
     text: str, source: str, known_profiles: Collection[str] | None = None
 ) -> tuple[Overlay, list[Problem]]:
@@ -178,6 +197,8 @@ def parse_overlay(
             parsed = _parse_table(table, values, report)
             if table == "route":
                 _check_profiles(parsed, known_profiles, report)
+            if table == "shared_state":
+                _check_redis_url(parsed, report)
             if parsed:
                 overlay[table] = parsed
     problems.sort(key=lambda p: p.line or 0)

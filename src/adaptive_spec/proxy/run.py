@@ -48,6 +48,7 @@ from adaptive_spec.llama.profiles import (
 )
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.policy.files import PolicyStore, config_dir
+from adaptive_spec.policy.model import SharedStatePolicy
 from adaptive_spec.proxy.app import KvSetup, build_app
 from adaptive_spec.proxy.app_stop import stop_app
 from adaptive_spec.proxy.connections import WatchedSite, watch_connections
@@ -61,6 +62,7 @@ from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker
 from adaptive_spec.sessions.token_source import choose_tokenizer
 from adaptive_spec.sessions.tokenizers import CachingTokenizer
+from adaptive_spec.shared_state.options import SharedStateSettings
 from adaptive_spec.shared_state.redis_store import RedisStore
 from adaptive_spec.shared_state.shell import SharedState
 from adaptive_spec.telemetry.bus import EventBus
@@ -303,7 +305,7 @@ async def _app(run: _Run, policies: PolicyStore, table: UpstreamTable, bus: Even
     mismatch = replica_mismatch(infos) or model_mismatch(infos) or speculation_problem(infos)
     if mismatch:
         raise ProfileMismatchError(mismatch)
-    shared = _shared(settings)
+    shared = _shared(settings, policies.policy_for("default", None).shared_state)
     sessions = await _sessions(settings, client, table, infos, bus, shared.proxy_id if shared is not None else None)
     trace = _trace(settings, infos)
     slot_dir = run.run_dir / "slots" if run.run_dir is not None else settings.slot_dir
@@ -332,14 +334,20 @@ async def _app(run: _Run, policies: PolicyStore, table: UpstreamTable, bus: Even
     )
 
 
-def _shared(settings: ServeSettings) -> SharedState | None:
-    """The state shared with other proxies, when `--shared-state` names it (reached on the first request: a store
-    down at start is an outage like any other)."""
-    sp = settings.shared_state
+def _shared(settings: ServeSettings, policy: SharedStatePolicy) -> SharedState | None:
+    """The state shared with other proxies, where `--shared-state` or the proxy's policy (`[shared_state]`, read
+    once, here) names it (reached on the first request: a store down at start is an outage like any other)."""
+    sp = settings.shared_state or (
+        SharedStateSettings(policy.url, policy.lease_s, policy.ttl_s) if policy.url else None
+    )
     if sp is None:
         return None
     shared = SharedState(RedisStore(sp.url), sp.lease_s, sp.ttl_s)
-    say(f"shared state: {shared.store.label} (this proxy: {shared.proxy_id}; bookings lapse after {sp.lease_s:g} s)")
+    where = "" if settings.shared_state is not None else ", from the policy's [shared_state]"
+    say(
+        f"shared state: {shared.store.label} (this proxy: {shared.proxy_id}; bookings lapse after {sp.lease_s:g} s"
+        f"{where})"
+    )
     return shared
 
 

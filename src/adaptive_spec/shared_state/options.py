@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from adaptive_spec.errors import ConfigError
-
-SCHEMES = ("redis", "rediss", "unix")
+from adaptive_spec.policy.model import REDIS_SCHEMES as SCHEMES
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,8 +23,9 @@ def add_shared_state_arguments(serve: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--shared-state",
         metavar="URL",
-        help="share sessions, placements and slot bookings with the other serve processes using this Redis "
-        "(redis://HOST:PORT/DB; redis://:PASSWORD@HOST:PORT/DB; rediss:// for TLS); default: this process alone",
+        help="share sessions, placements, slot bookings and heads with the other serve processes using this Redis "
+        "(redis://HOST:PORT/DB; redis://:PASSWORD@HOST:PORT/DB; rediss:// for TLS); stands over the policy's "
+        "[shared_state] table; default: that table's url, else this process alone",
     )
     group.add_argument(
         "--shared-state-lease-s",

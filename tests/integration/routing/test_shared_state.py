@@ -3,7 +3,7 @@ tiny random-weight model, two slots each): agent conversations replayed with eac
 land where their KV is, with the same `prompt_n` on every turn as through one proxy (two sessions given one slot at
 once would evict each other: their next turns would re-prefill); without the shared state they do not. Then the
 faults: Redis stopped, restarted and flushed under load (every request served, said once, sharing resumes), and a
-proxy killed mid-stream (its bookings lapse, the other serves on)."""
+proxy killed mid-stream (its bookings lapse, the other serves on); and the URL given in the policy file."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -330,3 +332,29 @@ def test_a_proxy_killed_mid_stream_its_bookings_lapse_the_other_serves_on(
     finally:
         for proxy in pair:
             proxy.stop()
+
+
+def test_the_policy_file_names_the_shared_state(
+    servers: list[LlamaServer], redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """`[shared_state] url` in the proxy's own policy file, instead of `--shared-state`; a bad one stops `serve` at
+    start, naming the file, the key and the line."""
+    policy = tmp_path / "policy.toml"
+    policy.write_text(f'[shared_state]\nlease_s = 9\nurl = "{redis_server.url}"\n')
+    proxies = _proxies(servers, tmp_path, 2, "--policy", str(policy))
+    try:
+        _post(proxies[0], {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, {})
+        health = [http_json(p.base + "/adaptive/health")["shared_state"] for p in proxies]
+        assert [(h["store"], h["reachable"]) for h in health] == [(redis_server.url, True)] * 2, health
+        assert any(
+            "from the policy's [shared_state]" in line for line in proxies[0].stderr_lines + proxies[0].stdout_lines
+        )
+        assert _booked(redis_server) == [] and redis_server.client().keys("adaptive-spec:place:*")
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+    policy.write_text('[shared_state]\nurl = "http://10.0.0.9:6379"\n')
+    argv = [sys.executable, "-m", "adaptive_spec", "serve", "--policy", str(policy), "--port", "0"]
+    done = subprocess.run([*argv, "--profile", f"plain={servers[0].url}"], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert f"{policy}:shared_state.url:2: 'http' is not a Redis URL" in done.stderr, done.stderr

@@ -159,7 +159,10 @@ def test_every_number_without_a_declared_range_is_a_boolean_or_not_a_number() ->
             "a.toml:route.zzz:2: unknown key (keys: profiles, force, hysteresis, min_dwell_turns, explore, max_queue, "
             "hold_beside_plain, adapt_draft_length, speculate_max_busy)",
         ),
-        ("[zzz]\n", "a.toml:zzz:1: unknown table (tables: route, first_turn, estimator, handoff, agents, heads)"),
+        (
+            "[zzz]\n",
+            "a.toml:zzz:1: unknown table (tables: route, first_turn, estimator, handoff, agents, heads, shared_state)",
+        ),
         ("route = 3\n", "a.toml:route:1: expected a table [route], got integer 3"),
         ("[route]\nhysteresis = 1.5\n", "a.toml:route.hysteresis:2: must be between 0 and 1, got 1.5"),
         ("[route]\nexplore = -0.1\n", "a.toml:route.explore:2: must be between 0 and 0.5, got -0.1"),
@@ -216,7 +219,7 @@ def test_load_policy_raises_with_the_problems_of_all_files() -> None:
         load_policy([("a.toml", "[route]\nexplore = 1\n"), ("b.toml", "[x]\n")])
     assert str(caught.value) == (
         "a.toml:route.explore:2: must be between 0 and 0.5, got 1\nb.toml:x:1: unknown table (tables: route, "
-        "first_turn, estimator, handoff, agents, heads)"
+        "first_turn, estimator, handoff, agents, heads, shared_state)"
     )
     assert [p.file for p in caught.value.problems] == ["a.toml", "b.toml"]
     assert isinstance(caught.value, ValueError) and isinstance(caught.value, ConfigError)
@@ -267,3 +270,19 @@ def test_policy_to_toml_reads_back_to_the_same_policy() -> None:
     text = policy_to_toml(policy)
     assert text.startswith("# from: a.toml\n")
     assert load_policy([("a.toml", text)]) == policy
+
+
+def test_the_shared_state_url_is_a_redis_url_without_a_password() -> None:
+    overlay, problems = parse_overlay('[shared_state]\nurl = "redis://10.0.0.9:6379/0"\nlease_s = 5\n', "a.toml")
+    assert overlay == {"shared_state": {"url": "redis://10.0.0.9:6379/0", "lease_s": 5.0}} and problems == []
+    text = '[shared_state]\nttl_s = 60\nurl = "http://10.0.0.9:6379"\n'
+    assert _problems(text) == [
+        "a.toml:shared_state.url:3: 'http' is not a Redis URL (redis://, rediss://, unix://)",
+    ]
+    assert _problems('[shared_state]\nurl = "redis://:secret@10.0.0.9/0"\n') == [
+        "a.toml:shared_state.url:2: holds a password, which a policy shows: give that URL with --shared-state",
+    ]
+    assert _problems("[shared_state]\nurl = 6379\nlease_s = 0\n") == [
+        "a.toml:shared_state.url:2: expected a string, got integer 6379",
+        "a.toml:shared_state.lease_s:3: must be greater than 0, got 0",
+    ]
