@@ -1,7 +1,8 @@
 """Two `serve` processes sharing one real redis-server (`--shared-state`) and one real llama-server (the tiny
 random-weight model), each with its own state directory on one host: a head saved through one proxy is restored
 through the other for a new session (its record says so, and llama-server's `cache_n` shows it); a head deleted
-through one is gone from the other; slots erased through one are not counted on by the other."""
+through one is gone from the other; slots erased through one are not counted on by the other. And Redis on a host of
+its own (a network namespace, `tests/support/processes/hosts.py`), the proxies on another."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.processes.hosts import Hosts
 from tests.support.processes.redis import RedisServer
 from tests.support.processes.servers import LlamaServer, ProxyProcess, chat_record, http_json, wait_until
 
@@ -111,3 +113,60 @@ def test_slots_erased_through_one_proxy_are_not_counted_on_by_the_other(
     finally:
         for proxy in (a, b):
             proxy.stop()
+
+
+def test_redis_on_a_host_of_its_own_and_its_link_down_meanwhile(
+    llama_server_binary: str, tiny_gguf: Path, tmp_path: Path
+) -> None:
+    """Redis in a network namespace of its own, the proxies (and their llama-server) in another: every call to Redis
+    crosses a veth. The head goes from one proxy to the other through it; with Redis's link down the proxies serve on
+    from their own state (and say so), and share again once it is back."""
+    hosts = Hosts(["redis", "proxies"])
+    started: list[Any] = []
+    try:
+        (tmp_path / "redis").mkdir()
+        redis_host, here = hosts.address("redis"), hosts.address("proxies")
+        # A password: a Redis beyond loopback takes none without one (protected mode), as a real deployment.
+        redis_server = RedisServer(tmp_path / "redis", "hosts-redis-pass", host=redis_host, wrap=hosts.run("redis"))
+        started.append(redis_server)
+        slots = tmp_path / "slots"
+        slots.mkdir()
+        args = ("-c", "8192", "--parallel", "1", "--spec-type", "none", "--slot-save-path", str(slots))
+        server = LlamaServer(
+            llama_server_binary, tiny_gguf, *args, log_dir=tmp_path, host=here, wrap=hosts.run("proxies")
+        )
+        started.append(server)
+        a, b = (
+            ProxyProcess(
+                *("--profile", f"plain={server.url}", "--slot-dir", str(slots), "--shared-state", redis_server.url),
+                *("--host", here, "--insecure-no-key"),  # the switch is the test's own: only this process reaches it
+                env={"ADAPTIVE_SPEC_STATE_DIR": str(tmp_path / n), "ADAPTIVE_SPEC_CONFIG_DIR": str(tmp_path / n)},
+                host=here,
+                wrap=hosts.run("proxies"),
+            )
+            for n in ("a", "b")
+        )
+        started += [a, b]
+        cold = chat_record(a, MESSAGES, 4, **{"x-session-id": "first"})
+        (saved,) = _heads(a, 1)
+        _heads(b, 1)
+        http_json(f"{server.url}/slots/0?action=erase", {})
+        warm = chat_record(b, MESSAGES, 4, **{"x-session-id": "second"})
+        assert "warm: head of" in warm["reason"] and warm["text"] == cold["text"], warm["reason"]
+        assert warm["timings"]["cache_n"] >= int(saved["tokens"]) - 1
+        hosts.link_down("redis")
+        out = chat_record(b, [{"role": "user", "content": "while Redis is away"}], 2, **{"x-session-id": "third"})
+        assert out["status"] == 200
+        assert http_json(b.base + "/adaptive/health")["shared_state"]["reachable"] is False
+        hosts.link_up("redis")
+
+        def shared_again() -> bool:
+            chat_record(b, [{"role": "user", "content": "and back"}], 2, **{"x-session-id": "fourth"})
+            return bool(http_json(b.base + "/adaptive/health")["shared_state"]["reachable"])
+
+        wait_until(shared_again, 30, "b to reach Redis again", interval=1.2)
+    finally:
+        for process in reversed(started):
+            process.stop()
+        hosts.close()
+    assert hosts.left() == []

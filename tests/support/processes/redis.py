@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -29,10 +30,14 @@ def redis_binary() -> str:
 
 
 class RedisServer:
-    """`redis-server` with nothing saved to disk, on 127.0.0.1 and a port of its own."""
+    """`redis-server` with nothing saved to disk, on 127.0.0.1 and a port of its own; or on `host`, the address of a
+    host of `tests/support/processes/hosts.py` whose `run` prefix is `wrap`."""
 
-    def __init__(self, work: Path, password: str | None = None) -> None:
+    def __init__(
+        self, work: Path, password: str | None = None, host: str = "127.0.0.1", wrap: Sequence[str] = ()
+    ) -> None:
         self.binary, self.work, self.password = redis_binary(), work, password
+        self.host, self.wrap = host, list(wrap)
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
@@ -40,10 +45,21 @@ class RedisServer:
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self) -> None:
-        argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        argv = [
+            *self.wrap,
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
         argv += ["--dir", str(self.work)] + (["--requirepass", self.password] if self.password else [])
         log = (self.work / "redis.log").open("ab")
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -67,4 +83,5 @@ class RedisServer:
             self.proc = None
         # Its port refuses connections from now on (nothing else was given it).
         with socket.socket() as probe:
-            assert probe.connect_ex(("127.0.0.1", self.port)) != 0
+            probe.settimeout(5)
+            assert probe.connect_ex((self.host, self.port)) != 0
