@@ -102,3 +102,14 @@ def test_a_first_request_ends_once_with_what_was_restored_for_it() -> None:
     tables.begin("r2", None)
     assert tables.end("r1") == (True, restored) and tables.end("r1") == (False, None)
     assert tables.end("r2") == (True, None) and tables.end("r3") == (False, None)
+
+
+def test_a_verdict_another_proxy_heard_keeps_that_head_off_that_server() -> None:
+    tables, one, two = HeadTables(), _entry(b"one"), _entry(b"two")
+    tables.heard_inert(A, one.id, until=100.0, server_until=None)
+    assert _view(tables, A, one, two, now=50.0)[1] == [two.id]
+    assert _view(tables, B, one, two, now=50.0)[1] == [one.id, two.id]
+    assert _view(tables, A, one, two, now=100.0)[1] == [one.id, two.id]  # it lapses as the teller's does
+    assert not tables.paused(A, 50.0)
+    tables.heard_inert(A, two.id, until=700.0, server_until=600.0)
+    assert tables.paused(A, 500.0) and not tables.paused(A, 600.0)
