@@ -76,3 +76,15 @@ async def test_a_verdict_told_is_heard_by_the_planner(tmp_path: Path) -> None:
     await shared.heard(HeadInert("a", "http://10.0.0.1:8080", "00ff00ff00ff00ff00ff00ff", 3600.0, 600.0))
     assert store.describe()["inert_servers"] == ["http://10.0.0.1:8080"]
     await store.close()
+
+
+@pytest.mark.asyncio
+async def test_a_head_gone_from_the_other_folder_meanwhile_is_skipped_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store, shared = _store(tmp_path, "b")
+    entry, path = _saved(tmp_path)
+    path.unlink()  # evicted there after it was told (read back by a proxy that starts listening)
+    await shared.heard(HeadSaved("a", entry.id, entry.to_json(), str(path), tenants_digest({})))
+    assert store.book.heads() == [] and not [r for r in caplog.records if r.levelname == "WARNING"]
+    await store.close()

@@ -264,6 +264,8 @@ class HeadStore:
         try:
             if await self.book.adopt(entry, origin):
                 log.info("heads: took %s (%d tokens) that another proxy saved", entry.id, entry.prompt_tokens)
+        except FileNotFoundError:  # evicted or deleted there since it was told: nothing to take
+            log.info("heads: another proxy's head %s is no longer in its folder", entry.id)
         except OSError as exc:
             log.warning("heads: another proxy's head %s could not be read: %s", entry.id, exc)
 
