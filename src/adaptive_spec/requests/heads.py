@@ -208,15 +208,11 @@ def watch_servers(app: web.Application) -> None:
     emptied: set[tuple[str, int]] = set()  # restarts asked for to empty the server: no head goes back into it
 
     def on_event(event: Event) -> None:
-        if not isinstance(event, ProfileUp | ProfileDown):
+        store = app.get(HEADS)
+        if store is None or not isinstance(event, ProfileUp | ProfileDown):
             return
         upstream, which = app[UPSTREAMS].get(event.profile, event.replica), (event.profile, event.replica)
         if upstream is None:
-            return
-        if isinstance(event, ProfileDown):
-            tell_emptied(app, upstream, restarted=True)
-        store = app.get(HEADS)
-        if store is None:
             return
         if isinstance(event, ProfileDown):
             store.server_down(upstream)
@@ -226,6 +222,8 @@ def watch_servers(app: web.Application) -> None:
 
             def erased() -> None:  # a restarted server holds no session's KV: the router must not count on it
                 app[ROUTER].slots_erased(*which)
+                # Nor the other proxies' (told once it is known fresh: a server only slow to answer keeps its KV).
+                tell_emptied(app, upstream, restarted=True)
 
             store.warm_start(upstream, "after a restart", erased, restore=which not in emptied)
             emptied.discard(which)
