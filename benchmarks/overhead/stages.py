@@ -53,7 +53,7 @@ from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.requests import outgoing
 from adaptive_spec.requests.body.parse import ParsedRequest, parse_body, split_path
 from adaptive_spec.requests.forwarding.outcome import SERVED
-from adaptive_spec.requests.lifecycle import Prepared, ProxyRequest, RequestLifecycle
+from adaptive_spec.requests.lifecycle import Prepared, ProxyRequest, RequestLifecycle, Routed
 from adaptive_spec.routing.contract import FixedPolicy, Route, RouteRequest
 from adaptive_spec.routing.prompt import prefix
 from adaptive_spec.routing.prompt.pieces import Piece, prompt_pieces
@@ -194,14 +194,13 @@ async def _serve(
     )
     c.ms["route"] = c.ms.get("route", 0.0) + (time.perf_counter_ns() - started) / 1e6
     assert isinstance(routed, Route)
-    req.route = routed
     upstream = table.get("plain")
     assert upstream is not None
+    req.to = Routed(upstream, 1, routed)
     c.time("upstream body", lambda: outgoing.upstream_body(req, upstream, False))
     req.meter.output.add([served[0]], served[1])
     req.meter._take({"timings": {"prompt_n": max(1, prompt_tokens - cached), "cache_n": cached, "predicted_n": 40}})
-    req.outcome = SERVED
-    c.time("finish", lambda: lifecycle.finish("POST", agent.path, req))
+    c.time("finish", lambda: lifecycle.finish("POST", agent.path, req, SERVED))
     await _worker(c, service)
 
 

@@ -18,6 +18,8 @@ from dataclasses import replace
 
 import aiohttp
 
+from adaptive_spec.requests.forwarding.outcome import Outcome
+from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.telemetry.ledger import Counts, Ledger, busy, from_metrics
 from adaptive_spec.telemetry.records import Timings
 
@@ -54,6 +56,18 @@ def counts_of(timings: Timings | None, generating: bool) -> Counts | None:
         timings.prompt_ms,
         timings.predicted_ms,
     )
+
+
+def forward_counts(generates: bool, meter: ResponseMeter, outcome: Outcome | None) -> Counts | None:
+    """What the answer said llama-server counted for one forward; None where it may have done work the answer did
+    not show (a client that hung up, a stream cut, a task ended): the ledger's next quiet reading says it."""
+    if not generates:
+        return Counts()
+    if outcome is not None and outcome.finished:
+        return counts_of(meter.timings, True)
+    if outcome is not None and not outcome.client_gone and outcome.status >= 400 and meter.pieces == 0:
+        return Counts()  # refused before any work (a 4xx from llama-server, nothing reached): nothing counted
+    return None
 
 
 def with_counts(timings: Timings | None, counts: Counts) -> Timings:

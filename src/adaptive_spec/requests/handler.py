@@ -15,7 +15,7 @@ from aiohttp import web
 from adaptive_spec.access.rules import KEY_PARAMETER
 from adaptive_spec.common.headers import PROFILE_HEADER, REQUEST_ID_HEADER
 from adaptive_spec.llama.upstreams import Upstream
-from adaptive_spec.requests.accounting import counts_of, usage_of
+from adaptive_spec.requests.accounting import forward_counts, usage_of
 from adaptive_spec.requests.apis import sent_as, traits
 from adaptive_spec.requests.app_keys import (
     CLIENT,
@@ -37,7 +37,7 @@ from adaptive_spec.requests.carry_out import carry_out
 from adaptive_spec.requests.error_responses import answer
 from adaptive_spec.requests.forwarding.forward import Forwarding, Hooks, forward
 from adaptive_spec.requests.forwarding.keepalive import PrefillKeepAlive
-from adaptive_spec.requests.forwarding.outcome import CLIENT_GONE, SERVED, SHUTDOWN, Outcome
+from adaptive_spec.requests.forwarding.outcome import CLIENT_GONE, NOT_ANSWERED, SERVED, SHUTDOWN, Outcome
 from adaptive_spec.requests.forwarding.stranded import STRANDED
 from adaptive_spec.requests.gate import routed_path
 from adaptive_spec.requests.gemini.request import gemini_target, to_chat
@@ -51,7 +51,7 @@ from adaptive_spec.requests.heads import (
     served,
     views,
 )
-from adaptive_spec.requests.lifecycle import Prepared, ProxyRequest, Rewrite, Sent
+from adaptive_spec.requests.lifecycle import Prepared, ProxyRequest, Rewrite, Routed
 from adaptive_spec.requests.measured_speeds import measured
 from adaptive_spec.requests.outgoing import (
     BodyTooLarge,
@@ -69,7 +69,6 @@ from adaptive_spec.sessions.project import workspace_path_from_request
 from adaptive_spec.sessions.tokenizers import CachingTokenizer
 from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.streams.output import LiveText
-from adaptive_spec.telemetry.ledger import Counts
 
 log = logging.getLogger(__name__)
 # A body from this size on (a ~40k-token history) is parsed, grouped and routed in turns with the other streams' chunks.
@@ -77,8 +76,8 @@ _LARGE_BODY = 128 * 1024
 _BOOKING_TRIES = 3
 
 
-async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
-    """Read and check the body, find the session, choose the profile: an upstream, or the refusal to answer."""
+async def _prepare(request: web.Request, req: ProxyRequest) -> Routed | Outcome:
+    """Read and check the body, find the session, choose the profile: where it goes, or the refusal to answer."""
     settings = request.app[SETTINGS]
     try:
         req.body = await read_body(request, settings.max_body_bytes)
@@ -88,28 +87,30 @@ async def _prepare(request: web.Request, req: ProxyRequest) -> Upstream | Outcom
     if request.method != "POST" and traits(req.routed.api).translated_to:  # nothing llama-server could answer
         return Outcome(405, f"{request.method} is not allowed here: send the request as a POST", "method_not_allowed")
     if request.method == "POST" and traits(req.routed.api).generates:
-        result = _read(request, req)
+        result = read(request, req)
         if isinstance(result, RequestProblem):
             return Outcome(400, result.message, result.code, result.param)
         large = len(req.body) >= _LARGE_BODY
         if large:  # a long history's parse took a millisecond: other streams' chunks go out before it is grouped
             await asyncio.sleep(0)
         await _recall(request, result)
-        req.prepared = prepared = await _grouped(request, req, result)
+        req.prepared = prepared = await group(request, req, result)
         if large:  # ... and before it is routed
             await asyncio.sleep(0)
         pinned = choose_upstream(request, request.app[UPSTREAMS]) if request.headers.get(PROFILE_HEADER) else None
         if isinstance(pinned, Outcome):
             return pinned
-        req.rewrite = _rewrite(request, req, prepared)  # before routing: the server sees what is estimated
-        return await _route(request, req)
+        req.rewrite = rewrite(request, req, prepared)  # before routing: the server sees what is estimated
+        return await route(request, req)
     chosen = choose_upstream(request, request.app[UPSTREAMS])
-    if isinstance(chosen, Upstream):
-        req.replica, req.pool_size = chosen.replica, len(request.app[UPSTREAMS].replicas(chosen.name))
-    return chosen
+    return _routed(request.app, chosen) if isinstance(chosen, Upstream) else chosen
 
 
-def _read(request: web.Request, req: ProxyRequest) -> ParsedRequest | RequestProblem:
+def _routed(app: web.Application, chosen: Upstream, made: Route | None = None) -> Routed:
+    return Routed(chosen, len(app[UPSTREAMS].replicas(chosen.name)), made)
+
+
+def read(request: web.Request, req: ProxyRequest) -> ParsedRequest | RequestProblem:
     """The body parsed and checked; a Gemini body translated into the chat completion llama-server is sent, whose
     bytes then stand for the request's (routing, sessions and the trace read what llama-server reads)."""
     api = req.routed.api
@@ -133,7 +134,7 @@ async def _recall(request: web.Request, parsed: ParsedRequest) -> None:
         service.registry.heard(await shared.recall(parsed.body))
 
 
-async def _grouped(request: web.Request, req: ProxyRequest, parsed: ParsedRequest) -> Prepared:
+async def group(request: web.Request, req: ProxyRequest, parsed: ParsedRequest) -> Prepared:
     """The parsed request with the workspace its agent reveals (scanned once: for the project and the policy), its
     session, its project and their policy (for a pair seen the first time, its files read in a thread: the one place
     a request reads a policy file)."""
@@ -151,7 +152,7 @@ async def _grouped(request: web.Request, req: ProxyRequest, parsed: ParsedReques
     return Prepared(parsed, workspace, assignment, project, await asyncio.to_thread(policies.load, project, workspace))
 
 
-def _rewrite(request: web.Request, req: ProxyRequest, prepared: Prepared) -> Rewrite | None:
+def rewrite(request: web.Request, req: ProxyRequest, prepared: Prepared) -> Rewrite | None:
     """The body to send upstream when it is not the client's: a shape llama-server refuses rewritten, an agent's
     loop on one tool call broken. The router estimates and places that body (it is what the server's cache will
     hold); the client's body still goes to the session statistics."""
@@ -173,33 +174,34 @@ def _rewrite(request: web.Request, req: ProxyRequest, prepared: Prepared) -> Rew
     return Rewrite(body, orjson.dumps(body), fixed.note if fixed is not None else None, guarded)
 
 
-async def _failover(request: web.Request, req: ProxyRequest, failed: Upstream, outcome: Outcome) -> Upstream | None:
+async def _failover(request: web.Request, req: ProxyRequest, failed: Routed, outcome: Outcome) -> Routed | None:
     """`failed` refused the connection, or stopped answering and the request was ended (nothing came back): mark it
     down (the health watch brings it back) and, in a pool, route the request again among the replicas still up. A
     session whose KV lived there is re-placed and re-prefills. None: no other replica is up, the refusal stands (this
     request's 503; the replica is marked down all the same, so the next request gets a 503 at once instead of trying
     it again)."""
-    table = request.app[UPSTREAMS]
-    if table.replica_down_reason(failed.name, failed.replica) is None:  # the health poll may have said so first
+    table, up = request.app[UPSTREAMS], failed.upstream
+    if table.replica_down_reason(up.name, up.replica) is None:  # the health poll may have said so first
         why = "refused connections" if outcome.code == "upstream_unreachable" else "stopped answering"
-        table.mark_down(failed.name, why, failed.replica, watch=True)
-    if req.pool_size <= 1:
+        table.mark_down(up.name, why, up.replica, watch=True)
+    if failed.pool_size <= 1:
         return None
-    if not any(table.replica_down_reason(failed.name, u.replica) is None for u in table.replicas(failed.name)):
+    if not any(table.replica_down_reason(up.name, u.replica) is None for u in table.replicas(up.name)):
         return None
-    log.warning("request %s: nothing came back from %s; trying another replica", req.request_id, failed.label)
+    log.warning("request %s: nothing came back from %s; trying another replica", req.request_id, up.label)
     req.meter = ResponseMeter()
-    if req.route is None:
-        chosen = choose_upstream(request, table, failed.name)
-        return chosen if isinstance(chosen, Upstream) else None
-    # Its load comes off the refused replica; nothing was served, nothing is learned.
-    request.app[ROUTER].complete(req.route, Completion(ok=False))
-    req.route = None
-    routed = await _route(request, req)
-    return routed if isinstance(routed, Upstream) else None
+    if failed.route is None:
+        chosen = choose_upstream(request, table, up.name)
+        return _routed(request.app, chosen) if isinstance(chosen, Upstream) else None
+    # Its load comes off the refused replica; nothing was served, nothing is learned. Where it went stays, for the
+    # record, if it is refused now.
+    request.app[ROUTER].complete(failed.route, Completion(ok=False))
+    req.to = Routed(up, failed.pool_size)
+    routed = await route(request, req)
+    return routed if isinstance(routed, Routed) else None
 
 
-async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
+async def route(request: web.Request, req: ProxyRequest) -> Routed | Outcome:
     """A generating request: the router decides its profile, replica and slot, and moves the session's KV for it."""
     app, prepared = request.app, req.prepared
     assert prepared is not None
@@ -244,18 +246,16 @@ async def _route(request: web.Request, req: ProxyRequest) -> Upstream | Outcome:
     )
     routed = await _route_shared(app, asked, req.request_id)
     if isinstance(routed, Refusal):
-        req.refusal, req.profile = routed, routed.decision.profile if routed.decision else req.profile
+        req.refusal = routed
         return Outcome(routed.status, routed.message, routed.code)
     first = arrived(request, req, routed)  # its session's first request on that server: a head may be restored
     async with moving_kv(app, routed):  # inside the head store's accounting: its lock, the filled slot counted
         routed = await carry_out(app[ROUTER], app[MOVER], routed, restorer(app) if first else None)
     if first:
         began(request, req, routed.restored)
-    req.route, req.profile = routed, routed.profile
     chosen = app[UPSTREAMS].get(routed.profile, routed.replica)
     assert chosen is not None  # the router routes to the table's own profiles and replicas
-    req.replica, req.pool_size = chosen.replica, len(app[UPSTREAMS].replicas(chosen.name))
-    return chosen
+    return _routed(app, chosen, routed)
 
 
 async def _route_shared(app: web.Application, asked: RouteRequest, request_id: str) -> Route | Refusal:
@@ -306,43 +306,53 @@ async def proxy_view(request: web.Request) -> web.StreamResponse:
     task = asyncio.current_task()
     if task is not None:
         lifecycle.handlers[req.request_id] = task
+    outcome = NOT_ANSWERED
     try:
-        chosen = await _prepare(request, req)
-        if isinstance(chosen, Outcome):
-            req.outcome = chosen
-            refused = answer(chosen)
-            refused.headers[REQUEST_ID_HEADER] = req.request_id  # every answer names its record
-            return refused
-        before_forward(request, req, chosen)  # counted by the head store: a save waiting on its slot is dropped
-        lifecycle.announce(req)
-        keepalive = _keepalive(request, req)
-        resp, outcome = await _forward_once(request, req, chosen, keepalive)
-        while (
-            outcome.unreachable
-            and (not resp.prepared or (keepalive is not None and keepalive.owns(resp)))  # keep-alives are no answer
-            and (other := await _failover(request, req, chosen, outcome))
-        ):
-            chosen = other
-            forwarded_again(request, req, chosen)  # counted by the head store as any forward
-            resp, outcome = await _forward_once(request, req, chosen, keepalive)
-        if keepalive is not None and keepalive.owns(resp):  # failed over to no one: the stream ends with the error
-            resp = await keepalive.end_with_error(outcome.error or "", outcome.code or "upstream_error")
-        req.outcome = _client_gone(req, stopping=lifecycle.stopping) if outcome.client_gone else outcome
-        served(request, req, chosen)  # warm starts: learn from the restore, save a new head (kv/heads/)
-        if not resp.prepared:
-            resp.headers[REQUEST_ID_HEADER] = req.request_id
+        resp, outcome = await _handle(request, req)
         return resp
     except (ConnectionResetError, asyncio.CancelledError):
         # aiohttp cancels the handler when the client goes away; forward() has closed the upstream connection.
         # A client that hangs up right after the stream's end marker got the whole answer.
-        req.outcome = _client_gone(req, stopping=lifecycle.stopping)
+        outcome = _client_gone(req, stopping=lifecycle.stopping)
         raise
     except Exception as exc:
-        req.outcome = Outcome(500, f"internal error: {exc!r}")
+        outcome = Outcome(500, f"internal error: {exc!r}")
         raise
     finally:
         lifecycle.handlers.pop(req.request_id, None)
-        lifecycle.finish(request.method, request.path, req)
+        lifecycle.finish(request.method, request.path, req, outcome)
+
+
+async def _handle(request: web.Request, req: ProxyRequest) -> tuple[web.StreamResponse, Outcome]:
+    """The request's stages in their order: prepared and routed (`_prepare`: a `Routed`, or the refusal), sent
+    (`_forward_once`, again on another replica after a failover), served (the head store learns); the answer and
+    how the request ended."""
+    lifecycle = request.app[LIFECYCLE]
+    to = await _prepare(request, req)
+    if isinstance(to, Outcome):
+        refused = answer(to)
+        refused.headers[REQUEST_ID_HEADER] = req.request_id  # every answer names its record
+        return refused, to
+    req.to = to
+    before_forward(request, req, to.upstream)  # counted by the head store: a save waiting on its slot is dropped
+    lifecycle.announce(req)
+    keepalive = _keepalive(request, req)
+    resp, outcome = await _forward_once(request, req, to.upstream, keepalive)
+    while (
+        outcome.unreachable
+        and (not resp.prepared or (keepalive is not None and keepalive.owns(resp)))  # keep-alives are no answer
+        and (other := await _failover(request, req, to, outcome))
+    ):
+        req.to = to = other
+        forwarded_again(request, req, to.upstream)  # counted by the head store as any forward
+        resp, outcome = await _forward_once(request, req, to.upstream, keepalive)
+    if keepalive is not None and keepalive.owns(resp):  # failed over to no one: the stream ends with the error
+        resp = await keepalive.end_with_error(outcome.error or "", outcome.code or "upstream_error")
+    outcome = _client_gone(req, stopping=lifecycle.stopping) if outcome.client_gone else outcome
+    served(request, req, to.upstream, outcome)  # warm starts: learn from the restore, save a new head (kv/heads/)
+    if not resp.prepared:
+        resp.headers[REQUEST_ID_HEADER] = req.request_id
+    return resp, outcome
 
 
 def _keepalive(request: web.Request, req: ProxyRequest) -> PrefillKeepAlive | None:
@@ -358,8 +368,9 @@ def _keepalive(request: web.Request, req: ProxyRequest) -> PrefillKeepAlive | No
 async def _forward_once(
     request: web.Request, req: ProxyRequest, chosen: Upstream, keepalive: PrefillKeepAlive | None = None
 ) -> tuple[web.StreamResponse, Outcome]:
-    app, routed, lifecycle = request.app, req.routed, request.app[LIFECYCLE]
-    settings = app[SETTINGS]
+    """The sending stage: the body sent (a `Sent`, given to the request for its record) and the one `Forwarding`
+    made of it, forwarded; what llama-server counted for it booked whatever happened (`requests/accounting.py`)."""
+    app, routed, lifecycle, settings = request.app, req.routed, request.app[LIFECYCLE], request.app[SETTINGS]
     watched = lifecycle.watched or settings.feed_content
     req.sent = sent = upstream_body(req, chosen, watched)
     if settings.feed_content and req.parsed is not None and req.parsed.stream and traits(routed.api).progress:
@@ -368,52 +379,27 @@ async def _forward_once(
     lifecycle.accounting.forwarded(chosen.base_url)
     outcome: Outcome | None = None
     try:
-        answered = await _forward_counted(request, req, chosen, keepalive, sent, watched)
-        outcome = answered[1]
-        return answered
+        reading = settings.read_timeout_s
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s, sock_read=reading)
+        out = Forwarding(
+            upstream=chosen,
+            path_qs=upstream_target(request, chosen, routed),
+            body=sent.body,
+            api=routed.api,
+            timeout=timeout,
+            started=req.started,
+            extra_headers=extra_headers(req, chosen),
+            strip=sent.strip,
+            gemini=req.gemini,
+        )
+        # Nothing to publish per chunk when nobody watched at the start (no per-token timings were asked for).
+        progress = (lambda: lifecycle.progress(req)) if watched else None
+        hooks = Hooks(progress, lambda: lifecycle.stopping, app[STRANDED])
+        resp, outcome = await forward(request, (app[CLIENT], app[FRESH_CLIENT]), out, req.meter, keepalive, hooks)
+        return resp, outcome
     finally:
-        counted, known = _counted(req, outcome), usage_of(req.meter.timings)
+        generates = traits(routed.api).generates
+        counted, known = forward_counts(generates, req.meter, outcome), usage_of(req.meter.timings)
         unseen = lifecycle.accounting.ended(app[CLIENT], chosen.base_url, req.request_id, counted, known)
         if unseen is not None:
             req.unseen.append(unseen)
-
-
-def _counted(req: ProxyRequest, outcome: Outcome | None) -> Counts | None:
-    """What the answer said llama-server counted for this forward; None where it may have done work the answer did
-    not show (a client that hung up, a stream cut, a task ended): the ledger's next quiet reading says it."""
-    if not traits(req.routed.api).generates:
-        return Counts()
-    if outcome is not None and outcome.finished:
-        return counts_of(req.meter.timings, True)
-    if outcome is not None and not outcome.client_gone and outcome.status >= 400 and req.meter.pieces == 0:
-        return Counts()  # refused before any work (a 4xx from llama-server, nothing reached): nothing counted
-    return None
-
-
-async def _forward_counted(
-    request: web.Request,
-    req: ProxyRequest,
-    chosen: Upstream,
-    keepalive: PrefillKeepAlive | None,
-    sent: Sent,
-    watched: bool,
-) -> tuple[web.StreamResponse, Outcome]:
-    app, routed, lifecycle, settings = request.app, req.routed, request.app[LIFECYCLE], request.app[SETTINGS]
-    timeout = aiohttp.ClientTimeout(
-        total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
-    )
-    out = Forwarding(
-        upstream=chosen,
-        path_qs=upstream_target(request, chosen, routed),
-        body=sent.body,
-        api=routed.api,
-        timeout=timeout,
-        started=req.started,
-        extra_headers=extra_headers(req, chosen),
-        strip=sent.strip,
-        gemini=req.gemini,
-    )
-    # Nothing to publish per chunk when nobody watched at the start (no per-token timings were asked for).
-    progress = (lambda: lifecycle.progress(req)) if watched else None
-    hooks = Hooks(progress, lambda: lifecycle.stopping, app[STRANDED])
-    return await forward(request, (app[CLIENT], app[FRESH_CLIENT]), out, req.meter, keepalive, hooks)

@@ -28,6 +28,7 @@ from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.policy.model import HeadsPolicy
 from adaptive_spec.requests.app_keys import BUS, MEASURING, ROUTER, SHARED, UPSTREAMS
 from adaptive_spec.requests.carry_out import HeadRestorer
+from adaptive_spec.requests.forwarding.outcome import Outcome
 from adaptive_spec.requests.gate import ACCESS, request_keys
 from adaptive_spec.requests.lifecycle import ProxyRequest
 from adaptive_spec.routing.contract import Route
@@ -128,9 +129,9 @@ def moving_kv(app: web.Application, route: Route) -> contextlib.AbstractAsyncCon
     return store.moving(upstream, at.slot, locked=isinstance(move, SlotMove))
 
 
-def served(request: web.Request, req: ProxyRequest, chosen: Upstream) -> None:
+def served(request: web.Request, req: ProxyRequest, chosen: Upstream, outcome: Outcome) -> None:
     try:
-        _served(request.app, req, chosen, _scope(request))
+        _served(request.app, req, chosen, outcome.status, _scope(request))
     except Exception:  # as above: the request was served; only the head is lost
         log.exception("heads: request %s: its head is not kept", req.request_id)
 
@@ -162,13 +163,13 @@ def _route_blocks(req: ProxyRequest) -> tuple[tuple[bytes, ...], ...]:
     return blocks if req.route is not None and len(blocks) == len(req.route.pieces) else ()
 
 
-def _served(app: web.Application, req: ProxyRequest, chosen: Upstream, scope: str) -> None:
+def _served(app: web.Application, req: ProxyRequest, chosen: Upstream, status: int, scope: str) -> None:
     store, route, timings = app.get(HEADS), req.route, req.meter.timings
     if store is None or route is None:
         return
     arriving, restored = store.end(req.request_id)
     mark = store.mark_of(req.request_id)
-    if timings is None or req.outcome.status != 200 or req.assignment is None or not route.pieces:
+    if timings is None or status != 200 or req.assignment is None or not route.pieces:
         return
     policy = heads_policy(req)
     if not policy.enabled:

@@ -12,12 +12,13 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.policy.model import Policy
 from adaptive_spec.requests.accounting import HOLD_S, Accounting, with_counts
 from adaptive_spec.requests.apis import traits
 from adaptive_spec.requests.body.parse import ParsedRequest, RoutedPath
 from adaptive_spec.requests.body.repeats import Guarded
-from adaptive_spec.requests.forwarding.outcome import NOT_ANSWERED, Outcome
+from adaptive_spec.requests.forwarding.outcome import Outcome
 from adaptive_spec.requests.gemini.request import GeminiCall
 from adaptive_spec.routing.contract import Completion, Refusal, Route
 from adaptive_spec.routing.decision import Decision
@@ -79,28 +80,36 @@ class Sent:
     speculation: dict[str, Any] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """Where a request goes, made once by the stage that chooses it: the upstream (one server of its profile's pool),
+    how many servers that pool has, and the router's route (None: a request that does not generate, sent to the
+    profile it names; a route completed before a failover routes it again)."""
+
+    upstream: Upstream
+    pool_size: int = 1
+    route: Route | None = None
+
+
 @dataclass
 class ProxyRequest:
-    """One request's own state while it is handled (never shared between tasks): what it is (its id, path, client),
-    what the proxy read of it (`prepared`, once) and sends instead (`rewrite`, once), where it went (`route` or
-    `refusal`), what it was sent as (`sent`, by each forward) and how it ended (`outcome`), each a value of its own,
-    and the meter of its answer."""
+    """One request's own state while it is handled (never shared between tasks): what it is (its id, path, the
+    profile it names, its client), what the proxy read of it (`prepared`, once) and sends instead (`rewrite`, once),
+    where it went (`to`, a `Routed`) or why not (`refusal`), what it was sent as (`sent`, by each forward), each a
+    value of its own made by one stage, and the meter of its answer. How it ended is the `Outcome` its lifecycle's
+    `finish` is given."""
 
     request_id: str
     routed: RoutedPath
-    profile: str
+    named: str  # the profile its header names, else the default: what it is sent to unless routed elsewhere
     started: float = field(default_factory=time.perf_counter)
     started_unix: float = field(default_factory=time.time)
     body: bytes = b""
     client: str | None = None  # the agent, from its User-Agent
     prepared: Prepared | None = None  # a generating request, once parsed and grouped
     rewrite: Rewrite | None = None  # None: the client's body is what goes upstream
-    route: Route | None = None  # routed: counted in the router's load until it is completed
+    to: Routed | None = None  # its route is counted in the router's load until it is completed
     refusal: Refusal | None = None  # the router could not route it
-    replica: int = 0  # which server of the profile's pool it was sent to
-    pool_size: int = 1  # how many servers that profile has
-    outcome: Outcome = NOT_ANSWERED  # how it ended, from the first refusal to the last chunk
-    announced: bool = False
     meter: ResponseMeter = field(default_factory=ResponseMeter)
     last_progress: tuple[float, Timings | None] = (0.0, None)
     sent: Sent | None = None  # the body its last forward sent, given by the forward that made it
@@ -124,6 +133,26 @@ class ProxyRequest:
     def project(self) -> str:
         """Its session's project; before it is grouped (or for a request that is not), its path's or the default."""
         return self.prepared.project if self.prepared is not None else self.routed.project or DEFAULT_PROJECT
+
+    @property
+    def route(self) -> Route | None:
+        return self.to.route if self.to is not None else None
+
+    @property
+    def profile(self) -> str:
+        """The profile it went to: a refusal's decision's, else its upstream's, else the one it names."""
+        if self.refusal is not None and self.refusal.decision is not None:
+            return self.refusal.decision.profile
+        return self.to.upstream.name if self.to is not None else self.named
+
+    @property
+    def replica(self) -> int:
+        """Which server of its profile's pool it was sent to."""
+        return self.to.upstream.replica if self.to is not None else 0
+
+    @property
+    def pool_size(self) -> int:
+        return self.to.pool_size if self.to is not None else 1
 
     @property
     def decision(self) -> Decision | None:
@@ -178,9 +207,8 @@ class RequestLifecycle:
 
     def announce(self, req: ProxyRequest) -> None:
         """RequestStarted, once: when the request is forwarded, or at its end if it never was."""
-        if req.announced:
+        if req.request_id in self.in_flight:
             return
-        req.announced = True
         assignment, decision = req.assignment, req.decision
         started = RequestStarted(
             request_id=req.request_id,
@@ -227,13 +255,13 @@ class RequestLifecycle:
             )
         )
 
-    def finish(self, method: str, path: str, req: ProxyRequest) -> None:
-        """The request's end, however it went: the profile's load comes down first, a session learns from a request
-        served in full, then exactly one record goes to the history, the bus and the trace."""
-        self._learn(req)
-        record = _record(method, path, req, req.outcome.finished)
+    def finish(self, method: str, path: str, req: ProxyRequest, outcome: Outcome) -> None:
+        """The request's end, however it went (`outcome`): the profile's load comes down first, a session learns from
+        a request served in full, then exactly one record goes to the history, the bus and the trace."""
+        self._learn(req, outcome.finished)
+        record = _record(method, path, req, outcome)
         as_json = record.to_json()
-        self._publish(req, record, as_json)
+        self._publish(req, record, as_json, outcome.finished)
         self._trace(req, as_json)
         if req.unseen:  # counted again once llama-server's counters say what it did for the request
             task = asyncio.get_running_loop().create_task(self._counted(req, record))
@@ -253,10 +281,10 @@ class RequestLifecycle:
         before = record.to_json().get("timings") or {}
         self.bus.publish(RequestCounted(record=counted.to_json(), before=before))
 
-    def _learn(self, req: ProxyRequest) -> None:
+    def _learn(self, req: ProxyRequest, finished: bool) -> None:
         """The router's load comes down whatever happened (`complete`); a request served in full is learned from,
         by the router and by the session's statistics."""
-        finished, meter, assignment = req.outcome.finished, req.meter, req.assignment
+        meter, assignment = req.meter, req.assignment
         line_moved = False
         if req.route is not None:
             done = Completion(finished, meter.timings, meter.output.text, meter.output.kept_share())
@@ -285,7 +313,7 @@ class RequestLifecycle:
                 raw_body=req.body,
             )
 
-    def _publish(self, req: ProxyRequest, record: RequestRecord, as_json: dict[str, Any]) -> None:
+    def _publish(self, req: ProxyRequest, record: RequestRecord, as_json: dict[str, Any], finished: bool) -> None:
         """The record into the history, and its events: started (if it never was), the last live text, and one
         finished-or-failed."""
         self.history.add(record)
@@ -293,7 +321,7 @@ class RequestLifecycle:
         if req.meter.live is not None:
             self.progress(req, last_one=True)
         self.in_flight.pop(req.request_id, None)
-        self.bus.publish(RequestFinished(record=as_json) if req.outcome.finished else RequestFailed(record=as_json))
+        self.bus.publish(RequestFinished(record=as_json) if finished else RequestFailed(record=as_json))
 
     def _trace(self, req: ProxyRequest, as_json: dict[str, Any]) -> None:
         trace = self.trace
@@ -305,8 +333,8 @@ class RequestLifecycle:
             log.exception("could not write the trace line for request %s", req.request_id)
 
 
-def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> RequestRecord:
-    assignment, decision, meter, route = req.assignment, req.decision, req.meter, req.route
+def _record(method: str, path: str, req: ProxyRequest, outcome: Outcome) -> RequestRecord:
+    assignment, decision, meter, route, finished = req.assignment, req.decision, req.meter, req.route, outcome.finished
     total_ms = (time.perf_counter() - req.started) * 1000.0
     return RequestRecord(
         request_id=req.request_id,
@@ -320,9 +348,9 @@ def _record(method: str, path: str, req: ProxyRequest, finished: bool) -> Reques
         subagent=assignment.subagent if assignment else False,
         profile=req.profile,
         stream=req.parsed.stream if req.parsed is not None else False,
-        status=req.outcome.status,
+        status=outcome.status,
         outcome="finished" if finished else "failed",
-        error=req.outcome.error,
+        error=outcome.error,
         timings=meter.timings,
         ttft_ms=meter.first_token_ms,
         ttst_ms=meter.second_token_ms,

@@ -106,9 +106,9 @@ async def test_an_overflow_answered_after_the_keep_alives_is_anthropics_error_ev
         lifecycle = proxy.app[LIFECYCLE]
         finish = lifecycle.finish
 
-        def finished(method: str, path: str, req: ProxyRequest) -> None:
-            outcomes.append(req.outcome)
-            finish(method, path, req)
+        def finished(method: str, path: str, req: ProxyRequest, outcome: Outcome) -> None:
+            outcomes.append(outcome)
+            finish(method, path, req, outcome)
 
         monkeypatch.setattr(lifecycle, "finish", finished)
         try:
