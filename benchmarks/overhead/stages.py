@@ -1,4 +1,5 @@
-"""The proxy's own work per request, stage by stage, with real agents' bodies grown to long histories.
+"""The proxy's own work per request, stage by stage, with real agents' bodies grown to long histories: the
+request handler's own named stages, called as it calls them.
 
 Run:  .venv/bin/python -m benchmarks.overhead.stages --fixtures DIR [--sizes 10000,50000,100000] [--reps 15]
       [--cases next,next-noid,first-noid,again-noid] [--tokenizer tiktoken|endpoint]
@@ -7,9 +8,10 @@ Run:  .venv/bin/python -m benchmarks.overhead.stages --fixtures DIR [--sizes 100
 DIR holds the recorded agent requests (`<agent>.jsonl`, see `benchmarks/harness/agent_bodies.py` for how they are
 grown). For each agent and history size a session is replayed: the grown request is served (parsed, grouped, routed,
 finished with llama-server-shaped timings, its statistics folded in), then the next turn (the same history plus one
-small file read) is timed stage by stage, calling the same functions the request handler calls, in its order, on a
-fresh copy of that state each repetition. No instrumentation is compiled into the proxy: the stages are timed from
-here.
+small file read) is timed stage by stage: the handler's stage functions (`requests/handler.py`: `read`, `group`,
+`rewrite`, `route`; the sending stage's `outgoing.upstream_body`; the lifecycle's `finish`) called in its order on an
+app `build_app` made (one profile of one slot, no server behind it: nothing is forwarded), on a fresh copy of that
+state each repetition. No instrumentation is compiled into the proxy: the stages are timed from here.
 
 Cases (`--cases`): `next` is that next turn under the agent's own session id (as recorded: opencode and Codex send
 one; llm and the openai SDK none, so theirs is grouped by the reply echo anyway); `next-noid` the same with every
@@ -21,13 +23,16 @@ the statistics start from nothing); `again-noid` that first request sent once mo
 tokens from a llama-server shaped `/tokenize` in a process of its own (`side_by_side.py`'s upstream), one HTTP call
 per new text, as for a GGUF that is not on this machine; the default is tiktoken o200k in a thread.
 
-Stages: parse (`parse_body`: orjson plus the shape checks), workspace (the project's path scan), group (session
-grouping and the project), route (`Router.route`, which includes: pieces, the prompt's per-piece fingerprints, and
-estimate, new prompt tokens against the session's prefix state; both also timed on their own), upstream body (what is
-sent: the client's bytes, with `timings_per_token` added), chunk (relay + meter of one SSE chunk, in µs), finish
-(router learns + session bookkeeping + record + publish), worker loop / worker thread (the after-response statistics
-update: the part on the event loop and the part in its thread, tokenizing excluded), tokenize (the update's
-tokenizer call, wall time: in a thread, or the HTTP calls to /tokenize).
+Stages: read (`handler.read`: `parse_body`, orjson plus the shape checks), group (`handler.group`: the workspace's
+path scan, also timed on its own as workspace; session grouping, the project and its policy), rewrite
+(`handler.rewrite`: a shape llama-server refuses, an agent's loop), route (`handler.route`: the session's statistics
+read, the heads' views, `Router.route` and the move carried out; the router's pieces, the prompt's per-piece
+fingerprints, and estimate, new prompt tokens against the session's prefix state, also timed on their own), upstream
+body (`outgoing.upstream_body`, what is sent: the client's bytes, with the speculation fields added), chunk (relay +
+meter of one SSE chunk, in µs), finish (`RequestLifecycle.finish`: router learns + session bookkeeping + record +
+publish), worker loop / worker thread (the after-response statistics update: the part on the event loop and the
+part in its thread, tokenizing excluded), tokenize (the update's tokenizer call, wall time: in a thread, or the HTTP
+calls to /tokenize).
 """
 
 from __future__ import annotations
@@ -41,23 +46,27 @@ import statistics
 import sys
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import orjson
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 
 from adaptive_spec.common.headers import PARENT_SESSION_HEADERS, SESSION_HEADERS
 from adaptive_spec.llama.launch import free_port
+from adaptive_spec.llama.profiles import ProfileInfo
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
-from adaptive_spec.requests import outgoing
+from adaptive_spec.proxy.app import build_app
+from adaptive_spec.requests import handler, outgoing
+from adaptive_spec.requests.app_keys import LIFECYCLE, ROUTER, ProxySettings
 from adaptive_spec.requests.body.parse import ParsedRequest, parse_body, split_path
 from adaptive_spec.requests.forwarding.outcome import SERVED
-from adaptive_spec.requests.lifecycle import Prepared, ProxyRequest, RequestLifecycle, Routed
-from adaptive_spec.routing.contract import FixedPolicy, Route, RouteRequest
+from adaptive_spec.requests.lifecycle import ProxyRequest, Routed
 from adaptive_spec.routing.prompt import prefix
 from adaptive_spec.routing.prompt.pieces import Piece, prompt_pieces
-from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.backends import Work
 from adaptive_spec.sessions.ngram_replay import NgramParams
 from adaptive_spec.sessions.project import workspace_path_from_request
@@ -65,16 +74,16 @@ from adaptive_spec.sessions.service import SessionService
 from adaptive_spec.sessions.statistics import ContextTracker
 from adaptive_spec.sessions.tokenizers import CachingTokenizer, EndpointTokenizer, Tokenizer, tiktoken_o200k
 from adaptive_spec.telemetry.bus import EventBus
-from adaptive_spec.telemetry.history import RequestHistory
 from adaptive_spec.telemetry.records import Timings
 from benchmarks.harness import results
 from benchmarks.harness.agent_bodies import AgentRequest, grown, load, next_turn
 
 NAME = "benchmarks.overhead.stages"  # the result file's `benchmark`
 STAGES = (
-    "parse",
+    "read",
     "workspace",
     "group",
+    "rewrite",
     "route",
     "pieces",
     "estimate",
@@ -85,7 +94,7 @@ STAGES = (
     "tokenize",
 )
 # Parts of "route" (timed apart as well), and the work after the response: not in the request path's sum.
-_NOT_SUMMED = ("pieces", "estimate", "worker loop", "worker thread", "tokenize")
+_NOT_SUMMED = ("workspace", "pieces", "estimate", "worker loop", "worker thread", "tokenize")
 CASES = ("next", "next-noid", "first-noid", "again-noid")
 _CHUNK = (
     b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":" token"}}],"created":1,"id":"chatcmpl-x",'
@@ -111,6 +120,13 @@ class _Clock:
         self.ms[stage] = self.ms.get(stage, 0.0) + (time.perf_counter_ns() - started) / 1e6
         return out
 
+    async def wait(self, stage: str, call: Awaitable[Any]) -> Any:
+        """An async stage, awaited (nothing else runs on this loop meanwhile)."""
+        started = time.perf_counter_ns()
+        out = await call
+        self.ms[stage] = self.ms.get(stage, 0.0) + (time.perf_counter_ns() - started) / 1e6
+        return out
+
 
 class _SplitTokenizer:
     """Times the tokenizer's own thread apart from the loop (the caching layer hashes on the loop)."""
@@ -128,28 +144,26 @@ class _SplitTokenizer:
             self.ms += (time.perf_counter_ns() - started) / 1e6
 
 
-def _world(tokenizer: Tokenizer) -> tuple[Router, SessionService, RequestLifecycle, UpstreamTable]:
-    table = UpstreamTable([Upstream("plain", "http://127.0.0.1:9")])
+World = tuple[web.Application, SessionService]
+
+
+def _world(tokenizer: Tokenizer) -> World:
+    """The proxy's app as `serve` builds it, on one profile of one slot (no server behind it: nothing is forwarded)."""
+    url = "http://127.0.0.1:9"
     bus = EventBus()
-    router = Router(table, FixedPolicy(), {"plain": 1}, {"plain": None})
     service = SessionService(ContextTracker(NgramParams()), tokenizer, publish=bus.publish)
-    lifecycle = RequestLifecycle(bus, RequestHistory(100), router, service, None, 0.25)
-    return router, service, lifecycle, table
+    profile = ProfileInfo("plain", url, None, "", "", 4096, 1, None, None)
+    app = build_app(UpstreamTable([Upstream("plain", url)]), ProxySettings(), service, bus=bus, profiles=[profile])
+    return app, service
 
 
 def _timings(tokens: int, cached: int) -> Timings:
     return Timings(prompt_n=max(1, tokens - cached), cache_n=cached, predicted_n=40, predicted_per_second=50.0)
 
 
-def _request(agent: AgentRequest, raw: bytes) -> ProxyRequest:
-    req = ProxyRequest("r" * 16, split_path(agent.path), "plain", client=agent.agent)
-    req.body = raw
-    return req
-
-
 async def _serve(
     clock: _Clock | None,
-    world: tuple[Router, SessionService, RequestLifecycle, UpstreamTable],
+    world: World,
     agent: AgentRequest,
     raw: bytes,
     served: tuple[str, list[str]],
@@ -157,50 +171,36 @@ async def _serve(
     cached: int,
     ids_off: bool = False,
 ) -> None:
-    """One request through the handler's steps (timed when `clock` is given), then its statistics update. `ids_off`:
+    """One request through the handler's stages (timed when `clock` is given), then its statistics update. `ids_off`:
     the agent's session headers left out (its body's ids are taken out by the caller)."""
-    router, service, lifecycle, table = world
+    app, service = world
+    router = app[ROUTER]
     c = clock or _Clock()
-    req = _request(agent, raw)
-    headers = {k.lower(): v for k, v in agent.headers.items() if not (ids_off and _is_session_header(k.lower()))}
-    parsed = c.time("parse", lambda: parse_body(req.routed.api, raw))
+    headers = {k: v for k, v in agent.headers.items() if not (ids_off and _is_session_header(k.lower()))}
+    request = make_mocked_request("POST", agent.path, headers=headers, app=app)
+    req = ProxyRequest("r" * 16, split_path(agent.path), "plain", body=raw, client=agent.agent)
+    parsed = c.time("read", lambda: handler.read(request, req))
     assert isinstance(parsed, ParsedRequest)
-    workspace = c.time("workspace", lambda: workspace_path_from_request(headers, parsed.body))
-    assignment, project = c.time("group", lambda: service.assign(headers, parsed.body, None, workspace))
-    req.prepared = Prepared(parsed, workspace, assignment, project)
-    sid = assignment.session_id
+    lower = {k.lower(): v for k, v in headers.items()}
+    c.time("workspace", lambda: workspace_path_from_request(lower, parsed.body))
+    req.prepared = prepared = await c.wait("group", handler.group(request, req, parsed))
+    req.rewrite = c.time("rewrite", lambda: handler.rewrite(request, req, prepared))
+    sid = prepared.assignment.session_id if prepared.assignment is not None else None
     state = router.prefixes.get(sid)
     cache = copy.deepcopy(getattr(router.prefixes, "cache", None))  # the route below finds the cache as it was
     pieces = c.time("pieces", lambda: _pieces(parsed.body, state, cache))
     has_tools = bool(parsed.body.get("tools"))
     c.time("estimate", lambda: prefix.estimate(state, pieces, has_tools, router.chars_per_token))
-    turns, share = service.copy_state(sid)
     # The router computes the pieces again: on a body of its own, or Python's cached string hashes would flatter it.
     fresh = parse_body(req.routed.api, raw)
     assert isinstance(fresh, ParsedRequest)
-    started = time.perf_counter_ns()
-    routed = router.route(
-        RouteRequest(
-            body=fresh.body,
-            body_bytes=len(raw),
-            session_id=sid,
-            session_turns=turns,
-            copy_share=share,
-            project=project,
-            workspace=workspace,
-            pinned=None,
-            takes_slot=True,
-        )
-    )
-    c.ms["route"] = c.ms.get("route", 0.0) + (time.perf_counter_ns() - started) / 1e6
-    assert isinstance(routed, Route)
-    upstream = table.get("plain")
-    assert upstream is not None
-    req.to = Routed(upstream, 1, routed)
-    c.time("upstream body", lambda: outgoing.upstream_body(req, upstream, False))
+    req.prepared = replace(prepared, parsed=fresh)
+    req.to = to = await c.wait("route", handler.route(request, req))
+    assert isinstance(to, Routed)
+    c.time("upstream body", lambda: outgoing.upstream_body(req, to.upstream, False))
     req.meter.output.add([served[0]], served[1])
     req.meter._take({"timings": {"prompt_n": max(1, prompt_tokens - cached), "cache_n": cached, "predicted_n": 40}})
-    c.time("finish", lambda: lifecycle.finish("POST", agent.path, req, SERVED))
+    c.time("finish", lambda: app[LIFECYCLE].finish("POST", agent.path, req, SERVED))
     await _worker(c, service)
 
 
@@ -329,7 +329,7 @@ async def measure(
         "messages": len(orjson.loads(timed).get("messages") or orjson.loads(timed).get("input") or []),
         "stages_ms": medians,
         "request_path_ms": request_path,
-        "request_path_without_parse_ms": request_path - medians["parse"],
+        "request_path_without_parse_ms": request_path - medians["read"],
         "event_loop_ms": request_path + medians["worker loop"],
     }
 
