@@ -1,13 +1,15 @@
-"""The house's measures (docs/module-map.md): modules per folder, the longest modules, import arrows and circles,
-and the walk of one request through the proxy, for this tree and, in the same run, for others (an earlier commit's
-checkout).
+"""The house's measures (docs/module-map.md): modules per folder, the longest modules, import arrows and circles, pairs
+of places that repeat each other, and the walk of one request through the proxy, for this tree and, in the same run,
+for others (an earlier commit's checkout).
 
 Run:  .venv/bin/python -m benchmarks.house.measures [--other NAME=TREE ...] [--out benchmarks/results/house.json]
 
 A folder's modules are its `.py` files less `__init__.py`, counted for `src/adaptive_spec`, `benchmarks` and `tests`
 (target: 12 at most). An arrow is one module importing another of the package (an `import` anywhere in it, type-only
 ones included); a circle is a set of modules that reach each other through arrows (a strongly connected component of
-more than one module). The walk: the modules a chat request's calls enter, in order, on its second turn of a session,
+more than one module). A pair of places repeats when two stretches of `.py` files of one area (`src`, `benchmarks`,
+`tests`) share six consecutive lines or more, compared stripped, blank and comment lines left out (a longer shared
+stretch is one pair). The walk: the modules a chat request's calls enter, in order, on its second turn of a session,
 through the proxy built in-process (`build_app`) in front of the fast fake llama-server
 (`tests/support/fakes/fast_upstream.py`), under `sys.setprofile`; rooms are the distinct modules entered, returns the
 times the walk comes back into a module it had left. Each tree's walk runs in a process of its own with that tree's
@@ -33,6 +35,8 @@ from benchmarks.harness.stats import percentile
 
 PACKAGE = "adaptive_spec"
 LIMIT = 12
+SAME_LINES = 6
+AREAS = ("src", "benchmarks", "tests")
 
 
 def folders(tree: Path) -> dict[str, int]:
@@ -143,6 +147,30 @@ def package_arrows(arrows: dict[str, set[str]]) -> int:
     return len({(top(a), top(b)) for a, targets in arrows.items() for b in targets if top(a) != top(b)})
 
 
+def _code_lines(path: Path) -> list[str]:
+    """A module's lines as they are compared: stripped, blank and comment lines left out."""
+    stripped = (line.strip() for line in path.read_text(encoding="utf-8").splitlines())
+    return [line for line in stripped if line and not line.startswith("#")]
+
+
+def duplicates(tree: Path, area: str, size: int = SAME_LINES) -> int:
+    """Pairs of places in `area` that share `size` consecutive lines or more (`_code_lines`); a longer shared stretch
+    is one pair, and a file's stretch never pairs with one overlapping it."""
+    windows: dict[tuple[str, ...], list[tuple[str, int]]] = {}
+    for path in sorted((tree / area).rglob("*.py")):
+        lines, name = _code_lines(path), str(path.relative_to(tree))
+        for i in range(len(lines) - size + 1):
+            windows.setdefault(tuple(lines[i : i + size]), []).append((name, i))
+    pairs = {
+        (a, b)
+        for places in windows.values()
+        for n, a in enumerate(places)
+        for b in places[n + 1 :]
+        if a[0] != b[0] or b[1] - a[1] >= size
+    }
+    return sum(1 for (f, i), (g, j) in pairs if ((f, i - 1), (g, j - 1)) not in pairs)
+
+
 def static(tree: Path) -> dict[str, Any]:
     counts = folders(tree)
     arrows, lines = graph(tree)
@@ -156,6 +184,7 @@ def static(tree: Path) -> dict[str, Any]:
         "arrows": sum(len(t) for t in arrows.values()),
         "package_arrows": package_arrows(arrows),
         "circles": circles(arrows),
+        "duplicates": {area: duplicates(tree, area) for area in AREAS},
     }
 
 
@@ -272,10 +301,11 @@ def measure(tree: Path) -> dict[str, Any]:
 def _row(name: str, m: dict[str, Any]) -> str:
     over = ", ".join(f"{f} {n}" for f, n in m["over_limit"].items()) or "none"
     longest = ", ".join(f"{mod.removeprefix(PACKAGE + '.')} {n}" for mod, n in m["longest"][:3])
-    w = m["walk"]
+    w, repeated = m["walk"], ", ".join(str(m["duplicates"][area]) for area in AREAS)
     return (
         f"| {name} | {m['modules']} in {m['folders']} | {over} | {longest} | {m['arrows']} ({m['package_arrows']} "
-        f"between packages) | {len(m['circles'])} | {w['rooms']:.0f} / {w['returns']:.0f} / {w['steps']:.0f} |"
+        f"between packages) | {len(m['circles'])} | {repeated} | {w['rooms']:.0f} / {w['returns']:.0f} / "
+        f"{w['steps']:.0f} |"
     )
 
 
@@ -290,9 +320,10 @@ def main() -> None:
         trees[name] = Path(path).resolve()
     results = {name: measure(tree) for name, tree in trees.items()}
     print(
-        "| tree | modules in folders | folders over 12 | longest | arrows | circles | walk: rooms / returns / steps |"
+        "| tree | modules in folders | folders over 12 | longest | arrows | circles | pairs repeating "
+        f"{SAME_LINES} lines: {', '.join(AREAS)} | walk: rooms / returns / steps |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, m in results.items():
         print(_row(name, m))
     for name, m in results.items():

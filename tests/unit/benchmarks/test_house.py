@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.house.measures import circles, folders, graph, package_arrows, walk_rooms
+from benchmarks.house.measures import circles, duplicates, folders, graph, package_arrows, walk_rooms
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -57,3 +57,24 @@ def test_arrows_follow_absolute_relative_and_from_imports(tmp_path: Path) -> Non
 def test_a_folder_counts_its_modules_not_its_init(tmp_path: Path) -> None:
     tree = _tree(tmp_path, {"tests/__init__.py": "", "tests/a.py": "", "tests/b.py": "", "tests/sub/c.py": ""})
     assert folders(tree) == {"tests": 2, "tests/sub": 1}
+
+
+def test_places_repeat_when_they_share_six_lines_a_longer_stretch_once(tmp_path: Path) -> None:
+    shared = "".join(f"x{i} = call({i})\n" for i in range(9))  # nine lines: one pair, not four
+    five = "".join(f"y{i} = call({i})\n" for i in range(5))
+    tree = _tree(
+        tmp_path,
+        {
+            "src/a.py": "import os\n" + shared + five,
+            # The same stretch, spaced and commented otherwise: still the same lines.
+            "src/b.py": "\n# a comment\n" + shared.replace("x3", "    x3").replace("x5 =", "\n\nx5 =") + "z = 1\n",
+            "src/c.py": five + "w = 2\n",  # five lines shared with a.py: no pair
+            "tests/t.py": shared,  # another area
+        },
+    )
+    assert duplicates(tree, "src") == 1
+    assert duplicates(tree, "tests") == 0
+    same = _tree(tmp_path / "one", {"src/d.py": "".join("v = 1\n" for _ in range(8))})
+    assert duplicates(same, "src") == 0  # a file's stretch does not pair with one overlapping it
+    twice = _tree(tmp_path / "two", {"src/e.py": shared + "pass\n" + shared})
+    assert duplicates(twice, "src") == 1
