@@ -107,7 +107,7 @@ def estimate_on(
     prefill_tokens = prompt_tokens
     held_here = min(prompt_tokens, request.shared_on.get(p.name, 0)) if request.shared_on is not None else 0
     prefill_tokens = prompt_tokens - held_here
-    if placement is not None and placement.cached_tokens > 0:
+    if placement is not None and placement.cached_tokens > 0 and not placement.overwritten:
         reuse = _reuse(placement, request, prompt_tokens)
         if placement.profile == p.name or p.name in session.same_server:
             prefill_tokens = prompt_tokens - max(reuse, held_here)

@@ -98,7 +98,9 @@ class MovePlanner:
                 self.speeds.link.observe_transfer(result.tokens, result.bytes, result.transfer_s)
         # The target slot was overwritten (or half so) whatever the outcome.
         target = move.target
-        self.placements.displace(target.profile, target.slot, keep=move.session_id, replica=target.replica)
+        self.placements.displace(
+            target.profile, target.slot, keep=move.session_id, replica=target.replica, overwritten=True
+        )
         self.effects.publish(
             HandoffDone(
                 session_id=move.session_id,
@@ -142,6 +144,11 @@ class MovePlanner:
         """What a head restore did: the route's decision says so (its estimate stands), or, not restored, it is the
         decision without the move."""
         decision = route.decision
+        if restored is not None and not restored.at_start:
+            # The restore overwrote the slot: whoever it held is gone from the server, not in its RAM cache.
+            self.placements.displace(
+                decision.profile, route.slot, keep=route.session_id, replica=decision.replica, overwritten=True
+            )
         done = MovePart(restored.reason(), decision.new_tokens) if restored is not None else None
         return replace(route, decision=decision.carried(done), restored=restored)
 
@@ -180,7 +187,9 @@ class MovePlanner:
         if result is None:
             return replace(route, decision=decision.carried(None))
         # The slot was overwritten (or half so) whatever the outcome.
-        self.placements.displace(decision.profile, route.slot, keep=route.session_id, replica=decision.replica)
+        self.placements.displace(
+            decision.profile, route.slot, keep=route.session_id, replica=decision.replica, overwritten=True
+        )
         planned = decision.planned or MovePart("")
         done = planned if result.ok else MovePart(f"remote prefill failed ({result.error}): prefilled here")
         return replace(route, decision=decision.carried(done), remote_prefill=result)

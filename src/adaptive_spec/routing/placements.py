@@ -33,6 +33,10 @@ class Placement:
     # The drafter's mean draft length per verification step on its answers (EWMA; llama-server's counts: drafted over
     # steps, a step being an output token not accepted from a draft), at which `drafter_acceptance` was measured.
     drafted_per_step: float | None = None
+    # Whether a slot action (a head's restore, a handoff's, a remote prefill's, an erase) overwrote the slot while it
+    # held this session: llama-server saves a slot's prompt to its RAM cache only when a request takes the slot over,
+    # so nothing of the session's KV is left on the server.
+    overwritten: bool = False
 
 
 class Placements:
@@ -112,10 +116,12 @@ class Placements:
         for sid, gone in dropped:
             self._in_slot.get(self._slot(gone.profile, gone.replica, gone.slot), set()).discard(sid)
 
-    def displace(self, profile: str, slot: int | None, keep: str | None, replica: int = 0) -> None:
+    def displace(
+        self, profile: str, slot: int | None, keep: str | None, replica: int = 0, overwritten: bool = False
+    ) -> None:
         """`keep` now occupies this slot (served there, or restored into it; None: nobody, it was erased): the other
-        sessions it held are out of the slot (their prompts may live on in the profile's RAM cache, so their cached
-        figures stay)."""
+        sessions it held are out of the slot. Taken by a request, their prompts live on in the server's RAM cache
+        (their cached figures stay); `overwritten` by a slot action, nothing of them does."""
         where = self._slot(profile, replica, slot)
         held = self._in_slot.get(where)
         if not held:
@@ -124,7 +130,7 @@ class Placements:
             held.discard(sid)
             p = self._by_session.get(sid)
             if p is not None and p.in_slot and self._slot(p.profile, p.replica, p.slot) == where:
-                self._by_session.replace(sid, replace(p, in_slot=False))
+                self._by_session.replace(sid, replace(p, in_slot=False, overwritten=overwritten))
 
     def __len__(self) -> int:
         return len(self._by_session)

@@ -111,7 +111,9 @@ class Router:
         home = self.home(profile, replica)
         for _, placement in self.placements.items():
             if self.home(placement.profile, placement.replica) == home:
-                self.placements.displace(placement.profile, placement.slot, keep=None, replica=placement.replica)
+                self.placements.displace(
+                    placement.profile, placement.slot, keep=None, replica=placement.replica, overwritten=True
+                )
         for key in [k for k in self.slot_prefixes if k[:2] == home]:  # what each slot served last: gone
             self.slot_prefixes.pop(key)
 
@@ -174,7 +176,8 @@ class Router:
         for name in names:
             replica = self._preview_replica(name, placement, replicas_of[name])
             held = self.slot_prefixes.get((*self.home(name, replica), self.load.slot_key(name, session_id, replica)))
-            mine = own if self._held_on(name, placement) == replica else 0
+            kept = placement is not None and not placement.overwritten  # else nothing of its KV is left
+            mine = own if kept and self._held_on(name, placement) == replica else 0
             # The session's own state in that slot was just compared: nothing more to read. A side line's last
             # request counts on the server that served it (its RAM cache).
             shared_on[name] = mine
@@ -219,7 +222,9 @@ class Router:
         )
         choice = decide(state_of_request, session, self.states(replicas_of), self.speeds, policy)
         chosen = next((e for e in choice.estimates if e.profile == choice.profile), None)
-        here = placement is None or placement.profile == choice.profile or choice.profile in same
+        here = placement is None or (
+            not placement.overwritten and (placement.profile == choice.profile or choice.profile in same)
+        )
         prompt = PromptPart(
             new_tokens=chosen.prefill_tokens if chosen is not None else (est.new_tokens if here else est.total_tokens),
             side=est.side,

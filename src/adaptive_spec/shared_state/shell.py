@@ -170,7 +170,9 @@ class SharedState:
             self._write(
                 route.session_id,
                 router,
-                bound if old is None else replace(old, profile=profile, slot=route.slot, replica=replica, in_slot=True),
+                bound
+                if old is None
+                else replace(old, profile=profile, slot=route.slot, replica=replica, in_slot=True, overwritten=False),
                 (),
             )
         return True
