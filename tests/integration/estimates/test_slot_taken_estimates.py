@@ -2,7 +2,8 @@
 as Gemini CLI's model router sends it) on a REAL one-slot llama-server (the tiny model: the plumbing; llama-server's
 RAM prompt cache on, as `serve` leaves it): the main line's next turn is estimated within 15% of llama-server's
 `prompt_n` whether the classifier took the slot by a request (the main prompt saved to the RAM cache and restored) or
-by a head restored for it (nothing of the main prompt left)."""
+by a head restored for it (nothing of the main prompt left); and the same prompt sent again is estimated as the one
+token llama-server evaluates of it."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def _off(record: dict[str, Any]) -> bool:
     return abs(record["new_tokens_est"] - prompt_n) > max(ESTIMATE_ERROR * prompt_n, 8)
 
 
-async def test_the_main_lines_turn_after_a_classifier_is_estimated_as_what_the_slot_and_ram_cache_hold(
+async def test_the_main_lines_turns_are_estimated_as_what_the_slot_and_ram_cache_hold(
     llama_server_binary: str, tiny_gguf: Path, tmp_path: Path, client: aiohttp.ClientSession
 ) -> None:
     args = ("-c", "8192", "-t", "1", "--parallel", "1", "--spec-type", "none", "--slot-save-path")
@@ -51,6 +52,7 @@ async def test_the_main_lines_turn_after_a_classifier_is_estimated_as_what_the_s
             await store_of(proxy).settled()
             history += [{"role": "user", "content": text}, {"role": "assistant", "content": main["text"]}]
             turns.append((classifier["record"], main["record"]))
+        again = await chat(client, proxy, "main", text, system=MAIN, history=history[:-2])  # held whole
     finally:
         await proxy.close()
         llama.stop()
@@ -60,3 +62,5 @@ async def test_the_main_lines_turn_after_a_classifier_is_estimated_as_what_the_s
     ]
     assert any("warm: head of" in c["reason"] for c, _ in turns[1:]), seen  # a head restored into the slot
     assert not any(_off(m) for _, m in turns[1:]), seen
+    repeat = again["record"]
+    assert repeat["timings"]["prompt_n"] == 1 and repeat["new_tokens_est"] == 1, repeat

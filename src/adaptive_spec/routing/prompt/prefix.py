@@ -152,6 +152,9 @@ def _against(
             again = float(held.reply_again)
             n = k
         rest = pieces[n:]
+        if not rest and not again:
+            # All of it held (the same prompt sent again): llama-server evaluates its last token again, and only it.
+            return float(held.prompt_tokens - 1), 1.0
         preamble = TOOLS_OVERHEAD_TOKENS if any(p.tools for p in rest) else 0.0
         return shared, _tokens(rest, cpt) + again + PROMPT_OVERHEAD_TOKENS + preamble
     # The first differing piece still shares its leading characters: llama-server reuses tokens up to the first one
@@ -192,8 +195,8 @@ def estimate(
         if held is not None:
             best = max(best, _against(held, pieces, cpt, total, opening), key=lambda c: c[0])
     shared, new = best
-    if shared > 0:
-        new *= (state or slot or _NO_STATE).new_ratio
+    if shared > 0 and new > 1:
+        new = max(1.0, new * (state or slot or _NO_STATE).new_ratio)
     side = line_moved = False
     if state is not None and state.line is not None:
         system = _system(pieces, has_tools)
@@ -241,7 +244,7 @@ def observe(
     if state is not None and timings.cache_n > 0:
         total = total_tokens(pieces, cpt, opening)
         shared, new = _against(state, pieces, cpt, total, opening)
-        if shared > 0 and new > 0:
+        if shared > 0 and new > 1:  # a prompt held whole says nothing of the template's cost
             sample = timings.prompt_n / new
             ratio = min(_MAX_RATIO, max(1 / _MAX_RATIO, _RATIO_ALPHA * sample + (1 - _RATIO_ALPHA) * ratio))
     if chars > 0 and templated > 0:

@@ -359,3 +359,27 @@ def test_the_templates_opening_is_not_taken_for_the_texts_rate() -> None:
     state = prefix.observe(None, pieces, False, "ok", timings, opening=21.0)
     assert state.chars_per_token == pytest.approx(4.0, rel=0.01)
     assert prefix.observe(None, pieces, False, "ok", timings).chars_per_token < 3.9  # the block read as text
+
+
+# A prompt the slot holds whole: llama-server's n_past is the prompt's length, which it lowers by one ("need to
+# evaluate at least 1 token"), so it prefills exactly 1 token (prompt_n 1 seen for Gemini CLI on the 0.5B), whatever
+# the session's learned ratio; and the repeat teaches that ratio nothing.
+USER = {"role": "user", "content": "Fix the bug in main.py. " * 10}
+REPLY = {"role": "assistant", "content": "Here is the fix: " + "y" * 400}
+HELD_WHOLE = [
+    ("the same prompt again", body(USER), body(USER)),
+    ("the same tool prompt again", body(USER, tools=True), body(USER, tools=True)),
+    ("a conversation with history again", body(USER, REPLY, {"role": "user", "content": "go on"}), None),
+]
+
+
+@pytest.mark.parametrize(("case", "first", "again"), HELD_WHOLE, ids=[c[0] for c in HELD_WHOLE])
+def test_a_prompt_the_slot_holds_whole_prefills_one_token(
+    case: str, first: dict[str, Any], again: dict[str, Any] | None
+) -> None:
+    state = served(None, first, REPLY["content"], prompt_n=300, cache_n=0, out=120)
+    state = prefix.PrefixState(**{**{f: getattr(state, f) for f in state.__slots__}, "new_ratio": 2.5})
+    est = estimate(state, again if again is not None else first)
+    assert est.new_tokens == 1 and est.shared_tokens == 299, case
+    learned = served(state, again if again is not None else first, REPLY["content"], prompt_n=1, cache_n=299, out=120)
+    assert learned.new_ratio == 2.5, case
