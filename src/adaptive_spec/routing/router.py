@@ -168,7 +168,9 @@ class Router:
         total = prefix.total_tokens(pieces, cpt, opening)  # read once, for the session's state and each server's slot
         est = prefix.estimate(state, pieces, has_tools, cpt, total=total, opening=opening)
         own = est.shared_tokens  # against the session's own state alone (no slot given): what its KV holds
-        line = prefix.line_of(pieces) if est.side and session_id is not None else None
+        # A side line's last request, or the main line's own prompt under a system prompt it left for a while (a
+        # compaction request with the line's tools is the line going on): llama-server's RAM cache holds either.
+        line = prefix.line_of(pieces) if session_id is not None else None
         side = self.side_lines.get((session_id, line)) if session_id is not None and line is not None else None
         shared_on, best = {}, (own, state)
         names = self.health.names()
@@ -398,6 +400,7 @@ class Router:
             return False
         self.load.count(profile, replica, timings)
         self.planner.observe_reuse(route, timings)
+        before = self.placements.get(session_id) if not decision.side else None
         observe(
             self.speeds,
             self.placements,
@@ -427,11 +430,26 @@ class Router:
         if session_id is not None and decision.side and (line := prefix.line_of(route.pieces)) is not None:
             self.side_lines.put((session_id, line), (self.home(profile, replica), state))
         if session_id is not None and not decision.side:
+            self._line_left(session_id, own, route.pieces, before)
             # A side request leaves the main line's state: llama-server keeps the line's prompt in its RAM cache.
             self.prefixes.put(session_id, state)
             self.chars_per_token = state.chars_per_token
         # Known only now when the earlier request was still in flight at this one's start (opencode's title).
         return decision.line_moved or (own is not None and own.line is not None and state.line != own.line)
+
+    def _line_left(
+        self, session_id: str, own: prefix.PrefixState | None, pieces: tuple[Piece, ...], before: Placement | None
+    ) -> None:
+        """The session's line was served under `pieces`' system prompt: its last prompt under another one (kept by
+        llama-server's RAM cache when this request took the slot, unless a slot action had overwritten it) is kept
+        as that system prompt's line; the one under this system prompt is in the slot now, out of the RAM cache."""
+        now = prefix.line_of(pieces)
+        if now is not None:
+            self.side_lines.pop((session_id, now))
+        old = prefix.line_of(own.pieces) if own is not None else None
+        if own is None or old is None or old == now or before is None or before.overwritten:
+            return
+        self.side_lines.put((session_id, old), (self.home(before.profile, before.replica), own))
 
     # --- what other proxies share (read by the shell before `route()`, written after `complete()`) -------------
 

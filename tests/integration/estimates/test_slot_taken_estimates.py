@@ -32,8 +32,9 @@ async def client() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 def _off(record: dict[str, Any]) -> bool:
-    prompt_n = record["timings"]["prompt_n"]
-    return abs(record["new_tokens_est"] - prompt_n) > max(ESTIMATE_ERROR * prompt_n, 8)
+    prompt_n: int = record["timings"]["prompt_n"]
+    estimate: int = record["new_tokens_est"]
+    return abs(estimate - prompt_n) > max(ESTIMATE_ERROR * prompt_n, 8)
 
 
 async def test_the_main_lines_turns_are_estimated_as_what_the_slot_and_ram_cache_hold(

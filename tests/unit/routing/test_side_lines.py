@@ -66,3 +66,17 @@ def test_a_subagents_next_turn_is_its_new_messages_on_the_scale_of_what_the_serv
     result = "def main():\n    return 1\n" * 40  # 1,000 characters
     new = _new_tokens(r, _body(SUB_A, "find the file", reply, result))
     assert 200 <= new <= 450, new  # ~300 at either rate; the whole prompt's estimate less the held count is not
+
+
+def test_the_main_lines_turn_after_a_request_with_its_tools_under_another_system_prompt_counts_what_is_held() -> None:
+    """Claude Code's compaction request: another system prompt, the main line's tools, so it is the line going on
+    (its state replaces the line's); llama-server's RAM cache keeps the conversation's prompt it displaced, and the
+    conversation's next turn prefills only its new messages (Claude Code's shapes on the 0.5B: 1,624 estimated for
+    374 prefilled on 1,051 cached)."""
+    r = _router()
+    history = ("fix it", "I read main.py.", "def main():\n    return 1\n" * 20)
+    served(r, request(_body(MAIN, *history), "s", pinned="oneshot"), Timings(prompt_n=2900, predicted_n=10))
+    compaction = {**_body(SUB_B, *history, "Summarize the conversation."), "tools": MAIN_TOOLS}
+    served(r, request(compaction, "s", pinned="oneshot"), Timings(prompt_n=2800, cache_n=3, predicted_n=10))
+    decision = r.choose(request(_body(MAIN, *history, "Now make it print bye.", "done"), "s", pinned="oneshot"))[0]
+    assert not decision.side and decision.new_tokens is not None and decision.new_tokens < 100, decision
