@@ -44,6 +44,9 @@ DEFAULT_CHARS_PER_TOKEN = 3.5
 CALIBRATION_CHARS = 2000
 _RATIO_ALPHA = 0.5
 _MAX_RATIO = 3.0
+# How far llama-server's cache_n may be from the held prefix the state says for a turn to teach the ratio.
+_HELD_SLACK_TOKENS = 64
+_HELD_SLACK = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +247,11 @@ def observe(
     if state is not None and timings.cache_n > 0:
         total = total_tokens(pieces, cpt, opening)
         shared, new = _against(state, pieces, cpt, total, opening)
-        if shared > 0 and new > 1:  # a prompt held whole says nothing of the template's cost
+        # Only a turn that reused what the session's state says is held measures the template's cost: a prompt held
+        # whole says nothing of it, and one the server held more or less of (its RAM cache had another of the
+        # session's prompts, or a slot action overwrote it) compares other tokens.
+        held_as_said = abs(shared - timings.cache_n) <= max(_HELD_SLACK_TOKENS, _HELD_SLACK * prompt_tokens)
+        if shared > 0 and new > 1 and held_as_said:
             sample = timings.prompt_n / new
             ratio = min(_MAX_RATIO, max(1 / _MAX_RATIO, _RATIO_ALPHA * sample + (1 - _RATIO_ALPHA) * ratio))
     if chars > 0 and templated > 0:

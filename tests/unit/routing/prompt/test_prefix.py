@@ -383,3 +383,20 @@ def test_a_prompt_the_slot_holds_whole_prefills_one_token(
     assert est.new_tokens == 1 and est.shared_tokens == 299, case
     learned = served(state, again if again is not None else first, REPLY["content"], prompt_n=1, cache_n=299, out=120)
     assert learned.new_ratio == 2.5, case
+
+
+# What a follow-up teaches the session's ratio of prefilled to estimated new tokens: only a turn whose cache_n is the
+# prefix its state says is held (Claude Code's turn after its compaction request: its state was the compaction's,
+# llama-server restored the conversation from its RAM cache, 1,051 cached: the sample 374/1,624 pulled the next
+# turns' estimates 20-40% low).
+NEXT = body(USER, REPLY, {"role": "user", "content": "z" * 700})
+RATIO_CASES = [("cached as held", 419, True), ("more cached than held", 1500, False), ("little cached", 30, False)]
+
+
+@pytest.mark.parametrize(("case", "cache_n", "learns"), RATIO_CASES, ids=[c[0] for c in RATIO_CASES])
+def test_the_ratio_learns_only_from_turns_that_reused_what_the_state_says_is_held(
+    case: str, cache_n: int, learns: bool
+) -> None:
+    state = served(None, body(USER), REPLY["content"], prompt_n=300, cache_n=0, out=120)
+    learned = served(state, NEXT, "ok", prompt_n=600, cache_n=cache_n, out=4)
+    assert (learned.new_ratio != state.new_ratio) == learns, (case, learned.new_ratio)
