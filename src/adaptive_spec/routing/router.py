@@ -44,6 +44,9 @@ from adaptive_spec.routing.speeds import SpeedModel
 from adaptive_spec.telemetry.events import PolicyChanged
 
 MAX_PINS = 4096
+# llama-server loads a prompt of its RAM cache into a slot only where the new prompt keeps this share of it
+# (`server_prompt_cache::load`, b11549: "don't trash large prompts").
+RAM_LOAD_SHARE = 0.25
 
 
 class Router:
@@ -87,6 +90,10 @@ class Router:
         # last served, and the server that served it: llama-server keeps their prompts in its RAM cache, as the main
         # line's, and takes them back when one goes on (a side request sent again prefills 1 token).
         self.side_lines: LRU[tuple[str, bytes], tuple[tuple[str, int], prefix.PrefixState]] = LRU(4096)
+        # Each server's last request under each system prompt, whichever session: a request that took its slot over
+        # left it in the RAM cache, where a recurring request sent as a new session each time finds it (Gemini CLI's
+        # model-router classifier prefills ~13 of ~800 tokens).
+        self.recent_lines: LRU[tuple[str, int, bytes], prefix.PrefixState] = LRU(1024)
 
     # --- what the views and the control endpoints read ------------------------------------------------------
 
@@ -115,7 +122,10 @@ class Router:
                     placement.profile, placement.slot, keep=None, replica=placement.replica, overwritten=True
                 )
         for key in [k for k in self.slot_prefixes if k[:2] == home]:  # what each slot served last: gone
-            self.slot_prefixes.pop(key)
+            gone = self.slot_prefixes.pop(key)
+            line = prefix.line_of(gone.pieces) if gone is not None else None
+            if line is not None and self.recent_lines.get((*home, line)) is gone:
+                self.recent_lines.pop((*home, line))
 
     def states(self, replicas_of: Mapping[str, list[ReplicaState]] | None = None) -> list[ProfileState]:
         """Each profile as decide() sees it (`ServerBooks.profile_states`). `replicas_of`: each profile's
@@ -170,7 +180,7 @@ class Router:
         own = est.shared_tokens  # against the session's own state alone (no slot given): what its KV holds
         # A side line's last request, or the main line's own prompt under a system prompt it left for a while (a
         # compaction request with the line's tools is the line going on): llama-server's RAM cache holds either.
-        line = prefix.line_of(pieces) if session_id is not None else None
+        line = prefix.line_of(pieces)
         side = self.side_lines.get((session_id, line)) if session_id is not None and line is not None else None
         shared_on, best = {}, (own, state)
         names = self.health.names()
@@ -183,8 +193,11 @@ class Router:
             # The session's own state in that slot was just compared: nothing more to read. A side line's last
             # request counts on the server that served it (its RAM cache).
             shared_on[name] = mine
-            for other in (held, side[1] if side is not None and side[0] == self.home(name, replica) else None):
+            for other in (held, *self._in_ram(self.home(name, replica), line, side, held)):
                 shared = own if other is state else prefix.shared_tokens(other, pieces, cpt, total, opening)
+                in_ram = other is not None and other is not held and other is not state
+                if in_ram and shared < RAM_LOAD_SHARE * (other.prompt_tokens if other is not None else 0):
+                    continue  # llama-server loads a cached prompt only where the request keeps enough of it
                 shared_on[name] = max(shared_on[name], shared)
                 best = max(best, (shared, other), key=lambda b: b[0])
         if best[1] is not state:  # the prompt's tokens on the scale of what a server holds of it, so its new ones
@@ -380,6 +393,12 @@ class Router:
         """The move the route asked for was carried out: learn what it did; the route comes back with its result (a
         head restore's None: not restored)."""
         move = route.move
+        overwrote = isinstance(move, SlotMove) or result is not None
+        if isinstance(result, Restored) and result.at_start:
+            overwrote = False  # held since the server started: nothing was restored
+        if overwrote and move is not None:
+            at = move.target if isinstance(move, SlotMove) else move.at
+            self._overwritten(at.profile, at.slot, at.replica)
         if isinstance(move, SlotMove) and isinstance(result, HandoffResult):
             return replace(route, handoff=self.planner.handed_off(move, result))
         if isinstance(move, HeadRestore) and (result is None or isinstance(result, Restored)):
@@ -427,6 +446,8 @@ class Router:
         )
         several = self.load.slot_count(profile, replica) > 1
         self.slot_prefixes.put((*self.home(profile, replica), slot if several else None), state)
+        if (served_line := prefix.line_of(route.pieces)) is not None:
+            self.recent_lines.put((*self.home(profile, replica), served_line), state)
         if session_id is not None and decision.side and (line := prefix.line_of(route.pieces)) is not None:
             self.side_lines.put((session_id, line), (self.home(profile, replica), state))
         if session_id is not None and not decision.side:
@@ -436,6 +457,29 @@ class Router:
             self.chars_per_token = state.chars_per_token
         # Known only now when the earlier request was still in flight at this one's start (opencode's title).
         return decision.line_moved or (own is not None and own.line is not None and state.line != own.line)
+
+    def _in_ram(
+        self,
+        home: tuple[str, int],
+        line: bytes | None,
+        side: tuple[tuple[str, int], prefix.PrefixState] | None,
+        held: prefix.PrefixState | None,
+    ) -> tuple[prefix.PrefixState, ...]:
+        """What the RAM cache of the server `home` may hold of a prompt under the system prompt `line`: the session's
+        side line's last request there, and the last request of any session under it there (not the slot's own)."""
+        out = [side[1]] if side is not None and side[0] == home else []
+        recent = self.recent_lines.get((*home, line)) if line is not None else None
+        if recent is not None and recent is not held:
+            out.append(recent)
+        return tuple(out)
+
+    def _overwritten(self, profile: str, slot: int | None, replica: int) -> None:
+        """A slot action overwrote the slot: the request it served last is in neither the slot nor the RAM cache."""
+        home = self.home(profile, replica)
+        gone = self.slot_prefixes.pop((*home, slot if self.load.slot_count(profile, replica) > 1 else None))
+        line = prefix.line_of(gone.pieces) if gone is not None else None
+        if line is not None and self.recent_lines.get((*home, line)) is gone:
+            self.recent_lines.pop((*home, line))
 
     def _line_left(
         self, session_id: str, own: prefix.PrefixState | None, pieces: tuple[Piece, ...], before: Placement | None

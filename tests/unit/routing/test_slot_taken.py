@@ -104,3 +104,24 @@ def test_the_next_turn_prefills_what_the_server_no_longer_holds(
         assert new_tokens > 2200, (between, second.decision.reasons)
     else:
         assert new_tokens < 60, (between, second.decision.reasons)
+
+
+# A new session's first request on the one slot, after the main conversation took the slot over from an earlier
+# request under the same system prompt: llama-server saved that one to its RAM cache and loads it back when the new
+# prompt keeps a quarter of it or more (`server_prompt_cache::load`), so the new session prefills what follows.
+RAM_CASES = [
+    # (what, the earlier request's user text, prompt_n it was served with, new tokens at most, at least)
+    ("the classifier again as a new session", "Create hello.py.", 620, 60, 1),
+    ("a prompt keeping under a quarter of it", "Create hello.py. " + "Read the files first. " * 400, 3000, 10**6, 600),
+]
+
+
+@pytest.mark.parametrize(("case", "earlier", "prompt_n", "most", "least"), RAM_CASES, ids=[c[0] for c in RAM_CASES])
+def test_a_new_session_finds_another_sessions_prompt_in_the_ram_cache(
+    case: str, earlier: str, prompt_n: int, most: int, least: int
+) -> None:
+    r = _router()
+    _serve(r, _routed(r, _classifier(earlier), "classifier-1"), prompt_n=prompt_n)
+    _serve(r, _routed(r, _main("Create hello.py."), "main"), prompt_n=2300)  # takes the slot over
+    new_tokens = _routed(r, _classifier("Now make it print bye."), "classifier-2").decision.new_tokens
+    assert new_tokens is not None and least <= new_tokens <= most, (case, new_tokens)
