@@ -6,7 +6,8 @@ replays three synthetic sessions of the shapes the agents send (tests/data/agent
 Claude Code's (`/v1/messages`, its billing line changing each request, a compaction-like side request after the
 second turn), Qwen Code's (chat, 14 tools, no session id, its memory side request after each of the first turns) and
 Gemini CLI's (its model router's classifier before each user turn, a new session each time, then two model turns and
-the last one's prompt sent again). Every request after a session's first counts, side requests included.
+the last one's prompt sent again). Every request after the conversation's first turn counts, side requests and
+later classifiers included.
 
     python -m benchmarks.estimates.follow_ups [--out FILE]
 
@@ -157,6 +158,7 @@ def gemini_cli(post: Post) -> list[dict[str, Any]]:
     return records
 
 
+FIRST_TURN = {"Gemini CLI": 1}  # the conversation's first turn comes after its classifier
 AGENTS: dict[str, Callable[[Post], list[dict[str, Any]]]] = {
     "Claude Code": claude_code,
     "Qwen Code": qwen_code,
@@ -164,12 +166,12 @@ AGENTS: dict[str, Callable[[Post], list[dict[str, Any]]]] = {
 }
 
 
-def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Every request after the first: (estimate, prompt_n, cache_n, side), the median error and how many are within
-    15% of prompt_n."""
+def summary(records: list[dict[str, Any]], first: int = 0) -> dict[str, Any]:
+    """Every request after the conversation's first turn (`first`: its index; Gemini CLI's classifier comes before
+    it): (estimate, prompt_n, cache_n, side), the median error and how many are within 15% of prompt_n."""
     rows = [
         (r["new_tokens_est"], r["timings"]["prompt_n"], r["timings"]["cache_n"], bool(r["side"]))
-        for r in records[1:]
+        for r in records[first + 1 :]
         if r.get("timings") and r.get("new_tokens_est") is not None
     ]
     errors = [abs(est - n) / n for est, n, _, _ in rows]
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             records = AGENTS[name](_poster(proxy))
         finally:
             proxy.stop()
-        out[name] = {**summary(records), "wall_s": round(time.monotonic() - t0, 1)}
+        out[name] = {**summary(records, FIRST_TURN.get(name, 0)), "wall_s": round(time.monotonic() - t0, 1)}
         s = out[name]
         print(f"{name}: {s['follow_ups']} follow-ups, median error {s['median_error']}, {s['within_15']} within 15%")
         print("   (est, prompt_n, cache_n, side): " + ", ".join(map(str, s["rows"])), flush=True)
