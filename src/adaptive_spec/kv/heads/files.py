@@ -183,7 +183,10 @@ def take(saved: Path, head: Path) -> tuple[int, str]:
 def adopt(origin: Path, head: Path, size: int, crc: str) -> str | None:
     """Another proxy's head file taken into this store under `head`: a hard link where both share a filesystem (its
     saves replace a file, never write into it), else a private copy; None when it holds the `size` and `crc` its
-    entry says, else why not (nothing is left under `head`). OSError: it cannot be read."""
+    entry says, else why not (nothing is left under `head`). OSError: it cannot be read. Only a file of the head's own
+    name is read: whoever can write to the shared state cannot make the proxy copy any other file it can read."""
+    if origin.name != head.name:
+        return f"{origin} is not named {head.name}"
     tmp = head.with_name(f".{head.name}.tmp")
     unlink(tmp)
     try:

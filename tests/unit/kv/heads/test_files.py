@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from adaptive_spec.kv.heads.book import HeadBook
-from adaptive_spec.kv.heads.files import INDEX, checksum, load_index, stage, take, write_index
+from adaptive_spec.kv.heads.files import INDEX, adopt, checksum, load_index, stage, take, write_index
 from adaptive_spec.kv.heads.matching import HeadEntry, ServerKey, chain
 
 KEY = ServerKey("/models/qwen.gguf", 491_400_064, 8192, "t1")
@@ -269,3 +269,20 @@ async def test_a_projects_policy_sets_its_share_and_the_others_keep_the_equal_on
     book.set_share("team-a", 0)
     assert book.share("team-a") == 300  # back to an equal share
     book.close()
+
+
+def test_another_proxys_head_is_read_only_from_a_file_of_its_own_name(tmp_path: Path) -> None:
+    """The shared state names the other proxy's file; a name other than the head's is not read (a writer of the shared
+    state could otherwise have any file this proxy can read copied into its store)."""
+    (tmp_path / "mine").mkdir()
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"not a head")
+    head = tmp_path / "mine" / "abc123.bin"
+    why = adopt(secret, head, len(b"not a head"), checksum(secret))
+    assert why is not None and "not named abc123.bin" in why, why
+    assert not head.exists()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "abc123.bin").write_bytes(b"kv bytes")
+    assert adopt(theirs / "abc123.bin", head, 8, checksum(theirs / "abc123.bin")) is None
+    assert head.read_bytes() == b"kv bytes"
