@@ -2,12 +2,19 @@
 named no slot, those that named each slot), its restarts, the sessions seen on it, and the restores it made inert.
 
 The store compares these counts before and after each save or restore: a request forwarded in between may have taken the
-slot. Pure and synchronous: the store calls it on the event loop."""
+slot. Where several proxies share llama-servers (`serve --shared-state`), a proxy's own counts miss the others'
+requests: the counts they keep together (`Counted`, read through `SharedForwards`) are compared as well. A request is
+counted per server (all requests, those that named no slot, those that named each slot) in the round trip that books
+its slot, and its shared mark is the counts that booking returned; a guard reads them again (one round trip, off the
+request path) and compares: any difference, any count it cannot read, and a mark taken while another proxy's request
+could still reach that slot mean another request may have used the slot, so nothing is saved. Pure and synchronous
+(but for the protocol's read): the store calls it on the event loop."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 from adaptive_spec.common.lru import LRU
 
@@ -138,3 +145,59 @@ class ServerActivity:
         self.inert[server] = now + INERT_SERVER_S
         del self.strikes[server]
         return Verdict.INERT, len(row)
+
+
+@dataclass(frozen=True, slots=True)
+class Counted:
+    """One server's shared forward counts, as a booking returned them (its own request included) or a guard read them.
+
+    `epoch` names the counters' life (a store flushed or restarted, or the counters expired, starts a new one: no count
+    before it compares equal to one after); `slot` is the slot whose count `in_slot` is (None: the request named none,
+    and `in_slot` is `unnamed`). `contested`: when the booking counted, another proxy's live booking could still use
+    that slot (its request may reach the server after this one), so the counts cannot tell what the slot holds."""
+
+    epoch: str
+    forwards: int  # every request forwarded to the server, by any proxy
+    unnamed: int  # of those, the ones that named no slot
+    slot: int | None
+    in_slot: int
+    contested: bool = False
+
+    def unchanged(self, now: Counted | None, slot: int | None) -> bool:
+        """Whether nothing was counted since this mark that could have used `slot` (None: any slot of the server):
+        the requests that named no slot and those that named `slot`; every request where no slot is known."""
+        if now is None or self.contested or now.epoch != self.epoch:
+            return False
+        if slot is None or self.slot != slot or now.slot != slot:
+            return now.forwards == self.forwards
+        return (now.unnamed, now.in_slot) == (self.unnamed, self.in_slot)
+
+
+def alone_after(booked: Counted | None, after_restore: Counted | None) -> bool:
+    """Whether no other request was counted on the server between a request's booking and the end of the head restore
+    made for it (then none came between the restore and the request, but for one sent in the moment between that read
+    and its own forward): only then may a restore its request did not reuse be blamed on the head."""
+    if booked is None or after_restore is None or booked.contested:
+        return False
+    return after_restore.epoch == booked.epoch and after_restore.forwards == booked.forwards
+
+
+@dataclass(frozen=True, slots=True)
+class TurnMark:
+    """A request's mark as it was forwarded: what this proxy had forwarded that could use its slot (`activity.Mark`),
+    and, where proxies share state, the shared counts its booking returned (None there: not counted, so no save)."""
+
+    local: Mark
+    shared: Counted | None = None
+
+
+class SharedForwards(Protocol):
+    """Where the forward counts all proxies share are kept (`shared_state/heads.py`)."""
+
+    def booked(self, request_id: str) -> Counted | None:
+        """The counts the request's booking returned (once; None: not booked, or the store could not be reached)."""
+        ...
+
+    async def read(self, server: str, slot: int | None) -> Counted | None:
+        """The counts now (one round trip; None: the store cannot be reached, or holds nothing it can read)."""
+        ...

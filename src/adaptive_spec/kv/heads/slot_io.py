@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 
 from adaptive_spec.errors import ModelError
-from adaptive_spec.kv.heads.activity import Mark
+from adaptive_spec.kv.heads.activity import SharedForwards, TurnMark
 from adaptive_spec.kv.heads.book import HeadBook
 from adaptive_spec.kv.heads.files import stage, take, unlink
 from adaptive_spec.kv.heads.matching import (
@@ -56,11 +56,13 @@ class SlotIO:
         count: Callable[[str, int], None],
         tables: HeadTables,
         on_displaced: Callable[[Upstream], None],
+        shared: SharedForwards | None = None,
     ) -> None:
         """`count`: where its operations are counted (the store's counts); `tables`: the store's, which count each
-        server's traffic; `on_displaced`: told when a slot action may have acted on a request's KV (`came_between`)."""
+        server's traffic; `on_displaced`: told when a slot action may have acted on a request's KV (`came_between`);
+        `shared`: the forward counts all proxies keep, where they share state (`unchanged`)."""
         self.config, self.slot_dir, self._client, self.book, self._count = config, slot_dir, client, book, count
-        self._tables, self._on_displaced = tables, on_displaced
+        self._tables, self._on_displaced, self._shared = tables, on_displaced, shared
         self._refused: set[tuple[str, str]] = set()  # (server, head): llama-server refused it there this run
         self.lock = asyncio.Lock()  # one save or restore at a time: each pauses the server's slots
         self._keys: dict[str, ServerKey] = {}
@@ -117,7 +119,7 @@ class SlotIO:
         slot: int | None,
         head: SavedTurn,
         keyed: tuple[ServerKey, tuple[str, ...]],
-        mark: Mark | None = None,
+        mark: TurnMark | None = None,
     ) -> Restored | None:
         """The slot saved once the server is idle, under the lock; the file's move, its checksum and the index after
         it, outside the lock (in threads): a restore is never skipped for them. Returns the head the slot holds now
@@ -133,12 +135,15 @@ class SlotIO:
             n_slots = await self.idle(upstream, wait_s=0.0)
             if self.covered(upstream, links) or n_slots is None or (slot is None and n_slots != 1):
                 return None  # the same head was saved meanwhile, a request came, or its slot is not known among several
-            if mark is not None and self._tables.mark(upstream.base_url, slot) != mark:
+            if not await self.unchanged(upstream, slot, mark):
                 self._count("dropped", 1)
                 return None  # the session's slot served another request while the server was busy
             if not await self.book.room(head.prompt_tokens, head.scope, key.hex()):
                 return None
             n_saved, n_written, pause_ms = await self.save_slot(upstream, slot or 0, head, hid, forwards)
+            if self._shared is not None and not await self.unchanged(upstream, slot, mark):
+                self._count("dropped", 1)  # another proxy's request came during the save: the file may hold its KV
+                return None  # (the store removes the file from the slot directory)
         name = self.slot_dir / f"{SLOT_PREFIX}{hid}.bin"
         await asyncio.to_thread(check_written, name, n_written, upstream.label)
         size, crc = await asyncio.to_thread(take, name, self.book.path(hid))
@@ -182,6 +187,18 @@ class SlotIO:
         if n_saved > most:
             raise SlotError(f"the slot held {n_saved} tokens, more than the head's turn ({most}): reused")
         return n_saved, n_written, pause_ms
+
+    async def unchanged(self, upstream: Upstream, slot: int | None, mark: TurnMark | None) -> bool:
+        """Whether the slot served nothing since the turn of `mark` (None: only the requests forwarded during the save
+        are known, and with state shared nothing is saved): nothing this proxy forwarded since, and where proxies
+        share state, nothing any of them booked (the shared counts read now, one round trip; unreadable: changed)."""
+        if mark is not None and self._tables.mark(upstream.base_url, slot) != mark.local:
+            return False
+        if self._shared is None:
+            return True
+        if mark is None or mark.shared is None:
+            return False
+        return mark.shared.unchanged(await self._shared.read(upstream.base_url, slot), slot)
 
     def covered(self, upstream: Upstream, links: Sequence[str]) -> bool:
         """A head already holds the prompt (one llama-server refused here does not count: a save replaces it)."""

@@ -26,7 +26,14 @@ from typing import Any
 
 import aiohttp
 
-from adaptive_spec.kv.heads.activity import INERT_HEAD_S, INERT_SERVER_S, Mark, Verdict
+from adaptive_spec.kv.heads.activity import (
+    INERT_HEAD_S,
+    INERT_SERVER_S,
+    SharedForwards,
+    TurnMark,
+    Verdict,
+    alone_after,
+)
 from adaptive_spec.kv.heads.book import HeadBook
 from adaptive_spec.kv.heads.files import sweep_slot_files, unlink
 from adaptive_spec.kv.heads.matching import (
@@ -64,10 +71,12 @@ class HeadStore:
         say: Callable[[str], None] = log.info,
         displaced: Callable[[Upstream], None] = lambda _upstream: None,
         told: HeadsTold | None = None,
+        shared: SharedForwards | None = None,
     ) -> None:
         """`displaced`: told when a slot action the server deferred behind a request acted on that request's KV (the
         proxy tells its router: that server's slots hold nothing it knows of); `told`: the other proxies' head stores
-        (shared state), told what they should know."""
+        (shared state), told what they should know; `shared`: the forward counts all proxies keep (shared state): a
+        save's and a restore's guards compare them too, and nothing is saved where they cannot be read."""
         if config.directory is None:
             raise ValueError("HeadsConfig.directory: resolve the state directory's heads/ first")
         self.config, self.slot_dir, self._client, self._say = config, slot_dir, client, say
@@ -95,7 +104,8 @@ class HeadStore:
                 log.info("heads: %d slot files a cut save or restore left in %s removed", swept, slot_dir)
         # What was forwarded to each server, its restarts, its inert restores: changed by the store, asked by its I/O.
         self._tables = HeadTables(tenants=bool(config.project_keys))
-        self._io = SlotIO(config, slot_dir, client, self.book, self._count, self._tables, displaced)
+        self._shared = shared
+        self._io = SlotIO(config, slot_dir, client, self.book, self._count, self._tables, displaced, shared)
         # Sessions whose state is saved once they have been idle a while: the timer, and the server it waits for.
         # Keyed by (tenant scope, session id): one tenant's session of a name is not another's.
         self._idle_saves: dict[tuple[str, str], tuple[asyncio.TimerHandle, str]] = {}
@@ -138,9 +148,12 @@ class HeadStore:
             self._tables.forwarded(upstream.base_url, slot, None)  # and once more: a save may have ended meanwhile
             yield
 
-    def mark_of(self, request_id: str) -> Mark | None:
-        """The request's mark as it was forwarded (None: not forwarded through `forwarded`)."""
-        return self._tables.mark_of(request_id)
+    def mark_of(self, request_id: str) -> TurnMark | None:
+        """The request's mark as it was forwarded (None: not forwarded through `forwarded`), with the shared counts its
+        booking returned where proxies share state."""
+        local = self._tables.mark_of(request_id)
+        shared = self._shared.booked(request_id) if self._shared is not None else None
+        return TurnMark(local, shared) if local is not None else None
 
     def begin(self, request_id: str, restored: Restored | None) -> None:
         self._tables.begin(request_id, restored)
@@ -197,7 +210,7 @@ class HeadStore:
         first: bool = True,
         session: str | None = None,
         idle_s: float = 0.0,
-        mark: Mark | None = None,
+        mark: TurnMark | None = None,
         share_bytes: int = 0,
         blocks: Sequence[Sequence[bytes]] = (),
     ) -> None:
@@ -213,7 +226,7 @@ class HeadStore:
             self.book.set_share(owner[2], share_bytes)  # the tenant's share, as its project's policy says
         if restored is not None and cache_n is not None:
             if inert(restored.tokens, cache_n):
-                self._judge(upstream, restored, cache_n)
+                self._judge(upstream, restored, cache_n, mark)
             else:
                 self._tables.reused(upstream.base_url)
         if session is not None:
@@ -333,12 +346,12 @@ class HeadStore:
         task.add_done_callback(self._tasks.discard)
 
     def _save_when_idle(
-        self, upstream: Upstream, slot: int | None, head: SavedTurn, idle_s: float, mark: Mark | None
+        self, upstream: Upstream, slot: int | None, head: SavedTurn, idle_s: float, mark: TurnMark | None
     ) -> None:
         if len(self._idle_saves) >= _MAX_IDLE_SAVES:
             self._cancel_idle(next(iter(self._idle_saves)))
-        if mark is None:
-            mark = self._tables.mark(upstream.base_url, slot)
+        if mark is None:  # no shared counts: where proxies share state, nothing is saved (`SlotIO.unchanged`)
+            mark = TurnMark(self._tables.mark(upstream.base_url, slot))
 
         def fire() -> None:
             self._idle_saves.pop((head.scope, head.session), None)
@@ -352,10 +365,13 @@ class HeadStore:
         if waiting is not None:
             waiting[0].cancel()
 
-    def _judge(self, upstream: Upstream, restored: Restored, cache_n: int) -> None:
+    def _judge(self, upstream: Upstream, restored: Restored, cache_n: int, mark: TurnMark | None) -> None:
         entry = self.book.entry(restored.head)
         scope = entry.scope if entry is not None else ""
-        verdict, strikes = self._tables.judge(upstream.base_url, restored, scope, time.monotonic())
+        if self._shared is not None and not alone_after(mark.shared if mark else None, restored.counted):
+            verdict, strikes = Verdict.TAKEN, 0  # another proxy's request may have come between: nothing is blamed
+        else:
+            verdict, strikes = self._tables.judge(upstream.base_url, restored, scope, time.monotonic())
         if verdict is Verdict.TAKEN:
             self._count("taken")
             log.warning(
@@ -403,7 +419,10 @@ class HeadStore:
                     return None  # busy, or several slots and none named: the request may land in another one
             elif not await slot_free(self._client(), upstream, slot):
                 return None  # its slot is busy: the restore would wait behind that slot's request
-            return await self._io.restore_file(upstream, slot or 0, match, forwards)
+            restored = await self._io.restore_file(upstream, slot or 0, match, forwards)
+            if restored is not None and self._shared is not None:  # for `_judge`: did any other request come?
+                restored = replace(restored, counted=await self._shared.read(upstream.base_url, slot))
+            return restored
         finally:
             self._lock.release()
 
@@ -467,15 +486,15 @@ class HeadStore:
                 f"(its slots {when} stay empty)"
             )
 
-    async def _save_logged(self, upstream: Upstream, slot: int | None, head: SavedTurn, mark: Mark | None) -> None:
+    async def _save_logged(self, upstream: Upstream, slot: int | None, head: SavedTurn, mark: TurnMark | None) -> None:
         try:
             await self._save(upstream, slot, head, mark)
         except _FAILURES as exc:
             self._count("failed")
             log.warning("heads: saving a head from %s failed (nothing kept): %s", upstream.label, exc)
 
-    async def _save_state_logged(self, upstream: Upstream, slot: int | None, head: SavedTurn, mark: Mark) -> None:
-        if self._tables.mark(upstream.base_url, slot) != mark:
+    async def _save_state_logged(self, upstream: Upstream, slot: int | None, head: SavedTurn, mark: TurnMark) -> None:
+        if self._tables.mark(upstream.base_url, slot) != mark.local:
             self._count("dropped")
             log.info("heads: session %s's state is not saved: its slot served another request since", head.session)
             return
@@ -485,10 +504,11 @@ class HeadStore:
             self._count("failed")
             log.warning("heads: saving session %s's state from %s failed: %s", head.session, upstream.label, exc)
 
-    async def _save(self, upstream: Upstream, slot: int | None, head: SavedTurn, mark: Mark | None = None) -> None:
+    async def _save(self, upstream: Upstream, slot: int | None, head: SavedTurn, mark: TurnMark | None = None) -> None:
         """`mark`: the turn's (`mark_of`); the slot is saved only if it served nothing since that turn (None: a turn
-        not forwarded through `forwarded`, judged by the requests forwarded during the save alone)."""
-        if mark is not None and self._tables.mark(upstream.base_url, slot) != mark:
+        not forwarded through `forwarded`, judged by the requests forwarded during the save alone; never saved where
+        proxies share state)."""
+        if mark is not None and self._tables.mark(upstream.base_url, slot) != mark.local:
             self._count("dropped")
             return  # its slot served another request already: a later turn of the same head may be kept instead
         key = await self._io.key(upstream)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from adaptive_spec.kv.heads.activity import Counted
 from adaptive_spec.kv.heads.matching import DEFAULT_MAX_BYTES, HeadEntry, ServerKey
 
 
@@ -38,6 +39,9 @@ class Restored:
     pieces: int = 0  # the request's leading pieces the head holds
     blocks: int = 0  # and the leading blocks of the next piece (a head the prompt parts from inside a piece)
     head_tokens: int = 0  # the head's own prompt tokens, where the request shares only a part of them
+    # The forward counts all proxies share, read once the restore ended (shared state): any request counted since the
+    # request's booking may have come between the restore and the request.
+    counted: Counted | None = None
 
     def reason(self) -> str:
         when = " when the server started" if self.at_start else ""

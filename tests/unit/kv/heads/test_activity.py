@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from adaptive_spec.kv.heads.activity import INERT_HEAD_S, INERT_SERVER_S, INERT_STRIKES, ServerActivity, Verdict
+from adaptive_spec.kv.heads.activity import (
+    INERT_HEAD_S,
+    INERT_SERVER_S,
+    INERT_STRIKES,
+    Counted,
+    ServerActivity,
+    Verdict,
+    alone_after,
+)
 
 A, B = "http://a", "http://b"
 
@@ -94,3 +102,25 @@ def test_on_a_server_that_has_reused_restores_an_inert_one_stops_that_head_alone
         seen.forwarded(B, None, None)
         assert seen.judge(B, at_restore, f"h{strike}")[1] == strike
     assert seen.is_inert(B, 0.0)
+
+
+def test_shared_counts_are_unchanged_only_where_nothing_could_have_used_the_slot() -> None:
+    mark = Counted("e", forwards=5, unnamed=1, slot=2, in_slot=3)
+    other_slot = Counted("e", forwards=6, unnamed=1, slot=2, in_slot=3)  # a request to another slot came since
+    assert mark.unchanged(mark, 2) and mark.unchanged(other_slot, 2)
+    assert not mark.unchanged(other_slot, None)  # no slot known: every request counts
+    assert not mark.unchanged(Counted("e", 6, 2, 2, 3), 2)  # one that named no slot
+    assert not mark.unchanged(Counted("e", 6, 1, 2, 4), 2)  # one that named this slot
+    assert not mark.unchanged(Counted("f", 5, 1, 2, 3), 2)  # a flushed store counts the same again
+    assert not mark.unchanged(None, 2)  # unreadable
+    assert not Counted("e", 5, 1, 2, 3, contested=True).unchanged(mark, 2)  # another proxy's could still come
+    assert not mark.unchanged(Counted("e", 6, 1, 1, 3), 1)  # counted for another slot: every request counts
+
+
+def test_a_restore_is_blamed_only_when_no_request_was_counted_since_its_own_booking() -> None:
+    booked = Counted("e", forwards=5, unnamed=0, slot=0, in_slot=5)
+    assert alone_after(booked, Counted("e", 5, 0, 0, 5))
+    assert not alone_after(booked, Counted("e", 6, 0, 1, 1))  # another request, even to another slot
+    assert not alone_after(booked, Counted("f", 5, 0, 0, 5))
+    assert not alone_after(None, booked) and not alone_after(booked, None)
+    assert not alone_after(Counted("e", 5, 0, 0, 5, contested=True), booked)

@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 
 from adaptive_spec.kv.costs import PrefillRate
+from adaptive_spec.kv.heads.activity import Counted, TurnMark
 from adaptive_spec.kv.heads.matching import (
     NO_TENANT,
     HeadEntry,
@@ -210,7 +211,7 @@ async def _turn(
     session: str,
     idle_s: float,
     first: bool = False,
-    mark: tuple[int, int] | None = None,
+    mark: TurnMark | None = None,
 ) -> None:
     store.served(
         upstream, None, PIECES, [400, 500, 100], None, (1000, 8), None, ("agent", "p", ""),
@@ -286,4 +287,43 @@ async def test_a_kv_move_into_a_slot_counts_as_its_use_and_holds_the_stores_lock
         await _decided(store, failed=0, dropped=1)  # not tried: the slot holds the moved KV
         async with store.moving(upstream, None, locked=False):  # a remote prefill's: counted, not locked
             assert not store._lock.locked()
+        await store.close()
+
+
+class _Shared:
+    """The forward counts all proxies keep, as `SharedForwards` gives them: the bookings' marks by request."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, Counted] = {}
+
+    def booked(self, request_id: str) -> Counted | None:
+        return self.marks.pop(request_id, None)
+
+    async def read(self, server: str, slot: int | None) -> Counted | None:
+        return None
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_with_shared_counts_a_restore_is_judged_inert_only_if_no_other_proxys_request_came(
+    tmp_path: Path,
+) -> None:
+    """Another proxy's request took the slot between the restore and its request: this proxy's own counts saw only
+    its request (so alone they would blame the head), the shared counts one more booking since that request's."""
+    async with aiohttp.ClientSession() as client:
+        shared = _Shared()
+        store = HeadStore(HeadsConfig(tmp_path / "heads"), tmp_path / "slots", lambda: client, shared=shared)
+        upstream = Upstream("p", "http://127.0.0.1:9")
+        for n, after in enumerate((Counted("e", 2, 0, 0, 2), Counted("e", 1, 0, 0, 1)), start=1):
+            shared.marks[f"r{n}"] = Counted("e", 1, 0, 0, 1)  # the request's own booking
+            restored = Restored(f"abc{n}", upstream.base_url, 7000, 20.0, forwards=n - 1, counted=after)
+            store.forwarded(upstream, 0, f"r{n}")
+            mark = store.mark_of(f"r{n}")
+            store.served(upstream, 0, [], [], 0, (10, 2), restored, ("opencode", "default", ""), mark=mark)
+        assert store.counts == {**store.counts, "taken": 1, "inert": 1}  # the first came after another's booking
+        assert store.describe()["inert_servers"] == []  # one head in a row only: the first is not held against it
+        # A restore whose counts could not be read is never blamed on the head.
+        store.forwarded(upstream, 0, "r3")
+        restored = Restored("abc3", upstream.base_url, 7000, 20.0, forwards=2)
+        store.served(upstream, 0, [], [], 0, (10, 2), restored, ("opencode", "default", ""), mark=store.mark_of("r3"))
+        assert store.counts == {**store.counts, "taken": 2, "inert": 1}
         await store.close()
