@@ -94,7 +94,9 @@ def _add_heads(app: web.Application, kv: KvSetup) -> None:
     if kv.heads is not None and kv.slot_dir is not None:
         try:
             told = shared_heads(app, kv.heads)
-            store = HeadStore(kv.heads, kv.slot_dir, lambda: app[CLIENT], kv.say or log.info, displaced(app), told)
+            store = HeadStore(
+                kv.heads, kv.slot_dir, lambda: app[CLIENT], kv.say or log.info, displaced(app), told, shared=told
+            )
         except (OSError, ValueError) as exc:  # an unusable directory costs the warm starts, not the proxy
             log.warning("heads: off: %s", exc)
             add_heads_views(app)

@@ -74,6 +74,7 @@ log = logging.getLogger(__name__)
 # A body from this size on (a ~40k-token history) is parsed, grouped and routed in turns with the other streams' chunks.
 _LARGE_BODY = 128 * 1024
 _BOOKING_TRIES = 3
+_READS = ("GET", "HEAD", "OPTIONS")  # a request of these methods uses no slot (/props, /slots, /metrics, /health)
 
 
 async def _prepare(request: web.Request, req: ProxyRequest) -> Routed | Outcome:
@@ -375,6 +376,10 @@ async def _forward_once(
     req.sent = sent = upstream_body(req, chosen, watched)
     if settings.feed_content and req.parsed is not None and req.parsed.stream and traits(routed.api).progress:
         req.meter.live = LiveText()
+    shared = app[SHARED]
+    if shared is not None and req.route is None and request.method not in _READS:
+        # Booked no slot (not routed), yet it may use one: counted for the head stores' guards of every proxy.
+        await shared.forwarded(chosen.base_url)
     await lifecycle.accounting.before_forward(app[CLIENT], chosen.base_url)
     lifecycle.accounting.forwarded(chosen.base_url)
     outcome: Outcome | None = None

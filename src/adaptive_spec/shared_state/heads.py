@@ -1,5 +1,6 @@
 """The head stores of several proxies kept in step through the shared state: what one saves, removes or finds inert
-is told (`SharedHeads` is the store's `HeadsTold`), and what the others tell is done here (`heard`).
+is told (`SharedHeads` is the store's `HeadsTold`), and what the others tell is done here (`heard`); the forward counts
+all proxies keep are what the store's save and restore guards compare (`SharedHeads` is its `SharedForwards`).
 
 A head another proxy saved is taken by this one from that proxy's folder (a hard link, or a copy; its size and
 checksum checked as it is taken): every proxy that may restore it must reach that folder (one host, or a shared
@@ -13,6 +14,7 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from adaptive_spec.kv.heads.activity import Counted
 from adaptive_spec.kv.heads.matching import HeadEntry
 from adaptive_spec.kv.heads.store import HeadStore
 from adaptive_spec.shared_state.news import HeadInert, HeadSaved, HeadsGone, News
@@ -45,6 +47,14 @@ class SharedHeads:
 
     def inert(self, server: str, head: str, head_s: float, server_s: float) -> None:
         self._shared.tell(HeadInert(self._shared.proxy_id, server, head, head_s, server_s))
+
+    # -- the forward counts all proxies keep (the store's `SharedForwards`) -----------------------------------------
+
+    def booked(self, request_id: str) -> Counted | None:
+        return self._shared.counted(request_id)
+
+    async def read(self, server: str, slot: int | None) -> Counted | None:
+        return await self._shared.forwards(server, slot)
 
     # -- heard: what the others' stores did ------------------------------------------------------------------------
 

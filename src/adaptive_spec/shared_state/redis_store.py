@@ -6,6 +6,7 @@ per server, scored by the end of their lease in Redis's own clock, so proxies on
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -13,9 +14,10 @@ from urllib.parse import urlsplit
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from adaptive_spec.kv.heads.activity import Counted
 from adaptive_spec.shared_state.news import HeadSaved, HeadsGone, News, SlotsErased, decode, encode
 from adaptive_spec.shared_state.store import StoreDown
-from adaptive_spec.shared_state.values import Booking, Reading, SharedPlacement
+from adaptive_spec.shared_state.values import UNNAMED_SLOT, Booked, Booking, Reading, SharedPlacement, counted
 
 PREFIX = "adaptive-spec:"
 NEWS = PREFIX + "news"  # the pub/sub channel of `tell`
@@ -53,6 +55,30 @@ redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[5]))
 return 1
 """
 )
+# The forward counts of a server (`forwards:<server>`, a hash: `epoch`, `all`, `unnamed`, `slot:<n>`), kept a day
+# after the last count: the head store's guards (kv/heads/activity.Counted) compare them. KEYS[1]: the counts,
+# KEYS[2]: the server's bookings; ARGV: slot, proxy, session, a new epoch (kept only where none is), expiry ms.
+# Returns the epoch, all, unnamed, the slot's count, and whether another proxy's live booking could use that slot
+# (values.Booking.contests). Run in the booking's own round trip, after it.
+_COUNTS_TTL_MS = 24 * 3600 * 1000
+_COUNT = (
+    _NOW
+    + """
+redis.call('HSETNX', KEYS[1], 'epoch', ARGV[4])
+local all = redis.call('HINCRBY', KEYS[1], 'all', 1)
+local field = 'slot:' .. ARGV[1]
+if ARGV[1] == '-1' then field = 'unnamed' end
+local here = redis.call('HINCRBY', KEYS[1], field, 1)
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+local contested = 0
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. now, '+inf')) do
+  local _, _, slot, proxy, _, session = string.find(m, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
+  if proxy and proxy ~= ARGV[2] and (slot == ARGV[1] or slot == '-1' or ARGV[1] == '-1')
+     and not (session ~= '' and session == ARGV[3]) then contested = 1 end
+end
+return {redis.call('HGET', KEYS[1], 'epoch'), all, redis.call('HGET', KEYS[1], 'unnamed') or 0, here, contested}
+"""
+)
 # KEYS[1]: the server's bookings; ARGV[1]: lease ms, then the members.
 _RENEW = (
     _NOW
@@ -62,6 +88,12 @@ redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[1]))
 return 1
 """
 )
+
+
+def _count(pipe: Any, booking: Booking) -> None:
+    """The booking's request counted on its server (`_COUNT`), in the booking's pipeline."""
+    keys = [PREFIX + "forwards:" + booking.server, PREFIX + "booked:" + booking.server]
+    pipe.eval(_COUNT, 2, *keys, str(booking.slot), booking.proxy, booking.session, secrets.token_hex(8), _COUNTS_TTL_MS)
 
 
 def redacted(url: str) -> str:
@@ -122,11 +154,29 @@ class RedisStore:
         placement = SharedPlacement.decode(placed) if session_id is not None else None
         return Reading(placement, bookings, occupied, stamps)
 
-    async def book(self, booking: Booking, lease_s: float, force: bool) -> bool:
+    async def book(self, booking: Booking, lease_s: float, force: bool) -> Booked:
         args: list[str | int] = [booking.member, str(booking.slot), booking.proxy, booking.session]
         args += [int(lease_s * 1000), "1" if force else "0"]
-        done = await self._run(self._redis.eval(_BOOK, 1, PREFIX + "booked:" + booking.server, *args))
-        return bool(done)
+        pipe = self._redis.pipeline(transaction=True)  # MULTI … EXEC: one round trip, nothing run in between
+        pipe.eval(_BOOK, 1, PREFIX + "booked:" + booking.server, *args)
+        _count(pipe, booking)
+        done, counts = await self._run(pipe.execute())
+        slot = None if booking.slot == UNNAMED_SLOT else booking.slot
+        read = counted(counts[:4], slot, counts[4]) if isinstance(counts, list) and len(counts) == 5 else None
+        return Booked(bool(done), read)
+
+    async def forwarded(self, server: str) -> None:
+        key = PREFIX + "forwards:" + server
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hsetnx(key, "epoch", secrets.token_hex(8))
+        pipe.hincrby(key, "all", 1)
+        pipe.hincrby(key, "unnamed", 1)
+        pipe.pexpire(key, _COUNTS_TTL_MS)
+        await self._run(pipe.execute())
+
+    async def forwards(self, server: str, slot: int | None) -> Counted | None:
+        fields = ["epoch", "all", "unnamed", f"slot:{slot if slot is not None else 0}"]
+        return counted(await self._run(self._redis.hmget(PREFIX + "forwards:" + server, fields)), slot)
 
     async def renew(self, bookings: Sequence[Booking], lease_s: float) -> None:
         by_server: dict[str, list[str]] = {}

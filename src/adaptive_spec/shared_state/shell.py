@@ -16,13 +16,14 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from adaptive_spec.common.lru import LRU
+from adaptive_spec.kv.heads.activity import Counted
 from adaptive_spec.routing.contract import Route
 from adaptive_spec.routing.placements import Placement
 from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.grouping import echo_candidates, served_keys
 from adaptive_spec.shared_state.news import News, SlotsErased
 from adaptive_spec.shared_state.store import SharedStore, StoreDown
-from adaptive_spec.shared_state.values import UNNAMED_SLOT, Booking, Reading, SharedPlacement
+from adaptive_spec.shared_state.values import UNNAMED_SLOT, Booked, Booking, Reading, SharedPlacement
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -32,7 +33,9 @@ RECALL_AGAIN_S = 0.02  # while the store is down, one call a second tries it aga
 WEAKENED = (
     "slot bookings count this proxy's requests only",
     "sessions and placements are this proxy's own: a turn another proxy served is a new session here",
+    "no head is saved: its guards cannot count the other proxies' requests to the slot",
 )
+_UNCOUNTED = Booked(True)  # a booking the store could not take: booked here alone, counted nowhere
 
 
 class SharedState:
@@ -60,6 +63,10 @@ class SharedState:
         # head store forget what they knew there.
         self.on_erased: Callable[[str, bool], None] = lambda _server, _restarted: None
         self.conflicts = 0  # bookings refused because another proxy held the slot (the request routed again)
+        # The shared forward counts each request's booking returned, until the head store takes them (`counted`).
+        self._counted: LRU[str, Counted] = LRU(4096)
+        # Servers this proxy forwarded to while the store was down: counted once it answers again (`_recount`).
+        self._uncounted: set[str] = set()
 
     # --- the outage ---------------------------------------------------------------------------------------------
 
@@ -83,6 +90,7 @@ class SharedState:
             log.warning("shared state: %s answers again; sharing resumes", self.store.label)
             self._down_since = None
             self._spawn(self._renew_all())  # its bookings, lost with a restart or a flush, written again
+            self._spawn(self._recount())
         return result
 
     def status(self) -> dict[str, Any]:
@@ -157,11 +165,12 @@ class SharedState:
         where = router.server_url(profile, replica)
         session = "" if route.session_id is None or route.decision.side else route.session_id
         booking = Booking(where, UNNAMED_SLOT if slot is None else slot, self.proxy_id, request_id, session)
-        booked = await self._call(lambda: self.store.book(booking, self.lease_s, force), True)
-        if not booked:
+        booked = await self._call(lambda: self.store.book(booking, self.lease_s, force), _UNCOUNTED)
+        if not booked.ok:
             self.conflicts += 1
             return False
         self._live[request_id] = booking
+        self._note_count(request_id, where, booked.counted)
         if route.session_id is not None and not route.decision.side:
             # Where its KV will be, written before it is forwarded: its next turn may reach another proxy the
             # moment its answer ends, before the placement learned from the answer is written.
@@ -175,6 +184,41 @@ class SharedState:
                 else replace(old, profile=profile, slot=route.slot, replica=replica, in_slot=True, overwritten=False),
                 (),
             )
+        return True
+
+    # --- the forward counts (the head store's guards: kv/heads/activity.Counted) ----------------------------------
+
+    def _note_count(self, request_id: str, server: str, counts: Counted | None) -> None:
+        if counts is None:
+            self._counted.pop(request_id)
+            self._uncounted.add(server)
+        else:
+            self._counted.put(request_id, counts)
+
+    def counted(self, request_id: str) -> Counted | None:
+        """The forward counts the request's booking returned (taken once; None: not booked, or not counted)."""
+        return self._counted.pop(request_id)
+
+    async def forwarded(self, server: str) -> None:
+        """A request that books no slot (not routed), counted on its server before it is forwarded: it may use any
+        slot there. One round trip; an outage leaves it uncounted (and counted once the store answers again)."""
+        if not await self._call(lambda: self._count_one(server), False):
+            self._uncounted.add(server)
+
+    async def forwards(self, server: str, slot: int | None) -> Counted | None:
+        """The server's forward counts now (None: the store cannot be reached, or holds nothing readable)."""
+        return await self._call(lambda: self.store.forwards(server, slot), None)
+
+    async def _recount(self) -> None:
+        """Requests this proxy forwarded while the store was down, counted once it is back (one on each such server):
+        a save another proxy runs from now on does not take a slot one of them may have used."""
+        servers, self._uncounted = self._uncounted, set()
+        for server in sorted(servers):
+            if not await self._call(lambda s=server: self._count_one(s), False):  # type: ignore[misc]
+                self._uncounted.add(server)
+
+    async def _count_one(self, server: str) -> bool:
+        await self.store.forwarded(server)
         return True
 
     def _drop(self, request_id: str) -> None:

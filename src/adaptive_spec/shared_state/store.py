@@ -7,13 +7,15 @@ meanwhile."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Protocol
 
 from adaptive_spec.errors import AdaptiveSpecError
+from adaptive_spec.kv.heads.activity import Counted
 from adaptive_spec.shared_state.news import HeadSaved, HeadsGone, News, SlotsErased, decode, encode
-from adaptive_spec.shared_state.values import Booking, Reading, SharedPlacement
+from adaptive_spec.shared_state.values import UNNAMED_SLOT, Booked, Booking, Reading, SharedPlacement, counted
 
 
 class StoreDown(AdaptiveSpecError):
@@ -33,8 +35,17 @@ class SharedStore(Protocol):
         """The session's placement, and the live bookings and slot occupants of these servers: one round trip."""
         ...
 
-    async def book(self, booking: Booking, lease_s: float, force: bool) -> bool:
-        """Book the slot unless another proxy holds it (`force`: book it all the same). Atomic across proxies."""
+    async def book(self, booking: Booking, lease_s: float, force: bool) -> Booked:
+        """Book the slot unless another proxy holds it (`force`: book it all the same). Atomic across proxies. In the
+        same round trip the request is counted on its server (`forwarded`), and the counts come back with it."""
+        ...
+
+    async def forwarded(self, server: str) -> None:
+        """Count a request forwarded to the server that booked no slot (it may use any)."""
+        ...
+
+    async def forwards(self, server: str, slot: int | None) -> Counted | None:
+        """The server's forward counts now (None: none kept, or none this version can read)."""
         ...
 
     async def renew(self, bookings: Sequence[Booking], lease_s: float) -> None:
@@ -71,6 +82,7 @@ class MemoryStore:
         self._clock = clock
         self._values: dict[str, tuple[object, float]] = {}  # key -> (value, expires at)
         self._bookings: dict[str, dict[str, float]] = {}  # server -> member -> lease end
+        self._forwards: dict[str, dict[str, int | str]] = {}  # server -> its counts (as in Redis: `redis_store.py`)
         self._listeners: list[asyncio.Queue[bytes]] = []
         self.down = False  # a test's switch: every call raises StoreDown while it is set
 
@@ -109,16 +121,43 @@ class MemoryStore:
         erased = {s: e for s in servers if isinstance(e := self._get("erased:" + s), int)}
         return Reading(SharedPlacement.decode(raw if isinstance(raw, bytes) else None), bookings, occupants, erased)
 
-    async def book(self, booking: Booking, lease_s: float, force: bool) -> bool:
+    async def book(self, booking: Booking, lease_s: float, force: bool) -> Booked:
         self._check()
         held = self._live(booking.server)
         if not force:
             for member in held:
                 other = Booking.parse(booking.server, member)
                 if other is not None and other.blocks(booking):
-                    return False
+                    return Booked(False, self._count(booking))
         held[booking.member] = self._clock() + lease_s
-        return True
+        return Booked(True, self._count(booking))
+
+    def _count(self, booking: Booking) -> Counted | None:
+        """`redis_store._COUNT`: the request counted on its server; contested where another proxy's live booking could
+        use its slot."""
+        slot = None if booking.slot == UNNAMED_SLOT else booking.slot
+        self._add(booking.server, "slot:" + str(booking.slot) if slot is not None else "unnamed")
+        live = [b for m in self._live(booking.server) if (b := Booking.parse(booking.server, m)) is not None]
+        contested = any(other.contests(booking) for other in live)
+        return counted(self._read(booking.server, slot), slot, int(contested))
+
+    def _add(self, server: str, field: str) -> None:
+        counts = self._forwards.setdefault(server, {"epoch": secrets.token_hex(8)})
+        for name in ("all", field):
+            value = counts.get(name, 0)
+            counts[name] = (value if isinstance(value, int) else 0) + 1
+
+    def _read(self, server: str, slot: int | None) -> list[object]:
+        counts = self._forwards.get(server, {})
+        return [counts.get(k) for k in ("epoch", "all", "unnamed", "slot:" + str(slot if slot is not None else 0))]
+
+    async def forwarded(self, server: str) -> None:
+        self._check()
+        self._add(server, "unnamed")
+
+    async def forwards(self, server: str, slot: int | None) -> Counted | None:
+        self._check()
+        return counted(self._read(server, slot), slot)
 
     async def renew(self, bookings: Sequence[Booking], lease_s: float) -> None:
         self._check()
@@ -174,6 +213,7 @@ class MemoryStore:
         """Everything forgotten at once (Redis's FLUSHALL)."""
         self._values.clear()
         self._bookings.clear()
+        self._forwards.clear()
 
     async def close(self) -> None:
         return None

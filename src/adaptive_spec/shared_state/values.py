@@ -5,11 +5,13 @@ Pure: encoded and decoded here, stored by `store.py`'s implementations."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import orjson
 
+from adaptive_spec.kv.heads.activity import Counted
 from adaptive_spec.routing.placements import Placement
 
 UNNAMED_SLOT = -1  # a request that named no slot on a server of several
@@ -51,6 +53,51 @@ class Booking:
             and self.proxy != other.proxy
             and not (self.session and self.session == other.session)
         )
+
+    def contests(self, other: Booking) -> bool:
+        """Whether this booking's request could still use `other`'s slot (one of them named none, or both the same),
+        being another proxy's, for another session: while it is live, `other`'s counts cannot tell what that slot
+        will hold (its request may reach the server after `other`'s)."""
+        same = UNNAMED_SLOT in (self.slot, other.slot) or self.slot == other.slot
+        return same and self.proxy != other.proxy and not (self.session and self.session == other.session)
+
+
+@dataclass(frozen=True, slots=True)
+class Booked:
+    """A booking's answer: whether the slot was booked, and the server's forward counts with this request counted, in
+    the same round trip (`kv/heads/activity.Counted`: the head store's guards compare them; None: not counted)."""
+
+    ok: bool
+    counted: Counted | None = None
+
+
+_EPOCH_MAX = 64
+
+
+def counted(raw: Sequence[object], slot: int | None, contested: object = 0) -> Counted | None:
+    """The counts as the store holds them (epoch, all, unnamed, the slot's; bytes or ints), checked: None for any
+    value that is not what this version writes (a count no guard can trust)."""
+    if len(raw) != 4:
+        return None
+    epoch, *numbers = raw
+    if isinstance(epoch, bytes):
+        epoch = epoch.decode("ascii", "replace")
+    if not isinstance(epoch, str) or not 0 < len(epoch) <= _EPOCH_MAX:
+        return None
+    ints = [_count(n) for n in numbers]
+    if None in ints or not isinstance(contested, int):
+        return None
+    forwards, unnamed, in_slot = (n or 0 for n in ints)
+    return Counted(epoch, forwards, unnamed, slot, in_slot, contested=bool(contested))
+
+
+def _count(raw: object) -> int | None:
+    """A counter: an int, or the digits Redis keeps (absent: none counted yet)."""
+    if raw is None:
+        return 0
+    if isinstance(raw, bytes) and raw.isdigit() and len(raw) <= 19:
+        return int(raw)
+    return raw if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0 else None
 
 
 @dataclass(frozen=True, slots=True)

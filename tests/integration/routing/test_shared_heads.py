@@ -170,3 +170,73 @@ def test_redis_on_a_host_of_its_own_and_its_link_down_meanwhile(
             process.stop()
         hosts.close()
     assert hosts.left() == []
+
+
+def test_a_turn_whose_slot_another_proxy_used_before_its_save_is_not_saved(
+    server: tuple[LlamaServer, Path], redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """One slot, two proxies: a serves a session's turn (its state saved once the session has been idle a while, by
+    the policy's `session_idle_s`), and meanwhile b forwards another client's prompt of the same length into that
+    slot. When a's save runs the slot
+    holds b's KV: a's save guard counts b's request through the shared forward counts (its own proxy's counts never
+    saw it) and saves nothing."""
+    policy = tmp_path / "policy.toml"
+    policy.write_text("[heads]\nsession_idle_s = 3\n")
+    a, b = _proxies(server, tmp_path, "--shared-state", redis_server.url, "--policy", str(policy))
+    try:
+        # The session's first request a sees, resumed with a reply in it: a session's state, saved when it is idle.
+        resumed = [*MESSAGES, {"role": "assistant", "content": "Done."}, {"role": "user", "content": "Add a test."}]
+        turn = chat_record(a, resumed, 4, **{"x-session-id": "conv"})
+        assert http_json(a.base + "/adaptive/heads")["idle_waits"] == 1, a.log()
+        # Another client's conversation of the same length (its slot file passes the save's token checks).
+        theirs = [{"role": m["role"], "content": m["content"].replace("never edit", "never open")} for m in resumed]
+        other = chat_record(b, theirs, 4, **{"x-session-id": "other"})
+        assert turn["status"] == other["status"] == 200
+
+        def decided() -> bool:  # a's idle wait ended, and its save was tried (or dropped) and is over
+            seen = http_json(a.base + "/adaptive/heads")
+            return bool(seen["idle_waits"] == 0 and seen["pending"] == 0)
+
+        wait_until(decided, 60, "a's idle wait to end")
+        seen = http_json(a.base + "/adaptive/heads")
+        assert seen["counts"]["session_saved"] == 0 and seen["counts"]["dropped"] == 1, (seen, a.log())
+        assert seen["heads"] == [], seen  # no file holds b's KV under a's session
+        # A request b forwards without a route (it books no slot) may use any slot: counted all the same; a GET
+        # (/props, /slots) uses none and is not.
+        (key,) = redis_server.client().keys("adaptive-spec:forwards:*")
+        before = redis_server.client().hgetall(key)
+        http_json(b.base + "/tokenize", {"content": "hi"})
+        http_json(b.base + "/props")
+        after = redis_server.client().hgetall(key)
+        assert int(after[b"all"]) == int(before[b"all"]) + 1, (before, after)
+        assert int(after[b"unnamed"]) == int(before.get(b"unnamed", b"0")) + 1, (before, after)
+    finally:
+        for proxy in (a, b):
+            proxy.stop()
+
+
+def test_with_the_shared_state_unreachable_no_turn_is_saved(
+    server: tuple[LlamaServer, Path], redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Redis stopped: the other proxies' requests cannot be counted, so the guard cannot tell what the slot holds
+    when the save runs; nothing is saved, and /adaptive/health says so."""
+    policy = tmp_path / "policy.toml"
+    policy.write_text("[heads]\nsession_idle_s = 1\n")
+    a, b = _proxies(server, tmp_path, "--shared-state", redis_server.url, "--policy", str(policy))
+    try:
+        redis_server.stop()
+        resumed = [*MESSAGES, {"role": "assistant", "content": "Done."}, {"role": "user", "content": "Add a test."}]
+        assert chat_record(a, resumed, 4, **{"x-session-id": "conv"})["status"] == 200
+
+        def decided() -> bool:
+            seen = http_json(a.base + "/adaptive/heads")
+            return bool(seen["idle_waits"] == 0 and seen["pending"] == 0)
+
+        wait_until(decided, 60, "a's idle wait to end")
+        seen = http_json(a.base + "/adaptive/heads")
+        assert seen["counts"]["session_saved"] == 0 and seen["counts"]["dropped"] == 1, (seen, a.log())
+        health = http_json(a.base + "/adaptive/health")["shared_state"]
+        assert health["reachable"] is False and any("no head is saved" in w for w in health["weakened"]), health
+    finally:
+        for proxy in (a, b):
+            proxy.stop()

@@ -248,3 +248,37 @@ async def test_news_reaches_the_other_proxies_not_its_teller() -> None:
         task.cancel()
     assert [type(n) for n in got["b"]] == [HeadSaved, HeadsGone]  # the kept head first, then the news
     assert got["a"] == [] and erased == [(URLS[0], True)]
+
+
+@pytest.mark.asyncio
+async def test_a_booking_hands_its_forward_counts_to_the_head_store_and_an_outage_counts_later() -> None:
+    store, clock = MemoryStore(Clock()), Clock()
+    a, b = Proxy(store, clock, "a"), Proxy(store, clock, "b")
+    rid, route = await a.start("s1", 0)
+    server, slot = a.router.server_url("plain", route.decision.replica), route.slot
+    mark = a.shared.counted(rid)
+    assert mark is not None and a.shared.counted(rid) is None  # taken once
+    assert mark.unchanged(await b.shared.forwards(server, slot), slot)
+    await a.end(rid, route)
+    await b.shared.forwarded(server)  # a request b forwards without a route (no booking): any slot's
+    assert not mark.unchanged(await a.shared.forwards(server, slot), slot)
+    # While the store is down, nothing is counted: no mark, no guard reading (the head store saves nothing); b's
+    # forwards are counted on each server once the store answers again.
+    counted = {url: await store_forwards(store, url) for url in URLS}
+    store.down = True
+    rid, route = await b.start("s2", 0)
+    down_server = b.router.server_url("plain", route.decision.replica)
+    assert b.shared.counted(rid) is None and await b.shared.forwards(down_server, None) is None
+    assert "no head is saved" in " ".join(b.shared.status()["weakened"])
+    store.down = False
+    clock.now += 2.0
+    await b.shared.before_route(b.router, None)
+    await b.shared.settled()
+    assert {url: await store_forwards(store, url) for url in URLS} == {
+        url: n + (url == down_server) for url, n in counted.items()
+    }
+
+
+async def store_forwards(store: MemoryStore, server: str) -> int:
+    counts = await store.forwards(server, None)
+    return counts.forwards if counts is not None else 0
