@@ -6,7 +6,6 @@ its own (a network namespace, `tests/support/processes/hosts.py`), the proxies o
 
 from __future__ import annotations
 
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,38 +16,18 @@ import pytest
 from tests.support.processes.hosts import Hosts
 from tests.support.processes.redis import RedisServer
 from tests.support.processes.servers import LlamaServer, ProxyProcess, chat_record, http_json, wait_until
-
-SYSTEM = "You are a coding agent. Rules:\n" + "\n".join(
-    f"{i}. Keep function_{i} small, typed and tested; never edit file_{i}.py without reading it." for i in range(40)
-)
-MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Write hello.py."}]
+from tests.support.shared_proxies import MESSAGES, heads_listed, one_slot_server, proxies
 
 
 @pytest.fixture
 def server(llama_server_binary: str, tiny_gguf: Path, tmp_path: Path) -> Iterator[tuple[LlamaServer, Path]]:
-    slots = tmp_path / "slots"
-    slots.mkdir()
-    args = ("-c", "8192", "--parallel", "1", "--spec-type", "none", "--slot-save-path", str(slots))
-    started = LlamaServer(llama_server_binary, tiny_gguf, *args, log_dir=tmp_path / "logs")
-    yield started, slots
+    started = one_slot_server(llama_server_binary, tiny_gguf, tmp_path)
+    yield started, tmp_path / "slots"
     started.stop()
 
 
 def _proxies(server: tuple[LlamaServer, Path], home: Path, *extra: str) -> list[ProxyProcess]:
-    url, slots = server[0].url, server[1]
-    out = []
-    for name in ("a", "b"):
-        env = {"ADAPTIVE_SPEC_STATE_DIR": str(home / name / "state"), "ADAPTIVE_SPEC_CONFIG_DIR": str(home / name)}
-        out.append(ProxyProcess("--profile", f"plain={url}", "--slot-dir", str(slots), *extra, env=env))
-    return out
-
-
-def _heads(proxy: ProxyProcess, count: int) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + 30
-    while len(heads := http_json(proxy.base + "/adaptive/heads")["heads"]) != count:
-        assert time.monotonic() < deadline, (heads, proxy.log())
-        time.sleep(0.1)
-    return list(heads)
+    return proxies(server[0].url, server[1], home, *extra)
 
 
 def _erase_directly(server: LlamaServer) -> None:
@@ -62,8 +41,8 @@ def test_a_head_saved_through_one_proxy_is_restored_through_the_other(
     a, b = _proxies(server, tmp_path, "--shared-state", redis_server.url)
     try:
         cold = chat_record(a, MESSAGES, 4, **{"x-session-id": "first"})
-        (saved,) = _heads(a, 1)
-        (taken,) = _heads(b, 1)  # told through Redis, taken from a's folder, its checksum checked
+        (saved,) = heads_listed(a, 1)
+        (taken,) = heads_listed(b, 1)  # told through Redis, taken from a's folder, its checksum checked
         assert taken["id"] == saved["id"] and taken["bytes"] == saved["bytes"]
         _erase_directly(server[0])
         warm = chat_record(b, MESSAGES, 4, **{"x-session-id": "second"})
@@ -74,7 +53,7 @@ def test_a_head_saved_through_one_proxy_is_restored_through_the_other(
         req = urllib.request.Request(f"{a.base}/adaptive/heads/{saved['id']}", method="DELETE")
         with urllib.request.urlopen(req, timeout=30) as resp:
             assert resp.status == 200
-        _heads(b, 0)
+        heads_listed(b, 0)
     finally:
         for proxy in (a, b):
             proxy.stop()
@@ -86,7 +65,7 @@ def test_without_the_shared_state_the_other_proxy_prefills(server: tuple[LlamaSe
     a, b = _proxies(server, tmp_path)
     try:
         chat_record(a, MESSAGES, 4, **{"x-session-id": "first"})
-        _heads(a, 1)
+        heads_listed(a, 1)
         _erase_directly(server[0])
         cold = chat_record(b, MESSAGES, 4, **{"x-session-id": "second"})
         assert "warm: head of" not in cold["reason"] and cold["timings"]["cache_n"] < 10, cold
@@ -148,8 +127,8 @@ def test_redis_on_a_host_of_its_own_and_its_link_down_meanwhile(
         )
         started += [a, b]
         cold = chat_record(a, MESSAGES, 4, **{"x-session-id": "first"})
-        (saved,) = _heads(a, 1)
-        _heads(b, 1)
+        (saved,) = heads_listed(a, 1)
+        heads_listed(b, 1)
         http_json(f"{server.url}/slots/0?action=erase", {})
         warm = chat_record(b, MESSAGES, 4, **{"x-session-id": "second"})
         assert "warm: head of" in warm["reason"] and warm["text"] == cold["text"], warm["reason"]

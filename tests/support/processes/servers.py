@@ -221,6 +221,11 @@ def chat_record(proxy: ProxyProcess, messages: list[dict[str, str]], max_tokens:
     """One greedy, non-streamed chat request through the proxy; its record from /adaptive/requests, with the reply's
     text added."""
     body = {"model": "m", "messages": messages, "temperature": 0, "seed": 1, "max_tokens": max_tokens}
+    return body_record(proxy, body, headers)
+
+
+def body_record(proxy: ProxyProcess, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    """`chat_record` of any chat body."""
     req = urllib.request.Request(
         proxy.base + "/v1/chat/completions",
         data=json.dumps(body).encode(),
