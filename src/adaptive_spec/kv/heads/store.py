@@ -90,6 +90,7 @@ class HeadStore:
                 "failed",
                 "removed",
                 "inert",
+                "inert_heard",  # another proxy's verdict (shared state)
                 "taken",
                 "evicted",
                 "dropped",  # a save given up: its slot served another request after the turn
@@ -291,6 +292,7 @@ class HeadStore:
         `server_s`)."""
         now = time.monotonic()
         self._tables.heard_inert(server, head, now + head_s, now + server_s if server_s > 0 else None)
+        self._count("inert_heard")
 
     async def settled(self) -> None:
         """Wait for the saves and warm starts under way (tests, shutdown)."""
