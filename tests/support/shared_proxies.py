@@ -4,6 +4,7 @@ reach), each with its own state directory on one host: what the tests of the sha
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,21 @@ def one_slot_server(binary: str, model: Path, work: Path, port: int | None = Non
     return LlamaServer(binary, model, *args, log_dir=work / "logs", port=port)
 
 
-def proxies(url: str, slots: Path, home: Path, *extra: str, names: tuple[str, ...] = ("a", "b")) -> list[ProxyProcess]:
-    """One `serve` per name on the server at `url`, each with its own state and config folders under `home`."""
+def proxies(
+    url: str,
+    slots: Path,
+    home: Path,
+    *extra: str,
+    names: tuple[str, ...] = ("a", "b"),
+    profiles: Sequence[str] = (),
+) -> list[ProxyProcess]:
+    """One `serve` per name on the server at `url` (its profile "plain"; or on `profiles`, `--profile` arguments),
+    each with its own state and config folders under `home`."""
     out = []
     for name in names:
         env = {"ADAPTIVE_SPEC_STATE_DIR": str(home / name / "state"), "ADAPTIVE_SPEC_CONFIG_DIR": str(home / name)}
-        out.append(ProxyProcess("--profile", f"plain={url}", "--slot-dir", str(slots), *extra, env=env))
+        attach = profiles or ("--profile", f"plain={url}")
+        out.append(ProxyProcess(*attach, "--slot-dir", str(slots), *extra, env=env))
     return out
 
 

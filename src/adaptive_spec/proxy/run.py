@@ -54,6 +54,7 @@ from adaptive_spec.proxy.app_stop import stop_app
 from adaptive_spec.proxy.connections import WatchedSite, watch_connections
 from adaptive_spec.proxy.event_loop import loop_factory, loop_name
 from adaptive_spec.proxy.settings import LaunchSettings, ServeSettings
+from adaptive_spec.proxy.sharing import launching
 from adaptive_spec.requests.app_keys import LIFECYCLE
 from adaptive_spec.requests.measured_speeds import KeptSpeeds, machine_identity
 from adaptive_spec.requests.measured_speeds import identity as speeds_identity
@@ -316,7 +317,7 @@ async def _app(run: _Run, policies: PolicyStore, table: UpstreamTable, bus: Even
         + ("on (slot files in " + str(slot_dir) + ")" if slot_dir else "off (no shared slot directory)")
         + ("; between hosts through the kv-relays" if settings.relays is not None else "")
     )
-    return build_app(
+    app = build_app(
         table,
         settings.proxy,
         sessions,
@@ -332,6 +333,9 @@ async def _app(run: _Run, policies: PolicyStore, table: UpstreamTable, bus: Even
         probes=probes,
         shared=shared,
     )
+    if launcher is not None:
+        launching(app, list(launcher.commands))
+    return app
 
 
 def _shared(settings: ServeSettings, policy: SharedStatePolicy) -> SharedState | None:

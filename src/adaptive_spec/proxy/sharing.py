@@ -1,13 +1,14 @@
 """What several proxies tell each other through the shared state, wired into this one: its head store's saves,
 removals and inert restores told and the others' taken (`shared_state/heads.py`), and servers whose slots one proxy
-saw emptied (erased, restarted) forgotten by every proxy's router and head store."""
+saw emptied (erased, restarted) forgotten by every proxy's router and head store; the servers it launched recorded,
+so that it alone warm-starts them."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from aiohttp import web
 
@@ -28,6 +29,14 @@ def shared_heads(app: web.Application, config: HeadsConfig) -> SharedHeads | Non
         return None
     app[SHARED_HEADS] = heads = SharedHeads(shared, config.project_keys)
     return heads
+
+
+def launching(app: web.Application, servers: Sequence[str]) -> None:
+    """The servers this proxy launched: recorded in the shared state where its head store warm-starts them, so that
+    it alone warms them after each restart (the other proxies on them leave it to it)."""
+    shared, store = app.get(SHARED), app.get(HEADS)
+    if shared is not None and store is not None and store.config.warm_start and not store.config.project_keys:
+        shared.launching(servers)
 
 
 def share(app: web.Application) -> None:

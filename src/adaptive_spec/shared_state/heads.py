@@ -48,6 +48,9 @@ class SharedHeads:
     def inert(self, server: str, head: str, head_s: float, server_s: float) -> None:
         self._shared.tell(HeadInert(self._shared.proxy_id, server, head, head_s, server_s))
 
+    async def warm_claim(self, server: str) -> bool:
+        return await self._shared.claim_warm(server)
+
     # -- the forward counts all proxies keep (the store's `SharedForwards`) -----------------------------------------
 
     def booked(self, request_id: str) -> Counted | None:

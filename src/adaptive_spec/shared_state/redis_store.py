@@ -89,6 +89,27 @@ return 1
 """
 )
 
+# KEYS[1]: the server's launcher record, KEYS[2]: its warm-start claim; ARGV: proxy, window ms. A launched server is
+# warmed by its launcher alone; another, by the first proxy to claim it (again by that proxy within the window).
+_CLAIM_WARM = """
+local launcher = redis.call('GET', KEYS[1])
+if launcher then
+  if launcher == ARGV[1] then return 1 end
+  return 0
+end
+local held = redis.call('GET', KEYS[2])
+if held and held ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', tonumber(ARGV[2]))
+return 1
+"""
+# KEYS: launcher records; ARGV[1]: the proxy whose records go.
+_UNLAUNCH = """
+for _, key in ipairs(KEYS) do
+  if redis.call('GET', key) == ARGV[1] then redis.call('DEL', key) end
+end
+return 1
+"""
+
 
 def _count(pipe: Any, booking: Booking) -> None:
     """The booking's request counted on its server (`_COUNT`), in the booking's pipeline."""
@@ -239,6 +260,23 @@ class RedisStore:
         finally:
             await pubsub.aclose()
             await listener.aclose()
+
+    async def launched(self, servers: Sequence[str], proxy: str, lease_s: float) -> None:
+        if not servers:
+            return
+        pipe = self._redis.pipeline(transaction=False)
+        for server in servers:
+            pipe.set(PREFIX + "launched:" + server, proxy, px=int(lease_s * 1000))
+        await self._run(pipe.execute())
+
+    async def unlaunched(self, servers: Sequence[str], proxy: str) -> None:
+        if servers:
+            keys = [PREFIX + "launched:" + s for s in servers]
+            await self._run(self._redis.eval(_UNLAUNCH, len(keys), *keys, proxy))
+
+    async def claim_warm(self, server: str, proxy: str, window_s: float) -> bool:
+        keys = (PREFIX + "launched:" + server, PREFIX + "warm:" + server)
+        return bool(await self._run(self._redis.eval(_CLAIM_WARM, 2, *keys, proxy, int(window_s * 1000))))
 
     async def close(self) -> None:
         await self._redis.aclose()

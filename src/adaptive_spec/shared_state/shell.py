@@ -29,11 +29,16 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 RETRY_S = 1.0
 RECALL_AGAIN_S = 0.02  # while the store is down, one call a second tries it again; the others skip it
+# How long a proxy's claim to warm-start a server it found fresh keeps the others from doing it too: longer than the
+# proxies take to find one restart (a health poll and a watch, seconds), short enough that a later restart found
+# first by another proxy is warmed again. A server with a launcher is warmed by its launcher, every restart.
+WARM_CLAIM_S = 60.0
 # What this proxy does without the store, said in the log and in /adaptive/health.
 WEAKENED = (
     "slot bookings count this proxy's requests only",
     "sessions and placements are this proxy's own: a turn another proxy served is a new session here",
     "no head is saved: its guards cannot count the other proxies' requests to the slot",
+    "a restarted server may be warm-started by every proxy that finds it fresh",
 )
 _UNCOUNTED = Booked(True)  # a booking the store could not take: booked here alone, counted nowhere
 
@@ -59,6 +64,7 @@ class SharedState:
         self._retry_at = 0.0
         self._writes: set[asyncio.Task[None]] = set()
         self._erasures: dict[str, int] = {}  # server -> when its slots were last emptied, as this proxy knows (ns)
+        self._launched: tuple[str, ...] = ()  # the servers this proxy launched and warm-starts (`launching`)
         # Told when another proxy emptied a server's slots (its URL; whether it restarted): the proxy's router and
         # head store forget what they knew there.
         self.on_erased: Callable[[str, bool], None] = lambda _server, _restarted: None
@@ -297,6 +303,19 @@ class SharedState:
                 log.debug("shared state: not listening for news (%s); again in %.0f s", exc, RETRY_S)
             await asyncio.sleep(RETRY_S)
 
+    # --- restarts: who warms a server -----------------------------------------------------------------------------
+
+    def launching(self, servers: Sequence[str]) -> None:
+        """This proxy launched these servers and warm-starts them: recorded for the others (renewed with the
+        bookings), so that it alone warms them after each restart."""
+        self._launched = tuple(servers)
+        self._spawn(self._call(lambda: self.store.launched(self._launched, self.proxy_id, self.lease_s), None))
+
+    async def claim_warm(self, server: str) -> bool:
+        """Whether this proxy warm-starts the server it found fresh (`SharedStore.claim_warm`); the store down: it
+        does, as any proxy alone would."""
+        return await self._call(lambda: self.store.claim_warm(server, self.proxy_id, WARM_CLAIM_S), True)
+
     # --- background ---------------------------------------------------------------------------------------------
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -309,9 +328,11 @@ class SharedState:
         live = list(self._live.values())
         if live:
             await self._call(lambda: self.store.renew(live, self.lease_s), None)
+        if self._launched:
+            await self._call(lambda: self.store.launched(self._launched, self.proxy_id, self.lease_s), None)
 
     async def renewing(self) -> None:
-        """Run for the proxy's life: renew the live bookings every third of a lease."""
+        """Run for the proxy's life: renew the live bookings (and the launcher records) every third of a lease."""
         while True:
             await asyncio.sleep(self.lease_s / 3)
             await self._renew_all()
@@ -322,9 +343,12 @@ class SharedState:
             await asyncio.wait(list(self._writes), timeout=2.0)
 
     async def close(self) -> None:
-        """At shutdown: the writes under way end, this proxy's bookings go, the connection closes."""
+        """At shutdown: the writes under way end, this proxy's bookings and launcher records go, the connection
+        closes."""
         for request_id in list(self._live):
             self._drop(request_id)
+        if self._launched:  # the others warm those servers from now on (a restart of this proxy launches new ones)
+            self._spawn(self._call(lambda: self.store.unlaunched(self._launched, self.proxy_id), None))
         if self._writes:
             await asyncio.wait(list(self._writes), timeout=2.0)  # bounded: a store that hangs does not hold the stop
         await self.store.close()

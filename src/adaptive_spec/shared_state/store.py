@@ -71,6 +71,19 @@ class SharedStore(Protocol):
         """The news as it is told, first None once listening (what was told before is then `published`)."""
         ...
 
+    async def launched(self, servers: Sequence[str], proxy: str, lease_s: float) -> None:
+        """`proxy` launched these servers and warm-starts them: recorded for `lease_s` (renewed while it runs)."""
+        ...
+
+    async def unlaunched(self, servers: Sequence[str], proxy: str) -> None:
+        """`proxy` stops: its records of these servers go (those another proxy wrote since stay)."""
+        ...
+
+    async def claim_warm(self, server: str, proxy: str, window_s: float) -> bool:
+        """Whether `proxy` warm-starts the server that it found fresh: its launcher's (recorded, `launched`) if
+        it has one, else the first proxy's to claim it in `window_s` (a claim this proxy holds is taken again)."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -208,6 +221,27 @@ class MemoryStore:
                     yield news
         finally:
             self._listeners.remove(queue)
+
+    async def launched(self, servers: Sequence[str], proxy: str, lease_s: float) -> None:
+        self._check()
+        for server in servers:
+            self._values["launched:" + server] = (proxy, self._clock() + lease_s)
+
+    async def unlaunched(self, servers: Sequence[str], proxy: str) -> None:
+        self._check()
+        for server in servers:
+            if self._get("launched:" + server) == proxy:
+                self._values.pop("launched:" + server)
+
+    async def claim_warm(self, server: str, proxy: str, window_s: float) -> bool:
+        self._check()
+        launcher = self._get("launched:" + server)
+        if launcher is not None:
+            return launcher == proxy
+        if self._get("warm:" + server) not in (None, proxy):
+            return False
+        self._values["warm:" + server] = (proxy, self._clock() + window_s)
+        return True
 
     def flush(self) -> None:
         """Everything forgotten at once (Redis's FLUSHALL)."""

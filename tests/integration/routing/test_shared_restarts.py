@@ -1,15 +1,27 @@
 """Two `serve` processes sharing one real redis-server (`--shared-state`) and one real llama-server (the tiny
-random-weight model, one slot): a restore one proxy finds inert is not tried there by the other."""
+random-weight model, one slot): the server restarted (stopped, started again on its port) under a conversation one
+proxy served is not counted on by the other, which finds it only through the shared state; one proxy alone
+warm-starts it, not both; a restore one proxy finds inert is not tried there by the other."""
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.support.processes.redis import RedisServer
-from tests.support.processes.servers import ProxyProcess, body_record, chat_record, http_json, wait_until
+from tests.support.processes.servers import (
+    ProxyProcess,
+    body_record,
+    chat_record,
+    http_json,
+    llama_children,
+    wait_until,
+)
 from tests.support.shared_proxies import MESSAGES, heads_listed, one_slot_server, proxies
 
 
@@ -35,12 +47,91 @@ def server(llama_server_binary: str, tiny_gguf: Path, tmp_path: Path) -> Iterato
     started.stop()
 
 
+def _up(proxy: ProxyProcess) -> bool:
+    (profile,) = http_json(proxy.base + "/adaptive/profiles")["profiles"]
+    return bool(profile["up"])
+
+
+def _restart(server: Restartable, watching: list[ProxyProcess]) -> None:
+    """The server stopped until every proxy `watching` finds it down, then started again on its port."""
+    server.stop()
+    for proxy in watching:
+        wait_until(lambda p=proxy: not _up(p), 30, "the proxy to find the server down")
+    server.start()
+    for proxy in watching:
+        wait_until(lambda p=proxy: _up(p), 30, "the proxy to find the server back")
+
+
 def _counts(proxy: ProxyProcess) -> dict[str, int]:
     return dict(http_json(proxy.base + "/adaptive/heads")["counts"])
 
 
 def _erase_directly(server: Restartable) -> None:
     http_json(f"{server.url}/slots/0?action=erase", {})
+
+
+def _in_slot(proxy: ProxyProcess, session: str) -> bool:
+    placements = http_json(proxy.base + "/adaptive/route")["placements"]
+    return bool(next(p for p in placements if p["session_id"] == session)["in_slot"])
+
+
+def _turn(messages: list[dict[str, str]], reply: dict[str, Any], ask: str) -> list[dict[str, str]]:
+    return [*messages, {"role": "assistant", "content": str(reply["text"])}, {"role": "user", "content": ask}]
+
+
+def test_a_conversation_served_before_a_restart_is_not_counted_on_by_the_other_proxy(
+    server: Restartable, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A conversation's first turn through a, its second through b; then the server restarts while b is paused (a
+    proxy that was busy, or whose health checks missed it): b learns it through the shared state alone, from a,
+    which found the server fresh (and warmed its slot with the conversation's head)."""
+    a, b = proxies(server.url, tmp_path / "slots", tmp_path, "--shared-state", redis_server.url)
+    try:
+        first = chat_record(a, MESSAGES, 4, **{"x-session-id": "conv"})
+        (head,) = heads_listed(b, 1)
+        two = _turn(MESSAGES, first, "And a test?")
+        second = chat_record(b, two, 4, **{"x-session-id": "conv"})
+        assert second["new_tokens_est"] < 200 and _in_slot(b, "conv"), second  # b counts on the slot's KV
+        b.proc.send_signal(signal.SIGSTOP)
+        try:
+            _restart(server, [a])
+            wait_until(lambda: _counts(a)["warm_started"] == 1, 30, "a to warm the restarted server")
+        finally:
+            b.proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: not _in_slot(b, "conv"), 10, "b to hear that the server restarted")
+        third = chat_record(b, _turn(two, second, "Run it."), 4, **{"x-session-id": "conv"})
+        timings = third["timings"]
+        assert third["status"] == 200, third
+        # The slot holds a's warm head, not the conversation: b counted on none of the conversation's KV there and
+        # restored the head it opens with (the slot's occupant unknown to it), which is all llama-server reused.
+        assert "warm: head of" in third["reason"], (third["reason"], b.log())
+        assert timings["cache_n"] <= int(head["tokens"]) + 1 < timings["cache_n"] + timings["prompt_n"], timings
+    finally:
+        for proxy in (a, b):
+            proxy.stop()
+
+
+def test_one_proxy_warms_a_restarted_server_not_both(
+    server: Restartable, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Both proxies find the restarted server fresh and hold the same head: one restores it into the idle slot,
+    the other leaves it to it (and prefills or restores for its own requests as a slot it knows nothing of)."""
+    a, b = proxies(server.url, tmp_path / "slots", tmp_path, "--shared-state", redis_server.url)
+    try:
+        chat_record(a, MESSAGES, 4, **{"x-session-id": "first"})
+        heads_listed(b, 1)
+        _restart(server, [a, b])
+        both = (a, b)
+        wait_until(lambda: sum(_counts(p)["warm_started"] + _counts(p)["warm_left"] for p in both) == 2, 30, "warms")
+        started = [_counts(p)["warm_started"] for p in both]
+        assert sorted(started) == [0, 1], ([_counts(p) for p in both], a.log(), b.log())
+        other = both[started.index(0)]
+        assert _counts(other)["warm_left"] == 1 and "another proxy warm-starts" in other.log()
+        again = chat_record(other, MESSAGES, 4, **{"x-session-id": "second"})
+        assert again["status"] == 200 and again["timings"]["prompt_n"] < 10, again["timings"]
+    finally:
+        for proxy in (a, b):
+            proxy.stop()
 
 
 def test_a_restore_one_proxy_found_inert_is_not_tried_by_the_other(
@@ -67,3 +158,52 @@ def test_a_restore_one_proxy_found_inert_is_not_tried_by_the_other(
     finally:
         for proxy in (a, b):
             proxy.stop()
+
+
+def test_a_server_one_proxy_launched_is_recorded_as_its_to_warm(
+    tiny_gguf: Path, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """a launches the server (`serve --model`) and records it in Redis as its to warm while it runs; b attaches to
+    it. Killed, the server is started again by a, which warms it; b warms nothing (it keys the heads of a server it
+    attached by what the server reports, a those of its own by the binary it launched: b has none of that key)."""
+    env = {"ADAPTIVE_SPEC_STATE_DIR": str(tmp_path / "a"), "ADAPTIVE_SPEC_CONFIG_DIR": str(tmp_path / "a")}
+    launch = ("--model", str(tiny_gguf), "--threads", "1", "--ctx-size", "8192", "--parallel", "1")
+    a = ProxyProcess(*launch, "--shared-state", redis_server.url, env=env)
+    started = [a]
+    try:
+        children = llama_children(a)
+        (slots,) = {_slot_dir(pid) for pid in children}
+        profiles = http_json(a.base + "/adaptive/profiles")["profiles"]
+        urls = {p["name"]: p["base_url"] for p in profiles}
+        attach = [arg for name, url in urls.items() for arg in ("--profile", f"{name}={url}")]
+        (b,) = proxies("", slots, tmp_path, "--shared-state", redis_server.url, names=("b",), profiles=attach)
+        started.append(b)
+        launcher = http_json(a.base + "/adaptive/health")["shared_state"]["proxy"]
+        keys = [f"adaptive-spec:launched:{url}" for url in sorted(set(urls.values()))]
+        assert redis_server.client().mget(keys) == [launcher.encode()] * len(keys)
+        chat_record(a, MESSAGES, 4, **{"x-session-id": "first"})
+        heads_listed(b, 1)
+        a.proc.send_signal(signal.SIGSTOP)  # a starts it again only once b has found it down
+        try:
+            for pid in children:
+                os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: not any(_up_all(b)), 30, "b to find the server down")
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: all(_up_all(b)) and all(_up_all(a)), 60, "a to start it again, b to find it back")
+        wait_until(lambda: _counts(a)["warm_started"] == 1, 30, "a to warm it")
+        wait_until(lambda: "its slots after a restart stay empty" in b.log(), 30, "b's warm start to end")
+        assert _counts(b)["warm_started"] == 0, (_counts(b), b.log())
+    finally:
+        for proxy in reversed(started):
+            proxy.stop()
+    assert redis_server.client().mget(keys) == [None] * len(keys)  # a stopped: its server is anyone's to warm
+
+
+def _up_all(proxy: ProxyProcess) -> list[bool]:
+    return [bool(p["up"]) for p in http_json(proxy.base + "/adaptive/profiles")["profiles"]]
+
+
+def _slot_dir(pid: int) -> Path:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return Path(argv[argv.index("--slot-save-path") + 1])

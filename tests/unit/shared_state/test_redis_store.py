@@ -118,3 +118,27 @@ async def test_news_is_heard_by_a_listener_and_heads_are_kept_for_a_later_one(re
     await listening.aclose()
     await a.close()
     await b.close()
+
+
+@pytest.mark.asyncio
+async def test_one_proxy_warms_a_fresh_server_its_launcher_if_it_has_one(redis_server: RedisServer) -> None:
+    stores = [RedisStore(redis_server.url) for _ in range(8)]
+    # Many proxies find one restarted server fresh at once: exactly one warms it, and again on its next restart.
+    won = await asyncio.gather(*(s.claim_warm(SERVER, f"p{i}", 60) for i, s in enumerate(stores)))
+    assert sum(won) == 1
+    (winner,) = [f"p{i}" for i, w in enumerate(won) if w]
+    assert await stores[0].claim_warm(SERVER, winner, 60) and not await stores[0].claim_warm(SERVER, "late", 60)
+    assert 0 < redis_server.client().pttl("adaptive-spec:warm:" + SERVER) <= 60_000
+    assert await stores[0].claim_warm(SERVER + "0", "late", 0.05)  # another server: its own claim
+    await asyncio.sleep(0.2)
+    assert await stores[0].claim_warm(SERVER + "0", "later", 60)  # that claim lapsed: a later restart's
+    # A server with a launcher: warmed by it alone, every restart, whoever claimed before.
+    await stores[1].launched([SERVER], "launcher", lease_s=30)
+    assert await stores[2].claim_warm(SERVER, "launcher", 60)
+    assert not await stores[3].claim_warm(SERVER, winner, 60)
+    await stores[1].unlaunched([SERVER], "someone else")  # only its own records go
+    assert not await stores[3].claim_warm(SERVER, winner, 60)
+    await stores[1].unlaunched([SERVER], "launcher")
+    assert await stores[3].claim_warm(SERVER, winner, 60)  # its launcher stopped: the first to claim again
+    for store in stores:
+        await store.close()

@@ -282,3 +282,23 @@ async def test_a_booking_hands_its_forward_counts_to_the_head_store_and_an_outag
 async def store_forwards(store: MemoryStore, server: str) -> int:
     counts = await store.forwards(server, None)
     return counts.forwards if counts is not None else 0
+
+
+@pytest.mark.asyncio
+async def test_one_proxy_warms_a_restarted_server_its_launcher_while_it_runs() -> None:
+    store_clock = Clock()
+    store, clock = MemoryStore(store_clock), Clock()
+    a, b, c = (SharedState(store, lease_s=15.0, proxy_id=n, clock=clock) for n in "abc")
+    server, launched = URLS
+    assert await b.claim_warm(server) and not await a.claim_warm(server) and await b.claim_warm(server)
+    store_clock.now += 61  # a later restart, found first by a
+    assert await a.claim_warm(server) and not await b.claim_warm(server)
+    a.launching([launched])
+    await a.settled()
+    for _ in range(2):  # each restart of the server it launched: a's alone, whoever finds it fresh first
+        assert not await b.claim_warm(launched) and await a.claim_warm(launched)
+        store_clock.now += 5  # within its record's lease (renewed while a runs)
+    await a.close()  # a stops: its servers are anyone's to warm again
+    assert await c.claim_warm(launched) and not await b.claim_warm(launched)
+    store.down = True
+    assert await b.claim_warm(server)  # an outage: each proxy warms alone, as without the shared state

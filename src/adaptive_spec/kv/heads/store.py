@@ -86,6 +86,7 @@ class HeadStore:
                 "session_saved",
                 "restored",
                 "warm_started",
+                "warm_left",  # a fresh server another proxy warm-starts (shared state)
                 "refused",
                 "failed",
                 "removed",
@@ -465,6 +466,10 @@ class HeadStore:
         n_slots = await self._io.idle(upstream, wait_s=0.0) or 0
         verified = (e for e in self.book.heads() if self.book.verified(e.id))
         heads = most_recent(verified, key.hex(), n_slots)
+        if heads and not await self.told.warm_claim(upstream.base_url):
+            self._count("warm_left")  # its slots' heads are unknown here: a request's own restore is tried
+            self._say(f"heads: another proxy warm-starts {upstream.label} {when} (shared state)")
+            return
         done = 0
         for slot, entry in enumerate(heads):
             async with self._lock:

@@ -82,13 +82,16 @@ class HeadsView:
 
 class HeadsTold(Protocol):
     """Whom the store tells what other proxies' head stores should know (`shared_state/heads.py`; by default no
-    one): a head saved and where its file is, heads removed, a restore its server made inert."""
+    one): a head saved and where its file is, heads removed, a restore its server made inert; and whom it asks
+    whether it warm-starts a server it found fresh (one proxy does)."""
 
     def saved(self, entry: HeadEntry, path: Path) -> None: ...
 
     def gone(self, heads: Sequence[str]) -> None: ...
 
     def inert(self, server: str, head: str, head_s: float, server_s: float) -> None: ...
+
+    async def warm_claim(self, server: str) -> bool: ...
 
 
 class NoOneTold:
@@ -102,3 +105,6 @@ class NoOneTold:
 
     def inert(self, server: str, head: str, head_s: float, server_s: float) -> None:
         return None
+
+    async def warm_claim(self, server: str) -> bool:
+        return True
