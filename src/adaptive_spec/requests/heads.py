@@ -4,29 +4,33 @@ the router decides the restore with the route (`RouteRequest.heads`), and the st
 (`restorer`); after serving a request, hand its timings back (an inert restore is learned, a first turn
 saved as a head in the background, a later turn's state saved once its session is idle).
 
-Servers that start or come back after a restart get their most recent heads back (`watch_servers`). Also `GET`/`DELETE
+Servers that start or come back after a restart get their most recent heads back (`watch_servers`); without a head
+store, one that comes back fresh is still known to hold no session's KV. Also `GET`/`DELETE
 /adaptive/heads`. With `--project-key`, every head is kept, found, listed and deleted within the tenant scope of the key
 the request was sent with (its path's project does not count: `kv/heads/matching.tenant_scope`)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from adaptive_spec.access.rules import key_accepted
 from adaptive_spec.kv.heads.matching import text_blocks
+from adaptive_spec.kv.heads.server import fresh
 from adaptive_spec.kv.heads.store import HeadStore
 from adaptive_spec.kv.heads.values import HeadsView, Restored
 from adaptive_spec.kv.moves import HeadRestore, SlotMove
 from adaptive_spec.llama.launch import RESTART_ON_REQUEST
 from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.policy.model import HeadsPolicy
-from adaptive_spec.requests.app_keys import BUS, MEASURING, ROUTER, SHARED, UPSTREAMS
+from adaptive_spec.requests.app_keys import BUS, CLIENT, MEASURING, ROUTER, SHARED, UPSTREAMS
 from adaptive_spec.requests.carry_out import HeadRestorer
 from adaptive_spec.requests.forwarding.outcome import Outcome
 from adaptive_spec.requests.gate import ACCESS, request_keys
@@ -196,7 +200,9 @@ def _served(app: web.Application, req: ProxyRequest, chosen: Upstream, status: i
 
 
 def watch_servers(app: web.Application) -> None:
-    """Warm starts when the proxy starts (every server it serves) and when a server comes back up (a restart)."""
+    """Warm starts when the proxy starts (every server it serves) and when a server comes back up (a restart); without
+    a head store, a server that comes back fresh is still found emptied (`_found_fresh`)."""
+    checks: set[asyncio.Task[None]] = set()
 
     async def at_start(app: web.Application) -> AsyncIterator[None]:
         store = app.get(HEADS)
@@ -205,15 +211,24 @@ def watch_servers(app: web.Application) -> None:
             for upstream in _one_per_server(app):
                 store.warm_start(upstream, "at start", after=measuring.get(upstream.base_url))
         yield
+        for task in list(checks):
+            task.cancel()
+        await asyncio.gather(*checks, return_exceptions=True)
 
     emptied: set[tuple[str, int]] = set()  # restarts asked for to empty the server: no head goes back into it
 
     def on_event(event: Event) -> None:
-        store = app.get(HEADS)
-        if store is None or not isinstance(event, ProfileUp | ProfileDown):
+        if not isinstance(event, ProfileUp | ProfileDown):
             return
+        store = app.get(HEADS)
         upstream, which = app[UPSTREAMS].get(event.profile, event.replica), (event.profile, event.replica)
         if upstream is None:
+            return
+        if store is None:
+            if isinstance(event, ProfileUp) and upstream in _one_per_server(app):
+                task = asyncio.get_running_loop().create_task(_found_fresh(app, upstream))
+                checks.add(task)
+                task.add_done_callback(checks.discard)
             return
         if isinstance(event, ProfileDown):
             store.server_down(upstream)
@@ -231,6 +246,20 @@ def watch_servers(app: web.Application) -> None:
 
     app.cleanup_ctx.append(at_start)
     app[BUS].listen(on_event)
+
+
+async def _found_fresh(app: web.Application, upstream: Upstream) -> None:
+    """A server back up, with no head store to find it fresh: when it has prefilled nothing (its /metrics), it
+    restarted and holds no session's KV: the router, and the other proxies, must not count on it."""
+    client = app.get(CLIENT)
+    try:
+        if client is None or not await fresh(client, upstream):
+            return
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        log.info("%s back up: not known fresh (%s); its sessions' KV is still counted on", upstream.label, exc)
+        return
+    app[ROUTER].slots_erased(upstream.name, upstream.replica)
+    tell_emptied(app, upstream, restarted=True)
 
 
 def displaced(app: web.Application) -> Callable[[Upstream], None]:
