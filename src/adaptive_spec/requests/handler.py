@@ -329,7 +329,15 @@ async def _handle(request: web.Request, req: ProxyRequest) -> tuple[web.StreamRe
     (`_forward_once`, again on another replica after a failover), served (the head store learns); the answer and
     how the request ended."""
     lifecycle = request.app[LIFECYCLE]
-    to = await _prepare(request, req)
+    try:
+        to = await _prepare(request, req)
+    except asyncio.CancelledError:
+        # Ended by the shutdown before it was forwarded (waiting behind the speed measurement at start, a KV move,
+        # a slot booking): told so, as one ended at the server is, not left without an answer.
+        if not lifecycle.stopping or (task := asyncio.current_task()) is None:
+            raise
+        task.uncancel()
+        to = SHUTDOWN
     if isinstance(to, Outcome):
         refused = answer(to)
         refused.headers[REQUEST_ID_HEADER] = req.request_id  # every answer names its record

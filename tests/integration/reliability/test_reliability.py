@@ -7,6 +7,7 @@ are generous (a shared 2-core machine), except "within the grace + 5 s", which i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -201,6 +202,11 @@ def _launched(model: Path, state: Path, *extra: str) -> ProxyProcess:
     return ProxyProcess("--model", str(model), "--threads", "1", *extra, env={"ADAPTIVE_SPEC_STATE_DIR": str(state)})
 
 
+def _measured(proxy: ProxyProcess) -> bool:
+    """Whether the speed measurement `serve` makes at start has ended (its own request's record is kept)."""
+    return any(r["own"] for r in http_json(proxy.base + "/adaptive/requests", timeout=5)["requests"])
+
+
 def _all_up(proxy: ProxyProcess) -> bool:
     return all(p["up"] for p in http_json(proxy.base + "/adaptive/health", timeout=5)["profiles"].values())
 
@@ -300,6 +306,9 @@ def test_sigterm_during_a_long_prefill_ends_serve_within_its_grace(
     try:
         children = llama_children(proxy)
         server = _profile(proxy)["base_url"]
+        # The speed measurement at start first: a request sent meanwhile waits behind it, not yet at the server (the
+        # next test), and the busy slot below would be the measurement's.
+        wait_until(lambda: _measured(proxy), 120, "the speed measurement at start")
         first = threading.Event()
         prompt = "\n\n".join([SOURCE] * 16) + "\n\nSummarize this file."
         body = _body("chat", True, prompt, max_tokens=16, ignore_eos=False)
@@ -330,4 +339,33 @@ def test_sigterm_during_a_long_prefill_ends_serve_within_its_grace(
             f"{exit_s:.1f} s (grace {grace:g} s); {stopped_line}"
         )
     finally:
+        proxy.stop()
+
+
+def test_sigterm_while_a_request_waits_to_be_forwarded_answers_it(
+    qwen_gguf: Path, tmp_path: Path, llama_server_binary: str
+) -> None:
+    """A request the shutdown grace ends before it reached llama-server (here: waiting behind the speed measurement
+    at start, its server stopped mid-measurement) is answered 503 `proxy_shutting_down` with Retry-After, as one
+    ended at the server is, not dropped without an answer."""
+    proxy = _launched(qwen_gguf, tmp_path, "--ctx-size", "8192", "--shutdown-grace", "1")
+    out: dict[str, Any] = {}
+    server_pid = None
+    try:
+        (server_pid,) = llama_children(proxy)
+        os.kill(server_pid, signal.SIGSTOP)  # the measurement (a few seconds of prefill at the least) never ends
+        assert not _measured(proxy), "the speed measurement ended before the server was stopped"
+        thread = threading.Thread(target=_answered, args=(proxy.base, "chat", _body("chat", False), out), daemon=True)
+        thread.start()
+        time.sleep(3)  # the request reaches serve and waits for the measurement (60 s at the most)
+        proxy.proc.send_signal(signal.SIGTERM)
+        proxy.proc.wait(60)
+        thread.join(10)
+        assert "stopping; 1 requests in flight" in proxy.log(), proxy.log()
+        assert out.get("status") == 503 and out.get("retry_after"), out
+        assert out["body"]["error"]["code"] == "proxy_shutting_down", out
+    finally:
+        if server_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(server_pid, signal.SIGCONT)
         proxy.stop()
