@@ -2,7 +2,8 @@
 
 The router decides a handoff, a head restore or a remote prefill and names one of these in its route; the request path
 has it carried out (`requests/carry_out.py`: through `kv/effects.py`, a head restore through the head store), and the
-results go into the request's record."""
+results go into the request's record. Where a request completes, the router's `plan_save` decides what the head store
+does with the turn (`AfterTurn`, with the `HeadSave` it asks for), and the store carries it out."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from adaptive_spec.kv.costs import PrefillRate
+from adaptive_spec.kv.heads.activity import TurnMark
 from adaptive_spec.kv.heads.matching import Match
-from adaptive_spec.kv.heads.values import Restored
+from adaptive_spec.kv.heads.values import Restored, SavedTurn
 
 _HANDOFF_BASE_TIMEOUT_S = 10.0
 _HANDOFF_TIMEOUT_S_PER_TOKEN = 0.0005  # a save of N tokens takes milliseconds per thousand here
@@ -72,6 +74,36 @@ class HeadRestore:
     restore_s: float  # the restore's price, and the prefill it saves: how long it may wait for the store's lock
     prefill_s: float
     held: Restored | None = None  # the slot holds that head since its server started: nothing to restore
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSave:
+    """Save the slot a served turn left into the head store: a session's first turn as an agent's head, at once in the
+    background (`idle_s` 0), or a later turn as its session's state (`turn.session`) once the session has been idle
+    `idle_s` seconds. The head store carries it out, and drops it when the slot served another request since the turn
+    (`mark`: the turn's as it was forwarded; None: judged by the requests forwarded during the save alone)."""
+
+    at: SlotAt
+    server: str  # the base URL of the server that served the turn
+    turn: SavedTurn
+    mark: TurnMark | None
+    idle_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class AfterTurn:
+    """What a served request asks of the head store (`routing/move_planner.plan_save`): its tenant's share of the bound,
+    the head restored for it judged against what its prompt reused (`inert`: it reused too little of it), the
+    session's older state no longer waited for (a newer turn came), and the save it asks for, if any."""
+
+    scope: str  # the tenant scope of the request's key
+    share_bytes: int  # that tenant's share of the bound, as its policy says (0: an equal share)
+    restored: Restored | None = None
+    cache_n: int = 0  # what the request reused of it (llama-server's count)
+    inert: bool = False
+    session: str | None = None  # the session whose older state is not saved any more (a side request's: None)
+    save: HeadSave | None = None
+    mark: TurnMark | None = None  # the request's, for the judge: did another proxy's request come between (shared)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,9 @@
 """The request path's calls into the head store (`kv/heads/`): before routing a request, what the store shows of the
 heads it may get restored on each server (a session's first request there, or its first after its server restarted):
 the router decides the restore with the route (`RouteRequest.heads`), and the store carries it out for the request path
-(`restorer`); after serving a request, hand its timings back (an inert restore is learned, a first turn
-saved as a head in the background, a later turn's state saved once its session is idle).
+(`restorer`); after serving a request, what the store's tables show of it (`HeadStore.ended`): the router decides its
+save on that (`routing/move_planner.plan_save`: a first turn saved as a head in the background, a later turn's state
+once its session is idle, an inert restore judged), and the store carries it out (`HeadStore.after_turn`).
 
 Servers that start or come back after a restart get their most recent heads back (`watch_servers`); without a head
 store, one that comes back fresh is still known to hold no session's KV. Also `GET`/`DELETE
@@ -35,7 +36,8 @@ from adaptive_spec.requests.carry_out import HeadRestorer
 from adaptive_spec.requests.forwarding.outcome import Outcome
 from adaptive_spec.requests.gate import ACCESS, request_keys
 from adaptive_spec.requests.lifecycle import ProxyRequest
-from adaptive_spec.routing.contract import Route
+from adaptive_spec.routing.contract import Route, TurnEnd
+from adaptive_spec.routing.move_planner import plan_save
 from adaptive_spec.routing.prompt.pieces import piece_texts
 from adaptive_spec.telemetry.events import Event, ProfileDown, ProfileUp
 
@@ -168,35 +170,24 @@ def _route_blocks(req: ProxyRequest) -> tuple[tuple[bytes, ...], ...]:
 
 
 def _served(app: web.Application, req: ProxyRequest, chosen: Upstream, status: int, scope: str) -> None:
-    store, route, timings = app.get(HEADS), req.route, req.meter.timings
+    """The completion step for the store: what its tables show of the request (`ended`), the save the router decides on
+    it (`plan_save`, pure), carried out by the store (`after_turn`)."""
+    store, route = app.get(HEADS), req.route
     if store is None or route is None:
         return
-    arriving, restored = store.end(req.request_id)
-    mark = store.mark_of(req.request_id)
-    if timings is None or status != 200 or req.assignment is None or not route.pieces:
-        return
-    policy = heads_policy(req)
-    if not policy.enabled:
-        return
-    history = any(p.assistant for p in route.pieces)  # a reply in the prompt: a session's state, not a head
-    first = arriving and not history
-    store.served(
-        chosen,
-        route.slot,
-        [p.digest for p in route.pieces],
-        [p.chars for p in route.pieces],
-        None if timings.from_usage else timings.cache_n,  # usage may leave cached tokens out: no judging on it
-        (timings.prompt_n + timings.cache_n, timings.predicted_n),
-        restored,
-        (req.client, req.project, scope),
-        policy.min_tokens,
-        first=first,
-        session=None if route.decision.side else req.assignment.session_id,
-        idle_s=policy.session_idle_s,
-        mark=mark,
-        share_bytes=int(policy.share_gb * 1024**3),
-        blocks=_route_blocks(req) if first and timings.prompt_n + timings.cache_n >= policy.min_tokens else (),
+    end = TurnEnd(
+        status,
+        req.meter.timings,
+        heads_policy(req),
+        store.ended(req.request_id),
+        chosen.base_url,
+        preset=chosen.upstream_model is not None,
+        owner=(req.client, req.project, scope),
+        blocks=lambda: _route_blocks(req),
     )
+    after = plan_save(route, end)
+    if after is not None:
+        store.after_turn(chosen, after)
 
 
 def watch_servers(app: web.Application) -> None:

@@ -1,7 +1,8 @@
 """The router's API as the shell sees it: what a request asks (`RouteRequest`), what the router answers (`Route`, or a
-`Refusal`), what the shell reports at the end (`Completion`), and what the router needs from outside, injected as
-protocols: the profiles' health, the policy files, and its `Effects` — what it asks of the KV layer while it plans,
-and where its events go (llama-swap's scheduler "calls back through Effects", its syscall table).
+`Refusal`), what the shell reports at the end (`Completion`, and `TurnEnd` for the head save), and what the router
+needs from outside, injected as protocols: the profiles' health, the policy files, and its `Effects` — what it asks
+of the KV layer while it plans, and where its events go (llama-swap's scheduler "calls back through Effects", its
+syscall table).
 
 None of it waits: the KV moves a route asks for are carried out by the request path (`requests/carry_out.py`), which
 reports them back with `Router.moved`.
@@ -10,14 +11,14 @@ Values and protocols only."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from adaptive_spec.kv.heads.values import HeadsView, Restored
+from adaptive_spec.kv.heads.values import HeadsView, Restored, TurnShown
 from adaptive_spec.kv.moves import HandoffResult, HeadRestore, PrefillAsk, RemotePrefillResult, SlotAt, SlotMove
 from adaptive_spec.kv.remote_prefill.pricing import RemoteCosts
-from adaptive_spec.policy.model import Policy
+from adaptive_spec.policy.model import HeadsPolicy, Policy
 from adaptive_spec.routing.decision import Decision
 from adaptive_spec.routing.prompt.pieces import Piece
 from adaptive_spec.routing.prompt.prefix import DEFAULT_CHARS_PER_TOKEN
@@ -196,3 +197,20 @@ class Completion:
     # The share of the reply its slot keeps reusable when it is sent back (`OutputCollector.kept_share`): a call
     # whose arguments the model spaced otherwise than the template does is prefilled again from there.
     reply_kept: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class TurnEnd:
+    """A routed request as it ended, for the head save the router decides then (`move_planner.plan_save`): its status
+    and llama-server's timings, its project's heads policy as resolved before routing, what the head store's tables
+    show of it (`TurnShown`), the server that served it (`preset`: a router-mode preset, whose slots are not saved),
+    whose it is (agent, project, tenant scope), and its pieces' `text_blocks`, read only for a first turn's save."""
+
+    status: int
+    timings: Timings | None
+    policy: HeadsPolicy
+    shown: TurnShown
+    server: str
+    preset: bool = False
+    owner: tuple[str | None, str | None, str] = (None, None, "")
+    blocks: Callable[[], tuple[tuple[bytes, ...], ...]] = tuple

@@ -1,7 +1,8 @@
 """The KV moves a route asks for, planned without waiting: a session's slot handed from the server it leaves to the
 one it goes to, a stored head restored into a session's first slot (`kv/heads/choice.py` chooses and prices it), or a
 prompt prefilled on a faster server (`kv/remote_prefill/pricing.py` prices it); what each move did, learned once the
-request path has carried it out; and what handoffs were measured to reuse."""
+request path has carried it out; what handoffs were measured to reuse; and, where a request completes, the head save
+it asks of the head store (`plan_save`: a first turn's head, a later turn's state once its session is idle)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from dataclasses import replace
 
 from adaptive_spec.common.means import RunningMean
 from adaptive_spec.kv.heads.choice import choose_head, tokens_after
-from adaptive_spec.kv.heads.values import Restored
-from adaptive_spec.kv.moves import HandoffResult, PrefillAsk, RemotePrefillResult, SlotAt, SlotMove
+from adaptive_spec.kv.heads.matching import inert
+from adaptive_spec.kv.heads.values import Restored, SavedTurn
+from adaptive_spec.kv.moves import AfterTurn, HandoffResult, HeadSave, PrefillAsk, RemotePrefillResult, SlotAt, SlotMove
 from adaptive_spec.kv.remote_prefill.pricing import RemoteCosts, choose
-from adaptive_spec.routing.contract import Effects, Route, RouteRequest
+from adaptive_spec.routing.contract import Effects, Route, RouteRequest, TurnEnd
 from adaptive_spec.routing.decision import Decision, MovePart
 from adaptive_spec.routing.load import ServerBooks
 from adaptive_spec.routing.placements import Placements
@@ -193,3 +195,49 @@ class MovePlanner:
         planned = decision.planned or MovePart("")
         done = planned if result.ok else MovePart(f"remote prefill failed ({result.error}): prefilled here")
         return replace(route, decision=decision.carried(done), remote_prefill=result)
+
+
+def plan_save(route: Route, end: TurnEnd) -> AfterTurn | None:
+    """What a request served in full (status 200, timings, a session and pieces, its heads policy on) asks of the head
+    store: its restore judged, its session's older state given up, and a save of its slot when its prompt has the
+    policy's `min_tokens` or more (not on a router-mode preset): a session's first request the store saw there with no
+    reply in its prompt is saved as an agent's head at once; any other turn of the session's main line as its
+    session's state once it has been idle `session_idle_s` (0: never); a side request is not saved. None: nothing."""
+    timings, policy, shown = end.timings, end.policy, end.shown
+    if timings is None or end.status != 200 or route.session_id is None or not route.pieces or not policy.enabled:
+        return None
+    scope = end.owner[2]
+    cache_n = None if timings.from_usage else timings.cache_n  # usage may leave cached tokens out: no judging on it
+    judged = shown.restored if cache_n is not None else None
+    after = AfterTurn(
+        scope,
+        int(policy.share_gb * 1024**3),
+        judged,
+        cache_n or 0,
+        judged is not None and cache_n is not None and inert(judged.tokens, cache_n),
+        session=None if route.decision.side else route.session_id,
+        mark=shown.mark,
+    )
+    tokens = timings.prompt_n + timings.cache_n
+    if tokens < policy.min_tokens or end.preset:
+        return after
+    history = any(p.assistant for p in route.pieces)  # a reply in the prompt: a session's state, not a head
+    first = shown.first and not history
+    agent, project, _ = end.owner
+    turn = SavedTurn(
+        tuple(p.digest for p in route.pieces),
+        tuple(p.chars for p in route.pieces),
+        tokens,
+        timings.predicted_n,
+        agent,
+        project,
+        scope,
+        blocks=end.blocks() if first else (),
+    )
+    at = SlotAt(route.profile, route.replica, route.slot)
+    if first:
+        return replace(after, save=HeadSave(at, end.server, turn, shown.mark))
+    if after.session and policy.session_idle_s > 0:
+        state = replace(turn, session=after.session)
+        return replace(after, save=HeadSave(at, end.server, state, shown.mark, policy.session_idle_s))
+    return after

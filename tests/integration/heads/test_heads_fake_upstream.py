@@ -19,6 +19,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from adaptive_spec.kv.heads.server import idle_slots
+from adaptive_spec.kv.heads.values import SavedTurn
+from adaptive_spec.kv.moves import AfterTurn, HeadSave, SlotAt
 from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.requests.app_keys import ROUTER
 from tests.support.heads import chat, erase, restore, start_proxy, store_of
@@ -250,7 +252,8 @@ async def test_a_save_is_kept_only_from_the_requests_own_slot_whole(
     store = store_of(proxy)
     try:
         upstream, pieces = Upstream("p", _url(server)), [b"system".ljust(16), b"user".ljust(16)]
-        store.served(upstream, None, pieces, [3000, 100], 0, (PROMPT_TOKENS, 2), None, ("agent", "default", ""))
+        turn = SavedTurn(tuple(pieces), (3000, 100), PROMPT_TOKENS, 2, "agent", "default", "")
+        store.after_turn(upstream, AfterTurn("", 0, save=HeadSave(SlotAt("p", 0, None), upstream.base_url, turn, None)))
         await store.settled()
         kept = len(store.describe()["heads"])
         assert kept == (1 if fault == "none" else 0), (fault, store.describe())

@@ -20,6 +20,8 @@ import pytest_asyncio
 from adaptive_spec.kv.heads.files import checksum
 from adaptive_spec.kv.heads.store import HeadStore
 from adaptive_spec.kv.heads.values import Restored
+from adaptive_spec.kv.moves import AfterTurn
+from adaptive_spec.llama.upstreams import Upstream
 from tests.support.heads import chat, erase, restore, start_proxy, store_of
 from tests.support.processes.servers import LlamaServer
 
@@ -171,13 +173,14 @@ async def test_saves_and_a_restore_of_one_head_at_once(
     proxy = await start_proxy(llama.url, home / "slots", heads)
     store = store_of(proxy)
     seen: list[tuple[Any, ...]] = []
-    served = store.served
+    after_turn = store.after_turn
 
-    def keep(*args: Any, **kwargs: Any) -> None:
-        seen.append(args)
-        served(*args, **kwargs)
+    def keep(upstream: Upstream, after: AfterTurn) -> None:
+        if after.save is not None:
+            seen.append((upstream, None, list(after.save.turn.pieces)))
+        after_turn(upstream, after)
 
-    monkeypatch.setattr(store, "served", keep)
+    monkeypatch.setattr(store, "after_turn", keep)
     try:
         one, two = await asyncio.gather(
             chat(client, proxy, "together-1", "Write hello.py."), chat(client, proxy, "together-2", "Write hello.py.")

@@ -1,6 +1,6 @@
 """The head store's shell: head files and their index in a directory of the state directory (`kv/heads/book.py`), saved
-from an idle llama-server's slot after a session's first turn, restored into a new session's slot before its first turn
-is forwarded, and into a fresh server's idle slots when it (re)starts.
+from an idle llama-server's slot after a session's first turn (or its state once it is idle), restored into a new
+session's slot before its first turn is forwarded, and into a fresh server's idle slots when it (re)starts.
 
 Every failure here is logged with its reason and ends in an ordinary request (a re-prefill): nothing raises into the
 request path, and a head that llama-server refuses or that fails its checks is removed. llama-server only reads and
@@ -10,7 +10,9 @@ of it after the save: the sweeps of `as-*` files never see a head.
 The store is the I/O executor of its tables (`kv/heads/tables.py`: the servers' traffic, the head each slot holds,
 the first requests under way, the verdicts on inert restores, changed only through their methods): it asks the tables,
 does the slow work (files through the book, the slot API through the slot I/O, under its lock) and tells the tables
-what came of it. A restore is the router's decision (`kv/heads/choice.py`), shown what the tables hold (`view`)."""
+what came of it. A restore is the router's decision (`kv/heads/choice.py`), shown what the tables hold (`view`); so is
+a save, decided where a request completes (`routing/move_planner.plan_save`), shown what the tables held of that
+request (`ended`), and carried out with its guards of the moment by `kv/heads/after_turn.py` (`after_turn`)."""
 
 from __future__ import annotations
 
@@ -26,40 +28,26 @@ from typing import Any
 
 import aiohttp
 
-from adaptive_spec.kv.heads.activity import (
-    INERT_HEAD_S,
-    INERT_SERVER_S,
-    SharedForwards,
-    TurnMark,
-    Verdict,
-    alone_after,
-)
+from adaptive_spec.kv.heads.activity import SharedForwards, TurnMark
+from adaptive_spec.kv.heads.after_turn import FAILURES, AfterTurns
 from adaptive_spec.kv.heads.book import HeadBook
-from adaptive_spec.kv.heads.files import sweep_slot_files, unlink
+from adaptive_spec.kv.heads.files import sweep_slot_files
 from adaptive_spec.kv.heads.matching import (
-    MIN_HEAD_TOKENS,
     NO_TENANT,
     HeadEntry,
     Match,
-    chain,
-    covered_but_last,
-    head_id,
-    inert,
     most_recent,
     tenant_scope,
 )
 from adaptive_spec.kv.heads.server import fresh, slot_free
 from adaptive_spec.kv.heads.slot_io import SLOT_PREFIX, SlotIO
 from adaptive_spec.kv.heads.tables import HeadTables
-from adaptive_spec.kv.heads.values import HeadsConfig, HeadsTold, HeadsView, NoOneTold, Restored, SavedTurn
-from adaptive_spec.kv.moves import HeadRestore
-from adaptive_spec.kv.slots import SlotError
+from adaptive_spec.kv.heads.values import HeadsConfig, HeadsTold, HeadsView, NoOneTold, Restored, TurnShown
+from adaptive_spec.kv.moves import AfterTurn, HeadRestore
 from adaptive_spec.llama.upstreams import Upstream
 
 log = logging.getLogger(__name__)
 _LOCK_WAIT_S = 2.0  # a restore waits at most this long for another save or restore (each pauses the slots briefly)
-_MAX_IDLE_SAVES = 1024  # sessions waiting to go idle (the oldest wait is dropped beyond it)
-_FAILURES = (SlotError, OSError, aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError)
 
 
 class HeadStore:
@@ -108,10 +96,11 @@ class HeadStore:
         self._tables = HeadTables(tenants=bool(config.project_keys))
         self._shared = shared
         self._io = SlotIO(config, slot_dir, client, self.book, self._count, self._tables, displaced, shared)
-        # Sessions whose state is saved once they have been idle a while: the timer, and the server it waits for.
-        # Keyed by (tenant scope, session id): one tenant's session of a name is not another's.
-        self._idle_saves: dict[tuple[str, str], tuple[asyncio.TimerHandle, str]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        # What served turns ask for, carried out: their saves, the sessions waiting to go idle, inert restores judged.
+        self._after = AfterTurns(
+            self._io, self.book, self._tables, self._count, self.told, self._spawn, bool(config.project_keys), shared
+        )
         self._verifying: asyncio.Task[None] | None = None  # the checksums of the heads the last run left
         self._lock = self._io.lock  # one save or restore at a time: each pauses the server's slots
 
@@ -150,19 +139,8 @@ class HeadStore:
             self._tables.forwarded(upstream.base_url, slot, None)  # and once more: a save may have ended meanwhile
             yield
 
-    def mark_of(self, request_id: str) -> TurnMark | None:
-        """The request's mark as it was forwarded (None: not forwarded through `forwarded`), with the shared counts its
-        booking returned where proxies share state."""
-        local = self._tables.mark_of(request_id)
-        shared = self._shared.booked(request_id) if self._shared is not None else None
-        return TurnMark(local, shared) if local is not None else None
-
     def begin(self, request_id: str, restored: Restored | None) -> None:
         self._tables.begin(request_id, restored)
-
-    def end(self, request_id: str) -> tuple[bool, Restored | None]:
-        """Whether this request was a first one the store saw (and what was restored for it)."""
-        return self._tables.end(request_id)
 
     async def view(self, upstream: Upstream, session_id: str | None, scope: str = "") -> HeadsView | None:
         """What a route needs to decide a head restore on this server for a request of `session_id` (`HeadsView`):
@@ -176,7 +154,7 @@ class HeadStore:
             return None
         try:
             key = await self._io.key(upstream, wait=False)
-        except _FAILURES as exc:
+        except FAILURES as exc:
             self._count("failed")
             log.warning("heads: restore on %s failed (the request prefills): %s", upstream.label, exc)
             return None
@@ -192,56 +170,25 @@ class HeadStore:
         their head)."""
         try:
             return await self._restore(upstream, move)
-        except _FAILURES as exc:
+        except FAILURES as exc:
             self._count("failed")
             log.warning("heads: restore on %s failed (the request prefills): %s", upstream.label, exc)
             return None
 
-    def served(
-        self,
-        upstream: Upstream,
-        slot: int | None,
-        pieces: Sequence[bytes],
-        chars: Sequence[int],
-        cache_n: int | None,
-        tokens: tuple[int, int],
-        restored: Restored | None,
-        owner: tuple[str | None, str | None, str],
-        min_tokens: int = MIN_HEAD_TOKENS,
-        *,
-        first: bool = True,
-        session: str | None = None,
-        idle_s: float = 0.0,
-        mark: TurnMark | None = None,
-        share_bytes: int = 0,
-        blocks: Sequence[Sequence[bytes]] = (),
-    ) -> None:
-        """A session's request was served: learn an inert restore (`cache_n` None: not reported). Its `first` turn
-        (no reply in its prompt yet) is saved as a head in the background, when it has `min_tokens` or more and its
-        slot served nothing else since (`mark`); any
-        other turn of `session` that long is saved as the session's state once the session has been `idle_s`
-        seconds without a request and its slot served nothing else since it was forwarded (`mark`, from `mark_of`;
-        0: never). `tokens`: its prompt's and its reply's; `owner`: its agent, project and tenant scope;
-        `share_bytes`: that tenant's share of the bound, as its policy says (0: an equal share); `blocks`: a first
-        turn's pieces' `text_blocks`, kept with its head."""
-        if self.config.project_keys:
-            self.book.set_share(owner[2], share_bytes)  # the tenant's share, as its project's policy says
-        if restored is not None and cache_n is not None:
-            if inert(restored.tokens, cache_n):
-                self._judge(upstream, restored, cache_n, mark)
-            else:
-                self._tables.reused(upstream.base_url)
-        if session is not None:
-            self._cancel_idle((owner[2], session))  # a newer turn: the older state is not the session's any more
-        if tokens[0] < min_tokens or upstream.upstream_model is not None:
-            return
-        head = SavedTurn(tuple(pieces), tuple(chars), tokens[0], tokens[1], *owner, blocks=tuple(map(tuple, blocks)))
-        if first:
-            # The turn's own mark: a request forwarded to its slot after it (even one served while the save waits for
-            # the server to go idle) leaves the slot holding that request's KV, which is not this prompt's head.
-            self._spawn(self._save_logged(upstream, slot, head, mark))
-        elif session and idle_s > 0:
-            self._save_when_idle(upstream, slot, replace(head, session=session), idle_s, mark)
+    def ended(self, request_id: str) -> TurnShown:
+        """What the tables show of a request as it ends, for the router to decide its save on (`TurnShown`): whether it
+        was a first one the store saw (and what was restored for it), and its slot's mark as it was forwarded (None:
+        not forwarded through `forwarded`), with the shared counts its booking returned where proxies share state."""
+        first, restored = self._tables.end(request_id)
+        local = self._tables.mark_of(request_id)
+        shared = self._shared.booked(request_id) if self._shared is not None else None
+        return TurnShown(first, restored, TurnMark(local, shared) if local is not None else None)
+
+    def after_turn(self, upstream: Upstream, after: AfterTurn) -> None:
+        """Carry out what the router decided for a request `upstream` served (`routing/move_planner.plan_save`): its
+        restore judged, its session's older state given up, its save made in the background (`kv/heads/after_turn.py`,
+        which keeps the guards of the moment: the slot's mark, a head kept or being saved already)."""
+        self._after.carry_out(upstream, after)
 
     def warm_start(
         self,
@@ -264,8 +211,7 @@ class HeadStore:
         base = upstream.base_url
         self._io.forget_key(base)
         self._tables.restarted(base)
-        for session in [s for s, (_, on) in self._idle_saves.items() if on == base]:
-            self._cancel_idle(session)
+        self._after.server_down(base)
 
     def emptied(self, upstream: Upstream) -> None:
         """Its slots were erased: no head is held there any more."""
@@ -301,8 +247,7 @@ class HeadStore:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     async def close(self) -> None:
-        for session in list(self._idle_saves):
-            self._cancel_idle(session)
+        self._after.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*list(self._tasks), return_exceptions=True)
@@ -319,7 +264,7 @@ class HeadStore:
             **self.book.describe(scope),
             "counts": dict(self.counts),
             "pending": len(self._tasks),
-            "idle_waits": len(self._idle_saves),  # sessions whose state is saved when they have been idle a while
+            "idle_waits": self._after.idle_waits,  # sessions whose state is saved when they have been idle a while
             "inert_servers": self._tables.inert_servers(time.monotonic()),
         }
 
@@ -347,61 +292,6 @@ class HeadStore:
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def _save_when_idle(
-        self, upstream: Upstream, slot: int | None, head: SavedTurn, idle_s: float, mark: TurnMark | None
-    ) -> None:
-        if len(self._idle_saves) >= _MAX_IDLE_SAVES:
-            self._cancel_idle(next(iter(self._idle_saves)))
-        if mark is None:  # no shared counts: where proxies share state, nothing is saved (`SlotIO.unchanged`)
-            mark = TurnMark(self._tables.mark(upstream.base_url, slot))
-
-        def fire() -> None:
-            self._idle_saves.pop((head.scope, head.session), None)
-            self._spawn(self._save_state_logged(upstream, slot, head, mark))
-
-        handle = asyncio.get_running_loop().call_later(idle_s, fire)
-        self._idle_saves[(head.scope, head.session)] = (handle, upstream.base_url)
-
-    def _cancel_idle(self, session: tuple[str, str]) -> None:
-        waiting = self._idle_saves.pop(session, None)
-        if waiting is not None:
-            waiting[0].cancel()
-
-    def _judge(self, upstream: Upstream, restored: Restored, cache_n: int, mark: TurnMark | None) -> None:
-        entry = self.book.entry(restored.head)
-        scope = entry.scope if entry is not None else ""
-        if self._shared is not None and not alone_after(mark.shared if mark else None, restored.counted):
-            verdict, strikes = Verdict.TAKEN, 0  # another proxy's request may have come between: nothing is blamed
-        else:
-            verdict, strikes = self._tables.judge(upstream.base_url, restored, scope, time.monotonic())
-        if verdict is Verdict.TAKEN:
-            self._count("taken")
-            log.warning(
-                "heads: another request took %s's slot between the restore of %s and its request (reused %d of %d)",
-                *(upstream.label, restored.head, cache_n, restored.tokens),
-            )
-            return
-        self._count("inert")
-        self.told.inert(
-            upstream.base_url, restored.head, INERT_HEAD_S, INERT_SERVER_S if verdict is Verdict.INERT else 0
-        )
-        if verdict is Verdict.HEAD:
-            log.warning(
-                "heads: %s restored %s (%d tokens) but the prompt reused %d; the server reuses others, so only that "
-                "head is not restored there for an hour",
-                *(upstream.label, restored.head, restored.tokens, cache_n),
-            )
-            return
-        then = (
-            "that head is not restored there for an hour"
-            if verdict is Verdict.STRIKE
-            else "restores pause there for 10 minutes"
-        )
-        log.warning(
-            "heads: %s restored a head of %d tokens but the prompt reused %d (%d heads in a row; %s)",
-            *(upstream.label, restored.tokens, cache_n, strikes, then),
-        )
 
     async def _restore(self, upstream: Upstream, move: HeadRestore) -> Restored | None:
         match, slot = move.match, move.at.slot
@@ -440,7 +330,7 @@ class HeadStore:
         try:
             own_tokens = await asyncio.shield(after) if after is not None else 0
             await self._warm(upstream, when, on_fresh, restore, own_tokens)
-        except _FAILURES as exc:
+        except FAILURES as exc:
             self._count("failed")
             log.warning("heads: the warm start of %s %s stopped: %s", upstream.label, when, exc)
 
@@ -492,48 +382,3 @@ class HeadStore:
                 f"heads: none of the {len(self.book.heads())} kept is of {upstream.label}'s model and settings "
                 f"(its slots {when} stay empty)"
             )
-
-    async def _save_logged(self, upstream: Upstream, slot: int | None, head: SavedTurn, mark: TurnMark | None) -> None:
-        try:
-            await self._save(upstream, slot, head, mark)
-        except _FAILURES as exc:
-            self._count("failed")
-            log.warning("heads: saving a head from %s failed (nothing kept): %s", upstream.label, exc)
-
-    async def _save_state_logged(self, upstream: Upstream, slot: int | None, head: SavedTurn, mark: TurnMark) -> None:
-        if self._tables.mark(upstream.base_url, slot) != mark.local:
-            self._count("dropped")
-            log.info("heads: session %s's state is not saved: its slot served another request since", head.session)
-            return
-        try:
-            await self._save(upstream, slot, head, mark)
-        except _FAILURES as exc:
-            self._count("failed")
-            log.warning("heads: saving session %s's state from %s failed: %s", head.session, upstream.label, exc)
-
-    async def _save(self, upstream: Upstream, slot: int | None, head: SavedTurn, mark: TurnMark | None = None) -> None:
-        """`mark`: the turn's (`mark_of`); the slot is saved only if it served nothing since that turn (None: a turn
-        not forwarded through `forwarded`, judged by the requests forwarded during the save alone; never saved where
-        proxies share state)."""
-        if mark is not None and self._tables.mark(upstream.base_url, slot) != mark.local:
-            self._count("dropped")
-            return  # its slot served another request already: a later turn of the same head may be kept instead
-        key = await self._io.key(upstream)
-        if key is None:
-            return  # its model cannot be known by content here: nothing is kept for it
-        links = chain(key, head.pieces, head.scope)
-        if not links or self._io.covered(upstream, links) or self.book.saving(head_id(links)):
-            return  # kept already, or being saved: one save of a head at a time, so its files are its own
-        if not head.session and covered_but_last(links, head.chars, self._io.usable(upstream)):
-            return  # the head is kept; this session's first message alone is not worth a file of its size
-        hid = head_id(links)
-        self.book.save_started(hid)
-        try:
-            held = await self._io.save_idle(upstream, slot, head, (key, links), mark)
-            if held is not None:
-                self._tables.hold(upstream.base_url, slot or 0, held)
-                if (entry := self.book.entry(hid)) is not None:
-                    self.told.saved(entry, self.book.path(hid))
-        finally:
-            self.book.save_ended(hid)
-            await asyncio.to_thread(unlink, self.slot_dir / f"{SLOT_PREFIX}{hid}.bin")

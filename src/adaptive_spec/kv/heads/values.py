@@ -1,5 +1,5 @@
 """The head store's values: its settings, what a route sees of the heads on a server, a head restored for a request,
-and a served turn to keep."""
+what the store's tables show of a served request, and a served turn to keep."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from adaptive_spec.kv.heads.activity import Counted
+from adaptive_spec.kv.heads.activity import Counted, TurnMark
 from adaptive_spec.kv.heads.matching import DEFAULT_MAX_BYTES, HeadEntry, ServerKey
 
 
@@ -49,6 +49,17 @@ class Restored:
         return (
             f"warm: head of {max(self.tokens, self.head_tokens)} tokens restored{when} in {self.restore_ms:.0f} ms{of}"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class TurnShown:
+    """What the store's tables show of a served request (`HeadStore.ended`), plain data the router decides its save on
+    (`routing/move_planner.plan_save`), as it decides a restore on a `HeadsView`: whether it was its session's first
+    request the store saw there (`first`), the head restored for it, and its slot's mark as it was forwarded."""
+
+    first: bool = False
+    restored: Restored | None = None
+    mark: TurnMark | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,11 +23,13 @@ from adaptive_spec.kv.heads.matching import (
     covered_but_last,
     earlier_states,
     evictions,
+    inert,
     price,
     tenant_scope,
 )
 from adaptive_spec.kv.heads.store import HeadStore
-from adaptive_spec.kv.heads.values import HeadsConfig, Restored
+from adaptive_spec.kv.heads.values import HeadsConfig, Restored, SavedTurn
+from adaptive_spec.kv.moves import AfterTurn, HeadSave, SlotAt
 from adaptive_spec.llama.upstreams import Upstream
 from tests.support.heads import restore
 
@@ -132,7 +134,7 @@ async def test_an_inert_restore_is_learned_and_not_tried_again_on_that_server(tm
         for n in (1, 2):  # the server reported cache_n 0 for two heads in a row (one may be a lost race for the slot)
             restored = Restored(f"abc{n}", upstream.base_url, tokens=7000, restore_ms=20.0, forwards=n - 1)
             store.forwarded(upstream)  # the request the head was restored for, and no other
-            store.served(upstream, 0, [], [], 0, (10, 2), restored, ("opencode", "default", ""))
+            store.after_turn(upstream, AfterTurn("", 0, restored, 0, inert(restored.tokens, 0)))
             assert store.describe()["inert_servers"] == ([upstream.base_url] if n == 2 else [])
         assert store.counts["inert"] == 2
         assert await restore(store, upstream, 0, PIECES) is None
@@ -147,7 +149,7 @@ async def test_a_restore_whose_slot_another_request_took_is_not_judged_inert(tmp
         restored = Restored("abc", upstream.base_url, tokens=7000, restore_ms=20.0, forwards=0)
         store.forwarded(upstream)  # another session's request took the slot after the restore
         store.forwarded(upstream)  # then the request the head was restored for: it re-prefilled
-        store.served(upstream, 0, [], [], 0, (10, 2), restored, ("opencode", "default", ""))
+        store.after_turn(upstream, AfterTurn("", 0, restored, 0, inert(restored.tokens, 0)))
         assert store.describe()["inert_servers"] == [] and store.counts == {**store.counts, "inert": 0, "taken": 1}
 
 
@@ -213,10 +215,16 @@ async def _turn(
     first: bool = False,
     mark: TurnMark | None = None,
 ) -> None:
-    store.served(
-        upstream, None, PIECES, [400, 500, 100], None, (1000, 8), None, ("agent", "p", ""),
-        first=first, session=session, idle_s=idle_s, mark=mark,
-    )  # fmt: skip
+    """A turn of `session` served, as the router's `plan_save` asks the store to keep it: a first turn's head at once,
+    a later turn's state once the session is idle `idle_s` (0: not kept)."""
+    turn = SavedTurn(tuple(PIECES), (400, 500, 100), 1000, 8, "agent", "p", "")
+    at = SlotAt(upstream.name, upstream.replica, None)
+    save = None
+    if first:
+        save = HeadSave(at, upstream.base_url, turn, mark)
+    elif idle_s > 0:
+        save = HeadSave(at, upstream.base_url, replace(turn, session=session), mark, idle_s)
+    store.after_turn(upstream, AfterTurn("", 0, session=session, save=save))
 
 
 async def _decided(store: HeadStore, **counts: int) -> None:
@@ -264,10 +272,10 @@ async def test_a_request_forwarded_while_a_turn_ran_keeps_that_turn_from_being_s
         upstream = Upstream("p", "http://127.0.0.1:9")  # a save that is tried fails at once, and is counted
         store.forwarded(upstream, None, "turn")
         store.forwarded(upstream, None, "other")  # queued behind the turn by llama-server
-        await _turn(store, upstream, "s", idle_s=0.05, mark=store.mark_of("turn"))
+        await _turn(store, upstream, "s", idle_s=0.05, mark=store.ended("turn").mark)
         await _decided(store, failed=0, dropped=1)  # not tried: the slot holds the other prompt
         store.forwarded(upstream, None, "next")
-        await _turn(store, upstream, "s", idle_s=0.05, mark=store.mark_of("next"))
+        await _turn(store, upstream, "s", idle_s=0.05, mark=store.ended("next").mark)
         await _decided(store, failed=1, dropped=1)  # nothing after it: tried
         await store.close()
 
@@ -280,7 +288,7 @@ async def test_a_kv_move_into_a_slot_counts_as_its_use_and_holds_the_stores_lock
         store = HeadStore(HeadsConfig(tmp_path / "heads"), tmp_path / "slots", lambda: client)
         upstream = Upstream("p", "http://127.0.0.1:9")
         store.forwarded(upstream, None, "turn")
-        mark = store.mark_of("turn")
+        mark = store.ended("turn").mark
         async with store.moving(upstream, None):
             assert store._lock.locked()  # a save or restore waits for the move
         await _turn(store, upstream, "s", idle_s=0.05, mark=mark)
@@ -317,13 +325,14 @@ async def test_with_shared_counts_a_restore_is_judged_inert_only_if_no_other_pro
             shared.marks[f"r{n}"] = Counted("e", 1, 0, 0, 1)  # the request's own booking
             restored = Restored(f"abc{n}", upstream.base_url, 7000, 20.0, forwards=n - 1, counted=after)
             store.forwarded(upstream, 0, f"r{n}")
-            mark = store.mark_of(f"r{n}")
-            store.served(upstream, 0, [], [], 0, (10, 2), restored, ("opencode", "default", ""), mark=mark)
+            mark = store.ended(f"r{n}").mark
+            store.after_turn(upstream, AfterTurn("", 0, restored, 0, inert(restored.tokens, 0), mark=mark))
         assert store.counts == {**store.counts, "taken": 1, "inert": 1}  # the first came after another's booking
         assert store.describe()["inert_servers"] == []  # one head in a row only: the first is not held against it
         # A restore whose counts could not be read is never blamed on the head.
         store.forwarded(upstream, 0, "r3")
         restored = Restored("abc3", upstream.base_url, 7000, 20.0, forwards=2)
-        store.served(upstream, 0, [], [], 0, (10, 2), restored, ("opencode", "default", ""), mark=store.mark_of("r3"))
+        mark = store.ended("r3").mark
+        store.after_turn(upstream, AfterTurn("", 0, restored, 0, inert(restored.tokens, 0), mark=mark))
         assert store.counts == {**store.counts, "taken": 2, "inert": 1}
         await store.close()
