@@ -12,8 +12,8 @@ from collections.abc import Callable, Mapping
 from adaptive_spec.llama.profiles import uses_draft_model
 from adaptive_spec.routing.contract import ProfileHealth
 from adaptive_spec.routing.estimate import ProfileState
-from adaptive_spec.routing.placements import Placements, SlotBook
-from adaptive_spec.routing.replicas import ReplicaState
+from adaptive_spec.routing.placements import Placement, Placements, SlotBook
+from adaptive_spec.routing.replicas import ReplicaState, least_loaded
 from adaptive_spec.telemetry.records import Timings
 
 
@@ -75,6 +75,53 @@ class ServerBooks:
                 if not mine(session) and 0 <= slot < book.slots:
                     book.last_used[slot] = max(book.last_used.get(slot, 0.0), now)
                     self.sessions_elsewhere[home] = self.sessions_elsewhere.get(home, 0) + 1
+
+    def holds(self, profile: str, placement: Placement | None) -> int | None:
+        """The replica of `profile` whose server holds the session's KV (its own profile's, or one sharing it)."""
+        return self.same_server(placement.profile, placement.replica, profile) if placement is not None else None
+
+    def holds_up(self, placement: Placement | None) -> bool:
+        """Whether the replica holding the session's KV is up (its slot can be saved for a handoff)."""
+        if placement is None:
+            return False
+        source = self.health.replica_health(placement.profile)
+        return placement.replica < len(source) and source[placement.replica][1] is None
+
+    def preview_replica(self, profile: str, placement: Placement | None, replicas: list[ReplicaState]) -> int:
+        """The replica a request would use before the overload check: its KV's, else the least loaded one."""
+        held = self.holds(profile, placement)
+        if held is not None and held < len(replicas) and replicas[held].down_reason is None:
+            return held
+        best = least_loaded(replicas)
+        return best.index if best is not None else 0
+
+    def server_url(self, profile: str, replica: int = 0) -> str:
+        """The base URL of the server (profile, replica) runs on: the name proxies that share state give it."""
+        home = self.home(profile, replica)
+        health = self.health.replica_health(home[0])
+        return health[home[1]][0] if home[1] < len(health) else ""
+
+    def adopt(
+        self,
+        placements: Placements,
+        session_id: str | None,
+        placement: Placement | None,
+        booked: Mapping[str, Mapping[int, int]],
+        occupants: Mapping[str, Mapping[int, str]] | None = None,
+    ) -> None:
+        """What the other proxies said just before a request of `session_id` is routed: where the session's KV lives
+        (their placement of it, newer than this proxy's: taken into `placements`), the requests they have booked on
+        each server (by its URL, slot by slot; -1: a request that named none), and which session each slot holds."""
+        names = self.health.names()
+        homes = {
+            self.server_url(n, i): self.home(n, i) for n in names for i in range(len(self.health.replica_health(n)))
+        }
+        self.booked_elsewhere({homes[url]: slots for url, slots in booked.items() if url in homes})
+        held = {homes[url]: slots for url, slots in (occupants or {}).items() if url in homes}
+        self.occupied_elsewhere(held, lambda sid: sid == session_id or placements.get(sid) is not None)
+        if session_id is not None and placement is not None:
+            placements.adopt(session_id, placement)
+            self.remember_slot(placement.profile, placement.replica, session_id, placement.slot)
 
     def remember_slot(self, profile: str, replica: int, session_id: str, slot: int | None) -> None:
         """The slot another proxy gave the session on this server (its KV is there)."""

@@ -14,11 +14,13 @@ from adaptive_spec.kv.heads.matching import inert
 from adaptive_spec.kv.heads.values import Restored, SavedTurn
 from adaptive_spec.kv.moves import AfterTurn, HandoffResult, HeadSave, PrefillAsk, RemotePrefillResult, SlotAt, SlotMove
 from adaptive_spec.kv.remote_prefill.pricing import RemoteCosts, choose
+from adaptive_spec.policy.model import Policy
 from adaptive_spec.routing.contract import Effects, Route, RouteRequest, TurnEnd
-from adaptive_spec.routing.decision import Decision, MovePart
+from adaptive_spec.routing.decision import Choice, Decision, MovePart, PromptPart, ReplicaPart
 from adaptive_spec.routing.load import ServerBooks
-from adaptive_spec.routing.placements import Placements
+from adaptive_spec.routing.placements import Placement, Placements
 from adaptive_spec.routing.prompt.prefix import tokens_beyond
+from adaptive_spec.routing.replicas import MoveCosts, ReplicaState, choose_replica, least_loaded
 from adaptive_spec.routing.speeds import SpeedModel
 from adaptive_spec.telemetry.events import HandoffDone
 from adaptive_spec.telemetry.records import Timings
@@ -66,6 +68,86 @@ class MovePlanner:
         pair = (decision.moved_from or decision.profile, decision.profile)
         mean = self.reuse.setdefault(pair, RunningMean(_REUSE_PRIOR_WEIGHT, self.speeds.forget))
         mean.add(min(1.0, timings.cache_n / handoff.tokens))
+
+    def replica_part(
+        self,
+        choice: Choice,
+        prompt: PromptPart,
+        placement: Placement | None,
+        policy: Policy,
+        total_tokens: int,
+        replicas: list[ReplicaState],
+        source_up: bool,
+    ) -> ReplicaPart:
+        """The replica stage of a decision: the replica of the chosen profile (`choose_replica`), and whether the
+        session's KV can follow it there (`source_up`: the replica holding it is up): a session whose replica is down
+        re-prefills elsewhere; one moved off an overloaded replica takes its KV along when it can."""
+        profile = choice.profile
+        held = self.load.same_server(placement.profile, placement.replica, profile) if placement is not None else None
+        costs = None
+        if placement is not None and held is not None:
+            costs = self._move_costs(choice, prompt, placement, policy, held, replicas)
+        picked = choose_replica(profile, replicas, held, costs)
+        if picked.moved_from is not None and placement is not None:
+            return ReplicaPart(
+                picked.replica,
+                picked.kind,
+                picked.reason,
+                picked.moved_from,
+                handoff=picked.handoff,
+                handoff_tokens=placement.cached_tokens if picked.handoff else 0,
+                new_tokens=None if picked.handoff else total_tokens,  # its KV is out of reach: the whole prompt
+            )
+        if choice.handoff and placement is not None:
+            # Across profiles: the KV goes from its replica (if that one is up) to the chosen one, when they can.
+            handoff = source_up and self.can_move(placement.profile, placement.replica, profile, picked.replica)
+            return ReplicaPart(
+                picked.replica, picked.kind, picked.reason, handoff=handoff, handoff_tokens=None if handoff else 0
+            )
+        return ReplicaPart(picked.replica, picked.kind, picked.reason)
+
+    def _move_costs(
+        self,
+        choice: Choice,
+        prompt: PromptPart,
+        placement: Placement,
+        policy: Policy,
+        held: int,
+        replicas: list[ReplicaState],
+    ) -> MoveCosts:
+        """What moving the session off its replica `held` would cost, against waiting there."""
+        profile = choice.profile
+        chosen = next((e for e in choice.estimates if e.profile == profile), None)
+        idle = least_loaded([r for r in replicas if r.index != held])
+        can_move = (
+            idle is not None
+            and policy.handoff.enabled
+            and placement.in_slot
+            # A busy slot cannot be saved (llama-server would save whatever it holds once the running request
+            # ends): under load the session's slot is usually serving another session, and a move re-prefills.
+            and not self.load.slot_busy(profile, placement.slot, mine=0, replica=held)
+            and self.can_move(profile, held, profile, idle.index)
+        )
+        return MoveCosts(
+            cached_tokens=placement.cached_tokens,
+            handoff_s=(
+                self.speeds.handoff_s(placement.cached_tokens, self.transfers(profile, held, profile, idle.index))
+                if can_move and idle is not None
+                else None
+            ),
+            reprefill_s=self.speeds.prefill_s(profile, placement.cached_tokens),
+            # A request queued ahead is taken to last about as long as this one is estimated to.
+            wait_s=chosen.total_s if chosen is not None else self._turn_s(choice, prompt, placement),
+        )
+
+    def _turn_s(self, choice: Choice, prompt: PromptPart, placement: Placement) -> float:
+        """This turn's estimated time where the session is (a choice without estimates: pinned, forced, only)."""
+        per_token = self.speeds.decode_s_per_token(
+            choice.profile, choice.copy_share, choice.context_tokens, choice.acceptance
+        )
+        new = prompt.new_tokens or 0
+        prefill = self.speeds.prefill_s(choice.profile, new, max(0, choice.context_tokens - new))
+        return prefill + max(1.0, placement.output_tokens) * per_token
 
     def plan_handoff(self, decision: Decision, session_id: str, to_slot: int | None) -> SlotMove | HandoffResult | None:
         """The slot move a handoff asks for: save the session's slot on the server it leaves, restore it on the one

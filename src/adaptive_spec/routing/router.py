@@ -1,13 +1,15 @@
 """The router: which profile, replica and slot serve a request, and the KV moves that go with it.
 
 The shell drives it through two calls, neither of which waits: `route()` (what to do with this request: profile,
-replica, slot, the KV move it asks for — a handoff or a remote prefill — and the reason) and `complete()` (what
-happened: the load comes down, it learns from llama-server's timings). Between them the shell carries the asked move out
-through the router's injected `Effects` (`routing/contract.py`) and reports it with `moved()` (`routing/move_planner.py`
-plans and learns); everything else is pure state: the learned speeds, where sessions' KV caches live, each server's
-slots and load (`routing/load.py`), the pins. `choose()` is the decision alone, without side effects: its stages decided
-apart (`decide()` the profile, the prompt's new tokens, `session_cap()` the draft cap, `choose_replica()` the replica)
-and composed once (`routing/decision.py`)."""
+replica, slot, the KV move it asks for — a handoff, a head restore or a remote prefill — and the reason) and
+`complete()` (what happened: the load comes down, it learns from llama-server's timings). Between them the shell carries
+the asked move out (`requests/carry_out.py`) and reports it with `moved()` (`routing/move_planner.py` plans and learns;
+where a request completes, its `plan_save` decides the head save the store carries out); everything else is pure
+state: the learned speeds, where sessions' KV caches live, each server's slots and load (`routing/load.py`), what
+each server holds of prompts beyond a session's own state (`routing/prompt/held.py`), the pins. `choose()` is the
+decision alone, without side effects: its stages decided apart (`decide()` the profile, the prompt's new tokens,
+`session_cap()` the draft cap, `MovePlanner.replica_part` the replica and whether the KV follows it) and composed once
+(`routing/decision.py`)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from adaptive_spec.routing.contract import (
     RouteRequest,
 )
 from adaptive_spec.routing.decide import decide
-from adaptive_spec.routing.decision import Choice, Decision, PromptPart, ReplicaPart, compose
+from adaptive_spec.routing.decision import Decision, PromptPart, compose
 from adaptive_spec.routing.draft_length import session_cap
 from adaptive_spec.routing.estimate import ProfileState, RequestState, SessionState
 from adaptive_spec.routing.load import ServerBooks
@@ -38,15 +40,13 @@ from adaptive_spec.routing.move_planner import MovePlanner
 from adaptive_spec.routing.placements import Placement, Placements, observe
 from adaptive_spec.routing.prompt import prefix
 from adaptive_spec.routing.prompt.first_turn import pasted_file_chars, text_kind
+from adaptive_spec.routing.prompt.held import HeldPrompts
 from adaptive_spec.routing.prompt.pieces import Piece, lacks_system
-from adaptive_spec.routing.replicas import MoveCosts, ReplicaState, choose_replica, least_loaded
+from adaptive_spec.routing.replicas import ReplicaState
 from adaptive_spec.routing.speeds import SpeedModel
 from adaptive_spec.telemetry.events import PolicyChanged
 
 MAX_PINS = 4096
-# llama-server loads a prompt of its RAM cache into a slot only where the new prompt keeps this share of it
-# (`server_prompt_cache::load`, b11549: "don't trash large prompts").
-RAM_LOAD_SHARE = 0.25
 
 
 class Router:
@@ -84,16 +84,7 @@ class Router:
         # The tokens the default profile's chat template writes ahead of a prompt with no system message (its own
         # default system prompt), measured on the server at start (`template_opened`); 0 until then.
         self.template_opening = 0.0
-        # What each slot served last, whichever session: a new session of the same agent shares its system prompt.
-        self.slot_prefixes: LRU[tuple[str, int, int | None], prefix.PrefixState] = LRU(4096)
-        # Each session's side lines (another system prompt: a subagent's conversation, a recurring side request) as
-        # last served, and the server that served it: llama-server keeps their prompts in its RAM cache, as the main
-        # line's, and takes them back when one goes on (a side request sent again prefills 1 token).
-        self.side_lines: LRU[tuple[str, bytes], tuple[tuple[str, int], prefix.PrefixState]] = LRU(4096)
-        # Each server's last request under each system prompt, whichever session: a request that took its slot over
-        # left it in the RAM cache, where a recurring request sent as a new session each time finds it (Gemini CLI's
-        # model-router classifier prefills ~13 of ~800 tokens).
-        self.recent_lines: LRU[tuple[str, int, bytes], prefix.PrefixState] = LRU(1024)
+        self.held = HeldPrompts()  # what each slot served last, sessions' side lines, each server's RAM cache
 
     # --- what the views and the control endpoints read ------------------------------------------------------
 
@@ -121,29 +112,13 @@ class Router:
                 self.placements.displace(
                     placement.profile, placement.slot, keep=None, replica=placement.replica, overwritten=True
                 )
-        for key in [k for k in self.slot_prefixes if k[:2] == home]:  # what each slot served last: gone
-            gone = self.slot_prefixes.pop(key)
-            line = prefix.line_of(gone.pieces) if gone is not None else None
-            if line is not None and self.recent_lines.get((*home, line)) is gone:
-                self.recent_lines.pop((*home, line))
+        self.held.erased(home)  # what each slot served last: gone
 
     def states(self, replicas_of: Mapping[str, list[ReplicaState]] | None = None) -> list[ProfileState]:
         """Each profile as decide() sees it (`ServerBooks.profile_states`). `replicas_of`: each profile's
         `replica_states`, when the caller has them already."""
         replicas = replicas_of or {n: self.replica_states(n) for n in self.health.names()}
         return self.load.profile_states(replicas, self.speeds.speculates, self.planner.can_save, self._spec_types)
-
-    def _held_on(self, profile: str, placement: Placement | None) -> int | None:
-        """The replica of `profile` whose server holds the session's KV (its own profile's, or one sharing it)."""
-        return self.load.same_server(placement.profile, placement.replica, profile) if placement is not None else None
-
-    def _preview_replica(self, profile: str, placement: Placement | None, replicas: list[ReplicaState]) -> int:
-        """The replica a request would use before the overload check: its KV's, else the least loaded one."""
-        held = self._held_on(profile, placement)
-        if held is not None and held < len(replicas) and replicas[held].down_reason is None:
-            return held
-        best = least_loaded(replicas)
-        return best.index if best is not None else 0
 
     # --- the decision -----------------------------------------------------------------------------------------
 
@@ -181,23 +156,21 @@ class Router:
         # A side line's last request, or the main line's own prompt under a system prompt it left for a while (a
         # compaction request with the line's tools is the line going on): llama-server's RAM cache holds either.
         line = prefix.line_of(pieces)
-        side = self.side_lines.get((session_id, line)) if session_id is not None and line is not None else None
+        side = self.held.side(session_id, line)
         shared_on, best = {}, (own, state)
         names = self.health.names()
         replicas_of = {name: self.replica_states(name) for name in names}  # the load does not change while planning
+
+        # The session's own state was just compared: nothing more to read for it.
+        def measure(other: prefix.PrefixState | None) -> int:
+            return own if other is state else prefix.shared_tokens(other, pieces, cpt, total, opening)
+
         for name in names:
-            replica = self._preview_replica(name, placement, replicas_of[name])
-            held = self.slot_prefixes.get((*self.home(name, replica), self.load.slot_key(name, session_id, replica)))
+            replica = self.load.preview_replica(name, placement, replicas_of[name])
             kept = placement is not None and not placement.overwritten  # else nothing of its KV is left
-            mine = own if kept and self._held_on(name, placement) == replica else 0
-            # The session's own state in that slot was just compared: nothing more to read. A side line's last
-            # request counts on the server that served it (its RAM cache).
-            shared_on[name] = mine
-            for other in (held, *self._in_ram(self.home(name, replica), line, side, held)):
-                shared = own if other is state else prefix.shared_tokens(other, pieces, cpt, total, opening)
-                in_ram = other is not None and other is not held and other is not state
-                if in_ram and shared < RAM_LOAD_SHARE * (other.prompt_tokens if other is not None else 0):
-                    continue  # llama-server loads a cached prompt only where the request keeps enough of it
+            shared_on[name] = own if kept and self.load.holds(name, placement) == replica else 0
+            slot = self.load.slot_key(name, session_id, replica)
+            for shared, other in self.held.loadable(self.home(name, replica), slot, line, side, state, measure):
                 shared_on[name] = max(shared_on[name], shared)
                 best = max(best, (shared, other), key=lambda b: b[0])
         if best[1] is not state:  # the prompt's tokens on the scale of what a server holds of it, so its new ones
@@ -224,7 +197,7 @@ class Router:
         same = frozenset(
             n
             for n in names
-            if placement is not None and n != placement.profile and self._held_on(n, placement) is not None
+            if placement is not None and n != placement.profile and self.load.holds(n, placement) is not None
         )
         session = SessionState(
             session_id,
@@ -249,92 +222,17 @@ class Router:
             choice,
             prompt,
             session_cap(self._draft_caps.get(choice.profile), placement, policy),
-            self._replica_part(choice, prompt, placement, policy, est.total_tokens, replicas_of[choice.profile]),
+            self.planner.replica_part(
+                choice,
+                prompt,
+                placement,
+                policy,
+                est.total_tokens,
+                replicas_of[choice.profile],
+                self.load.holds_up(placement),
+            ),
         )
         return decision, policy, pieces, has_tools, cpt, opening
-
-    def _replica_part(
-        self,
-        choice: Choice,
-        prompt: PromptPart,
-        placement: Placement | None,
-        policy: Policy,
-        total_tokens: int,
-        replicas: list[ReplicaState],
-    ) -> ReplicaPart:
-        """The replica of the chosen profile (`choose_replica`), and whether the session's KV can follow it there: a
-        session whose replica is down re-prefills elsewhere; one moved off an overloaded replica takes its KV along
-        when it can."""
-        profile = choice.profile
-        held = self._held_on(profile, placement)
-        costs = None
-        if placement is not None and held is not None:
-            costs = self._move_costs(choice, prompt, placement, policy, held, replicas)
-        picked = choose_replica(profile, replicas, held, costs)
-        if picked.moved_from is not None and placement is not None:
-            return ReplicaPart(
-                picked.replica,
-                picked.kind,
-                picked.reason,
-                picked.moved_from,
-                handoff=picked.handoff,
-                handoff_tokens=placement.cached_tokens if picked.handoff else 0,
-                new_tokens=None if picked.handoff else total_tokens,  # its KV is out of reach: the whole prompt
-            )
-        if choice.handoff and placement is not None:
-            # Across profiles: the KV goes from its replica (if that one is up) to the chosen one, when they can.
-            source = self.health.replica_health(placement.profile)
-            source_up = placement.replica < len(source) and source[placement.replica][1] is None
-            handoff = source_up and self.planner.can_move(placement.profile, placement.replica, profile, picked.replica)
-            return ReplicaPart(
-                picked.replica, picked.kind, picked.reason, handoff=handoff, handoff_tokens=None if handoff else 0
-            )
-        return ReplicaPart(picked.replica, picked.kind, picked.reason)
-
-    def _move_costs(
-        self,
-        choice: Choice,
-        prompt: PromptPart,
-        placement: Placement,
-        policy: Policy,
-        held: int,
-        replicas: list[ReplicaState],
-    ) -> MoveCosts:
-        """What moving the session off its replica `held` would cost, against waiting there."""
-        profile = choice.profile
-        chosen = next((e for e in choice.estimates if e.profile == profile), None)
-        idle = least_loaded([r for r in replicas if r.index != held])
-        can_move = (
-            idle is not None
-            and policy.handoff.enabled
-            and placement.in_slot
-            # A busy slot cannot be saved (llama-server would save whatever it holds once the running request
-            # ends): under load the session's slot is usually serving another session, and a move re-prefills.
-            and not self.load.slot_busy(profile, placement.slot, mine=0, replica=held)
-            and self.planner.can_move(profile, held, profile, idle.index)
-        )
-        return MoveCosts(
-            cached_tokens=placement.cached_tokens,
-            handoff_s=(
-                self.speeds.handoff_s(
-                    placement.cached_tokens, self.planner.transfers(profile, held, profile, idle.index)
-                )
-                if can_move and idle is not None
-                else None
-            ),
-            reprefill_s=self.speeds.prefill_s(profile, placement.cached_tokens),
-            # A request queued ahead is taken to last about as long as this one is estimated to.
-            wait_s=chosen.total_s if chosen is not None else self._turn_s(choice, prompt, placement),
-        )
-
-    def _turn_s(self, choice: Choice, prompt: PromptPart, placement: Placement) -> float:
-        """This turn's estimated time where the session is (a choice without estimates: pinned, forced, only)."""
-        per_token = self.speeds.decode_s_per_token(
-            choice.profile, choice.copy_share, choice.context_tokens, choice.acceptance
-        )
-        new = prompt.new_tokens or 0
-        prefill = self.speeds.prefill_s(choice.profile, new, max(0, choice.context_tokens - new))
-        return prefill + max(1.0, placement.output_tokens) * per_token
 
     def measured_chars(self, session_id: str | None) -> int:
         """The characters of the session's last served prompt, on which its rate was measured (0: none yet)."""
@@ -398,7 +296,8 @@ class Router:
             overwrote = False  # held since the server started: nothing was restored
         if overwrote and move is not None:
             at = move.target if isinstance(move, SlotMove) else move.at
-            self._overwritten(at.profile, at.slot, at.replica)
+            several = self.load.slot_count(at.profile, at.replica) > 1
+            self.held.overwritten(self.home(at.profile, at.replica), at.slot if several else None)
         if isinstance(move, SlotMove) and isinstance(result, HandoffResult):
             return replace(route, handoff=self.planner.handed_off(move, result))
         if isinstance(move, HeadRestore) and (result is None or isinstance(result, Restored)):
@@ -444,64 +343,24 @@ class Router:
             reply_kept=done.reply_kept,
             opening=route.opening,
         )
+        # Where the session's line was before, unless a slot action overwrote it: llama-server's RAM cache keeps it.
+        left = None
+        if before is not None and not before.overwritten and own is not None:
+            left = (self.home(before.profile, before.replica), own)
         several = self.load.slot_count(profile, replica) > 1
-        self.slot_prefixes.put((*self.home(profile, replica), slot if several else None), state)
-        if (served_line := prefix.line_of(route.pieces)) is not None:
-            self.recent_lines.put((*self.home(profile, replica), served_line), state)
-        if session_id is not None and decision.side and (line := prefix.line_of(route.pieces)) is not None:
-            self.side_lines.put((session_id, line), (self.home(profile, replica), state))
+        self.held.served(self.home(profile, replica), slot if several else None, state, session_id, decision.side, left)
         if session_id is not None and not decision.side:
-            self._line_left(session_id, own, route.pieces, before)
             # A side request leaves the main line's state: llama-server keeps the line's prompt in its RAM cache.
             self.prefixes.put(session_id, state)
             self.chars_per_token = state.chars_per_token
         # Known only now when the earlier request was still in flight at this one's start (opencode's title).
         return decision.line_moved or (own is not None and own.line is not None and state.line != own.line)
 
-    def _in_ram(
-        self,
-        home: tuple[str, int],
-        line: bytes | None,
-        side: tuple[tuple[str, int], prefix.PrefixState] | None,
-        held: prefix.PrefixState | None,
-    ) -> tuple[prefix.PrefixState, ...]:
-        """What the RAM cache of the server `home` may hold of a prompt under the system prompt `line`: the session's
-        side line's last request there, and the last request of any session under it there (not the slot's own)."""
-        out = [side[1]] if side is not None and side[0] == home else []
-        recent = self.recent_lines.get((*home, line)) if line is not None else None
-        if recent is not None and recent is not held:
-            out.append(recent)
-        return tuple(out)
-
-    def _overwritten(self, profile: str, slot: int | None, replica: int) -> None:
-        """A slot action overwrote the slot: the request it served last is in neither the slot nor the RAM cache."""
-        home = self.home(profile, replica)
-        gone = self.slot_prefixes.pop((*home, slot if self.load.slot_count(profile, replica) > 1 else None))
-        line = prefix.line_of(gone.pieces) if gone is not None else None
-        if line is not None and self.recent_lines.get((*home, line)) is gone:
-            self.recent_lines.pop((*home, line))
-
-    def _line_left(
-        self, session_id: str, own: prefix.PrefixState | None, pieces: tuple[Piece, ...], before: Placement | None
-    ) -> None:
-        """The session's line was served under `pieces`' system prompt: its last prompt under another one (kept by
-        llama-server's RAM cache when this request took the slot, unless a slot action had overwritten it) is kept
-        as that system prompt's line; the one under this system prompt is in the slot now, out of the RAM cache."""
-        now = prefix.line_of(pieces)
-        if now is not None:
-            self.side_lines.pop((session_id, now))
-        old = prefix.line_of(own.pieces) if own is not None else None
-        if own is None or old is None or old == now or before is None or before.overwritten:
-            return
-        self.side_lines.put((session_id, old), (self.home(before.profile, before.replica), own))
-
     # --- what other proxies share (read by the shell before `route()`, written after `complete()`) -------------
 
     def server_url(self, profile: str, replica: int = 0) -> str:
         """The base URL of the server (profile, replica) runs on: the name proxies that share state give it."""
-        home = self.home(profile, replica)
-        health = self.health.replica_health(home[0])
-        return health[home[1]][0] if home[1] < len(health) else ""
+        return self.load.server_url(profile, replica)
 
     def adopt(
         self,
@@ -510,19 +369,9 @@ class Router:
         booked: Mapping[str, Mapping[int, int]],
         occupants: Mapping[str, Mapping[int, str]] | None = None,
     ) -> None:
-        """What the other proxies said just before this request is routed: where the session's KV lives (their
-        placement of it, newer than this proxy's), the requests they have booked on each server (by its URL, slot by
-        slot; -1: a request that named none), and which session each slot holds."""
-        homes = {self.server_url(n, i): self.home(n, i) for n in self.health.names() for i in self._replicas(n)}
-        self.load.booked_elsewhere({homes[url]: slots for url, slots in booked.items() if url in homes})
-        held = {homes[url]: slots for url, slots in (occupants or {}).items() if url in homes}
-        self.load.occupied_elsewhere(held, lambda sid: sid == session_id or self.placements.get(sid) is not None)
-        if session_id is not None and placement is not None:
-            self.placements.adopt(session_id, placement)
-            self.load.remember_slot(placement.profile, placement.replica, session_id, placement.slot)
-
-    def _replicas(self, profile: str) -> range:
-        return range(len(self.health.replica_health(profile)))
+        """What the other proxies said just before this request is routed (`ServerBooks.adopt`): where the session's
+        KV lives, the requests they have booked on each server, and which session each slot holds."""
+        self.load.adopt(self.placements, session_id, placement, booked, occupants)
 
     # --- pins and policy files ------------------------------------------------------------------------------
 
