@@ -37,7 +37,7 @@ NAME = "shared_state_heads"
 PATHS = ("cold", "restored through the same proxy", "restored through the other proxy")
 
 
-def _system(round_: int) -> str:
+def system_prompt(round_: int) -> str:
     rules = "\n".join(
         f"{i}. Keep function_{i} of team {round_} small, typed and tested; never edit file_{i}.py unread."
         for i in range(40)
@@ -45,7 +45,7 @@ def _system(round_: int) -> str:
     return f"You are coding agent number {round_}. Rules:\n{rules}"
 
 
-def _turn(proxy: ProxyProcess, system: str, session: str) -> dict[str, Any]:
+def first_turn(proxy: ProxyProcess, system: str, session: str) -> dict[str, Any]:
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Write hello.py."}]
     body = {"model": "m", "messages": messages, "temperature": 0, "seed": 1, "max_tokens": 8}
     req = urllib.request.Request(
@@ -74,16 +74,16 @@ def _until_listed(proxy: ProxyProcess, count: int, since: float) -> float:
 
 
 def _round(a: ProxyProcess, b: ProxyProcess, round_: int) -> dict[str, Any]:
-    system = _system(round_)
-    cold = _turn(a, system, f"a-{round_}")
+    system = system_prompt(round_)
+    cold = first_turn(a, system, f"a-{round_}")
     answered = time.perf_counter()
     _until_listed(a, round_ + 1, answered)
     taken_ms = _until_listed(b, round_ + 1, answered)
     erase = a.base + "/adaptive/profiles/plain/erase"  # through a proxy: both know the slot is empty
     http_json(erase, {})
-    same = _turn(a, system, f"a2-{round_}")
+    same = first_turn(a, system, f"a2-{round_}")
     http_json(erase, {})
-    other = _turn(b, system, f"b-{round_}")
+    other = first_turn(b, system, f"b-{round_}")
     http_json(erase, {})
     return {"taken_ms": taken_ms, **dict(zip(PATHS, (cold, same, other), strict=True))}
 

@@ -42,6 +42,7 @@ SERVER_ARGS = ("-c", "4096", "--parallel", "2", "--spec-type", "none", "--cache-
 
 @dataclass(frozen=True)
 class Turn:
+    started: float  # time.monotonic() when it was sent
     seconds: float
     prompt_n: int
     cache_n: int
@@ -68,15 +69,16 @@ def _conversation(proxies: list[ProxyProcess], n: int, turns: int, seed: int) ->
     for turn in range(turns):
         proxy = proxies[rng.randrange(len(proxies))]
         body = {"model": "m", "messages": history, "temperature": 0, "seed": 1, "max_tokens": 24}
+        started = time.monotonic()
         answer, seconds = _post(proxy, body, headers)
         timings = answer["timings"]
-        out.append(Turn(seconds, int(timings["prompt_n"]), int(timings["cache_n"]), proxy.base))
+        out.append(Turn(started, seconds, int(timings["prompt_n"]), int(timings["cache_n"]), proxy.base))
         text = answer["choices"][0]["message"]["content"]
         history = [*history, {"role": "assistant", "content": text}, {"role": "user", "content": f"Now step {turn}."}]
     return out
 
 
-def _erase(servers: list[LlamaServer]) -> None:
+def erase(servers: list[LlamaServer]) -> None:
     for server in servers:
         for slot in range(2):
             http_json(f"{server.url}/slots/{slot}?action=erase", {})
@@ -85,18 +87,20 @@ def _erase(servers: list[LlamaServer]) -> None:
 def _replay(
     proxies: list[ProxyProcess], servers: list[LlamaServer], args: argparse.Namespace, seed: int
 ) -> list[list[Turn]]:
-    _erase(servers)
+    erase(servers)
     with ThreadPoolExecutor(args.conversations) as pool:
         return list(pool.map(lambda n: _conversation(proxies, n, args.turns, seed), range(args.conversations)))
 
 
-def _figures(replays: list[list[list[Turn]]]) -> dict[str, Any]:
-    turns = [t for replay in replays for conversation in replay for t in conversation]
+def figures(replays: list[list[list[Turn]]], since: float = 0.0) -> dict[str, Any]:
+    """The figures of the turns sent from `since` on (a follow-up counted where it was sent then)."""
+    turns = [t for replay in replays for conversation in replay for t in conversation if t.started >= since]
     follow_ups = [
         (before, after)
         for replay in replays
         for conversation in replay
         for before, after in itertools.pairwise(conversation)
+        if after.started >= since
     ]
     kept = [after.cache_n >= before.prompt_n + before.cache_n for before, after in follow_ups]
     crossed = [before.via != after.via for before, after in follow_ups]
@@ -165,7 +169,7 @@ def main() -> None:
                 for name, proxies in running.items():
                     replays[name].append(_replay(proxies, servers, args, seed=r + 1))
             for name in setups:
-                out[name] = _figures(replays[name])
+                out[name] = figures(replays[name])
                 print(name, out[name], flush=True)
         finally:
             for proxies in running.values():
