@@ -3,7 +3,7 @@
 slots of the two real tiny-model llama-servers erased before each replay) sent one replay after another, and in the
 middle of it:
 
-- no fault (the baseline, in the same run);
+- no fault (the baseline, in the same run), and no fault through one proxy alone with the same shared state;
 - Redis stopped for a while, then started again (empty: nothing is saved to disk);
 - Redis flushed (FLUSHALL);
 - one proxy killed (SIGKILL) in the middle of a stream: from a moment before, the replays go to the other proxy only
@@ -15,7 +15,8 @@ middle of it:
 Run:  .venv/bin/python -m benchmarks.shared_state.faults [--before-s 5] [--down-s 5] [--after-s 10] [--repeats 1]
 
 Per fault: the requests sent and failed, affinity (follow-ups whose prompt llama-server found in the slot: its
-`cache_n` at least the previous turn's whole prompt) over the whole run and over the follow-ups sent after recovery,
+`cache_n` at least the previous turn's whole prompt) over the whole run, over the follow-ups sent after recovery and
+over the last half of that,
 the follow-ups' `prompt_n` median, the time per request (p50/p99), and how long until sharing resumed (both proxies'
 `/adaptive/health` saying `shared_state.reachable` again, from Redis's start; for the killed proxy, until its
 booking had lapsed in Redis). Each fault with a fresh pair of proxies and a Redis database of its own.
@@ -222,6 +223,7 @@ def proxy_killed(
 
 
 FAULTS: dict[str, Callable[[list[ProxyProcess], RedisServer, str, Load, argparse.Namespace], Facts]] = {
+    "no fault, one proxy": no_fault,  # the same shared state with no other proxy: what sharing costs by itself
     "no fault": no_fault,
     "Redis stopped, then started": redis_stopped,
     "Redis flushed": redis_flushed,
@@ -248,7 +250,7 @@ def _fault_run(
                 "ADAPTIVE_SPEC_CONFIG_DIR": str(home / f"{label}-{i}"),
             },
         )
-        for i in range(2)
+        for i in range(1 if name.endswith("one proxy") else 2)
     ]
     try:
         warm = Load(pair, servers, args, f"warm{label}")  # connections, first runs of the code
@@ -323,28 +325,32 @@ def _head_runs(home: Path, model: Path, redis_server: RedisServer, db: str, roun
         server.stop()
 
 
-def _row(replays: list[list[list[Turn]]], failed: list[str], facts: list[Facts]) -> Facts:
+def _row(replays: list[list[list[Turn]]], failed: list[str], facts: list[Facts], after_s: float) -> Facts:
     after = [figures(replays, since=f["recovered_at"]) for f in facts]
+    settled = [figures(replays, since=f["recovered_at"] + after_s / 2) for f in facts]
     return {
         **figures(replays),
         "failed": len(failed),
         "failures": failed[:10],
         "affinity_after_recovery": [f["affinity"] for f in after],
+        "affinity_last_half_after": [f["affinity"] for f in settled],
         "faults": [{k: v for k, v in f.items() if k != "recovered_at"} for f in facts],
     }
 
 
 def _print_table(out: dict[str, Facts], heads: list[Facts]) -> None:
     print(
-        "\n| fault | requests (failed) | affinity | after recovery | follow-up `prompt_n` median | p50 / p99 ms "
-        "| sharing resumed after |"
+        "\n| fault | requests (failed) | affinity | after recovery (its last half) | follow-up `prompt_n` median "
+        "| p50 / p99 ms | sharing resumed after |"
     )
     print("|---|---|---|---|---|---|---|")
     for name, f in out.items():
+        pairs = zip(f["affinity_after_recovery"], f["affinity_last_half_after"], strict=True)
+        after = ", ".join(f"{a:.1%} ({b:.1%})" for a, b in pairs if a is not None and b is not None)
         resumed = ", ".join("—" if x.get("resumed_s") is None else f"{x['resumed_s']} s" for x in f["faults"])
         print(
             f"| {name} | {f['requests']} ({f['failed']}) | {f['affinity']:.1%} "
-            f"| {', '.join(f'{a:.1%}' for a in f['affinity_after_recovery'] if a is not None)} "
+            f"| {after} "
             f"| {f['follow_up_prompt_n_median']} | {f['ms_p50']} / {f['ms_p99']} | {resumed} |"
         )
     print("\n| head saved | b listed it after | b's new session: `prompt_n` / `cache_n` | restored | ms |")
@@ -395,7 +401,7 @@ def main() -> None:
                     runs[name][2].append(facts)
                     print(name, facts, f"{len(failed)} failed", flush=True)
             for name, (replays, failed, kept) in runs.items():
-                out[name] = _row(replays, failed, kept)
+                out[name] = _row(replays, failed, kept, args.after_s)
             heads = _head_runs(home / "heads", model, redis_server, f"{base}/9", args.repeats)
         finally:
             redis_server.stop()
