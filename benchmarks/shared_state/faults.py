@@ -3,7 +3,7 @@
 slots of the two real tiny-model llama-servers erased before each replay) sent one replay after another, and in the
 middle of it:
 
-- no fault (the baseline, in the same run), and no fault through one proxy alone with the same shared state;
+- no fault (the baseline, in the same run), and no fault through one proxy alone, with the store and without;
 - Redis stopped for a while, then started again (empty: nothing is saved to disk);
 - Redis flushed (FLUSHALL);
 - one proxy killed (SIGKILL) in the middle of a stream: from a moment before, the replays go to the other proxy only
@@ -222,12 +222,16 @@ def proxy_killed(
     }
 
 
-FAULTS: dict[str, Callable[[list[ProxyProcess], RedisServer, str, Load, argparse.Namespace], Facts]] = {
-    "no fault, one proxy": no_fault,  # the same shared state with no other proxy: what sharing costs by itself
-    "no fault": no_fault,
-    "Redis stopped, then started": redis_stopped,
-    "Redis flushed": redis_flushed,
-    "a proxy killed mid-stream": proxy_killed,
+Fault = Callable[[list[ProxyProcess], RedisServer, str, Load, argparse.Namespace], Facts]
+# name: (proxies, whether they share Redis, the fault). One proxy alone, with and without the store, beside the pair:
+# what the shared state costs by itself.
+FAULTS: dict[str, tuple[int, bool, Fault]] = {
+    "no fault, one proxy, no Redis": (1, False, no_fault),
+    "no fault, one proxy, Redis": (1, True, no_fault),
+    "no fault": (2, True, no_fault),
+    "Redis stopped, then started": (2, True, redis_stopped),
+    "Redis flushed": (2, True, redis_flushed),
+    "a proxy killed mid-stream": (2, True, proxy_killed),
 }
 
 
@@ -240,17 +244,19 @@ def _fault_run(
     home: Path,
     args: argparse.Namespace,
 ) -> tuple[list[list[list[Turn]]], list[str], Facts]:
+    count, shared, fault = FAULTS[name]
     profile = [a for s in servers for a in ("--profile", f"plain={s.url}")]
     pair = [
         ProxyProcess(
             *profile,
-            *("--tokenizer", "off", "--no-heads", "--shared-state", db),
+            *("--tokenizer", "off", "--no-heads"),
+            *(("--shared-state", db) if shared else ()),
             env={
                 "ADAPTIVE_SPEC_STATE_DIR": str(home / f"{label}-{i}"),
                 "ADAPTIVE_SPEC_CONFIG_DIR": str(home / f"{label}-{i}"),
             },
         )
-        for i in range(1 if name.endswith("one proxy") else 2)
+        for i in range(count)
     ]
     try:
         warm = Load(pair, servers, args, f"warm{label}")  # connections, first runs of the code
@@ -258,7 +264,7 @@ def _fault_run(
         warm.stop()
         load = Load(pair, servers, args, f"run{label}")
         time.sleep(args.before_s)
-        facts = FAULTS[name](pair, redis_server, db, load, args)
+        facts = fault(pair, redis_server, db, load, args)
         time.sleep(args.after_s)
         load.stop()
     finally:
