@@ -92,12 +92,17 @@ class SharedState:
                 )
             self._retry_at = self._clock() + RETRY_S
             return default
-        if self._down_since is not None:
-            log.warning("shared state: %s answers again; sharing resumes", self.store.label)
-            self._down_since = None
-            self._spawn(self._renew_all())  # its bookings, lost with a restart or a flush, written again
-            self._spawn(self._recount())
+        self._answered()
         return result
+
+    def _answered(self) -> None:
+        """The store answered (a call, or the listener connecting again): after an outage, sharing resumes."""
+        if self._down_since is None:
+            return
+        log.warning("shared state: %s answers again; sharing resumes", self.store.label)
+        self._down_since = None
+        self._spawn(self._renew_all())  # its bookings, lost with a restart or a flush, written again
+        self._spawn(self._recount())
 
     def status(self) -> dict[str, Any]:
         """For /adaptive/health."""
@@ -291,7 +296,9 @@ class SharedState:
             try:
                 async for news in self.store.listen():
                     if news is None:
-                        for kept in await self.store.published():
+                        published = await self.store.published()
+                        self._answered()  # an idle proxy finds the store back here, not at its next request
+                        for kept in published:
                             if kept.proxy != self.proxy_id:
                                 await heard(kept)
                     elif isinstance(news, SlotsErased):

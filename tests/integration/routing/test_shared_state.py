@@ -2,8 +2,9 @@
 tiny random-weight model, two slots each): agent conversations replayed with each turn sent to a proxy at random
 land where their KV is, with the same `prompt_n` on every turn as through one proxy (two sessions given one slot at
 once would evict each other: their next turns would re-prefill); without the shared state they do not. Then the
-faults: Redis stopped, restarted and flushed under load (every request served, said once, sharing resumes), and a
-proxy killed mid-stream (its bookings lapse, the other serves on); and the URL given in the policy file."""
+faults: Redis stopped, restarted and flushed under load (every request served, said once, sharing resumes; an idle
+proxy finds it back by itself), and a proxy killed mid-stream (its bookings lapse, the other serves on); and the URL
+given in the policy file."""
 
 from __future__ import annotations
 
@@ -275,6 +276,24 @@ def test_redis_stopped_restarted_and_flushed_under_load(
     finally:
         for proxy in pair:
             proxy.stop()
+
+
+def test_an_idle_proxy_finds_the_store_back_without_a_request(
+    servers: list[LlamaServer], redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Its listener connecting again is the store answering: /adaptive/health says so (and what was kept back while
+    it was down is written) with no request to find it, not only once the next request calls the store."""
+    (proxy,) = _proxies(servers, tmp_path, 1, "--shared-state", redis_server.url)
+    try:
+        redis_server.stop()
+        body = {"model": "m", "messages": [{"role": "user", "content": "While Redis is away."}], "max_tokens": 4}
+        _post(proxy, body, {"x-session-id": "away"})
+        assert _health(proxy)["reachable"] is False
+        redis_server.start()
+        wait_until(lambda: _health(proxy)["reachable"], 15, "the idle proxy to say Redis answers again")
+        assert sum("answers again" in line for line in proxy.stderr_lines) == 1
+    finally:
+        proxy.stop()
 
 
 def _booked(redis_server: RedisServer) -> list[str]:
