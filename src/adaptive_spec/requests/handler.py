@@ -67,13 +67,13 @@ from adaptive_spec.sessions.agents.clients import client_name
 from adaptive_spec.sessions.grouping import explicit_session
 from adaptive_spec.sessions.project import workspace_path_from_request
 from adaptive_spec.sessions.tokenizers import CachingTokenizer
+from adaptive_spec.shared_state.shell import BOOKING_TRIES, must_book
 from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.streams.output import LiveText
 
 log = logging.getLogger(__name__)
 # A body from this size on (a ~40k-token history) is parsed, grouped and routed in turns with the other streams' chunks.
 _LARGE_BODY = 128 * 1024
-_BOOKING_TRIES = 3
 _READS = ("GET", "HEAD", "OPTIONS")  # a request of these methods uses no slot (/props, /slots, /metrics, /health)
 
 
@@ -266,13 +266,13 @@ async def _route_shared(app: web.Application, asked: RouteRequest, request_id: s
     router, shared = app[ROUTER], app[SHARED]
     if shared is None:
         return router.route(asked)
-    for attempt in range(_BOOKING_TRIES):
-        await shared.before_route(router, asked.session_id)
+    for attempt in range(BOOKING_TRIES):
+        seen = await shared.before_route(router, asked.session_id)
         routed = router.route(asked)
         if isinstance(routed, Refusal):
             return routed
         try:
-            booked = await shared.book(router, routed, request_id, force=attempt == _BOOKING_TRIES - 1)
+            booked = await shared.book(router, routed, request_id, must_book(router, routed, attempt), seen)
         except BaseException:  # the client went away: no route reaches the forward uncompleted
             router.complete(routed, Completion(ok=False))
             raise

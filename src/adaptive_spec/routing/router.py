@@ -358,6 +358,12 @@ class Router:
 
     # --- what other proxies share (read by the shell before `route()`, written after `complete()`) -------------
 
+    def waits(self, route: Route) -> bool:
+        """Whether the route's slot was taken when it was routed (every slot was: it waits its turn there), by this
+        proxy's other requests or by those other proxies booked, as last read."""
+        decision = route.decision
+        return self.load.slot_busy(decision.profile, route.slot, mine=1, replica=decision.replica)
+
     def server_url(self, profile: str, replica: int = 0) -> str:
         """The base URL of the server (profile, replica) runs on: the name proxies that share state give it."""
         return self.load.server_url(profile, replica)

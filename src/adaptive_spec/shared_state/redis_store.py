@@ -17,7 +17,15 @@ from redis.exceptions import RedisError
 from adaptive_spec.kv.heads.activity import Counted
 from adaptive_spec.shared_state.news import HeadSaved, HeadsGone, News, SlotsErased, decode, encode
 from adaptive_spec.shared_state.store import StoreDown
-from adaptive_spec.shared_state.values import UNNAMED_SLOT, Booked, Booking, Reading, SharedPlacement, counted
+from adaptive_spec.shared_state.values import (
+    UNNAMED_SLOT,
+    Booked,
+    Booking,
+    Placed,
+    Reading,
+    SharedPlacement,
+    counted,
+)
 
 PREFIX = "adaptive-spec:"
 NEWS = PREFIX + "news"  # the pub/sub channel of `tell`
@@ -38,12 +46,35 @@ end
 return out
 """
 )
+# The booking's session placed with it (values.Placed), as `place` writes it: KEYS[2] its placement, KEYS[3] the
+# server's occupants; ARGV[7] the placement ('' for none), ARGV[8] the slot it occupies ('' for none), ARGV[9] ttl ms.
+_PLACED = """
+if ARGV[7] ~= '' then
+  redis.call('SET', KEYS[2], ARGV[7], 'PX', tonumber(ARGV[9]))
+  if ARGV[8] ~= '' then
+    redis.call('HSET', KEYS[3], ARGV[8], ARGV[4])
+    redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[9]))
+  end
+end
+"""
+# The slot's occupant as the route read it (ARGV[10]: '*' not read, '' none, else a session; the slot ARGV[11]):
+# another session placed there since refuses the booking, unforced: its route was made before and is made again.
+_SEEN = """
+if ARGV[6] == '0' and ARGV[10] ~= '*' then
+  local held = redis.call('HGET', KEYS[3], ARGV[11]) or ''
+  if held ~= ARGV[10] and held ~= ARGV[4] then return 0 end
+end
+"""
 # KEYS[1]: the server's bookings; ARGV: member, slot, proxy, session, lease ms, force. Refused: a live booking of
-# another proxy in that slot, for another session (values.Booking.blocks).
+# another proxy in that slot, for another session (values.Booking.blocks). Booked, the session is placed in the same
+# step (`_PLACED`): no proxy reads the booking without the placement, nor, once it ends, the slot without its occupant.
 _BOOK = (
     _NOW
     + """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+"""
+    + _SEEN
+    + """
 if ARGV[6] == '0' and tonumber(ARGV[2]) >= 0 then
   for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
     local _, _, slot, proxy, _, session = string.find(m, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
@@ -52,8 +83,9 @@ if ARGV[6] == '0' and tonumber(ARGV[2]) >= 0 then
 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[5]), ARGV[1])
 redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[5]))
-return 1
 """
+    + _PLACED
+    + "return 1\n"
 )
 # The forward counts of a server (`forwards:<server>`, a hash: `epoch`, `all`, `unnamed`, `slot:<n>`), kept a day
 # after the last count: the head store's guards (kv/heads/activity.Counted) compare them. KEYS[1]: the counts,
@@ -117,6 +149,14 @@ def _count(pipe: Any, booking: Booking) -> None:
     pipe.eval(_COUNT, 2, *keys, str(booking.slot), booking.proxy, booking.session, secrets.token_hex(8), _COUNTS_TTL_MS)
 
 
+def _placed_args(placed: Placed | None) -> list[str | int]:
+    """ARGV[7:10] of the booking: the placement, the slot it occupies and the ttl, or nothing to place."""
+    if placed is None:
+        return ["", "", 0]
+    slot = "" if placed.slot is None else str(placed.slot)
+    return [placed.placement.encode().decode(), slot, max(1, int(placed.ttl_s * 1000))]
+
+
 def redacted(url: str) -> str:
     """The URL without its password, for the log and /adaptive/health."""
     parts = urlsplit(url)
@@ -175,11 +215,17 @@ class RedisStore:
         placement = SharedPlacement.decode(placed) if session_id is not None else None
         return Reading(placement, bookings, occupied, stamps)
 
-    async def book(self, booking: Booking, lease_s: float, force: bool) -> Booked:
+    async def book(
+        self, booking: Booking, lease_s: float, force: bool, placed: Placed | None = None, seen: str | None = None
+    ) -> Booked:
         args: list[str | int] = [booking.member, str(booking.slot), booking.proxy, booking.session]
         args += [int(lease_s * 1000), "1" if force else "0"]
+        args += _placed_args(placed)
+        args += ["*" if seen is None else seen, str(max(booking.slot, 0))]
+        keys = [PREFIX + "booked:" + booking.server]
+        keys += [PREFIX + "place:" + booking.session, PREFIX + "occupant:" + booking.server]
         pipe = self._redis.pipeline(transaction=True)  # MULTI … EXEC: one round trip, nothing run in between
-        pipe.eval(_BOOK, 1, PREFIX + "booked:" + booking.server, *args)
+        pipe.eval(_BOOK, len(keys), *keys, *args)
         _count(pipe, booking)
         done, counts = await self._run(pipe.execute())
         slot = None if booking.slot == UNNAMED_SLOT else booking.slot

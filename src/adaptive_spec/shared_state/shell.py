@@ -23,11 +23,14 @@ from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.grouping import echo_candidates, served_keys
 from adaptive_spec.shared_state.news import News, SlotsErased
 from adaptive_spec.shared_state.store import SharedStore, StoreDown
-from adaptive_spec.shared_state.values import UNNAMED_SLOT, Booked, Booking, Reading, SharedPlacement
+from adaptive_spec.shared_state.values import UNNAMED_SLOT, Booked, Booking, Placed, Reading, SharedPlacement
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 RETRY_S = 1.0
+# Tries to route and book a request (the last books all the same). A refusal means another proxy's booking landed
+# between this one's read and its booking: as many new sessions arriving at once at as many proxies take as many.
+BOOKING_TRIES = 5
 RECALL_AGAIN_S = 0.02  # while the store is down, one call a second tries it again; the others skip it
 # How long a proxy's claim to warm-start a server it found fresh keeps the others from doing it too: longer than the
 # proxies take to find one restart (a health poll and a watch, seconds), short enough that a later restart found
@@ -132,18 +135,20 @@ class SharedState:
             found = await self._call(lambda: self.store.sessions_of(keys), none)
         return found
 
-    async def before_route(self, router: Router, session_id: str | None) -> None:
-        """Read the session's placement and the servers' bookings, and hand what other proxies did to the router."""
+    async def before_route(self, router: Router, session_id: str | None) -> Reading | None:
+        """Read the session's placement and the servers' bookings, and hand what other proxies did to the router.
+        What was read (None: nothing, the store is down) goes to `book`."""
         servers = _servers(router)
         reading = await self._call(lambda: self.store.read(session_id, servers), None)
         if reading is None:
             router.adopt(None, None, {})  # what the store said before is stale: this proxy's own counts alone
-            return
+            return None
         for server, stamp in reading.erased.items():  # emptied since this proxy last knew (its news not heard yet)
             if self._erased_seen(server, stamp):
                 self.on_erased(server, False)
         booked = reading.booked_elsewhere(self.proxy_id, session_id)
         router.adopt(session_id, self._placement(router, session_id, reading), booked, reading.occupants)
+        return reading
 
     def _placement(self, router: Router, session_id: str | None, reading: Reading) -> Placement | None:
         """The placement the router takes: the other proxy's when it is newer than this one's and names the same
@@ -167,35 +172,45 @@ class SharedState:
 
     # --- the booking, after route() -----------------------------------------------------------------------------
 
-    async def book(self, router: Router, route: Route, request_id: str, force: bool) -> bool:
-        """Book the route's slot for this request (any booking it held before goes: a failover routes again). False:
-        another proxy holds that slot: complete the route and route again (`force` on the last try)."""
+    async def book(
+        self, router: Router, route: Route, request_id: str, force: bool, seen: Reading | None = None
+    ) -> bool:
+        """Book the route's slot for this request (any booking it held before goes: a failover routes again), its
+        session placed there in the same step. False: another proxy booked that slot since it was read: complete the
+        route and route again (`force`: book it all the same; see `must_book`). Refused too where the slot holds
+        another session than `seen` (the reading the route was made from) said: placed there since."""
         self._drop(request_id)
         profile, replica = route.decision.profile, route.decision.replica
         slot = route.slot if route.slot is not None else (0 if router.slot_count(profile, replica) == 1 else None)
         where = router.server_url(profile, replica)
         session = "" if route.session_id is None or route.decision.side else route.session_id
         booking = Booking(where, UNNAMED_SLOT if slot is None else slot, self.proxy_id, request_id, session)
-        booked = await self._call(lambda: self.store.book(booking, self.lease_s, force), _UNCOUNTED)
+        placed = self._placed(router, route) if session else None
+        occupant = None if seen is None or slot is None else seen.occupants.get(where, {}).get(slot, "")
+        booked = await self._call(lambda: self.store.book(booking, self.lease_s, force, placed, occupant), _UNCOUNTED)
         if not booked.ok:
             self.conflicts += 1
             return False
         self._live[request_id] = booking
         self._note_count(request_id, where, booked.counted)
-        if route.session_id is not None and not route.decision.side:
-            # Where its KV will be, written before it is forwarded: its next turn may reach another proxy the
-            # moment its answer ends, before the placement learned from the answer is written.
-            old = router.placements.get(route.session_id)
-            bound = Placement(profile, route.slot, old.cached_tokens if old is not None else 0, 1, 0.0, replica=replica)
-            self._write(
-                route.session_id,
-                router,
-                bound
-                if old is None
-                else replace(old, profile=profile, slot=route.slot, replica=replica, in_slot=True, overwritten=False),
-                (),
-            )
+        if placed is not None:
+            self._stamps.put(session, placed.placement.stamp_ns)
         return True
+
+    def _placed(self, router: Router, route: Route) -> Placed:
+        """Where the session's KV will be, written with its booking, before the turn is forwarded: a proxy that reads
+        after the booking sees its slot taken (even once the turn has ended, before the placement learned from the
+        answer is written), and its next turn may reach another proxy the moment its answer ends."""
+        assert route.session_id is not None
+        profile, replica = route.decision.profile, route.decision.replica
+        old = router.placements.get(route.session_id)
+        placement = (
+            Placement(profile, route.slot, old.cached_tokens if old is not None else 0, 1, 0.0, replica=replica)
+            if old is None
+            else replace(old, profile=profile, slot=route.slot, replica=replica, in_slot=True, overwritten=False)
+        )
+        shared = SharedPlacement(router.server_url(profile, replica), placement, time.time_ns())
+        return Placed(shared, placement.slot if placement.slot is not None else 0, self.ttl_s)
 
     # --- the forward counts (the head store's guards: kv/heads/activity.Counted) ----------------------------------
 
@@ -365,3 +380,10 @@ def _servers(router: Router) -> list[str]:
     return sorted(
         {router.server_url(n, i) for n in router.health.names() for i in range(len(router.health.replica_health(n)))}
     )
+
+
+def must_book(router: Router, route: Route, attempt: int) -> bool:
+    """Whether the try `attempt` (from 0) books its slot all the same: the last try, or a route that, read again
+    after a refusal, still waits for a slot known taken (every slot is: it queues there, as with one proxy). The
+    first try's reading may be stale (a booking since released): it is routed again rather than forced."""
+    return attempt == BOOKING_TRIES - 1 or (attempt > 0 and router.waits(route))

@@ -15,7 +15,15 @@ from typing import Protocol
 from adaptive_spec.errors import AdaptiveSpecError
 from adaptive_spec.kv.heads.activity import Counted
 from adaptive_spec.shared_state.news import HeadSaved, HeadsGone, News, SlotsErased, decode, encode
-from adaptive_spec.shared_state.values import UNNAMED_SLOT, Booked, Booking, Reading, SharedPlacement, counted
+from adaptive_spec.shared_state.values import (
+    UNNAMED_SLOT,
+    Booked,
+    Booking,
+    Placed,
+    Reading,
+    SharedPlacement,
+    counted,
+)
 
 
 class StoreDown(AdaptiveSpecError):
@@ -35,9 +43,14 @@ class SharedStore(Protocol):
         """The session's placement, and the live bookings and slot occupants of these servers: one round trip."""
         ...
 
-    async def book(self, booking: Booking, lease_s: float, force: bool) -> Booked:
-        """Book the slot unless another proxy holds it (`force`: book it all the same). Atomic across proxies. In the
-        same round trip the request is counted on its server (`forwarded`), and the counts come back with it."""
+    async def book(
+        self, booking: Booking, lease_s: float, force: bool, placed: Placed | None = None, seen: str | None = None
+    ) -> Booked:
+        """Book the slot unless another proxy holds it (`force`: book it all the same). Atomic across proxies; booked,
+        `placed` is written in the same step (as `place` writes it, for the booking's session). `seen`: the slot's
+        occupant when the route was read ("" none; None: not read): another session placed there since refuses it
+        too (unless forced). In the same round trip the request is counted on its server (`forwarded`), and the
+        counts come back with it."""
         ...
 
     async def forwarded(self, server: str) -> None:
@@ -134,15 +147,23 @@ class MemoryStore:
         erased = {s: e for s in servers if isinstance(e := self._get("erased:" + s), int)}
         return Reading(SharedPlacement.decode(raw if isinstance(raw, bytes) else None), bookings, occupants, erased)
 
-    async def book(self, booking: Booking, lease_s: float, force: bool) -> Booked:
+    async def book(
+        self, booking: Booking, lease_s: float, force: bool, placed: Placed | None = None, seen: str | None = None
+    ) -> Booked:
         self._check()
         held = self._live(booking.server)
+        occupants = self._get("occupant:" + booking.server)
+        now = occupants.get(max(booking.slot, 0), "") if isinstance(occupants, dict) else ""
+        if not force and seen is not None and now not in (seen, booking.session):
+            return Booked(False, self._count(booking))
         if not force:
             for member in held:
                 other = Booking.parse(booking.server, member)
                 if other is not None and other.blocks(booking):
                     return Booked(False, self._count(booking))
         held[booking.member] = self._clock() + lease_s
+        if placed is not None:
+            self._place(booking.session, placed.placement, placed.slot, placed.ttl_s)
         return Booked(True, self._count(booking))
 
     def _count(self, booking: Booking) -> Counted | None:
@@ -183,6 +204,9 @@ class MemoryStore:
 
     async def place(self, session_id: str, placement: SharedPlacement, slot: int | None, ttl_s: float) -> None:
         self._check()
+        self._place(session_id, placement, slot, ttl_s)
+
+    def _place(self, session_id: str, placement: SharedPlacement, slot: int | None, ttl_s: float) -> None:
         end = self._clock() + ttl_s
         self._values["place:" + session_id] = (placement.encode(), end)
         if slot is not None:

@@ -125,6 +125,17 @@ class SharedPlacement:
 
 
 @dataclass(frozen=True, slots=True)
+class Placed:
+    """A session's placement written by its booking, in the same atomic step (`SharedStore.book`): a proxy that reads
+    after the booking finds the slot's occupant (`slot`; None: the request named none) and the session's placement
+    there, even once the booking itself has ended. The session is the booking's."""
+
+    placement: SharedPlacement
+    slot: int | None
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class Reading:
     """What one read before routing found: the session's placement, the live bookings of each server, and which
     session each slot served last (`occupants`: a placement whose slot has served another session since is no longer

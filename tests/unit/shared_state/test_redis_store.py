@@ -12,7 +12,7 @@ from adaptive_spec.routing.placements import Placement
 from adaptive_spec.shared_state.news import HeadSaved, HeadsGone, SlotsErased
 from adaptive_spec.shared_state.redis_store import RedisStore, redacted
 from adaptive_spec.shared_state.store import StoreDown
-from adaptive_spec.shared_state.values import Booking, SharedPlacement
+from adaptive_spec.shared_state.values import Booking, Placed, SharedPlacement
 from tests.support.processes.redis import RedisServer
 
 SERVER = "http://10.0.0.1:8080"
@@ -61,6 +61,33 @@ async def test_a_slot_another_proxy_holds_is_refused_until_its_lease_lapses(redi
     assert "r6" not in [x.request for x in (await b.read(None, [SERVER])).bookings[SERVER]]
     for s in [a, b, *stores]:
         await s.close()
+
+
+@pytest.mark.asyncio
+async def test_a_booking_places_its_session_in_the_same_step(redis_server: RedisServer) -> None:
+    a, b = RedisStore(redis_server.url), RedisStore(redis_server.url)
+    placed = SharedPlacement(SERVER, Placement("plain", 1, 0, 1, 0.0, replica=0), time.time_ns())
+    assert (await a.book(Booking(SERVER, 1, "a", "r1", "s1"), 30, False, Placed(placed, 1, ttl_s=60))).ok
+    # Refused: it writes nothing (s2 is not placed, slot 1 still holds s1).
+    assert not (await b.book(Booking(SERVER, 1, "b", "r2", "s2"), 30, False, Placed(placed, 1, ttl_s=60))).ok
+    await a.release(Booking(SERVER, 1, "a", "r1", "s1"))  # the turn ended: the booking went, the placement stays
+    reading = await b.read("s1", [SERVER])
+    assert reading.bookings == {SERVER: []}
+    assert reading.placement == placed and reading.occupants == {SERVER: {1: "s1"}}
+    assert (await b.read("s2", [SERVER])).placement is None
+    assert 0 < redis_server.client().pttl("adaptive-spec:place:s1") <= 60_000
+    assert 0 < redis_server.client().pttl("adaptive-spec:occupant:" + SERVER) <= 60_000
+    assert (await b.book(Booking(SERVER, 0, "b", "r3"), 30, False)).ok  # nothing to place: a booking alone
+    assert (await b.read(None, [SERVER])).occupants == {SERVER: {1: "s1"}}
+    # A route read with slot 1 empty: s1 placed there since refuses it, unless forced or read with s1 there.
+    assert not (await b.book(Booking(SERVER, 1, "b", "r4", "s2"), 30, False, seen="")).ok
+    assert (await b.book(Booking(SERVER, 1, "b", "r5", "s2"), 30, False, seen="s1")).ok
+    assert (await b.book(Booking(SERVER, 1, "b", "r6", "s3"), 30, True, seen="")).ok
+    await b.release(Booking(SERVER, 1, "b", "r5", "s2"))
+    await b.release(Booking(SERVER, 1, "b", "r6", "s3"))
+    assert (await a.book(Booking(SERVER, 1, "a", "r7", "s1"), 30, False, seen="")).ok  # its own slot: never refused
+    await a.close()
+    await b.close()
 
 
 @pytest.mark.asyncio

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 import pytest
 
@@ -14,8 +15,9 @@ from adaptive_spec.routing.contract import Completion, FixedPolicy, Route
 from adaptive_spec.routing.router import Router
 from adaptive_spec.sessions.grouping import SessionRegistry
 from adaptive_spec.shared_state.news import HeadSaved, HeadsGone, News
-from adaptive_spec.shared_state.shell import SharedState
+from adaptive_spec.shared_state.shell import BOOKING_TRIES, SharedState, must_book
 from adaptive_spec.shared_state.store import MemoryStore
+from adaptive_spec.shared_state.values import Booked, Booking, Placed, Reading, SharedPlacement
 from adaptive_spec.telemetry.records import Timings
 from tests.support.routing import request
 
@@ -50,12 +52,12 @@ class Proxy:
     async def start(self, sid: str, turn: int, share: bool = True) -> tuple[str, Route]:
         self.count += 1
         request_id = f"{self.shared.proxy_id}-{self.count}"
-        for attempt in range(3):
-            if share:
-                await self.shared.before_route(self.router, sid)
+        for attempt in range(BOOKING_TRIES):
+            seen = await self.shared.before_route(self.router, sid) if share else None
             route = self.router.route(request(_body(sid, turn), sid))
             assert isinstance(route, Route)
-            if not share or await self.shared.book(self.router, route, request_id, force=attempt == 2):
+            force = must_book(self.router, route, attempt)
+            if not share or await self.shared.book(self.router, route, request_id, force, seen):
                 return request_id, route
             self.router.complete(route, Completion(ok=False))
         raise AssertionError("unreachable")
@@ -121,6 +123,65 @@ async def test_two_proxies_never_give_two_sessions_one_slot_at_once() -> None:
     assert len(set(held)) == 4, held
 
 
+class Interleaved(MemoryStore):
+    """A store whose every read and booking lets the other proxies' requests run first: proxies that read the slots
+    at the same moment, then book one after another."""
+
+    async def read(self, session_id: str | None, servers: Sequence[str]) -> Reading:
+        await asyncio.sleep(0)
+        return await super().read(session_id, servers)
+
+    async def book(
+        self, booking: Booking, lease_s: float, force: bool, placed: Placed | None = None, seen: str | None = None
+    ) -> Booked:
+        await asyncio.sleep(0)
+        return await super().book(booking, lease_s, force, placed, seen)
+
+
+@pytest.mark.asyncio
+async def test_new_sessions_arriving_at_once_at_four_proxies_each_get_a_slot_of_their_own() -> None:
+    store, clock = Interleaved(Clock()), Clock()
+    proxies = [Proxy(store, clock, name) for name in "abcd"]
+    # Each round of reads finds the slot all of them chose booked by one: routed again, never forced into it.
+    started = await asyncio.gather(*(p.start(f"s{n}", 0) for n, p in enumerate(proxies)))
+    held = [(route.decision.replica, route.slot) for _, route in started]
+    assert len(set(held)) == 4, [(h, route.decision.reason) for h, (_, route) in zip(held, started, strict=True)]
+
+
+@pytest.mark.asyncio
+async def test_a_route_that_still_waits_for_a_busy_slot_once_read_again_is_booked() -> None:
+    store, clock = MemoryStore(Clock()), Clock()
+    a, b = Proxy(store, clock, "a"), Proxy(store, clock, "b")
+    started = [await a.start(f"s{n}", 0) for n in range(4)]  # every slot busy
+    await b.shared.before_route(b.router, "s4")
+    route = b.router.route(request(_body("s4", 0), "s4"))
+    assert isinstance(route, Route) and b.router.waits(route)
+    assert not must_book(b.router, route, 0)  # the first reading may be stale: routed again
+    assert must_book(b.router, route, 1)  # read again and still waiting: it queues there, as one proxy's would
+    b.router.complete(route, Completion(ok=False))
+    await a.end(*started[0])  # a slot is free again: a route there is never forced
+    await b.shared.before_route(b.router, "s4")
+    again = b.router.route(request(_body("s4", 0), "s4"))
+    assert isinstance(again, Route) and not b.router.waits(again) and not must_book(b.router, again, 1)
+
+
+@pytest.mark.asyncio
+async def test_a_slot_another_session_took_and_left_since_the_read_is_refused() -> None:
+    store, clock = MemoryStore(Clock()), Clock()
+    a, b = Proxy(store, clock, "a"), Proxy(store, clock, "b")
+    seen = await b.shared.before_route(b.router, "s2")  # b reads the servers idle, and is slow to book
+    stale = b.router.route(request(_body("s2", 0), "s2"))
+    assert isinstance(stale, Route)
+    rid, first = await a.start("s1", 0)  # meanwhile s1 is booked into that very slot, served, and released
+    assert _where(first) == _where(stale)
+    await a.end(rid, first)
+    assert (await store.read(None, URLS)).bookings == {url: [] for url in URLS}
+    assert not await b.shared.book(b.router, stale, "b-1", force=False, seen=seen)  # s1 holds it now
+    b.router.complete(stale, Completion(ok=False))
+    _, again = await b.start("s2", 0)
+    assert _where(again) != _where(first), again.decision.reason
+
+
 @pytest.mark.asyncio
 async def test_a_slot_booked_between_the_read_and_the_booking_is_refused() -> None:
     store, clock = MemoryStore(Clock()), Clock()
@@ -137,6 +198,38 @@ async def test_a_slot_booked_between_the_read_and_the_booking_is_refused() -> No
     b.router.complete(second, Completion(ok=False))
     _, again = await b.start("s2", 0)
     assert _where(again) != _where(first)
+
+
+class LatePlacements(MemoryStore):
+    """A store whose separate placement writes (`place`) wait until let through: what a loaded proxy's writes off the
+    request path do, while its bookings and their releases land at once."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock)
+        self.let_through = asyncio.Event()
+
+    async def place(self, session_id: str, placement: SharedPlacement, slot: int | None, ttl_s: float) -> None:
+        await self.let_through.wait()
+        await super().place(session_id, placement, slot, ttl_s)
+
+
+@pytest.mark.asyncio
+async def test_a_booked_slot_stays_its_sessions_once_the_turn_ends_before_any_later_write() -> None:
+    store, clock = LatePlacements(Clock()), Clock()
+    a, b = Proxy(store, clock, "a"), Proxy(store, clock, "b")
+    rid, first = await a.start("s1", 0)
+    timings = Timings(prompt_n=40, predicted_n=8, prompt_ms=1.0, predicted_ms=1.0)
+    a.router.complete(first, Completion(True, timings, "a reply"))
+    a.shared.ended(a.router, rid, first, ("a reply", ()))
+    for _ in range(3):  # the booking's release lands; the placement written after the answer does not yet
+        await asyncio.sleep(0)
+    assert (await store.read(None, URLS)).bookings == {url: [] for url in URLS}
+    _, second = await b.start("s2", 0)  # a new session, routed by the other proxy
+    assert _where(second) != _where(first), second.decision.reason  # s1's KV stays where s1's next turn goes
+    _, again = await b.start("s1", 1)
+    assert _where(again) == _where(first), again.decision.reason
+    store.let_through.set()
+    await a.shared.settled()
 
 
 @pytest.mark.asyncio
