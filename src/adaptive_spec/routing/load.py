@@ -193,6 +193,8 @@ class ServerBooks:
                         if count_sessions
                         else 0
                     ),
+                    # Never used: neither by this proxy nor, as the shared state said, by a session of another.
+                    unused_slots=sum(1 for s in range(book.slots) if not book.taken(s) and s not in book.last_used),
                 )
             )
         return states

@@ -9,7 +9,8 @@ profile-level decision stays `decide()`'s; `choose_replica()` is pure and picks 
   move costs less than the wait: with its KV (slot save + transfer + restore) when the two can hand over, else by
   re-prefilling;
 - a new session (or one arriving from another profile) goes to the least loaded replica: most free slots, then
-  fewest requests in flight, then fewest sessions placed there.
+  fewest requests in flight, then fewest sessions placed there, then most free slots never used (where its KV
+  evicts no session's).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class ReplicaState:
     busy_slots: int = 0  # slots with a request running (the router's own count)
     in_flight: int = 0  # requests being served, running or queued
     sessions: int = 0  # sessions whose KV cache lives here
+    unused_slots: int = 0  # free slots no session has used, as far as this proxy knows (with several proxies, any)
 
     @property
     def free_slots(self) -> int:
@@ -66,9 +68,10 @@ class ReplicaChoice:
     handoff: bool = False  # save its slot there and restore it here (else it re-prefills, or had nothing)
 
 
-def load_key(r: ReplicaState) -> tuple[int, int, int, int]:
-    """Least loaded first: most free slots, fewest in flight, fewest sessions placed, then the lower index."""
-    return (-r.free_slots, r.in_flight, r.sessions, r.index)
+def load_key(r: ReplicaState) -> tuple[int, int, int, int, int]:
+    """Least loaded first: most free slots, fewest in flight, fewest sessions placed, most free slots never used,
+    then the lower index."""
+    return (-r.free_slots, r.in_flight, r.sessions, -r.unused_slots, r.index)
 
 
 def least_loaded(replicas: Sequence[ReplicaState]) -> ReplicaState | None:
@@ -121,4 +124,6 @@ def choose_replica(
 
 
 def _load(r: ReplicaState) -> str:
-    return f"{r.free_slots}/{r.slots} slots free, {r.in_flight} in flight, {r.sessions} sessions"
+    return (
+        f"{r.free_slots}/{r.slots} slots free, {r.in_flight} in flight, {r.sessions} sessions, {r.unused_slots} unused"
+    )

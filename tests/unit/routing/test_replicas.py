@@ -35,6 +35,19 @@ def r(index: int, **kw: Any) -> ReplicaState:
         # New sessions: most free slots, then fewest in flight, then fewest sessions placed.
         ([r(0, busy_slots=1, in_flight=1), r(1)], None, None, (1, "least-loaded", None, False)),
         ([r(0, sessions=3), r(1, sessions=2)], None, None, (1, "least-loaded", None, False)),
+        # Then the free slot no session used: the other's would evict a session's KV.
+        (
+            [r(0, sessions=1, unused_slots=0), r(1, sessions=1, unused_slots=1)],
+            None,
+            None,
+            (1, "least-loaded", None, False),
+        ),
+        (
+            [r(0, sessions=1, unused_slots=0), r(1, sessions=2, unused_slots=1)],
+            None,
+            None,
+            (0, "least-loaded", None, False),
+        ),
         ([r(0), r(1)], None, None, (0, "least-loaded", None, False)),
         ([r(0, down_reason="refused"), r(1, sessions=9)], None, None, (1, "least-loaded", None, False)),
         # A placed session stays on its KV cache, however loaded the others are not.

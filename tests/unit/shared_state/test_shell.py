@@ -183,6 +183,20 @@ async def test_a_slot_another_session_took_and_left_since_the_read_is_refused() 
 
 
 @pytest.mark.asyncio
+async def test_a_new_session_takes_a_slot_no_session_used_before_one_that_holds_an_idle_sessions_kv() -> None:
+    store, clock = MemoryStore(Clock()), Clock()
+    a, b, c = (Proxy(store, clock, name) for name in "abc")
+    rid, idle = await a.start("s0", 0)
+    await a.end(rid, idle)  # s0's KV stays in its slot, between turns
+    await b.start("s2", 0)  # in flight on the other server
+    await c.shared.before_route(c.router, None)  # c routes two new sessions from one reading
+    third = c.router.route(request(_body("s3", 0), "s3"))
+    first = c.router.route(request(_body("s1", 0), "s1"))
+    assert isinstance(third, Route) and isinstance(first, Route)
+    assert _where(first) != _where(idle), first.decision.reason  # a free slot no session used is on the other
+
+
+@pytest.mark.asyncio
 async def test_a_slot_booked_between_the_read_and_the_booking_is_refused() -> None:
     store, clock = MemoryStore(Clock()), Clock()
     a, b = Proxy(store, clock, "a"), Proxy(store, clock, "b")
