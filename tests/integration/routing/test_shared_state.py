@@ -119,6 +119,8 @@ class SlotWatch:
     def __init__(self, redis_server: RedisServer) -> None:
         self.client = redis.Redis.from_url(redis_server.url, decode_responses=True)
         self.reads, self.shared_slots = 0, list[str]()
+        # Each booking as first read: when (Redis's clock, s), the server's port and slot, the session.
+        self.seen: dict[str, str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -131,6 +133,9 @@ class SlotWatch:
                 held: dict[str, set[str]] = {}
                 for member in list(self.client.zrangebyscore(key, now_ms, "+inf")):
                     slot, _proxy, _request, session = str(member).split("|", 3)
+                    self.seen.setdefault(
+                        key + str(member), f"{now_ms % 100_000 / 1000:.3f} {key[-5:]}/{slot} {session}"
+                    )
                     if int(slot) >= 0:
                         held.setdefault(slot, set()).add(session)
                 self.shared_slots += [f"{key} slot {s}: {sorted(v)}" for s, v in held.items() if len(v) > 1]
@@ -162,9 +167,9 @@ def test_turns_sent_to_any_proxy_land_where_their_kv_is(
         for proxy in proxies:
             proxy.stop()
     assert all(h["reachable"] for h in health), health
+    booked = sorted(watch.seen.values()) + [line for p in proxies for line in p.stderr_lines if "shared state" in line]
     assert watch.reads > 10 and watch.shared_slots == [], (  # never two sessions in one slot
-        sorted(set(watch.shared_slots)),
-        [[(r["session_id"], r["via"][-5:], r["replica"], r.get("slot"), r["reason"][-90:]) for r in t] for t in shared],
+        str(sorted(set(watch.shared_slots))) + _where(shared, booked)
     )
     assert {r["replica"] for turns in shared for r in turns} == {0, 1}  # both servers served
     crossed = sum(a["via"] != b["via"] for turns in shared for a, b in itertools.pairwise(turns))
@@ -172,10 +177,20 @@ def test_turns_sent_to_any_proxy_land_where_their_kv_is(
     for turns in shared:
         assert len({r["session_id"] for r in turns}) == 1, [(r["session_id"], r["session_source"]) for r in turns]
         assert len({r["replica"] for r in turns}) == 1, [(r["replica"], r["reason"]) for r in turns]
-        assert all(r["timings"]["cache_n"] > 0 for r in turns[1:]), [
-            (r["via"], r["replica"], r["session_source"], r["timings"]["cache_n"], r["reason"]) for r in turns
-        ]
-    assert _prompt_n(shared) == _prompt_n(alone), [[(r["replica"], r["reason"]) for r in turns] for turns in shared]
+        assert all(r["timings"]["cache_n"] > 0 for r in turns[1:]), _where(shared, booked)
+    assert _prompt_n(shared) == _prompt_n(alone), _where(shared, booked)
+
+
+def _where(replayed: list[list[dict[str, Any]]], booked: list[str]) -> str:
+    """Each turn's session, proxy (its port), server, cached and new tokens, when it started (s), how long it took
+    (ms) and why it went there, then each booking as the watch first read it: what a failed check shows, whole."""
+    turns = [
+        f"{r['session_id']} via {r['via'][-5:]} on {r['replica']}: cache_n {r['timings']['cache_n']} prompt_n "
+        f"{r['timings']['prompt_n']} at {r['started_at_unix'] % 100:.3f} for {r['total_ms']:.0f} ms: {r['reason']}"
+        for t in replayed
+        for r in t
+    ]
+    return "\n".join(["", *turns, "bookings:", *booked])
 
 
 def test_without_the_shared_state_turns_lose_their_kv(servers: list[LlamaServer], tmp_path: Path) -> None:
