@@ -278,7 +278,7 @@ async def _route_shared(app: web.Application, asked: RouteRequest, request_id: s
             raise
         if booked:
             return routed
-        router.complete(routed, Completion(ok=False))
+        router.withdraw(routed)
     raise AssertionError("the last try books the slot")
 
 

@@ -210,7 +210,8 @@ class ServerBooks:
             book = self._books[(profile, replica)]
             book.busy[slot] = book.busy.get(slot, 0) + 1
 
-    def ended(self, profile: str, slot: int | None, session_id: str | None, replica: int) -> None:
+    def ended(self, profile: str, slot: int | None, session_id: str | None, replica: int, used: bool = True) -> None:
+        """`used`: False for a request never forwarded (its slot neither used nor its session's)."""
         self.in_flight[profile] = max(0, self.in_flight.get(profile, 0) - 1)
         home = self.home(profile, replica)
         self.replica_in_flight[home] = max(0, self.replica_in_flight.get(home, 0) - 1)
@@ -221,7 +222,10 @@ class ServerBooks:
         book = self._books[(profile, replica)]
         if slot is not None:
             book.busy[slot] = max(0, book.busy.get(slot, 0) - 1)
-            book.last_used[slot] = time.monotonic()
+            if used:
+                book.last_used[slot] = time.monotonic()
+            elif session_id is not None and book.by_session.get(session_id) == slot:
+                book.by_session.pop(session_id)
 
     def count(self, profile: str, replica: int, timings: Timings) -> None:
         counts = self.replica_counts.setdefault((profile, replica), {})

@@ -358,6 +358,12 @@ class Router:
 
     # --- what other proxies share (read by the shell before `route()`, written after `complete()`) -------------
 
+    def withdraw(self, route: Route) -> None:
+        """A route never forwarded (another proxy booked its slot first): its load comes down, and the slot it gave
+        its session is neither counted as used nor the session's: routed again, it chooses afresh."""
+        decision = route.decision
+        self.load.ended(decision.profile, route.slot, route.session_id, decision.replica, used=False)
+
     def waits(self, route: Route) -> bool:
         """Whether the route's slot was taken when it was routed (every slot was: it waits its turn there), by this
         proxy's other requests or by those other proxies booked, as last read."""

@@ -59,7 +59,7 @@ class Proxy:
             force = must_book(self.router, route, attempt)
             if not share or await self.shared.book(self.router, route, request_id, force, seen):
                 return request_id, route
-            self.router.complete(route, Completion(ok=False))
+            self.router.withdraw(route)
         raise AssertionError("unreachable")
 
     async def end(self, request_id: str, route: Route, prompt_n: int = 40) -> None:
@@ -175,9 +175,10 @@ async def test_a_slot_another_session_took_and_left_since_the_read_is_refused() 
     rid, first = await a.start("s1", 0)  # meanwhile s1 is booked into that very slot, served, and released
     assert _where(first) == _where(stale)
     await a.end(rid, first)
-    assert (await store.read(None, URLS)).bookings == {url: [] for url in URLS}
+    _, busy = await a.start("s3", 0)  # and s3 is served on the other server
+    assert busy.decision.replica != first.decision.replica
     assert not await b.shared.book(b.router, stale, "b-1", force=False, seen=seen)  # s1 holds it now
-    b.router.complete(stale, Completion(ok=False))
+    b.router.withdraw(stale)  # the slot it gave s2 is not s2's: routed again, s2 takes the one no session used
     _, again = await b.start("s2", 0)
     assert _where(again) != _where(first), again.decision.reason
 
