@@ -178,13 +178,14 @@ async def _serve(
     c = clock or _Clock()
     headers = {k: v for k, v in agent.headers.items() if not (ids_off and _is_session_header(k.lower()))}
     request = make_mocked_request("POST", agent.path, headers=headers, app=app)
-    req = ProxyRequest("r" * 16, split_path(agent.path), "plain", body=raw, client=agent.agent)
-    parsed = c.time("read", lambda: handler.read(request, req))
+    routed = split_path(agent.path)
+    received, parsed = c.time("read", lambda: handler.read(request, routed, raw))
     assert isinstance(parsed, ParsedRequest)
+    req = ProxyRequest("r" * 16, routed, "plain", client=agent.agent, received=received)
     lower = {k.lower(): v for k, v in headers.items()}
     c.time("workspace", lambda: workspace_path_from_request(lower, parsed.body))
-    req.prepared = prepared = await c.wait("group", handler.group(request, req, parsed))
-    req.rewrite = c.time("rewrite", lambda: handler.rewrite(request, req, prepared))
+    prepared = await c.wait("group", handler.group(request, req, parsed))
+    rewrite = c.time("rewrite", lambda: handler.rewrite(request, req, prepared))
     sid = prepared.assignment.session_id if prepared.assignment is not None else None
     state = router.prefixes.get(sid)
     cache = copy.deepcopy(getattr(router.prefixes, "cache", None))  # the route below finds the cache as it was
@@ -194,12 +195,15 @@ async def _serve(
     # The router computes the pieces again: on a body of its own, or Python's cached string hashes would flatter it.
     fresh = parse_body(req.routed.api, raw)
     assert isinstance(fresh, ParsedRequest)
-    req.prepared = replace(prepared, parsed=fresh)
+    # A request's values are made once: the one routed is made again with them, as the handler makes it.
+    req = ProxyRequest(req.request_id, routed, "plain", client=agent.agent, received=received)
+    req.prepared, req.rewrite = replace(prepared, parsed=fresh), rewrite
     req.to = to = await c.wait("route", handler.route(request, req))
     assert isinstance(to, Routed)
-    c.time("upstream body", lambda: outgoing.upstream_body(req, to.upstream, False))
-    req.meter.output.add([served[0]], served[1])
-    req.meter._take({"timings": {"prompt_n": max(1, prompt_tokens - cached), "cache_n": cached, "predicted_n": 40}})
+    sent = c.time("upstream body", lambda: outgoing.upstream_body(req, to.upstream, False))
+    meter = req.forwards.begin(sent)
+    meter.output.add([served[0]], served[1])
+    meter._take({"timings": {"prompt_n": max(1, prompt_tokens - cached), "cache_n": cached, "predicted_n": 40}})
     c.time("finish", lambda: app[LIFECYCLE].finish("POST", agent.path, req, SERVED))
     await _worker(c, service)
 

@@ -29,13 +29,14 @@ from adaptive_spec.requests.app_keys import (
     UPSTREAMS,
 )
 from adaptive_spec.requests.body.compat import repaired
-from adaptive_spec.requests.body.parse import ParsedRequest, parse_body
+from adaptive_spec.requests.body.parse import ParsedRequest, RoutedPath, parse_body
 from adaptive_spec.requests.body.repeats import guard, trailing_repeat
 from adaptive_spec.requests.body.shapes import RequestProblem
 from adaptive_spec.requests.body.token_rate import first_turn_rate
+from adaptive_spec.requests.body.values import Prepared, Received, Rewrite
 from adaptive_spec.requests.carry_out import carry_out
 from adaptive_spec.requests.error_responses import answer
-from adaptive_spec.requests.forwarding.forward import Forwarding, Hooks, forward
+from adaptive_spec.requests.forwarding.forward import Forwarding, Via, forward
 from adaptive_spec.requests.forwarding.keepalive import PrefillKeepAlive
 from adaptive_spec.requests.forwarding.outcome import CLIENT_GONE, NOT_ANSWERED, SERVED, SHUTDOWN, Outcome
 from adaptive_spec.requests.forwarding.stranded import STRANDED
@@ -51,7 +52,7 @@ from adaptive_spec.requests.heads import (
     served,
     views,
 )
-from adaptive_spec.requests.lifecycle import Prepared, ProxyRequest, Rewrite, Routed
+from adaptive_spec.requests.lifecycle import ProxyRequest, Routed
 from adaptive_spec.requests.measured_speeds import measured
 from adaptive_spec.requests.outgoing import (
     BodyTooLarge,
@@ -68,7 +69,6 @@ from adaptive_spec.sessions.grouping import explicit_session
 from adaptive_spec.sessions.project import workspace_path_from_request
 from adaptive_spec.sessions.tokenizers import CachingTokenizer
 from adaptive_spec.shared_state.shell import BOOKING_TRIES, must_book
-from adaptive_spec.streams.meter import ResponseMeter
 from adaptive_spec.streams.output import LiveText
 
 log = logging.getLogger(__name__)
@@ -81,48 +81,49 @@ async def _prepare(request: web.Request, req: ProxyRequest) -> Routed | Outcome:
     """Read and check the body, find the session, choose the profile: where it goes, or the refusal to answer."""
     settings = request.app[SETTINGS]
     try:
-        req.body = await read_body(request, settings.max_body_bytes)
+        raw = await read_body(request, settings.max_body_bytes)
     except BodyTooLarge:
         message = f"request body is larger than the limit of {settings.max_body_bytes} bytes"
         return Outcome(413, message, "request_too_large")
+    generating = request.method == "POST" and traits(req.routed.api).generates
+    req.received, result = read(request, req.routed, raw) if generating else (Received(raw), None)
     if request.method != "POST" and traits(req.routed.api).translated_to:  # nothing llama-server could answer
         return Outcome(405, f"{request.method} is not allowed here: send the request as a POST", "method_not_allowed")
-    if request.method == "POST" and traits(req.routed.api).generates:
-        result = read(request, req)
-        if isinstance(result, RequestProblem):
-            return Outcome(400, result.message, result.code, result.param)
-        large = len(req.body) >= _LARGE_BODY
-        if large:  # a long history's parse took a millisecond: other streams' chunks go out before it is grouped
-            await asyncio.sleep(0)
-        await _recall(request, result)
-        req.prepared = prepared = await group(request, req, result)
-        if large:  # ... and before it is routed
-            await asyncio.sleep(0)
-        pinned = choose_upstream(request, request.app[UPSTREAMS]) if request.headers.get(PROFILE_HEADER) else None
-        if isinstance(pinned, Outcome):
-            return pinned
-        req.rewrite = rewrite(request, req, prepared)  # before routing: the server sees what is estimated
-        return await route(request, req)
-    chosen = choose_upstream(request, request.app[UPSTREAMS])
-    return _routed(request.app, chosen) if isinstance(chosen, Upstream) else chosen
+    if result is None:
+        chosen = choose_upstream(request, request.app[UPSTREAMS])
+        return _routed(request.app, chosen) if isinstance(chosen, Upstream) else chosen
+    if isinstance(result, RequestProblem):
+        return Outcome(400, result.message, result.code, result.param)
+    large = len(req.body) >= _LARGE_BODY
+    if large:  # a long history's parse took a millisecond: other streams' chunks go out before it is grouped
+        await asyncio.sleep(0)
+    await _recall(request, result)
+    req.prepared = prepared = await group(request, req, result)
+    if large:  # ... and before it is routed
+        await asyncio.sleep(0)
+    pinned = choose_upstream(request, request.app[UPSTREAMS]) if request.headers.get(PROFILE_HEADER) else None
+    if isinstance(pinned, Outcome):
+        return pinned
+    req.rewrite = rewrite(request, req, prepared)  # before routing: the server sees what is estimated
+    return await route(request, req)
 
 
 def _routed(app: web.Application, chosen: Upstream, made: Route | None = None) -> Routed:
     return Routed(chosen, len(app[UPSTREAMS].replicas(chosen.name)), made)
 
 
-def read(request: web.Request, req: ProxyRequest) -> ParsedRequest | RequestProblem:
-    """The body parsed and checked; a Gemini body translated into the chat completion llama-server is sent, whose
-    bytes then stand for the request's (routing, sessions and the trace read what llama-server reads)."""
-    api = req.routed.api
-    target = gemini_target(unquote(req.routed.upstream_path)) if traits(api).translated_to else None
+def read(request: web.Request, routed: RoutedPath, raw: bytes) -> tuple[Received, ParsedRequest | RequestProblem]:
+    """The reading stage: the body as it stands for the request and its parse (or the problem with it). A Gemini body
+    is translated into the chat completion llama-server is sent, whose bytes then stand for the request's (routing,
+    sessions and the trace read what llama-server reads); one that cannot be is received as the client sent it."""
+    target = gemini_target(unquote(routed.upstream_path)) if traits(routed.api).translated_to else None
     if target is None:
-        return parse_body(api, req.body)
-    translated = to_chat(req.body, target, sse=request.query.get("alt") == "sse")
+        return Received(raw), parse_body(routed.api, raw)
+    translated = to_chat(raw, target, sse=request.query.get("alt") == "sse")
     if isinstance(translated, RequestProblem):
-        return translated
-    req.gemini, req.body = translated.call, orjson.dumps(translated.chat)
-    return ParsedRequest(translated.chat, translated.call.stream, translated.call.model)
+        return Received(raw), translated
+    chat, call = translated.chat, translated.call
+    return Received(orjson.dumps(chat), call), ParsedRequest(chat, call.stream, call.model)
 
 
 async def _recall(request: web.Request, parsed: ParsedRequest) -> None:
@@ -190,7 +191,6 @@ async def _failover(request: web.Request, req: ProxyRequest, failed: Routed, out
     if not any(table.replica_down_reason(up.name, u.replica) is None for u in table.replicas(up.name)):
         return None
     log.warning("request %s: nothing came back from %s; trying another replica", req.request_id, up.label)
-    req.meter = ResponseMeter()
     if failed.route is None:
         chosen = choose_upstream(request, table, up.name)
         return _routed(request.app, chosen) if isinstance(chosen, Upstream) else None
@@ -377,13 +377,14 @@ def _keepalive(request: web.Request, req: ProxyRequest) -> PrefillKeepAlive | No
 async def _forward_once(
     request: web.Request, req: ProxyRequest, chosen: Upstream, keepalive: PrefillKeepAlive | None = None
 ) -> tuple[web.StreamResponse, Outcome]:
-    """The sending stage: the body sent (a `Sent`, given to the request for its record) and the one `Forwarding`
-    made of it, forwarded; what llama-server counted for it booked whatever happened (`requests/accounting.py`)."""
+    """The sending stage: the body sent (a `Sent`, from `upstream_body`) and the one `Forwarding` made of it,
+    forwarded, its answer filling the meter this stage begins in the request's tally (`req.forwards`); what
+    llama-server counted for it booked whatever happened (`requests/accounting.py`)."""
     app, routed, lifecycle, settings = request.app, req.routed, request.app[LIFECYCLE], request.app[SETTINGS]
     watched = lifecycle.watched or settings.feed_content
-    req.sent = sent = upstream_body(req, chosen, watched)
-    if settings.feed_content and req.parsed is not None and req.parsed.stream and traits(routed.api).progress:
-        req.meter.live = LiveText()
+    sent = upstream_body(req, chosen, watched)
+    live = settings.feed_content and req.parsed is not None and req.parsed.stream and traits(routed.api).progress
+    meter = req.forwards.begin(sent, LiveText() if live else None)
     shared = app[SHARED]
     if shared is not None and req.route is None and request.method not in _READS:
         # Booked no slot (not routed), yet it may use one: counted for the head stores' guards of every proxy.
@@ -393,13 +394,12 @@ async def _forward_once(
     outcome: Outcome | None = None
     try:
         reading = settings.read_timeout_s
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s, sock_read=reading)
         out = Forwarding(
             upstream=chosen,
             path_qs=upstream_target(request, chosen, routed),
             body=sent.body,
             api=routed.api,
-            timeout=timeout,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s, sock_read=reading),
             started=req.started,
             extra_headers=extra_headers(req, chosen),
             strip=sent.strip,
@@ -407,12 +407,9 @@ async def _forward_once(
         )
         # Nothing to publish per chunk when nobody watched at the start (no per-token timings were asked for).
         progress = (lambda: lifecycle.progress(req)) if watched else None
-        hooks = Hooks(progress, lambda: lifecycle.stopping, app[STRANDED])
-        resp, outcome = await forward(request, (app[CLIENT], app[FRESH_CLIENT]), out, req.meter, keepalive, hooks)
+        via = Via((app[CLIENT], app[FRESH_CLIENT]), keepalive, progress, lambda: lifecycle.stopping, app[STRANDED])
+        resp, outcome = await forward(request, out, meter, via)
         return resp, outcome
     finally:
-        generates = traits(routed.api).generates
-        counted, known = forward_counts(generates, req.meter, outcome), usage_of(req.meter.timings)
-        unseen = lifecycle.accounting.ended(app[CLIENT], chosen.base_url, req.request_id, counted, known)
-        if unseen is not None:
-            req.unseen.append(unseen)
+        counted, known = forward_counts(traits(routed.api).generates, meter, outcome), usage_of(meter.timings)
+        req.forwards.ended(lifecycle.accounting.ended(app[CLIENT], chosen.base_url, req.request_id, counted, known))

@@ -2,7 +2,12 @@
 and its end.
 
 The one owner of "every request ends with exactly one record and one finished-or-failed event" (and the router's load
-coming down, the session learning from it, the trace line)."""
+coming down, the session learning from it, the trace line).
+
+A request's state is values, each made once by the stage that decides it (`ProxyRequest` refuses a second write),
+and two running tallies, each written by one owner because it changes as the answer comes: the sending stage's
+`Forwards` (the meter an answer fills chunk by chunk, the counts of answers not seen to their end) and, here, the time
+each request's draft progress was last published (throttling the live view's events)."""
 
 from __future__ import annotations
 
@@ -13,12 +18,12 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from adaptive_spec.llama.upstreams import Upstream
-from adaptive_spec.policy.model import Policy
 from adaptive_spec.requests.accounting import HOLD_S, Accounting, with_counts
 from adaptive_spec.requests.apis import traits
 from adaptive_spec.requests.body.parse import ParsedRequest, RoutedPath
-from adaptive_spec.requests.body.repeats import Guarded
+from adaptive_spec.requests.body.values import Prepared, Received, Rewrite
 from adaptive_spec.requests.forwarding.outcome import Outcome
+from adaptive_spec.requests.forwarding.sent import Forwards, Sent
 from adaptive_spec.requests.gemini.request import GeminiCall
 from adaptive_spec.routing.contract import Completion, Refusal, Route
 from adaptive_spec.routing.decision import Decision
@@ -46,41 +51,6 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class Prepared:
-    """A generating request as the proxy read it, once: its parsed body, the workspace its agent revealed, its session,
-    its project, and the policy of that project and workspace, resolved before routing (its files read in a thread
-    the first time: nothing after it reads a policy file)."""
-
-    parsed: ParsedRequest
-    workspace: str | None = None
-    assignment: SessionAssignment | None = None
-    project: str = DEFAULT_PROJECT
-    policy: Policy = field(default_factory=Policy)
-
-
-@dataclass(frozen=True, slots=True)
-class Rewrite:
-    """The body sent upstream instead of the client's, and why: a shape llama-server refuses repaired
-    (requests/body/compat.py), an agent's loop on one tool call broken (requests/body/repeats.py)."""
-
-    body: dict[str, Any]
-    raw: bytes
-    repaired: str | None = None
-    guard: Guarded | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Sent:
-    """The body one forward sends upstream, as `upstream_body` (requests/outgoing.py) decides it: its bytes, whether
-    the per-token timings it asks for are taken out of the answer again (`strip`: the client did not ask for them),
-    and the per-request speculation fields it carries, for the record (None: none named)."""
-
-    body: bytes
-    strip: bool = False
-    speculation: dict[str, Any] | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class Routed:
     """Where a request goes, made once by the stage that chooses it: the upstream (one server of its profile's pool),
     how many servers that pool has, and the router's route (None: a request that does not generate, sent to the
@@ -91,31 +61,59 @@ class Routed:
     route: Route | None = None
 
 
-@dataclass
+# Values made once by their stage: written a second time, a stage would be patching another's value.
+_ONCE = frozenset({"received", "prepared", "rewrite", "refusal"})
+
+
+@dataclass(slots=True)
 class ProxyRequest:
     """One request's own state while it is handled (never shared between tasks): what it is (its id, path, the
-    profile it names, its client), what the proxy read of it (`prepared`, once) and sends instead (`rewrite`, once),
-    where it went (`to`, a `Routed`) or why not (`refusal`), what it was sent as (`sent`, by each forward), each a
-    value of its own made by one stage, and the meter of its answer. How it ended is the `Outcome` its lifecycle's
-    `finish` is given."""
+    profile it names, its client), then one value per stage, each made once by the stage that decides it: what the
+    proxy received (`received`: its body, a Gemini call's translation) and read of it (`prepared`), the body sent
+    instead (`rewrite`), where it went (`to`, a `Routed`: one per forward, a failover's new one) or why not
+    (`refusal`). How it ended is the `Outcome` its lifecycle's `finish` is given.
+
+    Two things are running tallies, not values, each written by one owner alone: `forwards`, the sending stage's
+    (requests/forwarding/sent.py: the last forward's `Sent` body, the meter its answer fills chunk by chunk, the
+    counts of answers not seen to their end), and the time of the last draft progress published, which the lifecycle
+    keeps in a table of its own (`RequestLifecycle.progress`), since only it publishes progress."""
 
     request_id: str
     routed: RoutedPath
     named: str  # the profile its header names, else the default: what it is sent to unless routed elsewhere
     started: float = field(default_factory=time.perf_counter)
     started_unix: float = field(default_factory=time.time)
-    body: bytes = b""
     client: str | None = None  # the agent, from its User-Agent
+    received: Received | None = None  # None: no body read (yet)
     prepared: Prepared | None = None  # a generating request, once parsed and grouped
     rewrite: Rewrite | None = None  # None: the client's body is what goes upstream
     to: Routed | None = None  # its route is counted in the router's load until it is completed
     refusal: Refusal | None = None  # the router could not route it
-    meter: ResponseMeter = field(default_factory=ResponseMeter)
-    last_progress: tuple[float, Timings | None] = (0.0, None)
-    sent: Sent | None = None  # the body its last forward sent, given by the forward that made it
-    gemini: GeminiCall | None = None  # a Gemini request, sent as a chat completion: what it asked for
-    # Each forward whose answer was not seen to its end: llama-server's counts for it, once a quiet reading says them.
-    unseen: list[asyncio.Future[Counts | None]] = field(default_factory=list)
+    forwards: Forwards = field(default_factory=Forwards)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _ONCE and getattr(self, name, None) is not None:
+            raise AttributeError(f"request {self.request_id}: its {name} is a value made once, not rewritten")
+        object.__setattr__(self, name, value)
+
+    @property
+    def body(self) -> bytes:
+        """The body as it stands for the request (`received`: a translated request's is its chat completion's)."""
+        return self.received.body if self.received is not None else b""
+
+    @property
+    def gemini(self) -> GeminiCall | None:
+        """A Gemini request, sent as a chat completion: what it asked for."""
+        return self.received.gemini if self.received is not None else None
+
+    @property
+    def meter(self) -> ResponseMeter:
+        """The meter of its last forward's answer (the sending stage's: `forwards`)."""
+        return self.forwards.meter
+
+    @property
+    def sent(self) -> Sent | None:
+        return self.forwards.sent
 
     @property
     def parsed(self) -> ParsedRequest | None:
@@ -184,6 +182,9 @@ class RequestLifecycle:
         self.shared = shared
         self.progress_interval_s = progress_interval_s
         self.in_flight: dict[str, RequestStarted] = {}  # announced, not ended: the feed's snapshot lists them
+        # When each request's draft progress was last published, and its timings then: the running tally `progress`
+        # keeps alone (a request's entry goes with its record).
+        self._progressed: dict[str, tuple[float, Timings | None]] = {}
         self.handlers: dict[str, asyncio.Task[object]] = {}  # every request being handled, for the shutdown
         self.stopping = False  # the shutdown grace is over: requests still running are being ended
         self.accounting = Accounting()  # what llama-server counted for answers not seen to their end
@@ -235,14 +236,14 @@ class RequestLifecycle:
     def progress(self, req: ProxyRequest, *, last_one: bool = False) -> None:
         """After each relayed chunk: publish the running draft totals, at most once per interval (and, with live
         text on, once more at the end, so the feed carries the whole answer)."""
-        last_at, last = req.last_progress
+        last_at, last = self._progressed.get(req.request_id, (0.0, None))
         now = time.monotonic()
         if not last_one and (now - last_at < self.progress_interval_s or not self.watched):
             return  # before reading the timings: that reads the stream's bytes since the last time
         timings = req.meter.timings
         if timings is None or timings is last:
             return
-        req.last_progress = (now, timings)
+        self._progressed[req.request_id] = (now, timings)
         self.bus.publish(
             DraftProgress(
                 request_id=req.request_id,
@@ -263,14 +264,14 @@ class RequestLifecycle:
         as_json = record.to_json()
         self._publish(req, record, as_json, outcome.finished)
         self._trace(req, as_json)
-        if req.unseen:  # counted again once llama-server's counters say what it did for the request
+        if req.forwards.unseen:  # counted again once llama-server's counters say what it did for the request
             task = asyncio.get_running_loop().create_task(self._counted(req, record))
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
 
     async def _counted(self, req: ProxyRequest, record: RequestRecord) -> None:
         try:
-            counts = await asyncio.wait_for(asyncio.gather(*req.unseen), HOLD_S + 5.0)
+            counts = await asyncio.wait_for(asyncio.gather(*req.forwards.unseen), HOLD_S + 5.0)
         except TimeoutError:
             return
         if any(c is None for c in counts):
@@ -321,6 +322,7 @@ class RequestLifecycle:
         if req.meter.live is not None:
             self.progress(req, last_one=True)
         self.in_flight.pop(req.request_id, None)
+        self._progressed.pop(req.request_id, None)
         self.bus.publish(RequestFinished(record=as_json) if finished else RequestFailed(record=as_json))
 
     def _trace(self, req: ProxyRequest, as_json: dict[str, Any]) -> None:

@@ -18,7 +18,8 @@ from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
 from adaptive_spec.requests.apis import Api, traits
 from adaptive_spec.requests.body.parse import RoutedPath, with_fields
 from adaptive_spec.requests.forwarding.outcome import Outcome
-from adaptive_spec.requests.lifecycle import ProxyRequest, Sent
+from adaptive_spec.requests.forwarding.sent import Sent
+from adaptive_spec.requests.lifecycle import ProxyRequest
 
 # The llama-server path a translated body goes to, by the API it was translated to.
 TRANSLATED_PATHS: dict[str, str] = {Api.CHAT: "/v1/chat/completions"}

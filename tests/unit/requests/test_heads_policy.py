@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from adaptive_spec.policy.model import HeadsPolicy, Policy
 from adaptive_spec.requests.body.parse import ParsedRequest, RoutedPath
+from adaptive_spec.requests.body.values import Prepared
 from adaptive_spec.requests.heads import heads_policy
-from adaptive_spec.requests.lifecycle import Prepared, ProxyRequest
+from adaptive_spec.requests.lifecycle import ProxyRequest
 from adaptive_spec.requests.paths import decide_path
 
 

@@ -13,7 +13,9 @@ from aiohttp.test_utils import make_mocked_request
 from adaptive_spec.llama.speculation import Speculation
 from adaptive_spec.llama.upstreams import Upstream
 from adaptive_spec.requests.body.parse import ParsedRequest, RoutedPath
-from adaptive_spec.requests.lifecycle import Prepared, ProxyRequest, Sent
+from adaptive_spec.requests.body.values import Prepared, Received
+from adaptive_spec.requests.forwarding.sent import Sent
+from adaptive_spec.requests.lifecycle import ProxyRequest
 from adaptive_spec.requests.outgoing import upstream_body, upstream_path, upstream_target
 from adaptive_spec.requests.paths import decide_path
 
@@ -54,7 +56,7 @@ def _chat(body: dict[str, object]) -> ProxyRequest:
     assert isinstance(routed, RoutedPath)
     raw = orjson.dumps(body)
     parsed = ParsedRequest(dict(body), bool(body.get("stream")), None)
-    return ProxyRequest("r1", routed, "plain", body=raw, prepared=Prepared(parsed))
+    return ProxyRequest("r1", routed, "plain", received=Received(raw), prepared=Prepared(parsed))
 
 
 def test_the_body_sent_is_a_value_and_the_request_is_left_as_it_was() -> None:
@@ -65,7 +67,7 @@ def test_the_body_sent_is_a_value_and_the_request_is_left_as_it_was() -> None:
     assert sent.strip  # asked for the per-token timings the client did not
     assert sent.speculation is not None and sent.speculation["set_by"] == "profile"
     assert orjson.loads(sent.body)["timings_per_token"] is True
-    assert req == before and req.sent is None  # the handler's forward gives it to the request, once
+    assert req == before and req.sent is None  # the sending stage begins its forward with it, once
 
 
 def test_a_body_with_nothing_to_add_is_the_clients_bytes() -> None:
