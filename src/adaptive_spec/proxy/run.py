@@ -118,8 +118,8 @@ def announce(root: str, default_profile: str, agents_note: str | None = None) ->
     say(f"watch it:     adaptive-spec tui --url {root}")
     say(
         f"agent setups: {examples or 'examples/ in the adaptive-spec source'} (opencode, Codex CLI, aider, Continue, "
-        "openai SDK, Claude Code, Qwen Code, Gemini CLI, pi, Continue CLI, Cline, mini-swe-agent, gptme); Ctrl-C stops "
-        "adaptive-spec"
+        "openai SDK, Claude Code, Qwen Code, Gemini CLI, pi, Continue CLI, Cline, mini-swe-agent, gptme, "
+        "Mistral Vibe); Ctrl-C stops adaptive-spec"
     )
     if agents_note:
         say(agents_note)
