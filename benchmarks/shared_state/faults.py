@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from tests.support.models.tiny_gguf import write_tiny_gguf
 from tests.support.processes.redis import RedisServer
 from tests.support.processes.servers import LlamaServer, ProxyProcess, http_json
 
@@ -47,7 +46,7 @@ from adaptive_spec.bench import machine
 from adaptive_spec.llama.binary.which import find_llama_server
 from benchmarks.harness import RESULTS, results
 from benchmarks.shared_state.heads import first_turn, system_prompt
-from benchmarks.shared_state.proxies import SERVER_ARGS, Turn, _post, erase, figures
+from benchmarks.shared_state.proxies import Turn, erase, figures, post, tiny_servers
 
 NAME = "shared_state_faults"
 FAILURES = (OSError, http.client.HTTPException, ValueError, KeyError)  # every way a request can fail the client
@@ -91,7 +90,7 @@ class Load:
                 self._in_flight[proxy.base] = self._in_flight.get(proxy.base, 0) + 1
             started = time.monotonic()
             try:
-                answer, seconds = _post(proxy, body, headers)
+                answer, seconds = post(proxy, body, headers)
                 timings = answer["timings"]
                 text = answer["choices"][0]["message"]["content"]
             except FAILURES as exc:
@@ -280,7 +279,7 @@ def _heads(proxy: ProxyProcess) -> set[str]:
 def _poke(proxy: ProxyProcess, n: int) -> None:
     """A short request of a session of its own: the proxy calls the store (how it finds Redis gone, or back)."""
     body = {"model": "m", "messages": [{"role": "user", "content": f"poke {n}"}], "max_tokens": 2}
-    _post(proxy, body, {"x-session-id": f"poke-{n}"})
+    post(proxy, body, {"x-session-id": f"poke-{n}"})
 
 
 def _head_round(a: ProxyProcess, b: ProxyProcess, redis_server: RedisServer, round_: int, down: bool) -> Facts:
@@ -385,13 +384,7 @@ def main() -> None:
     out: dict[str, Facts] = {}
     with tempfile.TemporaryDirectory(prefix="shared-faults-bench-") as tmp:
         home = Path(tmp)
-        model = write_tiny_gguf(home / "tiny.gguf")
-        for i in range(2):
-            (home / f"slots{i}").mkdir()
-        servers = [
-            LlamaServer(binary, model, *SERVER_ARGS, "--slot-save-path", str(home / f"slots{i}"), log_dir=home)
-            for i in range(2)
-        ]
+        servers = tiny_servers(home, binary)
         redis_server = RedisServer(home)
         base = redis_server.url.rsplit("/", 1)[0]
         try:
@@ -410,7 +403,7 @@ def main() -> None:
                     print(name, facts, f"{len(failed)} failed", flush=True)
             for name, (replays, failed, kept) in runs.items():
                 out[name] = _row(replays, failed, kept, args.after_s)
-            heads = _head_runs(home / "heads", model, redis_server, f"{base}/9", args.repeats)
+            heads = _head_runs(home / "heads", home / "tiny.gguf", redis_server, f"{base}/9", args.repeats)
         finally:
             redis_server.stop()
             for server in servers:

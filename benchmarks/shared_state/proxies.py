@@ -49,7 +49,7 @@ class Turn:
     via: str
 
 
-def _post(proxy: ProxyProcess, body: dict[str, Any], headers: dict[str, str]) -> tuple[dict[str, Any], float]:
+def post(proxy: ProxyProcess, body: dict[str, Any], headers: dict[str, str]) -> tuple[dict[str, Any], float]:
     req = urllib.request.Request(
         proxy.base + "/v1/chat/completions",
         data=json.dumps(body).encode(),
@@ -70,7 +70,7 @@ def _conversation(proxies: list[ProxyProcess], n: int, turns: int, seed: int) ->
         proxy = proxies[rng.randrange(len(proxies))]
         body = {"model": "m", "messages": history, "temperature": 0, "seed": 1, "max_tokens": 24}
         started = time.monotonic()
-        answer, seconds = _post(proxy, body, headers)
+        answer, seconds = post(proxy, body, headers)
         timings = answer["timings"]
         out.append(Turn(started, seconds, int(timings["prompt_n"]), int(timings["cache_n"]), proxy.base))
         text = answer["choices"][0]["message"]["content"]
@@ -117,6 +117,17 @@ def figures(replays: list[list[list[Turn]]], since: float = 0.0) -> dict[str, An
     }
 
 
+def tiny_servers(home: Path, binary: str) -> list[LlamaServer]:
+    """The two tiny-model llama-servers the replays run on, each with a slot folder of its own under `home`."""
+    model = write_tiny_gguf(home / "tiny.gguf")
+    for i in range(2):
+        (home / f"slots{i}").mkdir()
+    return [
+        LlamaServer(binary, model, *SERVER_ARGS, "--slot-save-path", str(home / f"slots{i}"), log_dir=home)
+        for i in range(2)
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conversations", type=int, default=4, help="side by side (4: one slot each)")
@@ -128,13 +139,7 @@ def main() -> None:
     binary = find_llama_server(None)
     with tempfile.TemporaryDirectory(prefix="shared-state-bench-") as tmp:
         home = Path(tmp)
-        model = write_tiny_gguf(home / "tiny.gguf")
-        for i in range(2):
-            (home / f"slots{i}").mkdir()
-        servers = [
-            LlamaServer(binary, model, *SERVER_ARGS, "--slot-save-path", str(home / f"slots{i}"), log_dir=home)
-            for i in range(2)
-        ]
+        servers = tiny_servers(home, binary)
         redis_server = RedisServer(home)
         db = redis_server.url.rsplit("/", 1)[0]  # each shared setup a database of its own: none reads another's
         setups = {
