@@ -118,7 +118,11 @@ class ServerBooks:
         }
         self.booked_elsewhere({homes[url]: slots for url, slots in booked.items() if url in homes})
         held = {homes[url]: slots for url, slots in (occupants or {}).items() if url in homes}
-        self.occupied_elsewhere(held, lambda sid: sid == session_id or placements.get(sid) is not None)
+        # This proxy's own sessions: placed, or in flight (their booking names them before the router places them).
+        self.occupied_elsewhere(
+            held,
+            lambda sid: sid == session_id or placements.get(sid) is not None or sid in self.sessions_in_flight,
+        )
         if session_id is not None and placement is not None:
             placements.adopt(session_id, placement)
             self.remember_slot(placement.profile, placement.replica, session_id, placement.slot)

@@ -16,7 +16,7 @@ from adaptive_spec.kv.effects import KvEffects
 from adaptive_spec.kv.movers import MoveRequest, MoveTimes
 from adaptive_spec.llama.profiles import ProfileInfo, replica_mismatch
 from adaptive_spec.llama.upstreams import Upstream, UpstreamTable
-from adaptive_spec.routing.contract import Completion, RouteRequest
+from adaptive_spec.routing.contract import Completion, Route, RouteRequest
 from adaptive_spec.routing.replicas import MoveCosts, ReplicaState, choose_replica
 from adaptive_spec.routing.router import Router
 from adaptive_spec.telemetry.events import Event, ProfileDown, ProfileUp
@@ -228,3 +228,26 @@ def test_a_session_leaving_a_replica_that_is_down_re_prefills_on_the_new_profile
     table.mark_down("oneshot", "refused connections", 1)
     down, _ = router.choose(moving)
     assert down.moved_from == "oneshot" and not down.handoff and down.handoff_tokens == 0
+
+
+def test_a_session_this_proxy_has_in_flight_is_not_counted_as_another_proxys() -> None:
+    """The shared state names the slot's occupant from the booking, before the turn ends and the router places the
+    session: a lone proxy reading its own in-flight session there counts it as its own, not as one more session on
+    that server. Counted twice, a new session tied the replicas and took the free slot of a session served a moment
+    ago (its next turn re-prefilled) instead of the other replica's stale one."""
+    router, _ = _pool_router(_FakeMover(), slots=2)
+    timings = Timings(prompt_n=3990, predicted_n=10, predicted_ms=100.0, prompt_ms=1000.0)
+    earlier = [router.route(_ask(f"old{i}")) for i in range(4)]  # every slot used once, two sessions on each
+    for route in earlier:
+        assert isinstance(route, Route)
+        router.complete(route, Completion(True, timings, ""))
+    _served(router, "a", None)  # replica 0: a, done (three sessions placed there, two on replica 1)
+    b = router.route(_ask("b"))  # replica 1: fewer sessions
+    c = router.route(_ask("c"))  # replica 0: more free slots
+    assert isinstance(b, Route) and isinstance(c, Route) and (b.replica, c.replica) == (1, 0)
+    # Read after b's booking, before c's: b occupies its slot on replica 1.
+    router.adopt("d", None, {}, {router.server_url("plain", 1): {b.slot or 0: "b"}})
+    d = router.route(_ask("d"))
+    assert isinstance(d, Route) and d.replica == 1, d.decision  # replica 0's free slot holds a's KV
+    placed = router.placements.get("a")
+    assert placed is not None and placed.in_slot
