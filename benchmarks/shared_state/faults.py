@@ -276,6 +276,12 @@ def _heads(proxy: ProxyProcess) -> set[str]:
     return {str(h["id"]) for h in http_json(proxy.base + "/adaptive/heads", timeout=30)["heads"]}
 
 
+def _settled(a: ProxyProcess, b: ProxyProcess) -> bool:
+    """No save under way in either head store, and both list the same heads."""
+    shown = [http_json(p.base + "/adaptive/heads", timeout=30) for p in (a, b)]
+    return not any(s["pending"] for s in shown) and len({frozenset(h["id"] for h in s["heads"]) for s in shown}) == 1
+
+
 def _poke(proxy: ProxyProcess, n: int) -> None:
     """A short request of a session of its own: the proxy calls the store (how it finds Redis gone, or back)."""
     body = {"model": "m", "messages": [{"role": "user", "content": f"poke {n}"}], "max_tokens": 2}
@@ -285,6 +291,9 @@ def _poke(proxy: ProxyProcess, n: int) -> None:
 def _head_round(a: ProxyProcess, b: ProxyProcess, redis_server: RedisServer, round_: int, down: bool) -> Facts:
     """A new system prompt's first turn through a (a saves its head), with Redis down meanwhile or not; then how long
     until b lists that head, and a new session's first turn through b (the slot erased through a: both know)."""
+    # The last round's heads settled first: b's own save of its cold session, and a taking it from b, would otherwise
+    # be counted as a's new head here.
+    _seconds_until(lambda: _settled(a, b), 10)
     system, before = system_prompt(1000 + round_), _heads(a)
     if down:
         redis_server.stop()
