@@ -167,10 +167,12 @@ def test_each_process_runs_on_its_own_host_and_the_pool_spans_two(rig: Rig) -> N
     assert own not in nets and nets[0] == nets[2] and nets[1] == nets[3] and len({nets[0], nets[1], nets[4]}) == 3
     replicas = http_json(rig.pool.base + "/adaptive/profiles")["profiles"][0]["replicas"]
     assert [(r["base_url"], r["up"]) for r in replicas] == [(s.url, True) for s in rig.servers], replicas
-    # First turns, one at a time: least loaded first spreads them s, a, x, b, y, c, z → host0, host1, host0, ...
+    # First turns, one at a time: least loaded first spreads them s, a, x, b, y, c, z → host0, host1, host0, ... (a
+    # takes slot 0 of host1 as s does of host0, so that neither has more never used slots at a tie).
     placed = {}
     for sid in ("s", "a", "x", "b", "y", "c", "z"):
-        placed[sid] = _turn(rig.pool, sid, _history(sid), 8, id_slot=0 if sid == "s" else BUSY_SLOT)["replica"]
+        slot = 0 if sid in ("s", "a") else BUSY_SLOT
+        placed[sid] = _turn(rig.pool, sid, _history(sid), 8, id_slot=slot)["replica"]
     assert placed == {"s": 0, "a": 1, "x": 0, "b": 1, "y": 0, "c": 1, "z": 0}, placed
 
 

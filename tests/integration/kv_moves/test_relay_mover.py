@@ -138,10 +138,11 @@ def _direct(server: LlamaServer, messages: list[dict[str, str]], max_tokens: int
 
 
 def test_a_session_moves_to_the_idle_replica_with_its_kv_through_the_relays(rig: Rig) -> None:
-    # First turns, one at a time: least loaded first spreads them s, a, x, b, y, c, z → 0, 1, 0, 1, 0, 1, 0.
+    # First turns, one at a time: least loaded first spreads them s, a, x, b, y, c, z → 0, 1, 0, 1, 0, 1, 0 (a takes
+    # slot 0 of replica 1 as s does of replica 0, so that neither replica has more never used slots at a tie).
     placed = {}
     for sid in ("s", "a", "x", "b", "y", "c", "z"):
-        extra = {"id_slot": 0 if sid == "s" else BUSY_SLOT}
+        extra = {"id_slot": 0 if sid in ("s", "a") else BUSY_SLOT}
         placed[sid] = _turn(rig, sid, _history(sid), 8, **extra)["replica"]
     assert placed == {"s": 0, "a": 1, "x": 0, "b": 1, "y": 0, "c": 1, "z": 0}, placed
 
